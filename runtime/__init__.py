@@ -1,0 +1,1 @@
+"""whalelike's runtime: executes a Plan under torchrun."""

@@ -1,0 +1,17 @@
+"""whalelike: train one PyTorch model across unequal accelerators.
+
+Public face (DESIGN.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
+``Cluster``, ``Config``.
+"""
+from .config import Config
+from .cluster import Cluster, Device, Network
+from .errors import AnnotationError, CaptureError, SpecError, WhaleError
+from .strategy import Strategy, replicate, set_default_strategy, split
+from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+
+__all__ = [
+    "Config", "Cluster", "Device", "Network",
+    "AnnotationError", "CaptureError", "SpecError", "WhaleError",
+    "Strategy", "replicate", "split", "set_default_strategy",
+    "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
+]

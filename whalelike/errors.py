@@ -1,0 +1,22 @@
+"""User-facing error types.
+
+Every error a user can cause by bad input derives from :class:`WhaleError`; the CLI prints such
+errors as one line (no traceback unless ``--debug``) and exits non-zero. Messages name the thing
+that is wrong, the bad value, and the fix.
+"""
+
+
+class WhaleError(Exception):
+    """Base class of errors caused by user input (annotations, specs, plans, configs)."""
+
+
+class AnnotationError(WhaleError):
+    """A replicate/split scope or ``annotate`` mapping is malformed."""
+
+
+class CaptureError(WhaleError):
+    """A model could not be captured into TaskGraphs."""
+
+
+class SpecError(WhaleError):
+    """A cluster spec, config or plan file violates its schema."""

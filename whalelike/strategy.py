@@ -1,0 +1,163 @@
+"""The two parallel primitives, ``replicate`` and ``split``, and the explicit scope stack.
+
+A :class:`Strategy` is a small immutable value. Used as a context manager it pushes itself onto
+a module-level stack; modules constructed and code run under it belong to one TaskGraph. Scopes
+are recorded in two ways:
+
+* construction time: every ``nn.Module`` created under a scope is tagged (``_wl_scope``) when its
+  ``__init__`` finishes, through a patch installed only while a scope is open;
+* forward time: while tracing, :mod:`whalelike.capture` reads the stack at each traced operation.
+
+Nesting rule (Whale): ``split`` inside ``replicate`` means tensor parallel inside each replica.
+Every other nesting is an error.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch.nn as nn
+
+from .errors import AnnotationError
+
+Kind = Literal["replicate", "split"]
+_scope_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallel strategy: ``kind`` over ``device_count`` devices (None: the planner chooses).
+
+    ``inner`` is the ``split`` nested inside a ``replicate`` (tensor parallel in each replica).
+    ``scope_id`` distinguishes two textually separate scopes with equal settings: each ``with``
+    block is its own TaskGraph.
+    """
+
+    kind: Kind
+    device_count: Optional[int] = None
+    inner: Optional["Strategy"] = None
+    scope_id: int = field(default=-1, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in ("replicate", "split"):
+            raise AnnotationError(f"strategy kind must be 'replicate' or 'split', got {self.kind!r}")
+        _check_device_count(self.kind, self.device_count)
+
+    def __str__(self) -> str:
+        n = "auto" if self.device_count is None else str(self.device_count)
+        text = f"{self.kind}({n})"
+        return f"{text}+{self.inner}" if self.inner is not None else text
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> "Strategy":
+        scope = _STACK.push(self)
+        return scope
+
+    def __exit__(self, *exc) -> None:
+        _STACK.pop()
+
+
+def _check_device_count(kind: str, device_count) -> None:
+    if device_count is None:
+        return
+    if isinstance(device_count, bool) or not isinstance(device_count, int):
+        raise AnnotationError(
+            f"{kind}(device_count): device_count must be a positive integer or None, "
+            f"got {device_count!r} ({type(device_count).__name__})"
+        )
+    if device_count <= 0:
+        raise AnnotationError(f"{kind}(device_count): device_count must be > 0, got {device_count}")
+
+
+def replicate(device_count: Optional[int] = None) -> Strategy:
+    """Data parallel: the code under this scope forms one TaskGraph replicated on ``device_count`` devices."""
+    return Strategy("replicate", device_count)
+
+
+def split(device_count: Optional[int] = None) -> Strategy:
+    """Tensor parallel: the operators under this scope are sharded across ``device_count`` devices."""
+    return Strategy("split", device_count)
+
+
+class _ScopeStack(threading.local):
+    """The explicit annotation stack. Entries are *effective* strategies (nesting resolved)."""
+
+    def __init__(self):
+        self.entries: list[Strategy] = []
+        self.default: Strategy = Strategy("replicate", None, scope_id=-1)
+
+    def push(self, strategy: Strategy) -> Strategy:
+        outer = self.entries[-1] if self.entries else None
+        effective = _nest(outer, strategy)
+        self.entries.append(effective)
+        if len(self.entries) == 1:
+            _install_module_tagging()
+        return effective
+
+    def pop(self) -> None:
+        self.entries.pop()
+        if not self.entries:
+            _remove_module_tagging()
+
+    def current(self) -> Optional[Strategy]:
+        return self.entries[-1] if self.entries else None
+
+
+def _nest(outer: Optional[Strategy], inner: Strategy) -> Strategy:
+    """Resolve ``inner`` opened inside ``outer`` into one effective strategy with a fresh scope id."""
+    sid = next(_scope_ids)
+    if outer is None:
+        return Strategy(inner.kind, inner.device_count, None, sid)
+    if outer.kind == "replicate" and outer.inner is None and inner.kind == "split":
+        return Strategy("replicate", outer.device_count, Strategy("split", inner.device_count), sid)
+    raise AnnotationError(
+        f"cannot open {inner} inside {outer}: the only allowed nesting is split inside replicate "
+        "(tensor parallel inside each data-parallel replica)"
+    )
+
+
+_STACK = _ScopeStack()
+
+
+def current_scope() -> Optional[Strategy]:
+    """The innermost open scope (nesting resolved), or None outside every scope."""
+    return _STACK.current()
+
+
+def set_default_strategy(strategy: Strategy) -> None:
+    """Set the strategy that un-annotated code gets (default: ``replicate()`` over all devices)."""
+    if not isinstance(strategy, Strategy):
+        raise AnnotationError(f"set_default_strategy expects wl.replicate(...) or wl.split(...), got {strategy!r}")
+    _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1)
+
+
+def default_strategy() -> Strategy:
+    return _STACK.default
+
+
+# -- construction-time tagging -------------------------------------------------------------
+_original_module_init = nn.Module.__init__
+
+
+def _install_module_tagging() -> None:
+    """Tag modules created under a scope. ``nn.Module.__init__`` runs first in every subclass's
+    ``__init__``; we tag there, and children created later under a *different* scope get theirs."""
+
+    def tagging_init(module, *args, **kwargs):
+        _original_module_init(module, *args, **kwargs)
+        scope = _STACK.current()
+        if scope is not None:
+            object.__setattr__(module, "_wl_scope", scope)
+
+    nn.Module.__init__ = tagging_init
+
+
+def _remove_module_tagging() -> None:
+    nn.Module.__init__ = _original_module_init
+
+
+def module_scope(module: nn.Module) -> Optional[Strategy]:
+    """The scope a module was created (or annotated) under, if any."""
+    return getattr(module, "_wl_scope", None)
