@@ -33,6 +33,9 @@ class Worker:
     memory_gib: float = 0.0        # estimated peak memory
     capacity_gib: float = 0.0
     compute_ms: float = 0.0        # predicted forward+backward compute time per step
+    forward_ms: list[float] = field(default_factory=list)   # per micro-batch, predicted
+    backward_ms: list[float] = field(default_factory=list)  # per micro-batch, predicted
+    allreduce_ms: float = 0.0      # predicted gradient all-reduce time at the end of the step
 
     @property
     def batch_share(self) -> int:
@@ -54,6 +57,7 @@ class BoundaryPlan:
     dst_stage: int
     tensors: list[str]
     bytes_per_sample: float
+    transfer_ms: list[float] = field(default_factory=list)  # per micro-batch, predicted
 
 
 @dataclass
