@@ -18,7 +18,6 @@ setup: $(STAMP)
 # torch is pinned to the CPU build that ships on this machine's disk: a bare `torch` would pull CUDA.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
