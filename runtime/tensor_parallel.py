@@ -1,0 +1,245 @@
+"""The ``split`` transform: shard the Linears of a captured graph with the plan's uneven shard sizes.
+
+Given the captured ``fx.GraphModule``, which of its nodes belong to ``split`` TaskGraphs, and
+``StagePlan.shard_sizes`` (module path -> size per tensor-parallel rank), :func:`shard_module`
+swaps every ``call_module`` ``nn.Linear`` in those regions for its parallel counterpart from
+:mod:`runtime.tp_layers`:
+
+* **column + row pair** (Megatron): a Linear whose output reaches another Linear of the region
+  through elementwise operators only (activations, dropout, arithmetic with scalars, products with
+  other column-sharded Linears as in SwiGLU) and nowhere else. The sharded activations never leave
+  the rank; the pair costs one all-reduce forward and one backward.
+* **column + gather**: any other Linear. Its output is all-gathered (uneven, padded) so what
+  follows sees the full tensor.
+* **class-sharded classifier**: a lone Linear whose output *is* the model output when the loss is
+  a plain cross-entropy. Its logits stay sharded and the returned :class:`ShardedLoss` computes the
+  cross-entropy from them, so no rank ever holds the full logits (Whale's 100k-class head).
+
+Why a graph pass and not DTensor's ``parallelize_module``: the layouts here are uneven (DTensor
+cannot shard 24/8), and pairing is decided from the dataflow of the captured graph instead of a
+hand-written per-model plan.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from runtime.emulation import Emulator
+from runtime.tp_layers import (ColumnParallelLinear, ProcessGroup, RowParallelLinear, _ParallelLinear,
+                               sharded_cross_entropy)
+from whalelike.errors import WhaleError
+
+log = logging.getLogger(__name__)
+
+_ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu, torch.tanh, torch.sigmoid,
+    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, F.leaky_relu, F.elu, F.mish, F.hardswish,
+}
+_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "relu", "tanh", "sigmoid", "__add__", "__mul__"}
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity,
+                        nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish)
+
+
+@dataclass(frozen=True)
+class ShardedLoss:
+    """Cross-entropy on class-sharded logits: call it as ``loss_fn(local_logits, target)``."""
+
+    shard_sizes: tuple[int, ...]
+    tp_index: int
+    group: ProcessGroup = field(default=None, compare=False)
+    ignore_index: int = -100
+
+    def __call__(self, local_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return sharded_cross_entropy(local_logits, target, self.shard_sizes, self.tp_index, self.group,
+                                     self.ignore_index)
+
+
+@dataclass
+class ShardedModule:
+    """What :func:`shard_module` returns. ``roles`` maps each sharded module path to
+    ``"column"`` (paired), ``"row"``, ``"column+gather"`` or ``"classifier"``; ``sharded_loss`` is
+    set when the model output stays class-sharded and must be fed to it instead of the loss."""
+
+    module: fx.GraphModule
+    roles: dict[str, str]
+    sharded_loss: Optional[ShardedLoss] = None
+
+
+def plain_cross_entropy(loss_fn: Any) -> Optional[int]:
+    """The ``ignore_index`` if ``loss_fn`` is a plain mean cross-entropy (``F.cross_entropy`` or an
+    ``nn.CrossEntropyLoss`` without weights or label smoothing), else None."""
+    if loss_fn is F.cross_entropy:
+        return -100
+    if (isinstance(loss_fn, nn.CrossEntropyLoss) and loss_fn.weight is None
+            and loss_fn.reduction == "mean" and loss_fn.label_smoothing == 0.0):
+        return loss_fn.ignore_index
+    return None
+
+
+# -- analysis: which Linear plays which role -------------------------------------------------------
+def _is_elementwise(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), _ELEMENTWISE_MODULES)
+    return False
+
+
+def _node_inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+class _Analysis:
+    """Decides the role of every candidate Linear (``call_module`` nn.Linear in a split region)."""
+
+    def __init__(self, gm: fx.GraphModule, candidates: list[fx.Node], shard_sizes: Mapping[str, Sequence[int]]):
+        self.gm = gm
+        self.candidates = candidates
+        self.shard_sizes = shard_sizes
+        self.assigned: dict[fx.Node, str] = {}
+        self.row_sizes: dict[fx.Node, list[int]] = {}
+
+    def linear(self, node: fx.Node) -> nn.Linear:
+        return self.gm.get_submodule(node.target)
+
+    def sizes(self, node: fx.Node) -> list[int]:
+        path = node.target
+        if path not in self.shard_sizes:
+            raise WhaleError(
+                f"split region: Linear {path!r} has no entry in the plan's shard_sizes "
+                f"(entries: {sorted(self.shard_sizes)}); re-plan with the current capture of the model"
+            )
+        return list(self.shard_sizes[path])
+
+    def free_column(self, node: fx.Node, sizes: list[int]) -> bool:
+        return (node in self.candidates and node not in self.assigned
+                and self.linear(node).out_features == sum(sizes) and self.sizes(node) == sizes)
+
+    def pair_group(self, seed: fx.Node) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
+        """Column Linears and row Linears of the Megatron group seeded at ``seed``, or None when the
+        sharded activations would escape to a consumer that needs the full tensor."""
+        sizes = self.sizes(seed)
+        columns, rows, closure, queue = [seed], [], {seed}, [seed]
+        while queue:
+            node = queue.pop()
+            for user in node.users:
+                if user in closure or user in rows:
+                    continue
+                if (user in self.candidates and user not in self.assigned and user.args[0] is node
+                        and len(_node_inputs(user)) == 1 and self.linear(user).in_features == sum(sizes)):
+                    rows.append(user)
+                    continue
+                if not _is_elementwise(self.gm, user):
+                    return None
+                for arg in _node_inputs(user):
+                    if arg in closure:
+                        continue
+                    if not self.free_column(arg, sizes):
+                        return None
+                    columns.append(arg)
+                    closure.add(arg)
+                    queue.append(arg)
+                closure.add(user)
+                queue.append(user)
+        return (columns, rows) if rows else None
+
+    def run(self, classifier_ok: bool) -> None:
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        for node in self.candidates:
+            if node in self.assigned:
+                continue
+            group = self.pair_group(node)
+            if group is not None:
+                columns, rows = group
+                sizes = self.sizes(node)
+                for c in columns:
+                    self.assigned[c] = "column"
+                for r in rows:
+                    self.assigned[r] = "row"
+                    self.row_sizes[r] = sizes
+            elif classifier_ok and output.args[0] is node and list(node.users) == [output]:
+                self.assigned[node] = "classifier"
+            else:
+                self.assigned[node] = "column+gather"
+
+
+# -- the transform ---------------------------------------------------------------------------------
+def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],
+                 shard_sizes: Mapping[str, Sequence[int]], tp_index: int, group: ProcessGroup = None,
+                 loss_fn: Optional[Callable] = None, emulator: Optional[Emulator] = None) -> ShardedModule:
+    """Replace the Linears of the ``split`` TaskGraphs of ``gm`` by uneven tensor-parallel ones, in place.
+
+    ``node_taskgraph`` maps node names to TaskGraph indices (``TaskGraphs.node_taskgraph``),
+    ``split_taskgraphs`` are the indices whose strategy is ``split`` (or ``replicate`` with an
+    inner ``split``), ``shard_sizes`` is ``StagePlan.shard_sizes``, ``tp_index`` this rank's index in
+    ``group``. Every rank of ``group`` must call this with the same arguments except ``tp_index``.
+    Only the graph's own (leaf) Linear modules are replaced; the user's model is not modified.
+    """
+    splits = set(split_taskgraphs)
+    candidates = [
+        n for n in gm.graph.nodes
+        if n.op == "call_module" and node_taskgraph.get(n.name) in splits
+        and isinstance(gm.get_submodule(n.target), nn.Linear)
+    ]
+    paths = [n.target for n in candidates]
+    if len(set(paths)) != len(paths):
+        raise WhaleError(
+            f"split region calls a Linear more than once ({sorted(p for p in set(paths) if paths.count(p) > 1)}); "
+            "weight sharing inside a split region is not supported, move the shared module out of the split scope"
+        )
+    ignore_index = plain_cross_entropy(loss_fn)
+    analysis = _Analysis(gm, candidates, shard_sizes)
+    analysis.run(classifier_ok=ignore_index is not None)
+
+    sharded_loss = None
+    for node, role in analysis.assigned.items():
+        path = node.target
+        linear = analysis.linear(node)
+        if role == "row":
+            layer = RowParallelLinear(linear, analysis.row_sizes[node], tp_index, group, emulator, name=path)
+        else:
+            layer = ColumnParallelLinear(linear, analysis.sizes(node), tp_index, group,
+                                         gather_output=role == "column+gather", emulator=emulator, name=path)
+        if role == "classifier":
+            sharded_loss = ShardedLoss(tuple(layer.shard_sizes), tp_index, group, ignore_index)
+        parent, _, leaf = path.rpartition(".")
+        setattr(gm.get_submodule(parent), leaf, layer)
+    roles = {n.target: r for n, r in analysis.assigned.items()}
+    log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
+    return ShardedModule(gm, roles, sharded_loss)
+
+
+# -- full (unsharded) state dicts ------------------------------------------------------------------
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every tensor-parallel weight gathered back to its full shape.
+
+    A collective over each parallel layer's group: every rank of the group must call it.
+    """
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, _ParallelLinear):
+            for param, value in layer.full_tensors().items():
+                state[f"{prefix}.{param}" if prefix else param] = value
+    return state
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Load an unsharded state dict into a module whose Linears may be tensor-parallel (each takes its slice)."""
+    local = dict(state_dict)
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, _ParallelLinear):
+            for param in ("weight", "bias"):
+                key = f"{prefix}.{param}" if prefix else param
+                if key in local:
+                    local[key] = layer.shard_of(param, local[key])
+    return module.load_state_dict(local, strict=strict)

@@ -1,0 +1,347 @@
+"""Uneven tensor-parallel building blocks: Megatron region ops, parallel Linears, sharded cross-entropy.
+
+Why our own: DTensor shards a dimension only the way ``torch.chunk`` does (equal pieces, the last
+one shorter), but on unequal devices the planner gives each tensor-parallel rank a shard
+*proportional to its speed* (``StagePlan.shard_sizes``, e.g. ``[24, 8]`` of a hidden size of 32).
+Everything here takes an explicit list of per-rank sizes. Collectives that need equal sizes
+(``all_gather`` on gloo and nccl) get padded to the largest shard and trimmed again.
+
+The pieces (Megatron-LM, Shoeybi et al. 2019; Whale's class-sharded classifier):
+
+* region ops, autograd-aware: :func:`copy_to_region` (identity forward, all-reduce backward),
+  :func:`reduce_from_region` (all-reduce forward, identity backward), :func:`gather_from_region`
+  (uneven all-gather of the last dimension forward, own slice backward);
+* :class:`ColumnParallelLinear` (output features sharded) and :class:`RowParallelLinear` (input
+  features sharded), built from an existing ``nn.Linear`` by copying this rank's slice, so a
+  column-row pair costs one all-reduce in forward and one in backward and is exact against the
+  unsharded pair;
+* :func:`sharded_cross_entropy`: softmax cross-entropy over class-sharded logits that never
+  materialises the full logits on any rank (two small all-reduces over the batch, no gradient
+  communication).
+
+Heterogeneity emulation (DESIGN.md section 4): every local matmul, forward and backward, is one
+compute segment on the rank's :class:`~runtime.emulation.Emulator` with the FLOPs of the *local*
+shard, so a rank holding a bigger shard takes longer on the emulated device. Segments never span a
+collective: the collectives live in separate autograd nodes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from runtime.emulation import Emulator
+from whalelike.errors import WhaleError
+
+log = logging.getLogger(__name__)
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+# -- uneven collectives ----------------------------------------------------------------------------
+def shard_range(shard_sizes: Sequence[int], index: int) -> slice:
+    """The slice of the full dimension that shard ``index`` holds."""
+    start = sum(shard_sizes[:index])
+    return slice(start, start + shard_sizes[index])
+
+
+def all_gather_uneven(tensor: torch.Tensor, shard_sizes: Sequence[int], dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` where rank ``i`` holds ``shard_sizes[i]`` entries.
+
+    gloo and nccl gather equal sizes only: pad each shard to the largest, gather, trim, concatenate.
+    """
+    dim = dim % tensor.dim()
+    width = max(shard_sizes)
+    pad_shape = list(tensor.shape)
+    pad_shape[dim] = width - tensor.shape[dim]
+    padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim).contiguous()
+    pieces = [torch.empty_like(padded) for _ in shard_sizes]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, shard_sizes)], dim)
+
+
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+# -- Megatron region ops ---------------------------------------------------------------------------
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard_sizes, index, group):
+        ctx.own = shard_range(shard_sizes, index)
+        return all_gather_uneven(x, shard_sizes, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.own].contiguous(), None, None, None
+
+
+def copy_to_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input: identity forward, gradients summed backward."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Leave a region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, shard_sizes: Sequence[int], index: int, group: ProcessGroup) -> torch.Tensor:
+    """Leave a region by concatenating uneven last-dimension shards; backward keeps this rank's slice."""
+    return _GatherFromRegion.apply(x, list(shard_sizes), index, group)
+
+
+# -- the local matmul, padded to its modeled time ------------------------------------------------
+def _samples(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() > 1 else 1
+
+
+class _EmulatedLinear(torch.autograd.Function):
+    """``F.linear`` whose forward and backward are each one emulator compute segment.
+
+    Backward FLOPs count only the gradients autograd asks for (no input gradient for a first layer).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, emulator: Emulator):
+        rows = x.numel() // x.shape[-1]
+        ctx.unit_flops = 2.0 * rows * weight.shape[0] * weight.shape[1]
+        ctx.samples = _samples(x)
+        ctx.emulator = emulator
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        with emulator.segment(ctx.unit_flops, ctx.samples):
+            return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        flops = ctx.unit_flops * (int(need_x) + int(need_w))
+        grad_x = grad_w = grad_b = None
+        with ctx.emulator.segment(flops, ctx.samples):
+            if need_x:
+                grad_x = grad.matmul(weight)
+            flat = grad.reshape(-1, grad.shape[-1])
+            if need_w:
+                grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias and need_b:
+                grad_b = flat.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 emulator: Optional[Emulator]) -> torch.Tensor:
+    """This rank's matmul; an emulation segment forward and backward when ``emulator`` is enabled."""
+    if emulator is None or not emulator.enabled:
+        return F.linear(x, weight, bias)
+    return _EmulatedLinear.apply(x, weight, bias, emulator)
+
+
+# -- parallel Linears ------------------------------------------------------------------------------
+def _check_shards(what: str, shard_sizes: Sequence[int], full: int, tp_index: int, group: ProcessGroup) -> list[int]:
+    sizes = [int(s) for s in shard_sizes]
+    if sum(sizes) != full or any(s < 1 for s in sizes):
+        raise WhaleError(
+            f"{what}: shard_sizes must be positive and sum to {full}, got {sizes}; "
+            f"give every tensor-parallel rank at least one row/column of the {full}"
+        )
+    if not 0 <= tp_index < len(sizes):
+        raise WhaleError(f"{what}: tp_index must be in [0, {len(sizes)}), got {tp_index}")
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world != len(sizes) or rank != tp_index:
+            raise WhaleError(
+                f"{what}: the tensor-parallel group has {world} ranks and this is rank {rank} in it, but "
+                f"shard_sizes has {len(sizes)} entries and tp_index is {tp_index}; "
+                "build the group from the plan's tensor-parallel workers in tp_index order"
+            )
+    return sizes
+
+
+class _ParallelLinear(nn.Module):
+    """What column and row parallel Linears share: the shard layout, the group and the emulator.
+
+    ``weight``/``bias`` keep ``nn.Linear``'s names so state-dict keys match the unsharded model.
+    """
+
+    shard_dim: int  # the weight dimension that is sharded: 0 (output features) or 1 (input features)
+
+    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int,
+                 group: ProcessGroup, emulator: Optional[Emulator], name: str):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise WhaleError(f"{name}: expected an nn.Linear to shard, got {type(linear).__name__}")
+        full = linear.weight.shape[self.shard_dim]
+        self.shard_sizes = _check_shards(name, shard_sizes, full, tp_index, group)
+        self.tp_index = tp_index
+        self.group = group
+        self.emulator = emulator
+        self.name = name
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(self.shard_of("weight", linear.weight.detach()),
+                                   requires_grad=linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            self.shard_of("bias", linear.bias.detach()), requires_grad=linear.bias.requires_grad)
+
+    @property
+    def own(self) -> slice:
+        return shard_range(self.shard_sizes, self.tp_index)
+
+    def sharded_dim(self, param: str) -> Optional[int]:
+        """The dimension of ``param`` ("weight" or "bias") that is sharded, or None if replicated."""
+        if param == "weight":
+            return self.shard_dim
+        return 0 if self.shard_dim == 0 else None
+
+    def shard_of(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full ``param`` (also used to load a full state dict)."""
+        dim = self.sharded_dim(param)
+        if dim is None:
+            return full.clone()
+        return full.narrow(dim, self.own.start, self.shard_sizes[self.tp_index]).clone()
+
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """The unsharded ``weight``/``bias``: a collective over the group (every rank must call it)."""
+        out = {}
+        for param, value in (("weight", self.weight), ("bias", self.bias)):
+            if value is None:
+                continue
+            dim = self.sharded_dim(param)
+            value = value.detach()
+            out[param] = value.clone() if dim is None else all_gather_uneven(value, self.shard_sizes, dim, self.group)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"shard_sizes={self.shard_sizes}, tp_index={self.tp_index}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features sharded: ``y_i = x W_i^T + b_i`` with ``W_i`` rows ``shard_range(sizes, i)``.
+
+    The input is replicated (its gradient is all-reduced backward). ``gather_output=True`` returns
+    the full output (a lone Linear); ``False`` leaves it sharded for a following
+    :class:`RowParallelLinear` or for :func:`sharded_cross_entropy` (the class-sharded classifier).
+    """
+
+    shard_dim = 0
+
+    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
+                 gather_output: bool = True, emulator: Optional[Emulator] = None, name: str = "ColumnParallelLinear"):
+        super().__init__(linear, shard_sizes, tp_index, group, emulator, name)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = local_linear(copy_to_region(x, self.group), self.weight, self.bias, self.emulator)
+        return gather_from_region(y, self.shard_sizes, self.tp_index, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features sharded: ``y = sum_i x_i W_i^T + b``; the input is the sharded output of a
+    :class:`ColumnParallelLinear` with the same ``shard_sizes``. One all-reduce forward; the
+    replicated bias is added once, after it."""
+
+    shard_dim = 1
+
+    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
+                 emulator: Optional[Emulator] = None, name: str = "RowParallelLinear"):
+        super().__init__(linear, shard_sizes, tp_index, group, emulator, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.shard_sizes[self.tp_index]:
+            raise WhaleError(
+                f"{self.name}: tensor-parallel rank {self.tp_index} expects its input shard of "
+                f"{self.shard_sizes[self.tp_index]} features (shard_sizes={self.shard_sizes}), got {x.shape[-1]}"
+            )
+        y = reduce_from_region(local_linear(x, self.weight, None, self.emulator), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+# -- sharded softmax cross-entropy -----------------------------------------------------------------
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """Mean softmax cross-entropy over logits whose classes are spread over the group.
+
+    Forward: all-reduce the row max, then one all-reduce of (sum of exp, target logit) where a
+    target outside this rank's class range contributes 0. Backward needs no communication: the
+    gradient of the local logits is ``(softmax - onehot) / count`` on the local classes.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, class_start, num_classes, ignore_index, group):
+        local = logits.float().reshape(-1, logits.shape[-1])
+        target = target.reshape(-1)
+        if local.shape[0] != target.shape[0]:
+            raise WhaleError(f"sharded_cross_entropy: {local.shape[0]} rows of logits but {target.shape[0]} targets")
+        valid = target != ignore_index
+        if ((target < 0) | (target >= num_classes))[valid].any():
+            raise WhaleError(
+                f"sharded_cross_entropy: targets must be class indices in [0, {num_classes}) or "
+                f"ignore_index={ignore_index}, got values in [{int(target.min())}, {int(target.max())}]"
+            )
+        row_max = _all_reduce(local.max(-1).values, group, dist.ReduceOp.MAX)
+        exp = (local - row_max[:, None]).exp()
+        local_target = target - class_start
+        mine = valid & (local_target >= 0) & (local_target < local.shape[1])
+        rows = torch.arange(local.shape[0], device=local.device)
+        picked = torch.where(mine, local[rows, local_target.clamp(0, local.shape[1] - 1)] - row_max,
+                             local.new_zeros(()))
+        sums = _all_reduce(torch.stack([exp.sum(-1), picked]), group)
+        count = valid.sum()
+        losses = torch.where(valid, sums[0].log() - sums[1], local.new_zeros(()))
+        ctx.save_for_backward(exp.div_(sums[0][:, None]), local_target, mine, valid, count)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return (losses.sum() / count).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine, valid, count = ctx.saved_tensors
+        rows = torch.nonzero(mine).squeeze(-1)
+        softmax[rows, local_target[rows]] -= 1.0
+        softmax.mul_((valid[:, None] * (grad.float() / count)))
+        return softmax.to(ctx.logits_dtype).reshape(ctx.logits_shape), None, None, None, None, None
+
+
+def sharded_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor, shard_sizes: Sequence[int],
+                          tp_index: int, group: ProcessGroup = None, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target)`` (mean reduction) from this rank's class shard.
+
+    ``local_logits`` is ``[..., shard_sizes[tp_index]]`` (classes in the last dimension, as a
+    Linear produces them), ``target`` is ``[...]`` with global class indices; every rank of the
+    group passes the same targets and gets the same loss.
+    """
+    sizes = list(shard_sizes)
+    if local_logits.shape[-1] != sizes[tp_index]:
+        raise WhaleError(
+            f"sharded_cross_entropy: rank {tp_index} holds {sizes[tp_index]} classes (shard_sizes={sizes}), "
+            f"but its logits have {local_logits.shape[-1]} in the last dimension"
+        )
+    return _ShardedCrossEntropy.apply(local_logits, target, shard_range(sizes, tp_index).start, sum(sizes),
+                                      ignore_index, group)
