@@ -1,4 +1,5 @@
 """whalelike's planner: maps TaskGraphs onto a heterogeneous Cluster and returns a Plan."""
-from .plan import Plan, Prediction, StagePlan, Worker, BoundaryPlan
+from .api import naive_plan, plan
+from .plan import BoundaryPlan, Plan, PlanError, Prediction, StagePlan, Worker
 
-__all__ = ["Plan", "Prediction", "StagePlan", "Worker", "BoundaryPlan"]
+__all__ = ["plan", "naive_plan", "Plan", "PlanError", "Prediction", "StagePlan", "Worker", "BoundaryPlan"]

@@ -1,0 +1,314 @@
+"""``planner.plan()``: the hardware-aware plan, and ``planner.naive_plan()``, the capacity-blind one.
+
+The planner is a chain of pure steps (Whale's parallel planner, with Poplar's batch rules):
+
+1. virtual devices: each TaskGraph becomes a pipeline stage on a group of devices, larger-memory
+   devices on early stages, replicated pipelines when the cluster has room
+   (:mod:`planner.virtual_devices`);
+2. stage layers: by default each stage runs its own TaskGraph's layers; between two adjacent
+   stages that are both plain ``replicate`` the planner may move boundary layers so that the
+   slowest stage is as fast as possible (the pipeline partitioner, :mod:`planner.partition`).
+   Stages under ``split`` keep their layers: their operators were chosen for sharding;
+3. shard layout of every ``split`` stage, proportional to speed within memory
+   (:mod:`planner.tensor_parallel`);
+4. batch shares: every micro-batch is split over the pipeline replicas by throughput, then inside
+   each stage over its data-parallel groups by speed, with Whale's memory balancing
+   (:mod:`planner.data_parallel`). When a micro-batch still does not fit, a pipeline gets more
+   micro-batches (the next divisor of the global batch), and a single stage switches to Poplar's
+   per-device gradient accumulation (own micro-batch size and last batch size per device);
+5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.simulator`).
+
+The naive plan uses the same devices with equal shares, equal shards and equal layer counts per
+movable stage: what a capacity-blind system would do, as the baseline of the predicted speed-up.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from whalelike.cluster import Cluster, Device
+from whalelike.config import Config
+from whalelike.display import human_bytes
+from whalelike.taskgraph import TaskGraphs
+
+from .assemble import Decisions, build_plan, with_predictions
+from .cost_model import GIB, StageCost, device_tflops
+from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
+from .plan import Plan, PlanError
+from .schedule import build_schedule, max_in_flight
+from .stages import equal_stage_layers, partition_stage_layers
+from .tensor_parallel import ShardLayout, even_layout, shard_layout
+from .virtual_devices import Layout, build_layout
+
+log = logging.getLogger(__name__)
+
+
+def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+    """The hardware-aware plan of ``graphs`` on ``cluster`` under ``config``.
+
+    Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (too many
+    devices, batch too small or indivisible, memory infeasible), naming what would fit.
+    """
+    layout = build_layout(graphs, cluster)
+    _check_batch(config, layout)
+    aware = _aware_decisions(graphs, config, layout)
+    result = build_plan(graphs, cluster, config, aware)
+    naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
+    result = with_predictions(result, naive)
+    result.validate(graphs=graphs, cluster=cluster)
+    log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
+             result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
+    return result
+
+
+def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+    """The capacity-blind plan on the same devices (equal shares, shards and layer counts). It may
+    exceed device memory; it exists to compare against and to run side by side under emulation."""
+    layout = build_layout(graphs, cluster)
+    _check_batch(config, layout)
+    naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
+    return with_predictions(naive, naive)
+
+
+# -- input checks ----------------------------------------------------------------------------------
+def _check_batch(config: Config, layout: Layout) -> None:
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    groups = max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
+    if gbs < groups:
+        raise PlanError(
+            f"global_batch_size {gbs} is smaller than the {groups} data-parallel groups of the plan: "
+            f"every group needs at least one sample; use global_batch_size >= {groups}"
+        )
+    if layout.num_stages > 1 and gbs % m:
+        options = [d for d in range(1, gbs + 1) if gbs % d == 0 and gbs // d >= groups]
+        near = sorted(options, key=lambda d: abs(d - m))[:3]
+        raise PlanError(
+            f"num_micro_batch {m} does not divide global_batch_size {gbs}: a pipeline needs equal "
+            f"micro-batches; use num_micro_batch in {sorted(near)}"
+        )
+    if gbs // m < groups:
+        raise PlanError(
+            f"a micro-batch of {gbs} // {m} = {gbs // m} samples is smaller than the {groups} data-parallel "
+            f"groups of the plan; use num_micro_batch <= {gbs // groups}"
+        )
+
+
+# -- per-stage view used by the balancers ----------------------------------------------------------
+@dataclass(frozen=True)
+class _Stage:
+    """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards."""
+
+    index: int
+    cost: StageCost
+    in_flight: int
+    shards: ShardLayout
+
+    def group_speed(self, group: tuple[Device, ...]) -> float:
+        """Samples per ms: a tensor-parallel group is as fast as its slowest shard."""
+        return min(device_tflops(d) * 1e9 / (self.cost.flops_per_sample * f)
+                   for d, f in zip(group, self.shards.fractions))
+
+    def group_cap(self, group: tuple[Device, ...]) -> int:
+        return min(self.cost.max_micro_batch(d.memory_gib * GIB, self.in_flight, f)
+                   for d, f in zip(group, self.shards.fractions))
+
+    def group_util(self, group: tuple[Device, ...], samples: int) -> float:
+        return max(self.cost.memory_bytes(samples, self.in_flight, f) / (d.memory_gib * GIB)
+                   for d, f in zip(group, self.shards.fractions))
+
+
+def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool) -> list[_Stage]:
+    num_stages = layout.num_stages
+    schedule = build_schedule(config.schedule, num_stages, num_micro_batch)
+    out = []
+    for s, layers in enumerate(stage_layers):
+        cost = StageCost.of_layers(graphs, layers)
+        # one stage is gradient accumulation: each micro-batch's backward follows its forward
+        in_flight = 1 if num_stages == 1 else max_in_flight(schedule[s])
+        shardable = {p: d for t in sorted({graphs.layers[i].taskgraph for i in layers})
+                     for p, d in graphs[t].shardable.items()}
+        tp = layout.shapes[s].tp
+        if not aware:
+            shards = even_layout(shardable, tp)
+        else:
+            shards = _aware_shards(graphs, layout, s, cost, in_flight, shardable)
+        out.append(_Stage(s, cost, in_flight, shards))
+    return out
+
+
+def _aware_shards(graphs, layout, s, cost: StageCost, in_flight: int, shardable) -> ShardLayout:
+    groups = layout.stage_groups(s)
+    tp = layout.shapes[s].tp
+    speeds = [sum(device_tflops(g[t]) for g in groups) for t in range(tp)]
+    one_sample = cost.memory_bytes(1, in_flight)
+    max_fractions = [min(g[t].memory_gib * GIB / one_sample for g in groups) for t in range(tp)]
+    try:
+        return shard_layout(shardable, speeds, max_fractions)
+    except DoesNotFit:
+        raise _memory_error(graphs, layout, s, cost, in_flight, groups) from None
+
+
+# -- hardware-aware decisions ----------------------------------------------------------------------
+def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
+    stage_layers, solver, gap = partition_stage_layers(graphs, layout, config)
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    if layout.num_stages == 1:
+        stages = _stages(graphs, config, layout, stage_layers, m, aware=True)
+        sizes, m = _single_stage_sizes(graphs, layout, stages[0], gbs, m)
+        return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
+                         [s.shards for s in stages], sizes, m, solver, gap)
+    first_error = None
+    for count in _micro_batch_counts(gbs, m, layout):
+        stages = _stages(graphs, config, layout, stage_layers, count, aware=True)
+        try:
+            sizes = _pipeline_sizes(layout, stages, gbs // count, count)
+        except _StageDoesNotFit as e:
+            first_error = first_error or e
+            continue
+        if count != m:
+            log.warning("micro-batches of %d samples do not fit; using num_micro_batch=%d (%d samples each)",
+                        gbs // m, count, gbs // count)
+        return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
+                         [s.shards for s in stages], sizes, count, solver, gap)
+    raise _shortfall_error(graphs, layout, first_error, gbs, m)
+
+
+def _micro_batch_counts(gbs: int, m: int, layout: Layout) -> list[int]:
+    """``m`` and every larger divisor of ``gbs`` that still gives each group a sample."""
+    groups = max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
+    return [c for c in range(m, gbs // groups + 1) if gbs % c == 0]
+
+
+class _StageDoesNotFit(Exception):
+    def __init__(self, stage: "_Stage", shortfall: int, capacity: int, micro_batch: int):
+        self.stage, self.shortfall, self.capacity, self.micro_batch = stage, shortfall, capacity, micro_batch
+
+
+def _pipeline_sizes(layout: Layout, stages: list[_Stage], micro_batch: int, count: int):
+    """Per replica, stage and group: ``count`` equal micro-batches split by throughput."""
+    for st in stages:
+        _check_static_fit(layout, st)
+    # a replica is as fast as its slowest stage and holds what its tightest stage can
+    replica_slots = []
+    for replica in layout.groups:
+        speed = min(sum(st.group_speed(g) for g in replica[st.index]) for st in stages)
+        caps = [sum(st.group_cap(g) for g in replica[st.index]) for st in stages]
+        replica_slots.append(Slot(speed, min(caps)))
+    minimum = max(len(replica[s]) for replica in layout.groups for s in range(len(stages)))
+    try:
+        per_replica = balanced_shares(micro_batch, replica_slots, lambda i, n: n / max(replica_slots[i].cap, 1), minimum)
+    except DoesNotFit as e:
+        tightest = min(stages, key=lambda st: min(sum(st.group_cap(g) for g in r[st.index]) for r in layout.groups))
+        raise _StageDoesNotFit(tightest, e.shortfall, e.capacity, micro_batch) from None
+    sizes = []
+    for r, replica in enumerate(layout.groups):
+        per_stage = []
+        for st in stages:
+            groups = replica[st.index]
+            shares = _group_shares(st, groups, per_replica[r], micro_batch)
+            per_stage.append([[n] * count for n in shares])
+        sizes.append(per_stage)
+    return sizes
+
+
+def _group_shares(st: _Stage, groups, samples: int, micro_batch: int) -> list[int]:
+    slots = [Slot(st.group_speed(g), st.group_cap(g)) for g in groups]
+    try:
+        return balanced_shares(samples, slots, lambda i, n: st.group_util(groups[i], n))
+    except DoesNotFit as e:
+        raise _StageDoesNotFit(st, e.shortfall, e.capacity, micro_batch) from None
+
+
+def _single_stage_sizes(graphs, layout: Layout, st: _Stage, gbs: int, m: int):
+    """Shares of each of ``m`` near-equal micro-batches; if they do not fit, Poplar's per-device
+    gradient accumulation over the whole batch."""
+    _check_static_fit(layout, st)
+    groups = layout.stage_groups(0)
+    batches = [gbs // m + (1 if i < gbs % m else 0) for i in range(m)]
+    try:
+        per_batch = [_group_shares(st, groups, n, n) for n in batches]
+        flat = [[per_batch[i][g] for i in range(m)] for g in range(len(groups))]
+        count = m
+    except _StageDoesNotFit:
+        speeds = [st.group_speed(g) for g in groups]
+        totals = proportional_shares(gbs, speeds, minimum=1)
+        flat = [accumulation_sizes(n, st.group_cap(g)) for n, g in zip(totals, groups)]
+        count = max(len(f) for f in flat)
+        log.warning("the global batch does not fit in %d micro-batch(es); per-device gradient accumulation "
+                    "(Poplar): up to %d micro-batches", m, count)
+    sizes, i = [], 0
+    for replica in layout.groups:
+        n = len(replica[0])
+        sizes.append([flat[i:i + n]])
+        i += n
+    return sizes, count
+
+
+# -- memory errors ---------------------------------------------------------------------------------
+def _check_static_fit(layout: Layout, st: _Stage) -> None:
+    """Every device must hold its share of the weights, gradients, optimizer state and one sample."""
+    for group in layout.stage_groups(st.index):
+        if st.group_cap(group) < 1:
+            raise _memory_error(None, layout, st.index, st.cost, st.in_flight, [group], st.shards)
+
+
+def _memory_error(graphs, layout, s, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None = None):
+    tgs = ", ".join(map(str, sorted({layout.shapes[s].taskgraph})))
+    worst = None
+    for group in groups:
+        for t, d in enumerate(group):
+            f = shards.fractions[t] if shards else 1.0 / len(group)
+            need = cost.memory_bytes(1, in_flight, f)
+            short = need - d.memory_gib * GIB
+            if worst is None or short > worst[0]:
+                worst = (short, need, d)
+    short, need, device = worst
+    return PlanError(
+        f"TaskGraph {tgs} (stage {s}, {layout.shapes[s].label}) does not fit on device {device.name!r} "
+        f"({device.kind}, {device.memory_gib:.1f} GiB): weights, gradients, optimizer state and one sample "
+        f"need {need / GIB:.2f} GiB, short by {max(short, 0) / GIB:.2f} GiB; shard it with split(n) over more "
+        "devices, or use devices with more memory"
+    )
+
+
+def _shortfall_error(graphs, layout: Layout, err: "_StageDoesNotFit", gbs: int, m: int) -> PlanError:
+    st = err.stage
+    per_sample = st.cost.bytes_per_sample(st.in_flight)
+    groups = layout.stage_groups(st.index)
+    best = max(groups, key=lambda g: st.group_cap(g))
+    fits = sum(st.group_cap(g) for g in groups)
+    more = math.ceil(err.shortfall / max(st.group_cap(best), 1))
+    return PlanError(
+        f"TaskGraph {layout.shapes[st.index].taskgraph} (stage {st.index}) does not fit: a micro-batch of "
+        f"{err.micro_batch} samples needs {human_bytes(err.shortfall * per_sample)} more activation memory than "
+        f"its devices have (short by {err.shortfall * per_sample / GIB:.2f} GiB); at most {fits} samples per "
+        f"micro-batch fit (global_batch_size <= {fits * m} with num_micro_batch={m}), or add {more} more "
+        f"{best[0].kind} device(s) to the stage"
+    )
+
+
+# -- the naive plan --------------------------------------------------------------------------------
+def _naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    stage_layers = equal_stage_layers(graphs, layout)
+    stages = _stages(graphs, config, layout, stage_layers, m, aware=False)
+    if layout.num_stages == 1:
+        groups = layout.stage_groups(0)
+        batches = [gbs // m + (1 if i < gbs % m else 0) for i in range(m)]
+        per_batch = [proportional_shares(n, [1.0] * len(groups), minimum=1) for n in batches]
+        flat = [[per_batch[i][g] for i in range(m)] for g in range(len(groups))]
+        sizes, i = [], 0
+        for replica in layout.groups:
+            n = len(replica[0])
+            sizes.append([flat[i:i + n]])
+            i += n
+    else:
+        per_replica = proportional_shares(gbs // m, [1.0] * layout.num_replicas, minimum=1)
+        sizes = [
+            [[[n] * m for n in proportional_shares(per_replica[r], [1.0] * len(replica[s]), minimum=1)]
+             for s in range(layout.num_stages)]
+            for r, replica in enumerate(layout.groups)
+        ]
+    return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
+                     [s.shards for s in stages], sizes, m, "greedy")

@@ -1,0 +1,163 @@
+"""Turn the planner's decisions into a :class:`~planner.plan.Plan` with predicted timings.
+
+The decisions (which devices run which stage, each stage's layers and shard layout, each
+tensor-parallel group's micro-batch sizes) come from :mod:`planner.api`, for the hardware-aware
+plan and for the naive one alike; this module prices them with :mod:`planner.cost_model`, fills in
+every timing field the simulator reads, and asks the simulator for the step-time prediction.
+
+Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
+the worker's shard of its samples plus, under ``split``, the one all-reduce per layer and direction
+that Megatron-style sharding costs (it runs inside the segment, so it is part of it);
+``allreduce_ms`` is the ring all-reduce of the worker's gradient shard over every worker holding
+the same shard; ``BoundaryPlan.transfer_ms`` is the slowest point-to-point send of one
+data-parallel group's activations to the next stage, over every replica.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from whalelike.cluster import Cluster, Device
+from whalelike.config import Config
+from whalelike.taskgraph import TaskGraphs
+
+from .cost_model import GIB, CommModel, StageCost, compute_ms
+from .plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
+from .tensor_parallel import ShardLayout
+from .virtual_devices import Layout
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """Everything the planner chose. ``sizes[r][s][d]`` are the micro-batch sizes of the
+    tensor-parallel group ``d`` of stage ``s`` in replica ``r``."""
+
+    layout: Layout
+    stage_layers: list[list[int]]
+    costs: list[StageCost]
+    in_flight: list[int]
+    shards: list[ShardLayout]
+    sizes: list[list[list[list[int]]]]
+    num_micro_batch: int
+    solver: str
+    optimality_gap: float | None = None
+
+
+def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisions) -> Plan:
+    """A Plan from ``dec`` with timings and memory filled in; predictions are left at zero."""
+    comm = CommModel(cluster.network)
+    layout = dec.layout
+    stages = [
+        StagePlan(
+            index=s,
+            taskgraphs=sorted({graphs.layers[i].taskgraph for i in layers}),
+            layers=list(layers),
+            strategy=layout.shapes[s].label,
+            shard_sizes={p: list(v) for p, v in dec.shards[s].shard_sizes.items()},
+        )
+        for s, layers in enumerate(dec.stage_layers)
+    ]
+    workers: list[Worker] = []
+    for r, replica in enumerate(layout.groups):
+        for s, groups in enumerate(replica):
+            for d, group in enumerate(groups):
+                for t, device in enumerate(group):
+                    workers.append(_worker(len(workers), device, r, s, d, t, group, dec, comm))
+    _fill_allreduce(workers, layout, dec, comm)
+    zero = Prediction(0.0, 0.0, 0.0)
+    return Plan(
+        model_fingerprint=fingerprint_of(graphs),
+        cluster=cluster.name,
+        global_batch_size=config.global_batch_size,
+        num_micro_batch=dec.num_micro_batch,
+        schedule=config.schedule,
+        solver=dec.solver,
+        stages=stages,
+        workers=workers,
+        boundaries=_boundaries(graphs, dec, comm),
+        prediction=zero,
+        naive_prediction=zero,
+        optimality_gap=dec.optimality_gap,
+    )
+
+
+def predict(plan: Plan) -> Prediction:
+    """Simulate one step of ``plan`` (see :mod:`planner.simulator`)."""
+    from .simulator import simulate
+
+    result = simulate(plan)
+    throughput = plan.global_batch_size / result.step_time_ms * 1e3 if result.step_time_ms > 0 else 0.0
+    return Prediction(result.step_time_ms, result.bubble_fraction, throughput)
+
+
+def with_predictions(plan: Plan, naive: Plan) -> Plan:
+    return dataclasses.replace(plan, prediction=predict(plan), naive_prediction=predict(naive))
+
+
+def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommModel) -> Worker:
+    cost, fraction = dec.costs[s], dec.shards[s].fractions[t]
+    sizes = dec.sizes[r][s][d]
+    tp_comm = [
+        sum(comm.allreduce_ms(out * b, group) for out in cost.layer_output_bytes) if len(group) > 1 else 0.0
+        for b in sizes
+    ]
+    forward = [compute_ms(cost.forward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
+    backward = [compute_ms(cost.backward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
+    return Worker(
+        rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
+        tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),
+        memory_gib=cost.memory_bytes(max(sizes), dec.in_flight[s], fraction) / GIB,
+        capacity_gib=device.memory_gib,
+        compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
+    )
+
+
+def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm: CommModel) -> None:
+    """Workers holding the same shard of a stage (over data-parallel groups and replicas) all-reduce
+    their gradients once per step."""
+    peers: dict[tuple[int, int], list[Worker]] = {}
+    for w in workers:
+        peers.setdefault((w.stage, w.tp_index), []).append(w)
+    by_name = {d.name: d for r in layout.groups for s in r for g in s for d in g}
+    for (s, t), ws in peers.items():
+        nbytes = dec.costs[s].param_bytes * dec.shards[s].fractions[t]
+        ms = comm.allreduce_ms(nbytes, [by_name[w.device] for w in ws])
+        for w in ws:
+            w.allreduce_ms = ms
+
+
+def _boundaries(graphs: TaskGraphs, dec: Decisions, comm: CommModel) -> list[BoundaryPlan]:
+    out = []
+    layout = dec.layout
+    for s in range(layout.num_stages - 1):
+        cut = dec.stage_layers[s][-1]
+        per_sample = graphs.layers[cut].cut_bytes_per_sample
+        times = []
+        for m in range(dec.num_micro_batch):
+            worst = 0.0
+            for r, replica in enumerate(layout.groups):
+                senders, receivers = replica[s], replica[s + 1]
+                for d, group in enumerate(senders):
+                    nbytes = per_sample * dec.sizes[r][s][d][m]
+                    worst = max(worst, comm.p2p_ms(nbytes, group[0], receivers[d % len(receivers)][0]))
+            times.append(worst)
+        out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), times))
+    return out
+
+
+def _crossing_tensors(graphs: TaskGraphs, cut: int) -> list[str]:
+    """Names of the tensors a stage boundary right after layer ``cut`` carries: TaskGraph boundary
+    tensors produced at or before it and consumed after it, or the layer's output when the cut
+    falls inside a TaskGraph."""
+    last_layer = {tg.index: max(tg.layers) for tg in graphs}
+    first_layer = {tg.index: min(tg.layers) for tg in graphs}
+    names = [
+        t.name
+        for b in graphs.boundaries
+        if last_layer[b.src] <= cut < first_layer[b.dst]
+        for t in b.tensors
+    ]
+    inside = graphs.layers[cut].taskgraph
+    if last_layer[inside] != cut:
+        names.append(f"{graphs.layers[cut].name}:output")
+    return names

@@ -1,0 +1,150 @@
+"""The planner's cost model: how long compute and communication take, and how much memory a
+worker needs. Analytic on purpose: the planner must run in one process, in milliseconds, for
+clusters the planning machine cannot see, so it prices work from the cluster spec's nominal figures.
+
+Compute. A device runs ``measured_tflops`` when the spec has it (from profiling, like Poplar's
+online profiling), else ``peak_tflops * DEFAULT_EFFICIENCY``. The efficiency factor is the share of
+peak that dense training reaches in practice (0.4: typical model-FLOPs utilisation of transformer
+training on V100/A100-class GPUs); it scales all devices alike, so it changes how compute compares
+to communication, never which device gets more work. The planner never reads
+``Device.emulated_speed`` or ``Cluster.emulation``: those are the emulator's hidden truth
+(DESIGN.md section 4).
+
+Communication. alpha-beta model on the cluster's :class:`~whalelike.cluster.Network`: a message
+of ``b`` bytes costs ``latency + b / bandwidth``; a collective whose devices all sit on one host
+uses the intra-host bandwidth, otherwise the (slower) inter-host one, since a ring is as slow as
+its slowest link. Ring all-reduce: ``2(n-1)/n * bytes / bw + 2(n-1) * latency``; ring
+all-gather: ``(n-1)/n * bytes / bw + (n-1) * latency``.
+
+Memory. A worker holds its shard of the parameters, gradients (same size as the parameters) and
+optimizer state, plus, per micro-batch in flight under the pipeline schedule, the activations saved
+for backward and the boundary buffers (the received input and the output it sends).
+Under ``split`` every term scales with the worker's shard fraction (Megatron-style sharding
+shards the weights and the activations between a Linear pair; the small replicated parts, e.g.
+layer norms, are ignored).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from whalelike.cluster import Device, Network
+from whalelike.taskgraph import TaskGraphs
+
+DEFAULT_EFFICIENCY = 0.4
+GIB = float(2**30)
+
+
+def device_tflops(device: Device) -> float:
+    """Sustained training TFLOPS the planner assumes for ``device``."""
+    if device.measured_tflops is not None:
+        return device.measured_tflops
+    return device.peak_tflops * DEFAULT_EFFICIENCY
+
+
+def compute_ms(flops: float, device: Device) -> float:
+    """Milliseconds ``device`` needs for ``flops`` floating-point operations."""
+    return flops / (device_tflops(device) * 1e9)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Communication times (ms) on one cluster network."""
+
+    network: Network
+
+    def _bytes_per_ms(self, devices: Sequence[Device]) -> float:
+        one_host = len({d.host for d in devices}) <= 1
+        gbps = self.network.intra_host_gbps if one_host else self.network.inter_host_gbps
+        return gbps * 1e6
+
+    @property
+    def _latency_ms(self) -> float:
+        return self.network.latency_us * 1e-3
+
+    def p2p_ms(self, nbytes: float, src: Device, dst: Device) -> float:
+        if src.name == dst.name or nbytes <= 0:
+            return 0.0
+        return self._latency_ms + nbytes / self._bytes_per_ms((src, dst))
+
+    def allreduce_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
+        n = len(devices)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return 2 * (n - 1) / n * nbytes / self._bytes_per_ms(devices) + 2 * (n - 1) * self._latency_ms
+
+    def allgather_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
+        """All-gather of a tensor of ``nbytes`` in total (each device holds ``nbytes / n``)."""
+        n = len(devices)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) / n * nbytes / self._bytes_per_ms(devices) + (n - 1) * self._latency_ms
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-sample compute and memory of a contiguous range of layers (one pipeline stage).
+
+    ``static_bytes`` (parameters + gradients + optimizer state) is per whole stage;
+    ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in flight.
+    """
+
+    forward_flops: float
+    backward_flops: float
+    param_bytes: float
+    static_bytes: float
+    activation_bytes: float
+    boundary_bytes: float
+    layer_output_bytes: tuple[float, ...]   # per layer: bytes per sample of its output (TP all-reduce)
+
+    @classmethod
+    def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int]) -> "StageCost":
+        """Costs of ``layers`` (contiguous indices into ``graphs.layers``).
+
+        Optimizer state is recorded per TaskGraph; a layer carries the share of it that matches
+        its share of the TaskGraph's parameter bytes.
+        """
+        if not layers:
+            raise ValueError("a stage needs at least one layer")
+        chosen = [graphs.layers[i] for i in layers]
+        opt = 0.0
+        for layer in chosen:
+            tg = graphs.graphs[layer.taskgraph]
+            if tg.param_bytes > 0:
+                opt += tg.optimizer_state_bytes * layer.param_bytes / tg.param_bytes
+        params = float(sum(l.param_bytes for l in chosen))
+        first, last = layers[0], layers[-1]
+        received = graphs.layers[first - 1].cut_bytes_per_sample if first > 0 else 0.0
+        sent = chosen[-1].cut_bytes_per_sample if last < len(graphs.layers) - 1 else 0.0
+        return cls(
+            forward_flops=sum(l.forward_flops for l in chosen),
+            backward_flops=sum(l.backward_flops for l in chosen),
+            param_bytes=params,
+            static_bytes=2 * params + opt,
+            activation_bytes=sum(l.activation_bytes_per_sample for l in chosen),
+            boundary_bytes=received + sent,
+            layer_output_bytes=tuple(l.cut_bytes_per_sample for l in chosen),
+        )
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.forward_flops + self.backward_flops
+
+    def bytes_per_sample(self, in_flight: int) -> float:
+        return (self.activation_bytes + self.boundary_bytes) * in_flight
+
+    def memory_bytes(self, micro_batch: int, in_flight: int, shard: float = 1.0) -> float:
+        """Peak bytes of a worker holding ``shard`` of the stage with ``micro_batch`` samples per
+        micro-batch and ``in_flight`` micro-batches alive at once."""
+        return shard * (self.static_bytes + micro_batch * self.bytes_per_sample(in_flight))
+
+    def max_micro_batch(self, capacity_bytes: float, in_flight: int, shard: float = 1.0) -> int:
+        """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit)."""
+        free = capacity_bytes / shard - self.static_bytes
+        if free < 0:
+            return -1
+        per_sample = self.bytes_per_sample(in_flight)
+        if per_sample <= 0:
+            return 2**62
+        return math.floor(free / per_sample)

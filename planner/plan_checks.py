@@ -1,0 +1,230 @@
+"""Consistency checks of a :class:`~planner.plan.Plan`, alone and against a model and a cluster.
+
+A plan file may be edited by hand or come from another run; every rule the runtime relies on is
+checked here, before any process starts, and the first broken one is reported with the path of the
+field (``plan.workers[3].micro_batch_sizes``), the bad value and what it should be.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from whalelike.config import SCHEDULES
+
+from .plan import SCHEMA_VERSION, SOLVERS, Plan, PlanError, fingerprint_of
+
+
+def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
+    _check_header(plan)
+    _check_stages(plan)
+    _check_workers(plan)
+    _check_batches(plan)
+    _check_shards(plan)
+    _check_boundaries(plan)
+    if graphs is not None:
+        _check_model(plan, graphs)
+    if cluster is not None:
+        _check_cluster(plan, cluster)
+
+
+def _check_header(plan: Plan) -> None:
+    if plan.schema_version != SCHEMA_VERSION:
+        raise PlanError(
+            f"plan.schema_version is {plan.schema_version}, this planner reads version {SCHEMA_VERSION}; "
+            "re-create the plan with `whalelike plan`"
+        )
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
+    if plan.solver not in SOLVERS:
+        raise PlanError(f"plan.solver must be one of {', '.join(SOLVERS)}, got {plan.solver!r}")
+    for name in ("global_batch_size", "num_micro_batch"):
+        if getattr(plan, name) < 1:
+            raise PlanError(f"plan.{name} must be >= 1, got {getattr(plan, name)}")
+    if plan.optimality_gap is not None and plan.optimality_gap < 0:
+        raise PlanError(f"plan.optimality_gap must be >= 0, got {plan.optimality_gap}")
+    if not plan.stages:
+        raise PlanError("plan.stages is empty")
+    if not plan.workers:
+        raise PlanError("plan.workers is empty")
+
+
+def _check_stages(plan: Plan) -> None:
+    next_layer = 0
+    for i, st in enumerate(plan.stages):
+        where = f"plan.stages[{i}]"
+        if st.index != i:
+            raise PlanError(f"{where}.index is {st.index}, expected {i} (stages in pipeline order)")
+        if not st.taskgraphs:
+            raise PlanError(f"{where}.taskgraphs is empty")
+        if not st.layers:
+            raise PlanError(f"{where}.layers is empty: every stage runs at least one layer")
+        expected = list(range(next_layer, next_layer + len(st.layers)))
+        if st.layers != expected:
+            raise PlanError(
+                f"{where}.layers must be contiguous and continue the previous stage: expected "
+                f"{_span(expected)}, got {_span(st.layers)}"
+            )
+        next_layer += len(st.layers)
+
+
+def _check_workers(plan: Plan) -> None:
+    num_stages = len(plan.stages)
+    for i, w in enumerate(plan.workers):
+        where = f"plan.workers[{i}]"
+        if w.rank != i:
+            raise PlanError(f"{where}.rank is {w.rank}, expected {i}: workers must be ranks 0..{plan.world_size - 1} in order")
+        if not 0 <= w.stage < num_stages:
+            raise PlanError(f"{where}.stage is {w.stage}, the plan has stages 0..{num_stages - 1}")
+        if not 0 <= w.tp_index < w.tp_size:
+            raise PlanError(f"{where}.tp_index is {w.tp_index}, must be in 0..{w.tp_size - 1} (tp_size {w.tp_size})")
+        for name in ("forward_ms", "backward_ms"):
+            times = getattr(w, name)
+            if times and len(times) != len(w.micro_batch_sizes):
+                raise PlanError(
+                    f"{where}.{name} has {len(times)} entries for {len(w.micro_batch_sizes)} micro-batches"
+                )
+    devices = defaultdict(list)
+    for w in plan.workers:
+        devices[w.device].append(w.rank)
+    for device, ranks in devices.items():
+        if len(ranks) > 1:
+            raise PlanError(f"plan.workers: device {device!r} is used by ranks {ranks}; one worker per device")
+    replicas = sorted({w.replica for w in plan.workers})
+    if replicas != list(range(len(replicas))):
+        raise PlanError(f"plan.workers replica indices must be 0..{len(replicas) - 1}, got {replicas}")
+    for r in replicas:
+        for s in range(num_stages):
+            _check_stage_group(plan, r, s)
+
+
+def _check_stage_group(plan: Plan, replica: int, stage: int) -> None:
+    where = f"plan.workers (replica {replica}, stage {stage})"
+    members = plan.stage_workers(stage, replica)
+    if not members:
+        raise PlanError(f"{where}: no worker runs this stage")
+    tp_sizes = {w.tp_size for w in members}
+    if len(tp_sizes) != 1:
+        raise PlanError(f"{where}: tp_size differs between workers: {sorted(tp_sizes)}")
+    (tp_size,) = tp_sizes
+    groups = defaultdict(list)
+    for w in members:
+        groups[w.dp_index].append(w)
+    if sorted(groups) != list(range(len(groups))):
+        raise PlanError(f"{where}: dp_index values must be 0..{len(groups) - 1}, got {sorted(groups)}")
+    for dp, group in groups.items():
+        if sorted(w.tp_index for w in group) != list(range(tp_size)):
+            raise PlanError(
+                f"{where}, dp_index {dp}: tp_index values {sorted(w.tp_index for w in group)}, expected 0..{tp_size - 1}"
+            )
+        sizes = {tuple(w.micro_batch_sizes) for w in group}
+        if len(sizes) != 1:
+            raise PlanError(
+                f"{where}, dp_index {dp}: tensor-parallel workers must process the same samples, "
+                f"got micro_batch_sizes {[w.micro_batch_sizes for w in group]}"
+            )
+
+
+def _check_batches(plan: Plan) -> None:
+    multi_stage = len(plan.stages) > 1
+    longest = 0
+    for w in plan.workers:
+        where = f"plan.workers[{w.rank}].micro_batch_sizes"
+        if not w.micro_batch_sizes or any(b < 1 for b in w.micro_batch_sizes):
+            raise PlanError(f"{where} must be a non-empty list of positive sizes, got {w.micro_batch_sizes}")
+        if multi_stage and len(w.micro_batch_sizes) != plan.num_micro_batch:
+            raise PlanError(
+                f"{where} has {len(w.micro_batch_sizes)} entries; a pipeline needs one per micro-batch "
+                f"(num_micro_batch = {plan.num_micro_batch})"
+            )
+        longest = max(longest, len(w.micro_batch_sizes))
+    if not multi_stage and longest != plan.num_micro_batch:
+        raise PlanError(
+            f"plan.num_micro_batch is {plan.num_micro_batch} but the longest micro_batch_sizes list has {longest} entries"
+        )
+    per_stage = {}
+    for s in range(len(plan.stages)):
+        # one sample count per tensor-parallel group (its members process the same samples)
+        heads = [w for w in plan.stage_workers(s) if w.tp_index == 0]
+        total = sum(w.batch_share for w in heads)
+        if total != plan.global_batch_size:
+            raise PlanError(
+                f"plan.workers of stage {s}: batch shares sum to {total}, expected global_batch_size "
+                f"{plan.global_batch_size} ({' + '.join(str(w.batch_share) for w in heads)})"
+            )
+        if multi_stage:
+            per_stage[s] = {
+                (r, m): sum(w.micro_batch_sizes[m] for w in heads if w.replica == r)
+                for r in range(plan.num_replicas)
+                for m in range(plan.num_micro_batch)
+            }
+    for s in range(1, len(per_stage)):
+        for key, n in per_stage[s].items():
+            if per_stage[0][key] != n:
+                r, m = key
+                raise PlanError(
+                    f"plan.workers: replica {r} micro-batch {m} has {per_stage[0][key]} samples in stage 0 "
+                    f"but {n} in stage {s}; every stage of a pipeline must see the same samples"
+                )
+
+
+def _check_shards(plan: Plan) -> None:
+    for st in plan.stages:
+        tp_size = plan.stage_workers(st.index)[0].tp_size
+        for path, sizes in st.shard_sizes.items():
+            where = f"plan.stages[{st.index}].shard_sizes[{path!r}]"
+            if len(sizes) != tp_size:
+                raise PlanError(f"{where} has {len(sizes)} sizes for tp_size {tp_size}")
+            if any(n < 1 for n in sizes):
+                raise PlanError(f"{where}: every shard needs at least one element, got {sizes}")
+
+
+def _check_boundaries(plan: Plan) -> None:
+    for i, b in enumerate(plan.boundaries):
+        where = f"plan.boundaries[{i}]"
+        if not 0 <= b.src_stage < b.dst_stage < len(plan.stages):
+            raise PlanError(
+                f"{where}: src_stage {b.src_stage} -> dst_stage {b.dst_stage} is not a forward edge between "
+                f"stages 0..{len(plan.stages) - 1}"
+            )
+        if b.transfer_ms and len(b.transfer_ms) != plan.num_micro_batch:
+            raise PlanError(f"{where}.transfer_ms has {len(b.transfer_ms)} entries for {plan.num_micro_batch} micro-batches")
+
+
+def _check_model(plan: Plan, graphs) -> None:
+    fp = fingerprint_of(graphs)
+    if fp != plan.model_fingerprint:
+        raise PlanError(
+            f"plan was made for model {plan.model_fingerprint[:12]}, this model is {fp[:12]}; "
+            "re-plan for this model with `whalelike plan`"
+        )
+    last = plan.stages[-1].layers[-1]
+    if last != len(graphs.layers) - 1:
+        raise PlanError(f"plan.stages cover layers 0..{last}, the model has layers 0..{len(graphs.layers) - 1}")
+    for st in plan.stages:
+        owners = sorted({graphs.layers[i].taskgraph for i in st.layers})
+        if owners != sorted(st.taskgraphs):
+            raise PlanError(f"plan.stages[{st.index}].taskgraphs is {st.taskgraphs}, its layers belong to {owners}")
+        dims = {p: d for t in st.taskgraphs for p, d in graphs[t].shardable.items()}
+        for path, sizes in st.shard_sizes.items():
+            if path not in dims:
+                raise PlanError(f"plan.stages[{st.index}].shard_sizes: {path!r} is not a shardable module of this stage")
+            if sum(sizes) != dims[path]:
+                raise PlanError(
+                    f"plan.stages[{st.index}].shard_sizes[{path!r}] sums to {sum(sizes)}, the dimension is {dims[path]}"
+                )
+
+
+def _check_cluster(plan: Plan, cluster) -> None:
+    known = {d.name: d for d in cluster.devices}
+    for w in plan.workers:
+        device = known.get(w.device)
+        if device is None:
+            raise PlanError(
+                f"plan.workers[{w.rank}].device: unknown device {w.device!r} for cluster {cluster.name!r} "
+                f"(it has {', '.join(sorted(known))})"
+            )
+        if device.host != w.host:
+            raise PlanError(f"plan.workers[{w.rank}].host is {w.host!r}, device {w.device!r} is on host {device.host!r}")
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if layers else "[]"
