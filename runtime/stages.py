@@ -1,0 +1,291 @@
+"""Split a captured fx graph into pipeline stages and describe the values that cross them.
+
+``torch.fx.passes.split_module`` does the cutting (one submodule per stage, as
+``torch.distributed.pipelining``'s ``pipe_split`` front end does). On top of it this module:
+
+* moves tensor attributes that ``split_module`` leaves on the root (``get_attr`` of a bare
+  ``nn.Parameter`` or buffer) into the stage that uses them, so every stage module owns its
+  parameters (the same idea as ``pipelining._IR``'s ``move_param_to_callee``);
+* records, per stage, where each input comes from: a model input (every rank holds the global
+  batch, so these are read locally and never sent) or an output of an earlier stage, which need not
+  be the previous one (skip connections send directly from producer stage to consumer stage);
+* rejects parameters shared between stages (tied embeddings across the pipeline): each stage would
+  update its own copy and the copies would drift apart. A buffer used by several stages is copied to
+  each (buffers carry no gradient), a parameter is an error that names it;
+* infers each boundary value's per-sample shape, dtype and whether it carries a gradient back, by
+  running the split graph on fake tensors (no real compute), so receivers can allocate buffers.
+
+The stage modules share their parameters with the model they were split from (no copies).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_aggregate, map_arg
+from torch.fx.passes.split_module import split_module
+
+log = logging.getLogger(__name__)
+
+
+class StageSplitError(ValueError):
+    """A graph cannot be split into the requested pipeline stages."""
+
+
+@dataclass(frozen=True)
+class ValueId:
+    """Output ``index`` of stage ``stage``; ``name`` is its node name in the captured graph."""
+
+    stage: int
+    index: int
+    name: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.name!r} (stage {self.stage} output {self.index})"
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Positional model input ``index`` (batched along dim 0, read locally on every rank)."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """Per-sample shape (batch dimension 0 removed), dtype, and whether a gradient flows back."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: ``module(*args)`` with args in ``inputs`` order returns its values in
+    ``outputs`` order (always a tuple, see :meth:`run`)."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: tuple[ValueId | ModelInput, ...]
+    outputs: tuple[ValueId, ...]
+    _single_output: bool
+
+    def run(self, *args) -> tuple:
+        out = self.module(*args)
+        return (out,) if self._single_output else tuple(out)
+
+    @property
+    def received(self) -> tuple[ValueId, ...]:
+        """Inputs produced by other stages (in argument order)."""
+        return tuple(v for v in self.inputs if isinstance(v, ValueId))
+
+
+@dataclass
+class PipelineSplit:
+    """A model cut into stages, with the data flow between them."""
+
+    stages: list[Stage]
+    root: fx.GraphModule        # the split graph: calling it runs every stage in one process
+    _output: Any                # model output structure with ValueIds at its leaves
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def consumers(self, value: ValueId) -> list[int]:
+        """Stages that take ``value`` as an input, ascending."""
+        return [s.index for s in self.stages if value in s.inputs]
+
+    def model_output(self, values: Mapping[ValueId, Any]) -> Any:
+        """Rebuild the model's output structure from the last stage's values."""
+        return map_aggregate(self._output, lambda x: values[x] if isinstance(x, ValueId) else x)
+
+    def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
+        """Shape, dtype and gradient flag of every value sent between stages, for model inputs
+        shaped like ``inputs`` (the batch size is free). Runs the graph on fake tensors twice,
+        with two batch sizes, to tell the batch dimension apart."""
+        runs = [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
+        specs = {}
+        for stage in self.stages:
+            for value in stage.received:
+                a, b = runs[0][value], runs[1][value]
+                if not isinstance(a, torch.Tensor):
+                    raise StageSplitError(
+                        f"value {value} is used by stage {stage.index} but is a {type(a).__name__}, not a "
+                        f"tensor; only tensors can cross pipeline stages: move the code computing it into "
+                        f"stage {stage.index}"
+                    )
+                if a.dim() == 0 or a.shape[0] != 2 or b.shape[0] != 3 or a.shape[1:] != b.shape[1:]:
+                    raise StageSplitError(
+                        f"value {value} (shape {tuple(a.shape)} for a batch of 2) has no batch dimension 0; "
+                        f"only batched tensors can cross pipeline stages: move the code computing it into "
+                        f"stage {stage.index}"
+                    )
+                specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
+        return specs
+
+
+def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineSplit:
+    """Cut ``gm`` into stages 0..S-1: ``node_stage`` maps every computing node's name to its stage.
+
+    Placeholders, ``get_attr`` and the output node need no entry. A node must not use a value
+    computed in a later stage.
+    """
+    num_stages = 1 + max(node_stage.values(), default=-1)
+
+    def stage_of(node: fx.Node) -> int:
+        try:
+            return node_stage[node.name]
+        except KeyError:
+            raise StageSplitError(
+                f"node {node.name!r} ({node.op} {node.target}) has no stage in node_stage; "
+                f"assign every call node of the graph to a stage"
+            ) from None
+
+    for node in gm.graph.nodes:
+        for used in node.all_input_nodes:
+            if used.op not in ("placeholder", "get_attr") and node.op != "output" and stage_of(used) > stage_of(node):
+                raise StageSplitError(
+                    f"node {node.name!r} in stage {stage_of(node)} uses {used.name!r} from later stage "
+                    f"{stage_of(used)}; stages must follow the graph's data flow"
+                )
+
+    root = split_module(gm, gm, stage_of, keep_original_order=True)
+    present = {int(name.removeprefix("submod_")) for name, _ in root.named_children()}
+    missing = sorted(set(range(num_stages)) - present)
+    if missing:
+        raise StageSplitError(f"stage(s) {missing} have no nodes; every stage 0..{num_stages - 1} needs at least one")
+    _sink_attributes(root)
+    split = _describe(root, num_stages)
+    _check_no_shared_parameters(split)
+    return split
+
+
+def node_stages_from_plan(graphs, plan) -> dict[str, int]:
+    """Node name -> stage from a Plan's ``StagePlan.layers`` and the captured ``Layer.nodes``."""
+    layer_stage = {layer: sp.index for sp in plan.stages for layer in sp.layers}
+    out = {}
+    for layer in graphs.layers:
+        if layer.index not in layer_stage:
+            raise StageSplitError(f"layer {layer.index} ({layer.name}) is in no stage of the plan")
+        out.update(dict.fromkeys(layer.nodes, layer_stage[layer.index]))
+    return out
+
+
+def stage_flops_from_plan(graphs, plan) -> list[tuple[float, float]]:
+    """Per stage: (forward, backward) FLOPs per sample, summed over the stage's layers."""
+    by_index = {layer.index: layer for layer in graphs.layers}
+    return [
+        (sum(by_index[i].forward_flops for i in sp.layers), sum(by_index[i].backward_flops for i in sp.layers))
+        for sp in sorted(plan.stages, key=lambda sp: sp.index)
+    ]
+
+
+# -- internals ------------------------------------------------------------------------------------
+def _sink_attributes(root: fx.GraphModule) -> None:
+    """Turn every root-level ``get_attr`` of a tensor into an attribute of the stage using it."""
+    for attr in [n for n in root.graph.nodes if n.op == "get_attr"]:
+        tensor = root.get_parameter(attr.target) if _is_parameter(root, attr.target) else root.get_buffer(attr.target)
+        for call in list(attr.users):
+            sub: fx.GraphModule = root.get_submodule(call.target)
+            position = call.args.index(attr)
+            placeholder = [n for n in sub.graph.nodes if n.op == "placeholder"][position]
+            local = "_" + attr.target.replace(".", "_")
+            if isinstance(tensor, nn.Parameter):
+                sub.register_parameter(local, tensor)
+            else:
+                sub.register_buffer(local, tensor)
+            first_op = next(n for n in sub.graph.nodes if n.op != "placeholder")
+            with sub.graph.inserting_before(first_op):
+                placeholder.replace_all_uses_with(sub.graph.get_attr(local))
+            sub.graph.erase_node(placeholder)
+            sub.recompile()
+            call.args = call.args[:position] + call.args[position + 1:]
+        root.graph.erase_node(attr)
+    root.recompile()
+
+
+def _is_parameter(module: nn.Module, target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    return name in module.get_submodule(owner)._parameters
+
+
+def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
+    placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
+    source: dict[fx.Node, ValueId | ModelInput] = {n: ModelInput(i, n.name) for i, n in enumerate(placeholders)}
+    calls: dict[int, fx.Node] = {}
+    outputs: dict[int, tuple[ValueId, ...]] = {}
+    single: dict[int, bool] = {}
+    result = None
+    for node in root.graph.nodes:
+        if node.op == "call_module":
+            s = int(node.target.removeprefix("submod_"))
+            calls[s] = node
+            (ret,) = [n for n in root.get_submodule(node.target).graph.nodes if n.op == "output"]
+            returned = ret.args[0]
+            single[s] = not isinstance(returned, (tuple, list))
+            names = [returned] if single[s] else list(returned)
+            outputs[s] = tuple(ValueId(s, i, getattr(r, "name", str(r))) for i, r in enumerate(names))
+            if single[s]:
+                source[node] = outputs[s][0]
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, index = node.args
+            source[node] = outputs[int(producer.target.removeprefix("submod_"))][index]
+        elif node.op == "output":
+            result = map_arg(node.args[0], lambda n: source[n])
+    stages = [
+        Stage(s, root.get_submodule(calls[s].target), tuple(source[a] for a in calls[s].args), outputs[s], single[s])
+        for s in range(num_stages)
+    ]
+    early = []
+    map_aggregate(result, lambda x: early.append(x) if isinstance(x, ValueId) and x.stage != num_stages - 1 else x)
+    if early:
+        raise StageSplitError(
+            f"model output(s) {', '.join(map(str, early))} are computed before the last stage "
+            f"{num_stages - 1}; every model output must come from the last stage (the one computing the loss)"
+        )
+    return PipelineSplit(stages, root, result)
+
+
+def _check_no_shared_parameters(split: PipelineSplit) -> None:
+    owner: dict[int, tuple[int, str]] = {}
+    for stage in split.stages:
+        for name, p in stage.module.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != stage.index:
+                first, first_name = owner[id(p)]
+                raise StageSplitError(
+                    f"parameter {first_name!r} is used by stage {first} and stage {stage.index} (tied weights); "
+                    f"each stage would update its own copy. Put all its uses in one stage, or untie it"
+                )
+            owner[id(p)] = (stage.index, name)
+
+
+def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:
+    """Run the split graph on fake inputs of batch size ``batch``; return every stage output."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
+        recorder = _Recorder(root)
+        recorder.run(*fake)
+    return recorder.values
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, root: fx.GraphModule):
+        super().__init__(root)
+        self.values: dict[ValueId, Any] = {}
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        s = int(target.removeprefix("submod_"))
+        (ret,) = [n for n in self.module.get_submodule(target).graph.nodes if n.op == "output"]
+        values = tuple(out) if isinstance(ret.args[0], (tuple, list)) else (out,)
+        self.values.update((ValueId(s, i), v) for i, v in enumerate(values))
+        return out
