@@ -36,7 +36,7 @@ from .assemble import Decisions, build_plan, with_predictions
 from .cost_model import GIB, StageCost, device_tflops
 from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
 from .plan import Plan, PlanError
-from .schedule import build_schedule, max_in_flight
+from .schedule import build_schedule, gradient_accumulation, max_in_flight
 from .stages import equal_stage_layers, partition_stage_layers
 from .tensor_parallel import ShardLayout, even_layout, shard_layout
 from .virtual_devices import Layout, build_layout
@@ -120,33 +120,39 @@ class _Stage:
 
 def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool) -> list[_Stage]:
     num_stages = layout.num_stages
-    schedule = build_schedule(config.schedule, num_stages, num_micro_batch)
+    schedule = (build_schedule(config.schedule, num_stages, num_micro_batch) if num_stages > 1
+                else [gradient_accumulation(num_micro_batch)])
     out = []
     for s, layers in enumerate(stage_layers):
         cost = StageCost.of_layers(graphs, layers)
-        # one stage is gradient accumulation: each micro-batch's backward follows its forward
-        in_flight = 1 if num_stages == 1 else max_in_flight(schedule[s])
+        in_flight = max_in_flight(schedule[s])
         shardable = {p: d for t in sorted({graphs.layers[i].taskgraph for i in layers})
                      for p, d in graphs[t].shardable.items()}
         tp = layout.shapes[s].tp
         if not aware:
             shards = even_layout(shardable, tp)
         else:
-            shards = _aware_shards(graphs, layout, s, cost, in_flight, shardable)
+            expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
+            shards = _aware_shards(layout, s, cost, in_flight, shardable, expected)
         out.append(_Stage(s, cost, in_flight, shards))
     return out
 
 
-def _aware_shards(graphs, layout, s, cost: StageCost, in_flight: int, shardable) -> ShardLayout:
+def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, samples: int) -> ShardLayout:
+    """Shards proportional to the summed speed at each tensor-parallel index, capped so that each
+    device holds its shard with ``samples`` samples in flight, or failing that its weights alone
+    (the batch balancer then finds out how many samples fit)."""
     groups = layout.stage_groups(s)
     tp = layout.shapes[s].tp
     speeds = [sum(device_tflops(g[t]) for g in groups) for t in range(tp)]
-    one_sample = cost.memory_bytes(1, in_flight)
-    max_fractions = [min(g[t].memory_gib * GIB / one_sample for g in groups) for t in range(tp)]
-    try:
-        return shard_layout(shardable, speeds, max_fractions)
-    except DoesNotFit:
-        raise _memory_error(graphs, layout, s, cost, in_flight, groups) from None
+    for n in (samples, 0):
+        need = max(cost.memory_bytes(n, in_flight), 1.0)
+        max_fractions = [min(g[t].memory_gib * GIB / need for g in groups) for t in range(tp)]
+        try:
+            return shard_layout(shardable, speeds, max_fractions)
+        except DoesNotFit:
+            continue
+    raise _memory_error(layout, s, cost, in_flight, groups, None, samples=0)
 
 
 # -- hardware-aware decisions ----------------------------------------------------------------------
@@ -155,7 +161,7 @@ def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Deci
     gbs, m = config.global_batch_size, config.num_micro_batch
     if layout.num_stages == 1:
         stages = _stages(graphs, config, layout, stage_layers, m, aware=True)
-        sizes, m = _single_stage_sizes(graphs, layout, stages[0], gbs, m)
+        sizes, m = _single_stage_sizes(layout, stages[0], gbs, m)
         return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                          [s.shards for s in stages], sizes, m, solver, gap)
     first_error = None
@@ -171,7 +177,7 @@ def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Deci
                         gbs // m, count, gbs // count)
         return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                          [s.shards for s in stages], sizes, count, solver, gap)
-    raise _shortfall_error(graphs, layout, first_error, gbs, m)
+    raise _shortfall_error(layout, first_error, m)
 
 
 def _micro_batch_counts(gbs: int, m: int, layout: Layout) -> list[int]:
@@ -188,7 +194,10 @@ class _StageDoesNotFit(Exception):
 def _pipeline_sizes(layout: Layout, stages: list[_Stage], micro_batch: int, count: int):
     """Per replica, stage and group: ``count`` equal micro-batches split by throughput."""
     for st in stages:
-        _check_static_fit(layout, st)
+        _check_fit(layout, st, samples=0)
+        caps = [st.group_cap(g) for g in layout.stage_groups(st.index)]
+        if min(caps) < 1:
+            raise _StageDoesNotFit(st, micro_batch - sum(caps), sum(caps), micro_batch)
     # a replica is as fast as its slowest stage and holds what its tightest stage can
     replica_slots = []
     for replica in layout.groups:
@@ -220,10 +229,10 @@ def _group_shares(st: _Stage, groups, samples: int, micro_batch: int) -> list[in
         raise _StageDoesNotFit(st, e.shortfall, e.capacity, micro_batch) from None
 
 
-def _single_stage_sizes(graphs, layout: Layout, st: _Stage, gbs: int, m: int):
+def _single_stage_sizes(layout: Layout, st: _Stage, gbs: int, m: int):
     """Shares of each of ``m`` near-equal micro-batches; if they do not fit, Poplar's per-device
     gradient accumulation over the whole batch."""
-    _check_static_fit(layout, st)
+    _check_fit(layout, st, samples=1)
     groups = layout.stage_groups(0)
     batches = [gbs // m + (1 if i < gbs % m else 0) for i in range(m)]
     try:
@@ -246,33 +255,34 @@ def _single_stage_sizes(graphs, layout: Layout, st: _Stage, gbs: int, m: int):
 
 
 # -- memory errors ---------------------------------------------------------------------------------
-def _check_static_fit(layout: Layout, st: _Stage) -> None:
-    """Every device must hold its share of the weights, gradients, optimizer state and one sample."""
+def _check_fit(layout: Layout, st: _Stage, samples: int) -> None:
+    """Every device must hold its share of the weights, gradients and optimizer state, plus
+    ``samples`` samples per micro-batch."""
     for group in layout.stage_groups(st.index):
-        if st.group_cap(group) < 1:
-            raise _memory_error(None, layout, st.index, st.cost, st.in_flight, [group], st.shards)
+        if st.group_cap(group) < samples:
+            raise _memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples)
 
 
-def _memory_error(graphs, layout, s, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None = None):
-    tgs = ", ".join(map(str, sorted({layout.shapes[s].taskgraph})))
+def _memory_error(layout, s, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None, samples: int):
     worst = None
     for group in groups:
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
-            need = cost.memory_bytes(1, in_flight, f)
+            need = cost.memory_bytes(samples, in_flight, f)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
                 worst = (short, need, d)
     short, need, device = worst
+    what = "weights, gradients and optimizer state" + (" with one sample in flight" if samples else "")
     return PlanError(
-        f"TaskGraph {tgs} (stage {s}, {layout.shapes[s].label}) does not fit on device {device.name!r} "
-        f"({device.kind}, {device.memory_gib:.1f} GiB): weights, gradients, optimizer state and one sample "
-        f"need {need / GIB:.2f} GiB, short by {max(short, 0) / GIB:.2f} GiB; shard it with split(n) over more "
-        "devices, or use devices with more memory"
+        f"TaskGraph {layout.shapes[s].taskgraph} (stage {s}, {layout.shapes[s].label}) does not fit on device "
+        f"{device.name!r} ({device.kind}, {device.memory_gib:.1f} GiB): its {what} need {need / GIB:.2f} GiB, "
+        f"short by {max(short, 0) / GIB:.2f} GiB; shard it with split(n) over more devices, or use devices "
+        "with more memory"
     )
 
 
-def _shortfall_error(graphs, layout: Layout, err: "_StageDoesNotFit", gbs: int, m: int) -> PlanError:
+def _shortfall_error(layout: Layout, err: "_StageDoesNotFit", m: int) -> PlanError:
     st = err.stage
     per_sample = st.cost.bytes_per_sample(st.in_flight)
     groups = layout.stage_groups(st.index)

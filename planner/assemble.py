@@ -23,6 +23,7 @@ from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import GIB, CommModel, StageCost, compute_ms
 from .plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
+from .simulator import simulate
 from .tensor_parallel import ShardLayout
 from .virtual_devices import Layout
 
@@ -83,11 +84,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
 
 def predict(plan: Plan) -> Prediction:
     """Simulate one step of ``plan`` (see :mod:`planner.simulator`)."""
-    from .simulator import simulate
-
-    result = simulate(plan)
-    throughput = plan.global_batch_size / result.step_time_ms * 1e3 if result.step_time_ms > 0 else 0.0
-    return Prediction(result.step_time_ms, result.bubble_fraction, throughput)
+    return simulate(plan).prediction
 
 
 def with_predictions(plan: Plan, naive: Plan) -> Plan:

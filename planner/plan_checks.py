@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from whalelike.config import SCHEDULES
-
 from .plan import SCHEMA_VERSION, SOLVERS, Plan, PlanError, fingerprint_of
+from .schedule import SCHEDULES
 
 
 def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
@@ -76,12 +75,6 @@ def _check_workers(plan: Plan) -> None:
             raise PlanError(f"{where}.stage is {w.stage}, the plan has stages 0..{num_stages - 1}")
         if not 0 <= w.tp_index < w.tp_size:
             raise PlanError(f"{where}.tp_index is {w.tp_index}, must be in 0..{w.tp_size - 1} (tp_size {w.tp_size})")
-        for name in ("forward_ms", "backward_ms"):
-            times = getattr(w, name)
-            if times and len(times) != len(w.micro_batch_sizes):
-                raise PlanError(
-                    f"{where}.{name} has {len(times)} entries for {len(w.micro_batch_sizes)} micro-batches"
-                )
     devices = defaultdict(list)
     for w in plan.workers:
         devices[w.device].append(w.rank)
@@ -136,6 +129,12 @@ def _check_batches(plan: Plan) -> None:
                 f"(num_micro_batch = {plan.num_micro_batch})"
             )
         longest = max(longest, len(w.micro_batch_sizes))
+        for name in ("forward_ms", "backward_ms"):
+            times = getattr(w, name)
+            if times and len(times) != len(w.micro_batch_sizes):
+                raise PlanError(
+                    f"plan.workers[{w.rank}].{name} has {len(times)} entries for {len(w.micro_batch_sizes)} micro-batches"
+                )
     if not multi_stage and longest != plan.num_micro_batch:
         raise PlanError(
             f"plan.num_micro_batch is {plan.num_micro_batch} but the longest micro_batch_sizes list has {longest} entries"
