@@ -1,0 +1,185 @@
+"""Run a function on N local ranks of a gloo (or nccl) process group, for multi-process tests.
+
+Usage (from a test module in ``tests/``; pytest puts this directory on ``sys.path``)::
+
+    from dist_utils import run_ranks
+
+    def _check(rank, world_size, lr):           # module-level: spawned processes import it by name
+        ...                                     # the default process group is already initialised
+        return {"loss": loss}                   # anything torch.save can write (tensors included)
+
+    def test_something():
+        results = run_ranks(_check, 4, args=(0.1,))   # list indexed by rank; raises if any rank failed
+        assert_close(results[0]["loss"], results[3]["loss"])
+
+Each rank is a fresh ``spawn`` process with the environment ``torchrun`` would give it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a
+free port), so code that initialises the process group itself (``runtime.Engine``) runs exactly as
+under torchrun: pass ``init_process_group=False`` for that. Otherwise the harness initialises the
+default group (``backend``, ``pg_timeout_s``) before calling ``fn`` and destroys it afterwards.
+
+Why not ``torch.multiprocessing.spawn``: it kills the surviving ranks as soon as one fails, which
+hides the survivors' errors, and fault tests need exactly those (a rank that dies must make the
+others time out with a clear message). Here every rank runs to completion or to ``timeout_s``, and
+:func:`spawn_ranks` returns one :class:`RankOutcome` per rank (value, error, exit code) so a test can
+assert on each; :func:`run_ranks` is the strict form that raises :class:`RanksFailed` listing every
+failed rank's traceback.
+
+Results travel back as ``torch.save`` bytes rather than as tensors through a torch queue, so a
+rank may exit right after returning without invalidating shared-memory handles.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as std_mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RankOutcome:
+    """What one rank did: ``value`` (``fn``'s return), or ``error`` (the formatted traceback) and
+    ``error_type`` (the exception's class name); ``exitcode`` is the process's exit status
+    (``None`` when it hung and was killed at ``timeout_s``)."""
+
+    rank: int
+    value: Any = None
+    error: Optional[str] = None
+    error_type: Optional[str] = None
+    exitcode: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks raised, crashed or hung; the message holds every failed rank's story."""
+
+    def __init__(self, outcomes: list[RankOutcome]):
+        self.outcomes = outcomes
+        parts = []
+        for o in outcomes:
+            if o.ok:
+                continue
+            if o.error is not None:
+                parts.append(f"--- rank {o.rank} raised {o.error_type}:\n{o.error}")
+            elif o.exitcode is None:
+                parts.append(f"--- rank {o.rank} hung and was killed")
+            else:
+                parts.append(f"--- rank {o.rank} exited with code {o.exitcode} without a result")
+        super().__init__("\n".join(parts))
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; the race window is tiny)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    init_process_group: bool = True,
+    backend: str = "gloo",
+    pg_timeout_s: float = 60.0,
+    timeout_s: float = 180.0,
+    env: Optional[dict[str, str]] = None,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; one outcome per rank.
+
+    ``timeout_s`` bounds the whole run: ranks still alive then are killed and reported as hung.
+    ``env`` adds environment variables to every rank (e.g. ``{"OMP_NUM_THREADS": "1"}``).
+    """
+    ctx = std_mp.get_context("spawn")
+    queue = ctx.Queue()
+    base_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        **(env or {}),
+    }
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, args, base_env, init_process_group, backend, pg_timeout_s, queue),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    # Drain the queue while waiting: a child blocks on exit until its queued bytes are read.
+    while len(reported) < world_size and time.monotonic() < deadline:
+        if not any(p.is_alive() for p in procs) and queue.empty():
+            break
+        try:
+            rank, kind, payload = queue.get(timeout=0.2)
+        except queue_mod.Empty:
+            continue
+        reported.add(rank)
+        if kind == "ok":
+            outcomes[rank].value = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            outcomes[rank].error_type, outcomes[rank].error = payload
+    for rank, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            outcomes[rank].exitcode = None
+        else:
+            outcomes[rank].exitcode = p.exitcode
+    queue.close()
+    return [outcomes[r] for r in range(world_size)]
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), **kwargs) -> list[Any]:
+    """Like :func:`spawn_ranks` but returns the values by rank and raises :class:`RanksFailed` if
+    any rank raised, crashed or hung."""
+    outcomes = spawn_ranks(fn, world_size, args, **kwargs)
+    if not all(o.ok for o in outcomes):
+        raise RanksFailed(outcomes)
+    return [o.value for o in outcomes]
+
+
+def _rank_main(fn, rank, world_size, args, env, init_pg, backend, pg_timeout_s, queue) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    try:
+        if init_pg:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException as e:  # report everything, including SystemExit from the code under test
+        queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+    queue.close()
+    queue.join_thread()
