@@ -27,14 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planner.plan import Plan, Worker
 from runtime.emulation import Emulator
 from runtime.tp_layers import (ColumnParallelLinear, ProcessGroup, RowParallelLinear, _ParallelLinear,
                                sharded_cross_entropy)
 from whalelike.errors import WhaleError
+from whalelike.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +105,23 @@ def _node_inputs(node: fx.Node) -> list[fx.Node]:
 class _Analysis:
     """Decides the role of every candidate Linear (``call_module`` nn.Linear in a split region)."""
 
-    def __init__(self, gm: fx.GraphModule, candidates: list[fx.Node], shard_sizes: Mapping[str, Sequence[int]]):
+    def __init__(self, gm: fx.GraphModule, candidates: list[fx.Node], shard_sizes: Mapping[str, Sequence[int]],
+                 module_paths: dict[str, str]):
         self.gm = gm
         self.candidates = candidates
         self.shard_sizes = shard_sizes
+        self.module_paths = module_paths
         self.assigned: dict[fx.Node, str] = {}
         self.row_sizes: dict[fx.Node, list[int]] = {}
 
     def linear(self, node: fx.Node) -> nn.Linear:
         return self.gm.get_submodule(node.target)
 
+    def path(self, node: fx.Node) -> str:
+        return self.module_paths.get(node.target, node.target)
+
     def sizes(self, node: fx.Node) -> list[int]:
-        path = node.target
+        path = self.path(node)
         if path not in self.shard_sizes:
             raise WhaleError(
                 f"split region: Linear {path!r} has no entry in the plan's shard_sizes "
@@ -174,15 +182,57 @@ class _Analysis:
 
 
 # -- the transform ---------------------------------------------------------------------------------
+def split_taskgraphs(graphs: TaskGraphs) -> set[int]:
+    """Indices of the TaskGraphs whose operators are sharded: ``split``, or ``split`` inside ``replicate``."""
+    return {tg.index for tg in graphs if tg.strategy.kind == "split"
+            or (tg.strategy.inner is not None and tg.strategy.inner.kind == "split")}
+
+
+def tensor_parallel_group(plan: Plan, rank: int) -> ProcessGroup:
+    """Create every tensor-parallel group of ``plan`` and return ``rank``'s (None when it has no split).
+
+    A group is the workers of one (replica, stage, dp_index). ``dist.new_group`` orders a group by
+    global rank, and shards are laid out by ``tp_index``, so ``tp_index`` must grow with the rank
+    (the planner places a group on consecutive ranks). Every rank validates the whole plan before
+    creating any group, so a bad plan fails everywhere instead of hanging; ``dist.new_group`` is
+    collective over the world, so every rank must call this, in the same order relative to its
+    other groups.
+    """
+    members: dict[tuple[int, int, int], list[Worker]] = {}
+    for w in plan.workers:
+        if w.tp_size > 1:
+            members.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
+    groups = []
+    for key in sorted(members):
+        workers = sorted(members[key], key=lambda w: w.rank)
+        if [w.tp_index for w in workers] != list(range(workers[0].tp_size)):
+            raise WhaleError(
+                f"plan: the tensor-parallel group (replica, stage, dp_index)={key} on ranks "
+                f"{[w.rank for w in workers]} has tp_index values {[w.tp_index for w in workers]}; they must be "
+                f"0..{workers[0].tp_size - 1} in rank order; re-plan or fix the plan file"
+            )
+        groups.append([w.rank for w in workers])
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],
                  shard_sizes: Mapping[str, Sequence[int]], tp_index: int, group: ProcessGroup = None,
-                 loss_fn: Optional[Callable] = None, emulator: Optional[Emulator] = None) -> ShardedModule:
+                 loss_fn: Optional[Callable] = None, emulator: Optional[Emulator] = None,
+                 module_paths: Optional[Mapping[str, str]] = None) -> ShardedModule:
     """Replace the Linears of the ``split`` TaskGraphs of ``gm`` by uneven tensor-parallel ones, in place.
 
     ``node_taskgraph`` maps node names to TaskGraph indices (``TaskGraphs.node_taskgraph``),
     ``split_taskgraphs`` are the indices whose strategy is ``split`` (or ``replicate`` with an
     inner ``split``), ``shard_sizes`` is ``StagePlan.shard_sizes``, ``tp_index`` this rank's index in
     ``group``. Every rank of ``group`` must call this with the same arguments except ``tp_index``.
+    ``module_paths`` maps a ``call_module`` target to the model's module path that keys
+    ``shard_sizes`` and ``roles``, for graphs whose targets were renamed (``split_module`` turns
+    ``mlp.fc1`` into ``mlp_fc1`` inside a stage); by default a target is its own path.
     Only the graph's own (leaf) Linear modules are replaced; the user's model is not modified.
     """
     splits = set(split_taskgraphs)
@@ -198,12 +248,12 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
             "weight sharing inside a split region is not supported, move the shared module out of the split scope"
         )
     ignore_index = plain_cross_entropy(loss_fn)
-    analysis = _Analysis(gm, candidates, shard_sizes)
+    analysis = _Analysis(gm, candidates, shard_sizes, dict(module_paths or {}))
     analysis.run(classifier_ok=ignore_index is not None)
 
     sharded_loss = None
     for node, role in analysis.assigned.items():
-        path = node.target
+        path = analysis.path(node)
         linear = analysis.linear(node)
         if role == "row":
             layer = RowParallelLinear(linear, analysis.row_sizes[node], tp_index, group, emulator, name=path)
@@ -212,9 +262,9 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
                                          gather_output=role == "column+gather", emulator=emulator, name=path)
         if role == "classifier":
             sharded_loss = ShardedLoss(tuple(layer.shard_sizes), tp_index, group, ignore_index)
-        parent, _, leaf = path.rpartition(".")
+        parent, _, leaf = node.target.rpartition(".")
         setattr(gm.get_submodule(parent), leaf, layer)
-    roles = {n.target: r for n, r in analysis.assigned.items()}
+    roles = {analysis.path(n): r for n, r in analysis.assigned.items()}
     log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
     return ShardedModule(gm, roles, sharded_loss)
 

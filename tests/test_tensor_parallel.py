@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from runtime.emulation import Emulator
-from runtime.tensor_parallel import full_state_dict, load_full_state_dict, shard_module
+from planner.plan import Plan, Prediction, Worker
+from runtime.tensor_parallel import full_state_dict, load_full_state_dict, shard_module, tensor_parallel_group
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
@@ -139,11 +140,14 @@ def _check_transform(rank, group, emulator, make_opt):
     ref = _Net()
     gm = fx.symbolic_trace(copy.deepcopy(ref))
     node_taskgraph = {n.name: 0 if str(n.target).startswith("embed") else 1 for n in gm.graph.nodes}
-    sizes = {p: HIDDEN_SHARDS for p in ("fc1", "gate", "up", "proj")} | {"head": CLASS_SHARDS}
+    # The plan keys shard sizes by the model's module paths; here the graph's targets are named
+    # differently from them (as after split_module), which module_paths translates.
+    sizes = {f"net.{p}": HIDDEN_SHARDS for p in ("fc1", "gate", "up", "proj")} | {"net.head": CLASS_SHARDS}
+    paths = {n.target: f"net.{n.target}" for n in gm.graph.nodes if n.op == "call_module"}
     sharded = shard_module(gm, node_taskgraph, {1}, sizes, rank, group, loss_fn=nn.CrossEntropyLoss(),
-                           emulator=emulator)
-    assert sharded.roles == {"fc1": "column", "fc2": "row", "gate": "column", "up": "column", "down": "row",
-                             "proj": "column+gather", "head": "classifier"}
+                           emulator=emulator, module_paths=paths)
+    assert sharded.roles == {"net.fc1": "column", "net.fc2": "row", "net.gate": "column", "net.up": "column",
+                             "net.down": "row", "net.proj": "column+gather", "net.head": "classifier"}
     assert isinstance(ref.embed, nn.Linear) and ref.fc1.weight.shape == (32, 32), "the user's model was modified"
 
     def local_only(out):
@@ -171,11 +175,35 @@ def _check_errors(rank, group):
     assert_close(gathered, torch.cat([torch.full((2, n), float(r)) for r, n in enumerate(HIDDEN_SHARDS)], 1))
 
 
+def _check_groups(rank):
+    """Rank 0 runs an unsplit stage; ranks 1 and 2 form a tensor-parallel group."""
+    def plan(tp_of_rank_1):
+        worker = lambda r, stage, tp, size: Worker(r, f"d{r}", "h", replica=0, stage=stage, dp_index=0,
+                                                   tp_index=tp, tp_size=size)
+        workers = [worker(0, 0, 0, 1), worker(1, 1, tp_of_rank_1, 2), worker(2, 1, 1 - tp_of_rank_1, 2)]
+        prediction = Prediction(step_time_ms=1.0, bubble_fraction=0.0, throughput=1.0)
+        return Plan("fp", "c", 1, 1, "gpipe", "greedy", stages=[], boundaries=[], prediction=prediction,
+                    naive_prediction=prediction, workers=workers)
+
+    with pytest.raises(WhaleError, match="in rank order"):
+        tensor_parallel_group(plan(tp_of_rank_1=1), rank)
+    good = plan(tp_of_rank_1=0)
+    group = tensor_parallel_group(good, rank)
+    if rank == 0:
+        assert group is None
+        return
+    assert dist.get_rank(group) == good.workers[rank].tp_index and dist.get_world_size(group) == 2
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=group)
+    assert total.item() == 3.0
+
+
 def _worker(rank, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         group = dist.group.WORLD
         _check_errors(rank, group)
+        _check_groups(rank)
         for emulated in (False, True):
             # A fast emulated device: modeled times are tiny, but every matmul runs as a segment.
             emulator = Emulator(1.0, Emulation(base_gflops=1e6), rank) if emulated else None
