@@ -175,6 +175,7 @@ class _Pool:
 
     def __init__(self, cluster: Cluster):
         self.host_order = {h: i for i, h in enumerate(cluster.hosts)}
+        self.last: str | None = None
         self.free: dict[str, dict[tuple, list[Device]]] = defaultdict(lambda: defaultdict(list))
         for d in cluster.devices:
             self.free[d.host][_device_class(d)].append(d)
@@ -187,16 +188,20 @@ class _Pool:
 
     def take(self, classes: list[tuple], preferred_hosts: list[str]) -> tuple[Device, ...]:
         need = Counter(classes)
-        fitting = [h for h in self.free if self._room(h, need)]
-        preferred = [h for h in preferred_hosts if h in fitting]
-        if preferred:
-            hosts = [preferred[0]]
-        elif fitting:
-            hosts = [min(fitting, key=lambda h: (self._size(h), self.host_order[h]))]
-        else:  # no single host has room: span hosts, neighbours first, then the fullest
-            hosts = preferred_hosts + sorted(self.free, key=lambda h: (-self._size(h), self.host_order[h]))
+        # the previous stage's hosts, then the host the last group came from (consecutive groups
+        # fill one host), then the tightest host that fits, then several hosts
+        candidates = [h for h in (*preferred_hosts, self.last) if h is not None and self._room(h, need)]
+        if candidates:
+            hosts = candidates[:1]
+        else:
+            fitting = [h for h in self.free if self._room(h, need)]
+            if fitting:
+                hosts = [min(fitting, key=lambda h: (self._size(h), self.host_order[h]))]
+            else:
+                hosts = preferred_hosts + sorted(self.free, key=lambda h: (-self._size(h), self.host_order[h]))
         group = []
         for c in classes:
             host = next(h for h in hosts if self.free[h][c])
             group.append(self.free[host][c].pop(0))
+        self.last = group[-1].host
         return tuple(group)
