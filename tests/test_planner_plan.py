@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import planner
 from planner import PlanError
-from whalelike import Config, replicate, split
+from whalelike import Cluster, Config, replicate, split
 from whalelike.strategy import Strategy
 
 from synthetic import bert_large, synthetic_cluster, synthetic_model
@@ -148,7 +148,7 @@ def test_memory_shortfall_says_what_would_fit():
 
 def test_whale_setting_first_taskgraph_on_the_32gb_devices():
     """8 V100-32GB + 8 P100-16GB, BERT-Large-like with the embedding in TaskGraph 0."""
-    cluster = synthetic_cluster([(8, 15.7, 32), (8, 9.3, 16)])
+    cluster = Cluster.preset("whale-v100-p100")
     graphs = bert_large([replicate(8), replicate(8)])
     plan = planner.plan(graphs, cluster, Config(global_batch_size=96, num_micro_batch=4))
     _check_invariants(plan, graphs, cluster)
