@@ -1,0 +1,1 @@
+"""Built-in cluster specs (YAML), loaded with ``whalelike.Cluster.preset(name)``."""
