@@ -174,7 +174,7 @@ def simulate(plan: Plan) -> SimResult:
             arrived = arrivals[key]
             arrived[0] += 1
             arrived[1] = max(arrived[1], end)
-            if arrived[0] == num_groups[g.replica, peer]:
+            if arrived[0] == num_groups[g.replica, g.stage]:  # every sending group has sent
                 ready.extend(waiting.pop(key, ()))
 
     while ready:

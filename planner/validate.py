@@ -119,6 +119,11 @@ def validate_plan(plan: Plan) -> None:
                 f"plan.boundaries[{i}].transfer_ms has {len(b.transfer_ms)} entries for "
                 f"{plan.num_micro_batch} micro-batches"
             )
+        if (b.src_stage, b.dst_stage) in edges:
+            raise ScheduleError(
+                f"plan.boundaries[{i}]: a second boundary {b.src_stage} -> {b.dst_stage}; list every tensor "
+                "crossing it in one boundary's tensors"
+            )
         edges.append((b.src_stage, b.dst_stage))
     for s in range(1, num_stages):
         if not any(dst == s for _, dst in edges):

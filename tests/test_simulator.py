@@ -1,0 +1,235 @@
+"""The step simulator against closed-form timings of small hand-built plans."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
+from planner.schedule import SCHEDULES
+from planner.simulator import simulate
+from planner.validate import ScheduleError
+
+
+def worker(rank, stage, fwd, bwd, *, replica=0, dp=0, tp=0, tp_size=1, allreduce=0.0) -> Worker:
+    """A worker whose per-micro-batch forward/backward times are ``fwd``/``bwd`` (lists)."""
+    return Worker(rank=rank, device=f"dev{rank}", host="h0", replica=replica, stage=stage, dp_index=dp,
+                  tp_index=tp, tp_size=tp_size, micro_batch_sizes=[1] * len(fwd),
+                  forward_ms=list(fwd), backward_ms=list(bwd), allreduce_ms=allreduce)
+
+
+def make_plan(workers, num_micro_batch, schedule="gpipe", transfer_ms=0.0, global_batch_size=None) -> Plan:
+    num_stages = 1 + max(w.stage for w in workers)
+    zero = Prediction(0.0, 0.0, 0.0)
+    return Plan(
+        model_fingerprint="test", cluster="test",
+        global_batch_size=global_batch_size or sum(w.batch_share for w in workers if w.stage == 0 and w.tp_index == 0),
+        num_micro_batch=num_micro_batch, schedule=schedule, solver="greedy",
+        stages=[StagePlan(s, [s], [s], "replicate(1)") for s in range(num_stages)],
+        workers=workers,
+        boundaries=[BoundaryPlan(s, s + 1, ["x"], 4.0, [transfer_ms] * num_micro_batch) for s in range(num_stages - 1)],
+        prediction=zero, naive_prediction=zero,
+    )
+
+
+def chain_plan(stage_times, num_micro_batch, schedule="gpipe", transfer_ms=0.0) -> Plan:
+    """One worker per stage; ``stage_times[s] = (forward_ms, backward_ms)`` for every micro-batch."""
+    workers = [worker(s, s, [f] * num_micro_batch, [b] * num_micro_batch) for s, (f, b) in enumerate(stage_times)]
+    return make_plan(workers, num_micro_batch, schedule, transfer_ms)
+
+
+def compute_events(result, rank):
+    return [e for e in result.events if e.rank == rank and e.kind in ("F", "B")]
+
+
+def test_single_stage_equal_workers_is_compute_plus_allreduce():
+    workers = [worker(r, 0, [1.0] * 4, [2.0] * 4, dp=r, allreduce=5.0) for r in range(3)]
+    result = simulate(make_plan(workers, 4))
+    assert result.step_time_ms == pytest.approx(4 * 3.0 + 5.0)
+    assert result.bubble_fraction == pytest.approx(0.0)
+    for w in result.workers:
+        assert (w.compute_ms, w.allreduce_ms, w.idle_ms, w.peak_in_flight) == pytest.approx((12.0, 5.0, 0.0, 1))
+    assert [str(e.label) for e in compute_events(result, 0)] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert result.throughput == pytest.approx(12 / 17.0 * 1e3)
+    assert result.prediction == Prediction(result.step_time_ms, result.bubble_fraction, result.throughput)
+
+
+def test_gradient_accumulation_runs_each_workers_own_micro_batches():
+    """Poplar: a fast worker takes three micro-batches, a slow one two; the all-reduce waits for both."""
+    fast = worker(0, 0, [1.0, 1.0, 0.5], [2.0, 2.0, 1.0], dp=0, allreduce=1.0)
+    slow = worker(1, 0, [3.0, 3.0], [4.0, 4.0], dp=1, allreduce=2.0)
+    result = simulate(make_plan([fast, slow], 3))
+    assert result.step_time_ms == pytest.approx(14.0 + 2.0)
+    assert len(compute_events(result, 0)) == 6 and len(compute_events(result, 1)) == 4
+    by_rank = {w.rank: w for w in result.workers}
+    assert by_rank[0].compute_ms == pytest.approx(7.5)
+    assert by_rank[0].idle_ms == pytest.approx(16.0 - 7.5 - 2.0)
+    assert by_rank[1].idle_ms == pytest.approx(0.0)
+    assert all(e.start_ms == pytest.approx(14.0) for e in result.events if e.kind == "allreduce")
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("num_stages,num_micro_batch", [(1, 1), (2, 1), (2, 4), (4, 4), (4, 8), (3, 16)])
+def test_equal_stages_without_comm_take_m_plus_s_minus_1_slots(schedule, num_stages, num_micro_batch):
+    f, b = 1.0, 2.0
+    result = simulate(chain_plan([(f, b)] * num_stages, num_micro_batch, schedule))
+    assert result.step_time_ms == pytest.approx((num_micro_batch + num_stages - 1) * (f + b))
+    assert result.bubble_fraction == pytest.approx((num_stages - 1) / (num_micro_batch + num_stages - 1))
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe_at_the_same_step_time():
+    stages, m = 4, 8
+    gpipe = simulate(chain_plan([(1.0, 2.0)] * stages, m, "gpipe"))
+    ofob = simulate(chain_plan([(1.0, 2.0)] * stages, m, "1f1b"))
+    assert ofob.step_time_ms == pytest.approx(gpipe.step_time_ms)
+    assert [w.peak_in_flight for w in gpipe.workers] == [m] * stages
+    assert [w.peak_in_flight for w in ofob.workers] == [stages - s for s in range(stages)]
+
+
+def test_eager_1f1b_hides_transfers_that_1f1b_exposes():
+    stages, m, c = 4, 8, 0.5
+    ofob = simulate(chain_plan([(1.0, 2.0)] * stages, m, "1f1b", transfer_ms=c))
+    eager = simulate(chain_plan([(1.0, 2.0)] * stages, m, "eager-1f1b", transfer_ms=c))
+    # eager: only the fill and the drain pay the transfers, once per boundary and direction
+    assert eager.step_time_ms == pytest.approx((m + stages - 1) * 3.0 + 2 * (stages - 1) * c)
+    assert ofob.step_time_ms > eager.step_time_ms
+    assert [w.peak_in_flight for w in eager.workers] == [min(2 * (stages - s) - 1, m) for s in range(stages)]
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_the_slowest_stage_bounds_the_step(schedule):
+    """Stage 1 is three times slower. Once fed it computes back to back, idle only while stage 0
+    fills (one forward) and drains (one backward) the pipeline; GPipe also idles it between its
+    last forward and first backward, while stage 2 turns the last micro-batch around."""
+    times = [(1.0, 2.0), (3.0, 6.0), (1.0, 2.0)]
+    m = 6
+    result = simulate(chain_plan(times, m, schedule))
+    slowest = 3.0 + 6.0
+    idle = sum(times[0]) + (sum(times[2]) if schedule == "gpipe" else 0.0)
+    assert result.step_time_ms == pytest.approx(m * slowest + idle)
+    assert {w.stage: w.idle_ms for w in result.workers}[1] == pytest.approx(idle)
+
+
+def test_one_micro_batch_pays_each_transfer_once_per_direction():
+    c = 0.25
+    result = simulate(chain_plan([(1.0, 2.0), (3.0, 4.0)], 1, "1f1b", transfer_ms=c))
+    assert result.step_time_ms == pytest.approx(1.0 + c + 3.0 + 4.0 + c + 2.0)
+    sends = [e for e in result.events if e.kind == "send"]
+    assert [(e.rank, e.peer_stage, e.start_ms, e.end_ms) for e in sends] == [
+        (0, 1, 1.0, 1.0 + c), (1, 0, 1.0 + c + 7.0, 1.0 + 2 * c + 7.0)]
+
+
+def test_sends_of_one_worker_share_its_link():
+    """Transfers slower than the forward queue up: stage 1 is fed every ``c`` ms, not every ``f``."""
+    f, c, m = 1.0, 3.0, 3
+    result = simulate(chain_plan([(f, 1.0), (f, 1.0)], m, "gpipe", transfer_ms=c))
+    starts = [e.start_ms for e in compute_events(result, 1) if e.kind == "F"]
+    assert starts == pytest.approx([f + c, f + 2 * c, f + 3 * c])
+
+
+def test_tensor_parallel_group_moves_in_lockstep():
+    fast = worker(0, 0, [1.0, 1.0], [1.0, 1.0], tp=0, tp_size=2)
+    slow = worker(1, 0, [3.0, 3.0], [3.0, 3.0], tp=1, tp_size=2)
+    result = simulate(make_plan([fast, slow], 2))
+    assert result.step_time_ms == pytest.approx(12.0)
+    assert [e.start_ms for e in compute_events(result, 0)] == pytest.approx([0.0, 3.0, 6.0, 9.0])
+    by_rank = {w.rank: w for w in result.workers}
+    assert (by_rank[0].compute_ms, by_rank[0].idle_ms) == pytest.approx((4.0, 8.0))
+    assert by_rank[1].idle_ms == pytest.approx(0.0)
+
+
+def test_next_stage_waits_for_every_group_of_the_previous_stage():
+    """Stage 0 has two data-parallel workers, one slow: stage 1's forward waits for the slow one."""
+    m = 2
+    workers = [
+        worker(0, 0, [1.0] * m, [1.0] * m, dp=0),
+        worker(1, 0, [2.0] * m, [2.0] * m, dp=1),
+        worker(2, 1, [1.0] * m, [1.0] * m),
+    ]
+    result = simulate(make_plan(workers, m, "gpipe"))
+    assert [e.start_ms for e in compute_events(result, 2) if e.kind == "F"] == pytest.approx([2.0, 4.0])
+    # backward of stage 0 waits for stage 1's gradients: 1F1B-free GPipe, stage 1 ends B1 at 8
+    assert result.step_time_ms == pytest.approx(8.0 + 2.0)
+
+
+def test_skip_connection_transfer_is_waited_for():
+    """A U-shaped model: stage 2 also needs stage 0's output over a slow skip boundary (5 ms)."""
+    plan = chain_plan([(1.0, 1.0)] * 3, 1, "1f1b", transfer_ms=0.0)
+    plan.boundaries.append(BoundaryPlan(0, 2, ["skip"], 4.0, [5.0]))
+    result = simulate(plan)
+    f2 = next(e for e in compute_events(result, 2) if e.kind == "F")
+    assert f2.start_ms == pytest.approx(1.0 + 5.0)
+    # the gradient goes back over the skip boundary too: stage 0's backward waits for it
+    b0 = next(e for e in compute_events(result, 0) if e.kind == "B")
+    assert b0.start_ms == pytest.approx(6.0 + 2.0 + 5.0)
+
+
+def test_data_parallel_allreduce_spans_replicas_and_waits_for_the_slowest():
+    m = 2
+    workers = [
+        worker(0, 0, [1.0] * m, [1.0] * m, replica=0, allreduce=1.0),
+        worker(1, 1, [1.0] * m, [1.0] * m, replica=0, allreduce=1.5),
+        worker(2, 0, [2.0] * m, [2.0] * m, replica=1, allreduce=1.0),
+        worker(3, 1, [2.0] * m, [2.0] * m, replica=1, allreduce=3.0),
+    ]
+    result = simulate(make_plan(workers, m, "1f1b"))
+    # replica 1 runs (M + S - 1) * (f + b) = 12 ms; stage 1 finishes one backward earlier (at 10)
+    reduces = {e.rank: (e.start_ms, e.end_ms) for e in result.events if e.kind == "allreduce"}
+    assert reduces[0] == reduces[2] == pytest.approx((12.0, 13.0))
+    assert reduces[1] == reduces[3] == pytest.approx((10.0, 13.0))
+    assert result.step_time_ms == pytest.approx(13.0)
+
+
+def test_every_action_appears_once_per_worker():
+    m = 5
+    plan = chain_plan([(1.0, 2.0)] * 3, m, "1f1b", transfer_ms=0.1)
+    result = simulate(plan)
+    for w in plan.workers:
+        kinds = sorted((e.kind, e.micro_batch) for e in compute_events(result, w.rank))
+        assert kinds == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+    assert sum(e.kind == "send" for e in result.events) == 2 * 2 * m
+    assert all(e.end_ms >= e.start_ms >= 0 for e in result.events)
+
+
+def test_summary_is_an_aligned_table():
+    text = simulate(chain_plan([(1.0, 2.0)] * 2, 4, "1f1b")).summary()
+    lines = text.splitlines()
+    assert "15.00 ms" in lines[0] and "bubble 20.0%" in lines[0]
+    assert lines[1].split()[:4] == ["rank", "device", "replica", "stage"]
+    assert len(lines) == 3 + 2
+    assert len({len(line) for line in lines[2:]}) == 1
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: setattr(p, "schedule", "zigzag"), "plan.schedule: unknown schedule 'zigzag'"),
+        (lambda p: p.boundaries.clear(), "stage 1 receives from no stage"),
+        (lambda p: setattr(p.workers[1], "forward_ms", [1.0]), "plan.workers[1]: forward_ms and backward_ms"),
+        (lambda p: setattr(p.boundaries[0], "transfer_ms", [0.0]), "plan.boundaries[0].transfer_ms has 1 entries"),
+        (lambda p: p.boundaries.append(p.boundaries[0]), "plan.boundaries[1]: a second boundary 0 -> 1"),
+        (lambda p: setattr(p.workers[1], "stage", 2), "plan.workers[1].stage is 2, the plan has stages 0..1"),
+    ],
+)
+def test_inconsistent_plans_are_rejected_by_name(edit, message):
+    plan = chain_plan([(1.0, 2.0)] * 2, 3, "1f1b")
+    edit(plan)
+    with pytest.raises(ScheduleError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        simulate(plan)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=st.sampled_from(sorted(SCHEDULES)),
+    num_micro_batch=st.integers(1, 8),
+    times=st.lists(st.tuples(st.floats(0.1, 5.0), st.floats(0.1, 5.0)), min_size=1, max_size=5),
+    transfer=st.floats(0.0, 2.0),
+)
+def test_time_accounting_adds_up(schedule, num_micro_batch, times, transfer):
+    result = simulate(chain_plan(times, num_micro_batch, schedule, transfer_ms=transfer))
+    slowest = max(f + b for f, b in times)
+    assert result.step_time_ms >= num_micro_batch * slowest - 1e-9
+    assert result.step_time_ms >= sum(f + b for f, b in times) - 1e-9
+    for w in result.workers:
+        assert w.busy_ms + w.idle_ms == pytest.approx(result.step_time_ms)
+    assert 0.0 <= result.bubble_fraction < 1.0
