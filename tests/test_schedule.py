@@ -113,3 +113,9 @@ def test_malformed_schedules_are_rejected(text, message):
 def test_an_empty_schedule_is_rejected():
     with pytest.raises(ScheduleError, match="schedule has no stages"):
         validate([])
+
+
+def test_every_configurable_schedule_is_built_here():
+    from whalelike.config import SCHEDULES as CONFIGURABLE
+
+    assert set(CONFIGURABLE) == set(SCHEDULES)

@@ -6,9 +6,9 @@ from typing import Literal
 
 from .errors import SpecError
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 
 
@@ -19,7 +19,8 @@ class Config:
     global_batch_size: samples per optimizer step, summed over every device.
     num_micro_batch:   micro-batches per step: pipeline depth for several TaskGraphs, gradient
                        accumulation for one.
-    schedule:          pipeline schedule, ``"gpipe"`` or ``"1f1b"``.
+    schedule:          pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"eager-1f1b"`` (1F1B with more
+                       warm-up forwards so transfers overlap compute; more activations in flight).
     optimizer:         optimizer whose state the memory model counts.
     """
 
