@@ -188,6 +188,17 @@ def split_taskgraphs(graphs: TaskGraphs) -> set[int]:
             or (tg.strategy.inner is not None and tg.strategy.inner.kind == "split")}
 
 
+def original_module_paths(captured: fx.GraphModule, stage: fx.GraphModule) -> dict[str, str]:
+    """``call_module`` target in ``stage`` -> module path in the ``captured`` graph it was split from.
+
+    ``split_module`` renames nested targets (``mlp.fc1`` becomes ``mlp_fc1``) but keeps node
+    names, so the original node of the same name knows the path; pass the result to
+    :func:`shard_module` as ``module_paths``.
+    """
+    original = {n.name: n.target for n in captured.graph.nodes if n.op == "call_module"}
+    return {n.target: original[n.name] for n in stage.graph.nodes if n.op == "call_module" and n.name in original}
+
+
 def tensor_parallel_group(plan: Plan, rank: int) -> ProcessGroup:
     """Create every tensor-parallel group of ``plan`` and return ``rank``'s (None when it has no split).
 

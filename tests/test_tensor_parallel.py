@@ -8,21 +8,21 @@ emulated-device path (custom autograd matmul padded to modeled time) and once wi
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_utils import run_ranks
 from torch.testing import assert_close
 
-from runtime.emulation import Emulator
 from planner.plan import Plan, Prediction, Worker
-from runtime.tensor_parallel import full_state_dict, load_full_state_dict, shard_module, tensor_parallel_group
+from runtime.emulation import Emulator
+from runtime.stages import split_stages
+from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths, shard_module,
+                                     tensor_parallel_group)
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
@@ -44,7 +44,8 @@ def _grad_slice(tp: nn.Module, name: str, ref_grad: torch.Tensor) -> torch.Tenso
     return owner.shard_of(leaf, ref_grad) if isinstance(owner, _ParallelLinear) else ref_grad
 
 
-def _train_and_compare(ref, tp, ref_loss, tp_loss, batches, make_opt, check_output=None):
+def _train_and_compare(ref, tp, ref_loss, tp_loss, batches, make_opt, check_output=None, ref_name=lambda n: n):
+    """``ref_name`` maps a parameter or state-dict key of ``tp`` to the reference's."""
     ref_opt, tp_opt = make_opt(ref.parameters()), make_opt(tp.parameters())
     for x, y in batches:
         ref_opt.zero_grad()
@@ -58,10 +59,10 @@ def _train_and_compare(ref, tp, ref_loss, tp_loss, batches, make_opt, check_outp
         loss_tp.backward()
         assert_close(loss_tp, loss_ref)
         for name, p in tp.named_parameters():
-            assert_close(p.grad, _grad_slice(tp, name, ref.get_parameter(name).grad), msg=name)
+            assert_close(p.grad, _grad_slice(tp, name, ref.get_parameter(ref_name(name)).grad), msg=name)
         ref_opt.step()
         tp_opt.step()
-    final = full_state_dict(tp)
+    final = {ref_name(k): v for k, v in full_state_dict(tp).items()}
     expected = ref.state_dict()
     assert final.keys() == expected.keys()
     for key in expected:
@@ -116,53 +117,62 @@ def _check_classifier(rank, group, emulator, make_opt):
 
 
 class _Net(nn.Module):
-    """embed (replicated TaskGraph 0) then a split TaskGraph 1 with a GELU pair, a SwiGLU triple,
-    a lone Linear feeding a residual, and a classifier producing the model output."""
+    """embed (replicated TaskGraph 0, pipeline stage 0) then a split TaskGraph 1 (stage 1) with a
+    GELU pair, a SwiGLU triple, a lone Linear feeding a residual, and a classifier producing the
+    model output. Nested paths (``mlp.fc1``) get renamed when the graph is cut into stages."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(DIN, 32)
-        self.fc1, self.act, self.fc2 = nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)
         self.gate, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
         self.proj = nn.Linear(32, 32)
         self.head = nn.Linear(32, 11)
 
     def forward(self, x):
         h = torch.relu(self.embed(x))
-        h = h + self.fc2(self.act(self.fc1(h)))
+        h = h + self.mlp.fc2(self.mlp.act(self.mlp.fc1(h)))
         h = h + self.down(F.silu(self.gate(h)) * self.up(h))
         h = h + self.proj(h)
         return self.head(h)
 
 
 def _check_transform(rank, group, emulator, make_opt):
+    """The path the Engine takes: capture, cut into stages, shard the split stage, train."""
     torch.manual_seed(7)
     ref = _Net()
     gm = fx.symbolic_trace(copy.deepcopy(ref))
-    node_taskgraph = {n.name: 0 if str(n.target).startswith("embed") else 1 for n in gm.graph.nodes}
-    # The plan keys shard sizes by the model's module paths; here the graph's targets are named
-    # differently from them (as after split_module), which module_paths translates.
-    sizes = {f"net.{p}": HIDDEN_SHARDS for p in ("fc1", "gate", "up", "proj")} | {"net.head": CLASS_SHARDS}
-    paths = {n.target: f"net.{n.target}" for n in gm.graph.nodes if n.op == "call_module"}
-    sharded = shard_module(gm, node_taskgraph, {1}, sizes, rank, group, loss_fn=nn.CrossEntropyLoss(),
+    node_taskgraph = {n.name: 0 if n.name.startswith("embed") else 1
+                      for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+    pipeline = split_stages(gm, node_taskgraph)
+    stage = pipeline.stages[1].module
+    paths = original_module_paths(gm, stage)
+    assert paths["mlp_fc1"] == "mlp.fc1"
+    sizes = {p: HIDDEN_SHARDS for p in ("mlp.fc1", "gate", "up", "proj")} | {"head": CLASS_SHARDS}
+    sharded = shard_module(stage, node_taskgraph, {1}, sizes, rank, group, loss_fn=nn.CrossEntropyLoss(),
                            emulator=emulator, module_paths=paths)
-    assert sharded.roles == {"net.fc1": "column", "net.fc2": "row", "net.gate": "column", "net.up": "column",
-                             "net.down": "row", "net.proj": "column+gather", "net.head": "classifier"}
-    assert isinstance(ref.embed, nn.Linear) and ref.fc1.weight.shape == (32, 32), "the user's model was modified"
+    assert sharded.roles == {"mlp.fc1": "column", "mlp.fc2": "row", "gate": "column", "up": "column",
+                             "down": "row", "proj": "column+gather", "head": "classifier"}
+    assert isinstance(ref.mlp.fc1, nn.Linear) and ref.mlp.fc1.weight.shape == (32, 32), "the user's model was modified"
+
+    def ref_name(name):  # "submod_1.mlp_fc1.weight" -> "mlp.fc1.weight"
+        module, _, leaf = name.split(".", 1)[1].rpartition(".")
+        return f"{paths.get(module, module)}.{leaf}"
 
     def local_only(out):
         assert out.shape == (BATCH, CLASS_SHARDS[rank]), f"rank {rank} holds logits of shape {tuple(out.shape)}"
 
     batches = _batches(8, lambda g: torch.randint(0, 11, (BATCH,), generator=g))
-    _train_and_compare(ref, sharded.module, F.cross_entropy, sharded.sharded_loss, batches, make_opt,
-                       check_output=local_only)
+    _train_and_compare(ref, pipeline.root, F.cross_entropy, sharded.sharded_loss, batches, make_opt,
+                       check_output=local_only, ref_name=ref_name)
 
     # A full state dict loads back into the sharded module (each rank takes its slice).
-    full = full_state_dict(sharded.module)
-    for p in sharded.module.parameters():
+    full = full_state_dict(stage)
+    for p in stage.parameters():
         p.data.zero_()
-    load_full_state_dict(sharded.module, full)
-    for key, value in full_state_dict(sharded.module).items():
+    load_full_state_dict(stage, full)
+    for key, value in full_state_dict(stage).items():
         assert_close(value, full[key], msg=key)
 
 
@@ -198,25 +208,20 @@ def _check_groups(rank):
     assert total.item() == 3.0
 
 
-def _worker(rank, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        group = dist.group.WORLD
-        _check_errors(rank, group)
-        _check_groups(rank)
-        for emulated in (False, True):
-            # A fast emulated device: modeled times are tiny, but every matmul runs as a segment.
-            emulator = Emulator(1.0, Emulation(base_gflops=1e6), rank) if emulated else None
-            for make_opt in OPTIMIZERS.values():
-                for check in (_check_pair, _check_lone, _check_classifier, _check_transform):
-                    check(rank, group, emulator, make_opt)
-            if emulated:
-                # 4 checks x 2 optimizers x 3 steps, forward + backward of 2+1+1+7 local matmuls
-                assert emulator.stats.segments == 2 * 3 * 2 * (2 + 1 + 1 + 7), emulator.stats
-    finally:
-        dist.destroy_process_group()
+def _all_checks(rank, world_size):
+    group = dist.group.WORLD
+    _check_errors(rank, group)
+    _check_groups(rank)
+    for emulated in (False, True):
+        # A fast emulated device: modeled times are tiny, but every matmul runs as a segment.
+        emulator = Emulator(1.0, Emulation(base_gflops=1e6), rank) if emulated else None
+        for make_opt in OPTIMIZERS.values():
+            for check in (_check_pair, _check_lone, _check_classifier, _check_transform):
+                check(rank, group, emulator, make_opt)
+        if emulated:
+            # 4 checks x 2 optimizers x 3 steps, forward + backward of 2+1+1+7 local matmuls
+            assert emulator.stats.segments == 2 * 3 * 2 * (2 + 1 + 1 + 7), emulator.stats
 
 
 def test_uneven_tensor_parallel_matches_single_process():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"),), nprocs=WORLD, join=True)
+    run_ranks(_all_checks, WORLD, env={"OMP_NUM_THREADS": "1"})
