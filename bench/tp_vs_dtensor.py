@@ -32,7 +32,6 @@ rounds and the median step time per side is reported, to share the machine's noi
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from planner.plan import Plan, Worker
 from runtime.emulation import Emulator
-from runtime.tp_layers import (ColumnParallelLinear, ProcessGroup, RowParallelLinear, _ParallelLinear,
-                               sharded_cross_entropy)
+from runtime.tp_layers import (ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear,
+                               _ParallelLinear, sharded_cross_entropy)
 from whalelike.errors import WhaleError
 from whalelike.taskgraph import TaskGraphs
 
@@ -98,10 +98,6 @@ def _is_elementwise(gm: fx.GraphModule, node: fx.Node) -> bool:
     return False
 
 
-def _node_inputs(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
 class _Analysis:
     """Decides the role of every candidate Linear (``call_module`` nn.Linear in a split region)."""
 
@@ -109,6 +105,7 @@ class _Analysis:
                  module_paths: dict[str, str]):
         self.gm = gm
         self.candidates = candidates
+        self.is_candidate = set(candidates)
         self.shard_sizes = shard_sizes
         self.module_paths = module_paths
         self.assigned: dict[fx.Node, str] = {}
@@ -130,7 +127,7 @@ class _Analysis:
         return list(self.shard_sizes[path])
 
     def free_column(self, node: fx.Node, sizes: list[int]) -> bool:
-        return (node in self.candidates and node not in self.assigned
+        return (node in self.is_candidate and node not in self.assigned
                 and self.linear(node).out_features == sum(sizes) and self.sizes(node) == sizes)
 
     def pair_group(self, seed: fx.Node) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
@@ -143,13 +140,13 @@ class _Analysis:
             for user in node.users:
                 if user in closure or user in rows:
                     continue
-                if (user in self.candidates and user not in self.assigned and user.args[0] is node
-                        and len(_node_inputs(user)) == 1 and self.linear(user).in_features == sum(sizes)):
+                if (user in self.is_candidate and user not in self.assigned and user.args[0] is node
+                        and len(user.all_input_nodes) == 1 and self.linear(user).in_features == sum(sizes)):
                     rows.append(user)
                     continue
                 if not _is_elementwise(self.gm, user):
                     return None
-                for arg in _node_inputs(user):
+                for arg in user.all_input_nodes:
                     if arg in closure:
                         continue
                     if not self.free_column(arg, sizes):
@@ -241,6 +238,9 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     ``split_taskgraphs`` are the indices whose strategy is ``split`` (or ``replicate`` with an
     inner ``split``), ``shard_sizes`` is ``StagePlan.shard_sizes``, ``tp_index`` this rank's index in
     ``group``. Every rank of ``group`` must call this with the same arguments except ``tp_index``.
+    Pass ``loss_fn`` only where ``gm``'s output is the model's output (the last pipeline stage): a
+    plain cross-entropy there makes a lone Linear producing that output a class-sharded classifier,
+    and the caller must then use ``ShardedModule.sharded_loss`` instead of ``loss_fn``.
     ``module_paths`` maps a ``call_module`` target to the model's module path that keys
     ``shard_sizes`` and ``roles``, for graphs whose targets were renamed (``split_module`` turns
     ``mlp.fc1`` into ``mlp_fc1`` inside a stage); by default a target is its own path.
@@ -278,6 +278,18 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     roles = {analysis.path(n): r for n, r in analysis.assigned.items()}
     log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
     return ShardedModule(gm, roles, sharded_loss)
+
+
+def pad_plain_linears(module: nn.Module, emulator: Emulator) -> list[str]:
+    """Make every remaining unsharded ``nn.Linear`` of ``module`` a :class:`PaddedLinear`, so a stage
+    with tensor-parallel layers is emulated matmul by matmul throughout. Returns the padded paths."""
+    padded = []
+    for path, child in list(module.named_modules()):
+        if type(child) is nn.Linear:
+            parent, _, leaf = path.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, PaddedLinear(child, emulator))
+            padded.append(path)
+    return padded
 
 
 # -- full (unsharded) state dicts ------------------------------------------------------------------

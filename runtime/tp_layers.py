@@ -22,7 +22,9 @@ The pieces (Megatron-LM, Shoeybi et al. 2019; Whale's class-sharded classifier):
 Heterogeneity emulation (DESIGN.md section 4): every local matmul, forward and backward, is one
 compute segment on the rank's :class:`~runtime.emulation.Emulator` with the FLOPs of the *local*
 shard, so a rank holding a bigger shard takes longer on the emulated device. Segments never span a
-collective: the collectives live in separate autograd nodes.
+collective: the collectives live in separate autograd nodes. Consequently a stage holding
+tensor-parallel layers must not also be wrapped in one stage-wide segment (it would span the
+collectives, and segments do not nest); :class:`PaddedLinear` pads its other Linears the same way.
 """
 from __future__ import annotations
 
@@ -163,6 +165,21 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if emulator is None or not emulator.enabled:
         return F.linear(x, weight, bias)
     return _EmulatedLinear.apply(x, weight, bias, emulator)
+
+
+class PaddedLinear(nn.Linear):
+    """An unsharded ``nn.Linear`` whose matmul is an emulation segment, forward and backward, for
+    stages padded matmul by matmul (see the module docstring). Shares the wrapped Linear's
+    parameters, so optimizers, DDP and state dicts see the same tensors under the same names."""
+
+    def __init__(self, linear: nn.Linear, emulator: Emulator):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.emulator = emulator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return local_linear(x, self.weight, self.bias, self.emulator)
 
 
 # -- parallel Linears ------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from torch.testing import assert_close
 from planner.plan import Plan, Prediction, Worker
 from runtime.emulation import Emulator
 from runtime.stages import split_stages
-from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths, shard_module,
-                                     tensor_parallel_group)
+from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths,
+                                     pad_plain_linears, shard_module, tensor_parallel_group)
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
@@ -155,6 +155,8 @@ def _check_transform(rank, group, emulator, make_opt):
     assert sharded.roles == {"mlp.fc1": "column", "mlp.fc2": "row", "gate": "column", "up": "column",
                              "down": "row", "proj": "column+gather", "head": "classifier"}
     assert isinstance(ref.mlp.fc1, nn.Linear) and ref.mlp.fc1.weight.shape == (32, 32), "the user's model was modified"
+    if emulator is not None:
+        assert pad_plain_linears(pipeline.root, emulator) == ["submod_0.embed"]
 
     def ref_name(name):  # "submod_1.mlp_fc1.weight" -> "mlp.fc1.weight"
         module, _, leaf = name.split(".", 1)[1].rpartition(".")
@@ -219,8 +221,8 @@ def _all_checks(rank, world_size):
             for check in (_check_pair, _check_lone, _check_classifier, _check_transform):
                 check(rank, group, emulator, make_opt)
         if emulated:
-            # 4 checks x 2 optimizers x 3 steps, forward + backward of 2+1+1+7 local matmuls
-            assert emulator.stats.segments == 2 * 3 * 2 * (2 + 1 + 1 + 7), emulator.stats
+            # 2 optimizers x 3 steps x forward + backward of the 2+1+1+(7 sharded + embed) matmuls
+            assert emulator.stats.segments == 2 * 3 * 2 * (2 + 1 + 1 + 8), emulator.stats
 
 
 def test_uneven_tensor_parallel_matches_single_process():
