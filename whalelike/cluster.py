@@ -242,6 +242,15 @@ class Cluster:
         return out
 
     # -- display ---------------------------------------------------------------------------------
+    def inventory(self) -> str:
+        """One line: 'V100-32GB x8 + P100-16GB x8 on 2 hosts'."""
+        counts: dict[str, int] = {}
+        for d in self.devices:
+            counts[d.kind] = counts.get(d.kind, 0) + 1
+        hosts = len(self.hosts)
+        kinds = " + ".join(f"{kind} x{n}" for kind, n in counts.items())
+        return f"{kinds} on {hosts} host{'s' if hosts > 1 else ''}" + (" (emulated)" if self.emulation else "")
+
     def summary(self) -> str:
         """An aligned per-device table plus the network and, if any, the emulation settings."""
         emulated = self.emulation is not None
@@ -254,8 +263,7 @@ class Cluster:
             rows.append(row + ([f"{d.emulated_speed:g}x"] if emulated else []))
         total_tflops = sum(d.peak_tflops for d in self.devices)
         total_gib = sum(d.memory_gib for d in self.devices)
-        title = (f"cluster {self.name}: {len(self.devices)} devices on {len(self.hosts)} host(s), "
-                 f"{total_tflops:g} peak TFLOPS, {total_gib:g} GiB")
+        title = f"cluster {self.name}: {self.inventory()}, {total_tflops:.4g} peak TFLOPS, {total_gib:g} GiB"
         net = self.network
         lines = [format_table(headers, rows, title=title),
                  f"network: {net.intra_host_gbps:g} GB/s within a host, {net.inter_host_gbps:g} GB/s "

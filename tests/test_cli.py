@@ -1,0 +1,194 @@
+"""The ``whalelike`` command: output, one-line errors with exit status 2, and all-or-nothing files.
+
+Commands run in-process through ``main([...])`` (importing torch in a subprocess costs seconds);
+one subprocess test checks the real entry point.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import planner
+from whalelike import Config, SpecError, WhaleError, replicate
+from whalelike.cli import _outputs, load_workload, main
+from whalelike.cluster import Cluster
+from whalelike.workload import Workload
+
+from synthetic import synthetic_cluster, synthetic_model
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    lines = [l for l in err.splitlines() if not l.endswith(" ...")]  # drop progress lines
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("whalelike: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+# -- whalelike cluster -----------------------------------------------------------------------------
+def test_cluster_lists_presets(capsys):
+    code, out, _ = run(capsys, "cluster")
+    assert code == 0
+    for name in Cluster.preset_names():
+        assert name in out
+    assert "V100-32GB x8 + P100-16GB x8 on 2 hosts" in out
+
+
+def test_cluster_prints_a_presets_devices(capsys):
+    code, out, _ = run(capsys, "cluster", "emulated-4")
+    assert code == 0 and out.strip() == Cluster.preset("emulated-4").summary()
+
+
+def test_cluster_file_with_a_schema_violation_is_one_line(capsys, tmp_path):
+    d = Cluster.preset("emulated-2").to_dict()
+    d["hosts"][0]["devices"][1]["memory_gib"] = -16
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(d))
+    code, _, err = run(capsys, "cluster", str(path))
+    assert_one_line_error(code, err, f"{path}: hosts[0].devices[1].memory_gib must be > 0, got -16")
+
+
+def test_unknown_preset_lists_presets(capsys):
+    code, _, err = run(capsys, "cluster", "emulated-5")
+    assert_one_line_error(code, err, "unknown cluster preset 'emulated-5'", "emulated-4-equal", "whale-v100-p100")
+
+
+def test_debug_shows_the_exception(capsys):
+    with pytest.raises(SpecError):
+        main(["--debug", "cluster", "emulated-5"])
+    with pytest.raises(SpecError):
+        main(["cluster", "emulated-5", "--debug"])
+
+
+def test_the_installed_entry_point_exits_2_without_traceback(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: x\nhosts: [\n")
+    proc = subprocess.run([sys.executable, "-m", "whalelike.cli", "cluster", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"whalelike: error: {bad}: line ")
+    assert "malformed YAML" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- the MODEL factory -----------------------------------------------------------------------------
+FACTORIES = """\
+    import torch
+    import torch.nn as nn
+    from whalelike.workload import Workload
+
+    def good():
+        return nn.Linear(4, 2), torch.randn(3, 4)
+
+    def full():
+        return Workload(model=nn.Linear(4, 2), example_args=(torch.randn(3, 4),))
+
+    def wrong_type():
+        return 42
+
+    def crashes():
+        raise RuntimeError("out of coffee")
+
+    not_a_function = 3
+"""
+
+
+@pytest.fixture
+def factories(tmp_path) -> Path:
+    path = tmp_path / "models.py"
+    path.write_text(textwrap.dedent(FACTORIES))
+    return path
+
+
+def test_factory_returning_a_tuple_or_a_workload(factories):
+    tuple_wl = load_workload(f"{factories}:good")
+    assert isinstance(tuple_wl, Workload) and tuple_wl.example_args[0].shape == (3, 4)
+    assert isinstance(load_workload(f"{factories}:full"), Workload)
+
+
+@pytest.mark.parametrize("suffix,fragments", [
+    (":wrong_type", ["wrong_type() must return a whalelike.Workload or a (model, example_args) tuple, got int"]),
+    (":missing", ["has no attribute 'missing'", "functions defined there: crashes, full, good, wrong_type"]),
+    (":not_a_function", ["'not_a_function' is a int, not a function"]),
+    (":crashes", ["crashes(): raised RuntimeError: out of coffee"]),
+    ("", ["MODEL must be path/to/file.py:factory"]),
+])
+def test_factory_problems_are_one_line_errors(capsys, factories, suffix, fragments):
+    code, _, err = run(capsys, "inspect", f"{factories}{suffix}")
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_missing_model_file(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", f"{tmp_path}/nope.py:model")
+    assert_one_line_error(code, err, "nope.py: no such file")
+
+
+def test_model_file_that_fails_to_import(capsys, tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("import torch\n1 / 0\n")
+    code, _, err = run(capsys, "inspect", f"{path}:model")
+    assert_one_line_error(code, err, "broken.py: importing it failed: ZeroDivisionError")
+
+
+# -- whalelike simulate ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    graphs = synthetic_model(num_layers=4, strategies=(replicate(), replicate()), hidden=64, seq=8, heads=4)
+    cluster = synthetic_cluster([(2, 20.0, 16), (2, 10.0, 16)], per_host=2)
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=16, num_micro_batch=4, schedule="1f1b"))
+    path = tmp_path_factory.mktemp("plans") / "plan.yaml"
+    plan.to_yaml(path)
+    return path
+
+
+def test_simulate_prints_the_step_and_writes_pictures(capsys, plan_file, tmp_path):
+    png, trace = tmp_path / "step.png", tmp_path / "step.json"
+    code, out, _ = run(capsys, "simulate", str(plan_file), "--timeline", str(png), "--trace", str(trace))
+    assert code == 0
+    assert out.startswith("simulated step (1f1b, 4 micro-batch(es))")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and trace.stat().st_size > 0
+    assert f"wrote {png}" in out and f"wrote {trace}" in out
+    assert sorted(os.listdir(tmp_path)) == ["step.json", "step.png"]  # no temporary files left
+
+
+def test_simulate_writes_nothing_when_one_output_cannot_be_written(capsys, plan_file, tmp_path):
+    trace = tmp_path / "step.json"
+    code, _, err = run(capsys, "simulate", str(plan_file), "--trace", str(trace),
+                       "--timeline", str(tmp_path / "no-such-dir" / "step.png"))
+    assert_one_line_error(code, err, "no-such-dir", "does not exist")
+    assert os.listdir(tmp_path) == []
+
+
+def test_simulate_a_missing_or_hand_broken_plan(capsys, plan_file, tmp_path):
+    code, _, err = run(capsys, "simulate", str(tmp_path / "missing.yaml"))
+    assert_one_line_error(code, err, "missing.yaml: no such plan file")
+    data = yaml.safe_load(plan_file.read_text())
+    data["workers"][0]["micro_batch_sizes"][0] += 1   # shares no longer sum to the global batch
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, _, err = run(capsys, "simulate", str(broken))
+    assert_one_line_error(code, err, f"{broken}: plan.workers of stage 0: batch shares sum to 17")
+
+
+def test_outputs_are_all_or_nothing(tmp_path):
+    with pytest.raises(WhaleError):
+        with _outputs() as out:
+            Path(out.stage(str(tmp_path / "a.txt"))).write_text("a")
+            Path(out.stage(str(tmp_path / "b.txt"))).write_text("b")
+            raise WhaleError("planning failed")
+    assert os.listdir(tmp_path) == []
+    with _outputs() as out:
+        Path(out.stage(str(tmp_path / "a.txt"))).write_text("a")
+    assert (tmp_path / "a.txt").read_text() == "a" and os.listdir(tmp_path) == ["a.txt"]

@@ -1,0 +1,320 @@
+"""The ``whalelike`` command: inspect a model's TaskGraphs, look at clusters, plan, simulate.
+
+This is the one place that ties ``whalelike``, ``planner`` (and, for training, ``runtime``)
+together (DESIGN.md section 1); the planner is imported only by the commands that need it.
+Training itself is launched with the ordinary ``torchrun``.
+
+Errors a user can cause (:class:`~whalelike.errors.WhaleError`, or a file that cannot be read or
+written) print one line, ``whalelike: error: ...``, and exit with status 2; ``--debug`` shows the
+traceback instead. Commands that write files write all of them or none (see :class:`_Outputs`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from .cluster import Cluster
+from .config import OPTIMIZERS, SCHEDULES, Config
+from .errors import WhaleError
+
+log = logging.getLogger("whalelike")
+
+EXIT_USAGE = 2
+
+MODEL_HELP = (
+    "the model, as path/to/file.py:factory. factory() takes no arguments and returns a "
+    "whalelike.workload.Workload, or a (model, example_args) tuple where example_args is a tensor or a "
+    "tuple of tensors whose first dimension is the batch"
+)
+
+EPILOG = """\
+examples:
+  whalelike inspect examples/gpt.py:workload            TaskGraph table of a model
+  whalelike cluster                                    list the built-in clusters
+  whalelike cluster whale-v100-p100                    devices of a built-in cluster
+  whalelike cluster my-cluster.yaml                    check a cluster file and show its devices
+  whalelike plan examples/gpt.py:workload --cluster emulated-4 --global-batch 32 \\
+      --micro-batches 4 -o plan.yaml --timeline plan.png
+  whalelike simulate plan.yaml --timeline plan.png     replay a saved plan's step
+
+A factory is a function in your file, for example:
+
+  def workload():
+      model = MyNet()                                  # with wl.replicate(...) / wl.split(...) scopes
+      return model, (torch.randn(8, 512),)             # model and example inputs (batch first)
+
+Training with a plan is started with torchrun (see the README).
+"""
+
+
+# -- loading the user's model ----------------------------------------------------------------------
+def load_workload(spec: str):
+    """Import ``path/to/file.py`` by path, call ``factory()``, and return its Workload.
+
+    The file's directory goes on ``sys.path`` first, as when Python runs the file as a script, so
+    it may import its neighbours.
+    """
+    from .workload import as_workload
+
+    path_text, sep, factory_name = spec.rpartition(":")
+    if not sep or not path_text or not factory_name:
+        raise WhaleError(f"MODEL must be path/to/file.py:factory, got {spec!r}; e.g. examples/gpt.py:workload")
+    path = Path(path_text)
+    if not path.is_file():
+        raise WhaleError(f"{path_text}: no such file (MODEL is path/to/file.py:factory, relative to "
+                         f"{os.getcwd()})")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = f"_whalelike_model_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise WhaleError(f"{path_text}: cannot be imported as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except WhaleError:
+        raise
+    except Exception as e:
+        raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
+                         "for the traceback)") from e
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        callables = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module_name)
+        listed = f"; functions defined there: {', '.join(callables)}" if callables else ""
+        raise WhaleError(f"{path_text} has no attribute {factory_name!r}{listed}")
+    if not callable(factory):
+        raise WhaleError(f"{spec}: {factory_name!r} is a {type(factory).__name__}, not a function; MODEL must "
+                         "name a function that takes no arguments")
+    try:
+        result = factory()
+    except WhaleError:
+        raise
+    except Exception as e:
+        raise WhaleError(f"{spec}(): raised {type(e).__name__}: {e} (run with --debug for the traceback)") from e
+    return as_workload(result, origin=f"{spec}()")
+
+
+def capture_workload(args: argparse.Namespace):
+    """(Workload, TaskGraphs) of the command's MODEL under its optimizer."""
+    wl = load_workload(args.model)
+    from .capture import capture  # after the factory's checks: they fail fast, capture imports more
+
+    with _status(f"capturing {args.model}"):
+        graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer)
+    return wl, graphs
+
+
+@contextlib.contextmanager
+def _status(what: str) -> Iterator[None]:
+    """Say on stderr what is running (capture and planning can take seconds) and how long it took."""
+    print(f"{what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    log.info("%s took %.1f s", what, time.perf_counter() - start)
+
+
+# -- writing files: all or none --------------------------------------------------------------------
+class _Outputs:
+    """Files one command writes. Each is first written to a temporary file beside its target and
+    moved into place only after every file was written: a failure leaves no file, new or partial."""
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[str, str]] = []
+
+    def stage(self, target: str) -> str:
+        """A temporary path to write ``target``'s content to."""
+        folder = os.path.dirname(os.path.abspath(target))
+        if not os.path.isdir(folder):
+            raise WhaleError(f"cannot write {target}: directory {folder} does not exist")
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        self._staged.append((tmp, target))
+        return tmp
+
+    def commit(self) -> list[str]:
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp, target in self._staged:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
+            os.replace(tmp, target)
+        return [target for _, target in self._staged]
+
+    def discard(self) -> None:
+        for tmp, _ in self._staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _outputs() -> Iterator[_Outputs]:
+    out = _Outputs()
+    try:
+        yield out
+    except BaseException:
+        out.discard()
+        raise
+    for target in out.commit():
+        print(f"wrote {target}")
+
+
+# -- commands --------------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> None:
+    _, graphs = capture_workload(args)
+    print(json.dumps(graphs.to_dict(), indent=2) if args.json else graphs.table())
+
+
+def cmd_cluster(args: argparse.Namespace) -> None:
+    if args.cluster is not None:
+        print(Cluster.load(args.cluster).summary())
+        return
+    from .display import format_table
+
+    rows = [[name, Cluster.preset(name).inventory()] for name in Cluster.preset_names()]
+    print(format_table(["preset", "devices"], rows, title="built-in clusters (whalelike cluster NAME for details):"))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    import planner
+    import planner.timeline
+
+    cluster = Cluster.load(args.cluster)
+    config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
+                    schedule=args.schedule, optimizer=args.optimizer)
+    with _outputs() as out:
+        # stage every target first: a bad output directory fails before minutes of work
+        targets = [(args.output, planner.Plan.to_yaml),
+                   (args.timeline, planner.timeline.write_png),
+                   (args.trace, planner.timeline.write_chrome_trace)]
+        staged = [(out.stage(target), write) for target, write in targets if target is not None]
+        _, graphs = capture_workload(args)
+        with _status(f"planning on {cluster.name} ({cluster.inventory()})"):
+            plan = planner.plan(graphs, cluster, config)
+        print(plan.summary())
+        for tmp, write in staged:
+            write(plan, tmp)
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    import planner
+    import planner.timeline
+
+    if not os.path.isfile(args.plan):
+        raise WhaleError(f"{args.plan}: no such plan file; make one with `whalelike plan ... -o {args.plan}`")
+    try:
+        plan = planner.Plan.from_yaml(args.plan)
+    except WhaleError as e:  # name the file when the planner's message does not
+        if str(e).startswith(args.plan):
+            raise
+        raise WhaleError(f"{args.plan}: {e}") from e
+    with _outputs() as out:
+        targets = [(args.timeline, planner.timeline.write_png), (args.trace, planner.timeline.write_chrome_trace)]
+        staged = [(out.stage(target), write) for target, write in targets if target is not None]
+        result = planner.simulate(plan)
+        print(result.summary())
+        for tmp, write in staged:
+            write(result, tmp)
+
+
+# -- argument parsing ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="whalelike",
+        description="Train one PyTorch model across unequal accelerators: inspect the TaskGraphs that "
+                    "replicate()/split() scopes make, plan them onto a cluster, simulate the plan.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details to stderr")
+    # the same flags after the command name; SUPPRESS keeps a subcommand from resetting them
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, summary: str, details: str, examples: str):
+        return commands.add_parser(name, help=summary, description=textwrap.fill(f"{summary}. {details}", 88),
+                                   parents=[common], epilog=f"examples:\n{examples}\n",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    optimizer = dict(choices=OPTIMIZERS, default="adamw",
+                     help="optimizer whose state the memory model counts (default: adamw)")
+
+    p = command("inspect", "print the TaskGraphs of a model",
+                "One row per TaskGraph (one per replicate/split scope): strategy, modules, forward and "
+                "backward FLOPs, parameter, optimizer-state and activation bytes, boundary tensors.",
+                "  whalelike inspect examples/gpt.py:workload\n  whalelike inspect examples/gpt.py:workload --json")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (for scripts)")
+    p.add_argument("--optimizer", **optimizer)
+    p.set_defaults(run=cmd_inspect)
+
+    p = command("cluster", "show a cluster spec, or list the built-in ones",
+                "NAME is a built-in preset; a path is a YAML spec file, checked field by field "
+                "(examples/clusters/ has commented ones to copy).",
+                "  whalelike cluster\n  whalelike cluster poplar-c\n  whalelike cluster examples/clusters/lab-mixed.yaml")
+    p.add_argument("cluster", metavar="NAME_OR_YAML", nargs="?", help="preset name or path to a cluster YAML file")
+    p.set_defaults(run=cmd_cluster)
+
+    p = command("plan", "plan a model onto a cluster and save the plan",
+                "Captures MODEL, balances work by device speed and memory, prints one row per device and "
+                "the predicted speed-up over the capacity-blind plan, and writes the plan (and pictures). "
+                "Files are written only if everything succeeds.",
+                "  whalelike plan examples/gpt.py:workload --cluster emulated-4 --global-batch 32 -o plan.yaml\n"
+                "  whalelike plan examples/gpt.py:workload --cluster my.yaml --global-batch 256 \\\n"
+                "      --micro-batches 8 --schedule gpipe -o plan.yaml --timeline plan.png --trace plan.json")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--cluster", required=True, metavar="NAME_OR_YAML",
+                   help="preset name (see `whalelike cluster`) or path to a cluster YAML file")
+    p.add_argument("--global-batch", required=True, type=int, metavar="N", help="samples per optimizer step")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="micro-batches per step: pipeline depth, or gradient accumulation for one stage (default: 1)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
+    p.add_argument("--optimizer", **optimizer)
+    p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan")
+    p.add_argument("--timeline", metavar="PNG", help="also draw the simulated step as a PNG picture")
+    p.add_argument("--trace", metavar="JSON", help="also write the simulated step as a Chrome trace (open in ui.perfetto.dev)")
+    p.set_defaults(run=cmd_plan)
+
+    p = command("simulate", "simulate one training step of a saved plan",
+                "Replays the plan's schedule event by event: step time, bubble, per-device busy and idle time.",
+                "  whalelike simulate plan.yaml\n  whalelike simulate plan.yaml --timeline step.png --trace step.json")
+    p.add_argument("plan", metavar="PLAN.yaml", help="a plan written by `whalelike plan`")
+    p.add_argument("--timeline", metavar="PNG", help="draw the step as a PNG picture")
+    p.add_argument("--trace", metavar="JSON", help="write the step as a Chrome trace (open in ui.perfetto.dev)")
+    p.set_defaults(run=cmd_simulate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="whalelike: %(levelname)s: %(message)s")
+    try:
+        args.run(args)
+    except (WhaleError, OSError) as e:
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"whalelike: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("whalelike: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
