@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planner.plan import Plan, Worker
 from runtime.emulation import Emulator
 from runtime.tp_layers import (ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear,
                                _ParallelLinear, sharded_cross_entropy)
@@ -194,38 +192,6 @@ def original_module_paths(captured: fx.GraphModule, stage: fx.GraphModule) -> di
     """
     original = {n.name: n.target for n in captured.graph.nodes if n.op == "call_module"}
     return {n.target: original[n.name] for n in stage.graph.nodes if n.op == "call_module" and n.name in original}
-
-
-def tensor_parallel_group(plan: Plan, rank: int) -> ProcessGroup:
-    """Create every tensor-parallel group of ``plan`` and return ``rank``'s (None when it has no split).
-
-    A group is the workers of one (replica, stage, dp_index). ``dist.new_group`` orders a group by
-    global rank, and shards are laid out by ``tp_index``, so ``tp_index`` must grow with the rank
-    (the planner places a group on consecutive ranks). Every rank validates the whole plan before
-    creating any group, so a bad plan fails everywhere instead of hanging; ``dist.new_group`` is
-    collective over the world, so every rank must call this, in the same order relative to its
-    other groups.
-    """
-    members: dict[tuple[int, int, int], list[Worker]] = {}
-    for w in plan.workers:
-        if w.tp_size > 1:
-            members.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
-    groups = []
-    for key in sorted(members):
-        workers = sorted(members[key], key=lambda w: w.rank)
-        if [w.tp_index for w in workers] != list(range(workers[0].tp_size)):
-            raise WhaleError(
-                f"plan: the tensor-parallel group (replica, stage, dp_index)={key} on ranks "
-                f"{[w.rank for w in workers]} has tp_index values {[w.tp_index for w in workers]}; they must be "
-                f"0..{workers[0].tp_size - 1} in rank order; re-plan or fix the plan file"
-            )
-        groups.append([w.rank for w in workers])
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
 
 
 def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],

@@ -197,8 +197,8 @@ def _check_shards(what: str, shard_sizes: Sequence[int], full: int, tp_index: in
         if world != len(sizes) or rank != tp_index:
             raise WhaleError(
                 f"{what}: the tensor-parallel group has {world} ranks and this is rank {rank} in it, but "
-                f"shard_sizes has {len(sizes)} entries and tp_index is {tp_index}; "
-                "build the group from the plan's tensor-parallel workers in tp_index order"
+                f"shard_sizes has {len(sizes)} entries and tp_index is {tp_index}; dist.new_group orders "
+                "members by global rank, so pass this rank's tensor-parallel group and make tp_index grow with the rank"
             )
     return sizes
 

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from torch.testing import assert_close
 
-from planner.plan import Plan, Prediction, Worker
 from runtime.emulation import Emulator
 from runtime.stages import split_stages
 from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths,
-                                     pad_plain_linears, shard_module, tensor_parallel_group)
+                                     pad_plain_linears, shard_module)
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
@@ -187,33 +186,9 @@ def _check_errors(rank, group):
     assert_close(gathered, torch.cat([torch.full((2, n), float(r)) for r, n in enumerate(HIDDEN_SHARDS)], 1))
 
 
-def _check_groups(rank):
-    """Rank 0 runs an unsplit stage; ranks 1 and 2 form a tensor-parallel group."""
-    def plan(tp_of_rank_1):
-        worker = lambda r, stage, tp, size: Worker(r, f"d{r}", "h", replica=0, stage=stage, dp_index=0,
-                                                   tp_index=tp, tp_size=size)
-        workers = [worker(0, 0, 0, 1), worker(1, 1, tp_of_rank_1, 2), worker(2, 1, 1 - tp_of_rank_1, 2)]
-        prediction = Prediction(step_time_ms=1.0, bubble_fraction=0.0, throughput=1.0)
-        return Plan("fp", "c", 1, 1, "gpipe", "greedy", stages=[], boundaries=[], prediction=prediction,
-                    naive_prediction=prediction, workers=workers)
-
-    with pytest.raises(WhaleError, match="in rank order"):
-        tensor_parallel_group(plan(tp_of_rank_1=1), rank)
-    good = plan(tp_of_rank_1=0)
-    group = tensor_parallel_group(good, rank)
-    if rank == 0:
-        assert group is None
-        return
-    assert dist.get_rank(group) == good.workers[rank].tp_index and dist.get_world_size(group) == 2
-    total = torch.tensor([float(rank)])
-    dist.all_reduce(total, group=group)
-    assert total.item() == 3.0
-
-
 def _all_checks(rank, world_size):
     group = dist.group.WORLD
     _check_errors(rank, group)
-    _check_groups(rank)
     for emulated in (False, True):
         # A fast emulated device: modeled times are tiny, but every matmul runs as a segment.
         emulator = Emulator(1.0, Emulation(base_gflops=1e6), rank) if emulated else None
