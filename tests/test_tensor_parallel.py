@@ -202,3 +202,18 @@ def _all_checks(rank, world_size):
 
 def test_uneven_tensor_parallel_matches_single_process():
     run_ranks(_all_checks, WORLD, env={"OMP_NUM_THREADS": "1"})
+
+
+def test_roles_follow_the_loss_and_missing_shard_sizes_are_named():
+    """Single process, no collectives: only the analysis and the validation run."""
+    gm = fx.symbolic_trace(_Net())
+    node_taskgraph = {n.name: 0 if n.name.startswith("embed") else 1 for n in gm.graph.nodes}
+    sizes = {p: [16, 16] for p in ("mlp.fc1", "gate", "up", "proj")} | {"head": [6, 5]}
+    # Without a plain cross-entropy the head's logits must be gathered for the user's loss.
+    sharded = shard_module(copy.deepcopy(gm), node_taskgraph, {1}, sizes, 0, loss_fn=F.mse_loss)
+    assert sharded.roles["head"] == "column+gather" and sharded.sharded_loss is None
+    # A weighted cross-entropy is not the plain one the sharded loss computes.
+    weighted = nn.CrossEntropyLoss(weight=torch.ones(11))
+    assert shard_module(copy.deepcopy(gm), node_taskgraph, {1}, sizes, 0, loss_fn=weighted).sharded_loss is None
+    with pytest.raises(WhaleError, match="'gate' has no entry in the plan's shard_sizes"):
+        shard_module(copy.deepcopy(gm), node_taskgraph, {1}, {k: v for k, v in sizes.items() if k != "gate"}, 0)
