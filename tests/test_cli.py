@@ -192,3 +192,38 @@ def test_outputs_are_all_or_nothing(tmp_path):
     with _outputs() as out:
         Path(out.stage(str(tmp_path / "a.txt"))).write_text("a")
     assert (tmp_path / "a.txt").read_text() == "a" and os.listdir(tmp_path) == ["a.txt"]
+
+
+# -- whalelike plan (capture replaced by synthetic TaskGraphs; capture has its own tests) ----------
+@pytest.fixture
+def synthetic_capture(monkeypatch):
+    graphs = synthetic_model(num_layers=4, strategies=(replicate(), replicate()), hidden=64, seq=8, heads=4)
+    monkeypatch.setattr("whalelike.cli.capture_workload", lambda args: (None, graphs))
+    return graphs
+
+
+def test_plan_prints_the_summary_and_writes_every_file(capsys, synthetic_capture, tmp_path):
+    out_yaml, png, trace = tmp_path / "plan.yaml", tmp_path / "plan.png", tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "model.py:workload", "--cluster", "emulated-4", "--global-batch", "16",
+                       "--micro-batches", "4", "-o", str(out_yaml), "--timeline", str(png), "--trace", str(trace))
+    assert code == 0
+    plan = planner.Plan.from_yaml(out_yaml, graphs=synthetic_capture, cluster=Cluster.preset("emulated-4"))
+    assert out.startswith(plan.summary())
+    assert "predicted speed-up over naive" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and trace.stat().st_size > 0
+    assert sorted(os.listdir(tmp_path)) == ["plan.json", "plan.png", "plan.yaml"]
+    code, out, _ = run(capsys, "simulate", str(out_yaml))
+    assert code == 0 and "simulated step (1f1b, 4 micro-batch(es))" in out
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--global-batch", "1"], ["global_batch_size 1 is smaller than the 2 data-parallel groups"]),
+    (["--global-batch", "16", "--micro-batches", "0"], ["num_micro_batch must be a positive integer, got 0"]),
+    (["--global-batch", "16", "--cluster", "nope.yaml"], ["nope.yaml: no such cluster file"]),
+])
+def test_plan_failures_write_no_file(capsys, synthetic_capture, tmp_path, argv, fragments):
+    args = ["plan", "model.py:workload", "--cluster", "emulated-4", *argv,
+            "-o", str(tmp_path / "plan.yaml"), "--timeline", str(tmp_path / "plan.png")]
+    code, _, err = run(capsys, *args)
+    assert_one_line_error(code, err, *fragments)
+    assert os.listdir(tmp_path) == []

@@ -46,7 +46,7 @@ PRESET_PACKAGE = "whalelike.presets"
 
 # -- field rules -----------------------------------------------------------------------------------
 def _meta(kind: type, doc: str, gt: Optional[float] = None, ge: Optional[float] = None) -> dict[str, Any]:
-    return {"kind": kind, "gt": gt, "ge": ge, "doc": doc}
+    return {"type": kind, "gt": gt, "ge": ge, "doc": doc}
 
 
 def _rule(kind: type, doc: str, *, gt: Optional[float] = None, ge: Optional[float] = None, **kw) -> Any:
@@ -59,7 +59,7 @@ _KIND_TEXT = {str: "a non-empty string", int: "an integer", float: "a number"}
 
 def _problem(value: Any, meta: Mapping[str, Any]) -> Optional[str]:
     """Why ``value`` breaks the rule in ``meta`` (as 'must be ..., got ...'), or None."""
-    kind = meta["kind"]
+    kind = meta["type"]
     if kind is str:
         ok = isinstance(value, str) and bool(value.strip())
     elif kind is int:
@@ -79,7 +79,7 @@ def _check_fields(obj: Any, label: str) -> None:
     """Validate every field of a constructed record against its rule (None means 'not set')."""
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if "kind" in f.metadata and value is not None:
+        if "type" in f.metadata and value is not None:
             problem = _problem(value, f.metadata)
             if problem:
                 raise SpecError(f"{label}: {f.name} {problem}")
@@ -226,7 +226,7 @@ class Cluster:
         for d in self.devices:
             if not hosts or hosts[-1]["name"] != d.host:
                 hosts.append({"name": d.host, "devices": []})
-            entry = {k: getattr(d, k) for k in _DEVICE_SPEC_KEYS if getattr(d, k) is not None}
+            entry = {k: v for k, v in _record_dict(d).items() if k not in _GENERATED}
             entries = hosts[-1]["devices"]
             if entries and {k: v for k, v in entries[-1].items() if k != "count"} == entry:
                 entries[-1]["count"] += 1
@@ -278,15 +278,12 @@ class Cluster:
         return "\n".join(lines)
 
 
-_DEVICE_SPEC_KEYS = ("kind", "peak_tflops", "memory_gib", "measured_tflops", "emulated_speed")
-
-
 def _record_dict(record: Any) -> dict:
     return {f.name: getattr(record, f.name) for f in fields(record)
-            if "kind" in f.metadata and getattr(record, f.name) is not None}
+            if "type" in f.metadata and getattr(record, f.name) is not None}
 
 
-def device_base_name(kind: str, kinds: set[str]) -> str:
+def _device_stem(kind: str, kinds: set[str]) -> str:
     """Readable stem of device names: 'V100-32GB' -> 'v100', 'RTX-3090' -> 'rtx-3090' (the first
     part that names a model number), the full kind 'a100-80gb' when another kind shares the stem."""
     def slug(k: str) -> str:
@@ -340,7 +337,7 @@ def _check_cluster(c: Cluster) -> None:
 # -- the file schema -------------------------------------------------------------------------------
 def _rules(cls: type) -> dict[str, Optional[dict]]:
     """Field name -> rule of a record type; None for a field whose value is a nested record."""
-    return {f.name: (dict(f.metadata) if "kind" in f.metadata else None) for f in fields(cls)}
+    return {f.name: (dict(f.metadata) if "type" in f.metadata else None) for f in fields(cls)}
 
 
 def _required(cls: type) -> set[str]:
@@ -349,9 +346,10 @@ def _required(cls: type) -> set[str]:
 
 _TOP_RULES = {"name": _meta(str, "cluster name"), "network": None, "hosts": None, "emulation": None}
 _HOST_RULES = {"name": _meta(str, "host name"), "devices": None}
-_DEVICE_RULES = {**{k: v for k, v in _rules(Device).items() if k not in ("name", "host")},
+_GENERATED = ("name", "host")  # device fields a file does not set: from the kind and the enclosing host
+_DEVICE_RULES = {**{k: v for k, v in _rules(Device).items() if k not in _GENERATED},
                  "count": _meta(int, "number of identical devices", gt=0)}
-_DEVICE_REQUIRED = _required(Device) - {"name", "host"}
+_DEVICE_REQUIRED = _required(Device) - set(_GENERATED)
 
 
 class _Reader:
@@ -423,7 +421,7 @@ def _parse_cluster(data: Any, origin: str) -> Cluster:
     counters: dict[str, int] = {}
     devices = []
     for host_name, dev in entries:
-        base = device_base_name(dev["kind"], kinds)
+        base = _device_stem(dev["kind"], kinds)
         spec = {k: v for k, v in dev.items() if k != "count"}
         for _ in range(dev.get("count", 1)):
             index = counters.get(base, 0)
