@@ -9,14 +9,30 @@ back into it. Segments whose real time overran the model are counted and reporte
 Collectives must stay outside segments. Where a collective is launched from inside a computation
 (DDP's gradient all-reduce fires during backward), call :meth:`Emulator.begin` before the
 computation and :meth:`Emulator.wait_deadline` right before the collective is launched.
+:meth:`Emulator.pad_forward` pads a module's own forward with hooks, so whatever a wrapper does
+around it (DDP's pre-forward bucket rebuild, a collective) stays outside the segment.
+
+Calibration (:func:`calibrate`): ``base_gflops`` must be low enough that the real computation fits
+inside the modeled time of the *fastest* emulated device even while every rank competes for the
+machine's cores; otherwise real time leaks into the measurement and the emulated speeds flatten.
+:func:`calibrate` times a forward+backward alone, scales it by ranks per core, and returns the
+largest safe ``base_gflops``; at run time every overrun is counted (``EmulationStats.overruns``)
+and the worst ratio of real to modeled time is kept, so a bad calibration is visible.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from whalelike.cluster import Cluster, Emulation
 
@@ -25,10 +41,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EmulationStats:
+    """Cumulative over an emulator's life; subtract two snapshots for one step's figures.
+
+    ``real_s`` is compute actually done, ``modeled_s`` what the emulated device would take,
+    ``padded_s`` the time the segments occupied (``max(real, modeled)`` each); ``worst_overrun``
+    is the largest real/modeled ratio among overrunning segments (0 when none overran).
+    """
+
     segments: int = 0
     overruns: int = 0
     modeled_s: float = 0.0
     real_s: float = 0.0
+    padded_s: float = 0.0
+    worst_overrun: float = 0.0
+
+    def snapshot(self) -> "EmulationStats":
+        return dataclasses.replace(self)
+
+    def since(self, earlier: "EmulationStats") -> "EmulationStats":
+        """The figures accumulated after ``earlier`` (a :meth:`snapshot`); ``worst_overrun`` is
+        the running maximum, kept as is."""
+        return EmulationStats(
+            segments=self.segments - earlier.segments, overruns=self.overruns - earlier.overruns,
+            modeled_s=self.modeled_s - earlier.modeled_s, real_s=self.real_s - earlier.real_s,
+            padded_s=self.padded_s - earlier.padded_s, worst_overrun=self.worst_overrun,
+        )
 
 
 class Emulator:
@@ -93,9 +130,12 @@ class Emulator:
         self.stats.segments += 1
         self.stats.real_s += real
         self.stats.modeled_s += modeled
+        self.stats.padded_s += max(real, modeled)
         if self.enabled:
             if now > self._deadline:
                 self.stats.overruns += 1
+                if modeled > 0:
+                    self.stats.worst_overrun = max(self.stats.worst_overrun, real / modeled)
             else:
                 time.sleep(self._deadline - now)
         self._deadline = None
@@ -108,3 +148,84 @@ class Emulator:
             yield
         finally:
             self.wait_deadline()
+
+    def pad_forward(self, module: nn.Module, flops_per_sample: float) -> Callable[[], None]:
+        """Make every forward of ``module`` one compute segment of ``flops_per_sample`` x batch
+        (dimension 0 of its first tensor argument). Returns a function that removes the padding.
+
+        Hooks on the module itself, not on a wrapper around it: DDP's pre-forward may communicate
+        (bucket rebuild on the second iteration), and that must stay outside the segment.
+        """
+
+        def begin(_module, args, kwargs):
+            samples = _batch_size(args, kwargs)
+            self.begin(flops_per_sample * samples, samples)
+
+        def end(_module, _args, _kwargs, _output):
+            self.wait_deadline()
+
+        handles = [module.register_forward_pre_hook(begin, with_kwargs=True),
+                   module.register_forward_hook(end, with_kwargs=True, always_call=True)]
+
+        def remove() -> None:
+            for h in handles:
+                h.remove()
+
+        return remove
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("pad_forward: the module was called without a batched tensor argument")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The result of :func:`calibrate`: the largest safe ``base_gflops`` and how it was derived."""
+
+    base_gflops: float
+    flops: float          # FLOPs of the timed forward+backward
+    real_s: float         # its median real time, alone
+    contention: float     # ranks per core: how much slower it gets when every rank computes at once
+    margin: float
+
+    def __str__(self) -> str:
+        return (f"base_gflops <= {self.base_gflops:.3g} (forward+backward of {self.flops / 1e9:.3g} GFLOP takes "
+                f"{self.real_s * 1e3:.3g} ms alone, x{self.contention:.3g} for ranks per core, margin {self.margin:g})")
+
+
+def calibrate(model: nn.Module, inputs: tuple, targets: torch.Tensor, loss_fn: Callable, speeds: Sequence[float],
+              ranks: int, cores: Optional[int] = None, margin: float = 1.5, repeats: int = 5) -> Calibration:
+    """Largest ``base_gflops`` for which a forward+backward of ``model`` fits inside its modeled time.
+
+    Run it on the *smallest* micro-batch any rank will process (small batches do the least work
+    per second, so they overrun first). ``speeds`` are the emulated speeds; the fastest device has
+    the shortest modeled time and binds. ``ranks`` processes share ``cores`` cores (default: this
+    machine's), so real time is scaled by ``max(1, ranks / cores)``; ``margin`` adds headroom for
+    noise. FLOPs come from torch's ``FlopCounterMode``. The model's gradients are left dirty.
+    """
+    if not speeds or min(speeds) <= 0:
+        raise ValueError(f"calibrate: speeds must be positive, got {list(speeds)}")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(*inputs), targets).backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = float(counter.get_total_flops())
+    if flops <= 0:
+        raise ValueError("calibrate: FlopCounterMode counted no FLOPs in the model's forward+backward")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    real = statistics.median(times)
+    contention = max(1.0, ranks / (cores or os.cpu_count() or 1))
+    base = flops / (max(speeds) * margin * real * contention) / 1e9
+    result = Calibration(base_gflops=base, flops=flops, real_s=real, contention=contention, margin=margin)
+    log.info("emulation calibration: %s", result)
+    return result
