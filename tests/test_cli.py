@@ -198,7 +198,7 @@ def test_outputs_are_all_or_nothing(tmp_path):
 @pytest.fixture
 def synthetic_capture(monkeypatch):
     graphs = synthetic_model(num_layers=4, strategies=(replicate(), replicate()), hidden=64, seq=8, heads=4)
-    monkeypatch.setattr("whalelike.cli.capture_workload", lambda args: (None, graphs))
+    monkeypatch.setattr("whalelike.cli.capture_workload", lambda args: graphs)
     return graphs
 
 

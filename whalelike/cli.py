@@ -85,8 +85,10 @@ def load_workload(spec: str):
     try:
         module_spec.loader.exec_module(module)
     except WhaleError:
+        del sys.modules[module_name]
         raise
     except Exception as e:
+        del sys.modules[module_name]
         raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
                          "for the traceback)") from e
     factory = getattr(module, factory_name, None)
@@ -108,13 +110,13 @@ def load_workload(spec: str):
 
 
 def capture_workload(args: argparse.Namespace):
-    """(Workload, TaskGraphs) of the command's MODEL under its optimizer."""
+    """The TaskGraphs of the command's MODEL, costed for its optimizer."""
     wl = load_workload(args.model)
     from .capture import capture  # after the factory's checks: they fail fast, capture imports more
 
     with _status(f"capturing {args.model}"):
         graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer)
-    return wl, graphs
+    return graphs
 
 
 @contextlib.contextmanager
@@ -172,7 +174,7 @@ def _outputs() -> Iterator[_Outputs]:
 
 # -- commands --------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> None:
-    _, graphs = capture_workload(args)
+    graphs = capture_workload(args)
     print(json.dumps(graphs.to_dict(), indent=2) if args.json else graphs.table())
 
 
@@ -199,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                    (args.timeline, planner.timeline.write_png),
                    (args.trace, planner.timeline.write_chrome_trace)]
         staged = [(out.stage(target), write) for target, write in targets if target is not None]
-        _, graphs = capture_workload(args)
+        graphs = capture_workload(args)
         with _status(f"planning on {cluster.name} ({cluster.inventory()})"):
             plan = planner.plan(graphs, cluster, config)
         print(plan.summary())
