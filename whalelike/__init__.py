@@ -3,6 +3,8 @@
 Public face (DESIGN.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
 ``Cluster``, ``Config``.
 """
+from .annotate import annotate
+from .capture import capture
 from .config import Config
 from .cluster import Cluster, Device, Network
 from .errors import AnnotationError, CaptureError, SpecError, WhaleError
@@ -12,6 +14,6 @@ from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 __all__ = [
     "Config", "Cluster", "Device", "Network",
     "AnnotationError", "CaptureError", "SpecError", "WhaleError",
-    "Strategy", "replicate", "split", "set_default_strategy",
+    "Strategy", "replicate", "split", "set_default_strategy", "annotate", "capture",
     "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
 ]

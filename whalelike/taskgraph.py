@@ -7,11 +7,17 @@ scale them to any batch share; parameter and optimizer bytes are per whole TaskG
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import networkx as nx
 
+from .display import format_table, human_bytes, human_count, human_flops
+from .errors import SpecError
 from .strategy import Strategy
 
 
@@ -124,3 +130,114 @@ class TaskGraphs:
         for b in self.boundaries:
             g.add_edge(b.src, b.dst, bytes_per_sample=b.bytes_per_sample, tensors=b.tensors)
         return g
+
+    # -- identity and serialisation ---------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the model's structure: strategies, module paths, parameter counts, layer names,
+        boundary shapes. Stable across runs and processes (no ids, no node names, no costs), so a
+        saved plan can check it is applied to the model it was made for."""
+        payload = {
+            "graphs": [[str(g.strategy), list(g.module_paths), list(g.layers), g.param_count,
+                        sorted(g.shardable.items())] for g in self.graphs],
+            "layers": [[l.name, l.taskgraph, l.param_count] for l in self.layers],
+            "boundaries": [[b.src, b.dst, [[list(t.shape), t.dtype, t.batched] for t in b.tensors]]
+                           for b in self.boundaries],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        """JSON-safe form of everything but the live ``graph_module``."""
+        return {
+            "method": self.method,
+            "optimizer": self.optimizer,
+            "example_batch_size": self.example_batch_size,
+            "fingerprint": self.fingerprint,
+            "graphs": [{**dataclasses.asdict(g), "strategy": _strategy_to_dict(g.strategy)} for g in self.graphs],
+            "layers": [dataclasses.asdict(l) for l in self.layers],
+            "boundaries": [dataclasses.asdict(b) for b in self.boundaries],
+            "node_taskgraph": self.node_taskgraph,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TaskGraphs":
+        """Inverse of :meth:`to_dict` (``graph_module`` is None: re-capture to train)."""
+        try:
+            graphs = [TaskGraph(**{**g, "strategy": _strategy_from_dict(g["strategy"]),
+                                   "module_paths": tuple(g["module_paths"]), "layers": tuple(g["layers"]),
+                                   "shardable": dict(g["shardable"])}) for g in data["graphs"]]
+            layers = [Layer(**{**l, "nodes": tuple(l["nodes"])}) for l in data["layers"]]
+            boundaries = [Boundary(b["src"], b["dst"], tuple(
+                TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
+                for b in data["boundaries"]]
+            out = cls(graphs, layers, boundaries, data["optimizer"], data["example_batch_size"], data["method"],
+                      node_taskgraph=data.get("node_taskgraph"))
+        except (KeyError, TypeError) as e:
+            raise SpecError(f"TaskGraphs.from_dict: malformed data ({type(e).__name__}: {e})") from None
+        if "fingerprint" in data and data["fingerprint"] != out.fingerprint:
+            raise SpecError("TaskGraphs.from_dict: fingerprint does not match the data; the file was edited or corrupted")
+        return out
+
+    # -- display ------------------------------------------------------------------------------------
+    def table(self) -> str:
+        """An aligned table, one row per TaskGraph, costs per sample, memory per whole TaskGraph."""
+        rows = []
+        for g in self.graphs:
+            sends = [f"->{b.dst} {human_bytes(b.bytes_per_sample)}" for b in self.boundaries if b.src == g.index]
+            rows.append([
+                g.index, str(g.strategy), abbreviate_paths(g.module_paths), human_count(g.param_count),
+                human_bytes(g.param_bytes), human_bytes(g.optimizer_state_bytes), human_flops(g.forward_flops),
+                human_flops(g.backward_flops), human_bytes(g.activation_bytes_per_sample), ", ".join(sends) or "-",
+            ])
+        rows.append([
+            "total", "", f"{len(self.layers)} layers", human_count(sum(g.param_count for g in self.graphs)),
+            human_bytes(sum(g.param_bytes for g in self.graphs)),
+            human_bytes(sum(g.optimizer_state_bytes for g in self.graphs)),
+            human_flops(sum(g.forward_flops for g in self.graphs)),
+            human_flops(sum(g.backward_flops for g in self.graphs)),
+            human_bytes(sum(g.activation_bytes_per_sample for g in self.graphs)), "",
+        ])
+        title = (f"{len(self.graphs)} TaskGraph(s), captured with torch.{self.method}; FLOPs and activations per "
+                 f"sample (example batch {self.example_batch_size}), optimizer state for {self.optimizer}")
+        headers = ["#", "strategy", "modules", "params", "param mem", "optim mem", "fwd/sample", "bwd/sample",
+                   "act/sample", "sends/sample"]
+        return format_table(headers, rows, title=title)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _strategy_to_dict(s: Strategy) -> dict:
+    return {"kind": s.kind, "device_count": s.device_count,
+            "inner": _strategy_to_dict(s.inner) if s.inner is not None else None}
+
+
+def _strategy_from_dict(d: dict) -> Strategy:
+    inner = _strategy_from_dict(d["inner"]) if d.get("inner") else None
+    return Strategy(d["kind"], d.get("device_count"), inner)
+
+
+_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
+
+
+def abbreviate_paths(paths, width: int = 60) -> str:
+    """``transformer.h.0, transformer.h.1, transformer.h.2`` -> ``transformer.h.0-2``; long lists end in ``(+N)``."""
+    parts: list[list] = []  # [prefix, first, last] runs of consecutive numbered siblings, or [path]
+    for p in paths:
+        m = _NUMBERED.match(p)
+        if m and parts and len(parts[-1]) == 3 and parts[-1][0] == m[1] and parts[-1][2] + 1 == int(m[2]):
+            parts[-1][2] = int(m[2])
+        elif m:
+            parts.append([m[1], int(m[2]), int(m[2])])
+        else:
+            parts.append([p])
+    names = [x[0] if len(x) == 1 else (f"{x[0]}{x[1]}" if x[1] == x[2] else f"{x[0]}{x[1]}-{x[2]}") for x in parts]
+    text = ", ".join(names)
+    if len(text) <= width:
+        return text
+    shown = []
+    for k, n in enumerate(names):
+        if len(", ".join(shown + [n])) > width - 8:
+            return ", ".join(shown) + f" (+{len(names) - k})"
+        shown.append(n)
+    return text

@@ -1,0 +1,129 @@
+"""Annotate a model by module path, for models whose code the user cannot edit.
+
+``annotate(model, {"transformer.h.0-5": replicate(2), "lm_head": split(4)})`` tags the matched
+modules exactly as if they had been constructed under the scope (``_wl_scope``, see
+:mod:`whalelike.strategy`), so capture treats both forms the same way. Each mapping entry is one
+scope and therefore one TaskGraph, however many modules its pattern matches.
+
+Patterns:
+
+* an exact path: ``"encoder.embeddings"``;
+* a range of numbered children: ``"transformer.h.0-5"`` (children ``0`` to ``5`` inclusive);
+* an fnmatch glob: ``"encoder.layer.*"`` (``*`` also crosses dots, as in fnmatch).
+
+Entries are applied outermost first, so an entry inside another's module nests under it
+(``split`` inside ``replicate`` is tensor parallel inside each replica; other nestings are errors).
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import logging
+import re
+from typing import Mapping
+
+import torch.nn as nn
+
+from .errors import AnnotationError
+from .strategy import Strategy, _nest, _scope_ids
+
+log = logging.getLogger(__name__)
+
+_RANGE = re.compile(r"^(?P<prefix>.*?)(?P<lo>\d+)-(?P<hi>\d+)(?P<suffix>(\..*)?)$")
+
+
+def annotate(model: nn.Module, mapping: Mapping[str, Strategy]) -> dict[str, list[str]]:
+    """Tag the modules matched by each pattern of ``mapping`` with its strategy.
+
+    Returns, per pattern, the module paths it matched (in model order). Every module under a
+    matched module is tagged too, so construction-time tags inside it are overridden; a deeper
+    entry of the same mapping then re-tags its own subtree, nested under the outer strategy.
+    """
+    if not isinstance(model, nn.Module):
+        raise AnnotationError(f"annotate expects an nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    matched: dict[str, list[str]] = {}
+    for pattern, strategy in mapping.items():
+        if not isinstance(strategy, Strategy):
+            raise AnnotationError(
+                f"annotate: the value for {pattern!r} must be wl.replicate(...) or wl.split(...), got {strategy!r}"
+            )
+        matched[pattern] = _match(pattern, modules)
+    owner: dict[str, str] = {}
+    for pattern, paths in matched.items():
+        for path in paths:
+            if path in owner:
+                raise AnnotationError(
+                    f"annotate: module {path!r} is matched by both {owner[path]!r} and {pattern!r}; "
+                    "make the patterns disjoint"
+                )
+            owner[path] = pattern
+
+    # Outermost first: a pattern's scope nests inside the scope of the pattern enclosing it.
+    order = sorted(matched, key=lambda p: min(_depth(path) for path in matched[p]))
+    scopes: dict[str, Strategy] = {}
+    for pattern in order:
+        outer = _enclosing_scope(matched[pattern][0], owner, scopes)
+        scope = _scope(outer, mapping[pattern])
+        scopes[pattern] = scope
+        for path in matched[pattern]:
+            for sub in modules[path].modules():
+                object.__setattr__(sub, "_wl_scope", scope)
+        log.debug("annotate %r -> %s on %s", pattern, scope, matched[pattern])
+    return matched
+
+
+def _scope(outer, strategy: Strategy) -> Strategy:
+    """A fresh scope (new id, so one TaskGraph per entry) for ``strategy`` nested in ``outer``."""
+    if strategy.inner is not None and outer is None:  # an already nested replicate+split
+        return Strategy(strategy.kind, strategy.device_count, strategy.inner, next(_scope_ids))
+    return _nest(outer, strategy)
+
+
+def _depth(path: str) -> int:
+    return path.count(".") + 1 if path else 0
+
+
+def _enclosing_scope(path: str, owner: Mapping[str, str], scopes: Mapping[str, Strategy]):
+    """The scope of the nearest matched ancestor of ``path`` (already applied), else None."""
+    parts = path.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        pattern = owner.get(".".join(parts[:k]))
+        if pattern is not None:
+            return scopes[pattern]
+    return None
+
+
+def _match(pattern: str, modules: Mapping[str, nn.Module]) -> list[str]:
+    if not isinstance(pattern, str) or not pattern:
+        raise AnnotationError(f"annotate: module path must be a non-empty string, got {pattern!r}")
+    if pattern in modules:
+        return [pattern]
+    found: list[str] = []
+    m = _RANGE.match(pattern)
+    if m:
+        lo, hi = int(m["lo"]), int(m["hi"])
+        if lo > hi:
+            raise AnnotationError(f"annotate: range {pattern!r} is empty ({lo} > {hi}); write it low-high")
+        wanted = [f"{m['prefix']}{i}{m['suffix']}" for i in range(lo, hi + 1)]
+        missing = [w for w in wanted if w not in modules]
+        if missing and len(missing) < len(wanted):
+            raise AnnotationError(
+                f"annotate: range {pattern!r} names modules that do not exist: {', '.join(missing)}"
+            )
+        found = [w for w in wanted if w in modules]
+    elif any(c in pattern for c in "*?["):
+        found = [p for p in modules if p and fnmatch.fnmatchcase(p, pattern)]
+        # A glob matches a subtree's root and its children alike; keep only the outermost matches.
+        found = [p for p in found if not any(p.startswith(q + ".") for q in found)]
+    if not found:
+        close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.5)
+        hint = f"closest existing paths: {', '.join(close)}" if close else (
+            f"top-level modules: {', '.join(n for n, _ in _children(modules))}")
+        raise AnnotationError(f"annotate: no module matches {pattern!r} in the model; {hint}")
+    return found
+
+
+def _children(modules: Mapping[str, nn.Module]):
+    return [(p, m) for p, m in modules.items() if p and "." not in p]
+

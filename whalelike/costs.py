@@ -1,0 +1,156 @@
+"""Measure per-node costs of a captured graph on meta tensors: FLOPs, saved activations, output shapes.
+
+One forward and one backward of a *meta* copy of the graph (no real memory, no real compute) under
+``torch.utils.flop_counter.FlopCounterMode``. FlopCounterMode counts the whole run; we only
+attribute its counts: a small dispatch mode reads the counter's total around every operator and
+charges the difference to
+
+* forward: the graph node the interpreter is running;
+* backward: the graph node whose forward created the autograd node now executing
+  (``torch._C._current_autograd_node()``; autograd sequence numbers grow in creation order, so the
+  sequence number locates the creating graph node).
+
+So the per-node numbers sum exactly to FlopCounterMode's totals. Activations are what autograd
+saves for backward (``saved_tensors_hooks``), each storage counted once and parameters/buffers
+never, charged to the node that first saved it.
+
+The user's model is never touched: the meta copy is a ``deepcopy`` whose memo maps every parameter
+and buffer to an empty meta tensor of the same shape, so nothing real is copied.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """Shape and dtype of one tensor a node produces (the whole example batch)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class NodeCosts:
+    """Totals over the example batch, keyed by node name."""
+
+    forward_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    backward_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    saved_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    outputs: dict[str, tuple[ValueSpec, ...]] = field(default_factory=dict)
+    total_forward_flops: float = 0.0
+    total_backward_flops: float = 0.0
+
+
+def measure(gm: fx.GraphModule, inputs: list[Any]) -> NodeCosts:
+    """Run ``gm`` forward and backward on meta copies of itself and ``inputs``; attribute the costs."""
+    meta_gm = meta_copy(gm)
+    meta_inputs = tree_map(_to_meta, inputs)
+    costs = NodeCosts()
+    persistent = {id(t) for t in [*meta_gm.parameters(), *meta_gm.buffers()]}
+    interp = _Recorder(meta_gm, costs)
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor):
+        root = t if t._base is None else t._base
+        if id(root) not in persistent and id(root) not in saved and interp.current is not None:
+            saved[id(root)] = root  # keep it alive so its id is not reused during the run
+            costs.saved_bytes[interp.current] += root.numel() * root.element_size()
+        return t
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter, _Attribution(counter, interp, costs), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = interp.run(*meta_inputs, enable_io_processing=False)
+            interp.current = None
+            costs.total_forward_flops = counter.get_total_flops()
+            roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+            costs.total_backward_flops = counter.get_total_flops() - costs.total_forward_flops
+    except Exception as e:  # noqa: BLE001 - name the node that failed
+        where = interp.current or "backward"
+        raise CaptureError(
+            f"capture: measuring costs on meta tensors failed at node {where!r} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); operators that read tensor "
+            "values (.item(), data-dependent shapes) cannot run on meta tensors, move them out of forward"
+        ) from e
+    return costs
+
+
+def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm`` whose parameters and buffers are empty meta tensors (tying preserved)."""
+    memo: dict[int, Any] = {}
+    for p in gm.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in gm.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(gm, memo)
+
+
+def _to_meta(x: Any) -> Any:
+    return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph, remembering the current node, each node's output specs and, for the
+    backward attribution, the highest autograd sequence number each node created."""
+
+    def __init__(self, gm: fx.GraphModule, costs: NodeCosts):
+        super().__init__(gm)
+        self.costs = costs
+        self.current: Optional[str] = None
+        self.seq_bounds: list[int] = []  # increasing: highest sequence number created up to node i
+        self.seq_nodes: list[str] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n.name if n.op not in ("placeholder", "output") else None
+        result = super().run_node(n)
+        tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        self.costs.outputs[n.name] = tuple(ValueSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
+        seqs = [t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None]
+        if seqs and self.current is not None and (not self.seq_bounds or max(seqs) > self.seq_bounds[-1]):
+            self.seq_bounds.append(max(seqs))
+            self.seq_nodes.append(n.name)
+        return result
+
+    def creator(self, sequence_nr: int) -> Optional[str]:
+        i = bisect.bisect_left(self.seq_bounds, sequence_nr)
+        return self.seq_nodes[i] if i < len(self.seq_nodes) else None
+
+
+class _Attribution(TorchDispatchMode):
+    """Charges each operator's FLOPs (as FlopCounterMode counted them) to a graph node."""
+
+    def __init__(self, counter: FlopCounterMode, interp: _Recorder, costs: NodeCosts):
+        super().__init__()
+        self.counter, self.interp, self.costs = counter, interp, costs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.counter.get_total_flops()
+        out = func(*args, **(kwargs or {}))
+        delta = self.counter.get_total_flops() - before
+        if delta:
+            autograd_node = torch._C._current_autograd_node()
+            if autograd_node is not None:
+                owner = self.interp.creator(autograd_node._sequence_nr())
+                self.costs.backward_flops[owner or "<unattributed>"] += delta
+            else:
+                self.costs.forward_flops[self.interp.current or "<unattributed>"] += delta
+        return out
