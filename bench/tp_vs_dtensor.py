@@ -27,7 +27,7 @@ The overrun counts printed per side show whether real compute (or an accidental 
 modeled time; with the hooks above they stay at zero on a quiet machine. The two sides alternate in
 rounds and the median step time per side is reported, to share the machine's noise fairly.
 
-    .venv/bin/python bench/tp_vs_dtensor.py [--steps 10 --rounds 3 --dim 512 --batch 32 --base-gflops 2]
+    .venv/bin/python bench/tp_vs_dtensor.py [--steps 10 --rounds 3 --dim 512 --batch 32 --base-gflops 1]
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
     parser.add_argument("--dim", type=int, default=512, help="model dimension d (hidden 4d)")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--base-gflops", type=float, default=2.0, help="emulated GFLOP/s of a speed-1 device")
+    parser.add_argument("--base-gflops", type=float, default=1.0, help="emulated GFLOP/s of a speed-1 device")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
