@@ -3,7 +3,9 @@
 Every check trains the unsharded reference and its tensor-parallel copy from the same initial
 weights on the same data for 3 steps, with SGD (momentum) and with AdamW, and compares losses,
 gradients (each rank's slice) and the gathered final parameters. Each check runs once with the
-emulated-device path (custom autograd matmul padded to modeled time) and once without.
+emulated-device path (custom autograd matmul padded to modeled time) and once without. The graph
+transform runs the Engine's path: ``wl.capture`` of a scoped model, ``split_stages``, then
+``shard_module`` on the split stage.
 """
 from __future__ import annotations
 
@@ -12,16 +14,16 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from torch.testing import assert_close
 
+import whalelike as wl
 from runtime.emulation import Emulator
 from runtime.stages import split_stages
 from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths,
-                                     pad_plain_linears, shard_module)
+                                     pad_plain_linears, shard_module, split_taskgraphs)
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
@@ -120,14 +122,18 @@ class _Net(nn.Module):
     GELU pair, a SwiGLU triple, a lone Linear feeding a residual, and a classifier producing the
     model output. Nested paths (``mlp.fc1``) get renamed when the graph is cut into stages."""
 
+    shard_sizes = {p: HIDDEN_SHARDS for p in ("mlp.fc1", "gate", "up", "proj")} | {"head": CLASS_SHARDS}
+
     def __init__(self):
         super().__init__()
-        self.embed = nn.Linear(DIN, 32)
-        self.mlp = nn.Module()
-        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)
-        self.gate, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
-        self.proj = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 11)
+        with wl.replicate(WORLD):
+            self.embed = nn.Linear(DIN, 32)
+        with wl.split(WORLD):
+            self.mlp = nn.Module()
+            self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)
+            self.gate, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+            self.proj = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 11)
 
     def forward(self, x):
         h = torch.relu(self.embed(x))
@@ -141,15 +147,14 @@ def _check_transform(rank, group, emulator, make_opt):
     """The path the Engine takes: capture, cut into stages, shard the split stage, train."""
     torch.manual_seed(7)
     ref = _Net()
-    gm = fx.symbolic_trace(copy.deepcopy(ref))
-    node_taskgraph = {n.name: 0 if n.name.startswith("embed") else 1
-                      for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-    pipeline = split_stages(gm, node_taskgraph)
+    graphs = wl.capture(copy.deepcopy(ref), (torch.randn(BATCH, DIN),))  # shares the copy's parameters
+    gm, node_taskgraph = graphs.graph_module, graphs.node_taskgraph
+    assert split_taskgraphs(graphs) == {1} and set(_Net.shard_sizes) <= set(graphs[1].shardable)
+    pipeline = split_stages(gm, node_taskgraph)  # one stage per TaskGraph
     stage = pipeline.stages[1].module
     paths = original_module_paths(gm, stage)
     assert paths["mlp_fc1"] == "mlp.fc1"
-    sizes = {p: HIDDEN_SHARDS for p in ("mlp.fc1", "gate", "up", "proj")} | {"head": CLASS_SHARDS}
-    sharded = shard_module(stage, node_taskgraph, {1}, sizes, rank, group, loss_fn=nn.CrossEntropyLoss(),
+    sharded = shard_module(stage, node_taskgraph, {1}, _Net.shard_sizes, rank, group, loss_fn=nn.CrossEntropyLoss(),
                            emulator=emulator, module_paths=paths)
     assert sharded.roles == {"mlp.fc1": "column", "mlp.fc2": "row", "gate": "column", "up": "column",
                              "down": "row", "proj": "column+gather", "head": "classifier"}
@@ -206,9 +211,9 @@ def test_uneven_tensor_parallel_matches_single_process():
 
 def test_roles_follow_the_loss_and_missing_shard_sizes_are_named():
     """Single process, no collectives: only the analysis and the validation run."""
-    gm = fx.symbolic_trace(_Net())
-    node_taskgraph = {n.name: 0 if n.name.startswith("embed") else 1 for n in gm.graph.nodes}
-    sizes = {p: [16, 16] for p in ("mlp.fc1", "gate", "up", "proj")} | {"head": [6, 5]}
+    graphs = wl.capture(_Net(), (torch.randn(BATCH, DIN),))
+    gm, node_taskgraph = graphs.graph_module, graphs.node_taskgraph
+    sizes = _Net.shard_sizes
     # Without a plain cross-entropy the head's logits must be gathered for the user's loss.
     sharded = shard_module(copy.deepcopy(gm), node_taskgraph, {1}, sizes, 0, loss_fn=F.mse_loss)
     assert sharded.roles["head"] == "column+gather" and sharded.sharded_loss is None
