@@ -53,7 +53,7 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
 
     gm, method = trace(model, args, kwargs)
     regions = assign_regions(gm, model)
-    costs = measure(gm, placeholder_values(gm, method, model, args, kwargs))
+    costs = measure(gm, placeholder_values(gm, method, model, args, kwargs), regions.node_taskgraph)
     unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
     if unattributed:
         log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)

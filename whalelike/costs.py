@@ -11,8 +11,9 @@ charges the difference to
   sequence number locates the creating graph node).
 
 So the per-node numbers sum exactly to FlopCounterMode's totals. Activations are what autograd
-saves for backward (``saved_tensors_hooks``), each storage counted once and parameters/buffers
-never, charged to the node that first saved it.
+saves for backward (``saved_tensors_hooks``), each storage counted once per group (TaskGraph: a
+tensor saved in two TaskGraphs lives on two devices) and parameters/buffers never, charged to the
+node that first saved it.
 
 The user's model is never touched: the meta copy is a ``deepcopy`` whose memo maps every parameter
 and buffer to an empty meta tensor of the same shape, so nothing real is copied.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 import copy
 import logging
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -58,19 +60,25 @@ class NodeCosts:
     total_backward_flops: float = 0.0
 
 
-def measure(gm: fx.GraphModule, inputs: list[Any]) -> NodeCosts:
-    """Run ``gm`` forward and backward on meta copies of itself and ``inputs``; attribute the costs."""
+def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int]) -> NodeCosts:
+    """Run ``gm`` forward and backward on meta copies of itself and ``inputs``; attribute the costs.
+
+    ``group`` maps node names to the unit (TaskGraph) within which a saved tensor is counted once.
+    """
     meta_gm = meta_copy(gm)
     meta_inputs = tree_map(_to_meta, inputs)
     costs = NodeCosts()
     persistent = {id(t) for t in [*meta_gm.parameters(), *meta_gm.buffers()]}
     interp = _Recorder(meta_gm, costs)
-    saved: dict[int, torch.Tensor] = {}
+    saved: dict[tuple[int, int], torch.Tensor] = {}
 
     def pack(t: torch.Tensor):
         root = t if t._base is None else t._base
-        if id(root) not in persistent and id(root) not in saved and interp.current is not None:
-            saved[id(root)] = root  # keep it alive so its id is not reused during the run
+        if interp.current is None or id(root) in persistent:
+            return t
+        key = (group.get(interp.current, -1), id(root))
+        if key not in saved:
+            saved[key] = root  # keep it alive so its id is not reused during the run
             costs.saved_bytes[interp.current] += root.numel() * root.element_size()
         return t
 
@@ -101,7 +109,9 @@ def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in gm.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(gm, memo)
+    with warnings.catch_warnings():  # torch's own pytree specs warn about deprecated checks when copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm, memo)
 
 
 def _to_meta(x: Any) -> Any:

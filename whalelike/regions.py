@@ -63,8 +63,10 @@ def assign_regions(gm: fx.GraphModule, model: nn.Module) -> Regions:
     for node in body:
         scope[node] = _explicit_scope(node, modules, gm)
         layer[node] = namer(node.meta.get("wl_path", ""))
+    explicit = [n for n in body if scope[n] is not None]
     _resolve_glue(body, scope, layer)
-    _reorder(gm, body, scope, layer)
+    _attach_root_code(body, scope, layer, gm)
+    _reorder(gm, body, explicit, scope, layer)
 
     ordered = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     node_tg: dict[str, int] = {}
@@ -136,13 +138,32 @@ def _resolve_glue(body: list[fx.Node], scope: dict, layer: dict) -> None:
             scope[node] = default_strategy()
 
 
+def _attach_root_code(body: list[fx.Node], scope: dict, layer: dict, gm: fx.GraphModule) -> None:
+    """Parameter-free code of the model's own ``forward`` (a ``flatten`` between two blocks) joins
+    the layer of its first consumer in the same scope, else of its last producer there."""
+    position = {n: i for i, n in enumerate(body)}
+    for node in reversed(body):
+        if layer[node] == ROOT_LAYER and not _uses_parameters(node, gm):
+            users = sorted((u for u in node.users if u in position and scope[u] is scope[node]
+                            and layer[u] != ROOT_LAYER), key=position.get)
+            if users:
+                layer[node] = layer[users[0]]
+    for node in body:
+        if layer[node] == ROOT_LAYER and not _uses_parameters(node, gm):
+            inputs = [a for a in node.all_input_nodes if a in position and scope[a] is scope[node]
+                      and layer[a] != ROOT_LAYER]
+            if inputs:
+                layer[node] = layer[max(inputs, key=position.get)]
+
+
 # -- ordering ---------------------------------------------------------------------------------------
-def _reorder(gm: fx.GraphModule, body: list[fx.Node], scope: dict, layer: dict) -> None:
-    """Topological order preferring earlier scopes, then earlier layers, then the original order."""
+def _reorder(gm: fx.GraphModule, body: list[fx.Node], explicit: list[fx.Node], scope: dict, layer: dict) -> None:
+    """Topological order preferring earlier scopes, then earlier layers (both ranked by where the
+    user's own code first uses them), then the original order."""
     position = {n: i for i, n in enumerate(body)}
     scope_rank: dict[int, int] = {}
     layer_rank: dict[str, int] = {}
-    for n in body:
+    for n in explicit + body:
         scope_rank.setdefault(scope[n].scope_id, len(scope_rank))
         layer_rank.setdefault(layer[n], len(layer_rank))
     preds: dict[fx.Node, set[fx.Node]] = {n: {a for a in n.all_input_nodes if a in position} for n in body}
