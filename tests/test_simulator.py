@@ -46,6 +46,7 @@ def test_single_stage_equal_workers_is_compute_plus_allreduce():
     workers = [worker(r, 0, [1.0] * 4, [2.0] * 4, dp=r, allreduce=5.0) for r in range(3)]
     result = simulate(make_plan(workers, 4))
     assert result.step_time_ms == pytest.approx(4 * 3.0 + 5.0)
+    assert result.schedule == "gradient accumulation"
     assert result.bubble_fraction == pytest.approx(0.0)
     for w in result.workers:
         assert (w.compute_ms, w.allreduce_ms, w.idle_ms, w.peak_in_flight) == pytest.approx((12.0, 5.0, 0.0, 1))
