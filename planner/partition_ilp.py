@@ -49,10 +49,10 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     mb = p.micro_batch
     scale = warm.bottleneck_s if warm is not None else mb * sum(l.flops for l in p.layers) / max(s.flops_per_s for s in p.slots)
     prob = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
-    T = pulp.LpVariable("T", lowBound=0)
+    T = prob.add_variable("T", lowBound=0)
     prob += T
 
-    b = {(l, k): pulp.LpVariable(f"b_{l}_{k}", cat="Binary") for l in range(L) for k in range(1, S)}
+    b = {(l, k): prob.add_variable(f"b_{l}_{k}", cat="Binary") for l in range(L) for k in range(1, S)}
 
     def B(l: int, k: int):
         return 1 if k == 0 else 0 if k == S else b[l, k]
@@ -91,7 +91,7 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     search = p.order == "search" and len(p.movable_slots) > 1
     movable = set(p.movable_slots) if search else set()
     if search:
-        pv = {(g, k): pulp.LpVariable(f"p_{g}_{k}", cat="Binary") for g in movable for k in range(S)}
+        pv = {(g, k): prob.add_variable(f"p_{g}_{k}", cat="Binary") for g in movable for k in range(S)}
         for g in range(S):
             if g not in movable:
                 continue
