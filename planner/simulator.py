@@ -12,15 +12,16 @@ model of execution is the runtime's:
   of each stage feeding it in the same replica; backward ``m`` needs the gradients from every
   group of each stage it feeds. A group sends once per boundary and micro-batch, through its first
   member, when the action ends; sends do not block compute (``isend``), but one worker's sends in
-  one direction share its link and go one after another, each taking ``BoundaryPlan.transfer_ms``.
+  one direction share its link and go one after another, each taking ``BoundaryPlan.transfer_ms``
+  (free when the plan left it empty).
 * After its last backward, each data-parallel group of a stage (every worker with that stage and
   ``tp_index``, over groups and replicas) all-reduces its gradients: the all-reduce starts when
   all members are done and takes the largest ``Worker.allreduce_ms`` among them.
 
 Processing order does not change the times: every resource (a group's device time, a worker's
 link) is used in program order, so each action's start is the maximum of known finish times.
-Actions whose inputs are missing wait on the input's key and are woken when it completes; the
-work is linear in the number of actions, which keeps 1024-device plans fast.
+A group whose next action lacks an input parks on that input's channel and is woken when every
+sender has sent; the work is linear in the number of actions, which keeps 1024-device plans fast.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from .schedule import Action, build_schedule, gradient_accumulation, max_in_flig
 from .validate import ScheduleError, validate_plan
 
 log = logging.getLogger(__name__)
+
 
 class SimEvent(NamedTuple):
     """One timed slice of the step on worker ``rank``: compute (``F``/``B``), a ``send`` to
@@ -85,6 +87,8 @@ class WorkerTime:
 
 @dataclass(frozen=True)
 class SimResult:
+    """One simulated step: its time, where each worker's time went, and every timed slice."""
+
     schedule: str                  # the plan's, or "gradient accumulation" for a single stage
     num_micro_batch: int
     global_batch_size: int
@@ -109,14 +113,13 @@ class SimResult:
              w.peak_in_flight]
             for w in self.workers
         ]
-        table = format_table(
+        return format_table(
             ["rank", "device", "replica", "stage", "compute ms", "all-reduce ms", "idle ms", "idle", "in flight"],
             rows,
             title=(f"simulated step ({self.schedule}, {self.num_micro_batch} micro-batch(es)): "
                    f"{self.step_time_ms:.2f} ms, bubble {100 * self.bubble_fraction:.1f}%, "
                    f"{self.throughput:.1f} samples/s"),
         )
-        return table
 
 
 @dataclass
@@ -205,15 +208,9 @@ def _groups(plan: Plan) -> list[_Group]:
     num_stages = len(plan.stages)
     stage_lists = (build_schedule(plan.schedule, num_stages, plan.num_micro_batch) if num_stages > 1 else None)
     out = []
-    for (replica, stage, dp), ws in sorted(members.items()):
+    for (replica, stage, _), ws in sorted(members.items()):
         ws.sort(key=lambda w: w.tp_index)
-        counts = {len(w.forward_ms) for w in ws}
-        if len(counts) != 1:
-            raise ScheduleError(
-                f"plan.workers {[w.rank for w in ws]} (replica {replica}, stage {stage}, dp_index {dp}) form a "
-                f"tensor-parallel group but have {sorted(counts)} micro-batches; they must process the same samples"
-            )
-        actions = stage_lists[stage] if stage_lists else gradient_accumulation(counts.pop())
+        actions = stage_lists[stage] if stage_lists else gradient_accumulation(len(ws[0].forward_ms))
         inputs: dict[str, list] = {"F": [], "B": []}
         outputs: dict[str, list] = {"F": [], "B": []}
         for i, b in enumerate(plan.boundaries):

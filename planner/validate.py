@@ -86,8 +86,9 @@ def validate_schedule(schedule: Schedule, edges: Sequence[Edge] | None = None) -
 
 def validate_plan(plan: Plan) -> None:
     """Check what simulating or running ``plan`` relies on: its schedule kind, one forward and
-    backward time per micro-batch on every worker, boundaries linking consecutive stages, and a
-    schedule (over those boundaries) that completes."""
+    backward time per micro-batch on every worker (the same count within a tensor-parallel
+    group), every stage staffed in every replica, boundaries feeding every stage after the first,
+    and a schedule (over those boundaries) that completes."""
     num_stages = len(plan.stages)
     for i, w in enumerate(plan.workers):
         where = f"plan.workers[{i}]"
@@ -107,6 +108,15 @@ def validate_plan(plan: Plan) -> None:
         for s in range(num_stages):
             if not plan.stage_workers(s, r):
                 raise ScheduleError(f"plan.workers: no worker runs stage {s} in replica {r}")
+    tp_groups: dict[tuple[int, int, int], list] = {}
+    for w in plan.workers:
+        tp_groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
+    for (r, s, dp), ws in tp_groups.items():
+        if len({len(w.forward_ms) for w in ws}) != 1:
+            raise ScheduleError(
+                f"plan.workers {[w.rank for w in ws]} (replica {r}, stage {s}, dp_index {dp}) form a tensor-parallel "
+                f"group but have {[len(w.forward_ms) for w in ws]} micro-batches; they must process the same samples"
+            )
     edges = []
     for i, b in enumerate(plan.boundaries):
         if not 0 <= b.src_stage < b.dst_stage < num_stages:

@@ -210,12 +210,21 @@ def test_summary_is_an_aligned_table():
         (lambda p: setattr(p.boundaries[0], "transfer_ms", [0.0]), "plan.boundaries[0].transfer_ms has 1 entries"),
         (lambda p: p.boundaries.append(p.boundaries[0]), "plan.boundaries[1]: a second boundary 0 -> 1"),
         (lambda p: setattr(p.workers[1], "stage", 2), "plan.workers[1].stage is 2, the plan has stages 0..1"),
+        (lambda p: setattr(p.workers[1], "replica", 1), "plan.workers: no worker runs stage 1 in replica 0"),
     ],
 )
 def test_inconsistent_plans_are_rejected_by_name(edit, message):
     plan = chain_plan([(1.0, 2.0)] * 2, 3, "1f1b")
     edit(plan)
     with pytest.raises(ScheduleError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        simulate(plan)
+
+
+def test_tensor_parallel_peers_with_different_micro_batch_counts_are_rejected():
+    plan = make_plan([worker(0, 0, [1.0] * 3, [1.0] * 3, tp=0, tp_size=2),
+                      worker(1, 0, [1.0] * 2, [1.0] * 2, tp=1, tp_size=2)], 3)
+    with pytest.raises(ScheduleError, match=r"plan.workers \[0, 1\] \(replica 0, stage 0, dp_index 0\) form a "
+                                            r"tensor-parallel group but have \[3, 2\] micro-batches"):
         simulate(plan)
 
 
