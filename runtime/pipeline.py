@@ -1,0 +1,348 @@
+"""Pipeline execution of a multi-stage Plan: one stage per rank, the Plan's schedule, exact gradients.
+
+Why not ``torch.distributed.pipelining``: its stages exchange whole micro-batches between exactly
+one rank per stage and every micro-batch has the same size. A whalelike Plan gives each worker of
+a stage its own, uneven, share of every micro-batch (faster devices take more samples), and stages
+sit on device groups of different sizes (stage 0 on two devices feeding stage 1 on one). So this
+module moves *sample slices*: each worker of a stage covers a contiguous sample range of micro-batch
+``m``, and exactly the overlap of a producer's range and a consumer's range travels between them
+(forward) and back (gradients). What is reused from torch: stage splitting by ``split_module``
+(:mod:`runtime.stages`), the P2P ops (``batch_isend_irecv``), DDP for the gradient sync within a
+stage group, and pipelining's way of driving DDP: ``no_sync`` for every micro-batch but the last
+backward, which first calls ``reducer.prepare_for_backward`` on the stage outputs.
+
+Sample layout of the global batch (every rank holds all of it, so model inputs and targets are
+sliced locally and never sent): replica-major, then micro-batch, then ``dp_index``. Replica ``r``
+owns a contiguous block, micro-batch ``m`` a contiguous block inside it, and worker ``dp_index = i``
+of a stage the ``i``-th piece of that block, of its ``micro_batch_sizes[m]`` samples.
+
+Exactness: the last stage weights ``loss_fn(outputs, targets)`` (a per-slice mean) by
+``samples / global_batch_size``, and gradients are *summed* over each stage's data-parallel group
+(all its workers in all replicas), so every parameter gradient is the global-batch mean gradient
+and the returned loss is the global-mean loss on every rank.
+
+Ordering: each rank runs ``planner.schedule.build_schedule(plan.schedule, ...)[stage]`` exactly
+(what is simulated is what runs). Receives block before an action, sends are posted after it and
+waited at the end of the step, which :mod:`planner.validate` proves deadlock-free for GPipe and
+1F1B. Every message has a unique tag (direction, micro-batch, boundary value), and both sides post
+their operations in the same order, so gloo (matches by peer and tag) and NCCL (by order) agree.
+
+Emulation: each F and each B of a micro-batch is one compute segment of the rank's
+:class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
+send and receive; the DDP all-reduce of the last backward waits for the segment's deadline.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+
+from planner.plan import Plan
+from planner.schedule import Action, build_schedule
+from runtime.emulation import Emulator
+from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed; the message names rank, stage, schedule step and micro-batch."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples ``[lo, hi)`` of a micro-batch (local to this rank's range) exchanged with ``peer``."""
+
+    value: ValueId
+    peer: int
+    lo: int
+    hi: int
+
+
+def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
+    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    offset = 0
+    for replica in range(plan.num_replicas):
+        block = [sum(w.micro_batch_sizes[m] for w in plan.stage_workers(0, replica)) for m in range(plan.num_micro_batch)]
+        for stage in range(len(plan.stages)):
+            start = offset
+            per_worker = {w.rank: [] for w in plan.stage_workers(stage, replica)}
+            for m in range(plan.num_micro_batch):
+                cursor = start
+                for w in sorted(plan.stage_workers(stage, replica), key=lambda w: w.dp_index):
+                    per_worker[w.rank].append((cursor, cursor + w.micro_batch_sizes[m]))
+                    cursor += w.micro_batch_sizes[m]
+                start += block[m]
+            ranges.update(per_worker)
+        offset += sum(block)
+    return ranges
+
+
+def _overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, tuple[int, int]]], value: ValueId) -> list[Piece]:
+    """Pieces of my range ``mine`` held by each peer (rank, range), in sample order."""
+    pieces = []
+    for peer, (start, stop) in peers:
+        lo, hi = max(start, mine[0]), min(stop, mine[1])
+        if lo < hi:
+            pieces.append(Piece(value, peer, lo - mine[0], hi - mine[0]))
+    return sorted(pieces, key=lambda p: p.lo)
+
+
+class PipelineExecutor:
+    """Runs this rank's stage of a multi-stage Plan (one optimizer step per :meth:`train_step`).
+
+    ``graph_module``/``node_stage``: the captured model and each node's stage (see
+    :func:`runtime.stages.node_stages_from_plan`). ``stage_flops``: per stage, forward and
+    backward FLOPs per sample (for the emulator; :func:`runtime.stages.stage_flops_from_plan`).
+    ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is
+    rank ``r`` of ``group``. ``dp_group``: the process group of all workers of this rank's stage
+    (every replica); when not given, :func:`stage_groups` makes it, which every rank of the
+    world must then call at the same time.
+    """
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        node_stage: dict[str, int],
+        plan: Plan,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        *,
+        emulator: Optional[Emulator] = None,
+        stage_flops: Optional[Sequence[tuple[float, float]]] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        plan.validate()
+        self.plan = plan
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        if plan.world_size != dist.get_world_size(self.group):
+            raise PipelineError(f"the plan has {plan.world_size} workers, the process group has "
+                                f"{dist.get_world_size(self.group)} ranks; launch one process per plan worker")
+        self.worker = plan.worker(self.rank)
+        if any(w.tp_size > 1 for w in plan.workers):
+            raise PipelineError("the pipeline executor does not run split() (tensor parallel) inside a stage yet; "
+                                "use a plan without tp_size > 1")
+        self.split: PipelineSplit = split_stages(graph_module, node_stage)
+        if self.split.num_stages != len(plan.stages):
+            raise PipelineError(f"node_stage defines {self.split.num_stages} stages, the plan has {len(plan.stages)}")
+        self.stage = self.split.stages[self.worker.stage]
+        self.is_last = self.stage.index == self.split.num_stages - 1
+        self.loss_fn = loss_fn
+        self.emulator = emulator or Emulator.disabled()
+        self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
+        self.schedule: list[Action] = build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index]
+        self._names = {id(t): n for n, t in [*graph_module.named_parameters(remove_duplicate=False),
+                                                *graph_module.named_buffers(remove_duplicate=False)]}
+        self._ranges = sample_ranges(plan)
+        self._my_ranges = self._ranges[self.rank]
+        self._recv_pieces, self._send_pieces = self._plan_transfers()
+        self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
+        if dp_group is None and len(plan.stage_workers(self.stage.index)) > 1:
+            dp_group = stage_groups(plan, dist.get_process_group_ranks(self.group))[self.stage.index]
+        self.module = self._wrap_ddp(dp_group)
+        self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
+
+    # -- public protocol ----------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.stage.module.parameters()
+
+    def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over every micro-batch of the global batch; leaves the
+        global-mean gradient in this stage's ``.grad`` (accumulated onto what is there) and
+        returns the global-mean loss (the same value on every rank)."""
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        for i, x in enumerate((*inputs, targets)):
+            if x.shape[0] != self.plan.global_batch_size:
+                raise PipelineError(f"rank {self.rank}: {'targets' if i == len(inputs) else f'input {i}'} has batch "
+                                    f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
+        specs = self._value_specs(inputs)
+        state = _StepState(self._device)
+        for step, action in enumerate(self.schedule):
+            try:
+                if action.kind == "F":
+                    self._forward(action.micro_batch, inputs, targets, specs, state)
+                else:
+                    self._backward(action.micro_batch, specs, state, last=step == len(self.schedule) - 1)
+            except Exception as e:
+                raise PipelineError(
+                    f"rank {self.rank}, stage {self.stage.index}, schedule step {step} ({action}), "
+                    f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
+        for work in state.sends:
+            work.wait()
+        loss = state.loss.detach().clone()
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers under their names in ``graph_module``, on
+        every rank (one collective: each stage's first worker contributes its stage)."""
+        first = self.worker.replica == 0 and self.worker.dp_index == 0
+        mine = {}
+        if first:
+            for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
+                mine[self._names[id(t)]] = t.detach().cpu().clone()
+        gathered: list[dict] = [None] * self.plan.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return {k: v for part in gathered for k, v in part.items()}
+
+    # -- schedule actions ---------------------------------------------------------------------
+    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState") -> None:
+        start, stop = self._my_ranges[m]
+        n = stop - start
+        received = self._receive(self._recv_pieces[m], "F", m, n,
+                                 {v: specs[v] for v in self.stage.received})
+        for v, t in received.items():
+            t.requires_grad_(specs[v].requires_grad)
+        args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
+                for src in self.stage.inputs]
+        with self.emulator.segment(self.flops[0] * n, n):
+            with self._no_sync():
+                raw = self.module(*args)
+            outputs = dict(zip(self.stage.outputs, (raw,) if self.stage._single_output else tuple(raw)))
+            if self.is_last:
+                prediction = self.split.model_output(outputs)
+                loss = self.loss_fn(prediction, targets[start:stop]) * (n / self.plan.global_batch_size)
+                state.loss = state.loss + loss.detach()
+                outputs = {None: loss}
+        state.saved[m] = (received, outputs)
+        self._send([(p, outputs[p.value].detach()[p.lo:p.hi]) for _, p in self._send_pieces[m]], "F", m, state)
+
+    def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
+        start, stop = self._my_ranges[m]
+        n = stop - start
+        received, outputs = state.saved.pop(m)
+        if self.is_last:
+            roots, grads = [outputs[None]], [None]
+        else:
+            grads_in = self._receive_grads(m, n, specs)
+            roots = [outputs[v] for v in grads_in if outputs[v].requires_grad]
+            grads = [grads_in[v] for v in grads_in if outputs[v].requires_grad]
+        self.emulator.begin(self.flops[1] * n, n)
+        if isinstance(self.module, DistributedDataParallel) and last:
+            self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
+            torch.autograd.backward(roots, grads)
+        elif roots:
+            with self._no_sync():
+                torch.autograd.backward(roots, grads)
+        self.emulator.wait_deadline()
+        sends = []
+        for p in self._recv_pieces[m]:
+            if specs[p.value].requires_grad:
+                t = received[p.value]
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                sends.append((p, grad[p.lo:p.hi]))
+        self._send(sends, "B", m, state)
+
+    # -- communication --------------------------------------------------------------------------
+    def _global(self, plan_rank: int) -> int:
+        return dist.get_global_rank(self.group, plan_rank)
+
+    def _tag(self, value: ValueId, direction: str, m: int) -> int:
+        return (m * 2 + (direction == "B")) * len(self._value_ids) + self._value_ids[value]
+
+    def _receive(self, pieces: list[Piece], direction: str, m: int, n: int,
+                 specs: dict[ValueId, ValueSpec]) -> dict[ValueId, torch.Tensor]:
+        buffers = {v: torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device) for v, spec in specs.items()}
+        ops = [dist.P2POp(dist.irecv, buffers[p.value][p.lo:p.hi], self._global(p.peer), tag=self._tag(p.value, direction, m))
+               for p in pieces if p.value in buffers]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return buffers
+
+    def _receive_grads(self, m: int, n: int, specs) -> dict[ValueId, torch.Tensor]:
+        """Gradient of each sent value that carries one: summed over its consumer stages, each of
+        which returns a full cover of this rank's samples."""
+        total: dict[ValueId, torch.Tensor] = {}
+        for consumer in sorted({c for c, _ in self._send_pieces[m]}):
+            pieces = [p for c, p in self._send_pieces[m] if c == consumer and specs[p.value].requires_grad]
+            wanted = {p.value: specs[p.value] for p in pieces}
+            for v, g in self._receive(pieces, "B", m, n, wanted).items():
+                total[v] = g if v not in total else total[v] + g
+        return total
+
+    def _send(self, items: list[tuple[Piece, torch.Tensor]], direction: str, m: int, state: "_StepState") -> None:
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(p.peer), tag=self._tag(p.value, direction, m))
+               for p, t in items]
+        if ops:
+            state.sends.extend(dist.batch_isend_irecv(ops))
+            state.keep_alive.extend(op.tensor for op in ops)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def _plan_transfers(self) -> tuple[list[list[Piece]], list[list[tuple[int, Piece]]]]:
+        """Per micro-batch: the pieces this rank receives (its inputs from earlier stages, in
+        argument then sample order) and the (consumer stage, piece) pairs it sends (its outputs to
+        every later stage that uses them), from the sample layout of its replica."""
+        replica = self.worker.replica
+
+        def peers(stage: int, m: int) -> list[tuple[int, tuple[int, int]]]:
+            return [(w.rank, self._ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)]
+
+        recv, send = [], []
+        for m, mine in enumerate(self._my_ranges):
+            recv.append([p for v in self.stage.received for p in _overlaps(mine, peers(v.stage, m), v)])
+            send.append([(c, p) for v in self.stage.outputs for c in self.split.consumers(v)
+                         for p in _overlaps(mine, peers(c, m), v)])
+        return recv, send
+
+    @property
+    def _device(self) -> torch.device:
+        p = next(self.stage.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
+        key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
+        if key not in self._specs:
+            self._specs[key] = self.split.value_specs(inputs)
+        return self._specs[key]
+
+    def _wrap_ddp(self, group: Optional[dist.ProcessGroup]) -> nn.Module:
+        module = self.stage.module
+        if group is None or not any(p.requires_grad for p in module.parameters()):
+            return module
+        ddp = DistributedDataParallel(module, process_group=group, broadcast_buffers=False)
+        ddp.register_comm_hook((self.emulator, group), _sum_after_deadline)
+        return ddp
+
+    def _no_sync(self):
+        return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
+
+
+def stage_groups(plan: Plan, ranks: Optional[Sequence[int]] = None) -> list[Optional[dist.ProcessGroup]]:
+    """Per stage, the process group of all its workers in every replica (None for a stage on one
+    worker): its data-parallel gradient sync. ``ranks[r]`` is the global rank running plan rank
+    ``r`` (default: the same number). A collective: every rank of the world calls it, in the same
+    order, including ranks that run no part of ``plan``."""
+    ranks = list(range(plan.world_size)) if ranks is None else list(ranks)
+    groups = []
+    for s in range(len(plan.stages)):
+        members = sorted(ranks[w.rank] for w in plan.stage_workers(s))
+        groups.append(dist.new_group(members) if len(members) > 1 else None)
+    return groups
+
+
+class _StepState:
+    """What one step keeps between actions: activations per micro-batch, posted sends."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.saved: dict[int, tuple] = {}
+        self.sends: list = []
+        self.keep_alive: list[torch.Tensor] = []
+
+
+def _sum_after_deadline(state, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """DDP comm hook: SUM (losses are already weighted by the global batch), launched only once the
+    emulated backward segment has reached its modeled end."""
+    emulator, group = state
+    emulator.wait_deadline()
+    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
