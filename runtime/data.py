@@ -34,8 +34,8 @@ class Share(NamedTuple):
 
 def slice_batch(inputs: Any, targets: torch.Tensor, lo: int, hi: int) -> tuple[tuple, torch.Tensor]:
     """Samples ``[lo, hi)`` of a batch: every batched tensor input is sliced on dimension 0, other
-    inputs pass through. ``inputs`` may be one tensor or a tuple."""
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    inputs pass through. ``inputs`` may be one tensor, a tuple or a list (as collated)."""
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     sliced = tuple(x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
     return sliced, targets[lo:hi]
 
@@ -49,17 +49,17 @@ def proportional_split(n: int, weights: Sequence[float]) -> list[int]:
     if n < 0 or any(w < 0 for w in weights) or not any(w > 0 for w in weights):
         raise ValueError(f"proportional_split: need n >= 0 and non-negative weights with a positive one, "
                          f"got n={n}, weights={list(weights)}")
-    positive = sorted((i for i, w in enumerate(weights) if w > 0), key=lambda i: (-weights[i], i))
-    out = [0] * len(weights)
-    for i in positive[:n]:
-        out[i] = 1
-    rest = n - sum(out)
     total = sum(weights)
-    exact = [rest * w / total for w in weights]
-    for i, e in enumerate(exact):
-        out[i] += int(e)
-    left = n - sum(out)
-    for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - int(exact[i])), i))[:left]:
+    exact = [n * w / total for w in weights]
+    out = [int(e) for e in exact]
+    for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))[: n - sum(out)]:
+        out[i] += 1
+    idle = sorted((i for i, w in enumerate(weights) if w > 0 and out[i] == 0), key=lambda i: (-weights[i], i))
+    for i in idle:
+        donor = max(range(len(out)), key=lambda j: (out[j], j))
+        if out[donor] < 2:
+            break
+        out[donor] -= 1
         out[i] += 1
     return out
 

@@ -101,7 +101,8 @@ def spawn_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; one outcome per rank.
 
     ``timeout_s`` bounds the whole run: ranks still alive then are killed and reported as hung.
-    ``env`` adds environment variables to every rank (e.g. ``{"OMP_NUM_THREADS": "1"}``).
+    ``env`` adds environment variables to every rank; ``OMP_NUM_THREADS`` defaults to 1 (several
+    ranks share few cores).
     """
     ctx = std_mp.get_context("spawn")
     queue = ctx.Queue()
@@ -110,18 +111,25 @@ def spawn_ranks(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, args, base_env, init_process_group, backend, pg_timeout_s, queue),
+            args=(fn, rank, world_size, args, init_process_group, backend, pg_timeout_s, queue),
             daemon=False,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    saved = dict(os.environ)
+    try:  # a spawned child copies the parent's environment at start, before it imports torch
+        os.environ.update(base_env)
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
     reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
@@ -159,8 +167,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), **kwarg
     return [o.value for o in outcomes]
 
 
-def _rank_main(fn, rank, world_size, args, env, init_pg, backend, pg_timeout_s, queue) -> None:
-    os.environ.update(env)
+def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     try:
         if init_pg:

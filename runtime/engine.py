@@ -1,0 +1,286 @@
+"""``runtime.Engine``: one object per rank that executes a Plan, one optimizer step per call.
+
+The Engine is a thin dispatcher. It owns what every kind of plan shares: the process groups,
+checking the plan against the run (world size) and the model (fingerprint, from a capture of the
+first batch), the emulated device, the optimizer, batch checks, per-step statistics, and turning a
+failed collective into an error that names the rank, the step and the missing peers. The
+parallelism itself lives in a *step executor*, chosen by the plan's shape:
+
+===================  ======================================  =====================================
+plan                 executor                                 module
+===================  ======================================  =====================================
+1 stage, no split    :class:`DataParallelExecutor`            :mod:`runtime.data_parallel`
+several stages       ``PipelineExecutor``                     :mod:`runtime.pipeline`
+any ``split``        registered with :func:`register_executor` (none built in yet)
+===================  ======================================  =====================================
+
+The step-executor protocol (:class:`StepExecutor`), all collective on the ranks of the plan:
+
+* ``train_step(inputs: tuple, targets) -> loss``: forward and backward of this rank's part of the
+  *global* batch, leaving in ``.grad`` of :meth:`parameters` the gradient of the global-mean loss
+  (already synchronised); returns that loss (detached, equal on every rank). No optimizer step.
+* ``parameters()``: the parameters this rank updates (handed to the optimizer factory).
+* ``full_state_dict() -> dict``: the whole model's state, unsharded, on every rank.
+* optional ``eval_step(inputs, targets) -> loss``, ``load_full_state_dict(state)`` and
+  ``train_share(share: runtime.data.Share) -> loss`` (a rank-local batch from ``UnevenLoader``).
+
+A builder ``(ExecutorContext) -> StepExecutor`` makes one; :func:`register_executor` adds or
+replaces the builder of a plan kind (``"data_parallel"``, ``"pipeline"``, ``"tensor_parallel"``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from planner.plan import Plan, PlanError, Worker
+from runtime import distributed
+from runtime.data import Share
+from runtime.data_parallel import DataParallelExecutor
+from runtime.emulation import EmulationStats, Emulator
+from runtime.groups import PlanGroups, build_groups
+from whalelike.cluster import Cluster
+from whalelike.errors import WhaleError
+from whalelike.taskgraph import TaskGraphs
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class StepExecutor(Protocol):
+    def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class ExecutorContext:
+    """Everything a builder needs to make this rank's executor."""
+
+    model: nn.Module
+    plan: Plan
+    rank: int
+    worker: Worker
+    graphs: TaskGraphs          # the capture of the model (graph_module, node_taskgraph, costs)
+    groups: PlanGroups
+    loss_fn: Callable
+    emulator: Emulator
+    device: torch.device
+
+
+def plan_kind(plan: Plan) -> str:
+    if any(w.tp_size > 1 for w in plan.workers):
+        return "tensor_parallel"
+    return "pipeline" if len(plan.stages) > 1 else "data_parallel"
+
+
+def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
+    flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
+    return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops)
+
+
+def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
+    from runtime.pipeline import PipelineExecutor
+    from runtime.stages import node_stages_from_plan, stage_flops_from_plan
+
+    return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
+                            ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
+                            dp_group=ctx.groups.dp.group)
+
+
+_BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
+    "data_parallel": _build_data_parallel,
+    "pipeline": _build_pipeline,
+}
+
+
+def register_executor(kind: str, builder: Callable[[ExecutorContext], StepExecutor]) -> None:
+    """Make ``builder`` the executor of plans of ``kind`` (see :func:`plan_kind`)."""
+    if kind not in ("data_parallel", "pipeline", "tensor_parallel"):
+        raise ValueError(f"register_executor: kind must be data_parallel, pipeline or tensor_parallel, got {kind!r}")
+    _BUILDERS[kind] = builder
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One training step on this rank. ``compute_s`` is real compute inside emulated segments,
+    ``padded_s`` the time those segments took (``max(real, modeled)`` each), ``wait_s`` the rest of
+    the step: communication, waiting for peers, loss and optimizer work."""
+
+    step: int
+    wall_s: float
+    compute_s: float
+    modeled_s: float
+    padded_s: float
+    wait_s: float
+    segments: int
+    overruns: int
+
+
+class Engine:
+    """Trains ``model`` according to ``plan`` on this rank (see the module docstring).
+
+    ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3), applied
+    to this rank's parameters. ``loss_fn(outputs, targets)`` must return the *mean* loss over the
+    samples it is given. ``cluster``: the cluster spec (default ``Cluster.preset(plan.cluster)``);
+    its emulation block, if any, turns on emulated devices. ``example_args``: inputs to capture the
+    model with now; without them the first batch is used. ``timeout_s`` bounds every collective.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
+                 loss_fn: Optional[Callable] = None, cluster: Optional[Cluster] = None,
+                 example_args: Any = None, timeout_s: float = 300.0):
+        if loss_fn is None:
+            raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
+        # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
+        rank, world_size = distributed.launched()
+        distributed.check_world_size(plan, world_size, rank)
+        self.cluster = cluster if cluster is not None else _preset(plan)
+        plan.validate(cluster=self.cluster)
+        self.rank = distributed.init(timeout_s)
+        self.plan, self.model, self.loss_fn, self.timeout_s = plan, model, loss_fn, timeout_s
+        self.worker = plan.worker(self.rank)
+        self.emulator = Emulator.for_device(self.cluster, self.worker.device, self.rank)
+        self.device = distributed.device()
+        self.model.to(self.device)
+        self.groups = build_groups(plan, self.rank, timeout_s)
+        self.progress = distributed.Progress(self.rank, plan.world_size)
+        self._make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.executor: Optional[StepExecutor] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.stats: list[StepStats] = []
+        self.step = 0
+        self._warned_overrun = False
+        if example_args is not None:
+            self._build(example_args if isinstance(example_args, tuple) else (example_args,))
+
+    # -- public API -------------------------------------------------------------------------------
+    def train_step(self, batch) -> torch.Tensor:
+        """One optimizer step on ``batch``: ``(inputs, targets)`` holding the whole global batch
+        (every rank passes the same), or a :class:`runtime.data.Share` holding this rank's samples.
+        Returns the global-mean loss, the same on every rank."""
+        share = batch if isinstance(batch, Share) else None
+        inputs, targets = self._unpack(batch)
+        self._build(inputs)
+        if share is None:
+            self._check_batch(targets)
+        elif not hasattr(self.executor, "train_share"):
+            raise WhaleError(f"{type(self.executor).__name__} takes whole global batches, not runtime.data.Share; "
+                             f"pass (inputs, targets) of {self.plan.global_batch_size} samples on every rank")
+        self.emulator.step = self.step
+        before = self.emulator.stats.snapshot()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._collective(
+            lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
+            else self.executor.train_step(inputs, targets))
+        self.optimizer.step()
+        self._record(time.perf_counter() - start, self.emulator.stats.since(before))
+        self.step += 1
+        return loss
+
+    def eval_step(self, batch) -> torch.Tensor:
+        """The global-mean loss of ``(inputs, targets)`` without updating anything."""
+        inputs, targets = self._unpack(batch)
+        self._build(inputs)
+        if not hasattr(self.executor, "eval_step"):
+            raise WhaleError(f"{type(self.executor).__name__} has no eval_step")
+        return self._collective(lambda: self.executor.eval_step(inputs, targets))
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.executor.parameters() if self.executor is not None else self.model.parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded model state (a collective: every rank calls it and gets all of it)."""
+        if self.executor is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return self._collective(self.executor.full_state_dict)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full, unsharded model state (each rank keeps its part)."""
+        if self.executor is None:
+            self.model.load_state_dict(state)
+        elif hasattr(self.executor, "load_full_state_dict"):
+            self.executor.load_full_state_dict(state)
+        else:
+            raise WhaleError(f"{type(self.executor).__name__} cannot load a full state dict; load it into the "
+                             "model before the first step")
+
+    # -- internals --------------------------------------------------------------------------------
+    def _build(self, example_inputs: tuple) -> None:
+        """Capture the model, check the plan was made for it, and build the executor (once)."""
+        if self.executor is not None:
+            return
+        from whalelike.capture import capture
+
+        graphs = capture(self.model, example_inputs)
+        self.plan.validate(graphs=graphs, cluster=self.cluster)
+        kind = plan_kind(self.plan)
+        if kind not in _BUILDERS:
+            raise WhaleError(f"rank {self.rank}: no step executor for {kind.replace('_', ' ')} plans is registered "
+                             f"(runtime.engine.register_executor); this plan has strategies "
+                             f"{[s.strategy for s in self.plan.stages]}")
+        ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
+                              self.emulator, self.device)
+        self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
+        self.optimizer = self._make_optimizer(list(self.executor.parameters()))
+        log.info("rank %d: %s executor, device %s, share %d samples in micro-batches %s", self.rank, kind,
+                 self.worker.device, self.worker.batch_share, self.worker.micro_batch_sizes)
+
+    def _unpack(self, batch) -> tuple[tuple, torch.Tensor]:
+        if isinstance(batch, Share):
+            inputs, targets = batch.inputs, batch.targets
+        else:
+            try:
+                inputs, targets = batch
+            except (TypeError, ValueError):
+                raise WhaleError(f"a batch must be (inputs, targets) or a runtime.data.Share, "
+                                 f"got {type(batch).__name__}") from None
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        move = lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tuple(move(x) for x in inputs), move(targets)
+
+    def _check_batch(self, targets: torch.Tensor) -> None:
+        n = targets.shape[0] if targets.dim() > 0 else 0
+        if n != self.plan.global_batch_size:
+            shares = [w.batch_share for w in self.plan.workers]
+            raise WhaleError(
+                f"rank {self.rank}, step {self.step}: the batch has {n} samples but the plan's shares "
+                f"{shares} need global_batch_size={self.plan.global_batch_size}; pass whole global batches "
+                f"(DataLoader(batch_size={self.plan.global_batch_size}, drop_last=True)) or use runtime.data.UnevenLoader"
+            )
+
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` after marking this step begun; a failed collective becomes a DistributedStepError."""
+        self.progress.begin(self.step)
+        try:
+            return fn()
+        except dist.DistError as e:
+            raise self.progress.failure(self.step, self.timeout_s, e) from e
+
+    def _record(self, wall: float, em: EmulationStats) -> None:
+        stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
+                          padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
+                          overruns=em.overruns)
+        self.stats.append(stats)
+        if stats.overruns and self.emulator.enabled and not self._warned_overrun:
+            self._warned_overrun = True
+            log.warning("rank %d, step %d: %d of %d compute segments took longer than modeled (worst %.1fx); "
+                        "the emulated speeds are distorted: lower emulation.base_gflops by at least that "
+                        "factor (runtime.emulation.calibrate)", self.rank, self.step, stats.overruns,
+                        stats.segments, em.worst_overrun)
+
+
+def _preset(plan: Plan) -> Cluster:
+    try:
+        return Cluster.preset(plan.cluster)
+    except WhaleError as e:
+        raise PlanError(f"the plan names cluster {plan.cluster!r}, which is not a preset ({e}); pass "
+                        "cluster=Cluster.from_yaml(<the spec the plan was made for>) to runtime.Engine") from None
