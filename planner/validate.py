@@ -85,11 +85,25 @@ def validate_schedule(schedule: Schedule, edges: Sequence[Edge] | None = None) -
 
 
 def validate_plan(plan: Plan) -> None:
-    """Check what simulating or running ``plan`` relies on: its schedule kind, one forward and
-    backward time per micro-batch on every worker (the same count within a tensor-parallel
-    group), every stage staffed in every replica, boundaries feeding every stage after the first,
-    and a schedule (over those boundaries) that completes."""
+    """Check what simulating or running ``plan`` relies on: one forward and backward time per
+    micro-batch on every worker (the same count within a tensor-parallel group), every stage
+    staffed in every replica, boundaries linking the stages into one pipeline, and its schedule
+    kind, whose lists (over those boundaries) must run to completion."""
+    _check_workers(plan)
+    edges = _plan_edges(plan)
     num_stages = len(plan.stages)
+    if num_stages == 1:
+        return  # gradient accumulation: no stage waits on another
+    try:
+        schedule = build_schedule(plan.schedule, num_stages, plan.num_micro_batch)
+    except ValueError as e:
+        raise ScheduleError(f"plan.schedule: {e}") from None
+    validate_schedule(schedule, edges)
+
+
+def _check_workers(plan: Plan) -> None:
+    num_stages = len(plan.stages)
+    tp_groups: dict[tuple[int, int, int], list] = {}
     for i, w in enumerate(plan.workers):
         where = f"plan.workers[{i}]"
         if not 0 <= w.stage < num_stages:
@@ -104,12 +118,6 @@ def validate_plan(plan: Plan) -> None:
                 f"{where}.forward_ms has {len(w.forward_ms)} entries; every pipeline stage runs "
                 f"num_micro_batch = {plan.num_micro_batch} micro-batches"
             )
-    for r in range(plan.num_replicas):
-        for s in range(num_stages):
-            if not plan.stage_workers(s, r):
-                raise ScheduleError(f"plan.workers: no worker runs stage {s} in replica {r}")
-    tp_groups: dict[tuple[int, int, int], list] = {}
-    for w in plan.workers:
         tp_groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
     for (r, s, dp), ws in tp_groups.items():
         if len({len(w.forward_ms) for w in ws}) != 1:
@@ -117,7 +125,15 @@ def validate_plan(plan: Plan) -> None:
                 f"plan.workers {[w.rank for w in ws]} (replica {r}, stage {s}, dp_index {dp}) form a tensor-parallel "
                 f"group but have {[len(w.forward_ms) for w in ws]} micro-batches; they must process the same samples"
             )
-    edges = []
+    for r in range(plan.num_replicas):
+        for s in range(num_stages):
+            if not plan.stage_workers(s, r):
+                raise ScheduleError(f"plan.workers: no worker runs stage {s} in replica {r}")
+
+
+def _plan_edges(plan: Plan) -> list[Edge]:
+    num_stages = len(plan.stages)
+    edges: list[Edge] = []
     for i, b in enumerate(plan.boundaries):
         if not 0 <= b.src_stage < b.dst_stage < num_stages:
             raise ScheduleError(
@@ -135,19 +151,14 @@ def validate_plan(plan: Plan) -> None:
                 "crossing it in one boundary's tensors"
             )
         edges.append((b.src_stage, b.dst_stage))
-    for s in range(1, num_stages):
-        if not any(dst == s for _, dst in edges):
-            raise ScheduleError(
-                f"plan.boundaries: stage {s} receives from no stage; add a boundary with dst_stage={s} "
-                f"(usually src_stage={s - 1})"
-            )
-    if num_stages == 1:
-        return  # gradient accumulation: no stage waits on another
-    try:
-        schedule = build_schedule(plan.schedule, num_stages, plan.num_micro_batch)
-    except ValueError as e:
-        raise ScheduleError(f"plan.schedule: {e}") from None
-    validate_schedule(schedule, edges)
+    for s in range(num_stages):
+        if s > 0 and not any(dst == s for _, dst in edges):
+            raise ScheduleError(f"plan.boundaries: stage {s} receives from no stage; add a boundary with "
+                                f"dst_stage={s} (usually src_stage={s - 1})")
+        if s < num_stages - 1 and not any(src == s for src, _ in edges):
+            raise ScheduleError(f"plan.boundaries: stage {s} feeds no stage; add a boundary with "
+                                f"src_stage={s} (usually dst_stage={s + 1})")
+    return edges
 
 
 # -- the three checks ------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ def test_summary_is_an_aligned_table():
     "edit, message",
     [
         (lambda p: setattr(p, "schedule", "zigzag"), "plan.schedule: unknown schedule 'zigzag'"),
-        (lambda p: p.boundaries.clear(), "stage 1 receives from no stage"),
+        (lambda p: p.boundaries.clear(), "plan.boundaries: stage 0 feeds no stage; add a boundary with src_stage=0"),
         (lambda p: setattr(p.workers[1], "forward_ms", [1.0]), "plan.workers[1]: forward_ms and backward_ms"),
         (lambda p: setattr(p.boundaries[0], "transfer_ms", [0.0]), "plan.boundaries[0].transfer_ms has 1 entries"),
         (lambda p: p.boundaries.append(p.boundaries[0]), "plan.boundaries[1]: a second boundary 0 -> 1"),
@@ -217,6 +217,13 @@ def test_inconsistent_plans_are_rejected_by_name(edit, message):
     plan = chain_plan([(1.0, 2.0)] * 2, 3, "1f1b")
     edit(plan)
     with pytest.raises(ScheduleError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        simulate(plan)
+
+
+def test_a_stage_fed_by_no_boundary_is_rejected():
+    plan = chain_plan([(1.0, 1.0)] * 3, 2)
+    plan.boundaries[0] = BoundaryPlan(0, 2, ["skip"], 4.0, [0.0, 0.0])
+    with pytest.raises(ScheduleError, match="stage 1 receives from no stage; add a boundary with dst_stage=1"):
         simulate(plan)
 
 
