@@ -12,7 +12,7 @@ import tempfile
 from typing import Callable, IO, Union
 
 from .plan import Plan
-from .simulator import SimResult, simulate
+from .simulator import SimResult, WorkerTime, simulate
 
 COLOURS = {"F": "#4C72B0", "B": "#55A868", "send": "#8C8C8C", "allreduce": "#C44E52"}
 CATEGORIES = {"F": "forward", "B": "backward", "send": "transfer", "allreduce": "all-reduce"}
@@ -65,7 +65,7 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
     from matplotlib.patches import Patch
 
     result = _as_result(source)
-    shown = _rows(result, max_rows)
+    shown = busiest_workers(result, max_rows)
     row_of = {w.rank: i for i, w in enumerate(shown)}
     step = result.step_time_ms or 1.0
     labels = [f"r{w.rank} s{w.stage} {w.device}" for w in shown]
@@ -119,7 +119,9 @@ def _as_result(source: Union[Plan, SimResult]) -> SimResult:
     raise TypeError(f"expected a planner.Plan or a SimResult, got {type(source).__name__}")
 
 
-def _rows(result: SimResult, max_rows: int):
+def busiest_workers(result: SimResult, max_rows: int) -> list[WorkerTime]:
+    """All workers if they fit in ``max_rows``, else each stage's busiest (an equal number per
+    stage, at least one), in rank order: the rows a picture of a large plan shows."""
     if len(result.workers) <= max_rows:
         return result.workers
     stages = sorted({w.stage for w in result.workers})

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from planner.simulator import simulate
-from planner.timeline import write_chrome_trace, write_png
+from planner.timeline import busiest_workers, write_chrome_trace, write_png
 from test_simulator import chain_plan, make_plan, worker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -50,6 +50,9 @@ def test_png_of_a_large_plan_shows_the_busiest_workers_of_each_stage(tmp_path):
     result = write_png(make_plan(workers, m, "1f1b"), tmp_path / "big.png", max_rows=10)
     assert (tmp_path / "big.png").read_bytes().startswith(PNG_MAGIC)
     assert len(result.workers) == 60
+    # forward time grows with dp_index, so each stage's last five workers are its busiest
+    assert [w.rank for w in busiest_workers(result, 10)] == [25, 26, 27, 28, 29, 55, 56, 57, 58, 59]
+    assert busiest_workers(result, 60) == result.workers
 
 
 def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
