@@ -18,6 +18,7 @@ scope or None).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import traceback
@@ -38,18 +39,18 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, 
     """Capture ``model(*args, **kwargs)`` into a GraphModule; returns it and ``"fx"`` or ``"export"``."""
     try:
         return _trace_fx(model, args, kwargs), "fx"
-    except Exception as fx_error:  # noqa: BLE001 - any fx failure sends us to export
-        fx_where = _failing_module(model, fx_error)
-        log.info("torch.fx could not trace %s (%s); trying torch.export", fx_where, _first_line(fx_error))
+    except Exception as e:  # noqa: BLE001 - any fx failure sends us to export
+        fx_failure = f"{_failing_module(model, e)} ({_first_line(e)})"
+        log.info("torch.fx could not trace %s; trying torch.export", fx_failure)
     try:
-        return _trace_export(model, args, kwargs), "export"
-    except Exception as export_error:  # noqa: BLE001
-        export_where = _failing_module(model, export_error)
-    raise CaptureError(
-        f"cannot capture {type(model).__name__}: torch.fx failed in {fx_where} ({_first_line(fx_error)}) and "
-        f"torch.export failed in {export_where} ({_first_line(export_error)}); try: remove data-dependent "
-        "Python control flow there (use torch.where / torch.cond), or capture a smaller part of the model"
-    ) from export_error
+        with _quiet("torch.fx.experimental.symbolic_shapes"):  # it logs whole graphs on failure
+            return _trace_export(model, args, kwargs), "export"
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: torch.fx failed in {fx_failure} and torch.export failed in "
+            f"{_failing_module(model, e)} ({_first_line(e)}); try: remove data-dependent Python control flow "
+            "there (use torch.where / torch.cond), or capture a smaller part of the model"
+        ) from e
 
 
 # -- torch.fx ---------------------------------------------------------------------------------------
@@ -172,6 +173,17 @@ def _failing_module(model: nn.Module, error: BaseException) -> str:
             where = f"module {path!r} ({type(owner).__name__}.{frame.f_code.co_name}, " \
                     f"{frame.f_code.co_filename}:{lineno})"
     return where or f"module <root> ({type(model).__name__})"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(error: BaseException) -> str:
