@@ -5,6 +5,7 @@ one subprocess test checks the real entry point.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -140,6 +141,55 @@ def test_model_file_that_fails_to_import(capsys, tmp_path):
     path.write_text("import torch\n1 / 0\n")
     code, _, err = run(capsys, "inspect", f"{path}:model")
     assert_one_line_error(code, err, "broken.py: importing it failed: ZeroDivisionError")
+
+
+# -- whalelike inspect and plan with real capture ---------------------------------------------------
+SCOPED_MODEL = """\
+    import torch
+    import torch.nn as nn
+    import whalelike as wl
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with wl.replicate():
+                self.lower = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+            with wl.replicate():
+                self.upper = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.upper(self.lower(x))
+
+    def build():
+        return Net(), (torch.randn(4, 16),)
+"""
+
+
+@pytest.fixture(scope="module")
+def scoped_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("model") / "scoped.py"
+    path.write_text(textwrap.dedent(SCOPED_MODEL))
+    return f"{path}:build"
+
+
+def test_inspect_prints_the_table_or_json(capsys, scoped_model):
+    from whalelike.capture import capture
+
+    wl = load_workload(scoped_model)
+    graphs = capture(wl.model, wl.example_args, optimizer="sgd")
+    code, out, _ = run(capsys, "inspect", scoped_model, "--optimizer", "sgd")
+    assert code == 0 and out.strip() == graphs.table()
+    code, out, _ = run(capsys, "inspect", scoped_model, "--optimizer", "sgd", "--json")
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(graphs.to_dict()))
+
+
+def test_plan_end_to_end(capsys, scoped_model, tmp_path):
+    out_yaml = tmp_path / "plan.yaml"
+    code, out, _ = run(capsys, "plan", scoped_model, "--cluster", "emulated-2", "--global-batch", "8",
+                       "--micro-batches", "2", "--schedule", "gpipe", "-o", str(out_yaml))
+    assert code == 0 and "predicted speed-up over naive" in out
+    plan = planner.Plan.from_yaml(out_yaml, cluster=Cluster.preset("emulated-2"))
+    assert plan.schedule == "gpipe" and plan.global_batch_size == 8 and len(plan.stages) == 2
 
 
 # -- whalelike simulate ----------------------------------------------------------------------------

@@ -39,19 +39,19 @@ MODEL_HELP = (
 
 EPILOG = """\
 examples:
-  whalelike inspect examples/gpt.py:workload            TaskGraph table of a model
-  whalelike cluster                                    list the built-in clusters
-  whalelike cluster whale-v100-p100                    devices of a built-in cluster
-  whalelike cluster my-cluster.yaml                    check a cluster file and show its devices
-  whalelike plan examples/gpt.py:workload --cluster emulated-4 --global-batch 32 \\
+  whalelike inspect examples/gpt.py:build             TaskGraph table of a model
+  whalelike cluster                                   list the built-in clusters
+  whalelike cluster whale-v100-p100                   devices of a built-in cluster
+  whalelike cluster my-cluster.yaml                   check a cluster file, show its devices
+  whalelike plan examples/gpt.py:build --cluster emulated-4 --global-batch 32 \\
       --micro-batches 4 -o plan.yaml --timeline plan.png
-  whalelike simulate plan.yaml --timeline plan.png     replay a saved plan's step
+  whalelike simulate plan.yaml --timeline plan.png    replay a saved plan's step
 
-A factory is a function in your file, for example:
+MODEL names a function in your file that takes no arguments, for example:
 
-  def workload():
-      model = MyNet()                                  # with wl.replicate(...) / wl.split(...) scopes
-      return model, (torch.randn(8, 512),)             # model and example inputs (batch first)
+  def build():
+      model = MyNet()                                 # with wl.replicate(...) / wl.split(...) scopes
+      return model, (torch.randn(8, 512),)            # the model and example inputs (batch first)
 
 Training with a plan is started with torchrun (see the README).
 """
@@ -68,7 +68,7 @@ def load_workload(spec: str):
 
     path_text, sep, factory_name = spec.rpartition(":")
     if not sep or not path_text or not factory_name:
-        raise WhaleError(f"MODEL must be path/to/file.py:factory, got {spec!r}; e.g. examples/gpt.py:workload")
+        raise WhaleError(f"MODEL must be path/to/file.py:factory, got {spec!r}; e.g. examples/gpt.py:build")
     path = Path(path_text)
     if not path.is_file():
         raise WhaleError(f"{path_text}: no such file (MODEL is path/to/file.py:factory, relative to "
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", "print the TaskGraphs of a model",
                 "One row per TaskGraph (one per replicate/split scope): strategy, modules, forward and "
                 "backward FLOPs, parameter, optimizer-state and activation bytes, boundary tensors.",
-                "  whalelike inspect examples/gpt.py:workload\n  whalelike inspect examples/gpt.py:workload --json")
+                "  whalelike inspect examples/gpt.py:build\n  whalelike inspect examples/gpt.py:build --json")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (for scripts)")
     p.add_argument("--optimizer", **optimizer)
@@ -274,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "Captures MODEL, balances work by device speed and memory, prints one row per device and "
                 "the predicted speed-up over the capacity-blind plan, and writes the plan (and pictures). "
                 "Files are written only if everything succeeds.",
-                "  whalelike plan examples/gpt.py:workload --cluster emulated-4 --global-batch 32 -o plan.yaml\n"
-                "  whalelike plan examples/gpt.py:workload --cluster my.yaml --global-batch 256 \\\n"
+                "  whalelike plan examples/gpt.py:build --cluster emulated-4 --global-batch 32 -o plan.yaml\n"
+                "  whalelike plan examples/gpt.py:build --cluster my.yaml --global-batch 256 \\\n"
                 "      --micro-batches 8 --schedule gpipe -o plan.yaml --timeline plan.png --trace plan.json")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--cluster", required=True, metavar="NAME_OR_YAML",
@@ -306,6 +306,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="whalelike: %(levelname)s: %(message)s")
     try:
         args.run(args)
+    except BrokenPipeError:  # `whalelike inspect --json | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (WhaleError, OSError) as e:
         if args.debug:
             raise
