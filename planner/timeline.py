@@ -57,11 +57,9 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
     (micro-batch numbers inside when they fit), sends as a thin strip under the row. Beyond
     ``max_rows`` workers each stage shows its busiest workers (where the step is decided).
     Returns the simulation it drew."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a bare Figure renders with Agg and leaves pyplot's global state (and the user's backend) alone
     from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     result = _as_result(source)
@@ -72,42 +70,40 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
     # fixed margins in inches instead of tight_layout, which draws every label twice
     width_in, height_in = 12.0, 1.2 + 0.42 * len(shown)
     left_in = 0.3 + 0.07 * max(map(len, labels))  # 8-point tick labels
-    fig, ax = plt.subplots(figsize=(width_in, height_in))
+    fig = Figure(figsize=(width_in, height_in))
+    ax = fig.subplots()
     fig.subplots_adjust(left=left_in / width_in, right=1 - 0.2 / width_in,
                         bottom=0.6 / height_in, top=1 - 0.4 / height_in)
-    try:
-        # a character of the 7-point box labels is about 4.2 pt wide
-        char_ms = step * 4.2 / (72 * (width_in - left_in - 0.2))
-        boxes = {kind: [] for kind in COLOURS}  # one collection per kind: thousands of bars stay fast
-        for e in result.events:
-            if e.rank not in row_of:
-                continue
-            y = row_of[e.rank]
-            low, high = (y + 0.3, y + 0.42) if e.kind == "send" else (y - 0.3, y + 0.3)
-            boxes[e.kind].append([(e.start_ms, low), (e.end_ms, low), (e.end_ms, high), (e.start_ms, high)])
-            text = "AR" if e.kind == "allreduce" else str(e.micro_batch)
-            if e.kind != "send" and e.duration_ms > char_ms * (len(text) + 1):
-                ax.text(e.start_ms + e.duration_ms / 2, y, text, ha="center", va="center", fontsize=7, color="white")
-        for kind, verts in boxes.items():
-            edge = "none" if kind == "send" else "white"
-            ax.add_collection(PolyCollection(verts, facecolors=COLOURS[kind], edgecolors=edge, linewidths=0.5),
-                              autolim=False)
-        ax.set_yticks(range(len(shown)))
-        ax.set_yticklabels(labels, fontsize=8)
-        ax.set_ylim(len(shown) - 0.4, -0.6)
-        ax.set_xlim(0, step * 1.01)
-        ax.set_xlabel("time (ms)")
-        ax.grid(axis="x", alpha=0.3)
-        title = (f"{result.schedule}, {result.num_micro_batch} micro-batch(es): step {result.step_time_ms:.2f} ms, "
-                 f"bubble {100 * result.bubble_fraction:.1f}%")
-        if len(shown) < len(result.workers):
-            title += f" (busiest {len(shown)} of {len(result.workers)} workers)"
-        ax.set_title(title, fontsize=10, loc="left")
-        ax.legend(handles=[Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in COLOURS], loc="lower right",
-                  bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False, borderaxespad=0.2)
-        _write_atomically(path, "wb", lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        plt.close(fig)
+    # a character of the 7-point box labels is about 4.2 pt wide
+    char_ms = step * 4.2 / (72 * (width_in - left_in - 0.2))
+    boxes = {kind: [] for kind in COLOURS}  # one collection per kind: thousands of bars stay fast
+    for e in result.events:
+        if e.rank not in row_of:
+            continue
+        y = row_of[e.rank]
+        low, high = (y + 0.3, y + 0.42) if e.kind == "send" else (y - 0.3, y + 0.3)
+        boxes[e.kind].append([(e.start_ms, low), (e.end_ms, low), (e.end_ms, high), (e.start_ms, high)])
+        text = "AR" if e.kind == "allreduce" else str(e.micro_batch)
+        if e.kind != "send" and e.duration_ms > char_ms * (len(text) + 1):
+            ax.text(e.start_ms + e.duration_ms / 2, y, text, ha="center", va="center", fontsize=7, color="white")
+    for kind, verts in boxes.items():
+        edge = "none" if kind == "send" else "white"
+        ax.add_collection(PolyCollection(verts, facecolors=COLOURS[kind], edgecolors=edge, linewidths=0.5),
+                          autolim=False)
+    ax.set_yticks(range(len(shown)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(len(shown) - 0.4, -0.6)
+    ax.set_xlim(0, step * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", alpha=0.3)
+    title = (f"{result.schedule}, {result.num_micro_batch} micro-batch(es): step {result.step_time_ms:.2f} ms, "
+             f"bubble {100 * result.bubble_fraction:.1f}%")
+    if len(shown) < len(result.workers):
+        title += f" (busiest {len(shown)} of {len(result.workers)} workers)"
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(handles=[Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in COLOURS], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False, borderaxespad=0.2)
+    _write_atomically(path, "wb", lambda f: fig.savefig(f, format="png", dpi=110))
     return result
 
 
