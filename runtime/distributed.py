@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from typing import Optional
 
 import torch
@@ -30,6 +31,17 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class DistributedStepError(RuntimeError):
     """A collective of a training step failed or timed out; names the rank, the step and the peers
     that never reached it."""
+
+
+# gloo reports timeouts and dead peers as plain RuntimeErrors ("Timed out waiting 3000ms for recv
+# operation", "Connection closed by peer"); newer torch raises DistError subclasses for some.
+_TRANSPORT_FAILURE = re.compile(r"gloo|nccl|timed out|connection (closed|reset|refused)|by peer|broken pipe",
+                                re.IGNORECASE)
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from a failed or timed-out collective rather than from the model."""
+    return isinstance(error, dist.DistError) or bool(_TRANSPORT_FAILURE.search(str(error)))
 
 
 def backend() -> str:

@@ -262,8 +262,10 @@ class Engine:
         self.progress.begin(self.step)
         try:
             return fn()
-        except dist.DistError as e:
-            raise self.progress.failure(self.step, self.timeout_s, e) from e
+        except RuntimeError as e:
+            if distributed.is_communication_failure(e):
+                raise self.progress.failure(self.step, self.timeout_s, e) from e
+            raise
 
     def _record(self, wall: float, em: EmulationStats) -> None:
         stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
