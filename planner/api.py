@@ -105,8 +105,10 @@ class _Stage:
     shards: ShardLayout
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
-        """Samples per ms: a tensor-parallel group is as fast as its slowest shard."""
-        return min(device_tflops(d) * 1e9 / (self.cost.flops_per_sample * f)
+        """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
+        FlopCounterMode counts no FLOPs for (an embedding lookup) still shares by device speed."""
+        flops = max(self.cost.flops_per_sample, 1.0)
+        return min(device_tflops(d) * 1e9 / (flops * f)
                    for d, f in zip(group, self.shards.fractions))
 
     def group_cap(self, group: tuple[Device, ...]) -> int:

@@ -9,11 +9,12 @@ from .config import Config
 from .cluster import Cluster, Device, Network
 from .errors import AnnotationError, CaptureError, SpecError, WhaleError
 from .strategy import Strategy, replicate, set_default_strategy, split
+from .workload import Workload
 from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 
 __all__ = [
     "Config", "Cluster", "Device", "Network",
     "AnnotationError", "CaptureError", "SpecError", "WhaleError",
     "Strategy", "replicate", "split", "set_default_strategy", "annotate", "capture",
-    "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
+    "Workload", "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
 ]
