@@ -84,6 +84,7 @@ class Emulator:
         self.stats = EmulationStats()
         self._deadline: Optional[float] = None
         self._begun_at = 0.0
+        self._modeled = 0.0
 
     @classmethod
     def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
@@ -117,8 +118,9 @@ class Emulator:
     # -- deadline API (for computations that launch collectives from inside) ----------------
     def begin(self, flops: float, samples: int) -> None:
         """Start a segment now; it may not end before its modeled duration has passed."""
+        self._modeled = self.modeled_seconds(flops, samples)
         self._begun_at = time.perf_counter()
-        self._deadline = self._begun_at + self.modeled_seconds(flops, samples)
+        self._deadline = self._begun_at + self._modeled
 
     def wait_deadline(self) -> None:
         """Sleep until the current segment's modeled end (no-op once reached). Records the segment."""
@@ -126,7 +128,7 @@ class Emulator:
             return
         now = time.perf_counter()
         real = now - self._begun_at
-        modeled = self._deadline - self._begun_at
+        modeled = self._modeled
         self.stats.segments += 1
         self.stats.real_s += real
         self.stats.modeled_s += modeled
