@@ -47,6 +47,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from planner.plan import Plan
 from planner.schedule import Action, build_schedule
+from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 
@@ -98,15 +99,17 @@ def _overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, tuple[int, int]]
 
 
 class PipelineExecutor:
-    """Runs this rank's stage of a multi-stage Plan (one optimizer step per :meth:`train_step`).
+    """Runs this rank's stage of a multi-stage Plan; follows :class:`runtime.engine.StepExecutor`.
 
     ``graph_module``/``node_stage``: the captured model and each node's stage (see
     :func:`runtime.stages.node_stages_from_plan`). ``stage_flops``: per stage, forward and
-    backward FLOPs per sample (for the emulator; :func:`runtime.stages.stage_flops_from_plan`).
-    ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is
-    rank ``r`` of ``group``. ``dp_group``: the process group of all workers of this rank's stage
-    (every replica); when not given, :func:`stage_groups` makes it, which every rank of the
-    world must then call at the same time.
+    backward FLOPs per sample, for the emulator (:func:`runtime.stages.stage_flops_from_plan`).
+    ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is rank
+    ``r`` of ``group``. ``dp_group``: the process group of every worker of this rank's stage in
+    every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
+    ``names``: the module whose parameter and buffer names :meth:`full_state_dict` uses (default
+    ``graph_module``; pass the user's model if the capture renamed them). It must share its
+    tensors with ``graph_module``, as :func:`whalelike.capture` does.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class PipelineExecutor:
         stage_flops: Optional[Sequence[tuple[float, float]]] = None,
         group: Optional[dist.ProcessGroup] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
+        names: Optional[nn.Module] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -128,10 +132,10 @@ class PipelineExecutor:
         if plan.world_size != dist.get_world_size(self.group):
             raise PipelineError(f"the plan has {plan.world_size} workers, the process group has "
                                 f"{dist.get_world_size(self.group)} ranks; launch one process per plan worker")
-        self.worker = plan.worker(self.rank)
         if any(w.tp_size > 1 for w in plan.workers):
-            raise PipelineError("the pipeline executor does not run split() (tensor parallel) inside a stage yet; "
-                                "use a plan without tp_size > 1")
+            raise PipelineError("the pipeline executor does not run split() (tensor parallel) inside a stage; "
+                                "plan with tp_size 1 in every pipeline stage")
+        self.worker = plan.worker(self.rank)
         self.split: PipelineSplit = split_stages(graph_module, node_stage)
         if self.split.num_stages != len(plan.stages):
             raise PipelineError(f"node_stage defines {self.split.num_stages} stages, the plan has {len(plan.stages)}")
@@ -141,25 +145,52 @@ class PipelineExecutor:
         self.emulator = emulator or Emulator.disabled()
         self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
         self.schedule: list[Action] = build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index]
-        self._names = {id(t): n for n, t in [*graph_module.named_parameters(remove_duplicate=False),
-                                                *graph_module.named_buffers(remove_duplicate=False)]}
-        self._ranges = sample_ranges(plan)
-        self._my_ranges = self._ranges[self.rank]
+        source = names if names is not None else graph_module
+        self._names = {id(t): n for n, t in [*source.named_parameters(remove_duplicate=False),
+                                                *source.named_buffers(remove_duplicate=False)]}
+        self._ranges = sample_ranges(plan)[self.rank]
         self._recv_pieces, self._send_pieces = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
-        if dp_group is None and len(plan.stage_workers(self.stage.index)) > 1:
-            dp_group = stage_groups(plan, dist.get_process_group_ranks(self.group))[self.stage.index]
-        self.module = self._wrap_ddp(dp_group)
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
+        self.module = self._wrap_ddp(dp_group)
 
-    # -- public protocol ----------------------------------------------------------------------
+    # -- the step-executor protocol ---------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.module.parameters()
 
     def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward over every micro-batch of the global batch; leaves the
-        global-mean gradient in this stage's ``.grad`` (accumulated onto what is there) and
-        returns the global-mean loss (the same value on every rank)."""
+        """Forward and backward of every micro-batch of the global batch under the plan's schedule;
+        adds the global-mean gradient to this stage's ``.grad`` (synchronised over the stage's
+        data-parallel group) and returns the global-mean loss, the same on every rank."""
+        return self._run(self.schedule, inputs, targets, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """The global-mean loss of a global batch: the forwards of the schedule, in order."""
+        forwards = [Action("F", m) for m in range(self.plan.num_micro_batch)]
+        return self._run(forwards, inputs, targets, train=False)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, on every rank (a collective over the plan's
+        ranks: the first worker of each stage contributes its stage)."""
+        mine = {}
+        if self.worker.replica == 0 and self.worker.dp_index == 0:
+            mine = {self._name(t): t.detach().cpu().clone() for t in self._tensors()}
+        gathered: list[dict] = [None] * self.plan.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return {k: v for part in gathered for k, v in part.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this stage's parameters and buffers out of a full state dict."""
+        for t in self._tensors():
+            name = self._name(t)
+            if name not in state:
+                raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {name!r} is missing from the state dict")
+            t.copy_(state[name])
+
+    # -- one pass over a list of actions --------------------------------------------------------------
+    def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         for i, x in enumerate((*inputs, targets)):
             if x.shape[0] != self.plan.global_batch_size:
@@ -167,137 +198,130 @@ class PipelineExecutor:
                                     f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
         specs = self._value_specs(inputs)
         state = _StepState(self._device)
-        for step, action in enumerate(self.schedule):
+        for step, action in enumerate(actions):
             try:
                 if action.kind == "F":
-                    self._forward(action.micro_batch, inputs, targets, specs, state)
+                    self._forward(action.micro_batch, inputs, targets, specs, state, train)
                 else:
-                    self._backward(action.micro_batch, specs, state, last=step == len(self.schedule) - 1)
+                    self._backward(action.micro_batch, specs, state, last=step == len(actions) - 1)
             except Exception as e:
                 raise PipelineError(
                     f"rank {self.rank}, stage {self.stage.index}, schedule step {step} ({action}), "
                     f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
         for work in state.sends:
             work.wait()
-        loss = state.loss.detach().clone()
-        dist.all_reduce(loss, group=self.group)
-        return loss
+        dist.all_reduce(state.loss, group=self.group)
+        return state.loss
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and buffers under their names in ``graph_module``, on
-        every rank (one collective: each stage's first worker contributes its stage)."""
-        first = self.worker.replica == 0 and self.worker.dp_index == 0
-        mine = {}
-        if first:
-            for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
-                mine[self._names[id(t)]] = t.detach().cpu().clone()
-        gathered: list[dict] = [None] * self.plan.world_size
-        dist.all_gather_object(gathered, mine, group=self.group)
-        return {k: v for part in gathered for k, v in part.items()}
-
-    # -- schedule actions ---------------------------------------------------------------------
-    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState") -> None:
-        start, stop = self._my_ranges[m]
+    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
+        start, stop = self._ranges[m]
         n = stop - start
-        received = self._receive(self._recv_pieces[m], "F", m, n,
-                                 {v: specs[v] for v in self.stage.received})
+        received = {v: self._buffer(specs[v], n) for v in self.stage.received}
+        self._receive([(received[p.value][p.lo:p.hi], p, "F") for p in self._recv_pieces[m]], m)
         for v, t in received.items():
-            t.requires_grad_(specs[v].requires_grad)
+            t.requires_grad_(train and specs[v].requires_grad)
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
                 for src in self.stage.inputs]
         with self.emulator.segment(self.flops[0] * n, n):
             with self._no_sync():
-                raw = self.module(*args)
-            outputs = dict(zip(self.stage.outputs, (raw,) if self.stage._single_output else tuple(raw)))
+                outputs = self.stage.unpack(self.module(*args))
             if self.is_last:
                 prediction = self.split.model_output(outputs)
                 loss = self.loss_fn(prediction, targets[start:stop]) * (n / self.plan.global_batch_size)
-                state.loss = state.loss + loss.detach()
+                state.loss += loss.detach()
                 outputs = {None: loss}
-        state.saved[m] = (received, outputs)
-        self._send([(p, outputs[p.value].detach()[p.lo:p.hi]) for _, p in self._send_pieces[m]], "F", m, state)
+        if train:
+            state.saved[m] = (received, outputs)
+        self._send([(outputs[p.value].detach()[p.lo:p.hi], p, "F") for _, p in self._send_pieces[m]], m, state)
 
     def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
-        start, stop = self._my_ranges[m]
+        start, stop = self._ranges[m]
         n = stop - start
         received, outputs = state.saved.pop(m)
         if self.is_last:
             roots, grads = [outputs[None]], [None]
         else:
-            grads_in = self._receive_grads(m, n, specs)
-            roots = [outputs[v] for v in grads_in if outputs[v].requires_grad]
-            grads = [grads_in[v] for v in grads_in if outputs[v].requires_grad]
+            incoming = self._receive_grads(m, n, specs)
+            roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
+            grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
         self.emulator.begin(self.flops[1] * n, n)
         if isinstance(self.module, DistributedDataParallel) and last:
+            # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
             self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
             torch.autograd.backward(roots, grads)
         elif roots:
             with self._no_sync():
                 torch.autograd.backward(roots, grads)
-        self.emulator.wait_deadline()
+        self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
         sends = []
         for p in self._recv_pieces[m]:
             if specs[p.value].requires_grad:
                 t = received[p.value]
-                grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                sends.append((p, grad[p.lo:p.hi]))
-        self._send(sends, "B", m, state)
+                sends.append(((t.grad if t.grad is not None else torch.zeros_like(t))[p.lo:p.hi], p, "B"))
+        self._send(sends, m, state)
 
-    # -- communication --------------------------------------------------------------------------
-    def _global(self, plan_rank: int) -> int:
-        return dist.get_global_rank(self.group, plan_rank)
-
-    def _tag(self, value: ValueId, direction: str, m: int) -> int:
-        return (m * 2 + (direction == "B")) * len(self._value_ids) + self._value_ids[value]
-
-    def _receive(self, pieces: list[Piece], direction: str, m: int, n: int,
-                 specs: dict[ValueId, ValueSpec]) -> dict[ValueId, torch.Tensor]:
-        buffers = {v: torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device) for v, spec in specs.items()}
-        ops = [dist.P2POp(dist.irecv, buffers[p.value][p.lo:p.hi], self._global(p.peer), tag=self._tag(p.value, direction, m))
-               for p in pieces if p.value in buffers]
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        return buffers
-
+    # -- communication ----------------------------------------------------------------------------
     def _receive_grads(self, m: int, n: int, specs) -> dict[ValueId, torch.Tensor]:
-        """Gradient of each sent value that carries one: summed over its consumer stages, each of
-        which returns a full cover of this rank's samples."""
+        """Gradient of each sent value that carries one, summed over its consumer stages (each
+        covers all of this rank's samples)."""
+        buffers: dict[tuple[int, ValueId], torch.Tensor] = {}
+        posts = []
+        for consumer, p in self._send_pieces[m]:
+            if specs[p.value].requires_grad:
+                key = (consumer, p.value)
+                if key not in buffers:
+                    buffers[key] = self._buffer(specs[p.value], n)
+                posts.append((buffers[key][p.lo:p.hi], p, "B"))
+        self._receive(posts, m)
         total: dict[ValueId, torch.Tensor] = {}
-        for consumer in sorted({c for c, _ in self._send_pieces[m]}):
-            pieces = [p for c, p in self._send_pieces[m] if c == consumer and specs[p.value].requires_grad]
-            wanted = {p.value: specs[p.value] for p in pieces}
-            for v, g in self._receive(pieces, "B", m, n, wanted).items():
-                total[v] = g if v not in total else total[v] + g
+        for (_, v), g in buffers.items():
+            total[v] = g if v not in total else total[v] + g
         return total
 
-    def _send(self, items: list[tuple[Piece, torch.Tensor]], direction: str, m: int, state: "_StepState") -> None:
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(p.peer), tag=self._tag(p.value, direction, m))
-               for p, t in items]
+    def _receive(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int) -> None:
+        """Receive into the given views (contiguous slices along the batch) and wait for all."""
+        ops = [dist.P2POp(dist.irecv, view, self._global(p.peer), tag=self._tag(p.value, d, m)) for view, p, d in posts]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def _send(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int, state: "_StepState") -> None:
+        """Post sends; they are waited for at the end of the step (receives block, sends do not)."""
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(p.peer), tag=self._tag(p.value, d, m))
+               for t, p, d in posts]
         if ops:
             state.sends.extend(dist.batch_isend_irecv(ops))
             state.keep_alive.extend(op.tensor for op in ops)
 
+    def _tag(self, value: ValueId, direction: str, m: int) -> int:
+        """Unique per (micro-batch, direction, value): a pair of ranks exchanges one piece of it."""
+        return (m * 2 + (direction == "B")) * len(self._value_ids) + self._value_ids[value]
+
+    def _global(self, plan_rank: int) -> int:
+        return dist.get_global_rank(self.group, plan_rank)
+
+    def _buffer(self, spec: ValueSpec, n: int) -> torch.Tensor:
+        return torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device)
+
     # -- set-up -----------------------------------------------------------------------------------
     def _plan_transfers(self) -> tuple[list[list[Piece]], list[list[tuple[int, Piece]]]]:
-        """Per micro-batch: the pieces this rank receives (its inputs from earlier stages, in
-        argument then sample order) and the (consumer stage, piece) pairs it sends (its outputs to
-        every later stage that uses them), from the sample layout of its replica."""
+        """Per micro-batch: the pieces this rank receives and the (consumer stage, piece) pairs it
+        sends, from the sample layout of its replica. Both lists are in one canonical order
+        (value, then samples), so the two ends of every rank pair post their operations alike."""
         replica = self.worker.replica
+        ranges = sample_ranges(self.plan)
 
         def peers(stage: int, m: int) -> list[tuple[int, tuple[int, int]]]:
-            return [(w.rank, self._ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)]
+            return [(w.rank, ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)]
+
+        def order(v: ValueId) -> tuple[int, int]:
+            return v.stage, v.index
 
         recv, send = [], []
-        for m, mine in enumerate(self._my_ranges):
-            recv.append([p for v in self.stage.received for p in _overlaps(mine, peers(v.stage, m), v)])
-            send.append([(c, p) for v in self.stage.outputs for c in self.split.consumers(v)
+        for m, mine in enumerate(self._ranges):
+            recv.append([p for v in sorted(self.stage.received, key=order) for p in _overlaps(mine, peers(v.stage, m), v)])
+            send.append([(c, p) for v in sorted(self.stage.outputs, key=order) for c in self.split.consumers(v)
                          for p in _overlaps(mine, peers(c, m), v)])
         return recv, send
-
-    @property
-    def _device(self) -> torch.device:
-        p = next(self.stage.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
 
     def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
@@ -305,44 +329,41 @@ class PipelineExecutor:
             self._specs[key] = self.split.value_specs(inputs)
         return self._specs[key]
 
-    def _wrap_ddp(self, group: Optional[dist.ProcessGroup]) -> nn.Module:
+    def _wrap_ddp(self, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:
+        """DDP over the stage's workers in every replica (SUM: losses carry the global weights)."""
         module = self.stage.module
-        if group is None or not any(p.requires_grad for p in module.parameters()):
+        workers = len(self.plan.stage_workers(self.stage.index))
+        if workers == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
-        ddp = DistributedDataParallel(module, process_group=group, broadcast_buffers=False)
-        ddp.register_comm_hook((self.emulator, group), _sum_after_deadline)
-        return ddp
+        if dp_group is None:
+            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} runs on {workers} workers; pass their "
+                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        return wrap_ddp(module, dp_group, self.emulator)
 
     def _no_sync(self):
         return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.stage.module.parameters(), *self.stage.module.buffers()]
 
-def stage_groups(plan: Plan, ranks: Optional[Sequence[int]] = None) -> list[Optional[dist.ProcessGroup]]:
-    """Per stage, the process group of all its workers in every replica (None for a stage on one
-    worker): its data-parallel gradient sync. ``ranks[r]`` is the global rank running plan rank
-    ``r`` (default: the same number). A collective: every rank of the world calls it, in the same
-    order, including ranks that run no part of ``plan``."""
-    ranks = list(range(plan.world_size)) if ranks is None else list(ranks)
-    groups = []
-    for s in range(len(plan.stages)):
-        members = sorted(ranks[w.rank] for w in plan.stage_workers(s))
-        groups.append(dist.new_group(members) if len(members) > 1 else None)
-    return groups
+    def _name(self, t: torch.Tensor) -> str:
+        try:
+            return self._names[id(t)]
+        except KeyError:
+            raise PipelineError(f"rank {self.rank}: a tensor of stage {self.stage.index} has no name in the "
+                                f"names module; pass the module the graph was captured from") from None
+
+    @property
+    def _device(self) -> torch.device:
+        p = next(self.stage.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
 
 
 class _StepState:
-    """What one step keeps between actions: activations per micro-batch, posted sends."""
+    """What one step keeps between actions: activations per micro-batch, posted sends, the loss."""
 
     def __init__(self, device: torch.device):
         self.loss = torch.zeros((), device=device)
         self.saved: dict[int, tuple] = {}
         self.sends: list = []
         self.keep_alive: list[torch.Tensor] = []
-
-
-def _sum_after_deadline(state, bucket):  # unannotated: DDP rejects the string annotations of this module
-    """DDP comm hook: SUM (losses are already weighted by the global batch), launched only once the
-    emulated backward segment has reached its modeled end."""
-    emulator, group = state
-    emulator.wait_deadline()
-    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])

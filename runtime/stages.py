@@ -70,7 +70,7 @@ class ValueSpec:
 @dataclass
 class Stage:
     """One pipeline stage: ``module(*args)`` with args in ``inputs`` order returns its values in
-    ``outputs`` order (always a tuple, see :meth:`run`)."""
+    ``outputs`` order (see :meth:`unpack`)."""
 
     index: int
     module: fx.GraphModule
@@ -78,9 +78,9 @@ class Stage:
     outputs: tuple[ValueId, ...]
     _single_output: bool
 
-    def run(self, *args) -> tuple:
-        out = self.module(*args)
-        return (out,) if self._single_output else tuple(out)
+    def unpack(self, returned: Any) -> dict[ValueId, Any]:
+        """The values of one call of ``module`` (or a wrapper of it, e.g. DDP), by output."""
+        return dict(zip(self.outputs, (returned,) if self._single_output else tuple(returned)))
 
     @property
     def received(self) -> tuple[ValueId, ...]:

@@ -23,7 +23,8 @@ from torch.testing import assert_close
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from runtime.emulation import Emulator
-from runtime.pipeline import PipelineExecutor, _overlaps, sample_ranges, stage_groups
+from runtime.groups import group_ranks
+from runtime.pipeline import PipelineExecutor, _overlaps, sample_ranges
 from runtime.stages import ModelInput, StageSplitError, ValueId, split_stages
 from whalelike.cluster import Emulation
 
@@ -109,14 +110,17 @@ def _run_scenario(rank: int, groups: dict[int, dist.ProcessGroup], name: str, op
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.detach())
-    dp_groups = stage_groups(plan)   # a collective over the world: plan rank r is global rank r
+    dp_group = None
+    for ranks in group_ranks(plan, "dp").values():   # new_group is a collective over the whole world
+        created = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        dp_group = created if rank in ranks else dp_group
     if rank >= plan.world_size:
         return []
     gm = fx.symbolic_trace(model)
     emulator = Emulator(1.0 if rank % 2 else 0.5, Emulation(base_gflops=10.0), rank) if emulate else None
     flops = [(2e3, 4e3)] * len(cut + (None,))
     pipe = PipelineExecutor(gm, _cut(gm, cut), plan, F.cross_entropy, emulator=emulator, stage_flops=flops,
-                            group=groups[plan.world_size], dp_group=dp_groups[plan.worker(rank).stage])
+                            group=groups[plan.world_size], dp_group=dp_group)
     pipe_opt = OPTIMIZERS[opt](pipe.parameters())
     losses = []
     for x, z, y in batches:
@@ -130,7 +134,17 @@ def _run_scenario(rank: int, groups: dict[int, dist.ProcessGroup], name: str, op
         assert_close(final[key], expected[key], msg=f"{name}/{opt}: {key}")
     if emulator is not None:
         assert emulator.stats.segments == 2 * plan.num_micro_batch * STEPS
+    x, z, y = batches[0]
+    with torch.no_grad():
+        assert_close(pipe.eval_step((x, z), y), F.cross_entropy(ref(x, z), y), msg=f"{name}/{opt}: eval_step")
+    pipe.load_full_state_dict(_initial_state())
+    assert_close(pipe.full_state_dict(), _initial_state(), msg=f"{name}/{opt}: load_full_state_dict")
     return [float(v) for v in losses]
+
+
+def _initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return SkipNet().state_dict()
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict:
