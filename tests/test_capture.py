@@ -210,3 +210,27 @@ def test_fingerprint_stable_across_processes():
 
     w = gpt.build()
     assert out.stdout.strip() == wl.capture(w.model, w.example_args).fingerprint
+
+
+class ForwardScopesUntraceable(nn.Module):
+    """Forward-time scopes in a model that only torch.export can capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 6)
+
+    def forward(self, x):
+        if x.dim() == 3:
+            x = x.mean(1)
+        with wl.replicate(2):
+            x = torch.relu(self.a(x))
+        with wl.split(2):
+            return self.b(x)
+
+
+def test_forward_time_scopes_survive_the_export_path():
+    g = wl.capture(ForwardScopesUntraceable(), (torch.randn(4, 5, 4),))
+    assert g.method == "export"
+    assert [str(t.strategy) for t in g] == ["replicate(2)", "split(2)"]
+    calls = {n.target: g.node_taskgraph[n.name] for n in g.graph_module.graph.nodes if n.op == "call_module"}
+    assert calls == {"a": 0, "b": 1}

@@ -59,6 +59,27 @@ class Strategy:
         _STACK.pop()
 
 
+class _ExportAnnotation:
+    """While torch.export traces (it preserves node meta), a forward-time scope also annotates the
+    nodes created under it (``node.meta["custom"]["wl_scope"]``): export has no tracer hook we own."""
+
+    def __init__(self):
+        self.open: list = []
+
+    def enter(self, scope: Strategy) -> None:
+        import torch.fx.traceback as fx_traceback
+
+        ctx = fx_traceback.annotate({"wl_scope": scope}) if fx_traceback.has_preserved_node_meta() else None
+        if ctx is not None:
+            ctx.__enter__()
+        self.open.append(ctx)
+
+    def exit(self) -> None:
+        ctx = self.open.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
 def _check_device_count(kind: str, device_count) -> None:
     if device_count is None:
         return
@@ -87,16 +108,19 @@ class _ScopeStack(threading.local):
     def __init__(self):
         self.entries: list[Strategy] = []
         self.default: Strategy = Strategy("replicate", None, scope_id=-1)
+        self.export = _ExportAnnotation()
 
     def push(self, strategy: Strategy) -> Strategy:
         outer = self.entries[-1] if self.entries else None
         effective = _nest(outer, strategy)
         self.entries.append(effective)
+        self.export.enter(effective)
         if len(self.entries) == 1:
             _install_module_tagging()
         return effective
 
     def pop(self) -> None:
+        self.export.exit()
         self.entries.pop()
         if not self.entries:
             _remove_module_tagging()

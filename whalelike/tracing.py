@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -87,12 +88,13 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
     sig = inspect.signature(model.forward)
     names = sig.bind(*args, **kwargs).arguments
     dynamic_shapes = {name: (dynamic[0][i] if i < len(args) else dynamic[1][name]) for i, name in enumerate(names)}
-    exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    with fx_traceback.preserve_node_meta():  # lets forward-time scopes annotate nodes (see strategy.py)
+        exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     # Guards re-check input shapes on every call; the runtime splits this graph, so keep it pure dataflow.
     gm = exported.module(check_guards=False)
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
-        node.meta.setdefault("wl_scope", None)
+        node.meta["wl_scope"] = node.meta.get("custom", {}).get("wl_scope")
     _restore_linear_leaves(gm, model)
     return gm
 
