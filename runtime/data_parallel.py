@@ -15,6 +15,9 @@ data-parallel group's Plan order (``replica``, then ``dp_index``) takes the cont
 each device its own micro-batch size and last batch size); ``no_sync`` holds back every backward
 but the rank's last, so each rank's single all-reduce carries its whole accumulated gradient.
 
+The step's global loss is summed in the same all-reduce as the gradients (appended to the last
+bucket, :func:`sum_with_gradients`), so a step costs one collective, as plain DDP's does.
+
 Emulation: the forward of each micro-batch is padded by hooks on the wrapped module (DDP's own
 pre-forward stays outside), the backward is a segment begun before ``loss.backward()`` whose deadline
 the comm hook waits for before communicating, so modeled time never includes waiting on peers.
@@ -49,16 +52,45 @@ class _HookState:
     emulator: Emulator
     group: Optional[dist.ProcessGroup]
     average: bool
+    passenger: Optional[torch.Tensor] = None
 
 
 def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
-    """Wait out the backward's modeled time, then all-reduce the bucket (SUM, or AVG if asked)."""
+    """Wait out the backward's modeled time, then all-reduce the bucket (SUM, or AVG if asked),
+    with the passenger of :func:`sum_with_gradients` appended to the last bucket."""
     state.emulator.wait_deadline()
     tensor = bucket.buffer()
     if state.average:
         tensor.div_(dist.get_world_size(state.group))
-    work = dist.all_reduce(tensor, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    passenger = state.passenger if bucket.is_last() else None
+    if passenger is None:
+        work = dist.all_reduce(tensor, group=state.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    state.passenger = None
+    joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
+    work = dist.all_reduce(joint, group=state.group, async_op=True)
+
+    def unpack(fut):
+        out = fut.value()[0]
+        passenger.copy_(out[tensor.numel():].view_as(passenger))
+        return out[: tensor.numel()]
+
+    return work.get_future().then(unpack)
+
+
+def sum_with_gradients(ddp: DistributedDataParallel, tensor: torch.Tensor) -> None:
+    """Sum ``tensor`` (in place) over the group in the gradient all-reduce of ``ddp``'s next
+    synchronising backward, instead of in a collective of its own. Call it right before that
+    backward; if no bucket carried it (nothing to sync), it is all-reduced on its own."""
+    state: _HookState = ddp._whalelike_hook_state
+    state.passenger = tensor
+
+
+def _flush_passenger(ddp: DistributedDataParallel) -> None:
+    state: _HookState = ddp._whalelike_hook_state
+    if state.passenger is not None:
+        passenger, state.passenger = state.passenger, None
+        dist.all_reduce(passenger, group=state.group)
 
 
 def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
@@ -85,7 +117,8 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     if params[0].device.type == "cuda":
         kwargs["device_ids"] = [params[0].device]
     ddp = DistributedDataParallel(module, **kwargs)
-    ddp.register_comm_hook(_HookState(emulator, process_group, average), _deadline_allreduce)
+    ddp._whalelike_hook_state = _HookState(emulator, process_group, average)
+    ddp.register_comm_hook(ddp._whalelike_hook_state, _deadline_allreduce)
     return ddp
 
 
@@ -140,13 +173,16 @@ class DataParallelExecutor:
         for m, size in enumerate(sizes):
             inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
             lo += size
-            with nullcontext() if m == len(sizes) - 1 else self.ddp.no_sync():
+            last = m == len(sizes) - 1
+            with nullcontext() if last else self.ddp.no_sync():
                 loss = self._weighted_loss(inputs, targets, share.global_size)
+                total += loss.detach()
+                if last:  # the global loss rides in the gradient all-reduce: one collective per step
+                    sum_with_gradients(self.ddp, total)
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
-            total += loss.detach()
-        dist.all_reduce(total, group=self.group.group)
+        _flush_passenger(self.ddp)
         return total
 
     @torch.no_grad()
