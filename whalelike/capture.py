@@ -138,10 +138,7 @@ def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> dict[int, list[nn
 
 
 def _tensor_bytes(spec) -> int:
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    return numel * getattr(torch, spec.dtype).itemsize
+    return TensorSpec("", spec.shape, spec.dtype, batched=False).bytes_per_sample
 
 
 def _value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
