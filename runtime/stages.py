@@ -76,11 +76,11 @@ class Stage:
     module: fx.GraphModule
     inputs: tuple[ValueId | ModelInput, ...]
     outputs: tuple[ValueId, ...]
-    _single_output: bool
+    returns_single: bool
 
     def unpack(self, returned: Any) -> dict[ValueId, Any]:
         """The values of one call of ``module`` (or a wrapper of it, e.g. DDP), by output."""
-        return dict(zip(self.outputs, (returned,) if self._single_output else tuple(returned)))
+        return dict(zip(self.outputs, (returned,) if self.returns_single else tuple(returned)))
 
     @property
     def received(self) -> tuple[ValueId, ...]:
@@ -94,7 +94,7 @@ class PipelineSplit:
 
     stages: list[Stage]
     root: fx.GraphModule        # the split graph: calling it runs every stage in one process
-    _output: Any                # model output structure with ValueIds at its leaves
+    output_structure: Any       # the model's output with ValueIds at its leaves
 
     @property
     def num_stages(self) -> int:
@@ -106,7 +106,7 @@ class PipelineSplit:
 
     def model_output(self, values: Mapping[ValueId, Any]) -> Any:
         """Rebuild the model's output structure from the last stage's values."""
-        return map_aggregate(self._output, lambda x: values[x] if isinstance(x, ValueId) else x)
+        return map_aggregate(self.output_structure, lambda x: values[x] if isinstance(x, ValueId) else x)
 
     def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         """Shape, dtype and gradient flag of every value sent between stages, for model inputs
@@ -270,7 +270,7 @@ def _check_no_shared_parameters(split: PipelineSplit) -> None:
 
 def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:
     """Run the split graph on fake inputs of batch size ``batch``; return every stage output."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
         fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
         recorder = _Recorder(root)
         recorder.run(*fake)
