@@ -5,7 +5,8 @@ Every check trains the whole model in one process and the Engine copy from the s
 weights on the same data for 3 steps, with SGD (momentum) and with AdamW, and compares the loss
 and every gradient of each step and the final parameters: uneven shares (8/8/4/2); uneven
 gradient accumulation (different micro-batch counts, sizes and last batch sizes per rank); the
-same under emulation (segments counted, each padded to at least its modeled time); one epoch
+same under emulation (segments counted, each padded to at least its modeled time); evaluation of
+a batch of another size; loading a full state dict; one epoch
 through ``UnevenLoader`` (a short last batch leaves two ranks empty). The sampler's properties are
 checked in-process.
 """
@@ -103,6 +104,16 @@ def check_against_reference(engine: Engine, model: nn.Module, data, make_opt, la
     assert state.keys() == final.keys()
     for key, value in final.items():
         assert_close(state[key], value, msg=f"{label}: final {key}")
+    # evaluation of a batch of any size (13: split 5/5/2/1 in proportion to the shares)
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(final)
+    (inputs, targets), = batches(13, seed=9)[:1]
+    with torch.no_grad():
+        assert_close(engine.eval_step((inputs, targets)), F.cross_entropy(trained(*inputs), targets), msg=f"{label}: eval")
+    # a full state dict loads back on every rank
+    engine.load_state_dict(model.state_dict())
+    for key, value in engine.state_dict().items():
+        assert_close(value, model.state_dict()[key], msg=f"{label}: loaded {key}")
 
 
 def _check_loader(rank: int, model: nn.Module) -> None:
