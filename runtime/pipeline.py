@@ -30,6 +30,10 @@ their operations in the same order, so gloo (matches by peer and tag) and NCCL (
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
 send and receive; the DDP all-reduce of the last backward waits for the segment's deadline.
+
+Limits (each a clear error): no ``split`` (tensor parallel) inside a pipeline stage; values crossing
+stages must be tensors batched along dimension 0; parameters shared by two stages are rejected
+(:mod:`runtime.stages`); model inputs and targets are tensors batched along dimension 0.
 """
 from __future__ import annotations
 
@@ -153,6 +157,10 @@ class PipelineExecutor:
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         self.module = self._wrap_ddp(dp_group)
+        log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d), samples per micro-batch %s, "
+                 "schedule %s: %s", self.rank, self.stage.index, self.split.num_stages, self.worker.replica,
+                 self.worker.dp_index, self.worker.micro_batch_sizes, plan.schedule,
+                 " ".join(map(str, self.schedule)))
 
     # -- the step-executor protocol ---------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

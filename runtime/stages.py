@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -166,6 +166,9 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
     _sink_attributes(root)
     split = _describe(root, num_stages)
     _check_no_shared_parameters(split)
+    for stage in split.stages:
+        log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
+                  [str(v) for v in stage.outputs])
     return split
 
 
