@@ -7,12 +7,14 @@ and every gradient of each step and the final parameters: uneven shares (8/8/4/2
 gradient accumulation (different micro-batch counts, sizes and last batch sizes per rank); the
 same under emulation (segments counted, each padded to at least its modeled time); evaluation of
 a batch of another size; loading a full state dict; one epoch
-through ``UnevenLoader`` (a short last batch leaves two ranks empty). The sampler's properties are
+through ``UnevenLoader`` (a short last batch leaves two ranks empty); and that a two-stage plan is
+dispatched to the pipeline executor and trains exactly as well. The sampler's properties are
 checked in-process.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -163,7 +165,27 @@ def _ranks(rank: int, world_size: int) -> dict:
         assert s.padded_s >= s.modeled_s > 0 and s.wall_s >= s.padded_s, s
 
     _check_loader(rank, model)
+    _check_pipeline_dispatch(model)
     return {"stats": engine.stats}
+
+
+def _check_pipeline_dispatch(model: nn.Module) -> None:
+    """A two-stage plan (2 + 2 ranks) goes to the pipeline executor and trains exactly too."""
+    graphs = capture(model, (torch.randn(2, DIN), torch.randn(2, CLASSES)))
+    layers = list(range(len(graphs.layers)))
+    plan = dataclasses.replace(
+        make_plan(model, [[3, 2], [1, 2], [2, 2], [2, 2]]), num_micro_batch=2, global_batch_size=8,
+        stages=[StagePlan(0, [0], layers[:2], "replicate(2)"), StagePlan(1, [0], layers[2:], "replicate(2)")],
+    )
+    plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
+    engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy,
+                    cluster=make_cluster(None), timeout_s=60)
+    losses, _, final = reference(model, batches(8, seed=4), OPTIMIZERS["sgd"])
+    for step, batch in enumerate(batches(8, seed=4)):
+        assert_close(engine.train_step(batch), losses[step], msg=f"pipeline: loss of step {step}")
+    assert type(engine.executor).__name__ == "PipelineExecutor"
+    for key, value in engine.state_dict().items():
+        assert_close(value, final[key], msg=f"pipeline: final {key}")
 
 
 def test_engine_data_parallel_matches_single_process():
