@@ -144,7 +144,7 @@ class DataParallelExecutor:
                              f"{sum(self.shares)}, not global_batch_size={plan.global_batch_size}")
         self.module = module
         self.ddp = wrap_ddp(module, group.group, self.emulator)
-        self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
+        self.emulator.pad_forward(module, flops_per_sample[0])
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
