@@ -52,7 +52,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
-    aware = _aware_decisions(graphs, config, layout)
+    aware = _aware_decisions(graphs, config, layout, cluster.network)
     result = build_plan(graphs, cluster, config, aware)
     naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
     result = with_predictions(result, naive)
@@ -158,8 +158,8 @@ def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, samples
 
 
 # -- hardware-aware decisions ----------------------------------------------------------------------
-def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
-    stage_layers, solver, gap = partition_stage_layers(graphs, layout, config)
+def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network) -> Decisions:
+    stage_layers, solver, gap = partition_stage_layers(graphs, layout, config, network)
     gbs, m = config.global_batch_size, config.num_micro_batch
     if layout.num_stages == 1:
         stages = _stages(graphs, config, layout, stage_layers, m, aware=True)

@@ -9,10 +9,17 @@ as possible within memory; the naive plan instead gives the stages of a run equa
 """
 from __future__ import annotations
 
+import logging
+
+from whalelike.cluster import Network
 from whalelike.config import Config
 from whalelike.taskgraph import TaskGraphs
 
+from .cost_model import GIB, device_tflops
+from .partition import DeviceMemory, Link, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition
 from .virtual_devices import Layout
+
+log = logging.getLogger(__name__)
 
 
 def taskgraph_layers(graphs: TaskGraphs) -> list[list[int]]:
@@ -49,6 +56,61 @@ def equal_stage_layers(graphs: TaskGraphs, layout: Layout) -> list[list[int]]:
     return layers
 
 
-def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config) -> tuple[list[list[int]], str, float | None]:
-    """The hardware-aware split: ``(layers per stage, solver, optimality gap)``."""
-    return taskgraph_layers(graphs), "greedy", None
+def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config,
+                           network: Network) -> tuple[list[list[int]], str, float | None]:
+    """The hardware-aware split: ``(layers per stage, solver, optimality gap)``.
+
+    The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
+    stage ``k``; every replica has devices of the same classes), with the layers of stages that
+    may not move pinned to their stage, and the first and last layer of every run pinned to keep
+    them out of a neighbouring fixed stage. When the partition is infeasible at this micro-batch
+    size, the user's boundaries stand and the memory balancer reports what does not fit.
+    """
+    layers = taskgraph_layers(graphs)
+    if layout.num_stages == 1 or not movable_runs(graphs):
+        return layers, "greedy", 0.0
+    movable = {s for run in movable_runs(graphs) for s in run}
+    pinned: dict[int, int] = {}
+    for s, stage_layers in enumerate(layers):
+        if s not in movable:
+            keep = stage_layers
+        else:  # a run's outer layers stay, so no layer crosses into a fixed stage
+            keep = ([stage_layers[0]] if s - 1 not in movable else []) + (
+                [stage_layers[-1]] if s + 1 not in movable else [])
+        pinned.update({i: s for i in keep})
+    order = [i for stage_layers in layers for i in stage_layers]
+    slots = [_slot(layout, s) for s in range(layout.num_stages)]
+    links = [_link(layout, s, network) for s in range(layout.num_stages - 1)]
+    micro_batch = config.global_batch_size / (config.num_micro_batch * layout.num_replicas)
+    problem = PartitionProblem.for_schedule(
+        layer_costs(graphs, order), slots, links, micro_batch, config.num_micro_batch, config.schedule,
+        pinned={order.index(i): s for i, s in pinned.items()},
+    )
+    try:
+        result = partition(problem)
+    except PartitionInfeasible as e:
+        log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the "
+                    "TaskGraph boundaries", micro_batch, e)
+        return layers, "greedy", None
+    return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
+
+
+def _slot(layout: Layout, stage: int) -> Slot:
+    """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
+    batch share proportional to its speed, every device of a tensor-parallel group a weight share
+    proportional to its own (the shares the balancers give them)."""
+    groups = layout.groups[0][stage]
+    speeds = [[device_tflops(d) * 1e12 for d in g] for g in groups]
+    total = sum(map(sum, speeds))
+    devices = tuple(
+        DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=sum(gs) / total, name=d.name)
+        for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
+    )
+    return Slot(f"stage {stage}", total, devices)
+
+
+def _link(layout: Layout, stage: int, network: Network) -> Link:
+    devices = [d for s in (stage, stage + 1) for g in layout.groups[0][s] for d in g]
+    one_host = len({d.host for d in devices}) == 1
+    gbps = network.intra_host_gbps if one_host else network.inter_host_gbps
+    return Link(gbps * 1e9, network.latency_us * 1e-6)
