@@ -23,6 +23,7 @@ movable stage: what a capacity-blind system would do, as the baseline of the pre
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -32,14 +33,14 @@ from whalelike.config import Config
 from whalelike.display import human_bytes
 from whalelike.taskgraph import TaskGraphs
 
-from .assemble import Decisions, build_plan, with_predictions
+from .assemble import Decisions, build_plan, predict, with_predictions
 from .cost_model import GIB, StageCost, device_tflops
 from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
 from .plan import Plan, PlanError
 from .schedule import build_schedule, gradient_accumulation, max_in_flight
 from .stages import equal_stage_layers, partition_stage_layers
 from .tensor_parallel import ShardLayout, even_layout, shard_layout
-from .virtual_devices import Layout, build_layout
+from .virtual_devices import PLACEMENTS, Layout, build_layout
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,31 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
-    aware = _aware_decisions(graphs, config, layout, cluster.network)
-    result = build_plan(graphs, cluster, config, aware)
     naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
-    result = with_predictions(result, naive)
+    scored = [(predict(p), p) for p in _aware_candidates(graphs, cluster, config)]
+    prediction, result = min(scored, key=lambda scored_plan: scored_plan[0].step_time_ms)
+    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
     result.validate(graphs=graphs, cluster=cluster)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result
+
+
+def _aware_candidates(graphs: TaskGraphs, cluster: Cluster, config: Config) -> list[Plan]:
+    """One hardware-aware plan per device placement that fits (see ``build_layout``); the error
+    of the Whale-rule placement when none fits."""
+    candidates, first_error = [], None
+    for placement in PLACEMENTS:
+        layout = build_layout(graphs, cluster, placement)
+        try:
+            decisions = _aware_decisions(graphs, config, layout, cluster.network)
+        except PlanError as e:
+            first_error = first_error or e
+            continue
+        candidates.append(build_plan(graphs, cluster, config, decisions))
+    if not candidates:
+        raise first_error
+    return candidates
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:

@@ -79,7 +79,9 @@ class Layout:
 
 
 def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape], int]:
-    """Each stage's (dp, tp) and the number of pipeline replicas."""
+    """Each stage's (dp, tp) and the number of pipeline replicas. Devices the fixed counts leave
+    over go to the automatic stages, at least one each and the rest in proportion to their FLOPs
+    (largest remainder), so no device idles because the counts did not divide."""
     fixed = [_fixed_degrees(tg.strategy) for tg in graphs]
     auto = [i for i, f in enumerate(fixed) if f is None]
     requested = sum(dp * tp for f in fixed if f is not None for dp, tp in [f])
@@ -91,13 +93,27 @@ def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape]
             + f" ({what}) but the cluster has {num_devices}; lower the device_count of a scope "
             "or use a larger cluster"
         )
+    budgets = _auto_budgets([graphs[i] for i in auto], num_devices - requested)
     shapes: list[StageShape] = []
-    each = (num_devices - requested) // len(auto) if auto else 0
     for tg, f in zip(graphs, fixed):
-        dp, tp = f if f is not None else _auto_degrees(tg.strategy, each, tg.index)
+        dp, tp = f if f is not None else _auto_degrees(tg.strategy, budgets[tg.index], tg.index)
         shapes.append(StageShape(tg.index, tg.strategy, dp, tp))
     replicas = 1 if auto else num_devices // requested
     return shapes, replicas
+
+
+def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
+    """Devices per automatic stage: one each, the rest proportional to FLOPs per sample."""
+    if not auto_graphs:
+        return {}
+    work = [max(tg.forward_flops + tg.backward_flops, 1.0) for tg in auto_graphs]
+    extra = spare - len(auto_graphs)
+    ideal = [extra * w / sum(work) for w in work]
+    counts = [int(x) for x in ideal]
+    by_remainder = sorted(range(len(work)), key=lambda i: (counts[i] - ideal[i], -work[i], i))
+    for i in by_remainder[: extra - sum(counts)]:
+        counts[i] += 1
+    return {tg.index: 1 + c for tg, c in zip(auto_graphs, counts)}
 
 
 def _fixed_degrees(strategy: Strategy):
@@ -129,15 +145,33 @@ def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int
     return dp, tp
 
 
-def build_layout(graphs: TaskGraphs, cluster: Cluster) -> Layout:
-    """Place every stage of every pipeline replica on physical devices (see module docstring)."""
+PLACEMENTS = ("memory", "speed")
+
+
+def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory") -> Layout:
+    """Place every stage of every pipeline replica on physical devices (see module docstring).
+
+    ``placement="memory"`` is Whale's rule: devices ranked by memory (then speed) are dealt out in
+    stage order. ``"speed"`` deals devices ranked by speed (then memory) to the stages with the
+    most FLOPs per device first: better when a late stage (a wide classifier) dominates compute.
+    The planner tries both and keeps the faster plan that fits.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     shapes, replicas = stage_shapes(graphs, len(cluster.devices))
-    ranked = sorted(
-        enumerate(cluster.devices), key=lambda p: (-p[1].memory_gib, -device_tflops(p[1]), p[0])
-    )
+    if placement == "memory":
+        key = lambda p: (-p[1].memory_gib, -device_tflops(p[1]), p[0])  # noqa: E731
+        stage_order = list(range(len(shapes)))
+    else:
+        key = lambda p: (-device_tflops(p[1]), -p[1].memory_gib, p[0])  # noqa: E731
+        work = [(graphs[sh.taskgraph].forward_flops + graphs[sh.taskgraph].backward_flops) / sh.devices
+                for sh in shapes]
+        stage_order = sorted(range(len(shapes)), key=lambda s: (-work[s], s))
+    ranked = sorted(enumerate(cluster.devices), key=key)
     wanted: list[list[list[tuple]]] = [[[] for _ in shapes] for _ in range(replicas)]
     pos = 0
-    for s, shape in enumerate(shapes):
+    for s in stage_order:
+        shape = shapes[s]
         for r in range(replicas):
             chunk = ranked[pos:pos + shape.devices]
             pos += shape.devices
