@@ -6,6 +6,9 @@ The scopes are opened *inside* ``forward`` (forward-time scopes), the other way 
     with wl.replicate():  features = self.features(images)    -> TaskGraph 0, data parallel
     with wl.split():      logits = self.classifier(features)   -> TaskGraph 1, class-sharded
 
+GroupNorm rather than BatchNorm: batch statistics over a rank's uneven share would make each
+replica normalise differently from single-process training on the global batch.
+
 ``num_classes`` defaults to 20,000 so ``build()`` trains a few dozen steps on a CPU in seconds;
 Whale's setting is ``build(num_classes=100_000)`` (capture runs on meta tensors, so inspecting or
 planning that size needs no memory). The loss is a plain ``F.cross_entropy``, which lets the
@@ -27,8 +30,8 @@ class HybridClassifier(nn.Module):
         if image_size % 4:
             raise ValueError(f"HybridClassifier: image_size must be a multiple of 4, got {image_size}")
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, width, 3, padding=1), nn.GroupNorm(4, width), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.GroupNorm(4, 2 * width), nn.ReLU(), nn.MaxPool2d(2),
         )
         self.embed = nn.Linear(2 * width * (image_size // 4) ** 2, feature_dim)
         self.classifier = nn.Linear(feature_dim, num_classes)
