@@ -38,8 +38,10 @@ Solvers (both return a :class:`Partition`, exact evaluation by the same model):
   first, faster first on ties, the given order if better) improved by swapping pairs of groups
   while the bottleneck drops; the gap is then unknown (``None``).
 * ``"ilp"``: a PuLP/CBC model (:mod:`planner.partition_ilp`), exact over layer ranges *and* group
-  order, warm-started with the greedy answer so it is never worse; when CBC stops on its time limit
-  the gap is read from its log.
+  order, warm-started with the greedy answer so it is never worse; the dynamic program re-splits
+  the layers for the ILP's order (exact, and free of CBC's tolerances). When CBC stops on its time
+  limit the gap is read from its log; when it finds nothing in time the greedy answer is returned
+  (solver ``"greedy"``).
 * ``"auto"``: the ILP where it can beat the dynamic program (order search over at least two
   different groups) and the instance is small (``L * S <= ILP_MAX_CELLS`` and
   ``S <= ILP_MAX_STAGES``), the dynamic program otherwise.
@@ -65,6 +67,7 @@ fitting.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -81,8 +84,8 @@ from .schedule import build_schedule, max_in_flight
 
 log = logging.getLogger(__name__)
 
-ILP_MAX_CELLS = 400      # layers x stages: CBC proves optimality within a second or so below this
-ILP_MAX_STAGES = 8       # the order search adds S^2 assignment variables with big-M rows
+ILP_MAX_CELLS = 120      # layers x stages: CBC proves optimality within about a second up to here
+ILP_MAX_STAGES = 5       # each searched position adds S assignment binaries; 6 stages can take CBC 10+ s
 _PAIR_SWAP_MAX_STAGES = 16  # order search tries every pair of positions up to here, neighbours beyond
 _TOL = 1e-9
 
@@ -515,20 +518,34 @@ def partition(problem: PartitionProblem, solver: Solver = "auto", time_limit_s: 
     greedy = assemble(p, order, starts, "greedy", None if free else 0.0) if math.isfinite(best) else None
     use_ilp = solver == "ilp" or (solver == "auto" and free and L * S <= ILP_MAX_CELLS and S <= ILP_MAX_STAGES)
     if use_ilp:
-        from .partition_ilp import solve_ilp  # the ILP module prices with this one
-
-        found = solve_ilp(p, warm=greedy, time_limit_s=time_limit_s)
-        if found is not None:
-            result = assemble(p, found.order, found.starts, "ilp", found.gap)
-            if greedy is None or result.bottleneck_s <= greedy.bottleneck_s * (1 + 1e-7):
-                log.debug("ilp partition: bottleneck %.6g s, gap %s", result.bottleneck_s, found.gap)
-                return result
-            log.warning("CBC returned a worse partition than its warm start (%.6g s > %.6g s); keeping the greedy one",
-                        result.bottleneck_s, greedy.bottleneck_s)
+        result = _with_ilp(pricing, greedy, time_limit_s)
+        if result is not None:
+            return result
     if greedy is None:
         raise _infeasible(pricing, order)
     log.debug("greedy partition: bottleneck %.6g s", greedy.bottleneck_s)
     return greedy
+
+
+def _with_ilp(pricing: _Pricing, greedy: Optional[Partition], time_limit_s: float) -> Optional[Partition]:
+    """The ILP's answer, warm-started with (and so never worse than) the greedy one; None when
+    CBC has no verdict in time. The ILP picks the order; the dynamic program splits the layers for
+    it, exactly (so CBC's tolerances never let a stage overflow)."""
+    from .partition_ilp import solve_ilp  # the ILP module prices with this one's types
+
+    p = pricing.p
+    found = solve_ilp(p, warm=greedy, time_limit_s=time_limit_s)
+    if found.status == "no solution":
+        log.warning("CBC stopped without a partition (time limit %.1f s); using the greedy one", time_limit_s)
+        return None
+    if found.order is not None:
+        value, starts = _solve_order(pricing, found.order)
+        if math.isfinite(value) and (greedy is None or value < greedy.bottleneck_s):
+            return assemble(p, found.order, starts, "ilp", found.gap)
+    if greedy is None:  # CBC proved that nothing fits
+        return None
+    # CBC found nothing better than its warm start: the greedy answer is optimal within the gap
+    return dataclasses.replace(greedy, solver="ilp", gap=found.gap if found.order is not None else 0.0)
 
 
 def _infeasible(pricing: _Pricing, order: Sequence[int]) -> PartitionInfeasible:
