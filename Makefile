@@ -6,9 +6,15 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo test setup clean
 
-# The main job: plan the flagship example onto the built-in emulated 4-device cluster and train it.
+# The main job: plan Whale's flagship hybrid (replicate conv + split 20k-class classifier) onto the
+# built-in emulated unequal 4-device cluster, then train it with torchrun next to the naive plan.
+DEMO_MODEL ?= examples/hybrid_classifier.py:build
+DEMO_ARGS  ?= --cluster emulated-4 --global-batch 64 --micro-batches 4
+
 demo: $(STAMP)
-	$(BIN)/python examples/main_job.py
+	mkdir -p out
+	$(BIN)/whalelike plan $(DEMO_MODEL) $(DEMO_ARGS) -o out/plan.yaml --timeline out/plan.png
+	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan.yaml --steps 30 --compare-naive
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
