@@ -429,52 +429,88 @@ def _dp(mats: Sequence[np.ndarray], combine=np.maximum) -> tuple[float, list[int
     return float(f[L - 1]), starts
 
 
-def _solve_order(pricing: _Pricing, order: Sequence[int]) -> tuple[float, list[int]]:
+@dataclass(frozen=True)
+class _Score:
+    """How good a group order is, compared lexicographically: memory overflow of its least
+    overflowing split (0 when one fits), then the least bottleneck, then the sum of squared stage
+    times of the most balanced optimal split. The later keys give the order search a direction on
+    plateaus, where a move leaves the slowest stage alone but relieves the others."""
+
+    excess: float
+    bottleneck: float
+    squares: float
+
+    def better_than(self, other: "_Score") -> bool:
+        for mine, theirs in ((self.excess, other.excess), (self.bottleneck, other.bottleneck), (self.squares, other.squares)):
+            if mine < theirs * (1 - 1e-9):
+                return True
+            if mine > theirs * (1 + 1e-9):
+                return False
+        return False
+
+
+def _solve_order(pricing: _Pricing, order: Sequence[int]) -> tuple[_Score, list[int]]:
     """Least bottleneck for a fixed order; among optimal splits the least sum of squared times."""
     mats = [pricing.cost(k, g) for k, g in enumerate(order)]
     best, starts = _dp(mats)
     if not math.isfinite(best):
-        return best, starts
+        excess, starts = _dp([np.where(pricing.forbidden(k), np.inf, pricing.overflow(k, g)) for k, g in enumerate(order)])
+        return _Score(max(excess, 0.0), math.inf, math.inf), starts
     bound = best * (1 + 1e-9) + 1e-15
-    squares = [np.where(m <= bound, m * m, np.inf) for m in mats]
-    _, balanced = _dp(squares, np.add)
-    return best, balanced
+    squares, balanced = _dp([np.where(m <= bound, m * m, np.inf) for m in mats], np.add)
+    return _Score(0.0, best, squares), balanced
 
 
-def _rule_order(p: PartitionProblem) -> list[int]:
-    """Most memory first (early stages keep the most micro-batches in flight), faster first on
-    ties; slots in ``keep_position`` stay put."""
-    movable = sorted(p.movable_slots, key=lambda g: (-sum(d.capacity_bytes for d in p.slots[g].devices),
-                                                    -p.slots[g].flops_per_s, g))
-    it = iter(movable)
-    return [g if g not in p.movable_slots else next(it) for g in range(len(p.slots))]
+def _rule_orders(p: PartitionProblem) -> list[list[int]]:
+    """Starting orders: most memory first (early stages keep the most micro-batches in flight,
+    faster first on ties), fastest first, and the given order; kept slots stay put."""
+    def arranged(key) -> list[int]:
+        it = iter(sorted(p.movable_slots, key=key))
+        return [next(it) if g in p.movable_slots else g for g in range(len(p.slots))]
+    memory_first = arranged(lambda g: (-sum(d.capacity_bytes for d in p.slots[g].devices), -p.slots[g].flops_per_s, g))
+    fastest_first = arranged(lambda g: (-p.slots[g].flops_per_s, -sum(d.capacity_bytes for d in p.slots[g].devices), g))
+    return [memory_first, fastest_first, list(range(len(p.slots)))]
 
 
-def _search_order(pricing: _Pricing) -> tuple[list[int], float, list[int]]:
-    """The rule's order (or the given one, if better), then best-improvement swaps of two
-    positions holding different movable slots until none lowers the bottleneck."""
+def _moves(order: list[int], p: PartitionProblem):
+    """Neighbouring orders: swap two movable slots that differ; for up to
+    ``_PAIR_SWAP_MAX_STAGES`` stages any two and also move one slot elsewhere among the movable
+    positions, beyond that neighbours only (the search stays O(S) evaluations per round)."""
+    positions = [k for k in range(len(order)) if order[k] in p.movable_slots]
+    small = len(order) <= _PAIR_SWAP_MAX_STAGES
+    pairs = itertools.combinations(range(len(positions)), 2) if small else zip(range(len(positions) - 1), range(1, len(positions)))
+    for a, b in pairs:
+        ka, kb = positions[a], positions[b]
+        if p.slots[order[ka]].signature != p.slots[order[kb]].signature:
+            trial = list(order)
+            trial[ka], trial[kb] = trial[kb], trial[ka]
+            yield trial
+    if small:
+        sequence = [order[k] for k in positions]
+        for a, b in itertools.permutations(range(len(sequence)), 2):
+            if abs(a - b) > 1:  # neighbours were swapped above
+                moved = list(sequence)
+                moved.insert(b, moved.pop(a))
+                trial = list(order)
+                for k, g in zip(positions, moved):
+                    trial[k] = g
+                yield trial
+
+
+def _search_order(pricing: _Pricing) -> tuple[list[int], _Score, list[int]]:
+    """The best of the rule's starting orders, then best-improvement moves until none helps."""
     p = pricing.p
-    S = len(p.slots)
-    candidates = [list(range(S)), _rule_order(p)]
-    scored = [(*_solve_order(pricing, o), o) for o in candidates]
-    best, starts, order = min(scored, key=lambda t: t[0])
-    movable = set(p.movable_slots)
-    pairs = (list(itertools.combinations(range(S), 2)) if S <= _PAIR_SWAP_MAX_STAGES
-             else [(a, a + 1) for a in range(S - 1)])
+    scored = [(*_solve_order(pricing, o), o) for o in _rule_orders(p)]
+    score, starts, order = min(scored, key=lambda t: (t[0].excess, t[0].bottleneck, t[0].squares))
     while True:
         improvement = None
-        for a, b in pairs:
-            ga, gb = order[a], order[b]
-            if ga not in movable or gb not in movable or p.slots[ga].signature == p.slots[gb].signature:
-                continue
-            trial = list(order)
-            trial[a], trial[b] = gb, ga
-            value, trial_starts = _solve_order(pricing, trial)
-            if value < best * (1 - 1e-9) and (improvement is None or value < improvement[0]):
-                improvement = (value, trial_starts, trial)
+        for trial in _moves(order, p):
+            trial_score, trial_starts = _solve_order(pricing, trial)
+            if trial_score.better_than(score if improvement is None else improvement[0]):
+                improvement = (trial_score, trial_starts, trial)
         if improvement is None:
-            return order, best, starts
-        best, starts, order = improvement
+            return order, score, starts
+        score, starts, order = improvement
 
 
 def _order_is_free(p: PartitionProblem) -> bool:
@@ -511,11 +547,11 @@ def partition(problem: PartitionProblem, solver: Solver = "auto", time_limit_s: 
     pricing = _Pricing(p)
     free = _order_is_free(p)
     if free:
-        order, best, starts = _search_order(pricing)
+        order, score, starts = _search_order(pricing)
     else:
         order = list(range(S))
-        best, starts = _solve_order(pricing, order)
-    greedy = assemble(p, order, starts, "greedy", None if free else 0.0) if math.isfinite(best) else None
+        score, starts = _solve_order(pricing, order)
+    greedy = assemble(p, order, starts, "greedy", None if free else 0.0) if score.excess == 0 else None
     use_ilp = solver == "ilp" or (solver == "auto" and free and L * S <= ILP_MAX_CELLS and S <= ILP_MAX_STAGES)
     if use_ilp:
         result = _with_ilp(pricing, greedy, time_limit_s)
@@ -539,8 +575,8 @@ def _with_ilp(pricing: _Pricing, greedy: Optional[Partition], time_limit_s: floa
         log.warning("CBC stopped without a partition (time limit %.1f s); using the greedy one", time_limit_s)
         return None
     if found.order is not None:
-        value, starts = _solve_order(pricing, found.order)
-        if math.isfinite(value) and (greedy is None or value < greedy.bottleneck_s):
+        score, starts = _solve_order(pricing, found.order)
+        if score.excess == 0 and (greedy is None or score.bottleneck < greedy.bottleneck_s):
             return assemble(p, found.order, starts, "ilp", found.gap)
     if greedy is None:  # CBC proved that nothing fits
         return None
@@ -549,19 +585,12 @@ def _with_ilp(pricing: _Pricing, greedy: Optional[Partition], time_limit_s: floa
 
 
 def _infeasible(pricing: _Pricing, order: Sequence[int]) -> PartitionInfeasible:
-    """The split (of the rule's or the given order) that overflows least, and where it overflows."""
+    """Where the split that overflows least (for ``order``, the search's best) overflows."""
     p = pricing.p
-    orders = [list(order), _rule_order(p)] if p.order == "search" else [list(order)]
-    best = None
-    for o in orders:
-        mats = [np.where(pricing.forbidden(k), np.inf, pricing.overflow(k, g)) for k, g in enumerate(o)]
-        value, starts = _dp(mats)
-        if best is None or value < best[0]:
-            best = (value, starts, o)
-    _, starts, o = best
+    _, starts = _solve_order(pricing, order)
     ends = [s - 1 for s in starts[1:]] + [len(p.layers) - 1]
     lines = []
-    for k, (g, i, j) in enumerate(zip(o, starts, ends)):
+    for k, (g, i, j) in enumerate(zip(order, starts, ends)):
         for d in p.slots[g].memory_classes:
             need = float(pricing.need(k, d)[i, j])
             if need > d.capacity_bytes * (1 + _TOL):
