@@ -34,14 +34,17 @@ Solvers (both return a :class:`Partition`, exact evaluation by the same model):
 * ``"greedy"``: for a given group order an exact dynamic program over (stage, last layer) on
   numpy cost matrices, ``O(S L^2)``; the optimum is exact, so its gap is 0. Among the optimal
   partitions it takes the one with the least sum of squared stage times (slack spread evenly rather
-  than piled on one stage). With ``order="search"`` the order comes from a rule (most memory
-  first, faster first on ties, the given order if better) improved by swapping pairs of groups
-  while the bottleneck drops; the gap is then unknown (``None``).
+  than piled on one stage). With ``order="search"`` the order starts from a rule (the best of
+  most-memory-first, fastest-first and the given order) and improves by local moves (swap two
+  groups, move one elsewhere) while (memory overflow, bottleneck, sum of squares) drops; the gap is
+  then unknown (``None``). On 100 random small instances it matched the ILP on 98, within 0.03 %
+  on average (``bench/plan_scale.py``).
 * ``"ilp"``: a PuLP/CBC model (:mod:`planner.partition_ilp`), exact over layer ranges *and* group
   order, warm-started with the greedy answer so it is never worse; the dynamic program re-splits
-  the layers for the ILP's order (exact, and free of CBC's tolerances). When CBC stops on its time
-  limit the gap is read from its log; when it finds nothing in time the greedy answer is returned
-  (solver ``"greedy"``).
+  the layers for the ILP's order (exact, and free of CBC's tolerances). When CBC proves nothing
+  beats its warm start, the greedy split is returned as the ILP's (gap 0). When CBC stops on its
+  time limit the gap is read from its log; when it finds nothing in time the greedy answer is
+  returned (solver ``"greedy"``).
 * ``"auto"``: the ILP where it can beat the dynamic program (order search over at least two
   different groups) and the instance is small (``L * S <= ILP_MAX_CELLS`` and
   ``S <= ILP_MAX_STAGES``), the dynamic program otherwise.
@@ -58,8 +61,8 @@ Example::
         [layer] * 24, slots, [Link(12.5e9, 5e-6)], micro_batch=8, num_micro_batch=8,
         schedule="1f1b", order="search")
     result = partition(problem)            # -> Partition
-    result.stage_layers()                  # [[0, ..., 19], [20, ..., 23]]
-    result.bottleneck_s, result.solver, result.gap
+    result.stage_layers()                  # [[0, ..., 21], [22, 23]]: the A100s first
+    result.bottleneck_s, result.solver, result.gap  # 0.00455, "ilp", 0.0
 
 Infeasible problems raise :class:`PartitionInfeasible` (a :class:`~planner.plan.PlanError`) naming
 the stage, its layers, the device and the shortfall in GiB of the split that comes closest to
@@ -86,7 +89,7 @@ log = logging.getLogger(__name__)
 
 ILP_MAX_CELLS = 120      # layers x stages: CBC proves optimality within about a second up to here
 ILP_MAX_STAGES = 5       # each searched position adds S assignment binaries; 6 stages can take CBC 10+ s
-_PAIR_SWAP_MAX_STAGES = 16  # order search tries every pair of positions up to here, neighbours beyond
+_PAIR_SWAP_MAX_STAGES = 16  # order search: any two positions (swap, move) up to here, neighbours beyond
 _TOL = 1e-9
 
 Solver = Literal["auto", "ilp", "greedy"]
