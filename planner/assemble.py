@@ -84,7 +84,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
 
 def predict(plan: Plan) -> Prediction:
     """Simulate one step of ``plan`` (see :mod:`planner.simulator`)."""
-    return simulate(plan).prediction
+    return simulate(plan, record_events=False).prediction
 
 
 def with_predictions(plan: Plan, naive: Plan) -> Plan:
@@ -94,10 +94,7 @@ def with_predictions(plan: Plan, naive: Plan) -> Plan:
 def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommModel) -> Worker:
     cost, fraction = dec.costs[s], dec.shards[s].fractions[t]
     sizes = dec.sizes[r][s][d]
-    tp_comm = [
-        sum(comm.allreduce_ms(out * b, group) for out in cost.layer_output_bytes) if len(group) > 1 else 0.0
-        for b in sizes
-    ]
+    tp_comm = [comm.allreduce_each_ms(cost.layer_output_bytes, b, group) for b in sizes]
     forward = [compute_ms(cost.forward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
     backward = [compute_ms(cost.backward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
     return Worker(

@@ -74,6 +74,17 @@ class CommModel:
             return 0.0
         return 2 * (n - 1) / n * nbytes / self._bytes_per_ms(devices) + 2 * (n - 1) * self._latency_ms
 
+    def allreduce_each_ms(self, nbytes: Sequence[float], scale: float, devices: Sequence[Device]) -> float:
+        """Total time of one all-reduce per entry of ``nbytes``, each scaled by ``scale`` (the
+        per-layer all-reduces of a tensor-parallel stage), in closed form: it runs per worker
+        and micro-batch on plans of thousands of devices."""
+        n = len(devices)
+        live = [b for b in nbytes if b > 0]
+        if n <= 1 or scale <= 0 or not live:
+            return 0.0
+        return (2 * (n - 1) / n * scale * sum(live) / self._bytes_per_ms(devices)
+                + 2 * (n - 1) * self._latency_ms * len(live))
+
     def allgather_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
         """All-gather of a tensor of ``nbytes`` in total (each device holds ``nbytes / n``)."""
         n = len(devices)

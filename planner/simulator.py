@@ -139,11 +139,16 @@ class _Group:
     free_ms: float = 0.0
 
 
-def simulate(plan: Plan) -> SimResult:
-    """Simulate one step of ``plan``; raises :class:`~planner.validate.ScheduleError` if it cannot run."""
+def simulate(plan: Plan, record_events: bool = True) -> SimResult:
+    """Simulate one step of ``plan``; raises :class:`~planner.validate.ScheduleError` if it cannot run.
+
+    ``record_events=False`` keeps only the times (``SimResult.events`` stays empty): the planner's
+    predictions need no timeline, and on thousands of workers the events dominate the cost.
+    """
     validate_plan(plan)
     groups = _groups(plan)
     events: list[SimEvent] = []
+    compute: dict[int, float] = defaultdict(float)
     # (channel, micro_batch) -> [sends arrived, latest arrival ms]
     arrivals: dict[tuple[int, int], list] = defaultdict(lambda: [0, 0.0])
     waiting: dict[tuple[int, int], list[_Group]] = defaultdict(list)
@@ -163,7 +168,9 @@ def simulate(plan: Plan) -> SimResult:
         end = start
         for w in g.members:
             took = (w.forward_ms if a.kind == "F" else w.backward_ms)[m]
-            events.append(SimEvent(w.rank, g.stage, a.kind, m, start, start + took))
+            compute[w.rank] += took
+            if record_events:
+                events.append(SimEvent(w.rank, g.stage, a.kind, m, start, start + took))
             end = max(end, start + took)
         g.free_ms = end
         sender = g.members[0].rank
@@ -171,7 +178,8 @@ def simulate(plan: Plan) -> SimResult:
             begin = max(end, link_free[sender, a.kind])
             done = begin + (transfer_ms[m] if transfer_ms else 0.0)
             link_free[sender, a.kind] = done
-            events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
+            if record_events:
+                events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
             arrived = arrivals[channel, m]
             arrived[0] += 1
             arrived[1] = max(arrived[1], done)
@@ -190,9 +198,9 @@ def simulate(plan: Plan) -> SimResult:
             f"replica {g.replica} stage {g.stage} at {g.actions[g.pc]}" for g in stalled))
 
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
-    allreduce = _allreduce(plan, finish, events)
+    allreduce = _allreduce(plan, finish, events if record_events else None)
     step_ms = max(finish.values())
-    return _result(plan, groups, events, allreduce, step_ms)
+    return _result(plan, groups, events, compute, allreduce, step_ms)
 
 
 def _groups(plan: Plan) -> list[_Group]:
@@ -227,7 +235,7 @@ def _groups(plan: Plan) -> list[_Group]:
     return out
 
 
-def _allreduce(plan: Plan, finish: dict[int, float], events: list[SimEvent]) -> dict[int, float]:
+def _allreduce(plan: Plan, finish: dict[int, float], events: Optional[list[SimEvent]]) -> dict[int, float]:
     """Run each data-parallel group's gradient all-reduce; updates ``finish``, returns its time per rank."""
     peers = defaultdict(list)
     for w in plan.workers:
@@ -239,17 +247,14 @@ def _allreduce(plan: Plan, finish: dict[int, float], events: list[SimEvent]) -> 
         for w in ws:
             took[w.rank] = duration
             if duration > 0:
-                events.append(SimEvent(w.rank, w.stage, "allreduce", None, start, start + duration))
+                if events is not None:
+                    events.append(SimEvent(w.rank, w.stage, "allreduce", None, start, start + duration))
                 finish[w.rank] = start + duration
     return took
 
 
-def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], allreduce: dict[int, float],
-            step_ms: float) -> SimResult:
-    compute = defaultdict(float)
-    for e in events:
-        if e.kind in ("F", "B"):
-            compute[e.rank] += e.duration_ms
+def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], compute: dict[int, float],
+            allreduce: dict[int, float], step_ms: float) -> SimResult:
     in_flight = {w.rank: max_in_flight(g.actions) for g in groups for w in g.members}
     workers = [
         WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank],

@@ -97,13 +97,14 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config,
 
 def _slot(layout: Layout, stage: int) -> Slot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
-    batch share proportional to its speed, every device of a tensor-parallel group a weight share
-    proportional to its own (the shares the balancers give them)."""
+    batch share proportional to its speed, every device of a tensor-parallel group a shard
+    proportional to its own speed, of the weights and of the group's activations (as
+    :meth:`StageCost.memory_bytes` prices a shard)."""
     groups = layout.groups[0][stage]
     speeds = [[device_tflops(d) * 1e12 for d in g] for g in groups]
     total = sum(map(sum, speeds))
     devices = tuple(
-        DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=sum(gs) / total, name=d.name)
+        DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=v / total, name=d.name)
         for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
     )
     return Slot(f"stage {stage}", total, devices)
