@@ -11,8 +11,13 @@ plan                 executor                                 module
 ===================  ======================================  =====================================
 1 stage, no split    :class:`DataParallelExecutor`            :mod:`runtime.data_parallel`
 several stages       ``PipelineExecutor``                     :mod:`runtime.pipeline`
-any ``split``        registered with :func:`register_executor` (none built in yet)
+any ``split``        ``PipelineExecutor`` with sharded stages  :mod:`runtime.pipeline`,
+                                                              :mod:`runtime.tensor_parallel`
 ===================  ======================================  =====================================
+
+A plan with ``split`` runs as a pipeline (of one stage or more) whose tensor-parallel stages have
+their Linears swapped for uneven parallel ones; ``split`` inside ``replicate`` is such a stage on
+several data-parallel slots, each a tensor-parallel group.
 
 The step-executor protocol (:class:`StepExecutor`), all collective on the ranks of the plan:
 
@@ -89,15 +94,17 @@ def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
     from runtime.pipeline import PipelineExecutor
     from runtime.stages import node_stages_from_plan, stage_flops_from_plan
+    from runtime.tensor_parallel import StageSharding
 
     return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
-                            dp_group=ctx.groups.dp.group)
+                            dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group))
 
 
 _BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
     "data_parallel": _build_data_parallel,
     "pipeline": _build_pipeline,
+    "tensor_parallel": _build_pipeline,
 }
 
 

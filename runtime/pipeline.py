@@ -31,9 +31,18 @@ Emulation: each F and each B of a micro-batch is one compute segment of the rank
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
 send and receive; the DDP all-reduce of the last backward waits for the segment's deadline.
 
-Limits (each a clear error): no ``split`` (tensor parallel) inside a pipeline stage; values crossing
-stages must be tensors batched along dimension 0; parameters shared by two stages are rejected
-(:mod:`runtime.stages`); model inputs and targets are tensors batched along dimension 0.
+Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
+(replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
+stage's Linears are swapped for uneven parallel ones (:class:`runtime.tensor_parallel.StageSharding`)
+and, on the last stage, a class-sharded classifier feeds the sharded cross-entropy. Boundary values
+and their gradients are full on every member, so only ``tp_index`` 0 sends (see
+``_plan_transfers``), only it adds to the reported loss, and DDP syncs each shard over the workers
+holding the same shard. Emulation pads such a stage matmul by matmul (segments must not span the
+tensor-parallel collectives); its other operators run unpadded.
+
+Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
+parameters shared by two stages are rejected (:mod:`runtime.stages`); model inputs and targets are
+tensors batched along dimension 0; only ``nn.Linear`` modules are sharded.
 """
 from __future__ import annotations
 
@@ -49,11 +58,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-from planner.plan import Plan
+from planner.plan import Plan, Worker
 from planner.schedule import Action, build_schedule
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
+from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +83,32 @@ class Piece:
 
 
 def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
-    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes."""
+    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes.
+
+    The workers of one tensor-parallel group (same replica, stage and ``dp_index``) form one
+    *slot* and process the same samples.
+    """
     ranges: dict[int, list[tuple[int, int]]] = {}
     offset = 0
     for replica in range(plan.num_replicas):
-        block = [sum(w.micro_batch_sizes[m] for w in plan.stage_workers(0, replica)) for m in range(plan.num_micro_batch)]
+        block = [sum(w.micro_batch_sizes[m] for w in _slots(plan, 0, replica)) for m in range(plan.num_micro_batch)]
         for stage in range(len(plan.stages)):
             start = offset
-            per_worker = {w.rank: [] for w in plan.stage_workers(stage, replica)}
+            per_slot: dict[int, list[tuple[int, int]]] = {w.dp_index: [] for w in _slots(plan, stage, replica)}
             for m in range(plan.num_micro_batch):
                 cursor = start
-                for w in sorted(plan.stage_workers(stage, replica), key=lambda w: w.dp_index):
-                    per_worker[w.rank].append((cursor, cursor + w.micro_batch_sizes[m]))
+                for w in _slots(plan, stage, replica):
+                    per_slot[w.dp_index].append((cursor, cursor + w.micro_batch_sizes[m]))
                     cursor += w.micro_batch_sizes[m]
                 start += block[m]
-            ranges.update(per_worker)
+            ranges.update((w.rank, per_slot[w.dp_index]) for w in plan.stage_workers(stage, replica))
         offset += sum(block)
     return ranges
+
+
+def _slots(plan: Plan, stage: int, replica: int) -> list[Worker]:
+    """One worker per data-parallel slot of a stage (its ``tp_index`` 0), by ``dp_index``."""
+    return sorted((w for w in plan.stage_workers(stage, replica) if w.tp_index == 0), key=lambda w: w.dp_index)
 
 
 def _overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, tuple[int, int]]], value: ValueId) -> list[Piece]:
@@ -128,6 +147,7 @@ class PipelineExecutor:
         group: Optional[dist.ProcessGroup] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
         names: Optional[nn.Module] = None,
+        sharding: Optional[StageSharding] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -136,24 +156,19 @@ class PipelineExecutor:
         if plan.world_size != dist.get_world_size(self.group):
             raise PipelineError(f"the plan has {plan.world_size} workers, the process group has "
                                 f"{dist.get_world_size(self.group)} ranks; launch one process per plan worker")
-        if any(w.tp_size > 1 for w in plan.workers):
-            raise PipelineError("the pipeline executor does not run split() (tensor parallel) inside a stage; "
-                                "plan with tp_size 1 in every pipeline stage")
         self.worker = plan.worker(self.rank)
         self.split: PipelineSplit = split_stages(graph_module, node_stage)
         if self.split.num_stages != len(plan.stages):
             raise PipelineError(f"node_stage defines {self.split.num_stages} stages, the plan has {len(plan.stages)}")
         self.stage = self.split.stages[self.worker.stage]
         self.is_last = self.stage.index == self.split.num_stages - 1
-        self.loss_fn = loss_fn
         self.emulator = emulator or Emulator.disabled()
         self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
         self.schedule: list[Action] = build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index]
-        source = names if names is not None else graph_module
-        self._names = {id(t): n for n, t in [*source.named_parameters(remove_duplicate=False),
-                                                *source.named_buffers(remove_duplicate=False)]}
+        self._state_names = self._model_names(names if names is not None else graph_module)
+        self.loss_fn = self._shard(sharding, graph_module, loss_fn)
         self._ranges = sample_ranges(plan)[self.rank]
-        self._recv_pieces, self._send_pieces = self._plan_transfers()
+        self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         self.module = self._wrap_ddp(dp_group)
@@ -180,22 +195,24 @@ class PipelineExecutor:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, on every rank (a collective over the plan's
-        ranks: the first worker of each stage contributes its stage)."""
+        ranks: the first slot of each stage gathers its tensor-parallel shards, its
+        ``tp_index`` 0 contributes the stage)."""
         mine = {}
         if self.worker.replica == 0 and self.worker.dp_index == 0:
-            mine = {self._name(t): t.detach().cpu().clone() for t in self._tensors()}
+            local = full_state_dict(self.stage.module)
+            if self.worker.tp_index == 0:
+                mine = {self._state_names[k]: v.cpu() for k, v in local.items()}
         gathered: list[dict] = [None] * self.plan.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         return {k: v for part in gathered for k, v in part.items()}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy this stage's parameters and buffers out of a full state dict."""
-        for t in self._tensors():
-            name = self._name(t)
-            if name not in state:
-                raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {name!r} is missing from the state dict")
-            t.copy_(state[name])
+        """Copy this stage's parameters and buffers (its shards of them) out of a full state dict."""
+        missing = sorted(n for n in self._state_names.values() if n not in state)
+        if missing:
+            raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
+        load_full_state_dict(self.stage.module, {k: state[n] for k, n in self._state_names.items()})
 
     # -- one pass over a list of actions --------------------------------------------------------------
     def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
@@ -225,22 +242,23 @@ class PipelineExecutor:
         start, stop = self._ranges[m]
         n = stop - start
         received = {v: self._buffer(specs[v], n) for v in self.stage.received}
-        self._receive([(received[p.value][p.lo:p.hi], p, "F") for p in self._recv_pieces[m]], m)
+        self._receive([(received[p.value][p.lo:p.hi], p, "F") for p in self._transfers.recv_values[m]], m)
         for v, t in received.items():
             t.requires_grad_(train and specs[v].requires_grad)
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
                 for src in self.stage.inputs]
-        with self.emulator.segment(self.flops[0] * n, n):
+        with self._stage_segment(self.flops[0] * n, n):
             with self._no_sync():
                 outputs = self.stage.unpack(self.module(*args))
             if self.is_last:
                 prediction = self.split.model_output(outputs)
                 loss = self.loss_fn(prediction, targets[start:stop]) * (n / self.plan.global_batch_size)
-                state.loss += loss.detach()
+                if self.worker.tp_index == 0:   # the members of a tensor-parallel group share one loss
+                    state.loss += loss.detach()
                 outputs = {None: loss}
         if train:
             state.saved[m] = (received, outputs)
-        self._send([(outputs[p.value].detach()[p.lo:p.hi], p, "F") for _, p in self._send_pieces[m]], m, state)
+        self._send([(outputs[p.value].detach()[p.lo:p.hi], p, "F") for _, p in self._transfers.send_values[m]], m, state)
 
     def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
         start, stop = self._ranges[m]
@@ -252,7 +270,8 @@ class PipelineExecutor:
             incoming = self._receive_grads(m, n, specs)
             roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
             grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
-        self.emulator.begin(self.flops[1] * n, n)
+        if self._segments_per_stage:
+            self.emulator.begin(self.flops[1] * n, n)
         if isinstance(self.module, DistributedDataParallel) and last:
             # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
             self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
@@ -262,7 +281,7 @@ class PipelineExecutor:
                 torch.autograd.backward(roots, grads)
         self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
         sends = []
-        for p in self._recv_pieces[m]:
+        for p in self._transfers.send_grads[m]:
             if specs[p.value].requires_grad:
                 t = received[p.value]
                 sends.append(((t.grad if t.grad is not None else torch.zeros_like(t))[p.lo:p.hi], p, "B"))
@@ -271,10 +290,10 @@ class PipelineExecutor:
     # -- communication ----------------------------------------------------------------------------
     def _receive_grads(self, m: int, n: int, specs) -> dict[ValueId, torch.Tensor]:
         """Gradient of each sent value that carries one, summed over its consumer stages (each
-        covers all of this rank's samples)."""
+        covers all of this rank's samples once, from the ``tp_index`` 0 worker of each slot)."""
         buffers: dict[tuple[int, ValueId], torch.Tensor] = {}
         posts = []
-        for consumer, p in self._send_pieces[m]:
+        for consumer, p in self._transfers.recv_grads[m]:
             if specs[p.value].requires_grad:
                 key = (consumer, p.value)
                 if key not in buffers:
@@ -311,25 +330,54 @@ class PipelineExecutor:
         return torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device)
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _plan_transfers(self) -> tuple[list[list[Piece]], list[list[tuple[int, Piece]]]]:
-        """Per micro-batch: the pieces this rank receives and the (consumer stage, piece) pairs it
-        sends, from the sample layout of its replica. Both lists are in one canonical order
-        (value, then samples), so the two ends of every rank pair post their operations alike."""
+    def _plan_transfers(self) -> "_Transfers":
+        """Per micro-batch, the pieces this rank exchanges, from the sample layout of its replica.
+
+        Every worker of a tensor-parallel group holds the same full boundary values and needs the
+        same full gradients, so forward values go from a producer slot's ``tp_index`` 0 worker to
+        every worker of the consumer slots, and gradients from a consumer slot's ``tp_index`` 0
+        worker to every worker of the producer slots. Each list is in one canonical order (value,
+        then samples), so the two ends of every rank pair post their operations alike.
+        """
         replica = self.worker.replica
         ranges = sample_ranges(self.plan)
+        lead = self.worker.tp_index == 0
 
-        def peers(stage: int, m: int) -> list[tuple[int, tuple[int, int]]]:
-            return [(w.rank, ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)]
+        def peers(stage: int, m: int, leads_only: bool) -> list[tuple[int, tuple[int, int]]]:
+            return [(w.rank, ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)
+                    if w.tp_index == 0 or not leads_only]
 
         def order(v: ValueId) -> tuple[int, int]:
             return v.stage, v.index
 
-        recv, send = [], []
+        received = sorted(self.stage.received, key=order)
+        produced = [(c, v) for v in sorted(self.stage.outputs, key=order) for c in self.split.consumers(v)]
+        t = _Transfers([], [], [], [])
         for m, mine in enumerate(self._ranges):
-            recv.append([p for v in sorted(self.stage.received, key=order) for p in _overlaps(mine, peers(v.stage, m), v)])
-            send.append([(c, p) for v in sorted(self.stage.outputs, key=order) for c in self.split.consumers(v)
-                         for p in _overlaps(mine, peers(c, m), v)])
-        return recv, send
+            t.recv_values.append([p for v in received for p in _overlaps(mine, peers(v.stage, m, True), v)])
+            t.recv_grads.append([(c, p) for c, v in produced for p in _overlaps(mine, peers(c, m, True), v)])
+            t.send_values.append([(c, p) for c, v in produced for p in _overlaps(mine, peers(c, m, False), v)]
+                                 if lead else [])
+            t.send_grads.append([p for v in received for p in _overlaps(mine, peers(v.stage, m, False), v)]
+                                if lead else [])
+        return t
+
+    def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
+        """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
+        use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
+        self._segments_per_stage = True
+        if self.worker.tp_size == 1:
+            return loss_fn
+        if sharding is None:
+            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
+                                f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
+                                 self.worker.tp_index, loss_fn if self.is_last else None, self.emulator)
+        self._segments_per_stage = False   # each parallel Linear is its own segment (see runtime.tp_layers)
+        return sharded.sharded_loss or loss_fn
+
+    def _stage_segment(self, flops: float, samples: int):
+        return self.emulator.segment(flops, samples) if self._segments_per_stage else nullcontext()
 
     def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
@@ -338,9 +386,10 @@ class PipelineExecutor:
         return self._specs[key]
 
     def _wrap_ddp(self, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:
-        """DDP over the stage's workers in every replica (SUM: losses carry the global weights)."""
+        """DDP over the workers holding the same parameters as this one: the stage's workers of the
+        same ``tp_index`` in every replica (SUM: losses carry the global weights)."""
         module = self.stage.module
-        workers = len(self.plan.stage_workers(self.stage.index))
+        workers = sum(w.tp_index == self.worker.tp_index for w in self.plan.stage_workers(self.stage.index))
         if workers == 1 or not any(p.requires_grad for p in module.parameters()):
             return module
         if dp_group is None:
@@ -351,20 +400,34 @@ class PipelineExecutor:
     def _no_sync(self):
         return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [*self.stage.module.parameters(), *self.stage.module.buffers()]
-
-    def _name(self, t: torch.Tensor) -> str:
-        try:
-            return self._names[id(t)]
-        except KeyError:
-            raise PipelineError(f"rank {self.rank}: a tensor of stage {self.stage.index} has no name in the "
-                                f"names module; pass the module the graph was captured from") from None
+    def _model_names(self, source: nn.Module) -> dict[str, str]:
+        """This stage's state-dict keys -> the model's names for the same tensors (taken before
+        sharding, which keeps the keys but replaces the tensors)."""
+        names = {id(t): n for n, t in [*source.named_parameters(remove_duplicate=False),
+                                        *source.named_buffers(remove_duplicate=False)]}
+        out = {}
+        for key, t in self.stage.module.state_dict(keep_vars=True).items():
+            if id(t) not in names:
+                raise PipelineError(f"rank {self.rank}: stage {self.stage.index}'s {key!r} has no name in the "
+                                    f"names module; pass the module the graph was captured from")
+            out[key] = names[id(t)]
+        return out
 
     @property
     def _device(self) -> torch.device:
         p = next(self.stage.module.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
+
+
+@dataclass
+class _Transfers:
+    """Per micro-batch, what this rank receives and sends (see ``PipelineExecutor._plan_transfers``);
+    the ``send_values``/``recv_grads`` entries carry the consumer stage of each piece."""
+
+    recv_values: list[list[Piece]]
+    recv_grads: list[list[tuple[int, Piece]]]
+    send_values: list[list[tuple[int, Piece]]]
+    send_grads: list[list[Piece]]
 
 
 class _StepState:

@@ -246,6 +246,41 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     return ShardedModule(gm, roles, sharded_loss)
 
 
+@dataclass(frozen=True)
+class StageSharding:
+    """What a pipeline stage needs to shard its ``split`` regions: the capture's node -> TaskGraph
+    map, which TaskGraphs are ``split`` and this rank's tensor-parallel group."""
+
+    node_taskgraph: Mapping[str, int]
+    split_taskgraphs: frozenset[int]
+    group: ProcessGroup = field(default=None, compare=False)
+
+    @classmethod
+    def from_graphs(cls, graphs: TaskGraphs, group: ProcessGroup) -> "StageSharding":
+        return cls(dict(graphs.node_taskgraph), frozenset(split_taskgraphs(graphs)), group)
+
+    def apply(self, stage: fx.GraphModule, captured: fx.GraphModule, shard_sizes: Mapping[str, Sequence[int]],
+              tp_index: int, loss_fn: Optional[Callable], emulator: Optional[Emulator]) -> ShardedModule:
+        """Shard ``stage`` (a submodule ``split_module`` cut from ``captured``) in place.
+
+        Every plan entry must find its Linear: a ``split`` region the runtime cannot shard would
+        silently run unsharded on every rank of the group. With emulation on, the stage's other
+        Linears are padded matmul by matmul (a stage-wide segment would span the collectives).
+        """
+        sharded = shard_module(stage, self.node_taskgraph, self.split_taskgraphs, shard_sizes, tp_index, self.group,
+                               loss_fn, emulator, original_module_paths(captured, stage))
+        missing = sorted(set(shard_sizes) - set(sharded.roles))
+        if missing:
+            raise WhaleError(
+                f"the plan shards {missing} but this stage calls no nn.Linear of that path inside a split "
+                f"region (sharded: {sorted(sharded.roles) or 'nothing'}); only nn.Linear modules are sharded: "
+                "re-plan with the current model, or move other modules out of the split scope"
+            )
+        if emulator is not None and emulator.enabled:
+            pad_plain_linears(stage, emulator)
+        return sharded
+
+
 def pad_plain_linears(module: nn.Module, emulator: Emulator) -> list[str]:
     """Make every remaining unsharded ``nn.Linear`` of ``module`` a :class:`PaddedLinear`, so a stage
     with tensor-parallel layers is emulated matmul by matmul throughout. Returns the padded paths."""

@@ -1,0 +1,176 @@
+"""``split`` through ``runtime.Engine``: uneven tensor parallelism alone, inside ``replicate`` and
+inside pipeline stages, against a single-process reference (one 4-rank spawn).
+
+Each scenario trains the whole model in one process and under the Engine from the same initial
+weights on the same data for 3 steps, with SGD (momentum) and with AdamW, and compares the loss of
+every step, the gathered (unsharded) final parameters, an evaluation, and loading a full state
+dict back. Shard sizes and batch shares are deliberately uneven:
+
+* ``split-in-replicate``: one stage, two data-parallel slots (samples 5+3 and 2+2 per step) of two
+  tensor-parallel ranks each; a column/row pair (24/8 of 32 features), a lone Linear
+  (column + gather, 20/12) and a class-sharded classifier (7/3 classes) whose logits only ever
+  meet the sharded cross-entropy.
+* ``hybrid`` (Whale's flagship shape): a ``replicate`` feature extractor on two ranks with uneven
+  shares feeding a ``split`` classifier on two ranks, under GPipe and 1F1B, and once more with
+  emulated devices (segments padded matmul by matmul on the tensor-parallel stage).
+* ``split-first``: a tensor-parallel stage that *produces* boundary values: every member of the
+  group needs the gradients coming back, which only the consumers' ``tp_index`` 0 sends.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import whalelike as wl
+from dist_utils import run_ranks
+from planner.plan import Plan, Prediction, StagePlan, Worker
+from reference import OPTIMIZERS, train_reference
+from runtime import Engine
+from whalelike.capture import capture
+from whalelike.cluster import Cluster, Device, Emulation, Network
+
+WORLD = 4
+DIN, HIDDEN, CLASSES = 6, 32, 10
+STEPS = 3
+
+
+class SplitInReplicate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with wl.replicate(2), wl.split(2):
+            self.fc1, self.fc2 = nn.Linear(DIN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+            self.proj, self.head = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(x)))                       # column/row pair
+        h = F.layer_norm(self.proj(h), (HIDDEN,))               # lone Linear: its output is needed whole
+        return self.head(h)                                     # class-sharded classifier
+
+
+class Hybrid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with wl.replicate(2):
+            self.features = nn.Sequential(nn.Linear(DIN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+        with wl.split(2):
+            self.classifier = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class SplitFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with wl.split(2):
+            self.fc1, self.fc2 = nn.Linear(DIN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        with wl.replicate(2):
+            self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(F.relu(self.fc1(x)))))
+
+
+# Per scenario: model, schedule, stages (TaskGraphs, strategy, shard sizes), workers in rank order
+# (stage, dp_index, tp_index, tp_size, micro-batch sizes), emulated speeds or None.
+SCENARIOS = {
+    "split-in-replicate": (SplitInReplicate, "1f1b",
+                           [([0], "replicate(2)+split(2)",
+                             {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})],
+                           [(0, 0, 0, 2, [5, 3]), (0, 0, 1, 2, [5, 3]), (0, 1, 0, 2, [2, 2]), (0, 1, 1, 2, [2, 2])],
+                           None),
+    "hybrid-gpipe": (Hybrid, "gpipe",
+                     [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
+                     [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
+                     None),
+    "hybrid-1f1b": (Hybrid, "1f1b",
+                    [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
+                    [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
+                    None),
+    "split-first": (SplitFirst, "1f1b",
+                    [([0], "split(2)", {"fc1": [8, 24], "fc2": [8, 24]}), ([1], "replicate(2)", {})],
+                    [(0, 0, 0, 2, [4, 4]), (0, 0, 1, 2, [4, 4]), (1, 0, 0, 1, [3, 1]), (1, 1, 0, 1, [1, 3])],
+                    None),
+    "hybrid-emulated": (Hybrid, "1f1b",
+                        [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
+                        [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
+                        (1.0, 0.5, 1.0, 0.5)),
+}
+
+
+def make_cluster(speeds) -> Cluster:
+    devices = tuple(Device(f"emu-{i}", "emu", "localhost", peak_tflops=1.0, memory_gib=4,
+                           emulated_speed=None if speeds is None else speeds[i]) for i in range(WORLD))
+    return Cluster("test-4", devices, Network(2.0, 2.0, 50.0), None if speeds is None else Emulation(base_gflops=0.05))
+
+
+def make_plan(model: nn.Module, schedule: str, stages, workers) -> Plan:
+    graphs = capture(model, (torch.randn(2, DIN),))
+    stage_plans = [StagePlan(s, tgs, [layer.index for layer in graphs.layers if layer.taskgraph in tgs], strategy,
+                             {path: list(sizes) for path, sizes in shards.items()})
+                   for s, (tgs, strategy, shards) in enumerate(stages)]
+    return Plan(
+        model_fingerprint=graphs.fingerprint, cluster="test-4",
+        global_batch_size=sum(sum(w[4]) for w in workers if w[0] == 0 and w[2] == 0),
+        num_micro_batch=len(workers[0][4]), schedule=schedule, solver="greedy", stages=stage_plans,
+        workers=[Worker(r, f"emu-{r}", "localhost", 0, stage, dp, tp, tp_size, micro_batch_sizes=list(mbs))
+                 for r, (stage, dp, tp, tp_size, mbs) in enumerate(workers)],
+        boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0),
+    )
+
+
+def batches(n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(n, DIN, generator=g),), torch.randint(0, CLASSES, (n,), generator=g)) for _ in range(STEPS)]
+
+
+def _check(name: str, opt: str) -> dict:
+    make_model, schedule, stages, workers, speeds = SCENARIOS[name]
+    torch.manual_seed(0)
+    model = make_model()
+    plan = make_plan(model, schedule, stages, workers)
+    data = batches(plan.global_batch_size, seed=1)
+    losses, final = train_reference(model, data, OPTIMIZERS[opt], F.cross_entropy)
+    engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS[opt], loss_fn=F.cross_entropy,
+                    cluster=make_cluster(speeds), timeout_s=60)
+    for step, batch in enumerate(data):
+        assert_close(engine.train_step(batch), losses[step], msg=f"{name}/{opt}: loss of step {step}")
+    state = engine.state_dict()
+    assert state.keys() == final.keys(), f"{name}: {sorted(state)} != {sorted(final)}"
+    for key, value in final.items():
+        assert_close(state[key], value, msg=f"{name}/{opt}: final {key}")
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(final)
+    (inputs, targets), = batches(plan.global_batch_size, seed=2)[:1]
+    with torch.no_grad():
+        assert_close(engine.eval_step((inputs, targets)), F.cross_entropy(trained(*inputs), targets),
+                     msg=f"{name}/{opt}: eval")
+    engine.load_state_dict(model.state_dict())
+    for key, value in engine.state_dict().items():
+        assert_close(value, model.state_dict()[key], msg=f"{name}/{opt}: loaded {key}")
+    sharded = {n: tuple(p.shape) for n, p in engine.executor.stage.module.named_parameters()}
+    return {"sharded": sharded, "segments": sum(s.segments for s in engine.stats)}
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    results = {}
+    for name in SCENARIOS:
+        for opt in OPTIMIZERS if not name.endswith("emulated") else ("sgd",):
+            results[name, opt] = _check(name, opt)
+    return results
+
+
+def test_split_through_the_engine_matches_single_process():
+    results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=300)
+    # the layouts really are uneven: each rank holds its own shard sizes, never the full matrix
+    assert results[0]["split-in-replicate", "sgd"]["sharded"]["fc1.weight"] == (24, DIN)
+    assert results[1]["split-in-replicate", "sgd"]["sharded"]["fc2.weight"] == (HIDDEN, 8)
+    assert results[3]["split-in-replicate", "sgd"]["sharded"]["head.weight"] == (3, HIDDEN)
+    assert results[2]["hybrid-1f1b", "adamw"]["sharded"]["classifier.weight"] == (6, HIDDEN)
+    assert results[1]["split-first", "sgd"]["sharded"]["fc1.weight"] == (24, DIN)
+    # emulation pads every matmul of the tensor-parallel stage on both of its ranks
+    assert all(results[r]["hybrid-emulated", "sgd"]["segments"] > 0 for r in range(WORLD))
