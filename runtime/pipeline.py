@@ -166,6 +166,9 @@ class PipelineExecutor:
         self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
         self.schedule: list[Action] = build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index]
         self._state_names = self._model_names(names if names is not None else graph_module)
+        # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
+        self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
+                                torch.get_default_dtype())
         self.loss_fn = self._shard(sharding, graph_module, loss_fn)
         self._ranges = sample_ranges(plan)[self.rank]
         self._transfers = self._plan_transfers()
@@ -222,7 +225,7 @@ class PipelineExecutor:
                 raise PipelineError(f"rank {self.rank}: {'targets' if i == len(inputs) else f'input {i}'} has batch "
                                     f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
         specs = self._value_specs(inputs)
-        state = _StepState(self._device)
+        state = _StepState(self._device, self._loss_dtype)
         for step, action in enumerate(actions):
             try:
                 if action.kind == "F":
@@ -433,8 +436,8 @@ class _Transfers:
 class _StepState:
     """What one step keeps between actions: activations per micro-batch, posted sends, the loss."""
 
-    def __init__(self, device: torch.device):
-        self.loss = torch.zeros((), device=device)
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.loss = torch.zeros((), device=device, dtype=dtype)
         self.saved: dict[int, tuple] = {}
         self.sends: list = []
         self.keep_alive: list[torch.Tensor] = []

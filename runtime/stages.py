@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class PipelineSplit:
     stages: list[Stage]
     root: fx.GraphModule        # the split graph: calling it runs every stage in one process
     output_structure: Any       # the model's output with ValueIds at its leaves
+    output_spec: Optional[TreeSpec] = None   # export graphs return flat outputs; this rebuilds the model's
 
     @property
     def num_stages(self) -> int:
@@ -106,7 +108,8 @@ class PipelineSplit:
 
     def model_output(self, values: Mapping[ValueId, Any]) -> Any:
         """Rebuild the model's output structure from the last stage's values."""
-        return map_aggregate(self.output_structure, lambda x: values[x] if isinstance(x, ValueId) else x)
+        output = map_aggregate(self.output_structure, lambda x: values[x] if isinstance(x, ValueId) else x)
+        return output if self.output_spec is None else tree_unflatten(list(output), self.output_spec)
 
     def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         """Shape, dtype and gradient flag of every value sent between stages, for model inputs
@@ -140,6 +143,9 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
     computed in a later stage.
     """
     num_stages = 1 + max(node_stage.values(), default=-1)
+    # torch.export's module returns a flat output list and unflattens it in generated code
+    output_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+    original, (gm, node_stage) = gm, _localize_input_sizes(gm, node_stage)
 
     def stage_of(node: fx.Node) -> int:
         try:
@@ -159,12 +165,15 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
                 )
 
     root = split_module(gm, gm, stage_of, keep_original_order=True)
-    present = {int(name.removeprefix("submod_")) for name, _ in root.named_children()}
+    # the root also holds whatever its get_attr nodes reach (export graphs read nested parameters)
+    present = {int(name.removeprefix("submod_")) for name, _ in root.named_children() if name.startswith("submod_")}
     missing = sorted(set(range(num_stages)) - present)
     if missing:
         raise StageSplitError(f"stage(s) {missing} have no nodes; every stage 0..{num_stages - 1} needs at least one")
     _sink_attributes(root)
+    _match_buffer_persistence(root, original)
     split = _describe(root, num_stages)
+    split.output_spec = output_spec
     _check_no_shared_parameters(split)
     for stage in split.stages:
         log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
@@ -193,6 +202,48 @@ def stage_flops_from_plan(graphs, plan) -> list[tuple[float, float]]:
 
 
 # -- internals ------------------------------------------------------------------------------------
+def _is_input_size(node: fx.Node) -> bool:
+    """``x.size(...)`` of a model input: torch.export's dynamic batch size (``aten.sym_size.int``)."""
+    reads_size = ((node.op == "call_function" and node.target is torch.ops.aten.sym_size.int)
+                  or (node.op == "call_method" and node.target == "size"))
+    return reads_size and all(a.op == "placeholder" for a in node.all_input_nodes)
+
+
+def _localize_input_sizes(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> tuple[fx.GraphModule, dict]:
+    """Give every stage its own copy of each size read from a model input.
+
+    An exported graph reads the dynamic batch size once (``sym_size_int = aten.sym_size.int(mask, 0)``)
+    and every later reshape uses it, but only tensors cross stages. Model inputs are sliced locally
+    on every rank, so each consuming stage can read the size itself. Works on a copy of the graph
+    (sharing ``gm``'s modules); returns it with ``node_stage`` extended by the copies.
+    """
+    if not any(_is_input_size(n) for n in gm.graph.nodes):
+        return gm, dict(node_stage)
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    stages = dict(node_stage)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if _is_input_size(n)]:
+        by_stage: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user.op != "output" and stages.get(user.name, stages.get(node.name)) != stages.get(node.name):
+                by_stage.setdefault(stages[user.name], []).append(user)
+        for stage, users in by_stage.items():
+            with gm.graph.inserting_before(min(users, key=order.__getitem__)):
+                local = gm.graph.node_copy(node)
+            stages[local.name] = stage
+            for user in users:
+                user.replace_input_with(node, local)
+    gm.recompile()
+    return gm, stages
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output)
+    return new
+
+
 def _sink_attributes(root: fx.GraphModule) -> None:
     """Turn every root-level ``get_attr`` of a tensor into an attribute of the stage using it."""
     for attr in [n for n in root.graph.nodes if n.op == "get_attr"]:
@@ -214,6 +265,17 @@ def _sink_attributes(root: fx.GraphModule) -> None:
             call.args = call.args[:position] + call.args[position + 1:]
         root.graph.erase_node(attr)
     root.recompile()
+    root.delete_all_unused_submodules()
+
+
+def _match_buffer_persistence(root: fx.GraphModule, original: nn.Module) -> None:
+    """Keep buffers that are non-persistent in ``original`` (e.g. ``position_ids``) out of the stages'
+    state dicts: ``split_module`` and attribute sinking re-register every buffer as persistent."""
+    persistent = {id(t) for t in original.state_dict(keep_vars=True).values()}
+    for module in root.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if id(buffer) not in persistent:
+                module._non_persistent_buffers_set.add(name)
 
 
 def _is_parameter(module: nn.Module, target: str) -> bool:

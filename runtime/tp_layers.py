@@ -313,7 +313,8 @@ class _ShardedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, class_start, num_classes, ignore_index, group):
-        local = logits.float().reshape(-1, logits.shape[-1])
+        # at least float32 (half-precision logits overflow exp), never less than the logits' own precision
+        local = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
         target = target.reshape(-1)
         if local.shape[0] != target.shape[0]:
             raise WhaleError(f"sharded_cross_entropy: {local.shape[0]} rows of logits but {target.shape[0]} targets")
@@ -342,7 +343,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         softmax, local_target, mine, valid, count = ctx.saved_tensors
         rows = torch.nonzero(mine).squeeze(-1)
         softmax[rows, local_target[rows]] -= 1.0
-        softmax.mul_((valid[:, None] * (grad.float() / count)))
+        softmax.mul_((valid[:, None] * (grad.to(softmax.dtype) / count)))
         return softmax.to(ctx.logits_dtype).reshape(ctx.logits_shape), None, None, None, None, None
 
 

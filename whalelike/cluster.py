@@ -28,6 +28,8 @@ file and the field path) or from Python code (the error names the object).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import math
 import os
@@ -167,6 +169,12 @@ class Cluster:
             if d.name == name:
                 return d
         raise KeyError(name)
+
+    def without_emulation(self) -> "Cluster":
+        """The same cluster with emulation off: every device runs at the machine's real speed
+        (for exactness tests and for profiling the real hardware)."""
+        devices = tuple(dataclasses.replace(d, emulated_speed=None) for d in self.devices)
+        return dataclasses.replace(self, devices=devices, emulation=None)
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
