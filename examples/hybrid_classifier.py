@@ -48,14 +48,16 @@ def build(num_classes: int = 20_000, width: int = 16, image_size: int = 32, feat
     """The model, an example batch of images, softmax cross-entropy, and synthetic labelled images."""
     torch.manual_seed(seed)
     model = HybridClassifier(num_classes, width, image_size, feature_dim)
-    # Fixed class prototypes: an image is its class's prototype plus noise, so the task is learnable.
-    prototypes = torch.randn(64, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed + 1))
+    # A learnable synthetic corpus: 64 classes spread over the label space, each with a fixed
+    # prototype image; a sample is its class's prototype plus noise.
+    corpus = torch.Generator().manual_seed(seed + 1)
+    classes = torch.randperm(num_classes, generator=corpus)[:64]
+    prototypes = torch.randn(len(classes), 3, image_size, image_size, generator=corpus)
 
     def make_batch(num_samples: int, generator: torch.Generator):
-        labels = torch.randint(0, num_classes, (num_samples,), generator=generator)
-        images = prototypes[labels % len(prototypes)] + 0.1 * torch.randn(
-            num_samples, 3, image_size, image_size, generator=generator)
-        return (images,), labels
+        which = torch.randint(0, len(classes), (num_samples,), generator=generator)
+        images = prototypes[which] + 0.1 * torch.randn(num_samples, 3, image_size, image_size, generator=generator)
+        return (images,), classes[which]
 
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
     return Workload(model=model, example_args=(example,), loss_fn=F.cross_entropy, make_batch=make_batch)
