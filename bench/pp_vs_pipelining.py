@@ -6,11 +6,9 @@ Workload: ``blocks`` Linear+ReLU blocks of width ``dim`` and a small head, annot
 
 * peer: ``PipelineStage`` + ``Schedule1F1B`` with an equal number of blocks per stage (what
   pipelining gives a user who cuts the model in the middle; it never chooses where to cut).
-* whalelike: ``wl.capture`` the model, then the planner's pipeline partitioner
-  (:func:`planner.partition.partition`) balances the layers to the devices' nominal speeds, and
-  :class:`runtime.pipeline.PipelineExecutor` runs the plan. ``planner.plan`` gives the workers and
-  micro-batches; while it still keeps the TaskGraphs' own layers per stage, the partitioner's
-  split replaces them (printed when it happens).
+* whalelike: ``wl.capture`` the model, ``planner.plan`` balances the layers to the devices'
+  nominal speeds (where to cut, and which device runs which stage), and
+  :class:`runtime.pipeline.PipelineExecutor` runs the plan.
 
 Fair emulation (DESIGN.md section 4): both sides pad every forward and every backward of a stage
 for one micro-batch to its modeled time with the same :class:`runtime.emulation.Emulator`, from the
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import os
 import statistics
 import sys
@@ -44,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
-from planner.partition import Link, PartitionProblem, Slot, layer_costs, partition  # noqa: E402
 from runtime.emulation import Emulator  # noqa: E402
 from runtime.pipeline import PipelineExecutor  # noqa: E402
 from runtime.stages import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
@@ -137,26 +133,15 @@ def build_peer(model: Net, graphs, rank: int, emulator: Emulator, args):
 
 
 # -- whalelike ------------------------------------------------------------------------------------
-def balanced_plan(graphs, speeds, args):
+def hardware_aware_plan(graphs, speeds, args):
+    """``planner.plan`` onto the two devices from their nominal speeds; it picks the cut and which
+    device runs which stage (rank r is device r, as under torchrun)."""
     cluster = Cluster("bench", tuple(Device(f"emu-{i}", f"emu-{s:g}", "localhost", peak_tflops=s, memory_gib=16.0)
                                      for i, s in enumerate(speeds)), Network(2.0, 2.0, 50.0))
     config = wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro_batches, schedule="1f1b", optimizer="sgd")
     plan = planner.plan(graphs, cluster, config)
-    problem = PartitionProblem(
-        layers=layer_costs(graphs),
-        slots=[Slot.data_parallel(d.name, [d.peak_tflops * 1e12], [d.memory_gib * 2**30]) for d in cluster.devices],
-        links=[Link(cluster.network.intra_host_gbps * 1e9, cluster.network.latency_us * 1e-6)],
-        micro_batch=args.batch / args.micro_batches, in_flight=(2, 1),
-    )
-    balanced = partition(problem).stage_layers()
-    if [s.layers for s in plan.stages] != balanced:
-        note = f"planner.plan kept layers {[_span(s.layers) for s in plan.stages]}; using planner.partition's split"
-        owners = [sorted({graphs.layers[i].taskgraph for i in layers}) for layers in balanced]
-        plan.stages = [dataclasses.replace(s, layers=layers, taskgraphs=tgs)
-                       for s, layers, tgs in zip(plan.stages, balanced, owners)]
-    else:
-        note = "planner.plan's split"
-    return plan, f"layers {' | '.join(_span(s.layers) for s in plan.stages)} ({note})"
+    where = [f"layers {_span(s.layers)} on rank {plan.stage_workers(s.index)[0].rank}" for s in plan.stages]
+    return plan, f"{' | '.join(where)} (planner.plan)"
 
 
 def _span(layers) -> str:
@@ -199,7 +184,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
             graphs = wl.capture(model, (x[:2],), optimizer="sgd")
             emulation = Emulation(base_gflops=args.base_gflops)
             emulators = {side: Emulator(speeds[rank], emulation, rank) for side in ("pipelining", "whalelike")}
-            plan, split = balanced_plan(graphs, speeds, args)
+            plan, split = hardware_aware_plan(graphs, speeds, args)
             peer_step, peer_split = build_peer(peer_model, graphs, rank, emulators["pipelining"], args)
             steps = {"pipelining": peer_step, "whalelike": build_whalelike(graphs, plan, emulators["whalelike"])}
             for step in steps.values():     # warm-up: shape inference, process groups

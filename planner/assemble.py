@@ -58,12 +58,13 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         )
         for s, layers in enumerate(dec.stage_layers)
     ]
-    workers: list[Worker] = []
-    for r, replica in enumerate(layout.groups):
-        for s, groups in enumerate(replica):
-            for d, group in enumerate(groups):
-                for t, device in enumerate(group):
-                    workers.append(_worker(len(workers), device, r, s, d, t, group, dec, comm))
+    # Rank r runs the r-th used device in cluster order, as torchrun numbers processes host by host
+    # and a process uses its local device LOCAL_RANK.
+    position = {d.name: i for i, d in enumerate(cluster.devices)}
+    placed = sorted(((device, r, s, d, t, group) for r, replica in enumerate(layout.groups)
+                     for s, groups in enumerate(replica) for d, group in enumerate(groups)
+                     for t, device in enumerate(group)), key=lambda item: position[item[0].name])
+    workers = [_worker(rank, *item, dec, comm) for rank, item in enumerate(placed)]
     _fill_allreduce(workers, layout, dec, comm)
     zero = Prediction(0.0, 0.0, 0.0)
     return Plan(

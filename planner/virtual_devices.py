@@ -209,6 +209,7 @@ class _Pool:
 
     def __init__(self, cluster: Cluster):
         self.host_order = {h: i for i, h in enumerate(cluster.hosts)}
+        self.position = {d.name: i for i, d in enumerate(cluster.devices)}
         self.last: str | None = None
         self.free: dict[str, dict[tuple, list[Device]]] = defaultdict(lambda: defaultdict(list))
         for d in cluster.devices:
@@ -238,4 +239,5 @@ class _Pool:
             host = next(h for h in hosts if self.free[h][c])
             group.append(self.free[host][c].pop(0))
         self.last = group[-1].host
-        return tuple(group)
+        # in cluster order: tensor-parallel ranks grow with the global rank (see planner.assemble)
+        return tuple(sorted(group, key=lambda d: self.position[d.name]))
