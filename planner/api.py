@@ -24,6 +24,7 @@ movable stage: what a capacity-blind system would do, as the baseline of the pre
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -38,11 +39,13 @@ from .cost_model import GIB, StageCost, device_tflops
 from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
 from .plan import Plan, PlanError
 from .schedule import build_schedule, gradient_accumulation, max_in_flight
-from .stages import equal_stage_layers, partition_stage_layers
+from .stages import equal_stage_layers, movable_runs, partition_stage_layers
 from .tensor_parallel import ShardLayout, even_layout, shard_layout
 from .virtual_devices import PLACEMENTS, Layout, build_layout
 
 log = logging.getLogger(__name__)
+
+MAX_SWAP_STAGES = 8   # longest pipeline whose stage-device assignment is searched by swaps
 
 
 def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
@@ -54,30 +57,68 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
-    scored = [(predict(p), p) for p in _aware_candidates(graphs, cluster, config)]
-    prediction, result = min(scored, key=lambda scored_plan: scored_plan[0].step_time_ms)
-    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
+    result = _best_aware_plan(graphs, cluster, config)
+    result = dataclasses.replace(result, prediction=predict(result), naive_prediction=predict(naive))
     result.validate(graphs=graphs, cluster=cluster)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result
 
 
-def _aware_candidates(graphs: TaskGraphs, cluster: Cluster, config: Config) -> list[Plan]:
-    """One hardware-aware plan per device placement that fits (see ``build_layout``); the error
-    of the Whale-rule placement when none fits."""
-    candidates, first_error = [], None
+def _best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+    """The fastest predicted hardware-aware plan: one per device placement that fits (see
+    ``build_layout``), the best improved by :func:`_swap_search`. Raises the error of the
+    Whale-rule placement when none fits."""
+    scored, first_error = [], None
     for placement in PLACEMENTS:
-        layout = build_layout(graphs, cluster, placement)
         try:
-            decisions = _aware_decisions(graphs, config, layout, cluster.network)
+            scored.append(_aware_plan(graphs, cluster, config, build_layout(graphs, cluster, placement)))
         except PlanError as e:
             first_error = first_error or e
-            continue
-        candidates.append(build_plan(graphs, cluster, config, decisions))
-    if not candidates:
+    if not scored:
         raise first_error
-    return candidates
+    _, best, _ = _swap_search(graphs, cluster, config, min(scored, key=lambda c: c[0]))
+    return best
+
+
+def _aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Layout) -> tuple[float, Plan, Layout]:
+    """(predicted step time in ms, plan, layout) of the hardware-aware decisions on ``layout``."""
+    plan = build_plan(graphs, cluster, config, _aware_decisions(graphs, config, layout, cluster.network))
+    return predict(plan).step_time_ms, plan, layout
+
+
+def _swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config,
+                 best: tuple[float, Plan, Layout]) -> tuple[float, Plan, Layout]:
+    """Hill-climb over exchanging the device groups of two stages of equal shape.
+
+    Both placements deal devices to stages by a rule computed from the user's TaskGraphs, before
+    the partitioner moves layers between movable stages; after it, a stage may be left light (a
+    final norm) while a fixed one (a ``split`` LM head) bottlenecks on a slow device. Exchanging
+    their devices fixes that. Two stages of one movable run never swap: the partitioner already
+    balances them by moving layers, on devices in Whale's order (larger memory first, for the
+    activations early stages keep in flight). Every candidate is re-planned and simulated, so a
+    swap is kept only when the prediction improves; pipelines longer than ``MAX_SWAP_STAGES``
+    stages skip the search (its cost grows with the square of the stage count).
+    """
+    stages = best[2].num_stages
+    if stages > MAX_SWAP_STAGES:
+        return best
+    runs = movable_runs(graphs)
+    improved = True
+    while improved:
+        improved = False
+        for a, b in itertools.combinations(range(stages), 2):
+            if not best[2].can_swap(a, b) or any(a in run and b in run for run in runs):
+                continue
+            try:
+                candidate = _aware_plan(graphs, cluster, config, best[2].swapped(a, b))
+            except PlanError:
+                continue
+            if candidate[0] < best[0] * (1 - 1e-6):
+                log.debug("exchanging the devices of stages %d and %d: %.2f -> %.2f ms", a, b, best[0], candidate[0])
+                best, improved = candidate, True
+                break
+    return best
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:

@@ -20,6 +20,8 @@ Placement follows Whale's rules:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -76,6 +78,22 @@ class Layout:
     def stage_groups(self, stage: int) -> list[tuple[Device, ...]]:
         """Every tensor-parallel group of ``stage``, over all replicas (replica-major)."""
         return [g for replica in self.groups for g in replica[stage]]
+
+    def can_swap(self, a: int, b: int) -> bool:
+        """Whether stages ``a`` and ``b`` can exchange devices and would run on different ones:
+        equal shapes, different device classes."""
+        same_shape = (self.shapes[a].dp, self.shapes[a].tp) == (self.shapes[b].dp, self.shapes[b].tp)
+        classes = [sorted(_device_class(d) for g in self.stage_groups(s) for d in g) for s in (a, b)]
+        return same_shape and classes[0] != classes[1]
+
+    def swapped(self, a: int, b: int) -> "Layout":
+        """The layout with the device groups of stages ``a`` and ``b`` exchanged in every replica."""
+        def swap(replica):
+            stages = list(replica)
+            stages[a], stages[b] = stages[b], stages[a]
+            return tuple(stages)
+
+        return dataclasses.replace(self, groups=tuple(swap(r) for r in self.groups))
 
 
 def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape], int]:

@@ -229,7 +229,8 @@ def test_simulate_a_missing_or_hand_broken_plan(capsys, plan_file, tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text(yaml.safe_dump(data, sort_keys=False))
     code, _, err = run(capsys, "simulate", str(broken))
-    assert_one_line_error(code, err, f"{broken}: plan.workers of stage 0: batch shares sum to 17")
+    stage = data["workers"][0]["stage"]
+    assert_one_line_error(code, err, f"{broken}: plan.workers of stage {stage}: batch shares sum to 17")
 
 
 def test_outputs_are_all_or_nothing(tmp_path):

@@ -157,3 +157,21 @@ def test_whale_setting_first_taskgraph_on_the_32gb_devices():
     speedup = dp.naive_prediction.step_time_ms / dp.prediction.step_time_ms
     print(f"\nWhale setting, hardware-aware DP predicted speed-up over naive: {speedup:.2f}x")
     assert speedup > 1.0
+
+
+def test_stages_exchange_devices_when_that_is_faster():
+    """GPT-like: two movable replicate stages and a fixed ``split(1)`` head. Both placement rules
+    leave the head on the slowest device once the partitioner has moved the middle stage's layers
+    forward; the swap search gives it a faster one, and never predicts worse than either rule."""
+    from planner.api import _aware_plan
+    from planner.virtual_devices import PLACEMENTS, build_layout
+
+    graphs = synthetic_model(7, [replicate(), replicate(), split(1)], layers_per_graph=[3, 3, 1], hidden=256, seq=32)
+    cluster = synthetic_cluster([(2, 10.0, 16), (1, 5.0, 16), (1, 2.5, 16)], per_host=4)
+    config = Config(global_batch_size=32, num_micro_batch=4)
+    plan = planner.plan(graphs, cluster, config)
+    _check_invariants(plan, graphs, cluster)
+    by_rule = [_aware_plan(graphs, cluster, config, build_layout(graphs, cluster, p))[0] for p in PLACEMENTS]
+    assert plan.prediction.step_time_ms <= min(by_rule)
+    head = plan.stage_workers(2)[0]
+    assert cluster.device(head.device).peak_tflops > 2.5, plan.summary()
