@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from runtime.emulation import Emulator  # noqa: E402
 from runtime.pipeline import PipelineExecutor  # noqa: E402
 from runtime.stages import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -161,16 +161,6 @@ def build_whalelike(graphs, plan, emulator: Emulator):
     return step
 
 
-def timed(step, x, y, steps: int) -> float:
-    """Seconds per step over ``steps`` steps, between barriers (the slowest rank decides)."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
-
-
 def worker(rank: int, init_file: str, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -188,11 +178,11 @@ def worker(rank: int, init_file: str, args, results) -> None:
             peer_step, peer_split = build_peer(peer_model, graphs, rank, emulators["pipelining"], args)
             steps = {"pipelining": peer_step, "whalelike": build_whalelike(graphs, plan, emulators["whalelike"])}
             for step in steps.values():     # warm-up: shape inference, process groups
-                timed(step, x, y, 1)
+                seconds_per_step(lambda: step(x, y), 1)
             times = {side: [] for side in steps}
             for _ in range(args.rounds):
                 for side, step in steps.items():
-                    times[side].append(timed(step, x, y, args.steps))
+                    times[side].append(seconds_per_step(lambda: step(x, y), args.steps))
             if rank == 0:
                 results[scenario] = {
                     "times": {side: statistics.median(t) for side, t in times.items()},

@@ -36,7 +36,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.emulation import EmulationStats, Emulator  # noqa: E402
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -115,16 +115,10 @@ def build_whalelike(dim: int, emulator: Emulator, speeds, rank: int) -> nn.Modul
     )
 
 
-def run_steps(model: nn.Module, opt, x: torch.Tensor, steps: int) -> float:
-    """Seconds per step over ``steps`` steps, between barriers (the slowest rank decides)."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-    dist.barrier()
-    return (time.perf_counter() - start) / steps
+def train_step(model: nn.Module, opt, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
@@ -140,11 +134,11 @@ def worker(rank: int, init_file: str, args, results) -> None:
             opts = {side: torch.optim.SGD(m.parameters(), lr=1e-3) for side, m in models.items()}
             times = {side: [] for side in models}
             for side in models:  # warm-up (DTensor caches its sharding propagation)
-                run_steps(models[side], opts[side], x, 2)
+                seconds_per_step(lambda: train_step(models[side], opts[side], x), 2)
                 emulators[side].stats = EmulationStats()
             for _ in range(args.rounds):
                 for side in models:
-                    times[side].append(run_steps(models[side], opts[side], x, args.steps))
+                    times[side].append(seconds_per_step(lambda: train_step(models[side], opts[side], x), args.steps))
             stats = {side: (e.stats.segments, e.stats.overruns) for side, e in emulators.items()}
             gathered = [None] * WORLD
             dist.all_gather_object(gathered, stats)

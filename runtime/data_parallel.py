@@ -28,7 +28,7 @@ import inspect
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist

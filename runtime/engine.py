@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from planner.plan import Plan, PlanError, Worker

@@ -16,13 +16,12 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from dist_utils import spawn_ranks
 from planner.plan import PlanError, Worker
 from runtime import DistributedStepError, Engine
-from test_runtime_dp import CLASSES, DIN, Net, batches, make_cluster, make_plan
+from test_runtime_dp import Net, batches, make_cluster, make_plan
 from whalelike.errors import WhaleError
 
 WORLD = 3
