@@ -278,7 +278,8 @@ class Engine:
                           padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
                           overruns=em.overruns)
         self.stats.append(stats)
-        if stats.overruns and self.emulator.enabled and not self._warned_overrun:
+        # from the second step on: the first pays one-time costs (allocations, DDP's bucket set-up)
+        if stats.overruns and self.emulator.enabled and self.step > 0 and not self._warned_overrun:
             self._warned_overrun = True
             log.warning("rank %d, step %d: %d of %d compute segments took longer than modeled (worst %.1fx); "
                         "the emulated speeds are distorted: lower emulation.base_gflops by at least that "
