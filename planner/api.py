@@ -37,7 +37,7 @@ from whalelike.taskgraph import TaskGraphs
 from .assemble import Decisions, build_plan, predict, with_predictions
 from .cost_model import GIB, StageCost, device_tflops
 from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, Prediction
 from .schedule import build_schedule, gradient_accumulation, max_in_flight
 from .stages import equal_stage_layers, movable_runs, partition_stage_layers
 from .tensor_parallel import ShardLayout, even_layout, shard_layout
@@ -57,16 +57,16 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
-    result = _best_aware_plan(graphs, cluster, config)
-    result = dataclasses.replace(result, prediction=predict(result), naive_prediction=predict(naive))
+    prediction, result = _best_aware_plan(graphs, cluster, config)
+    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
     result.validate(graphs=graphs, cluster=cluster)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result
 
 
-def _best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
-    """The fastest predicted hardware-aware plan: one per device placement that fits (see
+def _best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> tuple[Prediction, Plan]:
+    """The fastest predicted hardware-aware plan and its prediction: one per device placement that fits (see
     ``build_layout``), the best improved by :func:`_swap_search`. Raises the error of the
     Whale-rule placement when none fits."""
     scored, first_error = [], None
@@ -77,18 +77,19 @@ def _best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Pl
             first_error = first_error or e
     if not scored:
         raise first_error
-    _, best, _ = _swap_search(graphs, cluster, config, min(scored, key=lambda c: c[0]))
-    return best
+    prediction, best, _ = _swap_search(graphs, cluster, config, min(scored, key=lambda c: c[0].step_time_ms))
+    return prediction, best
 
 
-def _aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Layout) -> tuple[float, Plan, Layout]:
-    """(predicted step time in ms, plan, layout) of the hardware-aware decisions on ``layout``."""
+def _aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config,
+                layout: Layout) -> tuple[Prediction, Plan, Layout]:
+    """(prediction, plan, layout) of the hardware-aware decisions on ``layout``."""
     plan = build_plan(graphs, cluster, config, _aware_decisions(graphs, config, layout, cluster.network))
-    return predict(plan).step_time_ms, plan, layout
+    return predict(plan), plan, layout
 
 
 def _swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config,
-                 best: tuple[float, Plan, Layout]) -> tuple[float, Plan, Layout]:
+                 best: tuple[Prediction, Plan, Layout]) -> tuple[Prediction, Plan, Layout]:
     """Hill-climb over exchanging the device groups of two stages of equal shape.
 
     Both placements deal devices to stages by a rule computed from the user's TaskGraphs, before
@@ -114,8 +115,9 @@ def _swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config,
                 candidate = _aware_plan(graphs, cluster, config, best[2].swapped(a, b))
             except PlanError:
                 continue
-            if candidate[0] < best[0] * (1 - 1e-6):
-                log.debug("exchanging the devices of stages %d and %d: %.2f -> %.2f ms", a, b, best[0], candidate[0])
+            if candidate[0].step_time_ms < best[0].step_time_ms * (1 - 1e-6):
+                log.debug("exchanging the devices of stages %d and %d: %.2f -> %.2f ms", a, b,
+                          best[0].step_time_ms, candidate[0].step_time_ms)
                 best, improved = candidate, True
                 break
     return best

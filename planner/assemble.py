@@ -95,9 +95,11 @@ def with_predictions(plan: Plan, naive: Plan) -> Plan:
 def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommModel) -> Worker:
     cost, fraction = dec.costs[s], dec.shards[s].fractions[t]
     sizes = dec.sizes[r][s][d]
-    tp_comm = [comm.allreduce_each_ms(cost.layer_output_bytes, b, group) for b in sizes]
-    forward = [compute_ms(cost.forward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
-    backward = [compute_ms(cost.backward_flops * b * fraction, device) + c for b, c in zip(sizes, tp_comm)]
+    # priced once per distinct micro-batch size (a 1024-device plan has ~10^5 micro-batch slots)
+    tp_comm = {b: comm.allreduce_each_ms(cost.layer_output_bytes, b, group) for b in set(sizes)}
+    forward_of = {b: compute_ms(cost.forward_flops * b * fraction, device) + c for b, c in tp_comm.items()}
+    backward_of = {b: compute_ms(cost.backward_flops * b * fraction, device) + c for b, c in tp_comm.items()}
+    forward, backward = [forward_of[b] for b in sizes], [backward_of[b] for b in sizes]
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
         tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),

@@ -267,6 +267,19 @@ def test_plan_prints_the_summary_and_writes_every_file(capsys, synthetic_capture
     assert code == 0 and "simulated step (1f1b, 4 micro-batch(es))" in out
 
 
+@pytest.mark.parametrize("example", ["hybrid_classifier", "gpt", "third_party"])
+def test_plan_each_example_on_the_emulated_cluster(capsys, tmp_path, example):
+    spec = str(Path(__file__).parent.parent / "examples" / f"{example}.py") + ":build"
+    out_yaml, png = tmp_path / "plan.yaml", tmp_path / "plan.png"
+    code, out, _ = run(capsys, "plan", spec, "--cluster", "emulated-4", "--global-batch", "16",
+                       "--micro-batches", "2", "-o", str(out_yaml), "--timeline", str(png))
+    assert code == 0
+    plan = planner.Plan.from_yaml(out_yaml, cluster=Cluster.preset("emulated-4"))
+    assert out.startswith(plan.summary()) and "predicted speed-up over naive" in out
+    assert plan.prediction.step_time_ms < plan.naive_prediction.step_time_ms
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("argv,fragments", [
     (["--global-batch", "1"], ["global_batch_size 1 is smaller than the 2 data-parallel groups"]),
     (["--global-batch", "16", "--micro-batches", "0"], ["num_micro_batch must be a positive integer, got 0"]),
