@@ -5,6 +5,10 @@
     with wl.replicate():  second half of the blocks + final norm     -> TaskGraph 1 (stage 1)
     with wl.split():      LM head, sharded over the vocabulary       -> TaskGraph 2
 
+The loss is ``wl.token_cross_entropy`` (cross-entropy of every position's next-token prediction),
+which the runtime recognises: when the head gets several devices, each computes the loss from its
+own slice of the vocabulary and the full logits never exist on one rank.
+
 ``build()`` defaults train a few dozen steps on a CPU in seconds; scale with the keyword arguments
 (``build(n_layer=24, d_model=1024, n_head=16, vocab_size=50_304, seq_len=1024)`` is GPT-2 medium).
 """
@@ -76,11 +80,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of every position's prediction of the next token."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def build(vocab_size: int = 512, seq_len: int = 32, n_layer: int = 4, d_model: int = 64, n_head: int = 4,
           stages: int = 2, batch_size: int = 8, seed: int = 0) -> Workload:
     """The model, an example batch of token ids, the loss, and a synthetic token stream."""
@@ -94,7 +93,7 @@ def build(vocab_size: int = 512, seq_len: int = 32, n_layer: int = 4, d_model: i
         return (tokens[:, :-1],), tokens[:, 1:]
 
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
-    return Workload(model=model, example_args=(example,), loss_fn=next_token_loss, make_batch=make_batch)
+    return Workload(model=model, example_args=(example,), loss_fn=wl.token_cross_entropy, make_batch=make_batch)
 
 
 if __name__ == "__main__":

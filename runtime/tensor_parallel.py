@@ -35,6 +35,7 @@ from runtime.emulation import Emulator
 from runtime.tp_layers import (ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear,
                                _ParallelLinear, sharded_cross_entropy)
 from whalelike.errors import WhaleError
+from whalelike.losses import IGNORE_INDEX, token_cross_entropy
 from whalelike.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,11 @@ class ShardedModule:
 
 
 def plain_cross_entropy(loss_fn: Any) -> Optional[int]:
-    """The ``ignore_index`` if ``loss_fn`` is a plain mean cross-entropy (``F.cross_entropy`` or an
+    """The ``ignore_index`` if ``loss_fn`` is a plain mean cross-entropy over the last dimension of
+    the logits (``F.cross_entropy``, :func:`whalelike.token_cross_entropy`, or an
     ``nn.CrossEntropyLoss`` without weights or label smoothing), else None."""
-    if loss_fn is F.cross_entropy:
-        return -100
+    if loss_fn is F.cross_entropy or loss_fn is token_cross_entropy:
+        return IGNORE_INDEX
     if (isinstance(loss_fn, nn.CrossEntropyLoss) and loss_fn.weight is None
             and loss_fn.reduction == "mean" and loss_fn.label_smoothing == 0.0):
         return loss_fn.ignore_index

@@ -15,6 +15,8 @@ dict back. Shard sizes and batch shares are deliberately uneven:
   emulated devices (segments padded matmul by matmul on the tensor-parallel stage).
 * ``split-first``: a tensor-parallel stage that *produces* boundary values: every member of the
   group needs the gradients coming back, which only the consumers' ``tp_index`` 0 sends.
+* ``lm-head``: a language model's vocabulary-sharded head, ``[batch, positions, vocab]`` logits
+  fed to the sharded cross-entropy through ``wl.token_cross_entropy``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from whalelike.cluster import Cluster, Device, Emulation, Network
 
 WORLD = 4
 DIN, HIDDEN, CLASSES = 6, 32, 10
+VOCAB, POSITIONS = 24, 5
 STEPS = 3
 
 
@@ -61,6 +64,18 @@ class Hybrid(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.features(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with wl.replicate(2):
+            self.embed, self.mix = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        with wl.split(2):
+            self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
 
 
 class SplitFirst(nn.Module):
@@ -95,6 +110,10 @@ SCENARIOS = {
                     [([0], "split(2)", {"fc1": [8, 24], "fc2": [8, 24]}), ([1], "replicate(2)", {})],
                     [(0, 0, 0, 2, [4, 4]), (0, 0, 1, 2, [4, 4]), (1, 0, 0, 1, [3, 1]), (1, 1, 0, 1, [1, 3])],
                     None),
+    "lm-head": (TinyLM, "1f1b",
+                [([0], "replicate(2)", {}), ([1], "split(2)", {"head": [16, 8]})],
+                [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
+                None),
     "hybrid-emulated": (Hybrid, "1f1b",
                         [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
                         [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
@@ -109,7 +128,8 @@ def make_cluster(speeds) -> Cluster:
 
 
 def make_plan(model: nn.Module, schedule: str, stages, workers) -> Plan:
-    graphs = capture(model, (torch.randn(2, DIN),))
+    (example,), _ = batches(model, 2, seed=0)[0]
+    graphs = capture(model, (example,))
     stage_plans = [StagePlan(s, tgs, [layer.index for layer in graphs.layers if layer.taskgraph in tgs], strategy,
                              {path: list(sizes) for path, sizes in shards.items()})
                    for s, (tgs, strategy, shards) in enumerate(stages)]
@@ -123,9 +143,16 @@ def make_plan(model: nn.Module, schedule: str, stages, workers) -> Plan:
     )
 
 
-def batches(n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:
+def batches(model: nn.Module, n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
+    if isinstance(model, TinyLM):
+        return [((torch.randint(0, VOCAB, (n, POSITIONS), generator=g),),
+                 torch.randint(0, VOCAB, (n, POSITIONS), generator=g)) for _ in range(STEPS)]
     return [((torch.randn(n, DIN, generator=g),), torch.randint(0, CLASSES, (n,), generator=g)) for _ in range(STEPS)]
+
+
+def loss_of(model: nn.Module):
+    return wl.token_cross_entropy if isinstance(model, TinyLM) else F.cross_entropy
 
 
 def _check(name: str, opt: str) -> dict:
@@ -133,9 +160,9 @@ def _check(name: str, opt: str) -> dict:
     torch.manual_seed(0)
     model = make_model()
     plan = make_plan(model, schedule, stages, workers)
-    data = batches(plan.global_batch_size, seed=1)
-    losses, final = train_reference(model, data, OPTIMIZERS[opt], F.cross_entropy)
-    engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS[opt], loss_fn=F.cross_entropy,
+    data, loss_fn = batches(model, plan.global_batch_size, seed=1), loss_of(model)
+    losses, final = train_reference(model, data, OPTIMIZERS[opt], loss_fn)
+    engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS[opt], loss_fn=loss_fn,
                     cluster=make_cluster(speeds), timeout_s=60)
     for step, batch in enumerate(data):
         assert_close(engine.train_step(batch), losses[step], msg=f"{name}/{opt}: loss of step {step}")
@@ -145,15 +172,16 @@ def _check(name: str, opt: str) -> dict:
         assert_close(state[key], value, msg=f"{name}/{opt}: final {key}")
     trained = copy.deepcopy(model)
     trained.load_state_dict(final)
-    (inputs, targets), = batches(plan.global_batch_size, seed=2)[:1]
+    (inputs, targets), = batches(model, plan.global_batch_size, seed=2)[:1]
     with torch.no_grad():
-        assert_close(engine.eval_step((inputs, targets)), F.cross_entropy(trained(*inputs), targets),
+        assert_close(engine.eval_step((inputs, targets)), loss_fn(trained(*inputs), targets),
                      msg=f"{name}/{opt}: eval")
     engine.load_state_dict(model.state_dict())
     for key, value in engine.state_dict().items():
         assert_close(value, model.state_dict()[key], msg=f"{name}/{opt}: loaded {key}")
     sharded = {n: tuple(p.shape) for n, p in engine.executor.stage.module.named_parameters()}
-    return {"sharded": sharded, "segments": sum(s.segments for s in engine.stats)}
+    return {"sharded": sharded, "segments": sum(s.segments for s in engine.stats),
+            "sharded_loss": engine.executor.loss_fn is not loss_fn}
 
 
 def _ranks(rank: int, world_size: int) -> dict:
@@ -172,5 +200,8 @@ def test_split_through_the_engine_matches_single_process():
     assert results[3]["split-in-replicate", "sgd"]["sharded"]["head.weight"] == (3, HIDDEN)
     assert results[2]["hybrid-1f1b", "adamw"]["sharded"]["classifier.weight"] == (6, HIDDEN)
     assert results[1]["split-first", "sgd"]["sharded"]["fc1.weight"] == (24, DIN)
+    assert results[3]["lm-head", "sgd"]["sharded"]["head.weight"] == (8, HIDDEN)
+    # the classifiers' logits stay class-sharded: the last stage computes the sharded cross-entropy
+    assert all(results[r][name, "sgd"]["sharded_loss"] for r in (2, 3) for name in ("hybrid-1f1b", "lm-head"))
     # emulation pads every matmul of the tensor-parallel stage on both of its ranks
     assert all(results[r]["hybrid-emulated", "sgd"]["segments"] > 0 for r in range(WORLD))

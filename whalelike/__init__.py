@@ -8,6 +8,7 @@ from .capture import capture
 from .config import Config
 from .cluster import Cluster, Device, Network
 from .errors import AnnotationError, CaptureError, SpecError, WhaleError
+from .losses import token_cross_entropy
 from .strategy import Strategy, replicate, set_default_strategy, split
 from .workload import Workload
 from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
@@ -16,5 +17,5 @@ __all__ = [
     "Config", "Cluster", "Device", "Network",
     "AnnotationError", "CaptureError", "SpecError", "WhaleError",
     "Strategy", "replicate", "split", "set_default_strategy", "annotate", "capture",
-    "Workload", "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
+    "Workload", "token_cross_entropy", "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
 ]
