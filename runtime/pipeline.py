@@ -169,15 +169,19 @@ class PipelineExecutor:
         # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
         self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
                                 torch.get_default_dtype())
-        self.loss_fn = self._shard(sharding, graph_module, loss_fn)
+        # a tensor-parallel stage is emulated per parallel Linear: a stage-wide segment would span
+        # its collectives (see runtime.tp_layers)
+        self._segments_per_stage = self.worker.tp_size == 1
+        self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
         self._ranges = sample_ranges(plan)[self.rank]
         self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         self.module = self._wrap_ddp(dp_group)
-        log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d), samples per micro-batch %s, "
-                 "schedule %s: %s", self.rank, self.stage.index, self.split.num_stages, self.worker.replica,
-                 self.worker.dp_index, self.worker.micro_batch_sizes, plan.schedule,
+        log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d, tp_index %d of %d), samples per "
+                 "micro-batch %s, schedule %s: %s", self.rank, self.stage.index, self.split.num_stages,
+                 self.worker.replica, self.worker.dp_index, self.worker.tp_index, self.worker.tp_size,
+                 self.worker.micro_batch_sizes, plan.schedule,
                  " ".join(map(str, self.schedule)))
 
     # -- the step-executor protocol ---------------------------------------------------------------
@@ -368,15 +372,11 @@ class PipelineExecutor:
     def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
         """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
         use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
-        self._segments_per_stage = True
-        if self.worker.tp_size == 1:
-            return loss_fn
         if sharding is None:
             raise PipelineError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
                                 f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
         sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
                                  self.worker.tp_index, loss_fn if self.is_last else None, self.emulator)
-        self._segments_per_stage = False   # each parallel Linear is its own segment (see runtime.tp_layers)
         return sharded.sharded_loss or loss_fn
 
     def _stage_segment(self, flops: float, samples: int):
