@@ -205,3 +205,23 @@ def test_split_through_the_engine_matches_single_process():
     assert all(results[r][name, "sgd"]["sharded_loss"] for r in (2, 3) for name in ("hybrid-1f1b", "lm-head"))
     # emulation pads every matmul of the tensor-parallel stage on both of its ranks
     assert all(results[r]["hybrid-emulated", "sgd"]["segments"] > 0 for r in range(WORLD))
+
+
+def test_tensor_parallel_slots_share_their_samples():
+    """Every member of a tensor-parallel group covers the same samples; the slots of a stage cover
+    each micro-batch exactly once, in the same order for every stage."""
+    from runtime.pipeline import sample_ranges
+
+    for name in ("split-in-replicate", "hybrid-1f1b", "split-first"):
+        make_model, schedule, stages, workers, _ = SCENARIOS[name]
+        torch.manual_seed(0)
+        plan = make_plan(make_model(), schedule, stages, workers)
+        ranges = sample_ranges(plan)
+        for w in plan.workers:
+            group = [v for v in plan.workers if (v.stage, v.dp_index) == (w.stage, w.dp_index)]
+            assert all(ranges[v.rank] == ranges[w.rank] for v in group), name
+        for s in range(len(plan.stages)):
+            slots = [w for w in plan.stage_workers(s) if w.tp_index == 0]
+            covered = sorted(r for w in slots for r in ranges[w.rank])
+            assert [lo for lo, _ in covered] == [0] + [hi for _, hi in covered[:-1]], (name, covered)
+            assert covered[-1][1] == plan.global_batch_size
