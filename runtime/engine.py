@@ -6,14 +6,13 @@ first batch), the emulated device, the optimizer, batch checks, per-step statist
 failed collective into an error that names the rank, the step and the missing peers. The
 parallelism itself lives in a *step executor*, chosen by the plan's shape:
 
-===================  ======================================  =====================================
-plan                 executor                                 module
-===================  ======================================  =====================================
-1 stage, no split    :class:`DataParallelExecutor`            :mod:`runtime.data_parallel`
-several stages       ``PipelineExecutor``                     :mod:`runtime.pipeline`
-any ``split``        ``PipelineExecutor`` with sharded stages  :mod:`runtime.pipeline`,
-                                                              :mod:`runtime.tensor_parallel`
-===================  ======================================  =====================================
+===================  =========================================  ==================================
+plan                 executor                                   module
+===================  =========================================  ==================================
+1 stage, no split    :class:`DataParallelExecutor`              :mod:`runtime.data_parallel`
+several stages       ``PipelineExecutor``                       :mod:`runtime.pipeline`
+any ``split``        ``PipelineExecutor`` with sharded stages   :mod:`runtime.tensor_parallel`
+===================  =========================================  ==================================
 
 A plan with ``split`` runs as a pipeline (of one stage or more) whose tensor-parallel stages have
 their Linears swapped for uneven parallel ones; ``split`` inside ``replicate`` is such a stage on
