@@ -22,10 +22,11 @@ Exactness: the last stage weights ``loss_fn(outputs, targets)`` (a per-slice mea
 and the returned loss is the global-mean loss on every rank.
 
 Ordering: each rank runs ``planner.schedule.build_schedule(plan.schedule, ...)[stage]`` exactly
-(what is simulated is what runs). Receives block before an action, sends are posted after it and
-waited at the end of the step, which :mod:`planner.validate` proves deadlock-free for GPipe and
-1F1B. Every message has a unique tag (direction, micro-batch, boundary value), and both sides post
-their operations in the same order, so gloo (matches by peer and tag) and NCCL (by order) agree.
+(a single stage: ``gradient_accumulation`` of its own micro-batches; what is simulated is what
+runs). Receives block before an action, sends are posted after it and waited at the end of the
+step, which :mod:`planner.validate` proves deadlock-free for GPipe and 1F1B. Every message has a
+unique tag (direction, micro-batch, boundary value), and both sides post their operations in the
+same order, so gloo (matches by peer and tag) and NCCL (by order) agree.
 
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
@@ -59,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from planner.plan import Plan, Worker
-from planner.schedule import Action, build_schedule
+from planner.schedule import Action, build_schedule, gradient_accumulation
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
@@ -86,9 +87,21 @@ def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes.
 
     The workers of one tensor-parallel group (same replica, stage and ``dp_index``) form one
-    *slot* and process the same samples.
+    *slot* and process the same samples. A single-stage plan exchanges nothing, so each slot takes
+    one contiguous block, micro-batch after micro-batch; its slots may then differ in micro-batch
+    count (Poplar's per-device gradient accumulation).
     """
     ranges: dict[int, list[tuple[int, int]]] = {}
+    if len(plan.stages) == 1:
+        cursor = 0
+        for replica in range(plan.num_replicas):
+            for slot in _slots(plan, 0, replica):
+                own = []
+                for size in slot.micro_batch_sizes:
+                    own.append((cursor, cursor + size))
+                    cursor += size
+                ranges.update((w.rank, own) for w in plan.stage_workers(0, replica) if w.dp_index == slot.dp_index)
+        return ranges
     offset = 0
     for replica in range(plan.num_replicas):
         block = [sum(w.micro_batch_sizes[m] for w in _slots(plan, 0, replica)) for m in range(plan.num_micro_batch)]
@@ -164,7 +177,11 @@ class PipelineExecutor:
         self.is_last = self.stage.index == self.split.num_stages - 1
         self.emulator = emulator or Emulator.disabled()
         self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
-        self.schedule: list[Action] = build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index]
+        self._ranges = sample_ranges(plan)[self.rank]
+        # one stage alone accumulates gradients micro-batch by micro-batch, as planner.simulator runs it
+        self.schedule: list[Action] = (
+            gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
+            else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
         self._state_names = self._model_names(names if names is not None else graph_module)
         # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
         self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
@@ -173,7 +190,6 @@ class PipelineExecutor:
         # its collectives (see runtime.tp_layers)
         self._segments_per_stage = self.worker.tp_size == 1
         self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
-        self._ranges = sample_ranges(plan)[self.rank]
         self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
@@ -197,7 +213,7 @@ class PipelineExecutor:
     @torch.no_grad()
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """The global-mean loss of a global batch: the forwards of the schedule, in order."""
-        forwards = [Action("F", m) for m in range(self.plan.num_micro_batch)]
+        forwards = [Action("F", m) for m in range(len(self._ranges))]
         return self._run(forwards, inputs, targets, train=False)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ dict back. Shard sizes and batch shares are deliberately uneven:
 * ``split-in-replicate``: one stage, two data-parallel slots (samples 5+3 and 2+2 per step) of two
   tensor-parallel ranks each; a column/row pair (24/8 of 32 features), a lone Linear
   (column + gather, 20/12) and a class-sharded classifier (7/3 classes) whose logits only ever
-  meet the sharded cross-entropy.
+  meet the sharded cross-entropy; once more with per-slot gradient accumulation (3 micro-batches
+  of 4+4+2 samples on one slot, 1 of 3 on the other).
 * ``hybrid`` (Whale's flagship shape): a ``replicate`` feature extractor on two ranks with uneven
   shares feeding a ``split`` classifier on two ranks, under GPipe and 1F1B, and once more with
   emulated devices (segments padded matmul by matmul on the tensor-parallel stage).
@@ -98,6 +99,12 @@ SCENARIOS = {
                              {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})],
                            [(0, 0, 0, 2, [5, 3]), (0, 0, 1, 2, [5, 3]), (0, 1, 0, 2, [2, 2]), (0, 1, 1, 2, [2, 2])],
                            None),
+    "split-in-replicate-accumulation": (SplitInReplicate, "1f1b",
+                                        [([0], "replicate(2)+split(2)",
+                                          {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})],
+                                        [(0, 0, 0, 2, [4, 4, 2]), (0, 0, 1, 2, [4, 4, 2]), (0, 1, 0, 2, [3]),
+                                         (0, 1, 1, 2, [3])],
+                                        None),
     "hybrid-gpipe": (Hybrid, "gpipe",
                      [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
                      [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
@@ -136,7 +143,7 @@ def make_plan(model: nn.Module, schedule: str, stages, workers) -> Plan:
     return Plan(
         model_fingerprint=graphs.fingerprint, cluster="test-4",
         global_batch_size=sum(sum(w[4]) for w in workers if w[0] == 0 and w[2] == 0),
-        num_micro_batch=len(workers[0][4]), schedule=schedule, solver="greedy", stages=stage_plans,
+        num_micro_batch=max(len(w[4]) for w in workers), schedule=schedule, solver="greedy", stages=stage_plans,
         workers=[Worker(r, f"emu-{r}", "localhost", 0, stage, dp, tp, tp_size, micro_batch_sizes=list(mbs))
                  for r, (stage, dp, tp, tp_size, mbs) in enumerate(workers)],
         boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0),
