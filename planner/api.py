@@ -3,8 +3,9 @@
 The planner is a chain of pure steps (Whale's parallel planner, with Poplar's batch rules):
 
 1. virtual devices: each TaskGraph becomes a pipeline stage on a group of devices, larger-memory
-   devices on early stages, replicated pipelines when the cluster has room
-   (:mod:`planner.virtual_devices`);
+   devices on early stages (or the fastest devices on the stages with the most work per device:
+   both are tried), replicated pipelines when the cluster has room (:mod:`planner.virtual_devices`);
+   afterwards two stages may exchange devices when the simulator predicts a gain (``_swap_search``);
 2. stage layers: by default each stage runs its own TaskGraph's layers; between two adjacent
    stages that are both plain ``replicate`` the planner may move boundary layers so that the
    slowest stage is as fast as possible (the pipeline partitioner, :mod:`planner.partition`).

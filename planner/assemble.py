@@ -60,10 +60,9 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
     ]
     # Rank r runs the r-th used device in cluster order, as torchrun numbers processes host by host
     # and a process uses its local device LOCAL_RANK.
-    position = {d.name: i for i, d in enumerate(cluster.devices)}
     placed = sorted(((device, r, s, d, t, group) for r, replica in enumerate(layout.groups)
                      for s, groups in enumerate(replica) for d, group in enumerate(groups)
-                     for t, device in enumerate(group)), key=lambda item: position[item[0].name])
+                     for t, device in enumerate(group)), key=lambda item: cluster.positions[item[0].name])
     workers = [_worker(rank, *item, dec, comm) for rank, item in enumerate(placed)]
     _fill_allreduce(workers, layout, dec, comm)
     zero = Prediction(0.0, 0.0, 0.0)

@@ -223,9 +223,8 @@ def _check_cluster(plan: Plan, cluster) -> None:
             )
         if device.host != w.host:
             raise PlanError(f"plan.workers[{w.rank}].host is {w.host!r}, device {w.device!r} is on host {device.host!r}")
-    position = {d.name: i for i, d in enumerate(cluster.devices)}
     for before, w in zip(plan.workers, plan.workers[1:]):
-        if position[w.device] <= position[before.device]:
+        if cluster.positions[w.device] <= cluster.positions[before.device]:
             raise PlanError(
                 f"plan.workers[{w.rank}].device {w.device!r} comes before or is rank {before.rank}'s device "
                 f"{before.device!r} in cluster {cluster.name!r}; ranks must follow the cluster's device order "

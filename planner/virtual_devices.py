@@ -21,7 +21,6 @@ Placement follows Whale's rules:
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -227,7 +226,7 @@ class _Pool:
 
     def __init__(self, cluster: Cluster):
         self.host_order = {h: i for i, h in enumerate(cluster.hosts)}
-        self.position = {d.name: i for i, d in enumerate(cluster.devices)}
+        self.position = cluster.positions
         self.last: str | None = None
         self.free: dict[str, dict[tuple, list[Device]]] = defaultdict(lambda: defaultdict(list))
         for d in cluster.devices:

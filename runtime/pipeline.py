@@ -177,7 +177,8 @@ class PipelineExecutor:
         self.is_last = self.stage.index == self.split.num_stages - 1
         self.emulator = emulator or Emulator.disabled()
         self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
-        self._ranges = sample_ranges(plan)[self.rank]
+        self._all_ranges = sample_ranges(plan)
+        self._ranges = self._all_ranges[self.rank]
         # one stage alone accumulates gradients micro-batch by micro-batch, as planner.simulator runs it
         self.schedule: list[Action] = (
             gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
@@ -362,8 +363,7 @@ class PipelineExecutor:
         worker to every worker of the producer slots. Each list is in one canonical order (value,
         then samples), so the two ends of every rank pair post their operations alike.
         """
-        replica = self.worker.replica
-        ranges = sample_ranges(self.plan)
+        replica, ranges = self.worker.replica, self._all_ranges
         lead = self.worker.tp_index == 0
 
         def peers(stage: int, m: int, leads_only: bool) -> list[tuple[int, tuple[int, int]]]:

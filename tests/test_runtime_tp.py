@@ -93,38 +93,27 @@ class SplitFirst(nn.Module):
 
 # Per scenario: model, schedule, stages (TaskGraphs, strategy, shard sizes), workers in rank order
 # (stage, dp_index, tp_index, tp_size, micro-batch sizes), emulated speeds or None.
+TP_IN_DP_STAGE = ([0], "replicate(2)+split(2)", {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})
+# stage 0 data parallel on ranks 0-1 (shares 3+2 and 1+2), stage 1 tensor parallel on ranks 2-3
+DP_THEN_TP_WORKERS = [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])]
+HYBRID_STAGES = [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})]
 SCENARIOS = {
-    "split-in-replicate": (SplitInReplicate, "1f1b",
-                           [([0], "replicate(2)+split(2)",
-                             {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})],
+    "split-in-replicate": (SplitInReplicate, "1f1b", [TP_IN_DP_STAGE],
                            [(0, 0, 0, 2, [5, 3]), (0, 0, 1, 2, [5, 3]), (0, 1, 0, 2, [2, 2]), (0, 1, 1, 2, [2, 2])],
                            None),
-    "split-in-replicate-accumulation": (SplitInReplicate, "1f1b",
-                                        [([0], "replicate(2)+split(2)",
-                                          {"fc1": [24, 8], "fc2": [24, 8], "proj": [20, 12], "head": [7, 3]})],
+    "split-in-replicate-accumulation": (SplitInReplicate, "1f1b", [TP_IN_DP_STAGE],
                                         [(0, 0, 0, 2, [4, 4, 2]), (0, 0, 1, 2, [4, 4, 2]), (0, 1, 0, 2, [3]),
                                          (0, 1, 1, 2, [3])],
                                         None),
-    "hybrid-gpipe": (Hybrid, "gpipe",
-                     [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
-                     [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
-                     None),
-    "hybrid-1f1b": (Hybrid, "1f1b",
-                    [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
-                    [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
-                    None),
+    "hybrid-gpipe": (Hybrid, "gpipe", HYBRID_STAGES, DP_THEN_TP_WORKERS, None),
+    "hybrid-1f1b": (Hybrid, "1f1b", HYBRID_STAGES, DP_THEN_TP_WORKERS, None),
     "split-first": (SplitFirst, "1f1b",
                     [([0], "split(2)", {"fc1": [8, 24], "fc2": [8, 24]}), ([1], "replicate(2)", {})],
                     [(0, 0, 0, 2, [4, 4]), (0, 0, 1, 2, [4, 4]), (1, 0, 0, 1, [3, 1]), (1, 1, 0, 1, [1, 3])],
                     None),
-    "lm-head": (TinyLM, "1f1b",
-                [([0], "replicate(2)", {}), ([1], "split(2)", {"head": [16, 8]})],
-                [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
-                None),
-    "hybrid-emulated": (Hybrid, "1f1b",
-                        [([0], "replicate(2)", {}), ([1], "split(2)", {"classifier": [6, 4]})],
-                        [(0, 0, 0, 1, [3, 2]), (0, 1, 0, 1, [1, 2]), (1, 0, 0, 2, [4, 4]), (1, 0, 1, 2, [4, 4])],
-                        (1.0, 0.5, 1.0, 0.5)),
+    "lm-head": (TinyLM, "1f1b", [([0], "replicate(2)", {}), ([1], "split(2)", {"head": [16, 8]})],
+                DP_THEN_TP_WORKERS, None),
+    "hybrid-emulated": (Hybrid, "1f1b", HYBRID_STAGES, DP_THEN_TP_WORKERS, (1.0, 0.5, 1.0, 0.5)),
 }
 
 

@@ -29,8 +29,8 @@ file and the field path) or from Python code (the error names the object).
 from __future__ import annotations
 
 import dataclasses
-
 import difflib
+import functools
 import math
 import os
 import re
@@ -163,6 +163,12 @@ class Cluster:
     @property
     def hosts(self) -> list[str]:
         return list(dict.fromkeys(d.host for d in self.devices))
+
+    @functools.cached_property
+    def positions(self) -> dict[str, int]:
+        """Device name -> its index in the spec: the torchrun rank that runs it (torchrun numbers
+        processes host by host, as the spec lists devices)."""
+        return {d.name: i for i, d in enumerate(self.devices)}
 
     def device(self, name: str) -> Device:
         for d in self.devices:
