@@ -1,7 +1,17 @@
-"""Measure per-node costs of a captured graph on meta tensors: FLOPs, saved activations, output shapes.
+"""Measure per-node costs of a captured graph on fake tensors: FLOPs, saved activations, output shapes.
 
-One forward and one backward of a *meta* copy of the graph (no real memory, no real compute) under
-``torch.utils.flop_counter.FlopCounterMode``. FlopCounterMode counts the whole run; we only
+One forward and one backward of a *fake* copy of the graph (``FakeTensorMode``: tensors that know
+their shape, dtype and device but own no memory, so no real compute and nothing allocated for a big
+model) under ``torch.utils.flop_counter.FlopCounterMode``. Why fake and not meta tensors: a graph
+from ``torch.export`` names real devices (``arange(..., device=cpu)``, ``.to(cpu)``, the CPU
+attention kernel checks its inputs' device), and meta tensors are on device ``meta``, so such a
+graph cannot run on them; fake tensors keep the recorded device.
+
+FlopCounterMode has no formula for the CPU flash-attention kernels that
+``F.scaled_dot_product_attention`` dispatches to on CPU (it counts only the CUDA ones), so a model
+using fused attention would cost less than the same model written with explicit matmuls;
+:data:`ATTENTION_FLOP_FORMULAS` adds them with torch's own shape formulas (two matmuls forward,
+five backward: the kernel recomputes the scores). FlopCounterMode counts the whole run; we only
 attribute its counts: a small dispatch mode reads the counter's total around every operator and
 charges the difference to
 
@@ -15,8 +25,8 @@ saves for backward (``saved_tensors_hooks``), each storage counted once per grou
 tensor saved in two TaskGraphs lives on two devices) and parameters/buffers never, charged to the
 node that first saved it.
 
-The user's model is never touched: the meta copy is a ``deepcopy`` whose memo maps every parameter
-and buffer to an empty meta tensor of the same shape, so nothing real is copied.
+The user's model is never touched: the fake copy is a ``deepcopy`` whose memo maps every parameter
+and buffer to a fake tensor of the same shape, dtype and device, so nothing real is copied.
 """
 from __future__ import annotations
 
@@ -31,13 +41,31 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .errors import CaptureError
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+def _attention_forward_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                              **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# Fused attention kernels FlopCounterMode does not count (CPU), with torch's own shape formulas.
+ATTENTION_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention_forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+}
 
 
 @dataclass(frozen=True)
@@ -61,15 +89,21 @@ class NodeCosts:
 
 
 def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int]) -> NodeCosts:
-    """Run ``gm`` forward and backward on meta copies of itself and ``inputs``; attribute the costs.
+    """Run ``gm`` forward and backward on fake copies of itself and ``inputs``; attribute the costs.
 
     ``group`` maps node names to the unit (TaskGraph) within which a saved tensor is counted once.
     """
-    meta_gm = meta_copy(gm)
-    meta_inputs = tree_map(_to_meta, inputs)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_gm = fake_copy(gm, fake_mode)
+    fake_inputs = tree_map(lambda x: _to_fake(x, fake_mode), inputs)
+    with fake_mode:  # factory calls in the graph (arange, ones) make fake tensors too
+        return _measure(fake_gm, fake_inputs, group)
+
+
+def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, int]) -> NodeCosts:
     costs = NodeCosts()
-    persistent = {id(t) for t in [*meta_gm.parameters(), *meta_gm.buffers()]}
-    interp = _Recorder(meta_gm, costs)
+    persistent = {id(t) for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
+    interp = _Recorder(fake_gm, costs)
     saved: dict[tuple[int, int], torch.Tensor] = {}
 
     def pack(t: torch.Tensor):
@@ -82,10 +116,10 @@ def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int]) -> Nod
             costs.saved_bytes[interp.current] += root.numel() * root.element_size()
         return t
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
     try:
         with counter, _Attribution(counter, interp, costs), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = interp.run(*meta_inputs, enable_io_processing=False)
+            out = interp.run(*fake_inputs, enable_io_processing=False)
             interp.current = None
             costs.total_forward_flops = counter.get_total_flops()
             roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -95,27 +129,30 @@ def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int]) -> Nod
     except Exception as e:  # noqa: BLE001 - name the node that failed
         where = interp.current or "backward"
         raise CaptureError(
-            f"capture: measuring costs on meta tensors failed at node {where!r} "
+            f"capture: measuring costs on fake tensors failed at node {where!r} "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); operators that read tensor "
-            "values (.item(), data-dependent shapes) cannot run on meta tensors, move them out of forward"
+            "values (.item(), data-dependent shapes) cannot run without data, move them out of forward"
         ) from e
     return costs
 
 
-def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A deep copy of ``gm`` whose parameters and buffers are empty meta tensors (tying preserved)."""
+def fake_copy(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> fx.GraphModule:
+    """A deep copy of ``gm`` whose parameters and buffers are fake tensors of ``fake_mode`` (same
+    shape, dtype, device and ``requires_grad``; tying preserved; no memory)."""
     memo: dict[int, Any] = {}
     for p in gm.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(_to_fake(p.detach(), fake_mode), requires_grad=p.requires_grad)
     for b in gm.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = _to_fake(b, fake_mode)
     with warnings.catch_warnings():  # torch's own pytree specs warn about deprecated checks when copied
         warnings.simplefilter("ignore", FutureWarning)
         return copy.deepcopy(gm, memo)
 
 
-def _to_meta(x: Any) -> Any:
-    return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+def _to_fake(x: Any, fake_mode: FakeTensorMode) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return fake_mode.from_tensor(x.detach()).requires_grad_(x.requires_grad)
 
 
 class _Recorder(fx.Interpreter):
