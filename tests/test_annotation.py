@@ -55,9 +55,25 @@ def test_annotate_star_glob_and_nested_split_inside_replicate():
     wl.annotate(model, {"blocks.*": wl.replicate(2), "blocks.3.0": wl.split(2)})
     g = wl.capture(model, (torch.randn(4, 8),))
     strategies = [str(t.strategy) for t in g]
-    assert strategies == ["replicate(auto)", "replicate(2)", "replicate(2)+split(2)", "replicate(2)", "replicate(auto)"]
-    assert owners(g, "blocks.3.0") == {2}
-    assert g[2].shardable == {"blocks.3.0": 8}
+    # the un-annotated embed joins the first annotated region after it, the un-annotated head the
+    # last one before it: no stage nobody asked for
+    assert strategies == ["replicate(2)", "replicate(2)+split(2)", "replicate(2)"]
+    assert owners(g, "embed") == {0} and owners(g, "head") == {2}
+    assert owners(g, "blocks.3.0") == {1}
+    assert g[1].shardable == {"blocks.3.0": 8}
+
+
+def test_unannotated_parameters_never_join_a_split_region():
+    model = Stack()
+    wl.annotate(model, {"blocks.0-3": wl.replicate(2), "head": wl.split(2)})
+    g = wl.capture(model, (torch.randn(4, 8),))
+    assert [str(t.strategy) for t in g] == ["replicate(2)", "split(2)"]
+    assert owners(g, "embed") == {0} and owners(g, "head") == {1}
+    model = Stack()
+    wl.annotate(model, {"embed": wl.split(2)})   # the blocks follow a split: they get the default
+    g = wl.capture(model, (torch.randn(4, 8),))
+    assert [str(t.strategy) for t in g] == ["split(2)", "replicate(auto)"]
+    assert owners(g, "blocks") == owners(g, "head") == {1}
 
 
 def test_construction_time_scopes():
@@ -68,7 +84,7 @@ def test_construction_time_scopes():
                 self.a = nn.Linear(4, 4)
             with wl.replicate(2):
                 self.b = nn.Linear(4, 4)
-            self.c = nn.Linear(4, 4)  # un-annotated: the default strategy
+            self.c = nn.Linear(4, 4)  # un-annotated: joins the region before it
             with wl.split(2):
                 self.d = nn.Linear(4, 6)
 
@@ -76,8 +92,8 @@ def test_construction_time_scopes():
             return self.d(self.c(self.b(self.a(x))))
 
     g = wl.capture(Net(), (torch.randn(2, 4),))
-    assert [str(t.strategy) for t in g] == ["replicate(2)", "replicate(2)", "replicate(auto)", "split(2)"]
-    assert [owners(g, p) for p in "abcd"] == [{0}, {1}, {2}, {3}]
+    assert [str(t.strategy) for t in g] == ["replicate(2)", "replicate(2)", "split(2)"]
+    assert [owners(g, p) for p in "abcd"] == [{0}, {1}, {1}, {2}]
 
 
 def test_forward_time_scopes():
@@ -105,7 +121,7 @@ def test_set_default_strategy_applies_to_unannotated_code():
     try:
         g = wl.capture(Stack(), (torch.randn(2, 8),))
     finally:
-        wl.set_default_strategy(wl.replicate())
+        wl.set_default_strategy(None)
     assert len(g) == 1 and str(g[0].strategy) == "replicate(3)"
 
 

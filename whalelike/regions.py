@@ -6,12 +6,19 @@ The rule, in order of precedence, for a node's scope:
 2. else the scope of the innermost enclosing module tagged ``_wl_scope`` (construction time or
    :func:`whalelike.annotate`);
 3. else, if the node itself uses parameters (a ``call_module`` of a module that has them, or an
-   operator fed by a parameter), the default strategy (:func:`whalelike.strategy.default_strategy`);
+   operator fed by a parameter): the strategy set by :func:`whalelike.set_default_strategy` if the
+   user set one; otherwise the node *attaches* to a neighbour: the scope of its latest annotated
+   ancestor (code after a region belongs to it: GPT-2's final ``ln_f``, BERT's pooler, a classifier
+   after the last annotated block), else of its earliest annotated descendant (code before the
+   first region joins it: the embeddings), unless that neighbour is a ``split`` (``split`` shards
+   what it holds, and must not shard code the user did not put under it), else the default
+   ``replicate()``.
+   So un-annotated code never forms a pipeline stage nobody asked for; its Layer keeps its own name;
 4. else the node is *glue* (reshapes, the positional ``arange``, the attention-mask arithmetic in
    a model's own ``forward``, ``getitem`` on a block's tuple output): it follows its data, joining
    the scope and layer of its first scoped consumer, else of its last scoped producer, else the
-   default strategy. Otherwise every ``view`` between two annotated blocks would become a
-   TaskGraph of its own.
+   operators of its own module, else the default strategy. Otherwise every ``view`` between two
+   annotated blocks would become a TaskGraph of its own.
 
 Nodes are then stably re-ordered (a topological order that prefers earlier scopes and layers, and
 keeps in-place operators in their original order relative to the other users of what they mutate),
@@ -35,7 +42,7 @@ from typing import Optional
 import torch.fx as fx
 import torch.nn as nn
 
-from .strategy import Strategy, default_strategy
+from .strategy import Strategy, default_strategy, default_strategy_is_set
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +67,13 @@ def assign_regions(gm: fx.GraphModule, model: nn.Module) -> Regions:
     namer = _LayerNamer(modules)
     scope: dict[fx.Node, Optional[Strategy]] = {}
     layer: dict[fx.Node, str] = {}
+    attached: list[fx.Node] = []
     for node in body:
         scope[node] = _explicit_scope(node, modules, gm)
         layer[node] = namer(node.meta.get("wl_path", ""))
+        if scope[node] is None and _uses_parameters(node, gm):
+            attached.append(node)
+    _attach_parameter_code(body, attached, scope)
     explicit = [n for n in body if scope[n] is not None]
     _resolve_glue(body, scope, layer)
     _attach_root_code(body, scope, layer, gm)
@@ -101,7 +112,36 @@ def _explicit_scope(node: fx.Node, modules: dict[str, nn.Module], gm: fx.GraphMo
         tag = getattr(module, "_wl_scope", None)
         if tag is not None:
             return tag
-    return default_strategy() if _uses_parameters(node, gm) else None
+    return default_strategy() if default_strategy_is_set() and _uses_parameters(node, gm) else None
+
+
+def _shards(strategy: Strategy) -> bool:
+    return strategy.kind == "split" or strategy.inner is not None
+
+
+def _attach_parameter_code(body: list[fx.Node], attached: list[fx.Node], scope: dict) -> None:
+    """Un-annotated nodes with parameters take the scope of their latest annotated ancestor, else
+    of their earliest annotated descendant, else the default (rule 3 of the module docstring)."""
+    position = {n: i for i, n in enumerate(body)}
+    annotated = {n for n in body if scope[n] is not None}
+
+    def nearest(node: fx.Node, step, pick) -> Optional[fx.Node]:
+        found, seen, frontier = [], {node}, [node]
+        while frontier:
+            current = frontier.pop()
+            for other in step(current):
+                if other in seen or other not in position:
+                    continue
+                seen.add(other)
+                (found if other in annotated else frontier).append(other)
+        return pick(found, key=position.get) if found else None
+
+    for node in attached:
+        neighbour = (nearest(node, lambda n: n.all_input_nodes, max)
+                     or nearest(node, lambda n: list(n.users), min))
+        if neighbour is not None and _shards(scope[neighbour]):
+            neighbour = None  # split shards what it holds: never code the user did not put there
+        scope[node] = scope[neighbour] if neighbour is not None else default_strategy()
 
 
 def _uses_parameters(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -118,7 +158,9 @@ def _attr(gm: fx.GraphModule, target: str):
 
 
 def _resolve_glue(body: list[fx.Node], scope: dict, layer: dict) -> None:
-    """Glue follows its first scoped consumer, else its last scoped producer, else the default."""
+    """Glue follows its first scoped consumer, else its last scoped producer, else the other
+    operators of its own module (a BatchNorm's ``num_batches_tracked += 1`` has no data
+    neighbours), else the default."""
     position = {n: i for i, n in enumerate(body)}
     explicit = {n for n in body if scope[n] is not None}
     for node in reversed(body):
@@ -127,15 +169,26 @@ def _resolve_glue(body: list[fx.Node], scope: dict, layer: dict) -> None:
         users = sorted((u for u in node.users if u in position and scope.get(u) is not None), key=position.get)
         if users:
             scope[node], layer[node] = scope[users[0]], layer[users[0]]
+    module_scope: dict[str, fx.Node] = {}
     for node in body:
         if scope[node] is not None:
+            module_scope.setdefault(node.meta.get("wl_path", ""), node)
+    for node in body:
+        if scope[node] is not None or node.op == "get_attr":
             continue
-        inputs = [a for a in node.all_input_nodes if a in position and scope[a] is not None]
+        inputs = [a for a in node.all_input_nodes if a in position and scope[a] is not None and a.op != "get_attr"]
+        sibling = module_scope.get(node.meta.get("wl_path", ""))
         if inputs:
             last = max(inputs, key=position.get)
             scope[node], layer[node] = scope[last], layer[last]
+        elif sibling is not None and node.meta.get("wl_path"):  # a buffer update: its module's scope
+            scope[node], layer[node] = scope[sibling], layer[sibling]
         else:
             scope[node] = default_strategy()
+    for node in body:  # a parameter or buffer read goes where it is used
+        if scope[node] is None:
+            users = sorted((u for u in node.users if u in position), key=position.get)
+            scope[node], layer[node] = (scope[users[0]], layer[users[0]]) if users else (default_strategy(), layer[node])
 
 
 def _attach_root_code(body: list[fx.Node], scope: dict, layer: dict, gm: fx.GraphModule) -> None:

@@ -108,6 +108,7 @@ class _ScopeStack(threading.local):
     def __init__(self):
         self.entries: list[Strategy] = []
         self.default: Strategy = Strategy("replicate", None, scope_id=-1)
+        self.default_is_set = False  # set_default_strategy was called: un-annotated code gets it, not a neighbour's
         self.export = _ExportAnnotation()
 
     def push(self, strategy: Strategy) -> Strategy:
@@ -150,15 +151,30 @@ def current_scope() -> Optional[Strategy]:
     return _STACK.current()
 
 
-def set_default_strategy(strategy: Strategy) -> None:
-    """Set the strategy that un-annotated code gets (default: ``replicate()`` over all devices)."""
+def set_default_strategy(strategy: Optional[Strategy]) -> None:
+    """Set the strategy that un-annotated code gets.
+
+    Without it (or after ``set_default_strategy(None)``), un-annotated code with parameters joins a
+    neighbouring annotated TaskGraph (see :mod:`whalelike.regions`), and a model with no annotation
+    at all is one ``replicate()`` over all devices. With it, un-annotated code with parameters forms
+    TaskGraphs of this strategy.
+    """
+    if strategy is None:
+        _STACK.default, _STACK.default_is_set = Strategy("replicate", None, scope_id=-1), False
+        return
     if not isinstance(strategy, Strategy):
-        raise AnnotationError(f"set_default_strategy expects wl.replicate(...) or wl.split(...), got {strategy!r}")
+        raise AnnotationError(f"set_default_strategy expects wl.replicate(...), wl.split(...) or None, got {strategy!r}")
     _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1)
+    _STACK.default_is_set = True
 
 
 def default_strategy() -> Strategy:
     return _STACK.default
+
+
+def default_strategy_is_set() -> bool:
+    """Whether the user chose a strategy for un-annotated code with :func:`set_default_strategy`."""
+    return _STACK.default_is_set
 
 
 # -- construction-time tagging -------------------------------------------------------------

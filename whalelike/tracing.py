@@ -8,8 +8,8 @@ Two front ends, tried in order:
   sharded ones.
 * ``torch.export`` (non-strict) for the many models fx cannot trace (Python control flow on
   shapes, ``dim()`` checks, ...). Export records ``nn_module_stack`` on every node; we turn the
-  ``aten.linear`` calls of ``nn.Linear`` modules back into ``call_module`` leaves so the result
-  looks to later passes like an fx capture. The batch dimension is exported as dynamic
+  inlined operators of ``nn.Linear`` and GPT-2 ``Conv1D`` modules back into ``call_module`` leaves
+  (:mod:`whalelike.leaves`) so the result looks to later passes like an fx capture. The batch dimension is exported as dynamic
   (``Dim.AUTO``) so the graph runs at any micro-batch size.
 
 Both graphs share the model's parameters (no copies). Each node gets ``meta["wl_path"]`` (the
@@ -30,7 +30,9 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .cleanup import remove_asserts_and_dead_code
 from .errors import CaptureError
+from .leaves import is_conv1d, restore_leaves
 from .strategy import current_scope
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,11 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, 
 
 # -- torch.fx ---------------------------------------------------------------------------------------
 class _ScopeTracer(fx.Tracer):
-    """An fx tracer that stamps each node with the forward-time scope open when it was created."""
+    """An fx tracer that stamps each node with the forward-time scope open when it was created and
+    keeps the modules ``split`` can shard (GPT-2's ``Conv1D`` besides torch's own) as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_conv1d(m) or super().is_leaf_module(m, module_qualified_name)
 
     def create_node(self, *args, **kwargs) -> fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -95,44 +101,9 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
         node.meta["wl_scope"] = node.meta.get("custom", {}).get("wl_scope")
-    _restore_linear_leaves(gm, model)
+    restore_leaves(gm, model)
+    remove_asserts_and_dead_code(gm)
     return gm
-
-
-def _restore_linear_leaves(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Turn ``aten.linear(x, W, b)`` of each ``nn.Linear`` back into a ``call_module`` of that module.
-
-    Export inlines every module; ``split`` regions are sharded by swapping ``call_module`` Linears,
-    so we restore them. The restored submodule is the user's own ``nn.Linear`` (shared parameters).
-    """
-    modules = dict(model.named_modules())
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-            continue
-        path = node.meta["wl_path"]
-        linear = modules.get(path)
-        weights = [a for a in node.args[1:] if isinstance(a, fx.Node)]
-        if not isinstance(linear, nn.Linear) or not all(w.op == "get_attr" for w in weights):
-            continue
-        expected = [f"{path}.weight"] + ([f"{path}.bias"] if linear.bias is not None else [])
-        if [w.target for w in weights] != expected:
-            continue
-        if not isinstance(gm.get_submodule(path), nn.Linear):
-            _set_submodule(gm, path, linear)
-        with gm.graph.inserting_before(node):
-            leaf = gm.graph.call_module(path, (node.args[0],))
-        leaf.meta = dict(node.meta)
-        node.replace_all_uses_with(leaf)
-        gm.graph.erase_node(node)
-        for w in weights:
-            if not w.users:
-                gm.graph.erase_node(w)
-    gm.recompile()
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
 def placeholder_values(gm: fx.GraphModule, method: str, model: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
@@ -156,11 +127,16 @@ def placeholder_values(gm: fx.GraphModule, method: str, model: nn.Module, args: 
 
 # -- helpers ----------------------------------------------------------------------------------------
 def _innermost_path(node: fx.Node) -> str:
+    """The innermost module path in the node's ``nn_module_stack``; ``""`` for the model's own code.
+
+    Export stamps nodes it creates outside any module call (the batch size's ``sym_size``) with a
+    stack entry named after a metadata hook rather than a module: those count as the model's own code.
+    """
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     path = next(reversed(stack.values()))[0]
-    return path
+    return "" if path.startswith("_empty_nn_module_stack") else path
 
 
 def _failing_module(model: nn.Module, error: BaseException) -> str:
