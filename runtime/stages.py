@@ -9,9 +9,9 @@
 * records, per stage, where each input comes from: a model input (every rank holds the global
   batch, so these are read locally and never sent) or an output of an earlier stage, which need not
   be the previous one (skip connections send directly from producer stage to consumer stage);
-* rejects parameters shared between stages (tied embeddings across the pipeline): each stage would
-  update its own copy and the copies would drift apart. A buffer used by several stages is copied to
-  each (buffers carry no gradient), a parameter is an error that names it;
+* lets stages share a parameter (tied embeddings across the pipeline): each stage module holds the
+  same ``nn.Parameter``, and :mod:`runtime.tied` keeps the ranks' copies in sync. A buffer used by
+  several stages is copied to each (buffers carry no gradient);
 * infers each boundary value's per-sample shape, dtype and whether it carries a gradient back, by
   running the split graph on fake tensors (no real compute), so receivers can allocate buffers.
 
@@ -174,7 +174,6 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
     _match_buffer_persistence(root, original)
     split = _describe(root, num_stages)
     split.output_spec = output_spec
-    _check_no_shared_parameters(split)
     for stage in split.stages:
         log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
                   [str(v) for v in stage.outputs])
@@ -318,19 +317,6 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
             f"{num_stages - 1}; every model output must come from the last stage (the one computing the loss)"
         )
     return PipelineSplit(stages, root, result)
-
-
-def _check_no_shared_parameters(split: PipelineSplit) -> None:
-    owner: dict[int, tuple[int, str]] = {}
-    for stage in split.stages:
-        for name, p in stage.module.named_parameters():
-            if id(p) in owner and owner[id(p)][0] != stage.index:
-                first, first_name = owner[id(p)]
-                raise StageSplitError(
-                    f"parameter {first_name!r} is used by stage {first} and stage {stage.index} (tied weights); "
-                    f"each stage would update its own copy. Put all its uses in one stage, or untie it"
-                )
-            owner[id(p)] = (stage.index, name)
 
 
 def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:

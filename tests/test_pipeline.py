@@ -26,6 +26,7 @@ from runtime.emulation import Emulator
 from runtime.groups import group_ranks
 from runtime.pipeline import PipelineExecutor, _overlaps, sample_ranges
 from runtime.stages import ModelInput, StageSplitError, ValueId, split_stages
+from runtime.tied import find_ties
 from whalelike.cluster import Emulation
 
 DIN, HIDDEN, CLASSES = 8, 16, 4
@@ -196,11 +197,11 @@ class _Tied(nn.Module):
         return torch.tanh(x @ self.w * self.scale) @ self.w.t() * self.scale
 
 
-def test_root_attributes_move_into_stages_and_tied_parameters_are_rejected():
+def test_root_attributes_move_into_stages_and_tied_parameters_are_found():
     gm = fx.symbolic_trace(_Tied())
     calls = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    with pytest.raises(StageSplitError, match=r"parameter '_w' is used by stage 0 and stage 1 \(tied weights\)"):
-        split_stages(gm, {n: int(i >= 3) for i, n in enumerate(calls)})
+    tied = split_stages(gm, {n: int(i >= 3) for i, n in enumerate(calls)})
+    assert [(tie.name, tie.stages) for tie, _ in find_ties(tied, names=gm)] == [("w", (0, 1))]
     split = split_stages(gm, dict.fromkeys(calls[:-1], 0) | {calls[-1]: 1})
     assert [n for n, _ in split.stages[0].module.named_parameters()] == ["_w"]
     assert [n for n, _ in split.stages[1].module.named_buffers()] == ["_scale"]   # buffers are copied
