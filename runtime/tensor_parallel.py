@@ -11,9 +11,10 @@ swaps every ``call_module`` ``nn.Linear`` in those regions for its parallel coun
   the rank; the pair costs one all-reduce forward and one backward.
 * **column + gather**: any other Linear. Its output is all-gathered (uneven, padded) so what
   follows sees the full tensor.
-* **class-sharded classifier**: a lone Linear whose output *is* the model output when the loss is
-  a plain cross-entropy. Its logits stay sharded and the returned :class:`ShardedLoss` computes the
-  cross-entropy from them, so no rank ever holds the full logits (Whale's 100k-class head).
+* **class-sharded classifier**: a lone Linear whose output is the model output, or one leaf of it
+  (in a ModelOutput, tuple or dict), when the loss is a plain cross-entropy of that leaf
+  (:mod:`runtime.sharded_loss`). Its logits stay sharded and the returned :class:`ShardedLoss`
+  computes the cross-entropy from them, so no rank ever holds the full logits (Whale's 100k-class head).
 
 Why a graph pass and not DTensor's ``parallelize_module``: the layouts here are uneven (DTensor
 cannot shard 24/8), and pairing is decided from the dataflow of the captured graph instead of a
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,10 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from runtime.emulation import Emulator
-from runtime.tp_layers import (ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear,
-                               _ParallelLinear, sharded_cross_entropy)
+from runtime.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
+from runtime.tp_layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear, _ParallelLinear
 from whalelike.errors import WhaleError
-from whalelike.losses import IGNORE_INDEX, token_cross_entropy
 from whalelike.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
@@ -50,20 +50,6 @@ _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropo
                         nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish)
 
 
-@dataclass(frozen=True)
-class ShardedLoss:
-    """Cross-entropy on class-sharded logits: call it as ``loss_fn(local_logits, target)``."""
-
-    shard_sizes: tuple[int, ...]
-    tp_index: int
-    group: ProcessGroup = field(default=None, compare=False)
-    ignore_index: int = -100
-
-    def __call__(self, local_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return sharded_cross_entropy(local_logits, target, self.shard_sizes, self.tp_index, self.group,
-                                     self.ignore_index)
-
-
 @dataclass
 class ShardedModule:
     """What :func:`shard_module` returns. ``roles`` maps each sharded module path to
@@ -73,18 +59,6 @@ class ShardedModule:
     module: fx.GraphModule
     roles: dict[str, str]
     sharded_loss: Optional[ShardedLoss] = None
-
-
-def plain_cross_entropy(loss_fn: Any) -> Optional[int]:
-    """The ``ignore_index`` if ``loss_fn`` is a plain mean cross-entropy over the last dimension of
-    the logits (``F.cross_entropy``, :func:`whalelike.token_cross_entropy`, or an
-    ``nn.CrossEntropyLoss`` without weights or label smoothing), else None."""
-    if loss_fn is F.cross_entropy or loss_fn is token_cross_entropy:
-        return IGNORE_INDEX
-    if (isinstance(loss_fn, nn.CrossEntropyLoss) and loss_fn.weight is None
-            and loss_fn.reduction == "mean" and loss_fn.label_smoothing == 0.0):
-        return loss_fn.ignore_index
-    return None
 
 
 # -- analysis: which Linear plays which role -------------------------------------------------------
@@ -158,7 +132,7 @@ class _Analysis:
                 queue.append(user)
         return (columns, rows) if rows else None
 
-    def run(self, classifier_ok: bool) -> None:
+    def run(self, classifier: Optional[fx.Node]) -> None:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
         for node in self.candidates:
             if node in self.assigned:
@@ -172,7 +146,7 @@ class _Analysis:
                 for r in rows:
                     self.assigned[r] = "row"
                     self.row_sizes[r] = sizes
-            elif classifier_ok and output.args[0] is node and list(node.users) == [output]:
+            elif node is classifier and list(node.users) == [output]:
                 self.assigned[node] = "classifier"
             else:
                 self.assigned[node] = "column+gather"
@@ -199,16 +173,19 @@ def original_module_paths(captured: fx.GraphModule, stage: fx.GraphModule) -> di
 def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],
                  shard_sizes: Mapping[str, Sequence[int]], tp_index: int, group: ProcessGroup = None,
                  loss_fn: Optional[Callable] = None, emulator: Optional[Emulator] = None,
-                 module_paths: Optional[Mapping[str, str]] = None) -> ShardedModule:
+                 module_paths: Optional[Mapping[str, str]] = None,
+                 output_layout: Optional[OutputLayout] = None) -> ShardedModule:
     """Replace the Linears of the ``split`` TaskGraphs of ``gm`` by uneven tensor-parallel ones, in place.
 
     ``node_taskgraph`` maps node names to TaskGraph indices (``TaskGraphs.node_taskgraph``),
     ``split_taskgraphs`` are the indices whose strategy is ``split`` (or ``replicate`` with an
     inner ``split``), ``shard_sizes`` is ``StagePlan.shard_sizes``, ``tp_index`` this rank's index in
     ``group``. Every rank of ``group`` must call this with the same arguments except ``tp_index``.
-    Pass ``loss_fn`` only where ``gm``'s output is the model's output (the last pipeline stage): a
-    plain cross-entropy there makes a lone Linear producing that output a class-sharded classifier,
-    and the caller must then use ``ShardedModule.sharded_loss`` instead of ``loss_fn``.
+    Pass ``loss_fn`` only where ``gm`` computes the model's output (the last pipeline stage): a
+    plain cross-entropy of a lone Linear's output there (:func:`runtime.sharded_loss.choose_classifier`)
+    makes that Linear a class-sharded classifier, and the caller must then use
+    ``ShardedModule.sharded_loss`` instead of ``loss_fn``. ``output_layout`` says how ``gm``'s
+    output makes the model output (default: it is the model output).
     ``module_paths`` maps a ``call_module`` target to the model's module path that keys
     ``shard_sizes`` and ``roles``, for graphs whose targets were renamed (``split_module`` turns
     ``mlp.fc1`` into ``mlp_fc1`` inside a stage); by default a target is its own path.
@@ -226,9 +203,9 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
             f"split region calls a Linear more than once ({sorted(p for p in set(paths) if paths.count(p) > 1)}); "
             "weight sharing inside a split region is not supported, move the shared module out of the split scope"
         )
-    ignore_index = plain_cross_entropy(loss_fn)
     analysis = _Analysis(gm, candidates, shard_sizes, dict(module_paths or {}))
-    analysis.run(classifier_ok=ignore_index is not None)
+    classifier = choose_classifier(gm, candidates, loss_fn, output_layout, analysis.path)
+    analysis.run(classifier.node if classifier is not None else None)
 
     sharded_loss = None
     for node, role in analysis.assigned.items():
@@ -240,7 +217,8 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
             layer = ColumnParallelLinear(linear, analysis.sizes(node), tp_index, group,
                                          gather_output=role == "column+gather", emulator=emulator, name=path)
         if role == "classifier":
-            sharded_loss = ShardedLoss(tuple(layer.shard_sizes), tp_index, group, ignore_index)
+            sharded_loss = ShardedLoss(tuple(layer.shard_sizes), tp_index, group, classifier.form.ignore_index,
+                                       classifier.form, loss_fn)
         parent, _, leaf = node.target.rpartition(".")
         setattr(gm.get_submodule(parent), leaf, layer)
     roles = {analysis.path(n): r for n, r in analysis.assigned.items()}
@@ -262,7 +240,8 @@ class StageSharding:
         return cls(dict(graphs.node_taskgraph), frozenset(split_taskgraphs(graphs)), group)
 
     def apply(self, stage: fx.GraphModule, captured: fx.GraphModule, shard_sizes: Mapping[str, Sequence[int]],
-              tp_index: int, loss_fn: Optional[Callable], emulator: Optional[Emulator]) -> ShardedModule:
+              tp_index: int, loss_fn: Optional[Callable], emulator: Optional[Emulator],
+              output_layout: Optional[OutputLayout] = None) -> ShardedModule:
         """Shard ``stage`` (a submodule ``split_module`` cut from ``captured``) in place.
 
         Every plan entry must find its Linear: a ``split`` region the runtime cannot shard would
@@ -270,7 +249,7 @@ class StageSharding:
         Linears are padded matmul by matmul (a stage-wide segment would span the collectives).
         """
         sharded = shard_module(stage, self.node_taskgraph, self.split_taskgraphs, shard_sizes, tp_index, self.group,
-                               loss_fn, emulator, original_module_paths(captured, stage))
+                               loss_fn, emulator, original_module_paths(captured, stage), output_layout)
         missing = sorted(set(shard_sizes) - set(sharded.roles))
         if missing:
             raise WhaleError(
