@@ -41,9 +41,13 @@ and their gradients are full on every member, so only ``tp_index`` 0 sends (see
 holding the same shard. Emulation pads such a stage matmul by matmul (segments must not span the
 tensor-parallel collectives); its other operators run unpadded.
 
+Tied parameters (one ``nn.Parameter`` used by several stages, GPT-2's embedding and head): after the
+backward and DDP's all-reduce, :class:`runtime.tied.TiedParameters` sums the stages' gradients over
+every rank holding a copy, so the copies stay identical (see that module).
+
 Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
-parameters shared by two stages are rejected (:mod:`runtime.stages`); model inputs and targets are
-tensors batched along dimension 0; only ``nn.Linear`` modules are sharded.
+model inputs and targets are tensors batched along dimension 0; only ``nn.Linear`` modules are
+sharded.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.sharded_loss import OutputLayout
 from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
+from runtime.tied import TiedParameters
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +190,8 @@ class PipelineExecutor:
             gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
             else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
         self._state_names = self._model_names(names if names is not None else graph_module)
+        # before sharding: creates the tied parameters' groups and makes their copies equal
+        self.tied = TiedParameters(self.split, plan, self.rank, self.group, names if names is not None else graph_module)
         # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
         self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
                                 torch.get_default_dtype())
@@ -192,6 +199,7 @@ class PipelineExecutor:
         # its collectives (see runtime.tp_layers)
         self._segments_per_stage = self.worker.tp_size == 1
         self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
+        self.tied.attach(self.stage.module)
         self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
@@ -210,7 +218,9 @@ class PipelineExecutor:
         """Forward and backward of every micro-batch of the global batch under the plan's schedule;
         adds the global-mean gradient to this stage's ``.grad`` (synchronised over the stage's
         data-parallel group) and returns the global-mean loss, the same on every rank."""
-        return self._run(self.schedule, inputs, targets, train=True)
+        loss = self._run(self.schedule, inputs, targets, train=True)
+        self.tied.sum_gradients()
+        return loss
 
     @torch.no_grad()
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
@@ -226,7 +236,7 @@ class PipelineExecutor:
         if self.worker.replica == 0 and self.worker.dp_index == 0:
             local = full_state_dict(self.stage.module)
             if self.worker.tp_index == 0:
-                mine = {self._state_names[k]: v.cpu() for k, v in local.items()}
+                mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
         gathered: list[dict] = [None] * self.plan.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         return {k: v for part in gathered for k, v in part.items()}
@@ -234,10 +244,11 @@ class PipelineExecutor:
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this stage's parameters and buffers (its shards of them) out of a full state dict."""
-        missing = sorted(n for n in self._state_names.values() if n not in state)
+        missing = sorted(ns[0] for ns in self._state_names.values() if not any(n in state for n in ns))
         if missing:
             raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
-        load_full_state_dict(self.stage.module, {k: state[n] for k, n in self._state_names.items()})
+        load_full_state_dict(self.stage.module,
+                             {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
 
     # -- one pass over a list of actions --------------------------------------------------------------
     def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
@@ -421,11 +432,15 @@ class PipelineExecutor:
     def _no_sync(self):
         return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
 
-    def _model_names(self, source: nn.Module) -> dict[str, str]:
+    def _model_names(self, source: nn.Module) -> dict[str, tuple[str, ...]]:
         """This stage's state-dict keys -> the model's names for the same tensors (taken before
-        sharding, which keeps the keys but replaces the tensors)."""
-        names = {id(t): n for n, t in [*source.named_parameters(remove_duplicate=False),
-                                        *source.named_buffers(remove_duplicate=False)]}
+        sharding, which keeps the keys but replaces the tensors). A tied parameter has several, and
+        the model's state dict holds it under each, so the full state dict does too."""
+        names: dict[int, tuple[str, ...]] = {}
+        for n, t in source.state_dict(keep_vars=True).items():
+            names[id(t)] = names.get(id(t), ()) + (n,)
+        for n, t in [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), (n,))
         out = {}
         for key, t in self.stage.module.state_dict(keep_vars=True).items():
             if id(t) not in names:
