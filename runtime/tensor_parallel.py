@@ -1,15 +1,16 @@
-"""The ``split`` transform: shard the Linears of a captured graph with the plan's uneven shard sizes.
+"""The ``split`` transform: shard the projections of a captured graph with the plan's uneven shard sizes.
 
 Given the captured ``fx.GraphModule``, which of its nodes belong to ``split`` TaskGraphs, and
 ``StagePlan.shard_sizes`` (module path -> size per tensor-parallel rank), :func:`shard_module`
-swaps every ``call_module`` ``nn.Linear`` in those regions for its parallel counterpart from
-:mod:`runtime.tp_layers`:
+swaps every ``call_module`` projection (``nn.Linear``, GPT-2 ``Conv1D``) in those regions for its
+parallel counterpart from :mod:`runtime.tp_layers`:
 
-* **column + row pair** (Megatron): a Linear whose output reaches another Linear of the region
-  through elementwise operators only (activations, dropout, arithmetic with scalars, products with
-  other column-sharded Linears as in SwiGLU) and nowhere else. The sharded activations never leave
-  the rank; the pair costs one all-reduce forward and one backward.
-* **column + gather**: any other Linear. Its output is all-gathered (uneven, padded) so what
+* **shard groups** (Megatron): whole attention blocks by heads and MLPs (gated ones included) by
+  features, as :func:`whalelike.sharding.analyse_blocks` finds them in the dataflow: column
+  projections, the operators between them localised to this rank's heads
+  (:mod:`runtime.block_sharding`), row projections. The sharded activations never leave the rank;
+  a group costs one all-reduce forward and one backward.
+* **column + gather**: any other projection. Its output is all-gathered (uneven, padded) so what
   follows sees the full tensor.
 * **class-sharded classifier**: a lone Linear whose output is the model output, or one leaf of it
   (in a ModelOutput, tuple or dict), when the loss is a plain cross-entropy of that leaf
@@ -23,31 +24,22 @@ hand-written per-model plan.
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
+from runtime.block_sharding import group_layout, shard_groups
 from runtime.emulation import Emulator
 from runtime.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
 from runtime.tp_layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear, _ParallelLinear
 from whalelike.errors import WhaleError
+from whalelike.sharding import analyse_blocks, projection_dims
 from whalelike.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
-
-_ELEMENTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.relu, torch.tanh, torch.sigmoid,
-    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, F.leaky_relu, F.elu, F.mish, F.hardswish,
-}
-_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "relu", "tanh", "sigmoid", "__add__", "__mul__"}
-_ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity,
-                        nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish)
 
 
 @dataclass
@@ -59,97 +51,6 @@ class ShardedModule:
     module: fx.GraphModule
     roles: dict[str, str]
     sharded_loss: Optional[ShardedLoss] = None
-
-
-# -- analysis: which Linear plays which role -------------------------------------------------------
-def _is_elementwise(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _ELEMENTWISE_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), _ELEMENTWISE_MODULES)
-    return False
-
-
-class _Analysis:
-    """Decides the role of every candidate Linear (``call_module`` nn.Linear in a split region)."""
-
-    def __init__(self, gm: fx.GraphModule, candidates: list[fx.Node], shard_sizes: Mapping[str, Sequence[int]],
-                 module_paths: dict[str, str]):
-        self.gm = gm
-        self.candidates = candidates
-        self.is_candidate = set(candidates)
-        self.shard_sizes = shard_sizes
-        self.module_paths = module_paths
-        self.assigned: dict[fx.Node, str] = {}
-        self.row_sizes: dict[fx.Node, list[int]] = {}
-
-    def linear(self, node: fx.Node) -> nn.Linear:
-        return self.gm.get_submodule(node.target)
-
-    def path(self, node: fx.Node) -> str:
-        return self.module_paths.get(node.target, node.target)
-
-    def sizes(self, node: fx.Node) -> list[int]:
-        path = self.path(node)
-        if path not in self.shard_sizes:
-            raise WhaleError(
-                f"split region: Linear {path!r} has no entry in the plan's shard_sizes "
-                f"(entries: {sorted(self.shard_sizes)}); re-plan with the current capture of the model"
-            )
-        return list(self.shard_sizes[path])
-
-    def free_column(self, node: fx.Node, sizes: list[int]) -> bool:
-        return (node in self.is_candidate and node not in self.assigned
-                and self.linear(node).out_features == sum(sizes) and self.sizes(node) == sizes)
-
-    def pair_group(self, seed: fx.Node) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
-        """Column Linears and row Linears of the Megatron group seeded at ``seed``, or None when the
-        sharded activations would escape to a consumer that needs the full tensor."""
-        sizes = self.sizes(seed)
-        columns, rows, closure, queue = [seed], [], {seed}, [seed]
-        while queue:
-            node = queue.pop()
-            for user in node.users:
-                if user in closure or user in rows:
-                    continue
-                if (user in self.is_candidate and user not in self.assigned and user.args[0] is node
-                        and len(user.all_input_nodes) == 1 and self.linear(user).in_features == sum(sizes)):
-                    rows.append(user)
-                    continue
-                if not _is_elementwise(self.gm, user):
-                    return None
-                for arg in user.all_input_nodes:
-                    if arg in closure:
-                        continue
-                    if not self.free_column(arg, sizes):
-                        return None
-                    columns.append(arg)
-                    closure.add(arg)
-                    queue.append(arg)
-                closure.add(user)
-                queue.append(user)
-        return (columns, rows) if rows else None
-
-    def run(self, classifier: Optional[fx.Node]) -> None:
-        output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        for node in self.candidates:
-            if node in self.assigned:
-                continue
-            group = self.pair_group(node)
-            if group is not None:
-                columns, rows = group
-                sizes = self.sizes(node)
-                for c in columns:
-                    self.assigned[c] = "column"
-                for r in rows:
-                    self.assigned[r] = "row"
-                    self.row_sizes[r] = sizes
-            elif node is classifier and list(node.users) == [output]:
-                self.assigned[node] = "classifier"
-            else:
-                self.assigned[node] = "column+gather"
 
 
 # -- the transform ---------------------------------------------------------------------------------
@@ -192,36 +93,47 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     Only the graph's own (leaf) Linear modules are replaced; the user's model is not modified.
     """
     splits = set(split_taskgraphs)
-    candidates = [
-        n for n in gm.graph.nodes
-        if n.op == "call_module" and node_taskgraph.get(n.name) in splits
-        and isinstance(gm.get_submodule(n.target), nn.Linear)
-    ]
+    names = dict(module_paths or {})
+
+    def path_of(node: fx.Node) -> str:
+        return names.get(node.target, node.target)
+
+    region = {n.name for n in gm.graph.nodes if node_taskgraph.get(n.name) in splits}
+    candidates = [n for n in gm.graph.nodes if n.name in region and n.op == "call_module"
+                  and projection_dims(gm.get_submodule(n.target)) is not None]
     paths = [n.target for n in candidates]
     if len(set(paths)) != len(paths):
         raise WhaleError(
             f"split region calls a Linear more than once ({sorted(p for p in set(paths) if paths.count(p) > 1)}); "
             "weight sharing inside a split region is not supported, move the shared module out of the split scope"
         )
-    analysis = _Analysis(gm, candidates, shard_sizes, dict(module_paths or {}))
-    classifier = choose_classifier(gm, candidates, loss_fn, output_layout, analysis.path)
-    analysis.run(classifier.node if classifier is not None else None)
+    analysis = analyse_blocks(gm, region)
+    layouts = {i: group_layout(g, shard_sizes, path_of, gm) for i, g in enumerate(analysis.groups)}
+    classifier = choose_classifier(gm, analysis.lone, loss_fn, output_layout, path_of)
 
     sharded_loss = None
-    for node, role in analysis.assigned.items():
-        path = analysis.path(node)
-        linear = analysis.linear(node)
-        if role == "row":
-            layer = RowParallelLinear(linear, analysis.row_sizes[node], tp_index, group, emulator, name=path)
-        else:
-            layer = ColumnParallelLinear(linear, analysis.sizes(node), tp_index, group,
-                                         gather_output=role == "column+gather", emulator=emulator, name=path)
+    roles = {}
+    for node in analysis.lone:
+        path = path_of(node)
+        if path not in shard_sizes:
+            raise WhaleError(
+                f"split region: projection {path!r} has no entry in the plan's shard_sizes "
+                f"(entries: {sorted(shard_sizes)}); re-plan with the current capture of the model"
+            )
+        role = "classifier" if classifier is not None and node is classifier.node else "column+gather"
+        layer = ColumnParallelLinear(gm.get_submodule(node.target), shard_sizes[path], tp_index, group,
+                                     gather_output=role == "column+gather", emulator=emulator, name=path)
         if role == "classifier":
             sharded_loss = ShardedLoss(tuple(layer.shard_sizes), tp_index, group, classifier.form.ignore_index,
                                        classifier.form, loss_fn)
         parent, _, leaf = node.target.rpartition(".")
-        setattr(gm.get_submodule(parent), leaf, layer)
-    roles = {analysis.path(n): r for n, r in analysis.assigned.items()}
+        setattr(gm.get_submodule(parent) if parent else gm, leaf, layer)
+        roles[path] = role
+    roles.update(shard_groups(gm, analysis, layouts, tp_index, group, emulator, path_of))
+    for name, reason in analysis.fallbacks.items():
+        node = next((n for n in candidates if n.name == name), None)
+        if node is not None and roles.get(path_of(node)) == "column+gather":
+            log.info("split: %s is not sharded with a group (%s); its output is gathered", path_of(node), reason)
     log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
     return ShardedModule(gm, roles, sharded_loss)
 

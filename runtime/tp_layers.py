@@ -12,9 +12,10 @@ The pieces (Megatron-LM, Shoeybi et al. 2019; Whale's class-sharded classifier):
   :func:`reduce_from_region` (all-reduce forward, identity backward), :func:`gather_from_region`
   (uneven all-gather of the last dimension forward, own slice backward);
 * :class:`ColumnParallelLinear` (output features sharded) and :class:`RowParallelLinear` (input
-  features sharded), built from an existing ``nn.Linear`` by copying this rank's slice, so a
-  column-row pair costs one all-reduce in forward and one in backward and is exact against the
-  unsharded pair;
+  features sharded), built from an existing ``nn.Linear`` or GPT-2 ``Conv1D`` by copying this
+  rank's slice, so a column-row pair costs one all-reduce in forward and one in backward and is
+  exact against the unsharded pair; a fused column projection (GPT-2's ``c_attn``) holds the
+  rank's slice of each of its parts (q, k, v heads);
 * :func:`sharded_cross_entropy`: softmax cross-entropy over class-sharded logits that never
   materialises the full logits on any rank (two small all-reduces over the batch, no gradient
   communication).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from runtime.emulation import Emulator
 from whalelike.errors import WhaleError
+from whalelike.sharding import projection_dims
 
 log = logging.getLogger(__name__)
 
@@ -204,25 +206,36 @@ def _check_shards(what: str, shard_sizes: Sequence[int], full: int, tp_index: in
 
 
 class _ParallelLinear(nn.Module):
-    """What column and row parallel Linears share: the shard layout, the group and the emulator.
+    """What column and row parallel projections share: the shard layout, the group and the emulator.
 
-    ``weight``/``bias`` keep ``nn.Linear``'s names so state-dict keys match the unsharded model.
+    The projection is an ``nn.Linear`` (``weight`` is ``[out, in]``) or GPT-2's ``Conv1D``
+    (``weight`` is ``[in, out]``, ``y = x @ W + b``); ``weight``/``bias`` keep the module's names
+    and orientation so state-dict keys and shapes match the unsharded model. ``pieces`` > 1 (column
+    only) is a fused projection whose output is ``pieces`` equal parts (GPT-2's ``c_attn``: q, k, v):
+    this rank holds its slice of *each* part, ``shard_sizes[i] / pieces`` features of every one.
     """
 
-    shard_dim: int  # the weight dimension that is sharded: 0 (output features) or 1 (input features)
+    column: bool  # True: output features sharded; False: input features sharded
 
-    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int,
-                 group: ProcessGroup, emulator: Optional[Emulator], name: str):
+    def __init__(self, linear: nn.Module, shard_sizes: Sequence[int], tp_index: int,
+                 group: ProcessGroup, emulator: Optional[Emulator], name: str, pieces: int = 1):
         super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise WhaleError(f"{name}: expected an nn.Linear to shard, got {type(linear).__name__}")
-        full = linear.weight.shape[self.shard_dim]
-        self.shard_sizes = _check_shards(name, shard_sizes, full, tp_index, group)
+        dims = projection_dims(linear)
+        if dims is None:
+            raise WhaleError(f"{name}: expected an nn.Linear or a GPT-2 Conv1D to shard, got {type(linear).__name__}")
+        self.in_features, self.out_features = dims
+        self.transposed = not isinstance(linear, nn.Linear)  # Conv1D keeps its weight as [in, out]
+        self.shard_dim = (1 if self.transposed else 0) if self.column else (0 if self.transposed else 1)
+        self.shard_sizes = _check_shards(name, shard_sizes, linear.weight.shape[self.shard_dim], tp_index, group)
+        if pieces < 1 or (pieces > 1 and (not self.column or any(n % pieces for n in self.shard_sizes)
+                                          or self.out_features % pieces)):
+            raise WhaleError(f"{name}: a fused projection of {pieces} parts needs column shards divisible by "
+                             f"{pieces}, got shard_sizes={self.shard_sizes} of {self.out_features} features")
+        self.pieces = pieces
         self.tp_index = tp_index
         self.group = group
         self.emulator = emulator
         self.name = name
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(self.shard_of("weight", linear.weight.detach()),
                                    requires_grad=linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(
@@ -236,14 +249,22 @@ class _ParallelLinear(nn.Module):
         """The dimension of ``param`` ("weight" or "bias") that is sharded, or None if replicated."""
         if param == "weight":
             return self.shard_dim
-        return 0 if self.shard_dim == 0 else None
+        return 0 if self.column else None
+
+    def _piece_sizes(self) -> list[int]:
+        return [n // self.pieces for n in self.shard_sizes]
 
     def shard_of(self, param: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full ``param`` (also used to load a full state dict)."""
         dim = self.sharded_dim(param)
         if dim is None:
             return full.clone()
-        return full.narrow(dim, self.own.start, self.shard_sizes[self.tp_index]).clone()
+        if self.pieces == 1:
+            return full.narrow(dim, self.own.start, self.shard_sizes[self.tp_index]).clone()
+        part = full.shape[dim] // self.pieces
+        own = shard_range(self._piece_sizes(), self.tp_index)
+        return torch.cat([full.narrow(dim, p * part + own.start, own.stop - own.start)
+                          for p in range(self.pieces)], dim).clone()
 
     def full_tensors(self) -> dict[str, torch.Tensor]:
         """The unsharded ``weight``/``bias``: a collective over the group (every rank must call it)."""
@@ -253,12 +274,25 @@ class _ParallelLinear(nn.Module):
                 continue
             dim = self.sharded_dim(param)
             value = value.detach()
-            out[param] = value.clone() if dim is None else all_gather_uneven(value, self.shard_sizes, dim, self.group)
+            if dim is None:
+                out[param] = value.clone()
+            elif self.pieces == 1:
+                out[param] = all_gather_uneven(value, self.shard_sizes, dim, self.group)
+            else:
+                sizes = self._piece_sizes()
+                out[param] = torch.cat([all_gather_uneven(part, sizes, dim, self.group)
+                                        for part in value.split(sizes[self.tp_index], dim)], dim)
         return out
 
+    def local(self, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        """This rank's matmul (an emulation segment when emulating)."""
+        weight = self.weight.t() if self.transposed else self.weight
+        return local_linear(x, weight, self.bias if bias else None, self.emulator)
+
     def extra_repr(self) -> str:
+        fused = f", pieces={self.pieces}" if self.pieces > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"shard_sizes={self.shard_sizes}, tp_index={self.tp_index}")
+                f"shard_sizes={self.shard_sizes}, tp_index={self.tp_index}{fused}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -269,15 +303,18 @@ class ColumnParallelLinear(_ParallelLinear):
     :class:`RowParallelLinear` or for :func:`sharded_cross_entropy` (the class-sharded classifier).
     """
 
-    shard_dim = 0
+    column = True
 
-    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
-                 gather_output: bool = True, emulator: Optional[Emulator] = None, name: str = "ColumnParallelLinear"):
-        super().__init__(linear, shard_sizes, tp_index, group, emulator, name)
+    def __init__(self, linear: nn.Module, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
+                 gather_output: bool = True, emulator: Optional[Emulator] = None, name: str = "ColumnParallelLinear",
+                 pieces: int = 1):
+        super().__init__(linear, shard_sizes, tp_index, group, emulator, name, pieces)
+        if gather_output and pieces > 1:
+            raise WhaleError(f"{name}: a fused projection's output cannot be gathered as one tensor; it feeds its group")
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = local_linear(copy_to_region(x, self.group), self.weight, self.bias, self.emulator)
+        y = self.local(copy_to_region(x, self.group), bias=True)
         return gather_from_region(y, self.shard_sizes, self.tp_index, self.group) if self.gather_output else y
 
 
@@ -286,9 +323,9 @@ class RowParallelLinear(_ParallelLinear):
     :class:`ColumnParallelLinear` with the same ``shard_sizes``. One all-reduce forward; the
     replicated bias is added once, after it."""
 
-    shard_dim = 1
+    column = False
 
-    def __init__(self, linear: nn.Linear, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
+    def __init__(self, linear: nn.Module, shard_sizes: Sequence[int], tp_index: int, group: ProcessGroup = None,
                  emulator: Optional[Emulator] = None, name: str = "RowParallelLinear"):
         super().__init__(linear, shard_sizes, tp_index, group, emulator, name)
 
@@ -298,7 +335,7 @@ class RowParallelLinear(_ParallelLinear):
                 f"{self.name}: tensor-parallel rank {self.tp_index} expects its input shard of "
                 f"{self.shard_sizes[self.tp_index]} features (shard_sizes={self.shard_sizes}), got {x.shape[-1]}"
             )
-        y = reduce_from_region(local_linear(x, self.weight, None, self.emulator), self.group)
+        y = reduce_from_region(self.local(x, bias=False), self.group)
         return y if self.bias is None else y + self.bias
 
 

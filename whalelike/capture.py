@@ -24,6 +24,7 @@ from .config import OPTIMIZERS
 from .costs import NodeCosts, measure
 from .errors import CaptureError
 from .regions import Regions, assign_regions
+from .sharding import shardable_fields
 from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 from .tracing import placeholder_values, trace
 
@@ -106,7 +107,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             param_count=sum(l.param_count for l in mine),
             optimizer_state_bytes=factor * trainable,
             activation_bytes_per_sample=sum(l.activation_bytes_per_sample for l in mine),
-            shardable=_shardable(gm, regions, t, strategy),
+            **shardable_fields(gm, regions.node_taskgraph, t, strategy, costs, batch),
         ))
     return TaskGraphs(
         graphs=graphs, layers=layers, boundaries=_boundaries(gm, regions, costs, batch), optimizer=optimizer,
@@ -177,15 +178,3 @@ def _boundaries(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: i
                 batched = len(s.shape) > 0 and s.shape[0] == batch
                 crossing[(src, dst)].append(TensorSpec(name, s.shape[1:] if batched else s.shape, s.dtype, batched))
     return [Boundary(src, dst, tuple(specs)) for (src, dst), specs in sorted(crossing.items())]
-
-
-def _shardable(gm: fx.GraphModule, regions: Regions, index: int, strategy) -> dict[str, int]:
-    """For a TaskGraph with a ``split``: each ``nn.Linear`` it calls -> its output features."""
-    if strategy.kind != "split" and strategy.inner is None:
-        return {}
-    return {
-        n.target: gm.get_submodule(n.target).out_features
-        for n in gm.graph.nodes
-        if n.op == "call_module" and regions.node_taskgraph.get(n.name) == index
-        and isinstance(gm.get_submodule(n.target), nn.Linear)
-    }

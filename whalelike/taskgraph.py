@@ -18,6 +18,7 @@ import networkx as nx
 
 from .display import format_table, human_bytes, human_count, human_flops
 from .errors import SpecError
+from .shard_groups import ShardGroup
 from .strategy import Strategy
 
 
@@ -77,9 +78,12 @@ class Layer:
 class TaskGraph:
     """One annotated region. FLOPs and activation bytes are per sample; bytes are exact.
 
-    ``shardable`` maps the module path of every operator a ``split`` strategy shards to the size of
-    its sharded dimension (Linear output features, or classes of a classifier), so the planner can
-    pick uneven shard sizes.
+    ``shardable`` maps the module path of every projection a ``split`` strategy shards to the size
+    of its sharded dimension (output features of a column projection or classifier, input features
+    of a row projection), so the planner can pick uneven shard sizes; ``shard_groups`` says which of
+    them are cut together and into which units (attention heads, MLP features; see
+    :mod:`whalelike.shard_groups`). A TaskGraph with ``shardable`` but no ``shard_groups`` (made by
+    hand) shards each entry on its own and all of its work.
     """
 
     index: int
@@ -93,6 +97,7 @@ class TaskGraph:
     optimizer_state_bytes: int
     activation_bytes_per_sample: float
     shardable: dict[str, int] = field(default_factory=dict)
+    shard_groups: tuple[ShardGroup, ...] = ()
 
 
 @dataclass
@@ -139,7 +144,7 @@ class TaskGraphs:
         saved plan can check it is applied to the model it was made for."""
         payload = {
             "graphs": [[str(g.strategy), list(g.module_paths), list(g.layers), g.param_count,
-                        sorted(g.shardable.items())] for g in self.graphs],
+                        sorted(g.shardable.items()), [sg.structure() for sg in g.shard_groups]] for g in self.graphs],
             "layers": [[l.name, l.taskgraph, l.param_count] for l in self.layers],
             "boundaries": [[b.src, b.dst, [[list(t.shape), t.dtype, t.batched] for t in b.tensors]]
                            for b in self.boundaries],
@@ -153,7 +158,8 @@ class TaskGraphs:
             "optimizer": self.optimizer,
             "example_batch_size": self.example_batch_size,
             "fingerprint": self.fingerprint,
-            "graphs": [{**dataclasses.asdict(g), "strategy": _strategy_to_dict(g.strategy)} for g in self.graphs],
+            "graphs": [{**dataclasses.asdict(g), "strategy": _strategy_to_dict(g.strategy),
+                        "shard_groups": [sg.to_dict() for sg in g.shard_groups]} for g in self.graphs],
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "boundaries": [dataclasses.asdict(b) for b in self.boundaries],
             "node_taskgraph": self.node_taskgraph,
@@ -165,7 +171,9 @@ class TaskGraphs:
         try:
             graphs = [TaskGraph(**{**g, "strategy": _strategy_from_dict(g["strategy"]),
                                    "module_paths": tuple(g["module_paths"]), "layers": tuple(g["layers"]),
-                                   "shardable": dict(g["shardable"])}) for g in data["graphs"]]
+                                   "shardable": dict(g["shardable"]),
+                                   "shard_groups": tuple(ShardGroup.from_dict(sg) for sg in g.get("shard_groups", ()))})
+                      for g in data["graphs"]]
             layers = [Layer(**{**l, "nodes": tuple(l["nodes"])}) for l in data["layers"]]
             boundaries = [Boundary(b["src"], b["dst"], tuple(
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
