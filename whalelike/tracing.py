@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .cleanup import remove_asserts_and_dead_code
 from .errors import CaptureError
 from .leaves import is_conv1d, restore_leaves
+from .output_tree import flatten_output, is_foreign_tree, rebuild_output
 from .strategy import current_scope
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,12 @@ class _ScopeTracer(fx.Tracer):
         node.meta["wl_scope"] = current_scope()
         return node
 
+    def create_arg(self, a: Any) -> Any:
+        if is_foreign_tree(a):  # a returned ModelOutput: flat leaves now, its type back in _trace_fx
+            self.output_tree = flatten_output(a, super().create_arg)
+            return self.output_tree[0]
+        return super().create_arg(a)
+
 
 def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     tracer = _ScopeTracer()
@@ -80,6 +87,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
+    rebuild_output(gm, *getattr(tracer, "output_tree", (None, None)))
     return gm
 
 
