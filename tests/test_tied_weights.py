@@ -9,6 +9,8 @@ One 4-rank gloo spawn. A small language model whose output projection *is* its i
 * ``3-stages``: the tie spans stages 0 and 2; stage 1's rank holds no copy;
 * ``split-head``: the head is a class-sharded ``split`` Linear (shards 75%/25%), whose weight
   rows are slices of the embedding matrix held whole by stage 0;
+* ``split-one-stage``: one stage, ``split`` inside ``replicate`` (shares 13:3): each rank holds
+  the embedding whole and the head's rows sharded, two copies of one parameter on one rank;
 * ``gpt2``: ``GPT2LMHeadModel`` annotated ``transformer.h.0-1`` / ``transformer.h.2-3``.
 
 Each trains 3 steps with SGD (momentum) and AdamW in float64 from the same initial weights on the
@@ -40,10 +42,28 @@ from whalelike.cluster import Cluster
 
 VOCAB, DIM, POSITIONS = 32, 16, 6
 GLOBAL_BATCH, MICRO_BATCHES, STEPS = 16, 2, 3
+
+
+class _Nested:
+    """``with _Nested(a, b)`` is ``with a, b``: the scope of ``split`` inside ``replicate``."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        self.outer.__exit__(*exc)
+
+
 LAYOUTS = {  # scopes of (wte, h0), h1, lm_head; None joins the scope before it
     "2-stages": (wl.replicate(2), wl.replicate(2), None),
     "3-stages": (wl.replicate(2), wl.replicate(1), wl.replicate(1)),
     "split-head": (wl.replicate(2), None, wl.split(2)),
+    "split-one-stage": (_Nested(wl.replicate(2), wl.split(2)), None, None),
 }
 GPT2 = "gpt2"
 
@@ -57,6 +77,8 @@ class TiedLM(nn.Module):
             self.h0 = nn.Linear(DIM, DIM)
             if middle is None:
                 self.h1 = nn.Linear(DIM, DIM)
+            if middle is None and last is None:
+                self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         if middle is not None:
             with middle:
                 self.h1 = nn.Linear(DIM, DIM)
@@ -170,6 +192,7 @@ def test_tied_weights_across_stages_match_single_process_reference():
     assert len(set(stage0)) > 1, stage0
     assert len(plans["3-stages"].stages) == 3
     assert any(w.tp_size == 2 for w in plans["split-head"].workers)
+    assert len(plans["split-one-stage"].stages) == 1 and plans["split-one-stage"].workers[0].tp_size == 2
     results = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=400)
     for label, losses in results[0].items():
         assert len(losses) == STEPS
