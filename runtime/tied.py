@@ -37,7 +37,7 @@ the slice it holds of ``sum over stages of that stage's gradient``: what the sin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -68,15 +68,24 @@ class Tie:
 
 @dataclass
 class _Copy:
-    """A tensor on this rank holding ``full[index]`` along ``dim`` (``dim`` None: the whole tensor)."""
+    """A tensor on this rank holding entries of the full tied value: ``full.reshape(-1)[index]``
+    (``index`` shaped like the copy), or all of it when ``index`` is None."""
 
     param: nn.Parameter
-    dim: Optional[int] = None
-    index: slice = field(default_factory=lambda: slice(None))
-    sharded: bool = False
+    index: Optional[torch.Tensor] = None
 
-    def view(self, full: torch.Tensor) -> torch.Tensor:
-        return full if self.dim is None else full.narrow(self.dim, self.index.start, self.index.stop - self.index.start)
+    @property
+    def sharded(self) -> bool:
+        return self.index is not None
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.index is None else full.reshape(-1)[self.index]
+
+    def add_into(self, full: torch.Tensor, value: torch.Tensor) -> None:
+        if self.index is None:
+            full.add_(value)
+        else:
+            full.view(-1).index_add_(0, self.index.reshape(-1), value.reshape(-1))
 
 
 def find_ties(split: PipelineSplit, tensor_parallel_stages: set[int] = frozenset(),
@@ -115,7 +124,7 @@ class TiedParameters:
     Construct it on every rank of the plan, in the same order relative to other group creations,
     after the stage split and *before* sharding (it creates the process groups, a collective over
     the whole world, and broadcasts the initial values); call :meth:`attach` after sharding and
-    :meth:`sum_gradients` after every backward pass of a step.
+    :meth:`sum_gradients` once per step, after its last backward (and DDP's all-reduce).
     """
 
     def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: Optional[dist.ProcessGroup],
@@ -171,10 +180,10 @@ class TiedParameters:
         self._copies = [[_copies_of(tie, original, self._places[id(original)], stage_module, self.worker)
                          for tie, original in held] for _, _, held in self._groups]
 
-    def held(self) -> list[tuple[Tie, list[tuple[Optional[int], slice, nn.Parameter]]]]:
-        """This rank's copies of each tied parameter it holds: ``(dim, index, tensor)``, the tensor
-        being ``full.narrow(dim, index.start, ...)`` of the tied value (``dim`` None: all of it)."""
-        return [(tie, [(c.dim, c.index, c.param) for c in copies])
+    def held(self) -> list[tuple[Tie, list[tuple[Optional[torch.Tensor], nn.Parameter]]]]:
+        """This rank's copies of each tied parameter it holds: ``(index, tensor)``, the tensor being
+        ``full.reshape(-1)[index]`` of the tied value (``index`` None: all of it)."""
+        return [(tie, [(c.index, c.param) for c in copies])
                 for (_, _, held), per_tie in zip(self._groups, self._copies)
                 for (tie, _), copies in zip(held, per_tie)]
 
@@ -188,7 +197,7 @@ class TiedParameters:
                 full = torch.zeros_like(original)
                 for copy in copies:
                     if contributes and copy.param.grad is not None and (copy.sharded or self.worker.tp_index == 0):
-                        copy.view(full).add_(copy.param.grad)
+                        copy.add_into(full, copy.param.grad)
                 fulls.append(full)
             flat = torch.cat([f.reshape(-1) for f in fulls])
             if pg is not None:
@@ -198,7 +207,7 @@ class TiedParameters:
                 full = flat[offset: offset + full.numel()].view_as(full)
                 offset += full.numel()
                 for copy in copies:
-                    value = copy.view(full)
+                    value = copy.take(full)
                     if copy.param.grad is None:
                         copy.param.grad = value.clone()
                     else:
@@ -221,8 +230,10 @@ def _copies_of(tie: Tie, original: nn.Parameter, places: list[tuple[str, str]], 
         if p is original:
             copies[id(p)] = _Copy(p)
         elif isinstance(module, _ParallelLinear) and isinstance(p, nn.Parameter):
-            dim = module.sharded_dim(attr)
-            copies[id(p)] = _Copy(p) if dim is None else _Copy(p, dim, module.own, sharded=True)
+            # where each local entry sits in the full tensor: the layer's own slicing of the positions
+            positions = torch.arange(original.numel(), device=original.device).view_as(original)
+            index = module.shard_of(attr, positions)
+            copies[id(p)] = _Copy(p) if module.sharded_dim(attr) is None else _Copy(p, index)
         else:
             raise TiedParameterError(
                 f"parameter {tie.name!r} is tied across stages {list(tie.stages)}, but on stage {worker.stage} "

@@ -123,7 +123,7 @@ def _cluster() -> Cluster:
 
 def _check_copies_identical(engine: Engine, label: str) -> None:
     """Every rank's copy (whole or a slice) of every tied parameter has the same bits."""
-    mine = {tie.name: [(dim, index, p.detach().clone()) for dim, index, p in copies]
+    mine = {tie.name: [(index, p.detach().clone()) for index, p in copies]
             for tie, copies in engine.executor.tied.held()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -131,10 +131,10 @@ def _check_copies_identical(engine: Engine, label: str) -> None:
     assert names, f"{label}: no rank holds a tied parameter"
     for name in names:
         copies = [c for part in gathered for c in part.get(name, [])]
-        full = next(t for dim, _, t in copies if dim is None)
+        full = next(t for index, t in copies if index is None)
         assert len(copies) >= 2, f"{label}: {name} has {len(copies)} copy"
-        for dim, index, t in copies:
-            expected = full if dim is None else full.narrow(dim, index.start, index.stop - index.start)
+        for index, t in copies:
+            expected = full if index is None else full.reshape(-1)[index]
             assert torch.equal(t, expected), f"{label}: a copy of {name} differs from the others"
 
 
