@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.display import human_bytes
+from whalelike.shard_groups import WHAT_SPLIT_SHARDS
 from whalelike.taskgraph import TaskGraphs
 
 from .assemble import Decisions, build_plan, predict, with_predictions
@@ -190,19 +191,32 @@ def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool) 
     for s, layers in enumerate(stage_layers):
         cost = StageCost.of_layers(graphs, layers)
         in_flight = max_in_flight(schedule[s])
-        shardable = {p: d for t in sorted({graphs.layers[i].taskgraph for i in layers})
-                     for p, d in graphs[t].shardable.items()}
+        owners = [graphs[t] for t in sorted({graphs.layers[i].taskgraph for i in layers})]
+        shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
+        groups = tuple(g for tg in owners for g in tg.shard_groups)
         tp = layout.shapes[s].tp
+        if tp > 1 and not shardable:
+            raise _nothing_to_shard(owners)
         if not aware:
-            shards = even_layout(shardable, tp)
+            shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
-            shards = _aware_shards(layout, s, cost, in_flight, shardable, expected)
+            shards = _aware_shards(layout, s, cost, in_flight, shardable, groups, expected)
         out.append(_Stage(s, cost, in_flight, shards))
     return out
 
 
-def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, samples: int) -> ShardLayout:
+def _nothing_to_shard(owners) -> PlanError:
+    paths = ", ".join(p for tg in owners for p in tg.module_paths) or "no modules"
+    strategies = ", ".join(sorted({str(tg.strategy) for tg in owners}))
+    return PlanError(
+        f"{strategies} over {paths}: nothing in this region can be sharded, so every tensor-parallel device "
+        f"would run all of it; split shards {WHAT_SPLIT_SHARDS}. Put split around such modules, or use "
+        "replicate for this region"
+    )
+
+
+def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, shard_groups, samples: int) -> ShardLayout:
     """Shards proportional to the summed speed at each tensor-parallel index, capped so that each
     device holds its shard with ``samples`` samples in flight, or failing that its weights alone
     (the batch balancer then finds out how many samples fit)."""
@@ -213,7 +227,7 @@ def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, samples
         need = max(cost.memory_bytes(n, in_flight), 1.0)
         max_fractions = [min(g[t].memory_gib * GIB / need for g in groups) for t in range(tp)]
         try:
-            return shard_layout(shardable, speeds, max_fractions)
+            return shard_layout(shardable, speeds, max_fractions, shard_groups, cost.flops_per_sample)
         except DoesNotFit:
             continue
     raise _memory_error(layout, s, cost, in_flight, groups, None, samples=0)

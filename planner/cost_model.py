@@ -19,9 +19,11 @@ all-gather: ``(n-1)/n * bytes / bw + (n-1) * latency``.
 Memory. A worker holds its shard of the parameters, gradients (same size as the parameters) and
 optimizer state, plus, per micro-batch in flight under the pipeline schedule, the activations saved
 for backward and the boundary buffers (the received input and the output it sends).
-Under ``split`` every term scales with the worker's shard fraction (Megatron-style sharding
-shards the weights and the activations between a Linear pair; the small replicated parts, e.g.
-layer norms, are ignored).
+Under ``split`` every term scales with the worker's shard fraction
+(:class:`~planner.tensor_parallel.ShardLayout`): its share of the sharded work (Megatron-style
+sharding shards the weights and the activations of a block's projections and of the attention
+between them) plus, whole, the part of the stage nothing shards (layer norms, embeddings,
+residual adds), measured by FLOPs, so unsharded work is never predicted to speed up.
 """
 from __future__ import annotations
 

@@ -210,6 +210,33 @@ def _check_model(plan: Plan, graphs) -> None:
                 raise PlanError(
                     f"plan.stages[{st.index}].shard_sizes[{path!r}] sums to {sum(sizes)}, the dimension is {dims[path]}"
                 )
+        for group in (g for t in st.taskgraphs for g in graphs[t].shard_groups):
+            _check_group(st, group)
+
+
+def _check_group(st, group) -> None:
+    """Members of a shard group need whole units (heads), the same number per rank."""
+    where = f"plan.stages[{st.index}].shard_sizes"
+    agreed = None
+    for member in group.members:
+        sizes = st.shard_sizes.get(member.path)
+        if sizes is None:
+            if member.role == "column":
+                raise PlanError(f"{where} has no entry for {member.path!r}, a column of the {group.describe()}")
+            continue
+        units = group.units_of(member.path, sizes)
+        if units is None:
+            unit = "heads" if group.kind == "attention" else "units"
+            raise PlanError(
+                f"{where}[{member.path!r}] = {sizes} are not whole {unit} of the {group.describe()}: each "
+                f"size must be a multiple of {member.per_unit}"
+            )
+        if agreed is not None and units != agreed[1]:
+            raise PlanError(
+                f"{where}: {member.path!r} holds {units} units per rank but {agreed[0]!r} holds {agreed[1]}; "
+                f"every member of the {group.describe()} needs the same units per rank"
+            )
+        agreed = agreed or (member.path, units)
 
 
 def _check_cluster(plan: Plan, cluster) -> None:

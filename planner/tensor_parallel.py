@@ -4,21 +4,31 @@ Whale balances tensor parallelism by sharding unevenly: a device twice as fast h
 columns. ``torch.distributed.tensor`` (DTensor) only shards evenly, so the sizes are computed
 here and the runtime builds its sharded Linears from them.
 
-Every sharded dimension (``TaskGraph.shardable``: Linear output features, classifier classes) is
-split into granules of 8 when the dimension is a multiple of 8 with at least 8 per device (tensor
-cores and vectorised kernels want aligned sizes), else into single elements; each device gets at
-least one granule, shares are proportional to speed, and the memory cap of each device bounds its
-share (Whale Algorithm 1 on granules, see :mod:`planner.data_parallel`). A stage uses one layout
-for all its tensor-parallel groups, because data-parallel replicas of a shard must have identical
-shapes to all-reduce their gradients.
+What is cut is a shard group (``TaskGraph.shard_groups``, :mod:`whalelike.shard_groups`): an
+attention block into heads (grouped-query attention: key/value heads with their query heads), an
+MLP or a lone projection into features. Every member of a group gets the same units per device, so
+q/k/v/o (or gate/up/down, or GPT-2's fused ``c_attn``) line up. Feature units are cut in granules
+of 8 when the dimension is a multiple of 8 with at least 8 per device (tensor cores and vectorised
+kernels want aligned sizes), heads one by one; each device gets at least one granule, shares are
+proportional to speed, and the memory cap of each device bounds its share (Whale Algorithm 1 on
+granules, see :mod:`planner.data_parallel`). A stage uses one layout for all its tensor-parallel
+groups, because data-parallel replicas of a shard must have identical shapes to all-reduce their
+gradients.
+
+The resulting per-device *fraction* of the stage (its compute time and memory) counts only the
+sharded work as divided: whatever a ``split`` region leaves unsharded (layer norms, embeddings,
+residual adds) runs whole on every device, so it is never predicted to speed up.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
+
+from whalelike.shard_groups import ShardGroup, ShardMember
 
 from .data_parallel import DoesNotFit, Slot, balanced_shares
+from .plan import PlanError
 
 GRANULE = 8
 _VIRTUAL_UNITS = 1024   # resolution of the shard fractions of a stage with no shardable dimension
@@ -27,7 +37,8 @@ _VIRTUAL_UNITS = 1024   # resolution of the shard fractions of a stage with no s
 @dataclass(frozen=True)
 class ShardLayout:
     """Shard sizes per module path (one entry per tensor-parallel index) and the resulting share
-    of the stage's work and memory per index."""
+    of the stage's work and memory per index (shares sum to more than 1 when part of the stage is
+    replicated: every rank runs that part whole)."""
 
     shard_sizes: dict[str, list[int]]
     fractions: list[float]
@@ -37,13 +48,14 @@ def granularity(dim: int, parts: int) -> int:
     return GRANULE if dim % GRANULE == 0 and dim // GRANULE >= parts else 1
 
 
-def split_dimension(dim: int, speeds: Sequence[float], max_fractions: Sequence[float]) -> list[int]:
+def split_dimension(dim: int, speeds: Sequence[float], max_fractions: Sequence[float],
+                    granule: Optional[int] = None) -> list[int]:
     """Sizes of ``dim`` per device, proportional to ``speeds``, each at most ``max_fractions[i]``
-    of ``dim`` (memory), each at least one granule, summing exactly to ``dim``."""
+    of ``dim`` (memory), each at least one granule (default :func:`granularity`), summing exactly to ``dim``."""
     parts = len(speeds)
     if dim < parts:
         raise ValueError(f"a dimension of size {dim} cannot be split over {parts} devices")
-    g = granularity(dim, parts)
+    g = granularity(dim, parts) if granule is None else granule
     units = dim // g
     slots = [Slot(s, math.floor(f * units)) for s, f in zip(speeds, max_fractions)]
     if any(s.cap < 1 for s in slots):
@@ -52,23 +64,60 @@ def split_dimension(dim: int, speeds: Sequence[float], max_fractions: Sequence[f
     return [n * g for n in shares]
 
 
-def shard_layout(shardable: dict[str, int], speeds: Sequence[float], max_fractions: Sequence[float]) -> ShardLayout:
-    """Uneven shards of every dimension in ``shardable`` over devices of relative ``speeds``.
+def groups_of(shardable: dict[str, int], groups: Sequence[ShardGroup] = ()) -> list[ShardGroup]:
+    """``groups``, or for a TaskGraph made without them one group per ``shardable`` entry."""
+    if groups:
+        return list(groups)
+    return [ShardGroup(dim, (ShardMember(path, "column", 1),), "lone") for path, dim in shardable.items()]
 
-    ``max_fractions[i]`` is the largest share of the stage device ``i`` can hold in memory.
+
+def split_group(group: ShardGroup, speeds: Sequence[float], max_fractions: Sequence[float]) -> list[int]:
+    """Units of ``group`` per device. Attention heads (and any unit wider than one feature) are cut
+    one by one; feature units in granules of 8 where they allow it."""
+    if group.units < len(speeds):
+        raise PlanError(
+            f"split over {len(speeds)} devices: the {group.describe()} cannot give every device a unit; "
+            f"use split({group.units}) or fewer devices for this region"
+        )
+    features = all(m.per_unit == 1 for m in group.members)
+    return split_dimension(group.units, speeds, max_fractions, None if features else 1)
+
+
+def shard_layout(shardable: dict[str, int], speeds: Sequence[float], max_fractions: Sequence[float],
+                 groups: Sequence[ShardGroup] = (), stage_flops: float = 0.0) -> ShardLayout:
+    """Uneven shards of every group (or every dimension in ``shardable``) over devices of relative ``speeds``.
+
+    ``max_fractions[i]`` is the largest share of the stage device ``i`` can hold in memory. Every
+    member of a group gets the same units per device (whole heads for q/k/v/o). ``stage_flops``:
+    the stage's FLOPs per sample; the part of it no group shards (``ShardGroup.flops_per_sample``)
+    runs whole on every device, so it counts fully in every device's fraction. Without group FLOPs
+    (hand-made TaskGraphs) all of the stage counts as sharded.
     Raises :class:`~planner.data_parallel.DoesNotFit` when the devices cannot hold the stage.
     """
-    if sum(max_fractions) < 1:
+    parts = len(speeds)
+    chosen = groups_of(shardable, groups)
+    sharded = sum(g.flops_per_sample for g in chosen)
+    replicated = 1.0 - min(sharded / stage_flops, 1.0) if stage_flops > 0 and sharded > 0 else 0.0
+    # a device's fraction is replicated + (1 - replicated) * its share of the units: cap the share
+    max_fractions = [(f - replicated) / (1.0 - replicated) if replicated < 1.0 else 1.0 for f in max_fractions]
+    if sum(max_fractions) < 1 or min(max_fractions) <= 0:
         raise DoesNotFit(1, 0)
-    sizes = {path: split_dimension(dim, speeds, max_fractions) for path, dim in shardable.items()}
-    if sizes:
-        total = sum(shardable.values())
-        fractions = [sum(s[i] for s in sizes.values()) / total for i in range(len(speeds))]
-    else:
-        fractions = [n / _VIRTUAL_UNITS for n in split_dimension(_VIRTUAL_UNITS, speeds, max_fractions)]
-    return ShardLayout(sizes, fractions)
+    if not chosen:
+        return ShardLayout({}, [n / _VIRTUAL_UNITS for n in split_dimension(_VIRTUAL_UNITS, speeds, max_fractions)])
+    sizes: dict[str, list[int]] = {}
+    weights, shares = [], []
+    for group in chosen:
+        units = split_group(group, speeds, max_fractions)
+        sizes.update(group.sizes(units))
+        weights.append(group.flops_per_sample if group.flops_per_sample > 0
+                       else sum(group.dim(m) for m in group.members))
+        shares.append([n / group.units for n in units])
+    total = sum(weights)
+    local = [sum(w * share[i] for w, share in zip(weights, shares)) / total for i in range(parts)]
+    return ShardLayout(sizes, [replicated + (1.0 - replicated) * f for f in local])
 
 
-def even_layout(shardable: dict[str, int], parts: int) -> ShardLayout:
+def even_layout(shardable: dict[str, int], parts: int, groups: Sequence[ShardGroup] = (),
+                stage_flops: float = 0.0) -> ShardLayout:
     """The capacity-blind layout: equal shards (the naive plan)."""
-    return shard_layout(shardable, [1.0] * parts, [1.0] * parts)
+    return shard_layout(shardable, [1.0] * parts, [1.0] * parts, groups, stage_flops)

@@ -36,7 +36,7 @@ from runtime.emulation import Emulator
 from runtime.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
 from runtime.tp_layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear, _ParallelLinear
 from whalelike.errors import WhaleError
-from whalelike.sharding import analyse_blocks, projection_dims
+from whalelike.sharding import analyse_blocks, projection_dims, taskgraph_of
 from whalelike.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     def path_of(node: fx.Node) -> str:
         return names.get(node.target, node.target)
 
-    region = {n.name for n in gm.graph.nodes if node_taskgraph.get(n.name) in splits}
+    region = {n.name for n in gm.graph.nodes if taskgraph_of(n, node_taskgraph) in splits}
     candidates = [n for n in gm.graph.nodes if n.name in region and n.op == "call_module"
                   and projection_dims(gm.get_submodule(n.target)) is not None]
     paths = [n.target for n in candidates]

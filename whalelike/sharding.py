@@ -55,6 +55,7 @@ from .shard_groups import ShardGroup, ShardMember
 
 aten = torch.ops.aten
 SHAPES_META = "wl_shapes"   # node.meta key: the full (unsharded) shapes of a node's tensor outputs
+TASKGRAPH_META = "wl_taskgraph"  # node.meta key: the TaskGraph index (node names change when stages are cut)
 
 
 # -- projections ------------------------------------------------------------------------------------
@@ -183,13 +184,21 @@ def _shape(node: Any) -> Optional[tuple]:
     return shapes[0] if shapes and len(shapes) == 1 else None
 
 
-def stamp_shapes(gm: fx.GraphModule, outputs: Mapping[str, Iterable]) -> None:
-    """Record each node's full output shapes (``NodeCosts.outputs``: ``ValueSpec`` per tensor) in
-    ``node.meta``, where the analysis and, after ``split_module`` copied the nodes, the runtime find them."""
+def stamp_nodes(gm: fx.GraphModule, outputs: Mapping[str, Iterable], node_taskgraph: Mapping[str, int]) -> None:
+    """Record each node's full output shapes (``NodeCosts.outputs``: ``ValueSpec`` per tensor) and
+    TaskGraph in ``node.meta``, where the analysis and the runtime find them again on the stage
+    graphs cut from ``gm`` (which copy the meta but may rename the nodes)."""
     for node in gm.graph.nodes:
         specs = outputs.get(node.name)
         if specs is not None:
             node.meta[SHAPES_META] = [tuple(s.shape) for s in specs]
+        if node.name in node_taskgraph:
+            node.meta[TASKGRAPH_META] = node_taskgraph[node.name]
+
+
+def taskgraph_of(node: fx.Node, node_taskgraph: Mapping[str, int]) -> Optional[int]:
+    """The TaskGraph of ``node`` of a captured graph or of a stage cut from it."""
+    return node.meta.get(TASKGRAPH_META, node_taskgraph.get(node.name))
 
 
 # -- the propagation --------------------------------------------------------------------------------
@@ -639,7 +648,7 @@ def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], inde
     if strategy.kind != "split" and strategy.inner is None:
         return {"shardable": {}, "shard_groups": ()}
     if costs is not None and not any(SHAPES_META in n.meta for n in gm.graph.nodes):
-        stamp_shapes(gm, costs.outputs)
+        stamp_nodes(gm, costs.outputs, node_taskgraph)
     region = [name for name, t in node_taskgraph.items() if t == index]
     analysis = analyse_blocks(gm, region)
 

@@ -1,0 +1,137 @@
+"""``split`` over whole transformer blocks of real Hugging Face models, exact against a single process.
+
+GPT-2 (fused ``c_attn`` Conv1D), BERT, ViT and a Llama-style decoder (grouped-query attention with
+8 query and 4 key/value heads, SwiGLU, rotary embeddings) each get ``split(2)`` over two of their
+blocks, planned for devices of speeds 3 and 1: attention 3 heads to 1 (Llama: 3 key/value heads
+with their 6 query heads to 1 with 2), MLP features 3 to 1. Two gloo ranks (one spawn for all
+models) train the model under ``runtime.Engine`` for 3 steps with SGD and AdamW in float64, and the
+losses and the gathered final parameters must match the single-process reference.
+
+The plan has one stage holding every TaskGraph: the replicated embeddings and outer blocks run
+whole on both ranks (same samples), the split blocks sharded between them.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.testing import assert_close
+
+import whalelike as wl
+from dist_utils import run_ranks
+from hf_models import TRANSFORMERS, RealModel, lm_loss
+from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.tensor_parallel import shard_layout
+from reference import OPTIMIZERS, train_reference
+from runtime import Engine
+from runtime.tp_layers import _ParallelLinear
+from whalelike.cluster import Cluster, Device, Network
+
+SPEEDS = [3.0, 1.0]
+BATCH, STEPS = 4, 3
+
+
+def llama_gqa() -> RealModel:
+    """Llama-style with 8 query / 4 key-value heads (head_dim 8), so the heads split unevenly (3:1 kv heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         intermediate_size=128, vocab_size=256, use_cache=False, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    real = TRANSFORMERS["llama"]()
+    return RealModel("llama-gqa", LlamaForCausalLM(config), real.make_batch, lm_loss, {}, real.blocks)
+
+
+MODELS = {"gpt2": TRANSFORMERS["gpt2"], "bert": TRANSFORMERS["bert"], "vit": TRANSFORMERS["vit"], "llama": llama_gqa}
+
+
+def build(name: str) -> RealModel:
+    torch.manual_seed(0)
+    real = MODELS[name]()
+    real.model.to(torch.float64)
+    wl.annotate(real.model, {real.blocks: wl.split(2)})
+    return real
+
+
+def batches(real: RealModel, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        inputs, targets = real.make_batch(BATCH, g)
+        out.append((tuple(x.to(torch.float64) if x.is_floating_point() else x for x in inputs), targets))
+    return out
+
+
+def make_plan(real: RealModel) -> Plan:
+    (example, _), = batches(real, 0)[:1]
+    graphs = wl.capture(real.model, example)
+    split = next(tg for tg in graphs if tg.strategy.kind == "split")
+    layout = shard_layout(split.shardable, SPEEDS, [1.0, 1.0], split.shard_groups)
+    stage = StagePlan(0, [tg.index for tg in graphs], [layer.index for layer in graphs.layers], "split(2)",
+                      layout.shard_sizes)
+    plan = Plan(model_fingerprint=graphs.fingerprint, cluster="test-2", global_batch_size=BATCH, num_micro_batch=1,
+                schedule="1f1b", solver="greedy", stages=[stage],
+                workers=[Worker(r, f"emu-{r}", "localhost", 0, 0, 0, r, 2, micro_batch_sizes=[BATCH]) for r in range(2)],
+                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    return plan
+
+
+CLUSTER = Cluster("test-2", tuple(Device(f"emu-{i}", "emu", "localhost", peak_tflops=1.0, memory_gib=4) for i in range(2)),
+                  Network(2.0, 2.0, 50.0), None)
+
+
+def _check(name: str, opt: str, plan: Plan) -> dict:
+    real = build(name)
+    data = batches(real, 1)
+    losses, final = train_reference(real.model, data, OPTIMIZERS[opt], real.loss_fn)
+    engine = Engine(copy.deepcopy(real.model), plan, optimizer=OPTIMIZERS[opt], loss_fn=real.loss_fn,
+                    cluster=CLUSTER, timeout_s=120)
+    for step, batch in enumerate(data):
+        assert_close(engine.train_step(batch), losses[step], msg=f"{name}/{opt}: loss of step {step}")
+    state = engine.state_dict()
+    assert state.keys() == final.keys(), f"{name}: {sorted(set(state) ^ set(final))}"
+    for key, value in final.items():
+        assert_close(state[key], value, msg=f"{name}/{opt}: final {key}")
+    stage = engine.executor.stage.module
+    return {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
+            for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    return {(name, opt): _check(name, opt, plan) for name in MODELS
+            for plan in [make_plan(build(name))] for opt in OPTIMIZERS}
+
+
+def _layers(result: dict, suffix: str) -> tuple:
+    (match,) = [v for k, v in result.items() if k.endswith(suffix)]
+    return match
+
+
+def test_transformer_blocks_split_unevenly_match_single_process():
+    results = run_ranks(_ranks, 2, init_process_group=False, timeout_s=600)
+    for opt in OPTIMIZERS:
+        for rank, heads, features in ((0, 3, 96), (1, 1, 32)):
+            got = results[rank]
+            # BERT: q/k/v column, output dense row, by 16-wide heads; MLP by features
+            bert = got["bert", opt]
+            assert _layers(bert, "layer_1_attention_self_query") == ("ColumnParallelLinear", (16 * heads, 64), 1)
+            assert _layers(bert, "layer_1_attention_output_dense") == ("RowParallelLinear", (64, 16 * heads), 1)
+            assert _layers(bert, "layer_2_intermediate_dense") == ("ColumnParallelLinear", (features, 64), 1)
+            assert _layers(bert, "layer_2_output_dense") == ("RowParallelLinear", (64, features), 1)
+            vit = got["vit", opt]
+            assert _layers(vit, "layers_1_attention_v_proj") == ("ColumnParallelLinear", (16 * heads, 64), 1)
+            assert _layers(vit, "layers_2_mlp_fc2") == ("RowParallelLinear", (64, features), 1)
+            # GPT-2: Conv1D weights are [in, out]; c_attn holds its heads of q, k and v (3 pieces)
+            gpt2 = got["gpt2", opt]
+            assert _layers(gpt2, "h_1_attn_c_attn") == ("ColumnParallelLinear", (64, 3 * 16 * heads), 3)
+            assert _layers(gpt2, "h_1_attn_c_proj") == ("RowParallelLinear", (16 * heads, 64), 1)
+            assert _layers(gpt2, "h_2_mlp_c_fc") == ("ColumnParallelLinear", (64, 2 * features), 1)
+            # Llama: key/value heads 3:1 with their query heads 6:2 (head_dim 8), SwiGLU by features
+            llama = got["llama", opt]
+            assert _layers(llama, "layers_1_self_attn_q_proj") == ("ColumnParallelLinear", (2 * 8 * heads, 64), 1)
+            assert _layers(llama, "layers_1_self_attn_k_proj") == ("ColumnParallelLinear", (8 * heads, 64), 1)
+            assert _layers(llama, "layers_1_self_attn_o_proj") == ("RowParallelLinear", (64, 2 * 8 * heads), 1)
+            assert _layers(llama, "layers_2_mlp_gate_proj") == ("ColumnParallelLinear", (features, 64), 1)
+            assert _layers(llama, "layers_2_mlp_down_proj") == ("RowParallelLinear", (64, features), 1)
+            # nothing outside the split blocks is sharded
+            assert not any("layer_0" in k or "layers_0" in k or "h_0" in k or "layer_3" in k or "layers_3" in k
+                           for model in got.values() for k in model)
