@@ -1,11 +1,13 @@
-"""Losses whalelike recognises, so a ``split`` classifier can keep its logits class-sharded.
+"""Losses for ``split`` classifiers whose logits stay class-sharded.
 
-To whalelike a loss is an opaque ``loss_fn(outputs, targets)``. Where the model's output is the
-logits of a ``split`` Linear and the loss is a plain softmax cross-entropy, the runtime computes the
-loss from each rank's class shard and never gathers the full logits (Whale's 100k-class head).
-``F.cross_entropy`` and ``nn.CrossEntropyLoss`` (no weights, no label smoothing) are recognised for
-``[batch, classes]`` logits; language models, whose logits are ``[batch, positions, vocab]``, use
-:func:`token_cross_entropy`, which any other wrapper would hide from the runtime.
+To whalelike a loss is a ``loss_fn(outputs, targets)``. Where a ``split`` Linear's logits are the
+model output, or one leaf of it (``.logits`` of a ModelOutput, a tuple or dict item), and the loss
+is a plain softmax cross-entropy of them, the runtime computes it from each rank's class shard and
+never gathers the full logits (Whale's 100k-class head). ``runtime.sharded_loss`` finds that out by
+tracing ``loss_fn``: ``F.cross_entropy`` or ``nn.CrossEntropyLoss`` (no weights, no label
+smoothing, mean reduction) called in a lambda or function on logits that are only reshaped
+(``view(-1, V)``, ``reshape``, ``flatten(0, 1)``) are all recognised. :func:`token_cross_entropy`
+is that loss for ``[batch, positions, vocab]`` logits, ready-made.
 """
 from __future__ import annotations
 
