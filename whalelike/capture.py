@@ -4,7 +4,9 @@ The pipeline, one module per step:
 
 1. :mod:`whalelike.tracing` turns the model into one flat ``fx.GraphModule`` (torch.fx, else
    torch.export) whose nodes know their module path and forward-time scope;
-2. :mod:`whalelike.regions` assigns every node a TaskGraph and a Layer;
+2. :mod:`whalelike.regions` assigns every node a TaskGraph and a Layer, and
+   :mod:`whalelike.recompute` copies values derived only from constants (position ids, masks,
+   rotary tables) into each TaskGraph that uses them;
 3. :mod:`whalelike.costs` measures FLOPs, saved activations and value shapes on meta tensors;
 4. this module sums those per Layer and per TaskGraph, attributes parameters (each shared parameter
    once, to the first Layer that uses it), and finds the tensors crossing TaskGraph boundaries.
@@ -20,9 +22,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from .batchnorm import training_batchnorms
 from .config import OPTIMIZERS
 from .costs import NodeCosts, measure
 from .errors import CaptureError
+from .recompute import recompute_constants
 from .regions import Regions, assign_regions
 from .sharding import shardable_fields
 from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
@@ -54,6 +58,7 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
 
     gm, method = trace(model, args, kwargs)
     regions = assign_regions(gm, model)
+    recompute_constants(gm, regions)
     costs = measure(gm, placeholder_values(gm, method, model, args, kwargs), regions.node_taskgraph)
     unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
     if unattributed:
@@ -75,6 +80,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
         if node.name in regions.node_layer:
             layer_nodes[regions.node_layer[node.name]].append(node)
     params = _parameter_owners(gm, regions)
+    batchnorms = training_batchnorms(gm)
     cuts = _cut_bytes(gm, regions, costs, batch)
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
 
@@ -91,6 +97,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             activation_bytes_per_sample=sum(costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
             cut_bytes_per_sample=cuts[i],
             nodes=tuple(n.name for n in nodes),
+            batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
         ))
 
     graphs = []
