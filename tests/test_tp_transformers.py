@@ -2,8 +2,9 @@
 
 GPT-2 (fused ``c_attn`` Conv1D), BERT, ViT and a Llama-style decoder (grouped-query attention with
 8 query and 4 key/value heads, SwiGLU, rotary embeddings) each get ``split(2)`` over two of their
-blocks, planned for devices of speeds 3 and 1: attention 3 heads to 1 (Llama: 3 key/value heads
-with their 6 query heads to 1 with 2), MLP features 3 to 1. Two gloo ranks (one spawn for all
+blocks, and a block captured with torch.fx (not torch.export) over one, planned for devices of
+speeds 3 and 1: attention 3 heads to 1 (Llama: 3 key/value heads with their 6 query heads to 1
+with 2), MLP features 3 to 1. Two gloo ranks (one spawn for all
 models) train the model under ``runtime.Engine`` for 3 steps with SGD and AdamW in float64, and the
 losses and the gathered final parameters must match the single-process reference.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 import whalelike as wl
@@ -41,7 +43,21 @@ def llama_gqa() -> RealModel:
     return RealModel("llama-gqa", LlamaForCausalLM(config), real.make_batch, lm_loss, {}, real.blocks)
 
 
-MODELS = {"gpt2": TRANSFORMERS["gpt2"], "bert": TRANSFORMERS["bert"], "vit": TRANSFORMERS["vit"], "llama": llama_gqa}
+def fx_block() -> RealModel:
+    """A block torch.fx traces (call_method views with literal head counts, matmul attention, SwiGLU)."""
+    from test_tp_blocks import FxNet
+
+    def make_batch(batch: int, gen: torch.Generator):
+        return (torch.randn(batch, 6, 5, generator=gen),), torch.randint(0, 3, (batch, 6), generator=gen)
+
+    def loss_fn(out, targets):
+        return F.cross_entropy(out.reshape(-1, 3), targets.reshape(-1))
+
+    return RealModel("fx-block", FxNet(), make_batch, loss_fn, {}, "block")
+
+
+MODELS = {"gpt2": TRANSFORMERS["gpt2"], "bert": TRANSFORMERS["bert"], "vit": TRANSFORMERS["vit"], "llama": llama_gqa,
+          "fx-block": fx_block}
 
 
 def build(name: str) -> RealModel:
@@ -132,6 +148,11 @@ def test_transformer_blocks_split_unevenly_match_single_process():
             assert _layers(llama, "layers_1_self_attn_o_proj") == ("RowParallelLinear", (64, 2 * 8 * heads), 1)
             assert _layers(llama, "layers_2_mlp_gate_proj") == ("ColumnParallelLinear", (features, 64), 1)
             assert _layers(llama, "layers_2_mlp_down_proj") == ("RowParallelLinear", (64, features), 1)
+            # torch.fx graph: literal head counts in call_method views, explicit matmul attention
+            fx = got["fx-block", opt]
+            assert _layers(fx, "block_q") == ("ColumnParallelLinear", (8 * heads, 32), 1)
+            assert _layers(fx, "block_o") == ("RowParallelLinear", (32, 8 * heads), 1)
+            assert _layers(fx, "block_down") == ("RowParallelLinear", (32, features // 2), 1)
             # nothing outside the split blocks is sharded
             assert not any("layer_0" in k or "layers_0" in k or "h_0" in k or "layer_3" in k or "layers_3" in k
                            for model in got.values() for k in model)
