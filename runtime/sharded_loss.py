@@ -263,7 +263,7 @@ class Classifier:
     form: CrossEntropyForm
 
 
-_logged: set[tuple[int, str]] = set()
+_logged: set = set()
 
 
 def choose_classifier(gm: fx.GraphModule, candidates: Sequence[fx.Node], loss_fn: Optional[Callable],
@@ -286,19 +286,20 @@ def choose_classifier(gm: fx.GraphModule, candidates: Sequence[fx.Node], loss_fn
     try:
         form = recognise_cross_entropy(loss_fn, layout.spec)
     except UnrecognisedLoss as e:
-        _log_once(loss_fn, f"split head {names} gathers its logits: loss_fn {_name(loss_fn)} is not a plain "
-                           f"cross-entropy of them ({e})")
+        _log_once(f"split head {names} gathers its logits: loss_fn {_name(loss_fn)} is not a plain "
+                  f"cross-entropy of them ({e})")
         return None
     node = layout.sources[form.leaf]
     if node not in heads:
-        _log_once(loss_fn, f"split head {names} gathers its logits: loss_fn {_name(loss_fn)} takes the "
-                           f"cross-entropy of output leaf {form.leaf}, which is not a split head's output")
+        _log_once(f"split head {names} gathers its logits: loss_fn {_name(loss_fn)} takes the "
+                  f"cross-entropy of output leaf {form.leaf}, which is not a split head's output")
         return None
     return Classifier(node, form)
 
 
-def _log_once(loss_fn: Callable, message: str) -> None:
-    key = (id(loss_fn), message)
+def _log_once(message: str, key: Any = None) -> None:
+    """Log ``message`` at INFO the first time it (or anything under ``key``) is said."""
+    key = message if key is None else key
     if key not in _logged:
         _logged.add(key)
         log.info(message)
@@ -345,8 +346,8 @@ class ShardedLoss:
         try:
             rows, target = self.form.cross_entropy_args(leaves, targets, sum(self.shard_sizes))
         except UnrecognisedLoss as e:
-            _log_once(self.loss_fn, f"loss_fn {_name(self.loss_fn)}: gathering the class-sharded logits for "
-                                    f"this call because {e}")
+            _log_once(f"loss_fn {_name(self.loss_fn)}: gathering the class-sharded logits because {e} "
+                      "(said once)", key=id(self))
             local = leaves[self.form.leaf]
             leaves[self.form.leaf] = gather_from_region(local, self.shard_sizes, self.tp_index, self.group)
             return self.loss_fn(tree_unflatten(leaves, spec), targets)
