@@ -83,6 +83,7 @@ def _copy_into(gm: fx.GraphModule, regions: Regions, value: fx.Node, first: fx.N
         for node in order:
             copy = gm.graph.node_copy(node, lambda a: mapping.get(a, a))
             mapping[node] = copy
+            derived.add(copy)   # a later copy of a user of ``value`` must copy this copy too
             regions.node_taskgraph[copy.name] = taskgraph
             regions.node_layer[copy.name] = layer
     for user in users:

@@ -60,7 +60,8 @@ class Layer:
     """The unit of pipeline partitioning: the graph nodes of one module (or one run of
     un-annotated code) in execution order. ``cut_bytes_per_sample`` is what a stage boundary placed
     right after this layer would have to send (every live value produced at or before it and used
-    after it)."""
+    after it). ``batchnorm``: the BatchNorm modules the layer runs in training mode
+    (:mod:`whalelike.batchnorm`)."""
 
     index: int
     name: str
@@ -72,6 +73,7 @@ class Layer:
     activation_bytes_per_sample: float
     cut_bytes_per_sample: float
     nodes: tuple[str, ...] = ()
+    batchnorm: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,15 @@ class TaskGraphs:
     def fingerprint(self) -> str:
         """sha256 of the model's structure: strategies, module paths, parameter counts, layer names,
         boundary shapes. Stable across runs and processes (no ids, no node names, no costs), so a
-        saved plan can check it is applied to the model it was made for."""
+        saved plan can check it is applied to the model it was made for. Floating-point dtypes count
+        as one kind: a plan made from the float32 model runs the same model cast with ``.double()``
+        or ``.bfloat16()`` (the plan's byte counts then scale with the element size; its shares
+        and shards stay valid)."""
         payload = {
             "graphs": [[str(g.strategy), list(g.module_paths), list(g.layers), g.param_count,
                         sorted(g.shardable.items()), [sg.structure() for sg in g.shard_groups]] for g in self.graphs],
             "layers": [[l.name, l.taskgraph, l.param_count] for l in self.layers],
-            "boundaries": [[b.src, b.dst, [[list(t.shape), t.dtype, t.batched] for t in b.tensors]]
+            "boundaries": [[b.src, b.dst, [[list(t.shape), _dtype_kind(t.dtype), t.batched] for t in b.tensors]]
                            for b in self.boundaries],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -174,7 +179,8 @@ class TaskGraphs:
                                    "shardable": dict(g["shardable"]),
                                    "shard_groups": tuple(ShardGroup.from_dict(sg) for sg in g.get("shard_groups", ()))})
                       for g in data["graphs"]]
-            layers = [Layer(**{**l, "nodes": tuple(l["nodes"])}) for l in data["layers"]]
+            layers = [Layer(**{**l, "nodes": tuple(l["nodes"]), "batchnorm": tuple(l.get("batchnorm", ()))})
+                      for l in data["layers"]]
             boundaries = [Boundary(b["src"], b["dst"], tuple(
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
                 for b in data["boundaries"]]
@@ -249,3 +255,12 @@ def abbreviate_paths(paths, width: int = 60) -> str:
             return ", ".join(shown) + f" (+{len(names) - k})"
         shown.append(n)
     return text
+
+
+def _dtype_kind(dtype: str) -> str:
+    """``"floating"`` for every floating-point dtype name, else the name itself (integer and bool
+    tensors, such as token ids and masks, keep their exact dtype)."""
+    return "floating" if dtype in _FLOATING else dtype
+
+
+_FLOATING = {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "half", "float", "double"}
