@@ -37,6 +37,7 @@ from whalelike.shard_groups import WHAT_SPLIT_SHARDS
 from whalelike.taskgraph import TaskGraphs
 
 from .assemble import Decisions, build_plan, predict, with_predictions
+from .batchnorm import log_batchnorm_warnings
 from .cost_model import GIB, StageCost, device_tflops
 from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
 from .plan import Plan, PlanError, Prediction
@@ -62,6 +63,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     prediction, result = _best_aware_plan(graphs, cluster, config)
     result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
     result.validate(graphs=graphs, cluster=cluster)
+    log_batchnorm_warnings(result)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result

@@ -22,6 +22,7 @@ from whalelike.config import Config
 from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import GIB, CommModel, StageCost, compute_ms
+from .batchnorm import stage_batchnorms
 from .plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
 from .simulator import simulate
 from .tensor_parallel import ShardLayout
@@ -55,6 +56,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             layers=list(layers),
             strategy=layout.shapes[s].label,
             shard_sizes={p: list(v) for p, v in dec.shards[s].shard_sizes.items()},
+            batchnorm=stage_batchnorms(graphs, layers),
         )
         for s, layers in enumerate(dec.stage_layers)
     ]
@@ -79,6 +81,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         prediction=zero,
         naive_prediction=zero,
         optimality_gap=dec.optimality_gap,
+        sync_batchnorm=config.sync_batchnorm,
     )
 
 

@@ -69,6 +69,7 @@ class StagePlan:
     layers: list[int]              # contiguous layer indices
     strategy: str                  # e.g. "replicate(2)" or "replicate(2)+split(2)"
     shard_sizes: dict[str, list[int]] = field(default_factory=dict)  # module path -> size per tp_index
+    batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.batchnorm)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Plan:
     prediction: Prediction
     naive_prediction: Prediction
     optimality_gap: Optional[float] = None
+    sync_batchnorm: bool = False   # BatchNorm statistics over each stage's data-parallel group (runtime.batchnorm)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -220,6 +222,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise PlanError(f"{where}: expected a mapping, got {value!r}")
         key, item = typing.get_args(tp)
         return {_convert(key, k, f"{where} key"): _convert(item, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise PlanError(f"{where}: expected true or false, got {value!r}")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise PlanError(f"{where}: expected a number, got {value!r}")

@@ -5,6 +5,7 @@ from itertools import groupby
 
 from whalelike.display import format_table
 
+from .batchnorm import batchnorm_warnings
 from .plan import Plan, Worker
 
 
@@ -41,6 +42,7 @@ def plan_summary(plan: Plan) -> str:
         f"naive plan (capacity-blind)  {n.step_time_ms:.2f} ms, bubble {n.bubble_fraction:.1%}, "
         f"throughput {n.throughput:.1f} samples/s",
         f"predicted speed-up over naive: {speedup:.2f}x",
+        *(f"warning: {line}" for line in batchnorm_warnings(plan)),
     ]
     return "\n".join(lines)
 

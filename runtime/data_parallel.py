@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
+from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, proportional_split, slice_batch
 from runtime.emulation import Emulator
 from runtime.groups import RankGroup
@@ -143,6 +144,10 @@ class DataParallelExecutor:
             raise ValueError(f"plan: the data-parallel shares {self.shares} of ranks {list(group.ranks)} sum to "
                              f"{sum(self.shares)}, not global_batch_size={plan.global_batch_size}")
         self.module = module
+        self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
+        if self.sync_batchnorm:
+            check_equal_micro_batches([len(by_rank[r].micro_batch_sizes) for r in group.ranks], group.ranks)
+            synchronise_batchnorm(module, group.group)
         self.ddp = wrap_ddp(module, group.group, self.emulator)
         self.emulator.pad_forward(module, flops_per_sample[0])
 
@@ -167,8 +172,15 @@ class DataParallelExecutor:
         :class:`runtime.data.UnevenLoader`); a short last batch of an epoch is split into
         micro-batches no larger than the plan's largest."""
         n = share.targets.shape[0]
-        sizes = self.micro_batch_sizes if n == sum(self.micro_batch_sizes) else _chunks(n, max(self.micro_batch_sizes, default=n))
-        total = torch.zeros((), device=share.targets.device)
+        if n == sum(self.micro_batch_sizes):
+            sizes = self.micro_batch_sizes
+        elif self.sync_batchnorm:   # every rank as many forwards as the plan's (each syncs BatchNorm)
+            sizes = proportional_split(n, self.micro_batch_sizes)
+        else:
+            sizes = _chunks(n, max(self.micro_batch_sizes, default=n))
+        # the reported loss in the model's dtype (a float64 model's loss is not rounded to float32)
+        dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        total = torch.zeros((), device=share.targets.device, dtype=dtype)
         lo = 0
         for m, size in enumerate(sizes):
             inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)

@@ -65,6 +65,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from planner.plan import Plan, Worker
 from planner.schedule import Action, build_schedule, gradient_accumulation
+from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
@@ -203,6 +204,8 @@ class PipelineExecutor:
         self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
+        if plan.sync_batchnorm:
+            self._synchronise_batchnorm(dp_group)
         self.module = self._wrap_ddp(dp_group)
         log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d, tp_index %d of %d), samples per "
                  "micro-batch %s, schedule %s: %s", self.rank, self.stage.index, self.split.num_stages,
@@ -428,6 +431,17 @@ class PipelineExecutor:
             raise PipelineError(f"rank {self.rank}: stage {self.stage.index} runs on {workers} workers; pass their "
                                 f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
         return wrap_ddp(module, dp_group, self.emulator)
+
+    def _synchronise_batchnorm(self, dp_group: Optional[dist.ProcessGroup]) -> None:
+        """BatchNorm statistics over the workers holding this stage's parameters (runtime.batchnorm)."""
+        peers = [w for w in self.plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
+        if len(peers) == 1:
+            return
+        if dp_group is None:
+            raise PipelineError(f"rank {self.rank}: sync_batchnorm on stage {self.stage.index} needs its workers' "
+                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        check_equal_micro_batches([len(self._all_ranges[w.rank]) for w in peers], [w.rank for w in peers])
+        synchronise_batchnorm(self.stage.module, dp_group)
 
     def _no_sync(self):
         return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()

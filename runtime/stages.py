@@ -320,11 +320,20 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
 
 
 def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:
-    """Run the split graph on fake inputs of batch size ``batch``; return every stage output."""
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
-        fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
-        recorder = _Recorder(root)
-        recorder.run(*fake)
+    """Run the split graph on fake inputs of batch size ``batch``; return every stage output.
+
+    Buffers are restored afterwards: an in-place update of a real buffer from real operands alone
+    (BatchNorm's ``num_batches_tracked.add_(1)``) runs for real even under ``FakeTensorMode``."""
+    saved = [(b, b.detach().clone()) for b in root.buffers()]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
+            fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
+            recorder = _Recorder(root)
+            recorder.run(*fake)
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
     return recorder.values
 
 
