@@ -34,8 +34,9 @@ import torch.nn as nn
 from runtime.block_sharding import group_layout, shard_groups
 from runtime.emulation import Emulator
 from runtime.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
-from runtime.tp_layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, RowParallelLinear, _ParallelLinear
+from runtime.tp_layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, _ParallelLinear
 from whalelike.errors import WhaleError
+from whalelike.regions import ATTACHED_META
 from whalelike.sharding import analyse_blocks, projection_dims, taskgraph_of
 from whalelike.taskgraph import TaskGraphs
 
@@ -98,7 +99,8 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     def path_of(node: fx.Node) -> str:
         return names.get(node.target, node.target)
 
-    region = {n.name for n in gm.graph.nodes if taskgraph_of(n, node_taskgraph) in splits}
+    region = {n.name for n in gm.graph.nodes
+              if taskgraph_of(n, node_taskgraph) in splits and not n.meta.get(ATTACHED_META)}
     candidates = [n for n in gm.graph.nodes if n.name in region and n.op == "call_module"
                   and projection_dims(gm.get_submodule(n.target)) is not None]
     paths = [n.target for n in candidates]
@@ -165,9 +167,9 @@ class StageSharding:
         missing = sorted(set(shard_sizes) - set(sharded.roles))
         if missing:
             raise WhaleError(
-                f"the plan shards {missing} but this stage calls no nn.Linear of that path inside a split "
-                f"region (sharded: {sorted(sharded.roles) or 'nothing'}); only nn.Linear modules are sharded: "
-                "re-plan with the current model, or move other modules out of the split scope"
+                f"the plan shards {missing} but this stage calls no projection (nn.Linear, GPT-2 Conv1D) of that "
+                f"path inside a split region (sharded: {sorted(sharded.roles) or 'nothing'}): re-plan with the "
+                "current model, or move other modules out of the split scope"
             )
         if emulator is not None and emulator.enabled:
             pad_plain_linears(stage, emulator)

@@ -63,17 +63,17 @@ def test_annotate_star_glob_and_nested_split_inside_replicate():
     assert g[1].shardable == {"blocks.3.0": 8}
 
 
-def test_unannotated_parameters_never_join_a_split_region():
+def test_unannotated_parameters_join_a_split_region_unsharded():
     model = Stack()
     wl.annotate(model, {"blocks.0-3": wl.replicate(2), "head": wl.split(2)})
     g = wl.capture(model, (torch.randn(4, 8),))
     assert [str(t.strategy) for t in g] == ["replicate(2)", "split(2)"]
     assert owners(g, "embed") == {0} and owners(g, "head") == {1}
     model = Stack()
-    wl.annotate(model, {"embed": wl.split(2)})   # the blocks follow a split: they get the default
+    wl.annotate(model, {"embed": wl.split(2)})   # the rest follows the split region, and is not sharded there
     g = wl.capture(model, (torch.randn(4, 8),))
-    assert [str(t.strategy) for t in g] == ["split(2)", "replicate(auto)"]
-    assert owners(g, "blocks") == owners(g, "head") == {1}
+    assert [str(t.strategy) for t in g] == ["split(2)"]
+    assert set(g[0].shardable) == {"embed"}
 
 
 def test_construction_time_scopes():

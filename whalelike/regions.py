@@ -10,9 +10,10 @@ The rule, in order of precedence, for a node's scope:
    user set one; otherwise the node *attaches* to a neighbour: the scope of its latest annotated
    ancestor (code after a region belongs to it: GPT-2's final ``ln_f``, BERT's pooler, a classifier
    after the last annotated block), else of its earliest annotated descendant (code before the
-   first region joins it: the embeddings), unless that neighbour is a ``split`` (``split`` shards
-   what it holds, and must not shard code the user did not put under it), else the default
-   ``replicate()``.
+   first region joins it: the embeddings), else the default ``replicate()``. In a ``split``
+   region such code is never sharded (``node.meta["wl_attached"]``; the shard analysis leaves it
+   out): ``split`` shards only what the user put under it, the rest runs whole on every
+   tensor-parallel rank and is priced so.
    So un-annotated code never forms a pipeline stage nobody asked for; its Layer keeps its own name;
 4. else the node is *glue* (reshapes, the positional ``arange``, the attention-mask arithmetic in
    a model's own ``forward``, ``getitem`` on a block's tuple output): it follows its data, joining
@@ -47,6 +48,7 @@ from .strategy import Strategy, default_strategy, default_strategy_is_set
 log = logging.getLogger(__name__)
 
 ROOT_LAYER = "<root>"
+ATTACHED_META = "wl_attached"   # node meta: un-annotated parameter code placed by rule 3 (never sharded)
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,6 @@ def _explicit_scope(node: fx.Node, modules: dict[str, nn.Module], gm: fx.GraphMo
     return default_strategy() if default_strategy_is_set() and _uses_parameters(node, gm) else None
 
 
-def _shards(strategy: Strategy) -> bool:
-    return strategy.kind == "split" or strategy.inner is not None
-
-
 def _attach_parameter_code(body: list[fx.Node], attached: list[fx.Node], scope: dict) -> None:
     """Un-annotated nodes with parameters take the scope of their latest annotated ancestor, else
     of their earliest annotated descendant, else the default (rule 3 of the module docstring)."""
@@ -139,9 +137,8 @@ def _attach_parameter_code(body: list[fx.Node], attached: list[fx.Node], scope: 
     for node in attached:
         neighbour = (nearest(node, lambda n: n.all_input_nodes, max)
                      or nearest(node, lambda n: list(n.users), min))
-        if neighbour is not None and _shards(scope[neighbour]):
-            neighbour = None  # split shards what it holds: never code the user did not put there
         scope[node] = scope[neighbour] if neighbour is not None else default_strategy()
+        node.meta[ATTACHED_META] = True
 
 
 def _uses_parameters(node: fx.Node, gm: fx.GraphModule) -> bool:

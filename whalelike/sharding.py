@@ -48,6 +48,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from .regions import ATTACHED_META
 import torch.nn.functional as F
 
 from .leaves import is_conv1d
@@ -649,7 +651,8 @@ def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], inde
         return {"shardable": {}, "shard_groups": ()}
     if costs is not None and not any(SHAPES_META in n.meta for n in gm.graph.nodes):
         stamp_nodes(gm, costs.outputs, node_taskgraph)
-    region = [name for name, t in node_taskgraph.items() if t == index]
+    attached = {n.name for n in gm.graph.nodes if n.meta.get(ATTACHED_META)}  # never sharded (regions rule 3)
+    region = [name for name, t in node_taskgraph.items() if t == index and name not in attached]
     analysis = analyse_blocks(gm, region)
 
     def flops(node: fx.Node) -> float:
