@@ -16,6 +16,9 @@ to the unsharded output, forward and backward. A replicated tensor that meets a 
 mask broadcast over heads, rotary ``cos``/``sin``) contributes to only this rank's units, so its
 gradient, if it has one, is summed over the group (:class:`EnterRegion`).
 
+Emulation: the parallel projections are emulation segments as before (their local FLOPs); the
+attention and other operators between them run at the machine's real speed, unpadded.
+
 Why not DTensor: its shardings are even, and it cannot rewrite the shape constants of a traced
 graph; and why not a per-model plan (Megatron, ``parallelize_module`` plans): the graph tells us.
 """

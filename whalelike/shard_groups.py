@@ -24,10 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("column", "row")
-KINDS = ("attention", "mlp", "lone")
-
-
 @dataclass(frozen=True)
 class ShardMember:
     """One projection of a group. ``role`` "column" shards its output features, "row" its input
