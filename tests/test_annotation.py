@@ -63,6 +63,15 @@ def test_annotate_star_glob_and_nested_split_inside_replicate():
     assert g[1].shardable == {"blocks.3.0": 8}
 
 
+def test_one_strategy_object_in_several_entries_is_one_region():
+    model = Stack()
+    tail = wl.split(2)
+    wl.annotate(model, {"blocks.0-1": wl.replicate(2), "blocks.3": tail, "head": tail})
+    g = wl.capture(model, (torch.randn(4, 8),))
+    assert [str(t.strategy) for t in g] == ["replicate(2)", "split(2)"]
+    assert owners(g, "blocks.3") == owners(g, "head") == {1} and owners(g, "blocks.2.0") == {0}
+
+
 def test_unannotated_parameters_join_a_split_region_unsharded():
     model = Stack()
     wl.annotate(model, {"blocks.0-3": wl.replicate(2), "head": wl.split(2)})

@@ -3,7 +3,10 @@
 ``annotate(model, {"transformer.h.0-5": replicate(2), "lm_head": split(4)})`` tags the matched
 modules exactly as if they had been constructed under the scope (``_wl_scope``, see
 :mod:`whalelike.strategy`), so capture treats both forms the same way. Each mapping entry is one
-scope and therefore one TaskGraph, however many modules its pattern matches.
+scope and therefore one TaskGraph, however many modules its pattern matches; entries given the
+*same* strategy object share one scope (``head = wl.split(2)`` for ``"transformer.h.2-3"`` and
+``"lm_head"`` makes the blocks and the head one tensor-parallel region), which a pattern language
+without alternation could not otherwise say.
 
 Patterns:
 
@@ -62,10 +65,12 @@ def annotate(model: nn.Module, mapping: Mapping[str, Strategy]) -> dict[str, lis
     # Outermost first: a pattern's scope nests inside the scope of the pattern enclosing it.
     order = sorted(matched, key=lambda p: min(_depth(path) for path in matched[p]))
     scopes: dict[str, Strategy] = {}
+    shared: dict[tuple[int, int], Strategy] = {}  # one strategy object in several entries: one scope
     for pattern in order:
         outer = _enclosing_scope(matched[pattern][0], owner, scopes)
-        scope = _scope(outer, mapping[pattern])
-        scopes[pattern] = scope
+        key = (id(mapping[pattern]), id(outer))
+        scope = shared.get(key) or _scope(outer, mapping[pattern])
+        shared[key] = scopes[pattern] = scope
         for path in matched[pattern]:
             for sub in modules[path].modules():
                 object.__setattr__(sub, "_wl_scope", scope)
