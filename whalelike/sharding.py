@@ -48,11 +48,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-
-from .regions import ATTACHED_META
 import torch.nn.functional as F
 
 from .leaves import is_conv1d
+from .regions import ATTACHED_META
 from .shard_groups import ShardGroup, ShardMember
 
 aten = torch.ops.aten
