@@ -103,7 +103,8 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
 
     No buffer sync in forward (buffers are synced once, at construction): buffer broadcast is a collective inside every forward, which would
     fall inside the forward's compute segment (and a per-rank buffer such as BatchNorm statistics is
-    computed from the rank's own share anyway). Under emulation all gradients go in one bucket: the
+    computed from the rank's own share anyway, unless ``Plan.sync_batchnorm`` synchronises it:
+    :mod:`runtime.batchnorm`). Under emulation all gradients go in one bucket: the
     backward is one modeled segment, and a bucket fired early would either wait for the whole
     segment (then do the rest of the backward unpadded) or communicate inside it.
     """

@@ -45,6 +45,11 @@ Tied parameters (one ``nn.Parameter`` used by several stages, GPT-2's embedding 
 backward and DDP's all-reduce, :class:`runtime.tied.TiedParameters` sums the stages' gradients over
 every rank holding a copy, so the copies stay identical (see that module).
 
+BatchNorm: by default each worker normalises with its own samples' statistics (DDP's behaviour,
+which the planner warns about); with ``Plan.sync_batchnorm`` the stage's BatchNorms take them over
+its data-parallel group (:mod:`runtime.batchnorm`). Those syncs are collectives inside the forward
+and backward, so under emulation they fall inside the stage's compute segments.
+
 Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
 model inputs and targets are tensors batched along dimension 0; only ``nn.Linear`` modules are
 sharded.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 
 import pytest
@@ -38,6 +39,7 @@ from planner.plan import Plan
 from reference import OPTIMIZERS, train_reference
 from runtime import Engine
 from whalelike.cluster import Cluster
+from whalelike.taskgraph import TaskGraphs
 
 GLOBAL_BATCH, STEPS, CLASSES = 16, 3, 10
 RESNET = "resnet"
@@ -87,23 +89,28 @@ def _cluster() -> Cluster:
     return Cluster.preset("emulated-4").without_emulation()
 
 
-def _plan(name: str, sync: bool, num_micro_batch: int = 1) -> Plan:
+@functools.lru_cache(maxsize=None)
+def _captured(name: str) -> tuple[nn.Module, TaskGraphs]:
+    """The model (training mode) and its capture, once per test process."""
     model, _, size = _workload(name)
-    graphs = wl.capture(model, _batches(size, 4)[0][0])
+    return model, wl.capture(model, _batches(size, 4)[0][0])
+
+
+def _plan(name: str, sync: bool, num_micro_batch: int = 1) -> Plan:
+    _, graphs = _captured(name)
     return planner.plan(graphs, _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH, num_micro_batch=num_micro_batch,
                                                       sync_batchnorm=sync))
 
 
 # -- in-process: capture, plan, warning ------------------------------------------------------------
 def test_capture_records_training_batchnorms_per_layer():
-    model, _, size = _workload("cnn")
-    graphs = wl.capture(model, _batches(size, 4)[0][0])
+    _, graphs = _captured("cnn")
     assert {layer.name: layer.batchnorm for layer in graphs.layers if layer.batchnorm} == {"bn1": ("bn1",),
                                                                                             "bn2": ("bn2",)}
+    model, _, size = _workload("cnn")
     model.eval()
     assert not any(layer.batchnorm for layer in wl.capture(model, _batches(size, 4)[0][0]).layers)
-    model, _, size = _workload(RESNET)
-    graphs = wl.capture(model, _batches(size, 4)[0][0])
+    model, graphs = _captured(RESNET)
     assert graphs.method == "export"
     recorded = [path for layer in graphs.layers for path in layer.batchnorm]
     expected = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
