@@ -267,7 +267,7 @@ def test_plan_prints_the_summary_and_writes_every_file(capsys, synthetic_capture
     assert code == 0 and "simulated step (1f1b, 4 micro-batch(es))" in out
 
 
-@pytest.mark.parametrize("example", ["hybrid_classifier", "gpt", "third_party"])
+@pytest.mark.parametrize("example", ["hybrid_classifier", "gpt", "third_party", "hf_gpt2"])
 def test_plan_each_example_on_the_emulated_cluster(capsys, tmp_path, example):
     spec = str(Path(__file__).parent.parent / "examples" / f"{example}.py") + ":build"
     out_yaml, png = tmp_path / "plan.yaml", tmp_path / "plan.png"

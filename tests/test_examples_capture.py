@@ -17,6 +17,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 # example -> (capture method, strategies of its TaskGraphs in order)
 EXPECTED = {
     "gpt": ("fx", ["replicate(auto)", "replicate(auto)", "split(auto)"]),
+    "hf_gpt2": ("export", ["replicate(auto)", "split(auto)"]),
     "hybrid_classifier": ("fx", ["replicate(auto)", "split(auto)"]),
     "third_party": ("export", ["replicate(auto)"] * 3 + ["split(auto)"]),
 }
@@ -50,10 +51,16 @@ def test_structure(captured):
 def test_forward_flops_and_parameters_match(captured):
     name, workload, graphs = captured
     batch = workload.example_args[0].shape[0]
-    # FlopCounterMode on the whole model, run on meta tensors: on a CPU, FlopCounterMode counts 0
-    # for the fused attention kernel (F.scaled_dot_product_attention), on meta it sees the matmuls.
-    model = copy.deepcopy(workload.model).to("meta")
-    args = [torch.empty_like(a, device="meta") for a in workload.example_args]
+    # FlopCounterMode on the whole model with matmul attention: on a CPU, FlopCounterMode counts 0
+    # for the fused attention kernel (F.scaled_dot_product_attention). Our own examples run on meta
+    # tensors (where it sees the matmuls), transformers models are switched to "eager" attention.
+    model = copy.deepcopy(workload.model)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+        args = workload.example_args
+    else:
+        model = model.to("meta")
+        args = [torch.empty_like(a, device="meta") for a in workload.example_args]
     with FlopCounterMode(display=False) as counter:
         model(*args)
     total = counter.get_total_flops() / batch

@@ -23,7 +23,8 @@ from runtime import Engine
 from whalelike.cli import load_workload
 from whalelike.cluster import Cluster
 
-EXAMPLES = ("examples/hybrid_classifier.py:build", "examples/gpt.py:build", "examples/third_party.py:build")
+EXAMPLES = ("examples/hybrid_classifier.py:build", "examples/gpt.py:build", "examples/third_party.py:build",
+            "examples/hf_gpt2.py:build")
 GLOBAL_BATCH, MICRO_BATCHES, STEPS = 16, 2, 3
 
 
