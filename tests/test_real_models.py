@@ -113,3 +113,12 @@ def test_transformers_train_exactly_under_their_plans():
     stages = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=600)
     for name, plan in plans.items():
         assert [s[name] for s in stages] == [w.stage for w in plan.workers]
+
+
+def test_a_model_returning_its_key_value_cache_gets_the_fix_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))   # use_cache defaults to True
+    with pytest.raises(wl.CaptureError, match="use_cache=False") as error:
+        wl.capture(model, (torch.randint(0, 64, (2, 8)),))
+    assert "\n" not in str(error.value)

@@ -52,9 +52,18 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, 
     except Exception as e:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: torch.fx failed in {fx_failure} and torch.export failed in "
-            f"{_failing_module(model, e)} ({_first_line(e)}); try: remove data-dependent Python control flow "
-            "there (use torch.where / torch.cond), or capture a smaller part of the model"
+            f"{_failing_module(model, e)} ({_first_line(e)}); try: {_export_hint(e)}"
         ) from e
+
+
+def _export_hint(error: BaseException) -> str:
+    """The fix for the export failures real models hit, else the general advice."""
+    text = str(error)
+    if "Cache" in text and "not a known type" in text:
+        return ("the model returns a key/value cache (a transformers Cache object), which training never uses: "
+                "build it with use_cache=False in its config (or pass use_cache=False in the example kwargs)")
+    return ("remove data-dependent Python control flow there (use torch.where / torch.cond), "
+            "or capture a smaller part of the model")
 
 
 # -- torch.fx ---------------------------------------------------------------------------------------
