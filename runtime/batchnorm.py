@@ -150,7 +150,10 @@ class GroupBatchNorm(_BatchNorm):
 
 
 class BatchNormOp(nn.Module):
-    """``aten.batch_norm``'s signature as a module, synchronised over ``process_group`` in training."""
+    """``aten.batch_norm``'s signature as a module, synchronised over ``process_group`` in training.
+
+    An exported graph holds the mode it was captured in as the ``training`` argument; this module
+    also honours its own mode, so ``stage.eval()`` normalises with the running statistics."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup]):
         super().__init__()
@@ -158,7 +161,7 @@ class BatchNormOp(nn.Module):
 
     def forward(self, x, weight, bias, running_mean, running_var, training: bool, momentum: float, eps: float,
                 cudnn_enabled: bool = True):
-        if not training:
+        if not (training and self.training):
             return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
         return sync_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, self.process_group)
 

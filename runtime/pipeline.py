@@ -232,9 +232,15 @@ class PipelineExecutor:
 
     @torch.no_grad()
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
-        """The global-mean loss of a global batch: the forwards of the schedule, in order."""
+        """The global-mean loss of a global batch: the forwards of the schedule, in order, with the
+        stage in eval mode (BatchNorm uses its running statistics, dropout is off)."""
         forwards = [Action("F", m) for m in range(len(self._ranges))]
-        return self._run(forwards, inputs, targets, train=False)
+        was_training = self.stage.module.training
+        self.stage.module.eval()
+        try:
+            return self._run(forwards, inputs, targets, train=False)
+        finally:
+            self.stage.module.train(was_training)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, on every rank (a collective over the plan's

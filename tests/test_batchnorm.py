@@ -8,7 +8,7 @@ and the log warn that per-worker statistics differ from single-device training u
 
 One 4-rank gloo spawn, float64, one micro-batch per step, 3 steps of SGD (momentum) and AdamW from
 the same weights on the same batches as the reference; losses, parameters and the running
-statistics (the full state dict) are compared:
+statistics (the full state dict) are compared, and an evaluation with those statistics:
 
 * a small CNN with ``BatchNorm2d`` in two pipeline stages of two workers each (shares 11:5 on one);
 * Hugging Face's ``ResNetForImageClassification`` (captured with ``torch.export``, its BatchNorms
@@ -201,6 +201,12 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
             assert state.keys() == final.keys(), f"{where}: {sorted(state)} != {sorted(final)}"
             for key, value in final.items():   # running_mean/var and num_batches_tracked included
                 assert_close(state[key], value, msg=lambda m: f"{where}: final {key}: {m}")
+            trained = copy.deepcopy(model)
+            trained.load_state_dict(final)
+            inputs, targets = data[0]
+            with torch.no_grad():   # evaluation normalises with the running statistics
+                assert_close(engine.eval_step(data[0]), loss_fn(trained.eval()(*inputs), targets),
+                             msg=lambda m: f"{where}: eval_step: {m}")
             seen[where] = [float(v) for v in got]
     _check_sync_function(rank)   # the Engines initialised the default process group
     return seen

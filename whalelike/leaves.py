@@ -12,7 +12,8 @@ module's path. They are replaced by one ``call_module`` when they form a closed 
 * one tensor input from outside (shape reads such as ``sym_size`` do not count: the module
   recomputes them from its input);
 * one node whose value is used outside;
-* the parameters they read are the module's own, matched by *identity*, not by name: with tied
+* the tensors they read are the module's own (all its parameters; buffers such as BatchNorm's
+  running statistics where it reads them), matched by *identity*, not by name: with tied
   weights export names the one tensor after its first owner (GPT-2's ``lm_head.weight`` is
   ``transformer.wte.weight``), so names cannot be trusted.
 
@@ -27,6 +28,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,10 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def is_leaf_module(module: nn.Module) -> bool:
-    """Modules kept as ``call_module`` leaves: those ``split`` can shard (Linear, Conv1D)."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """Modules kept as ``call_module`` leaves: those ``split`` can shard (Linear, Conv1D), and
+    BatchNorm, which the runtime may synchronise (``runtime.batchnorm``) and whose train/eval mode
+    must stay switchable (inlined, the captured mode is frozen into ``aten.batch_norm``)."""
+    return isinstance(module, (nn.Linear, _BatchNorm)) or is_conv1d(module)
 
 
 def restore_leaves(gm: fx.GraphModule, model: nn.Module, keep: Callable[[nn.Module], bool] = is_leaf_module) -> list[str]:
@@ -63,7 +67,8 @@ def restore_leaves(gm: fx.GraphModule, model: nn.Module, keep: Callable[[nn.Modu
 
 def _collapse(gm: fx.GraphModule, path: str, module: nn.Module, nodes: list[fx.Node]) -> bool:
     inside = set(nodes)
-    own = {id(p) for p in module.parameters(recurse=False)}
+    params = {id(p) for p in module.parameters(recurse=False)}
+    own = params | {id(b) for b in module.buffers(recurse=False)}   # BatchNorm's running statistics
     inputs: list[fx.Node] = []
     read: set[int] = set()
     for node in nodes:
@@ -78,7 +83,7 @@ def _collapse(gm: fx.GraphModule, path: str, module: nn.Module, nodes: list[fx.N
             elif arg not in inputs:
                 inputs.append(arg)
     escaping = [n for n in nodes if any(u not in inside for u in n.users)]
-    if len(inputs) != 1 or len(escaping) != 1 or read != own:
+    if len(inputs) != 1 or len(escaping) != 1 or not params <= read:
         log.debug("module %s stays inlined (%d inputs, %d outputs)", path, len(inputs), len(escaping))
         return False
     (result,) = escaping
