@@ -7,12 +7,14 @@ does), so training differs from one device normalising the whole batch. ``Plan.s
 micro-batch exactly once: with one micro-batch per step the result is the single-device one,
 running statistics included.
 
-Why not only ``torch.nn.SyncBatchNorm``: its forward refuses CPU tensors, and an exported graph has
-no BatchNorm module to convert (``torch.export`` inlines it as ``aten.batch_norm``). So:
+Why not only ``torch.nn.SyncBatchNorm``: its forward refuses CPU tensors, and a BatchNorm that
+``torch.export`` left inlined (``aten.batch_norm``) has no module to convert. So:
 
-* ``nn.BatchNorm*`` modules (the user's model, or ``call_module`` leaves of an fx stage) become
+* ``nn.BatchNorm*`` modules (the user's model, or ``call_module`` leaves of a stage: torch.fx keeps
+  them, and capture restores them in export graphs, :mod:`whalelike.leaves`) become
   ``torch.nn.SyncBatchNorm`` on CUDA with nccl and :class:`GroupBatchNorm` elsewhere;
-* ``aten.batch_norm`` nodes of an exported stage become a ``call_module`` of :class:`BatchNormOp`;
+* ``aten.batch_norm`` nodes still inlined (a BatchNorm module called twice) become a
+  ``call_module`` of :class:`BatchNormOp`;
 
 both share the original parameters and buffers (state-dict keys and values are unchanged).
 :func:`sync_batch_norm` (an autograd Function) does the work of the last two: each rank gathers

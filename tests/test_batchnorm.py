@@ -153,34 +153,53 @@ def test_batchnorm_warning_text(caplog, tmp_path):
 
 # -- 4 ranks ----------------------------------------------------------------------------------------
 def _check_sync_function(rank: int) -> None:
-    """sync_batch_norm on uneven per-rank batches (one empty) equals F.batch_norm on their union."""
-    from runtime.batchnorm import sync_batch_norm
+    """sync_batch_norm on uneven per-rank batches (one empty) equals F.batch_norm on their union, called
+    directly and as the ``aten.batch_norm`` of an exported BatchNorm1d that synchronise_batchnorm swapped."""
+    from runtime.batchnorm import BatchNormOp, sync_batch_norm, synchronise_batchnorm
 
     sizes = [5, 3, 0, 2]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(sum(sizes), 4, 3, generator=g, dtype=torch.float64) * 3 + 1
     dy = torch.randn(sum(sizes), 4, 3, generator=g, dtype=torch.float64)
     weight, bias = torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
-
-    def run(inputs, normalise):
-        xs, w, b = inputs.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
-        mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
-        y = normalise(xs, w, b, mean, var)
-        return y, xs, w, b, mean, var
-
-    y_ref, x_ref, w_ref, b_ref, mean_ref, var_ref = run(x, lambda xs, w, b, m, v: F.batch_norm(xs, m, v, w, b, True, 0.2, 1e-5))
-    (y_ref * dy).sum().backward()
     lo = sum(sizes[:rank])
     mine = slice(lo, lo + sizes[rank])
-    y, xs, w, b, mean, var = run(x[mine], lambda xs, w, b, m, v: sync_batch_norm(xs, w, b, m, v, 0.2, 1e-5, None))
-    (y * dy[mine]).sum().backward()
-    assert_close(y, y_ref[mine])
-    assert_close(xs.grad, x_ref.grad[mine])
-    for local, reference in ((w.grad, w_ref.grad), (b.grad, b_ref.grad)):
-        dist.all_reduce(local)   # the parameter gradients are local sums (DDP sums them)
-        assert_close(local, reference)
-    assert_close(mean, mean_ref)
-    assert_close(var, var_ref)
+
+    def function(inputs):
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        return sync_batch_norm(inputs, w, b, mean, var, 0.2, 1e-5, None), w, b, mean, var
+
+    bn = nn.BatchNorm1d(4, momentum=0.2).double()
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+    exported = torch.export.export(bn, (x[:2],), dynamic_shapes=({0: torch.export.Dim("batch", min=0)},)).module()
+    assert len(synchronise_batchnorm(exported, None)) == 1
+    [op] = [m for m in exported.modules() if isinstance(m, BatchNormOp)]
+
+    def graph(inputs):
+        return exported(inputs), bn.weight, bn.bias, bn.running_mean, bn.running_var
+
+    x_ref = x.clone().requires_grad_()
+    w_ref, b_ref = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    mean_ref, var_ref = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    y_ref = F.batch_norm(x_ref, mean_ref, var_ref, w_ref, b_ref, True, 0.2, 1e-5)
+    (y_ref * dy).sum().backward()
+    for label, normalise in (("function", function), ("exported", graph)):
+        xs = x[mine].clone().requires_grad_()
+        y, w, b, mean, var = normalise(xs)
+        (y * dy[mine]).sum().backward()
+        assert_close(y, y_ref[mine], msg=f"{label}: output")
+        assert_close(xs.grad, x_ref.grad[mine], msg=f"{label}: input gradient")
+        for local, reference in ((w.grad, w_ref.grad), (b.grad, b_ref.grad)):
+            dist.all_reduce(local)   # the parameter gradients are local sums (DDP sums them)
+            assert_close(local, reference, msg=f"{label}: parameter gradient")
+        assert_close(mean, mean_ref, msg=f"{label}: running mean")
+        assert_close(var, var_ref, msg=f"{label}: running variance")
+    op.eval()   # the swapped operator follows its module's mode: running statistics, no sync
+    with torch.no_grad():
+        assert_close(exported(x[:3]), F.batch_norm(x[:3], mean_ref, var_ref, weight, bias, False, 0.2, 1e-5))
 
 
 def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
