@@ -10,9 +10,10 @@ only allowed when the loss *is* a plain cross-entropy of those logits. Users rar
 
 on a Hugging Face ``ModelOutput``, a tuple or a dict. :func:`recognise_cross_entropy` traces
 ``loss_fn`` with ``torch.fx`` on proxies standing for the model output's leaves and the targets
-and accepts exactly ``F.cross_entropy(<reshapes of> leaf, <anything computed from the targets and
-from sizes>, ignore_index=<int>)`` with mean reduction, no class weights and no label smoothing,
-the cross-entropy being the returned value. Anything else (extra terms, slicing or a dtype change
+and accepts exactly ``F.cross_entropy(<reshapes and indexes of> leaf, <anything computed from the
+targets and from sizes>, ignore_index=<int>)`` with mean reduction, no class weights and no label
+smoothing, the cross-entropy being the returned value (indexes with slices and ints only, such as
+Hugging Face's shift ``logits[:, :-1, :]``). Anything else (extra terms, a dtype change or a mask
 of the logits, control flow on them, other reductions) is rejected with a reason, and the head then
 gathers its logits for the user's own loss (correct, only slower); :func:`choose_classifier` logs
 that once at INFO.
@@ -23,15 +24,17 @@ an operator that mixes the class dimension with others. The trace sees every ope
 
 The invariant: :class:`ShardedLoss` returns exactly ``loss_fn(outputs with full logits, targets)``.
 Reshapes (view, reshape, flatten, unflatten, squeeze, unsqueeze, contiguous) keep the row-major
-element order, and the logits leaf, a Linear's output, has its classes last. So when the
-cross-entropy's input is ``[N, V]`` with ``V`` the number of classes, its row ``r`` is row ``r`` of
-the leaf flattened to ``[-1, V]``: on each rank ``local.reshape(N, V_local)`` holds those rows'
-class shard. Each call replays the traced loss with a storage-free ``meta`` tensor of the full
-logits' shape in place of the logits (their reshapes and size reads cost nothing), the real targets
-and the other real output leaves, and stops at the cross-entropy, which becomes the sharded one.
-If the replay fails or the input is not ``[N, V]`` (``F.cross_entropy`` on ``[B, T, V]`` logits
-means classes in dimension 1), every rank of the group alike gathers the logits and calls the
-user's ``loss_fn`` instead, and says so once.
+element order, and the logits leaf, a Linear's output, has its classes last. So a run of reshapes
+that ends with the classes last, ``[..., V]``, maps row ``r`` to row ``r`` of its input flattened
+to ``[-1, V]``: on each rank ``local.reshape(..., V_local)`` holds those rows' class shard. An
+index that leaves the last dimension whole picks the same rows of the shard as of the full
+logits. Each call replays the traced loss with a storage-free ``meta`` tensor of the full logits'
+shape in place of the logits (their reshapes and size reads cost nothing), the real targets and
+the other real output leaves, applies the logits' steps to the shard, and stops at the
+cross-entropy, which becomes the sharded one. If the replay fails, the input is not ``[N, V]``
+(``F.cross_entropy`` on ``[B, T, V]`` logits means classes in dimension 1) or an index may address
+the classes, every rank of the group alike gathers the logits and calls the user's ``loss_fn``
+instead, and says so once.
 """
 from __future__ import annotations
 
@@ -78,18 +81,21 @@ class CrossEntropyForm:
     leaf: int
     num_leaves: int
     ignore_index: int
+    chain: tuple[fx.Node, ...] = field(compare=False, repr=False)   # leaf's users to the cross-entropy's input
     graph: fx.GraphModule = field(compare=False, repr=False)
     call: fx.Node = field(compare=False, repr=False)
     logits: fx.Node = field(compare=False, repr=False)
     target: Any = field(compare=False, repr=False)
 
     def cross_entropy_args(self, leaves: Sequence[Any], targets: torch.Tensor,
-                           num_classes: int) -> tuple[int, torch.Tensor]:
+                           num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the loss up to its cross-entropy with a meta tensor of the full logits' shape;
-        returns the number of logits rows ``N`` and the targets the cross-entropy is given.
+        returns this rank's class shard of the cross-entropy's input ``[N, shard]`` and the
+        targets the cross-entropy is given.
 
         ``leaves`` are the model output's leaves with this rank's class shard at ``leaf``. Raises
-        :class:`UnrecognisedLoss` when the replay fails or the input is not ``[N, num_classes]``.
+        :class:`UnrecognisedLoss` when the replay fails, the input is not ``[N, num_classes]`` or
+        an index would touch the classes.
         """
         if len(leaves) != self.num_leaves:
             raise UnrecognisedLoss(f"the model output has {len(leaves)} leaves, the loss was traced with {self.num_leaves}")
@@ -108,7 +114,30 @@ class CrossEntropyForm:
         if logits.dim() != 2 or logits.shape[1] != num_classes:
             raise UnrecognisedLoss(f"its cross-entropy gets logits of shape {tuple(logits.shape)}, not "
                                    f"[rows, {num_classes}] with the classes last")
-        return logits.shape[0], target
+        return self._local_input(local, replay.env, num_classes), target
+
+    def _local_input(self, local: torch.Tensor, env: dict, num_classes: int) -> torch.Tensor:
+        """The chain from the leaf to the cross-entropy's input, applied to this rank's shard.
+
+        A run of reshapes becomes one ``reshape`` to the run's last full shape with the local class
+        count (row-major order is kept); an index is applied as written, once it is known not to
+        address the class dimension, which must be last and whole before it.
+        """
+        classes_last = True
+        for node in self.chain:
+            full = env[node]
+            if node.op == "call_function" and node.target is operator.getitem:
+                index = fx.node.map_arg(node.args[1], lambda n: env[n])
+                if not classes_last or not _keeps_last_dim(index, local.dim()):
+                    raise UnrecognisedLoss(f"its index {index!r} of the logits may address the classes")
+                local = local[index]
+            elif full.dim() > 0 and full.shape[-1] == num_classes:
+                local = local.reshape(*full.shape[:-1], local.shape[-1])
+            classes_last = full.dim() > 0 and full.shape[-1] == num_classes
+            if classes_last and local.shape[:-1] != full.shape[:-1]:
+                raise UnrecognisedLoss(f"the logits' shard has shape {tuple(local.shape)} where the full logits "
+                                       f"have {tuple(full.shape)}")
+        return local
 
 
 def recognise_cross_entropy(loss_fn: Callable, output_spec: TreeSpec) -> CrossEntropyForm:
@@ -133,9 +162,9 @@ def recognise_cross_entropy(loss_fn: Callable, output_spec: TreeSpec) -> CrossEn
             raise UnrecognisedLoss(f"F.cross_entropy has {what} {_describe(arguments[name])} (only {plain!r} is sharded)")
     if not isinstance(arguments["ignore_index"], int):
         raise UnrecognisedLoss(f"its ignore_index is {_describe(arguments['ignore_index'])}, not a constant int")
-    leaf = _logits_leaf(arguments["input"], leaves)
-    return CrossEntropyForm(leaf, len(leaves), arguments["ignore_index"], graph, call, arguments["input"],
-                            arguments["target"])
+    chain = _logits_chain(arguments["input"], leaves)
+    return CrossEntropyForm(leaves.index(chain[0]), len(leaves), arguments["ignore_index"], tuple(chain[1:]), graph,
+                            call, arguments["input"], arguments["target"])
 
 
 def _trace(loss_fn: Callable, output_spec: TreeSpec) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -154,18 +183,18 @@ def _trace(loss_fn: Callable, output_spec: TreeSpec) -> tuple[fx.GraphModule, li
     return fx.GraphModule(tracer.root, tracer.graph), [p.node for p in proxies]
 
 
-def _logits_leaf(logits: Any, leaves: list[fx.Node]) -> int:
-    """The leaf the cross-entropy's input reshapes; its values (as opposed to its sizes) must reach
-    nothing but that input."""
+def _logits_chain(logits: Any, leaves: list[fx.Node]) -> list[fx.Node]:
+    """The leaf the cross-entropy's input is reshaped or indexed from, then each step to that
+    input. The leaf's values (as opposed to its sizes) must reach nothing but that input."""
     chain = [logits]
     while isinstance(chain[-1], fx.Node) and chain[-1] not in leaves:
         node = chain[-1]
         if node.op in ("placeholder", "get_attr"):
             raise UnrecognisedLoss("the cross-entropy's input is not computed from the model output")
-        if not _is_reshape(node):
+        if not (_is_reshape(node) or _is_plain_index(node)):
             raise UnrecognisedLoss(f"{_describe(node)} stands between the logits and F.cross_entropy "
-                                   "(only view, reshape, flatten, unflatten, squeeze, unsqueeze and contiguous keep "
-                                   "the classes last and unmixed)")
+                                   "(only view, reshape, flatten, unflatten, squeeze, unsqueeze, contiguous and "
+                                   "indexing with slices and ints keep the classes last and unmixed)")
         chain.append(node.args[0])
     if not isinstance(chain[-1], fx.Node):
         raise UnrecognisedLoss("the cross-entropy's input is not computed from the model output")
@@ -175,7 +204,7 @@ def _logits_leaf(logits: Any, leaves: list[fx.Node]) -> int:
             raise UnrecognisedLoss(f"the logits are also used by {_describe(others[0])}")
     if any(not _reads_size(u) for u in logits.users if u.target is not F.cross_entropy):
         raise UnrecognisedLoss("the cross-entropy's input is used elsewhere too")
-    return leaves.index(chain[-1])
+    return chain[::-1]
 
 
 def _is_reshape(node: fx.Node) -> bool:
@@ -183,6 +212,33 @@ def _is_reshape(node: fx.Node) -> bool:
         # Tensor.view(dtype) reinterprets the bits: not a reshape
         return not (node.target == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]))
     return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+
+
+def _is_plain_index(node: fx.Node) -> bool:
+    """``x[...]`` with slices, ints, None and Ellipsis only (no tensor or list: they gather rows)."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice, fx.Node)) and not isinstance(item, bool)
+               and not (isinstance(item, fx.Node) and not _reads_size_value(item)) for item in items)
+
+
+def _reads_size_value(node: fx.Node) -> bool:
+    """A value computed from sizes only (``logits.size(1) - 1``), usable as an index bound."""
+    if _reads_size(node):
+        return True
+    return node.op == "call_function" and node.target in (operator.sub, operator.add, operator.getitem, operator.mul,
+                                                          operator.floordiv, operator.neg) and \
+        all(_reads_size_value(a) for a in node.all_input_nodes)
+
+
+def _keeps_last_dim(index: Any, ndim: int) -> bool:
+    """Whether indexing a tensor of ``ndim`` dimensions with ``index`` leaves its last dimension whole."""
+    items = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in items:
+        return all(item == slice(None) for item in items[items.index(Ellipsis) + 1:])
+    consumed = [item for item in items if item is not None]
+    return len(consumed) < ndim or (len(consumed) == ndim and consumed[-1] == slice(None))
 
 
 def _reads_size(node: fx.Node) -> bool:
@@ -344,13 +400,12 @@ class ShardedLoss:
                                          self.ignore_index)
         leaves, spec = tree_flatten(outputs)
         try:
-            rows, target = self.form.cross_entropy_args(leaves, targets, sum(self.shard_sizes))
+            local_input, target = self.form.cross_entropy_args(leaves, targets, sum(self.shard_sizes))
         except UnrecognisedLoss as e:
             _log_once(f"loss_fn {_name(self.loss_fn)}: gathering the class-sharded logits because {e} "
                       "(said once)", key=id(self))
             local = leaves[self.form.leaf]
             leaves[self.form.leaf] = gather_from_region(local, self.shard_sizes, self.tp_index, self.group)
             return self.loss_fn(tree_unflatten(leaves, spec), targets)
-        local = leaves[self.form.leaf]
-        return sharded_cross_entropy(local.reshape(rows, local.shape[-1]), target, self.shard_sizes, self.tp_index,
-                                     self.group, self.form.ignore_index)
+        return sharded_cross_entropy(local_input, target, self.shard_sizes, self.tp_index, self.group,
+                                     self.form.ignore_index)

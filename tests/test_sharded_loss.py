@@ -1,7 +1,7 @@
 """The class-sharded head under the cross-entropy users actually write (``runtime.sharded_loss``).
 
 Unit tests (one process): the loss analysis recognises ``F.cross_entropy`` inside lambdas and
-functions, on reshaped logits and on a leaf of a ``ModelOutput``/dict/tuple, with its
+functions, on reshaped or shifted (``logits[:, :-1]``) logits and on a leaf of a ``ModelOutput``/dict/tuple, with its
 ``ignore_index``; it rejects label smoothing, class weights, other reductions, extra terms and
 operators that move the classes; the choice of the head follows the leaf the loss reads.
 
@@ -89,6 +89,12 @@ def _lm_flatten(out, y):
     return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
+def _lm_shifted(out, y):
+    """Hugging Face's causal-LM loss: position t predicts token t + 1."""
+    logits = out.logits[:, :-1, :].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y[:, 1:].contiguous().view(-1))
+
+
 def _lm_smoothed(out, y):
     return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)
 
@@ -127,6 +133,7 @@ CASES = {
     "lm-lambda-view": (LM, _lm_view, "head", VOCAB, True),
     "lm-def-reshape-ignore-index": (LM, _lm_reshape, "head", VOCAB, True),
     "lm-flatten": (LM, _lm_flatten, "head", VOCAB, True),
+    "lm-shifted": (LM, _lm_shifted, "head", VOCAB, True),
     "lm-token-cross-entropy": (lambda: LM(bare=True), wl.token_cross_entropy, "head", VOCAB, True),
     "dict-leaf": (Classifier, _dict_leaf, "head", CLASSES, True),
     "tuple-nn-module": (lambda: Classifier(as_tuple=True), _tuple_module, "head", CLASSES, True),
@@ -148,7 +155,7 @@ def _batches(vocab: int, classes: int, seed: int) -> list[tuple[tuple, torch.Ten
             targets = torch.randint(0, vocab, (GLOBAL_BATCH, POSITIONS), generator=g)
             # ignored positions, as many in each micro-batch of 3 samples: the pipeline weights each
             # micro-batch's mean by its samples, which is the global mean only for equal valid counts
-            targets[0, :2] = targets[GLOBAL_BATCH // 2, 1:3] = -100
+            targets[0, 1:3] = targets[GLOBAL_BATCH // 2, 1:3] = -100   # (kept by the shifted loss too)
         out.append(((tokens,), targets))
     return out
 
@@ -164,6 +171,7 @@ TENSOR_SPEC = tree_structure(torch.zeros(1))
     (lambda out, y: F.cross_entropy(out.logits.view(-1, out.logits.size(-1)), y.view(-1)), LM_SPEC, 0, -100),
     (_lm_reshape, LM_SPEC, 0, -100),
     (_lm_flatten, LM_SPEC, 0, -100),
+    (_lm_shifted, LM_SPEC, 0, -100),
     (lambda out, y: F.cross_entropy(out[0].reshape(-1, out.logits.shape[-1]), y.reshape(-1), ignore_index=-1),
      LM_SPEC, 0, -1),
     (_dict_leaf, DICT_SPEC, 1, -100),   # dict leaves flatten in insertion order
@@ -185,7 +193,7 @@ def test_recognises_the_forms_users_write(loss_fn, spec, leaf, ignore_index):
     (lambda out, y: nn.CrossEntropyLoss(weight=torch.ones(VOCAB))(out.logits.flatten(0, 1), y.flatten()),
      "class weights"),
     (lambda out, y: _lm_flatten(out, y) + 0.01 * out.logits.square().mean(), "returns add"),
-    (lambda out, y: F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1)), "getitem"),
+    (lambda out, y: F.cross_entropy(out.logits[y >= 0], y[y >= 0]), "getitem"),
     (lambda out, y: F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten()), "Tensor.float"),
     (lambda out, y: F.cross_entropy(out.logits.transpose(1, 2), y), "Tensor.transpose"),
     (lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), out.logits.flatten(0, 1).argmax(-1)), "also used"),
@@ -198,16 +206,22 @@ def test_rejects_what_is_not_a_plain_cross_entropy(loss_fn, reason):
     assert plain_cross_entropy(F.mse_loss) is None and plain_cross_entropy(F.cross_entropy) == -100
 
 
-def test_replay_finds_rows_and_targets_or_refuses_other_shapes():
-    """At run time the loss is replayed on a storage-free stand-in of the full logits: the rows the
-    cross-entropy sees and the targets it gets, or a refusal when the classes are not last."""
+def test_replay_finds_the_local_input_and_targets_or_refuses():
+    """At run time the loss is replayed on a storage-free stand-in of the full logits: this rank's
+    shard of what the cross-entropy sees and the targets it gets, or a refusal when the classes
+    are not last or an index may touch them."""
     local = torch.randn(2, POSITIONS, 9)    # this rank's 9 of the 24 classes
     targets = torch.randint(0, VOCAB, (2, POSITIONS))
     for loss_fn in (_lm_view, _lm_reshape, _lm_flatten):
-        rows, target = recognise_cross_entropy(loss_fn, LM_SPEC).cross_entropy_args([local], targets, VOCAB)
-        assert rows == 2 * POSITIONS and torch.equal(target, targets.reshape(-1))
+        shard, target = recognise_cross_entropy(loss_fn, LM_SPEC).cross_entropy_args([local], targets, VOCAB)
+        assert torch.equal(shard, local.reshape(-1, 9)) and torch.equal(target, targets.reshape(-1))
+    shard, target = recognise_cross_entropy(_lm_shifted, LM_SPEC).cross_entropy_args([local], targets, VOCAB)
+    assert torch.equal(shard, local[:, :-1].reshape(-1, 9)) and torch.equal(target, targets[:, 1:].reshape(-1))
     with pytest.raises(UnrecognisedLoss, match=r"shape \(2, 24, 5\)"):
         recognise_cross_entropy(_lm_classes_in_dim_1, LM_SPEC).cross_entropy_args([local], targets, VOCAB)
+    first_classes = lambda out, y: F.cross_entropy(out.logits[..., :5].flatten(0, 1), y.flatten())  # noqa: E731
+    with pytest.raises(UnrecognisedLoss):
+        recognise_cross_entropy(first_classes, LM_SPEC).cross_entropy_args([local], targets, VOCAB)
 
 
 class _TwoHeads(nn.Module):
