@@ -116,17 +116,21 @@ class StageCost:
         """Costs of ``layers`` (contiguous indices into ``graphs.layers``).
 
         Optimizer state is recorded per TaskGraph; a layer carries the share of it that matches
-        its share of the TaskGraph's parameter bytes.
+        its share of the TaskGraph's parameter bytes. A tied parameter whose owning layer is in
+        another stage is a copy held here too (``Layer.borrowed_params``), counted once, with its
+        gradient and optimizer state.
         """
         if not layers:
             raise ValueError("a stage needs at least one layer")
         chosen = [graphs.layers[i] for i in layers]
+        inside = set(layers)
+        copies = {name: (owner, size) for l in chosen for owner, name, size in l.borrowed_params if owner not in inside}
         opt = 0.0
-        for layer in chosen:
+        for layer, size in [(l, l.param_bytes) for l in chosen] + [(graphs.layers[o], s) for o, s in copies.values()]:
             tg = graphs.graphs[layer.taskgraph]
             if tg.param_bytes > 0:
-                opt += tg.optimizer_state_bytes * layer.param_bytes / tg.param_bytes
-        params = float(sum(l.param_bytes for l in chosen))
+                opt += tg.optimizer_state_bytes * size / tg.param_bytes
+        params = float(sum(l.param_bytes for l in chosen) + sum(size for _, size in copies.values()))
         first, last = layers[0], layers[-1]
         received = graphs.layers[first - 1].cut_bytes_per_sample if first > 0 else 0.0
         sent = chosen[-1].cut_bytes_per_sample if last < len(graphs.layers) - 1 else 0.0

@@ -122,3 +122,21 @@ def test_a_model_returning_its_key_value_cache_gets_the_fix_named():
     with pytest.raises(wl.CaptureError, match="use_cache=False") as error:
         wl.capture(model, (torch.randint(0, 64, (2, 8)),))
     assert "\n" not in str(error.value)
+
+
+def test_a_stage_holding_a_tied_copy_counts_its_memory():
+    """GPT-2's lm_head owns no parameter (it reads transformer.wte.weight), but the stage that
+    holds it holds a copy of that matrix, its gradient and its optimizer state."""
+    from planner.cost_model import StageCost
+
+    real = build("gpt2")
+    inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
+    graphs = wl.capture(real.model, inputs)
+    head = next(l for l in graphs.layers if l.name == "lm_head")
+    wte = real.model.transformer.wte.weight
+    assert head.param_bytes == 0
+    assert head.borrowed_params == ((0, "transformer.wte.weight", wte.numel() * wte.element_size()),)
+    alone, whole = StageCost.of_layers(graphs, [head.index]), StageCost.of_layers(graphs, range(len(graphs.layers)))
+    assert alone.param_bytes == wte.numel() * wte.element_size()
+    assert alone.static_bytes == 4 * alone.param_bytes          # weights, gradients, AdamW's two moments
+    assert whole.param_bytes == sum(p.numel() * p.element_size() for p in real.model.parameters())

@@ -79,7 +79,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     for node in gm.graph.nodes:
         if node.name in regions.node_layer:
             layer_nodes[regions.node_layer[node.name]].append(node)
-    params = _parameter_owners(gm, regions)
+    params, borrowed = _parameter_owners(gm, regions)
     batchnorms = training_batchnorms(gm)
     cuts = _cut_bytes(gm, regions, costs, batch)
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
@@ -98,6 +98,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             cut_bytes_per_sample=cuts[i],
             nodes=tuple(n.name for n in nodes),
             batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
+            borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
         ))
 
     graphs = []
@@ -122,27 +123,41 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     )
 
 
-def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> dict[int, list[nn.Parameter]]:
-    """Layer index -> the parameters it owns: each parameter once, in the first layer that uses it."""
-    seen: set[int] = set()
+def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, list[nn.Parameter]], dict[int, dict]]:
+    """Layer index -> the parameters it owns: each parameter once, in the first layer that uses it;
+    and layer index -> ``{name: (owner layer, bytes)}`` of the parameters it uses that an earlier
+    layer owns (tied weights: GPT-2's ``lm_head`` reads ``transformer.wte.weight``)."""
+    names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=True)}
+    owner_of: dict[int, int] = {}
     owners: dict[int, list[nn.Parameter]] = defaultdict(list)
+    borrowed: dict[int, dict] = defaultdict(dict)
     for node in gm.graph.nodes:
+        if node.name not in regions.node_layer:
+            continue
+        layer = regions.node_layer[node.name]
         if node.op == "call_module":
             used = list(gm.get_submodule(node.target).parameters())
-        elif node.op == "get_attr":
-            owner, _, attr = node.target.rpartition(".")
-            value = getattr(gm.get_submodule(owner) if owner else gm, attr)
-            used = [value] if isinstance(value, nn.Parameter) else []
+        elif node.op in ("call_function", "call_method"):
+            used = [value for value in (_attr_value(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr")
+                    if isinstance(value, nn.Parameter)]
         else:
             continue
         for p in used:
-            if id(p) not in seen:
-                seen.add(id(p))
-                owners[regions.node_layer[node.name]].append(p)
+            if id(p) not in owner_of:
+                owner_of[id(p)] = layer
+                owners[layer].append(p)
+            elif owner_of[id(p)] != layer:
+                borrowed[layer][names[id(p)]] = (owner_of[id(p)], p.numel() * p.element_size())
+    seen = set(owner_of)
     unused = [n for n, p in gm.named_parameters() if id(p) not in seen]
     if unused:
         log.warning("capture: parameters never used by forward are in no TaskGraph: %s", ", ".join(unused))
-    return owners
+    return owners, borrowed
+
+
+def _attr_value(gm: fx.GraphModule, target: str):
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
 def _tensor_bytes(spec) -> int:

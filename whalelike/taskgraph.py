@@ -61,7 +61,9 @@ class Layer:
     un-annotated code) in execution order. ``cut_bytes_per_sample`` is what a stage boundary placed
     right after this layer would have to send (every live value produced at or before it and used
     after it). ``batchnorm``: the BatchNorm modules the layer runs in training mode
-    (:mod:`whalelike.batchnorm`)."""
+    (:mod:`whalelike.batchnorm`). ``borrowed_params``: ``(owner layer, name, bytes)`` of each
+    parameter the layer uses that an earlier layer owns (tied weights); a stage that holds this
+    layer but not the owner holds a copy of it, with its gradient and optimizer state."""
 
     index: int
     name: str
@@ -74,6 +76,7 @@ class Layer:
     cut_bytes_per_sample: float
     nodes: tuple[str, ...] = ()
     batchnorm: tuple[str, ...] = ()
+    borrowed_params: tuple[tuple[int, str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ class TaskGraphs:
                                    "shardable": dict(g["shardable"]),
                                    "shard_groups": tuple(ShardGroup.from_dict(sg) for sg in g.get("shard_groups", ()))})
                       for g in data["graphs"]]
-            layers = [Layer(**{**l, "nodes": tuple(l["nodes"]), "batchnorm": tuple(l.get("batchnorm", ()))})
+            layers = [Layer(**{**l, "nodes": tuple(l["nodes"]), "batchnorm": tuple(l.get("batchnorm", ())),
+                                "borrowed_params": tuple(tuple(b) for b in l.get("borrowed_params", ()))})
                       for l in data["layers"]]
             boundaries = [Boundary(b["src"], b["dst"], tuple(
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
