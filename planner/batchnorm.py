@@ -38,7 +38,8 @@ def batchnorm_warnings(plan: Plan) -> list[str]:
         if slots > 1 and not plan.sync_batchnorm:
             out.append(f"{what} on {slots} data-parallel workers: each normalises with the statistics of its own "
                        f"samples (as DDP does), so training differs from a single device; plan with "
-                       f"wl.Config(sync_batchnorm=True) to synchronise the statistics over the stage's workers")
+                       f"wl.Config(sync_batchnorm=True) (whalelike plan --sync-batchnorm) to synchronise the "
+                       f"statistics over the stage's workers")
         elif slots > 1 and micro_batches > 1:
             out.append(f"{what} with statistics synchronised over {slots} workers but taken per micro-batch "
                        f"({micro_batches} per step), so training differs from a single device normalising the "

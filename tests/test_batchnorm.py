@@ -124,7 +124,8 @@ def test_batchnorm_warning_text(caplog, tmp_path):
     assert first.batchnorm == ["bn1"] and second.batchnorm == ["bn2"]
     expected = ("stage 0 runs BatchNorm in training mode (bn1) on 2 data-parallel workers: each normalises with "
                 "the statistics of its own samples (as DDP does), so training differs from a single device; plan "
-                "with wl.Config(sync_batchnorm=True) to synchronise the statistics over the stage's workers")
+                "with wl.Config(sync_batchnorm=True) (whalelike plan --sync-batchnorm) to synchronise the statistics "
+                "over the stage's workers")
     assert f"warning: {expected}" in plan.summary().splitlines()
     assert expected in caplog.messages and len(caplog.messages) == 2
 

@@ -267,6 +267,15 @@ def test_plan_prints_the_summary_and_writes_every_file(capsys, synthetic_capture
     assert code == 0 and "simulated step (1f1b, 4 micro-batch(es))" in out
 
 
+def test_plan_sync_batchnorm_flag_is_recorded(capsys, synthetic_capture, tmp_path):
+    for flags, expected in (([], False), (["--sync-batchnorm"], True)):
+        out_yaml = tmp_path / f"plan{expected}.yaml"
+        code, _, _ = run(capsys, "plan", "model.py:workload", "--cluster", "emulated-4", "--global-batch", "16",
+                         *flags, "-o", str(out_yaml))
+        assert code == 0
+        assert planner.Plan.from_yaml(out_yaml).sync_batchnorm is expected
+
+
 @pytest.mark.parametrize("example", ["hybrid_classifier", "gpt", "third_party", "hf_gpt2"])
 def test_plan_each_example_on_the_emulated_cluster(capsys, tmp_path, example):
     spec = str(Path(__file__).parent.parent / "examples" / f"{example}.py") + ":build"

@@ -194,7 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cluster = Cluster.load(args.cluster)
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
-                    schedule=args.schedule, optimizer=args.optimizer)
+                    schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm)
     with _outputs() as out:
         # stage every target first: a bad output directory fails before minutes of work
         targets = [(args.output, planner.Plan.to_yaml),
@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step: pipeline depth, or gradient accumulation for one stage (default: 1)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
     p.add_argument("--optimizer", **optimizer)
+    p.add_argument("--sync-batchnorm", action="store_true",
+                   help="BatchNorm in training mode takes its statistics over each stage's data-parallel group "
+                        "(exact against one device with one micro-batch); default: per worker, as DDP")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan")
     p.add_argument("--timeline", metavar="PNG", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="JSON", help="also write the simulated step as a Chrome trace (open in ui.perfetto.dev)")
