@@ -33,3 +33,21 @@ def train_reference(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tenso
         opt.step()
         losses.append(loss.detach())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_trains_like_reference(engine, batches: Sequence[tuple[tuple, torch.Tensor]], losses: Sequence[torch.Tensor],
+                                 final: dict[str, torch.Tensor], label: str) -> list[torch.Tensor]:
+    """Train ``engine`` one step per batch; assert each step's loss and the final full state equal
+    the reference's (``train_reference``'s ``losses`` and ``final``). Returns the engine's losses."""
+    from torch.testing import assert_close
+
+    got = []
+    for step, batch in enumerate(batches):
+        loss = engine.train_step(batch)
+        assert_close(loss, losses[step], msg=lambda m: f"{label}: loss of step {step}: {m}")
+        got.append(loss)
+    state = engine.state_dict()
+    assert state.keys() == final.keys(), f"{label}: state keys differ: {sorted(set(state) ^ set(final))}"
+    for key, value in final.items():
+        assert_close(state[key], value, msg=lambda m: f"{label}: final {key}: {m}")
+    return got

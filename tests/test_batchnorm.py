@@ -36,7 +36,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from whalelike.cluster import Cluster
 from whalelike.taskgraph import TaskGraphs
@@ -214,13 +214,8 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
             losses, final = train_reference(model, data, make_opt, loss_fn)
             engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
                             timeout_s=120)
-            got = [engine.train_step(batch) for batch in data]
-            for step, loss in enumerate(got):
-                assert_close(loss, losses[step], msg=lambda m: f"{where}: loss of step {step}: {m}")
-            state = engine.state_dict()
-            assert state.keys() == final.keys(), f"{where}: {sorted(state)} != {sorted(final)}"
-            for key, value in final.items():   # running_mean/var and num_batches_tracked included
-                assert_close(state[key], value, msg=lambda m: f"{where}: final {key}: {m}")
+            # the final state includes running_mean/var and num_batches_tracked
+            got = assert_trains_like_reference(engine, data, losses, final, where)
             trained = copy.deepcopy(model)
             trained.load_state_dict(final)
             inputs, targets = data[0]

@@ -13,12 +13,11 @@ import copy
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from whalelike.cli import load_workload
 from whalelike.cluster import Cluster
@@ -58,12 +57,7 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
             losses, final = train_reference(workload.model, data, make_opt, workload.loss_fn)
             engine = Engine(copy.deepcopy(workload.model), plan, optimizer=make_opt, loss_fn=workload.loss_fn,
                             cluster=_cluster(), timeout_s=120)
-            for step, batch in enumerate(data):
-                assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"{spec}/{opt}: loss of step {step}: {m}")
-            state = engine.state_dict()
-            assert state.keys() == final.keys(), f"{spec}: {sorted(state)} != {sorted(final)}"
-            for key, value in final.items():
-                assert_close(state[key], value, msg=lambda m: f"{spec}/{opt}: final {key}: {m}")
+            assert_trains_like_reference(engine, data, losses, final, f"{spec}/{opt}")
         shapes[spec] = {n: tuple(p.shape) for n, p in engine.executor.stage.module.named_parameters()}
     return shapes
 

@@ -20,14 +20,13 @@ import copy
 
 import pytest
 import torch
-from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from hf_models import ALL, TRANSFORMERS, build
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from whalelike.cluster import Cluster
 
@@ -91,12 +90,7 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
             losses, final = train_reference(real.model, data, make_opt, real.loss_fn)
             engine = Engine(copy.deepcopy(real.model), plan, optimizer=make_opt, loss_fn=real.loss_fn,
                             cluster=_cluster(), timeout_s=120)
-            for step, batch in enumerate(data):
-                assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"{name}/{opt}: loss of step {step}: {m}")
-            state = engine.state_dict()
-            assert state.keys() == final.keys(), f"{name}: {sorted(set(state) ^ set(final))}"
-            for key, value in final.items():
-                assert_close(state[key], value, msg=lambda m: f"{name}/{opt}: final {key}: {m}")
+            assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
         shapes[name] = engine.worker.stage
     return shapes
 

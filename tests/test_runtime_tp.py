@@ -31,7 +31,7 @@ from torch.testing import assert_close
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from whalelike.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
@@ -160,12 +160,7 @@ def _check(name: str, opt: str) -> dict:
     losses, final = train_reference(model, data, OPTIMIZERS[opt], loss_fn)
     engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS[opt], loss_fn=loss_fn,
                     cluster=make_cluster(speeds), timeout_s=60)
-    for step, batch in enumerate(data):
-        assert_close(engine.train_step(batch), losses[step], msg=f"{name}/{opt}: loss of step {step}")
-    state = engine.state_dict()
-    assert state.keys() == final.keys(), f"{name}: {sorted(state)} != {sorted(final)}"
-    for key, value in final.items():
-        assert_close(state[key], value, msg=f"{name}/{opt}: final {key}")
+    assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
     trained = copy.deepcopy(model)
     trained.load_state_dict(final)
     (inputs, targets), = batches(model, plan.global_batch_size, seed=2)[:1]

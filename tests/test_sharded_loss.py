@@ -21,17 +21,15 @@ import logging
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.testing import assert_close
-from torch.utils._pytree import tree_flatten, tree_structure
+from torch.utils._pytree import tree_structure
 from transformers.modeling_outputs import CausalLMOutput
 
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
                                   recognise_cross_entropy)
 from whalelike.cluster import Cluster, Device, Network
@@ -288,12 +286,7 @@ def _run_case(rank: int, name: str) -> dict:
         losses, final = train_reference(model, data, make_opt, loss_fn)
         engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
                         timeout_s=60)
-        for step, batch in enumerate(data):
-            assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"{name}/{opt}: loss of step {step}: {m}")
-        state = engine.state_dict()
-        assert state.keys() == final.keys(), f"{name}: {sorted(state)} != {sorted(final)}"
-        for key, value in final.items():
-            assert_close(state[key], value, msg=lambda m: f"{name}/{opt}: final {key}: {m}")
+        assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
         params = dict(engine.executor.stage.module.named_parameters())
         result[opt] = {"head_rows": next((tuple(p.shape)[0] for n, p in params.items()
                                           if n.endswith(f"{head.replace('.', '_')}.weight")), None),

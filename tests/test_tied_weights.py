@@ -27,13 +27,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing import assert_close
 
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from runtime.pipeline import PipelineExecutor
 from runtime.stages import node_stages_from_plan
@@ -167,13 +166,7 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
             losses, final = train_reference(model, data, make_opt, loss_fn)
             engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
                             timeout_s=120)
-            got = [engine.train_step(batch) for batch in data]
-            for step, loss in enumerate(got):
-                assert_close(loss, losses[step], msg=lambda m: f"{label}: loss of step {step}: {m}")
-            state = engine.state_dict()
-            assert state.keys() == final.keys(), f"{label}: {sorted(state)} != {sorted(final)}"
-            for key, value in final.items():
-                assert_close(state[key], value, msg=lambda m: f"{label}: final {key}: {m}")
+            got = assert_trains_like_reference(engine, data, losses, final, label)
             _check_copies_identical(engine, label)
             losses_seen[label] = [float(v) for v in got]
     _check_subgroup_plan_is_refused(rank)

@@ -17,14 +17,13 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 import whalelike as wl
 from dist_utils import run_ranks
 from hf_models import TRANSFORMERS, RealModel, lm_loss
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.tensor_parallel import shard_layout
-from reference import OPTIMIZERS, train_reference
+from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
 from runtime import Engine
 from runtime.tp_layers import _ParallelLinear
 from whalelike.cluster import Cluster, Device, Network
@@ -101,12 +100,7 @@ def _check(name: str, opt: str, plan: Plan) -> dict:
     losses, final = train_reference(real.model, data, OPTIMIZERS[opt], real.loss_fn)
     engine = Engine(copy.deepcopy(real.model), plan, optimizer=OPTIMIZERS[opt], loss_fn=real.loss_fn,
                     cluster=CLUSTER, timeout_s=120)
-    for step, batch in enumerate(data):
-        assert_close(engine.train_step(batch), losses[step], msg=f"{name}/{opt}: loss of step {step}")
-    state = engine.state_dict()
-    assert state.keys() == final.keys(), f"{name}: {sorted(set(state) ^ set(final))}"
-    for key, value in final.items():
-        assert_close(state[key], value, msg=f"{name}/{opt}: final {key}")
+    assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
     stage = engine.executor.stage.module
     return {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
             for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
