@@ -5,15 +5,16 @@ columns. ``torch.distributed.tensor`` (DTensor) only shards evenly, so the sizes
 here and the runtime builds its sharded Linears from them.
 
 What is cut is a shard group (``TaskGraph.shard_groups``, :mod:`whalelike.shard_groups`): an
-attention block into heads (grouped-query attention: key/value heads with their query heads), an
-MLP or a lone projection into features. Every member of a group gets the same units per device, so
-q/k/v/o (or gate/up/down, or GPT-2's fused ``c_attn``) line up. Feature units are cut in granules
-of 8 when the dimension is a multiple of 8 with at least 8 per device (tensor cores and vectorised
-kernels want aligned sizes), heads one by one; each device gets at least one granule, shares are
-proportional to speed, and the memory cap of each device bounds its share (Whale Algorithm 1 on
-granules, see :mod:`planner.data_parallel`). A stage uses one layout for all its tensor-parallel
-groups, because data-parallel replicas of a shard must have identical shapes to all-reduce their
-gradients.
+attention block into heads (grouped-query attention: key/value heads with their query heads;
+multi-query attention: query heads, its k/v projections replicated, outside every group and so
+priced as unsharded work), an MLP or a lone projection into features. Every member of a group
+gets the same units per device, so q/k/v/o (or gate/up/down, or GPT-2's fused ``c_attn``) line
+up. Feature units are cut in granules of 8 when the dimension is a multiple of 8 with at least 8 per
+device (tensor cores and vectorised kernels want aligned sizes), heads one by one; each device gets
+at least one granule, shares are proportional to speed, and the memory cap of each device bounds its
+share (Whale Algorithm 1 on granules, see :mod:`planner.data_parallel`). A stage uses one layout for
+all its tensor-parallel groups, because data-parallel replicas of a shard must have identical shapes
+to all-reduce their gradients.
 
 The resulting per-device *fraction* of the stage (its compute time and memory) counts only the
 sharded work as divided: whatever a ``split`` region leaves unsharded (layer norms, embeddings,

@@ -14,7 +14,11 @@ The invariant: rank ``i`` computes exactly the slice of units ``[u_i, u_i + n_i)
 sharded value that the unsharded block would compute, so the row projections' partial sums add up
 to the unsharded output, forward and backward. A replicated tensor that meets a sharded one (a
 mask broadcast over heads, rotary ``cos``/``sin``) contributes to only this rank's units, so its
-gradient, if it has one, is summed over the group (:class:`EnterRegion`).
+gradient, if it has one, is summed over the group (:class:`EnterRegion`). Multi-query attention's
+k/v projections stay whole (``BlockAnalysis.replicated_projections``, plain layers) and enter the
+attention that way: at its repeat_kv ``expand`` (cut, like its ``reshape``, to this rank's query
+heads) or at ``scaled_dot_product_attention(enable_gqa=True)``; the group sum of their per-rank
+gradients is the full gradient, once.
 
 Emulation: the parallel projections are emulation segments as before (their local FLOPs); the
 attention and other operators between them run at the machine's real speed, unpadded.

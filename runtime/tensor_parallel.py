@@ -9,7 +9,8 @@ parallel counterpart from :mod:`runtime.tp_layers`:
   features, as :func:`whalelike.sharding.analyse_blocks` finds them in the dataflow: column
   projections, the operators between them localised to this rank's heads
   (:mod:`runtime.block_sharding`), row projections. The sharded activations never leave the rank;
-  a group costs one all-reduce forward and one backward.
+  a group costs one all-reduce forward and one backward. Multi-query attention's k/v projections
+  stay whole on every rank (no plan entry, logged as replicated).
 * **column + gather**: any other projection. Its output is all-gathered (uneven, padded) so what
   follows sees the full tensor.
 * **class-sharded classifier**: a lone Linear whose output is the model output, or one leaf of it
@@ -136,6 +137,8 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
         node = next((n for n in candidates if n.name == name), None)
         if node is not None and roles.get(path_of(node)) == "column+gather":
             log.info("split: %s is not sharded with a group (%s); its output is gathered", path_of(node), reason)
+    for node in analysis.replicated_projections:
+        log.info("split: %s stays whole on every rank (key/value of multi-query attention)", path_of(node))
     log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
     return ShardedModule(gm, roles, sharded_loss)
 

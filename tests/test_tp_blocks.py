@@ -1,5 +1,6 @@
 """Shard groups of ``split`` regions, single process: the analysis on export graphs (GPT-2, BERT,
-ViT, Llama with grouped-query and multi-query attention) and fx graphs, the planner's uneven
+ViT, Llama with grouped-query attention and with multi-query attention, whose k/v projections stay
+whole) and fx graphs, the planner's uneven
 layouts (whole heads, every member alike, unsharded work priced whole), plan checks of hand-edited
 sizes, serialisation, and the planning error of a ``split`` region with nothing to shard.
 Multi-rank exactness is in ``test_tp_transformers.py``.
@@ -19,6 +20,7 @@ from hf_models import TRANSFORMERS
 from planner.plan import PlanError
 from planner.plan_checks import check_plan
 from planner.tensor_parallel import shard_layout
+from whalelike.regions import ATTACHED_META
 from whalelike.shard_groups import ShardGroup, ShardMember
 from whalelike.taskgraph import TaskGraphs
 
@@ -35,6 +37,12 @@ def _groups(split) -> dict[str, tuple]:
     return {f"{g.kind} {g.units}": tuple((m.path.rsplit(".", 2)[-2] + "." + m.path.rsplit(".", 1)[-1], m.role,
                                           m.per_unit, m.pieces) for m in g.members)
             for g in split.shard_groups if ".1." in g.members[0].path}
+
+
+def _region(graphs, split) -> list[str]:
+    """The nodes ``split`` shards (un-annotated code attached to it is never sharded), as capture analyses them."""
+    attached = {n.name for n in graphs.graph_module.graph.nodes if n.meta.get(ATTACHED_META)}
+    return [name for name, t in graphs.node_taskgraph.items() if t == split.index and name not in attached]
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +91,42 @@ def test_export_graphs_shard_attention_by_heads_and_mlps_by_features(hf_splits):
         assert 0.6 * work < sharded <= work * (1 + 1e-9), (name, [layer.name for layer in blocks])
 
 
-def test_multi_query_attention_keeps_attention_whole_and_shards_the_mlp():
+def test_multi_query_attention_shards_query_heads_and_keeps_key_value_whole():
     from transformers import LlamaConfig, LlamaForCausalLM
+    from whalelike.sharding import analyse_blocks, shard_groups_of
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                                          num_key_value_heads=1, intermediate_size=128, vocab_size=256,
                                          use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0))
-    _, split = _split_graph(model, "model.layers.1", (torch.randint(0, 256, (2, 8)),))
-    kinds = sorted((g.kind, g.units, len(g.members)) for g in split.shard_groups)
-    # one key/value head cannot be cut: q, k, v, o fall back to lone projections (gathered), never wrong
-    assert kinds == [("lone", 16, 1), ("lone", 16, 1), ("lone", 64, 1), ("lone", 64, 1), ("mlp", 128, 3)]
+    graphs, split = _split_graph(model, "model.layers.1", (torch.randint(0, 256, (2, 8)),))
+    # one key/value head cannot be cut: a unit is one query head (q and o by head_dim 16), k/v are no members
+    assert _groups(split) == {
+        "attention 4": (("self_attn.q_proj", "column", 16, 1), ("self_attn.o_proj", "row", 16, 1)),
+        "mlp 128": (("mlp.gate_proj", "column", 1, 1), ("mlp.up_proj", "column", 1, 1),
+                    ("mlp.down_proj", "row", 1, 1)),
+    }
+    assert not any(p.endswith(("k_proj", "v_proj")) for p in split.shardable)
+    gm = graphs.graph_module
+    analysis = analyse_blocks(gm, _region(graphs, split))
+    whole = sorted(n.target for n in analysis.replicated_projections)
+    assert whole == ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
+    assert not any(n.target.endswith(("k_proj", "v_proj")) for n in analysis.lone)
+    # repeat_kv: the expand of the one key/value head and its reshape are cut to the rank's query heads,
+    # and k/v enter the sharded attention there (gradient summed over the tensor-parallel group)
+    repeats = {n.name: (s.dim, s.size) for n, s in analysis.reshapes.items()
+               if n.target == torch.ops.aten.expand.default}
+    assert sorted(repeats.values()) == [(2, 4), (2, 4)]
+    assert {n.name for n, _ in analysis.replicated_operands} >= set(repeats)
+    # the k/v projections are priced as unsharded work: no group's FLOPs include them
+    groups = shard_groups_of(gm, analysis, lambda n: n.target,
+                             lambda n: 1.0 if str(n.target).endswith(("k_proj", "v_proj")) else 0.0)
+    assert [g.flops_per_sample for g in groups] == [0.0] * len(groups)
+
+
+def test_grouped_query_attention_with_cuttable_key_value_heads_replicates_nothing(hf_splits):
+    from whalelike.sharding import analyse_blocks
+    graphs, split = hf_splits["llama"]
+    assert analyse_blocks(graphs.graph_module, _region(graphs, split)).replicated_projections == []
 
 
 class FxBlock(nn.Module):
@@ -131,6 +165,31 @@ class FxNet(nn.Module):
         return self.head(self.block(self.embed(x)))
 
 
+class FxMultiQuery(nn.Module):
+    """An fx-traceable multi-query attention block: 4 query heads and one key/value head that
+    ``scaled_dot_product_attention(enable_gqa=True)`` broadcasts (no repeat_kv)."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.q, self.o = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.k, self.v = nn.Linear(hidden, hidden // heads), nn.Linear(hidden, hidden // heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, 1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, 1, self.head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
+
+
+class FxMultiQueryNet(FxNet):
+    def __init__(self):
+        super().__init__()
+        self.block = FxMultiQuery()
+
+
 def test_fx_graphs_shard_explicit_attention_and_swiglu():
     torch.manual_seed(0)
     graphs, split = _split_graph(FxNet(), "block", (torch.randn(2, 6, 5),))
@@ -141,6 +200,12 @@ def test_fx_graphs_shard_explicit_attention_and_swiglu():
                            ("block.o", "row", 8)],
         ("mlp", 64): [("block.gate", "column", 1), ("block.up", "column", 1), ("block.down", "row", 1)],
     }
+    # multi-query attention through enable_gqa: q/o by query heads, the one key/value head whole
+    torch.manual_seed(0)
+    graphs, split = _split_graph(FxMultiQueryNet(), "block", (torch.randn(2, 6, 5),))
+    assert graphs.method == "fx"
+    assert [(g.kind, g.units, [(m.path, m.role, m.per_unit) for m in g.members]) for g in split.shard_groups] == [
+        ("attention", 4, [("block.q", "column", 8), ("block.o", "row", 8)])]
 
 
 def test_planner_cuts_whole_heads_alike_and_prices_unsharded_work_whole():

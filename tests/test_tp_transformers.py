@@ -1,12 +1,15 @@
 """``split`` over whole transformer blocks of real Hugging Face models, exact against a single process.
 
-GPT-2 (fused ``c_attn`` Conv1D), BERT, ViT and a Llama-style decoder (grouped-query attention with
-8 query and 4 key/value heads, SwiGLU, rotary embeddings) each get ``split(2)`` over two of their
+GPT-2 (fused ``c_attn`` Conv1D), BERT, ViT and a Llama-style decoder (grouped-query attention with 8
+query and 4 key/value heads, SwiGLU, rotary embeddings) each get ``split(2)`` over two of their
 blocks, and a block captured with torch.fx (not torch.export) over one, planned for devices of
-speeds 3 and 1: attention 3 heads to 1 (Llama: 3 key/value heads with their 6 query heads to 1
-with 2), MLP features 3 to 1. Two gloo ranks (one spawn for all
-models) train the model under ``runtime.Engine`` for 3 steps with SGD and AdamW in float64, and the
-losses and the gathered final parameters must match the single-process reference.
+speeds 3 and 1: attention 3 heads to 1 (Llama: 3 key/value heads with their 6 query heads to 1 with
+2), MLP features 3 to 1. Multi-query attention (a Llama with one key/value head, and an fx block
+whose ``scaled_dot_product_attention(enable_gqa=True)`` broadcasts it) shards q/o 3 query heads to 1
+and keeps k/v whole on both ranks: their weights must still end exactly as the reference's, so their
+gradient is summed over the ranks' query heads once, never doubled. Two gloo ranks (one spawn for
+all models) train the model under ``runtime.Engine`` for 3 steps with SGD and AdamW in float64, and
+the losses and the gathered final parameters must match the single-process reference.
 
 The plan has one stage holding every TaskGraph: the replicated embeddings and outer blocks run
 whole on both ranks (same samples), the split blocks sharded between them.
@@ -42,9 +45,21 @@ def llama_gqa() -> RealModel:
     return RealModel("llama-gqa", LlamaForCausalLM(config), real.make_batch, lm_loss, {}, real.blocks)
 
 
-def fx_block() -> RealModel:
-    """A block torch.fx traces (call_method views with literal head counts, matmul attention, SwiGLU)."""
-    from test_tp_blocks import FxNet
+def llama_mqa() -> RealModel:
+    """Multi-query Llama: 4 query heads, one key/value head (head_dim 16). q/o shard by query heads
+    (3:1), k/v stay whole on both ranks and their repeat_kv expand is cut to each rank's heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                         intermediate_size=128, vocab_size=256, use_cache=False, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    real = TRANSFORMERS["llama"]()
+    return RealModel("llama-mqa", LlamaForCausalLM(config), real.make_batch, lm_loss, {}, real.blocks)
+
+
+def fx_block(net: str = "FxNet") -> RealModel:
+    """A block torch.fx traces (call_method views with literal head counts, matmul attention, SwiGLU;
+    ``FxMultiQueryNet``: multi-query attention through ``scaled_dot_product_attention(enable_gqa=True)``)."""
+    import test_tp_blocks
 
     def make_batch(batch: int, gen: torch.Generator):
         return (torch.randn(batch, 6, 5, generator=gen),), torch.randint(0, 3, (batch, 6), generator=gen)
@@ -52,11 +67,11 @@ def fx_block() -> RealModel:
     def loss_fn(out, targets):
         return F.cross_entropy(out.reshape(-1, 3), targets.reshape(-1))
 
-    return RealModel("fx-block", FxNet(), make_batch, loss_fn, {}, "block")
+    return RealModel(f"fx-{net}", getattr(test_tp_blocks, net)(), make_batch, loss_fn, {}, "block")
 
 
 MODELS = {"gpt2": TRANSFORMERS["gpt2"], "bert": TRANSFORMERS["bert"], "vit": TRANSFORMERS["vit"], "llama": llama_gqa,
-          "fx-block": fx_block}
+          "llama-mqa": llama_mqa, "fx-block": fx_block, "fx-mqa": lambda: fx_block("FxMultiQueryNet")}
 
 
 def build(name: str) -> RealModel:
@@ -102,8 +117,12 @@ def _check(name: str, opt: str, plan: Plan) -> dict:
                     cluster=CLUSTER, timeout_s=120)
     assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
     stage = engine.executor.stage.module
-    return {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
-            for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
+    layers = {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
+              for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
+    # projections left whole in the split blocks (multi-query attention's k/v), as plain (or padded) Linears
+    layers.update({path: ("whole", tuple(m.weight.shape), 1) for path, m in stage.named_modules()
+                   if isinstance(m, torch.nn.Linear) and any(f"layers_{i}_self_attn" in path for i in (1, 2))})
+    return layers
 
 
 def _ranks(rank: int, world_size: int) -> dict:
@@ -142,11 +161,22 @@ def test_transformer_blocks_split_unevenly_match_single_process():
             assert _layers(llama, "layers_1_self_attn_o_proj") == ("RowParallelLinear", (64, 2 * 8 * heads), 1)
             assert _layers(llama, "layers_2_mlp_gate_proj") == ("ColumnParallelLinear", (features, 64), 1)
             assert _layers(llama, "layers_2_mlp_down_proj") == ("RowParallelLinear", (64, features), 1)
+            # multi-query Llama: q/o by query heads 3:1 (head_dim 16), k/v whole on both ranks
+            mqa = got["llama-mqa", opt]
+            assert _layers(mqa, "layers_1_self_attn_q_proj") == ("ColumnParallelLinear", (16 * heads, 64), 1)
+            assert _layers(mqa, "layers_2_self_attn_o_proj") == ("RowParallelLinear", (64, 16 * heads), 1)
+            assert _layers(mqa, "layers_1_self_attn_k_proj") == ("whole", (16, 64), 1)
+            assert _layers(mqa, "layers_2_self_attn_v_proj") == ("whole", (16, 64), 1)
+            assert _layers(mqa, "layers_2_mlp_down_proj") == ("RowParallelLinear", (64, features), 1)
             # torch.fx graph: literal head counts in call_method views, explicit matmul attention
             fx = got["fx-block", opt]
             assert _layers(fx, "block_q") == ("ColumnParallelLinear", (8 * heads, 32), 1)
             assert _layers(fx, "block_o") == ("RowParallelLinear", (32, 8 * heads), 1)
             assert _layers(fx, "block_down") == ("RowParallelLinear", (32, features // 2), 1)
+            fx_mqa = got["fx-mqa", opt]
+            assert _layers(fx_mqa, "block_q") == ("ColumnParallelLinear", (8 * heads, 32), 1)
+            assert _layers(fx_mqa, "block_o") == ("RowParallelLinear", (32, 8 * heads), 1)
+            assert set(fx_mqa) == {"block_q", "block_o"}   # k/v whole
             # nothing outside the split blocks is sharded
             assert not any("layer_0" in k or "layers_0" in k or "h_0" in k or "layer_3" in k or "layers_3" in k
                            for model in got.values() for k in model)

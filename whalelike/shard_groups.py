@@ -7,7 +7,8 @@ member of a group must be cut at the same places, or the activations between the
 SwiGLU products) would not line up. So a group is described by
 
 * ``units``: how many indivisible pieces the group has (attention: heads, or for grouped-query
-  attention one key/value head with its query heads; an MLP: its hidden features), and
+  attention one key/value head with its query heads; multi-query attention: query heads, its k/v
+  projections replicated and no members; an MLP: its hidden features), and
 * per member, ``per_unit``: how many elements of its sharded dimension one unit holds
   (q_proj: ``head_dim`` times the query heads per unit; an MLP's up_proj: 1).
 
@@ -81,6 +82,7 @@ class ShardGroup:
 WHAT_SPLIT_SHARDS = (
     "nn.Linear and GPT-2 Conv1D projections: column/row pairs through elementwise operators (MLPs, "
     "gated MLPs such as SwiGLU), attention blocks by heads (q/k/v column, output projection row; "
-    "grouped-query attention by key/value heads), a lone projection (its output gathered), and a "
+    "grouped-query attention by key/value heads; multi-query attention by query heads, k/v whole), "
+    "a lone projection (its output gathered), and a "
     "classifier whose logits go to F.cross_entropy / nn.CrossEntropyLoss / wl.token_cross_entropy"
 )

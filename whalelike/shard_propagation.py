@@ -22,6 +22,12 @@ blocks:
 * batched ``matmul`` and ``scaled_dot_product_attention`` whose q, k, v are sharded along the
   heads dimension (with ``enable_gqa``, k and v have fewer heads: one unit is one key/value head
   and its query heads, which is what the block structure gives);
+* multi-query attention, only for the attention nodes the driver names (``broadcast_kv``) with
+  their k/v projections replicated (``replicated_projections``): q sharded by heads, k and v
+  whole. One key/value head under ``enable_gqa`` broadcasts as it is; a repeat_kv (``expand`` of
+  a size-1 dimension, then views, used by nothing else) becomes sharded like q, because every
+  block of a broadcast dimension is the same data. Either way k/v are replicated operands: their
+  gradient covers this rank's query heads and is summed over the group;
 * ``split``/``chunk`` of a projection's own output along the sharded dimension: a fused
   projection (GPT-2's ``c_attn``), each piece cut into the same units.
 
@@ -147,8 +153,11 @@ def _shape(node: Any) -> Optional[tuple]:
 
 # -- the propagation --------------------------------------------------------------------------------
 class _Propagation:
-    def __init__(self, gm: fx.GraphModule, region: set[str], demoted: set[str]):
+    def __init__(self, gm: fx.GraphModule, region: set[str], demoted: set[str],
+                 replicated_projections: frozenset[str] = frozenset(), broadcast_kv: frozenset[str] = frozenset()):
         self.gm, self.region, self.demoted = gm, region, demoted
+        self.replicated_projections = replicated_projections   # computed whole on every rank (MQA's k/v)
+        self.broadcast_kv = broadcast_kv   # attention nodes that may read replicated k/v (multi-query)
         self.state: dict[fx.Node, Sharded] = {}
         self.split_state: dict[fx.Node, tuple[Sharded, int, tuple[int, ...]]] = {}
         self.parent: dict[int, int] = {}
@@ -229,7 +238,8 @@ class _Propagation:
                 self.break_group(in_state.group, f"projection {node.name!r} reads the sharded value {x.name!r} "
                                  "but not as its input features")
             return
-        if node.name in self.demoted or shape is None or len(node.all_input_nodes) != 1:
+        if (node.name in self.demoted or node.name in self.replicated_projections or shape is None
+                or len(node.all_input_nodes) != 1):
             return
         g = len(self.parent)
         self.parent[g] = g
@@ -416,6 +426,8 @@ class _Propagation:
 
     def attention(self, node: fx.Node) -> Sharded:
         q, k, v = node.args[:3]
+        if node.name in self.broadcast_kv and q in self.state and k not in self.state and v not in self.state:
+            return self.attention_replicated_kv(node)
         if not all(t in self.state for t in (q, k, v)):
             raise _Unsafe("attention whose query, key and value are not all sharded by heads")
         ndim = len(self.shape(q))
@@ -435,6 +447,71 @@ class _Propagation:
             self.broadcast_check(node, [mask], heads, len(self.shape(node)))
         self.kinds[self.find(group)].add("attention")
         return Sharded(group, heads, states[0].size)
+
+    def attention_replicated_kv(self, node: fx.Node) -> Sharded:
+        """Multi-query attention: q sharded by heads, k and v replicated (their projections whole on
+        every rank). Each rank's query heads read the one key/value head: under ``enable_gqa`` k/v
+        of one head broadcast as they are; after ``repeat_kv`` (expand of the one head to every
+        query head, then reshape) the expand and reshape are cut to this rank's heads. Either way
+        k/v enter the sharded attention as replicated operands (gradient summed over the group)."""
+        q, k, v = node.args[:3]
+        s = self.state[q]
+        heads = len(self.shape(q)) - 3
+        if s.pieces or s.dim != heads:
+            raise _Unsafe(f"attention sharded along dimension {s.dim}, not the heads dimension {heads}")
+        for t in (k, v):
+            kv_heads = self.shape(t)[heads]
+            if kv_heads == 1 and _arg(node, 7, "enable_gqa"):
+                self.replicated.append((node, t))
+            elif kv_heads == self.shape(q)[heads]:
+                self.adopt_repeated(t, s)
+            else:
+                raise _Unsafe(f"replicated key/value with {kv_heads} heads for {self.shape(q)[heads]} query heads "
+                              "(only one key/value head, broadcast or repeated, can stay whole)")
+        mask = _arg(node, 3, "attn_mask")
+        if isinstance(mask, fx.Node):
+            if mask in self.state:
+                raise _Unsafe("a sharded attention mask")
+            self.broadcast_check(node, [mask], heads, len(self.shape(node)))
+        self.kinds[self.find(s.group)].add("attention")
+        return s
+
+    def adopt_repeated(self, value: fx.Node, query: Sharded) -> None:
+        """Shard ``value`` (a replicated k or v of full query heads) like ``query`` when it is one
+        head repeated: ``expand`` of a size-1 dimension, then views, each used only by the next.
+        Any block of a broadcast dimension is the same data, so cutting the expand and the views to
+        this rank's heads is exact; the expand's input enters the region (its gradient, partial
+        over this rank's heads, is summed over the group)."""
+        chain = [value]
+        while not _target_is(chain[-1], {aten.expand.default}, {"expand"}):
+            if not _target_is(chain[-1], _RESHAPES, _RESHAPE_METHODS):
+                raise _Unsafe(f"replicated key/value {value.name!r} is not one head repeated (expand, then views)")
+            chain.append(chain[-1].args[0])
+        for n in chain:
+            if n.name not in self.region or len([u for u in n.users if u.target not in _IGNORED]) != 1:
+                raise _Unsafe(f"the repeated key/value {n.name!r} is used by more than the attention")
+        expand = chain[-1]
+        source = expand.args[0]
+        in_shape, out_shape = self.shape(source), self.shape(expand)
+        offset = len(out_shape) - len(in_shape)
+        grown = [d for d in range(len(out_shape)) if out_shape[d] not in (1, None)
+                 and (d < offset or in_shape[d - offset] == 1)]
+        if len(grown) != 1:
+            raise _Unsafe(f"{expand.name!r} does not repeat exactly one size-1 dimension")
+        states = {expand: Sharded(query.group, grown[0], out_shape[grown[0]])}
+        previous = expand
+        for n in reversed(chain[:-1]):
+            dim = _reshaped_dim(self.shape(previous), self.shape(n), states[previous].dim)
+            if dim is None:
+                raise _Unsafe(f"the view {n.name!r} of the repeated key/value mixes the repeated dimension")
+            states[n] = Sharded(query.group, dim, self.shape(n)[dim])
+            previous = n
+        if states[value].dim != query.dim or states[value].size != query.size:
+            raise _Unsafe(f"the repeated key/value {value.name!r} does not line up with the query heads")
+        self.state.update(states)
+        self.reshapes.update(states)
+        self.sizes[self.find(query.group)] += [st.size for st in states.values()]
+        self.replicated.append((expand, source))
 
     def matmul(self, node: fx.Node) -> Sharded:
         a, b = node.args[:2]

@@ -15,7 +15,14 @@ the sharded dimension, a view that mixes it with another dimension, an operator 
 that never reaches a row projection, or whose sizes have no common divisor above 1, falls back:
 its column projections are re-analysed as lone ones (output gathered) and the propagation runs
 again until no group breaks, so what cannot be proven exact falls back, never silently wrong.
-Multi-query attention (one key/value head) therefore keeps q/k/v whole; only its MLP shards.
+Multi-query attention (one key/value head, which cannot be cut into units) breaks its group
+first; the driver then retries it once the Megatron way (:func:`_replicated_kv`): the k/v
+projections are *replicated* (whole on every rank, in ``BlockAnalysis.replicated_projections``,
+never a group member, so no plan ``shard_sizes`` entry and no share of the group's FLOPs: the
+planner prices them as unsharded work), q and o are cut by query heads (a unit is one query head),
+and the repeat_kv ``expand``/``reshape`` are cut to the rank's query heads. Only if that breaks too
+do q/k/v/o fall back to lone projections. Grouped-query attention whose key/value heads can be
+cut never reaches the retry, so it keeps key/value heads as units.
 
 The views: :class:`BlockAnalysis` (groups, lone projections, what the runtime rewrites),
 :func:`shard_groups_of` / :func:`shardable_fields` (the TaskGraph's plain data at capture),
@@ -34,7 +41,7 @@ import torch.fx as fx
 
 from .regions import ATTACHED_META
 from .shard_groups import ShardGroup, ShardMember
-from .shard_propagation import SHAPES_META, Sharded, _Propagation, projection_dims
+from .shard_propagation import _SDPA, SHAPES_META, Sharded, _Propagation, _target_is, projection_dims
 from .shard_propagation import full_shapes  # noqa: F401 - re-exported: public here before the split
 
 TASKGRAPH_META = "wl_taskgraph"  # node.meta key: the TaskGraph index (node names change when stages are cut)
@@ -68,6 +75,7 @@ class BlockAnalysis:
     splits: dict[fx.Node, tuple[int, tuple[int, ...]]]
     replicated_operands: list[tuple[fx.Node, fx.Node]]
     fallbacks: dict[str, str]   # projection node name -> why it was not sharded with a group
+    replicated_projections: list[fx.Node] = field(default_factory=list)   # whole on every rank (MQA's k/v)
 
     def group_of(self, node: fx.Node) -> Optional[Group]:
         for g in self.groups:
@@ -98,13 +106,18 @@ def analyse_blocks(gm: fx.GraphModule, region: Iterable[str]) -> BlockAnalysis:
     """Shard groups of the nodes named in ``region`` (a split TaskGraph's nodes) of ``gm``.
 
     Runs the propagation until no group breaks: a broken group's column projections become lone
-    projections and the rest is re-analysed without them. Pure: ``gm`` is not modified.
+    projections and the rest is re-analysed without them. A broken group whose attention reads k/v
+    that cannot be cut (multi-query attention) first gets one retry with the k/v projections
+    replicated (:func:`_replicated_kv`); if that breaks too, they fall back like the rest.
+    Pure: ``gm`` is not modified.
     """
     region = set(region)
     demoted: set[str] = set()
     fallbacks: dict[str, str] = {}
+    attempts: dict[str, set[str]] = {}   # attention node -> its k/v projections, replicated while it holds
+    tried: set[str] = set()
     while True:
-        prop = _Propagation(gm, region, demoted)
+        prop = _Propagation(gm, region, demoted, frozenset().union(*attempts.values()), frozenset(attempts))
         prop.run()
         bad = {}
         for root in {prop.find(g) for g in prop.parent}:
@@ -115,16 +128,72 @@ def analyse_blocks(gm: fx.GraphModule, region: Iterable[str]) -> BlockAnalysis:
                 bad[root] = "its sharded output never reaches a row projection"
             elif units < 2:
                 bad[root] = "its sharded dimensions have no common divisor above 1 (nothing to cut into units)"
+        for name, kv in list(attempts.items()):
+            attention = next(n for n in gm.graph.nodes if n.name == name)
+            root = prop.find(prop.state[attention].group) if attention in prop.state else None
+            if root is None or root in bad:
+                del attempts[name]
+                demoted |= kv
+                for column in kv:
+                    fallbacks[column] = ("key/value projection of multi-query attention whose query heads could not be "
+                                         f"sharded ({bad.get(root, 'the query projection fell back')})")
         if not bad:
             break
+        new = _replicated_kv(prop, bad, tried)
+        tried |= set(new)
+        attempts.update(new)
+        # the groups of the retried queries and k/v projections are re-analysed, not demoted, this round
+        retried_nodes = [a.args[0] for a in _nodes(gm, new)] + _nodes(gm, set().union(*new.values()))
+        retried = {prop.find(prop.state[n].group) for n in retried_nodes if n in prop.state}
         for root, reason in bad.items():
+            if root in retried:
+                continue
             for column in prop.columns[root]:
                 demoted.add(column.name)
                 fallbacks[column.name] = reason
-    return _result(prop, fallbacks)
+    return _result(prop, fallbacks, set().union(*attempts.values()))
 
 
-def _result(prop: _Propagation, fallbacks: dict[str, str]) -> BlockAnalysis:
+def _nodes(gm: fx.GraphModule, names: Iterable[str]) -> list[fx.Node]:
+    names = set(names)
+    return [n for n in gm.graph.nodes if n.name in names]
+
+
+def _replicated_kv(prop: _Propagation, bad: Mapping[int, str], tried: set[str]) -> dict[str, set[str]]:
+    """Multi-query attention to retry: ``scaled_dot_product_attention`` nodes whose query is sharded
+    in a broken group, with the column projections that feed only its key and value (not its query)
+    to replicate. Megatron's answer to one key/value head: q and o sharded by query heads, k and v
+    whole on every rank."""
+    out = {}
+    columns = {c.name for cs in prop.columns.values() for c in cs}
+    for node in prop.gm.graph.nodes:
+        if node.name not in prop.region or node.name in tried or not _target_is(node, _SDPA):
+            continue
+        q, k, v = node.args[:3]
+        if q not in prop.state or prop.find(prop.state[q].group) not in bad:
+            continue
+        kv = _projections_above(prop, [k, v]) - _projections_above(prop, [q])
+        if kv and kv <= columns:
+            out[node.name] = kv
+    return out
+
+
+def _projections_above(prop: _Propagation, values: list) -> set[str]:
+    """Names of the nearest projections of the region that ``values`` are computed from."""
+    found, seen, todo = set(), set(), [v for v in values if isinstance(v, fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.name in prop.region and prop.projection(node) is not None:
+            found.add(node.name)
+        else:
+            todo.extend(node.all_input_nodes)
+    return found
+
+
+def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: set[str]) -> BlockAnalysis:
     groups: dict[int, Group] = {}
     for root in sorted({prop.find(g) for g in prop.parent}):
         kind = "attention" if "attention" in prop.kinds[root] else "mlp"
@@ -138,9 +207,10 @@ def _result(prop: _Propagation, fallbacks: dict[str, str]) -> BlockAnalysis:
     projections = [n for n in prop.gm.graph.nodes if n.name in prop.region and prop.projection(n) is not None]
     members = {n for g in groups.values() for n in g.columns + g.rows}
     reshapes = {n: state[n] for n in prop.reshapes}
-    return BlockAnalysis(list(groups.values()), [n for n in projections if n not in members], state, reshapes,
-                         dict(prop.splits), list(dict.fromkeys(prop.replicated)),
-                         {k: v for k, v in fallbacks.items()})
+    whole = [n for n in projections if n.name in replicated]
+    return BlockAnalysis(list(groups.values()), [n for n in projections if n not in members and n not in whole],
+                         state, reshapes, dict(prop.splits), list(dict.fromkeys(prop.replicated)),
+                         {k: v for k, v in fallbacks.items()}, whole)
 
 
 # -- the TaskGraph view -----------------------------------------------------------------------------
