@@ -28,11 +28,9 @@ import copy
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -44,7 +42,7 @@ from runtime.emulation import Emulator  # noqa: E402
 from runtime.pipeline import PipelineExecutor  # noqa: E402
 from runtime.stages import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
-from timing import seconds_per_step  # noqa: E402
+from timing import seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -204,10 +202,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--base-gflops", type=float, default=0.5, help="emulated GFLOP/s of a speed-1 device")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=WORLD, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(worker, args, WORLD)
     print(f"pipeline, 2 stages, 1F1B, {args.micro_batches} micro-batches of a global batch of {args.batch}, "
           f"{args.blocks} Linear({args.dim}) blocks + head, gloo CPU, emulated base {args.base_gflops} GFLOP/s")
     for scenario in SCENARIOS:

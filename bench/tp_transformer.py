@@ -39,11 +39,9 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -54,7 +52,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.emulation import EmulationStats, Emulator  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
-from timing import seconds_per_step  # noqa: E402
+from timing import seconds_per_step, spawn_ranks  # noqa: E402
 from tp_vs_dtensor import emulate_dtensor_linear  # noqa: E402
 
 WORLD = 2
@@ -182,10 +180,7 @@ def main() -> None:
     parser.add_argument("--base-gflops", type=float, default=2.0, help="emulated GFLOP/s of a speed-1 device")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=WORLD, join=True)
-        results = dict(results)
+    results = spawn_ranks(worker, args, WORLD)
 
     print(f"transformer block d={args.dim}, {args.heads} heads, MLP {args.mlp}, batch {args.batch} x {args.seq} "
           f"positions, {WORLD} gloo ranks, emulated base {args.base_gflops} GFLOP/s, {args.rounds} rounds x "

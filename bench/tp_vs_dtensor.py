@@ -35,11 +35,9 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.emulation import EmulationStats, Emulator  # noqa: E402
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
-from timing import seconds_per_step  # noqa: E402
+from timing import seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -158,10 +156,7 @@ def main() -> None:
     parser.add_argument("--base-gflops", type=float, default=1.0, help="emulated GFLOP/s of a speed-1 device")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=WORLD, join=True)
-        results = dict(results)
+    results = spawn_ranks(worker, args, WORLD)
 
     print(f"MLP block d={args.dim} (hidden {4 * args.dim}), batch {args.batch}, {WORLD} gloo ranks, "
           f"emulated base {args.base_gflops} GFLOP/s, {args.rounds} rounds x {args.steps} steps per side")
