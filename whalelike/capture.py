@@ -26,6 +26,7 @@ from .batchnorm import training_batchnorms
 from .config import OPTIMIZERS
 from .costs import NodeCosts, measure
 from .errors import CaptureError
+from .graph_nodes import attribute
 from .recompute import recompute_constants
 from .regions import Regions, assign_regions
 from .sharding import shardable_fields
@@ -138,7 +139,7 @@ def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, l
         if node.op == "call_module":
             used = list(gm.get_submodule(node.target).parameters())
         elif node.op in ("call_function", "call_method"):
-            used = [value for value in (_attr_value(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr")
+            used = [value for value in (attribute(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr")
                     if isinstance(value, nn.Parameter)]
         else:
             continue
@@ -153,11 +154,6 @@ def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, l
     if unused:
         log.warning("capture: parameters never used by forward are in no TaskGraph: %s", ", ".join(unused))
     return owners, borrowed
-
-
-def _attr_value(gm: fx.GraphModule, target: str):
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
 def _tensor_bytes(spec) -> int:

@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from .graph_nodes import attribute
 from torch.nn.modules.batchnorm import _BatchNorm
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ def _collapse(gm: fx.GraphModule, path: str, module: nn.Module, nodes: list[fx.N
             if arg in inside or _is_shape_read(arg):
                 continue
             if arg.op == "get_attr":
-                value = _attr(gm, arg.target)
+                value = attribute(gm, arg.target)
                 if id(value) not in own:
                     return False
                 read.add(id(value))
@@ -103,11 +105,6 @@ def _is_shape_read(node: fx.Node) -> bool:
     """A symbolic size (``aten.sym_size``): an int the module recomputes from its own input."""
     value = node.meta.get("val")
     return isinstance(value, torch.SymInt) or (node.op == "call_function" and "sym_size" in str(node.target))
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _has_submodule(root: nn.Module, path: str) -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .graph_nodes import attribute, mutates
 from .regions import Regions
 
 
@@ -28,11 +29,11 @@ def constant_derived(gm: fx.GraphModule) -> set[fx.Node]:
     derived: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            if not isinstance(_attr(gm, node.target), nn.Parameter):
+            if not isinstance(attribute(gm, node.target), nn.Parameter):
                 derived.add(node)
         elif node.op == "call_function" and _reads_shape_of_input(node):
             derived.add(node)
-        elif node.op in ("call_function", "call_method") and not _mutates(node):
+        elif node.op in ("call_function", "call_method") and not mutates(node):
             if all(a in derived for a in node.all_input_nodes):
                 derived.add(node)
     return derived
@@ -96,16 +97,3 @@ def _reads_shape_of_input(node: fx.Node) -> bool:
     if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0].op != "placeholder":
         return False
     return isinstance(node.meta.get("val"), torch.SymInt) or "sym_size" in str(node.target)
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
-        return schema.is_mutable
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_")
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)

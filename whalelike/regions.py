@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Optional
 
 import torch.fx as fx
 import torch.nn as nn
 
+from .graph_nodes import attribute, mutates
 from .strategy import Strategy, default_strategy, default_strategy_is_set
 
 log = logging.getLogger(__name__)
@@ -146,12 +146,7 @@ def _uses_parameters(node: fx.Node, gm: fx.GraphModule) -> bool:
         return any(True for _ in gm.get_submodule(node.target).parameters())
     if node.op == "get_attr":
         return False
-    return any(a.op == "get_attr" and isinstance(_attr(gm, a.target), nn.Parameter) for a in node.all_input_nodes)
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+    return any(a.op == "get_attr" and isinstance(attribute(gm, a.target), nn.Parameter) for a in node.all_input_nodes)
 
 
 def _resolve_glue(body: list[fx.Node], scope: dict, layer: dict) -> None:
@@ -218,7 +213,7 @@ def _reorder(gm: fx.GraphModule, body: list[fx.Node], explicit: list[fx.Node], s
         layer_rank.setdefault(layer[n], len(layer_rank))
     preds: dict[fx.Node, set[fx.Node]] = {n: {a for a in n.all_input_nodes if a in position} for n in body}
     for n in body:
-        if _mutates(n) and n.args and isinstance(n.args[0], fx.Node):
+        if mutates(n) and n.args and isinstance(n.args[0], fx.Node):
             for other in n.args[0].users:
                 if other is n or other not in position:
                     continue
@@ -252,24 +247,6 @@ def _reorder(gm: fx.GraphModule, body: list[fx.Node], explicit: list[fx.Node], s
         anchor.prepend(n)
     gm.graph.lint()
     gm.recompile()
-
-
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
-
-
-def _mutates(node: fx.Node) -> bool:
-    target = node.target
-    if target in _INPLACE_OPERATORS:
-        return True
-    if node.op == "call_method":
-        return target.endswith("_") and not target.startswith("_")
-    if node.op == "call_function":
-        schema = getattr(target, "_schema", None)
-        if schema is not None:
-            return schema.is_mutable
-        name = getattr(target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
 
 
 # -- layer names ------------------------------------------------------------------------------------
