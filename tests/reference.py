@@ -35,12 +35,20 @@ def train_reference(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tenso
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_trains_like_reference(engine, batches: Sequence[tuple[tuple, torch.Tensor]], losses: Sequence[torch.Tensor],
-                                 final: dict[str, torch.Tensor], label: str) -> list[torch.Tensor]:
-    """Train ``engine`` one step per batch; assert each step's loss and the final full state equal
-    the reference's (``train_reference``'s ``losses`` and ``final``). Returns the engine's losses."""
+def assert_engine_trains_like_reference(model: nn.Module, plan, batches: Sequence[tuple[tuple, torch.Tensor]],
+                                        make_opt: Callable, loss_fn: Callable, cluster, label: str,
+                                        timeout_s: float = 120):
+    """Train a copy of ``model`` under ``plan`` with ``runtime.Engine`` and another in one process
+    (:func:`train_reference`) from the same weights on the same ``batches``; assert each step's loss
+    and the final full state are equal. Returns the engine, its losses and the reference's final
+    state, for further checks."""
     from torch.testing import assert_close
 
+    from runtime import Engine
+
+    losses, final = train_reference(model, batches, make_opt, loss_fn)
+    engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=cluster,
+                    timeout_s=timeout_s)
     got = []
     for step, batch in enumerate(batches):
         loss = engine.train_step(batch)
@@ -50,4 +58,4 @@ def assert_trains_like_reference(engine, batches: Sequence[tuple[tuple, torch.Te
     assert state.keys() == final.keys(), f"{label}: state keys differ: {sorted(set(state) ^ set(final))}"
     for key, value in final.items():
         assert_close(state[key], value, msg=lambda m: f"{label}: final {key}: {m}")
-    return got
+    return engine, got, final

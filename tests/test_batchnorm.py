@@ -36,8 +36,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
-from runtime import Engine
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.cluster import Cluster
 from whalelike.taskgraph import TaskGraphs
 
@@ -211,11 +210,9 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
         data = _batches(size)
         for opt, make_opt in OPTIMIZERS.items():
             where = f"{label}/{opt}"
-            losses, final = train_reference(model, data, make_opt, loss_fn)
-            engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
-                            timeout_s=120)
             # the final state includes running_mean/var and num_batches_tracked
-            got = assert_trains_like_reference(engine, data, losses, final, where)
+            engine, got, final = assert_engine_trains_like_reference(model, plan, data, make_opt, loss_fn, _cluster(),
+                                                                     where)
             trained = copy.deepcopy(model)
             trained.load_state_dict(final)
             inputs, targets = data[0]

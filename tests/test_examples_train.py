@@ -9,16 +9,13 @@ SGD and with AdamW, then losses and final parameters are compared.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
-from runtime import Engine
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.cli import load_workload
 from whalelike.cluster import Cluster
 
@@ -54,10 +51,8 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
         data = [(_double(inputs), targets) for inputs, targets in
                 (workload.make_batch(GLOBAL_BATCH, g) for _ in range(STEPS))]
         for opt, make_opt in OPTIMIZERS.items():
-            losses, final = train_reference(workload.model, data, make_opt, workload.loss_fn)
-            engine = Engine(copy.deepcopy(workload.model), plan, optimizer=make_opt, loss_fn=workload.loss_fn,
-                            cluster=_cluster(), timeout_s=120)
-            assert_trains_like_reference(engine, data, losses, final, f"{spec}/{opt}")
+            engine, _, _ = assert_engine_trains_like_reference(workload.model, plan, data, make_opt, workload.loss_fn,
+                                                               _cluster(), f"{spec}/{opt}")
         shapes[spec] = {n: tuple(p.shape) for n, p in engine.executor.stage.module.named_parameters()}
     return shapes
 

@@ -26,8 +26,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from hf_models import ALL, TRANSFORMERS, build
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
-from runtime import Engine
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.cluster import Cluster
 
 pytest.importorskip("transformers")  # a pinned test dependency (pyproject [dev]); never skipped in CI
@@ -87,10 +86,8 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
         data = [(_to(inputs, torch.float64), targets)
                 for inputs, targets in (real.make_batch(GLOBAL_BATCH, gen) for _ in range(STEPS))]
         for opt, make_opt in OPTIMIZERS.items():
-            losses, final = train_reference(real.model, data, make_opt, real.loss_fn)
-            engine = Engine(copy.deepcopy(real.model), plan, optimizer=make_opt, loss_fn=real.loss_fn,
-                            cluster=_cluster(), timeout_s=120)
-            assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
+            engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, make_opt, real.loss_fn,
+                                                               _cluster(), f"{name}/{opt}")
         shapes[name] = engine.worker.stage
     return shapes
 

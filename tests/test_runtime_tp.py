@@ -31,8 +31,7 @@ from torch.testing import assert_close
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
-from runtime import Engine
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
 
@@ -157,10 +156,8 @@ def _check(name: str, opt: str) -> dict:
     model = make_model()
     plan = make_plan(model, schedule, stages, workers)
     data, loss_fn = batches(model, plan.global_batch_size, seed=1), loss_of(model)
-    losses, final = train_reference(model, data, OPTIMIZERS[opt], loss_fn)
-    engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS[opt], loss_fn=loss_fn,
-                    cluster=make_cluster(speeds), timeout_s=60)
-    assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
+    engine, _, final = assert_engine_trains_like_reference(model, plan, data, OPTIMIZERS[opt], loss_fn,
+                                                           make_cluster(speeds), f"{name}/{opt}", timeout_s=60)
     trained = copy.deepcopy(model)
     trained.load_state_dict(final)
     (inputs, targets), = batches(model, plan.global_batch_size, seed=2)[:1]

@@ -16,7 +16,6 @@ smallest layout where the head's stage is not also the whole model.
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -29,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutput
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
                                   recognise_cross_entropy)
 from whalelike.cluster import Cluster, Device, Network
@@ -274,8 +273,6 @@ def _cluster() -> Cluster:
 
 
 def _run_case(rank: int, name: str) -> dict:
-    from runtime import Engine
-
     make_model, loss_fn, head, classes, _ = CASES[name]
     torch.manual_seed(0)
     model = make_model().double()
@@ -283,10 +280,8 @@ def _run_case(rank: int, name: str) -> dict:
     plan = _plan(wl.capture(model, data[0][0]), head, classes)
     result = {}
     for opt, make_opt in OPTIMIZERS.items():
-        losses, final = train_reference(model, data, make_opt, loss_fn)
-        engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
-                        timeout_s=60)
-        assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
+        engine, _, _ = assert_engine_trains_like_reference(model, plan, data, make_opt, loss_fn, _cluster(),
+                                                           f"{name}/{opt}", timeout_s=60)
         params = dict(engine.executor.stage.module.named_parameters())
         result[opt] = {"head_rows": next((tuple(p.shape)[0] for n, p in params.items()
                                           if n.endswith(f"{head.replace('.', '_')}.weight")), None),

@@ -21,8 +21,6 @@ process group, and says so.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,7 +30,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime import Engine
 from runtime.pipeline import PipelineExecutor
 from runtime.stages import node_stages_from_plan
@@ -163,10 +161,8 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
         data = _batches(GLOBAL_BATCH)
         for opt, make_opt in OPTIMIZERS.items():
             label = f"{name}/{opt}"
-            losses, final = train_reference(model, data, make_opt, loss_fn)
-            engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=_cluster(),
-                            timeout_s=120)
-            got = assert_trains_like_reference(engine, data, losses, final, label)
+            engine, got, _ = assert_engine_trains_like_reference(model, plan, data, make_opt, loss_fn, _cluster(),
+                                                                 label)
             _check_copies_identical(engine, label)
             losses_seen[label] = [float(v) for v in got]
     _check_subgroup_plan_is_refused(rank)

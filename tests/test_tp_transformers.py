@@ -16,8 +16,6 @@ whole on both ranks (same samples), the split blocks sharded between them.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
@@ -26,8 +24,7 @@ from dist_utils import run_ranks
 from hf_models import TRANSFORMERS, RealModel, lm_loss
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.tensor_parallel import shard_layout
-from reference import OPTIMIZERS, assert_trains_like_reference, train_reference
-from runtime import Engine
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime.tp_layers import _ParallelLinear
 from whalelike.cluster import Cluster, Device, Network
 
@@ -112,10 +109,8 @@ CLUSTER = Cluster("test-2", tuple(Device(f"emu-{i}", "emu", "localhost", peak_tf
 def _check(name: str, opt: str, plan: Plan) -> dict:
     real = build(name)
     data = batches(real, 1)
-    losses, final = train_reference(real.model, data, OPTIMIZERS[opt], real.loss_fn)
-    engine = Engine(copy.deepcopy(real.model), plan, optimizer=OPTIMIZERS[opt], loss_fn=real.loss_fn,
-                    cluster=CLUSTER, timeout_s=120)
-    assert_trains_like_reference(engine, data, losses, final, f"{name}/{opt}")
+    engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, OPTIMIZERS[opt], real.loss_fn, CLUSTER,
+                                                       f"{name}/{opt}")
     stage = engine.executor.stage.module
     layers = {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
               for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
