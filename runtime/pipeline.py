@@ -51,8 +51,9 @@ its data-parallel group (:mod:`runtime.batchnorm`). Those syncs are collectives 
 and backward, so under emulation they fall inside the stage's compute segments.
 
 Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
-model inputs and targets are tensors batched along dimension 0; only ``nn.Linear`` modules are
-sharded.
+model inputs and targets are tensors batched along dimension 0; ``split`` shards projections
+(``nn.Linear``, GPT-2's ``Conv1D``) and the attention between them, nothing else
+(:mod:`runtime.tensor_parallel`).
 """
 from __future__ import annotations
 
