@@ -12,6 +12,12 @@ computation and :meth:`Emulator.wait_deadline` right before the collective is la
 :meth:`Emulator.pad_forward` pads a module's own forward with hooks, so whatever a wrapper does
 around it (DDP's pre-forward bucket rebuild, a collective) stays outside the segment.
 
+Segments have a kind: ``"stage"`` (a whole stage's forward or backward, or any other compute) or
+``"matmul"`` (one matrix multiplication, as the tensor-parallel layers pad them). A straggler with
+``ops="matmul"`` (the FlexTP paper's chi) slows only the latter. The stats keep the FLOPs of the
+recorded segments and the time spent in matmul segments, so the straggler monitor can measure a
+rank's speed (FLOPs / compute time) and the time its matmuls take, as on real hardware.
+
 Calibration (:func:`calibrate`): ``base_gflops`` must be low enough that the real computation fits
 inside the modeled time of the *fastest* emulated device even while every rank competes for the
 machine's cores; otherwise real time leaks into the measurement and the emulated speeds flatten.
@@ -45,7 +51,9 @@ class EmulationStats:
 
     ``real_s`` is compute actually done, ``modeled_s`` what the emulated device would take,
     ``padded_s`` the time the segments occupied (``max(real, modeled)`` each); ``worst_overrun``
-    is the largest real/modeled ratio among overrunning segments (0 when none overran).
+    is the largest real/modeled ratio among overrunning segments (0 when none overran); ``flops``
+    the FLOPs of the recorded segments, ``matmul_s`` the padded time of the segments of kind
+    ``"matmul"`` (part of ``padded_s``).
     """
 
     segments: int = 0
@@ -54,6 +62,8 @@ class EmulationStats:
     real_s: float = 0.0
     padded_s: float = 0.0
     worst_overrun: float = 0.0
+    flops: float = 0.0
+    matmul_s: float = 0.0
 
     def snapshot(self) -> "EmulationStats":
         return dataclasses.replace(self)
@@ -65,6 +75,7 @@ class EmulationStats:
             segments=self.segments - earlier.segments, overruns=self.overruns - earlier.overruns,
             modeled_s=self.modeled_s - earlier.modeled_s, real_s=self.real_s - earlier.real_s,
             padded_s=self.padded_s - earlier.padded_s, worst_overrun=self.worst_overrun,
+            flops=self.flops - earlier.flops, matmul_s=self.matmul_s - earlier.matmul_s,
         )
 
 
@@ -85,6 +96,8 @@ class Emulator:
         self._deadline: Optional[float] = None
         self._begun_at = 0.0
         self._modeled = 0.0
+        self._flops = 0.0
+        self._kind = "stage"
 
     @classmethod
     def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
@@ -98,27 +111,32 @@ class Emulator:
     def disabled(cls) -> "Emulator":
         return cls(None, None)
 
-    def straggle_factor(self) -> float:
+    def straggle_factor(self, kind: str = "stage") -> float:
+        """Product of the factors of the stragglers slowing a segment of ``kind`` on this rank now."""
         factor = 1.0
         for s in self.emulation.stragglers if self.emulation else ():
-            if s.rank == self.rank and s.start_step <= self.step and (s.end_step is None or self.step < s.end_step):
+            if s.applies(self.rank, self.step, kind):
                 factor *= s.factor
         return factor
 
-    def modeled_seconds(self, flops: float, samples: int) -> float:
+    def modeled_seconds(self, flops: float, samples: int, kind: str = "stage") -> float:
         """Modeled duration of a segment of ``flops`` on ``samples`` samples on this device."""
+        _check_kind(kind)
         if not self.enabled:
             return 0.0
         em = self.emulation
         efficiency = 1.0
         if em.half_efficiency_batch:
             efficiency = samples / (samples + em.half_efficiency_batch)
-        return flops / (self.speed * em.base_gflops * 1e9 * efficiency) * self.straggle_factor()
+        return flops / (self.speed * em.base_gflops * 1e9 * efficiency) * self.straggle_factor(kind)
 
     # -- deadline API (for computations that launch collectives from inside) ----------------
-    def begin(self, flops: float, samples: int) -> None:
-        """Start a segment now; it may not end before its modeled duration has passed."""
-        self._modeled = self.modeled_seconds(flops, samples)
+    def begin(self, flops: float, samples: int, kind: str = "stage") -> None:
+        """Start a segment of ``kind`` (see :data:`SEGMENT_KINDS`) now; it may not end before its
+        modeled duration has passed."""
+        self._modeled = self.modeled_seconds(flops, samples, kind)
+        self._flops = float(flops)
+        self._kind = kind
         self._begun_at = time.perf_counter()
         self._deadline = self._begun_at + self._modeled
 
@@ -133,6 +151,9 @@ class Emulator:
         self.stats.real_s += real
         self.stats.modeled_s += modeled
         self.stats.padded_s += max(real, modeled)
+        self.stats.flops += self._flops
+        if self._kind == "matmul":
+            self.stats.matmul_s += max(real, modeled)
         if self.enabled:
             if now > self._deadline:
                 self.stats.overruns += 1
@@ -143,9 +164,9 @@ class Emulator:
         self._deadline = None
 
     @contextmanager
-    def segment(self, flops: float, samples: int):
-        """Run the enclosed computation as one compute segment (no collectives inside)."""
-        self.begin(flops, samples)
+    def segment(self, flops: float, samples: int, kind: str = "stage"):
+        """Run the enclosed computation as one compute segment of ``kind`` (no collectives inside)."""
+        self.begin(flops, samples, kind)
         try:
             yield
         finally:
@@ -161,7 +182,7 @@ class Emulator:
 
         def begin(_module, args, kwargs):
             samples = _batch_size(args, kwargs)
-            self.begin(flops_per_sample * samples, samples)
+            self.begin(flops_per_sample * samples, samples, "stage")
 
         def end(_module, _args, _kwargs, _output):
             self.wait_deadline()
@@ -174,6 +195,15 @@ class Emulator:
                 h.remove()
 
         return remove
+
+
+SEGMENT_KINDS = ("stage", "matmul")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in SEGMENT_KINDS:
+        raise ValueError(f"emulator segment kind must be one of {', '.join(map(repr, SEGMENT_KINDS))} ('matmul' for one "
+                         f"matrix multiplication, 'stage' for anything else), got {kind!r}")
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:

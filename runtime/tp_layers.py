@@ -141,7 +141,7 @@ class _EmulatedLinear(torch.autograd.Function):
         ctx.emulator = emulator
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        with emulator.segment(ctx.unit_flops, ctx.samples):
+        with emulator.segment(ctx.unit_flops, ctx.samples, kind="matmul"):
             return F.linear(x, weight, bias)
 
     @staticmethod
@@ -150,7 +150,7 @@ class _EmulatedLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         flops = ctx.unit_flops * (int(need_x) + int(need_w))
         grad_x = grad_w = grad_b = None
-        with ctx.emulator.segment(flops, ctx.samples):
+        with ctx.emulator.segment(flops, ctx.samples, kind="matmul"):
             if need_x:
                 grad_x = grad.matmul(weight)
             flat = grad.reshape(-1, grad.shape[-1])

@@ -36,7 +36,7 @@ import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from importlib import resources
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
@@ -47,13 +47,16 @@ PRESET_PACKAGE = "whalelike.presets"
 
 
 # -- field rules -----------------------------------------------------------------------------------
-def _meta(kind: type, doc: str, gt: Optional[float] = None, ge: Optional[float] = None) -> dict[str, Any]:
-    return {"type": kind, "gt": gt, "ge": ge, "doc": doc}
+def _meta(kind: type, doc: str, gt: Optional[float] = None, ge: Optional[float] = None,
+          choices: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
+    return {"type": kind, "gt": gt, "ge": ge, "doc": doc, "choices": choices}
 
 
-def _rule(kind: type, doc: str, *, gt: Optional[float] = None, ge: Optional[float] = None, **kw) -> Any:
-    """A dataclass field whose metadata holds its type (str, int or float), bound and meaning."""
-    return field(metadata=_meta(kind, doc, gt, ge), **kw)
+def _rule(kind: type, doc: str, *, gt: Optional[float] = None, ge: Optional[float] = None,
+          choices: Optional[tuple[str, ...]] = None, **kw) -> Any:
+    """A dataclass field whose metadata holds its type (str, int or float), bound (or, for a
+    string, its allowed values) and meaning."""
+    return field(metadata=_meta(kind, doc, gt, ge, choices), **kw)
 
 
 _KIND_TEXT = {str: "a non-empty string", int: "an integer", float: "a number"}
@@ -70,6 +73,9 @@ def _problem(value: Any, meta: Mapping[str, Any]) -> Optional[str]:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok:
         return f"must be {_KIND_TEXT[kind]} ({meta['doc']}), got {value!r}"
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        return f"must be one of {allowed} ({meta['doc']}), got {value!r}"
     if meta["gt"] is not None and not value > meta["gt"]:
         return f"must be > {meta['gt']:g}, got {value!r}"
     if meta["ge"] is not None and not value >= meta["ge"]:
@@ -115,14 +121,31 @@ class Network:
         _check_fields(self, "network")
 
 
+STRAGGLER_OPS = ("all", "matmul")
+
+
 @dataclass(frozen=True)
 class Straggler:
-    """Multiply the modeled time of ``rank`` by ``factor`` for steps in [start_step, end_step)."""
+    """Multiply the modeled time of ``rank`` by ``factor`` for steps in [start_step, end_step).
+
+    ``ops`` says which compute segments slow down: ``"all"`` (every segment), or ``"matmul"``
+    (only segments tagged as matrix multiplications: the FlexTP paper's chi, a device whose matmuls
+    are slower while the rest of its work is not). Stage-wide segments are modeled from their FLOPs,
+    which are matmul-class FLOPs too, but a ``"matmul"`` straggler leaves them alone, so the
+    tensor-parallel benchmarks can slow exactly the matmuls they pad one by one.
+    """
 
     rank: int = _rule(int, "rank of the slowed device", ge=0)
     factor: float = _rule(float, "slow-down factor, e.g. 3 for three times slower", gt=0)
     start_step: int = _rule(int, "first slowed step", ge=0, default=0)
     end_step: Optional[int] = _rule(int, "first step at normal speed again", ge=1, default=None)
+    ops: str = _rule(str, "which segments slow down: 'all', or 'matmul' for matrix multiplications only",
+                     choices=STRAGGLER_OPS, default="all")
+
+    def applies(self, rank: int, step: int, kind: str) -> bool:
+        """Whether this straggler slows a segment of ``kind`` ('stage' or 'matmul') on ``rank`` at ``step``."""
+        in_range = self.start_step <= step and (self.end_step is None or step < self.end_step)
+        return rank == self.rank and in_range and (self.ops == "all" or kind == self.ops)
 
     def __post_init__(self):
         _check_fields(self, f"straggler of rank {self.rank!r}")
@@ -147,6 +170,36 @@ class Emulation:
     def __post_init__(self):
         object.__setattr__(self, "stragglers", tuple(self.stragglers))
         _check_fields(self, "emulation")
+
+
+def round_robin_stragglers(ranks: Sequence[int], factor: float, period: int, start_step: int = 0,
+                           end_step: Optional[int] = None, ops: str = "all") -> tuple[Straggler, ...]:
+    """The FlexTP paper's dynamic scenario: one straggler at a time, rotating over ``ranks``.
+
+    ``ranks[0]`` is slowed by ``factor`` for ``period`` steps from ``start_step``, then ``ranks[1]``,
+    and so on, wrapping around, until ``end_step`` (the last straggler is cut there); without
+    ``end_step`` the rotation runs once, every rank slowed once. ``ops`` as in :class:`Straggler`.
+    Put the result in ``Emulation(stragglers=...)``.
+    """
+    ranks = list(ranks)
+    if not ranks:
+        raise SpecError("round_robin_stragglers: ranks must list at least one rank to slow, got []")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise SpecError(f"round_robin_stragglers: period must be an integer >= 1 (steps each rank stays slow), "
+                        f"got {period!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise SpecError(f"round_robin_stragglers: factor must be a number > 0 (e.g. 2 for twice slower), "
+                        f"got {factor!r}")
+    if end_step is None:
+        end_step = start_step + period * len(ranks)
+    elif end_step <= start_step:
+        raise SpecError(f"round_robin_stragglers: end_step must be > start_step ({start_step}), got {end_step}; "
+                        "or leave it out for one full rotation")
+    stragglers = []
+    for index, first in enumerate(range(start_step, end_step, period)):
+        stragglers.append(Straggler(rank=ranks[index % len(ranks)], factor=float(factor), start_step=first,
+                                    end_step=min(first + period, end_step), ops=ops))
+    return tuple(stragglers)
 
 
 @dataclass(frozen=True)
@@ -287,8 +340,9 @@ class Cluster:
             curve = ("" if em.half_efficiency_batch is None
                      else f", half efficiency at batch {em.half_efficiency_batch:g}")
             lines.append(f"emulation (testing): speed 1 = {em.base_gflops:g} GFLOP/s{curve}")
-            lines.extend(f"  straggler: rank {s.rank} x{s.factor:g} from step {s.start_step}"
-                         + ("" if s.end_step is None else f" to {s.end_step}") for s in em.stragglers)
+            lines.extend(f"  straggler: rank {s.rank} x{s.factor:g}" + (" (matmuls only)" if s.ops == "matmul" else "")
+                         + f" from step {s.start_step}" + ("" if s.end_step is None else f" to {s.end_step}")
+                         for s in em.stragglers)
         return "\n".join(lines)
 
 
@@ -448,7 +502,7 @@ def _parse_cluster(data: Any, origin: str) -> Cluster:
         stragglers = []
         listed = em.get("stragglers")
         for i, s in enumerate(r.sequence([] if listed is None else listed, "emulation.stragglers",
-                                         "stragglers ({rank, factor, start_step, end_step})", allow_empty=True)):
+                                         "stragglers ({rank, factor, start_step, end_step, ops})", allow_empty=True)):
             path = f"emulation.stragglers[{i}]"
             stragglers.append(r.build(Straggler, r.mapping(s, path, _rules(Straggler), _required(Straggler)), path))
         emulation = r.build(Emulation, {**em, "stragglers": tuple(stragglers)}, "emulation")
