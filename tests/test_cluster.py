@@ -122,6 +122,19 @@ def test_stragglers_and_emulation_load():
     assert Cluster.from_dict(cluster.to_dict()) == cluster
 
 
+def test_matmul_stragglers_load_round_trip_and_show():
+    d = Cluster.preset("emulated-2").to_dict()
+    d["emulation"]["stragglers"] = [{"rank": 1, "factor": 8, "start_step": 2, "ops": "matmul"}, {"rank": 0, "factor": 2}]
+    cluster = Cluster.from_dict(d)
+    assert cluster.emulation.stragglers == (Straggler(rank=1, factor=8.0, start_step=2, ops="matmul"),
+                                            Straggler(rank=0, factor=2.0))
+    assert cluster.emulation.stragglers[1].ops == "all"
+    assert Cluster.from_dict(yaml.safe_load(yaml.safe_dump(cluster.to_dict()))) == cluster
+    assert cluster.to_dict()["emulation"]["stragglers"][0]["ops"] == "matmul"
+    text = cluster.summary()
+    assert "straggler: rank 1 x8 (matmuls only) from step 2" in text and "straggler: rank 0 x2 from step 0" in text
+
+
 # -- bad input: each a clear one-line error naming the file, the field path, the value, the fix ----
 def write(tmp_path, text: str) -> Path:
     path = tmp_path / "cluster.yaml"
@@ -223,6 +236,10 @@ def test_straggler_errors_name_their_path():
     d["emulation"]["stragglers"] = [{"rank": 7, "factor": 2.0}]
     with pytest.raises(SpecError, match=r"straggler rank 7 does not exist; ranks are 0\.\.1"):
         Cluster.from_dict(d, origin="c.yaml")
+    d["emulation"]["stragglers"] = [{"rank": 0, "factor": 2.0, "ops": "matmuls"}]
+    with pytest.raises(SpecError, match=r"^c\.yaml: emulation\.stragglers\[0\]\.ops must be one of 'all', 'matmul' "
+                                        r"\(which segments slow down: .*\), got 'matmuls'$"):
+        Cluster.from_dict(d, origin="c.yaml")
     d["emulation"]["stragglers"] = [{"rank": 0, "factr": 2.0}]
     with pytest.raises(SpecError, match=r"emulation\.stragglers\[0\]\.factr: unknown key; did you mean 'factor'\?"):
         Cluster.from_dict(d, origin="c.yaml")
@@ -244,6 +261,8 @@ def test_records_validate_at_construction():
         Emulation(base_gflops=-1.0)
     with pytest.raises(SpecError, match=r"straggler of rank -1: rank must be >= 0"):
         Straggler(rank=-1, factor=2.0)
+    with pytest.raises(SpecError, match=r"straggler of rank 1: ops must be one of 'all', 'matmul' .*got 'conv'"):
+        Straggler(rank=1, factor=2.0, ops="conv")
 
 
 def test_cluster_invariants():

@@ -87,9 +87,36 @@ def test_pad_forward_pads_the_module_and_can_be_removed():
 
 
 def test_stats_since_a_snapshot():
-    stats = EmulationStats(segments=5, overruns=1, modeled_s=2.0, real_s=1.0, padded_s=2.5, worst_overrun=1.5)
-    earlier = EmulationStats(segments=2, overruns=1, modeled_s=0.5, real_s=0.25, padded_s=0.75)
-    assert stats.since(earlier) == EmulationStats(3, 0, 1.5, 0.75, 1.75, 1.5)
+    stats = EmulationStats(segments=5, overruns=1, modeled_s=2.0, real_s=1.0, padded_s=2.5, worst_overrun=1.5,
+                           flops=8e6, matmul_s=1.25)
+    earlier = EmulationStats(segments=2, overruns=1, modeled_s=0.5, real_s=0.25, padded_s=0.75, flops=2e6,
+                             matmul_s=0.5)
+    assert stats.since(earlier) == EmulationStats(3, 0, 1.5, 0.75, 1.75, 1.5, flops=6e6, matmul_s=0.75)
+    assert stats.snapshot() == stats and stats.snapshot() is not stats
+
+
+def test_segments_record_their_flops_and_matmul_time():
+    """Stage segments (pad_forward's too) count FLOPs but no matmul time; matmul segments count both."""
+    emulator = Emulator(1.0, Emulation(base_gflops=1.0))
+    with emulator.segment(2e6, 1):                   # kind "stage" by default, 2 ms
+        pass
+    assert emulator.stats.flops == 2e6 and emulator.stats.matmul_s == 0.0
+    with emulator.segment(1e6, 1, kind="matmul"):    # 1 ms
+        pass
+    assert emulator.stats.flops == 3e6
+    assert emulator.stats.matmul_s >= 1e-3 and emulator.stats.padded_s >= 3e-3
+    model = nn.Linear(3, 2)
+    unpad = emulator.pad_forward(model, flops_per_sample=1e5)
+    before = emulator.stats.snapshot()
+    model(torch.randn(4, 3))
+    unpad()
+    step = emulator.stats.since(before)
+    assert step.flops == 4e5 and step.matmul_s == 0.0 and step.segments == 1
+    # a disabled emulator (real hardware) still counts FLOPs, so speeds can be measured
+    disabled = Emulator.disabled()
+    with disabled.segment(5e6, 1, kind="matmul"):
+        pass
+    assert disabled.stats.flops == 5e6 and disabled.stats.matmul_s == disabled.stats.padded_s
 
 
 def test_calibrate_fits_real_compute_inside_the_fastest_modeled_time():
