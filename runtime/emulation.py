@@ -202,8 +202,9 @@ SEGMENT_KINDS = ("stage", "matmul")
 
 def _check_kind(kind: str) -> None:
     if kind not in SEGMENT_KINDS:
-        raise ValueError(f"emulator segment kind must be one of {', '.join(map(repr, SEGMENT_KINDS))} ('matmul' for one "
-                         f"matrix multiplication, 'stage' for anything else), got {kind!r}")
+        allowed = ", ".join(map(repr, SEGMENT_KINDS))
+        raise ValueError(f"emulator segment kind must be one of {allowed} ('matmul' for one matrix "
+                         f"multiplication, 'stage' for anything else), got {kind!r}")
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:

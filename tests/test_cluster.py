@@ -124,7 +124,8 @@ def test_stragglers_and_emulation_load():
 
 def test_matmul_stragglers_load_round_trip_and_show():
     d = Cluster.preset("emulated-2").to_dict()
-    d["emulation"]["stragglers"] = [{"rank": 1, "factor": 8, "start_step": 2, "ops": "matmul"}, {"rank": 0, "factor": 2}]
+    d["emulation"]["stragglers"] = [{"rank": 1, "factor": 8, "start_step": 2, "ops": "matmul"},
+                                    {"rank": 0, "factor": 2}]
     cluster = Cluster.from_dict(d)
     assert cluster.emulation.stragglers == (Straggler(rank=1, factor=8.0, start_step=2, ops="matmul"),
                                             Straggler(rank=0, factor=2.0))
