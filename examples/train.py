@@ -10,6 +10,12 @@ from the same initial weights and on the same batches, is trained again under th
 (equal shares, equal layer counts, equal shards on the same devices), and rank 0 prints both loss
 curves and throughputs side by side. The emulated cluster's devices are "hardware": the plan was
 made from nominal figures only.
+
+Dynamic balancing (``--balance``, default ``exact``): the whalelike run re-plans when a device's
+measured speed changes (an ``emulation.stragglers`` entry in the cluster spec makes one slow down
+mid-run, e.g. ``--cluster examples/clusters/emulated-straggler.yaml``); rank 0 prints every re-plan
+event as it happens, and ``--run-timeline out/run.png`` draws step times per rank with the events
+(a Chrome trace goes next to it, ``.json``). The naive run never re-plans: it is the baseline.
 """
 from __future__ import annotations
 
@@ -39,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
     p.add_argument("--compare-naive", action="store_true", help="also train under the capacity-blind plan")
+    p.add_argument("--balance", default="exact", choices=["exact", "semi", "resize", "off"],
+                   help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
+    p.add_argument("--run-timeline", metavar="PNG", help="write step times per rank and re-plan events here "
+                   "(and a Chrome trace next to it, .json)")
     return p.parse_args(argv)
 
 
@@ -48,7 +58,8 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     model = copy.deepcopy(workload.model)
     model.load_state_dict(initial_state)
     engine = runtime.Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                            loss_fn=workload.loss_fn, cluster=cluster)
+                            loss_fn=workload.loss_fn, cluster=cluster,
+                            balance=args.balance if name == "whalelike" else "off")
     generator = torch.Generator().manual_seed(args.seed)
     losses, step_times = [], []
     show = dist.get_rank() == 0
@@ -65,10 +76,20 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             step_times.append(elapsed)
         if show:
             progress(step + 1, args.steps, losses[-1], elapsed)
+            if engine.replans and engine.replans[-1].step == step:
+                print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
+    if args.run_timeline and name == "whalelike":
+        from runtime.run_timeline import gather_run, write_run_png, write_run_trace
+
+        record = gather_run(engine)
+        if record is not None:
+            write_run_png(record, args.run_timeline, title=f"{name}: step times per rank, policy {args.balance}")
+            write_run_trace(record, args.run_timeline.rsplit(".", 1)[0] + ".json")
+            print(f"  wrote {args.run_timeline} and its Chrome trace", flush=True)
     overruns = sum(s.overruns for s in engine.stats)
     segments = sum(s.segments for s in engine.stats)
     mean_step = sum(step_times) / len(step_times)
-    return {"name": name, "losses": losses, "step_ms": mean_step * 1e3,
+    return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}"}
 
 
@@ -111,8 +132,9 @@ def report(results: list[dict], steps: int) -> None:
                        [[m + 1, *(f"{r['losses'][m]:.4f}" for r in results)] for m in marks],
                        title="loss curve"))
     print()
-    print(format_table(["plan", "ms/step", "samples/s", "emulation overruns"],
-                       [[r["name"], f"{r['step_ms']:.1f}", f"{r['throughput']:.1f}", r["overruns"]] for r in results],
+    print(format_table(["plan", "ms/step", "samples/s", "re-plans", "emulation overruns"],
+                       [[r["name"], f"{r['step_ms']:.1f}", f"{r['throughput']:.1f}", r["replans"], r["overruns"]]
+                        for r in results],
                        title=f"measured throughput (mean over steps {WARMUP_STEPS + 1}..{steps})"))
     if len(results) == 2:
         print(f"\nmeasured speed-up of the hardware-aware plan over the naive plan: "

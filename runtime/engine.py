@@ -26,13 +26,23 @@ The step-executor protocol (:class:`StepExecutor`), all collective on the ranks 
 * ``parameters()``: the parameters this rank updates (handed to the optimizer factory).
 * ``full_state_dict() -> dict``: the whole model's state, unsharded, on every rank.
 * optional ``eval_step(inputs, targets) -> loss``, ``load_full_state_dict(state)`` and
-  ``train_share(share: runtime.data.Share) -> loss`` (a rank-local batch from ``UnevenLoader``).
+  ``train_share(share: runtime.data.Share) -> loss`` (a rank-local batch from ``UnevenLoader``);
+* for dynamic balancing (:mod:`runtime.rebalance`): ``set_plan(plan)`` when a new plan of the same
+  workers needs no state moved (data-parallel shares), else ``named_state()`` and ``close()`` so
+  :func:`runtime.state_transfer.switch_executor` can build the new plan's executor and move the
+  parameters and optimizer state that change hands.
+
+Dynamic balancing (``Engine(balance=...)``, default policy ``"exact"``): after every step the
+rank's measured compute speed is recorded and shared; a sustained change re-plans at the step
+boundary (:mod:`runtime.rebalance`). ``Engine.plan`` is always the plan in force and
+``Engine.replans`` the history of re-plans.
 
 A builder ``(ExecutorContext) -> StepExecutor`` makes one; :func:`register_executor` adds or
 replaces the builder of a plan kind (``"data_parallel"``, ``"pipeline"``, ``"tensor_parallel"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -47,6 +57,7 @@ from runtime.data import Share
 from runtime.data_parallel import DataParallelExecutor
 from runtime.emulation import EmulationStats, Emulator
 from runtime.groups import PlanGroups, build_groups
+from runtime.rebalance import BalanceConfig, Rebalancer, ReplanEvent
 from whalelike.cluster import Cluster
 from whalelike.errors import WhaleError
 from whalelike.taskgraph import TaskGraphs
@@ -127,6 +138,9 @@ class StepStats:
     wait_s: float
     segments: int
     overruns: int
+    flops: float = 0.0              # FLOPs of the step's compute segments (what the monitor divides by time)
+    approximate: bool = False       # the step ran with ZERO-resizing (runtime.rebalance policies semi/resize)
+    plan_version: int = 0           # how many re-plans were in force before this step
 
 
 class Engine:
@@ -137,14 +151,18 @@ class Engine:
     samples it is given. ``cluster``: the cluster spec (default ``Cluster.preset(plan.cluster)``);
     its emulation block, if any, turns on emulated devices. ``example_args``: inputs to capture the
     model with now; without them the first batch is used. ``timeout_s`` bounds every collective.
+    ``balance``: dynamic balancing, a policy name (``"exact"``, the default; ``"semi"``,
+    ``"resize"``, ``"off"``) or a :class:`runtime.rebalance.BalanceConfig`.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
                  loss_fn: Optional[Callable] = None, cluster: Optional[Cluster] = None,
-                 example_args: Any = None, timeout_s: float = 300.0):
+                 example_args: Any = None, timeout_s: float = 300.0,
+                 balance: "BalanceConfig | str | None" = None):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
+        balance = BalanceConfig.of(balance)
         rank, world_size = distributed.launched()
         distributed.check_world_size(plan, world_size, rank)
         self.cluster = cluster if cluster is not None else _preset(plan)
@@ -163,6 +181,9 @@ class Engine:
         self.stats: list[StepStats] = []
         self.step = 0
         self._warned_overrun = False
+        self.graphs: Optional[TaskGraphs] = None
+        self._context: Optional[ExecutorContext] = None
+        self.rebalancer = Rebalancer(self, balance)
         if example_args is not None:
             self._build(example_args if isinstance(example_args, tuple) else (example_args,))
 
@@ -187,9 +208,49 @@ class Engine:
             lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
             else self.executor.train_step(inputs, targets))
         self.optimizer.step()
-        self._record(time.perf_counter() - start, self.emulator.stats.since(before))
+        self.rebalancer.after_optimizer_step()
+        em = self.emulator.stats.since(before)
+        self._record(time.perf_counter() - start, em)
         self.step += 1
+        # the step boundary: measured speeds are shared and the plan may change (collective)
+        self._collective(lambda: self.rebalancer.after_step(self.step - 1, em.flops, em.padded_s, em.matmul_s))
         return loss
+
+    @property
+    def replans(self) -> list[ReplanEvent]:
+        """Every re-plan so far (:class:`runtime.rebalance.ReplanEvent`), oldest first."""
+        return self.rebalancer.history
+
+    def apply_plan(self, plan: Plan):
+        """Switch to ``plan``, a plan of the same workers (rank, device, stage, groups) with other
+        amounts of work, at a step boundary (collective: every rank calls it with the same plan).
+        Shares change in place; moved layers and re-sized shards move their parameters and
+        optimizer state P2P (:mod:`runtime.state_transfer`). Returns the transfer report, or None
+        when nothing had to move."""
+        from runtime.state_transfer import switch_executor
+
+        _check_same_workers(self.plan, plan)
+        plan.validate(graphs=self.graphs, cluster=self.cluster)
+        if self.executor is None:
+            self.plan, self.worker = plan, plan.worker(self.rank)
+            return None
+        report = None
+        if plan_kind(plan) == "data_parallel" and hasattr(self.executor, "set_plan"):
+            self._collective(lambda: self.executor.set_plan(plan))
+        else:
+            context = dataclasses.replace(self._context, plan=plan, worker=plan.worker(self.rank))
+            kind = plan_kind(plan)
+            self.executor, report = self._collective(lambda: switch_executor(
+                self.executor, lambda: _BUILDERS[kind](context), self.optimizer, self._make_optimizer,
+                None))
+            self._context = context
+        self.plan, self.worker = plan, plan.worker(self.rank)
+        return report
+
+    def executor_module(self) -> nn.Module:
+        """The module this rank runs (its stage, sharded where the plan says so)."""
+        stage = getattr(self.executor, "stage", None)
+        return stage.module if stage is not None else self.model
 
     def eval_step(self, batch) -> torch.Tensor:
         """The global-mean loss of ``(inputs, targets)`` without updating anything."""
@@ -234,6 +295,7 @@ class Engine:
                              f"{[s.strategy for s in self.plan.stages]}")
         ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
                               self.emulator, self.device)
+        self.graphs, self._context = graphs, ctx
         self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
         self.optimizer = self._make_optimizer(list(self.executor.parameters()))
         log.info("rank %d: %s executor, device %s, share %d samples in micro-batches %s", self.rank, kind,
@@ -272,10 +334,11 @@ class Engine:
                 raise self.progress.failure(self.step, self.timeout_s, e) from e
             raise
 
-    def _record(self, wall: float, em: EmulationStats) -> None:
+    def _record(self, wall: float, em: EmulationStats) -> StepStats:
         stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
                           padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
-                          overruns=em.overruns)
+                          overruns=em.overruns, flops=em.flops, approximate=self.rebalancer.approximate,
+                          plan_version=self.rebalancer.plan_version)
         self.stats.append(stats)
         # from the second step on: the first pays one-time costs (allocations, DDP's bucket set-up)
         if stats.overruns and self.emulator.enabled and self.step > 0 and not self._warned_overrun:
@@ -284,6 +347,22 @@ class Engine:
                         "the emulated speeds are distorted: lower emulation.base_gflops by at least that "
                         "factor (runtime.emulation.calibrate)", self.rank, self.step, stats.overruns,
                         stats.segments, em.worst_overrun)
+        return stats
+
+
+def _check_same_workers(old: Plan, new: Plan) -> None:
+    """A re-plan may change amounts of work, never who runs what (no process group changes)."""
+    fields = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
+    if len(old.workers) != len(new.workers) or len(old.stages) != len(new.stages):
+        raise PlanError(f"Engine.apply_plan: the new plan has {len(new.workers)} workers in {len(new.stages)} stages, "
+                        f"the plan in force {len(old.workers)} in {len(old.stages)}; a re-plan keeps the workers "
+                        "(restart the job with the new plan to change them)")
+    for a, b in zip(old.workers, new.workers):
+        for f in fields:
+            if getattr(a, f) != getattr(b, f):
+                raise PlanError(f"Engine.apply_plan: worker {a.rank}'s {f} is {getattr(a, f)!r} in the plan in force "
+                                f"but {getattr(b, f)!r} in the new plan; a re-plan keeps every worker's device, stage "
+                                "and groups (restart the job with the new plan to change them)")
 
 
 def _preset(plan: Plan) -> Cluster:
