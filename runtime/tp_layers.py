@@ -284,10 +284,15 @@ class _ParallelLinear(nn.Module):
                                         for part in value.split(sizes[self.tp_index], dim)], dim)
         return out
 
+    # ZERO-resizing's pruned matmul, (x, weight [out, in], bias, emulator) -> y, installed by
+    # runtime.zero_resizing.ZeroResizer while this rank straggles; None: the exact matmul
+    zero_resizing = None
+
     def local(self, x: torch.Tensor, bias: bool) -> torch.Tensor:
-        """This rank's matmul (an emulation segment when emulating)."""
+        """This rank's matmul (an emulation segment when emulating; dual-pruned while ZERO-resized)."""
         weight = self.weight.t() if self.transposed else self.weight
-        return local_linear(x, weight, self.bias if bias else None, self.emulator)
+        matmul = local_linear if self.zero_resizing is None else self.zero_resizing
+        return matmul(x, weight, self.bias if bias else None, self.emulator)
 
     def extra_repr(self) -> str:
         fused = f", pieces={self.pieces}" if self.pieces > 1 else ""
