@@ -37,18 +37,18 @@ def train_reference(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tenso
 
 def assert_engine_trains_like_reference(model: nn.Module, plan, batches: Sequence[tuple[tuple, torch.Tensor]],
                                         make_opt: Callable, loss_fn: Callable, cluster, label: str,
-                                        timeout_s: float = 120):
+                                        timeout_s: float = 120, **engine_kwargs):
     """Train a copy of ``model`` under ``plan`` with ``runtime.Engine`` and another in one process
     (:func:`train_reference`) from the same weights on the same ``batches``; assert each step's loss
-    and the final full state are equal. Returns the engine, its losses and the reference's final
-    state, for further checks."""
+    and the final full state are equal (``engine_kwargs`` go to the Engine, e.g. ``balance``).
+    Returns the engine, its losses and the reference's final state, for further checks."""
     from torch.testing import assert_close
 
     from runtime import Engine
 
     losses, final = train_reference(model, batches, make_opt, loss_fn)
     engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=cluster,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, **engine_kwargs)
     got = []
     for step, batch in enumerate(batches):
         loss = engine.train_step(batch)
