@@ -8,12 +8,16 @@ weighted by ``n_i / B`` and the comm hook *sums* (:func:`wrap_ddp`): the summed 
 exactly the gradient of the global-batch mean loss, whatever the shares (Whale's load balancing,
 Poplar's per-device micro-batch sizes).
 
-Layout of a global batch (every rank holds all of it and slices locally): rank ``i`` in the
-data-parallel group's Plan order (``replica``, then ``dp_index``) takes the contiguous samples
-``[offset_i, offset_i + n_i)``; inside its share, micro-batch ``m`` is the next
-``micro_batch_sizes[m]`` samples. Ranks may have different numbers of micro-batches (Poplar:
-each device its own micro-batch size and last batch size); ``no_sync`` holds back every backward
-but the rank's last, so each rank's single all-reduce carries its whole accumulated gradient.
+Layout of a global batch (every rank holds all of it and slices locally): whatever
+:class:`planner.layout.SampleLayout` says, the one owner of it: rank ``i`` in the data-parallel
+group's Plan order takes a contiguous share and runs its micro-batches inside it. Ranks may have
+different numbers of micro-batches (Poplar: each device its own micro-batch size and last batch
+size); ``no_sync`` holds back every backward but the rank's last, so each rank's single all-reduce
+carries its whole accumulated gradient.
+
+Re-planned shares (:meth:`DataParallelExecutor.set_plan`): the shares and micro-batch sizes are
+only a slicing of the batch, so a plan of the same workers with other shares is adopted at a step
+boundary by swapping the layout: no parameter moves, DDP (its buckets, its hook) stays.
 
 The step's global loss is summed in the same all-reduce as the gradients (appended to the last
 bucket, :func:`sum_with_gradients`), so a step costs one collective, as plain DDP's does.
@@ -35,9 +39,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.plan import Plan
+from planner.layout import SampleLayout
+from planner.plan import Plan, PlanError
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
-from runtime.data import Share, proportional_split, slice_batch
+from runtime.data import Share, slice_batch
 from runtime.emulation import Emulator
 from runtime.groups import RankGroup
 
@@ -132,25 +137,63 @@ class DataParallelExecutor:
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
                  emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0)):
-        by_rank = {w.rank: w for w in plan.workers}
         self.rank = rank
         self.group = group
         self.loss_fn = loss_fn
         self.emulator = emulator or Emulator.disabled()
         self.backward_flops = flops_per_sample[1]
-        self.global_batch_size = plan.global_batch_size
-        self.shares = [by_rank[r].batch_share for r in group.ranks]
-        self.micro_batch_sizes = list(by_rank[rank].micro_batch_sizes)
-        if sum(self.shares) != plan.global_batch_size:
-            raise ValueError(f"plan: the data-parallel shares {self.shares} of ranks {list(group.ranks)} sum to "
-                             f"{sum(self.shares)}, not global_batch_size={plan.global_batch_size}")
         self.module = module
         self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
+        self._adopt(plan)
         if self.sync_batchnorm:
-            check_equal_micro_batches([len(by_rank[r].micro_batch_sizes) for r in group.ranks], group.ranks)
             synchronise_batchnorm(module, group.group)
         self.ddp = wrap_ddp(module, group.group, self.emulator)
         self.emulator.pad_forward(module, flops_per_sample[0])
+
+    @property
+    def shares(self) -> list[int]:
+        """The data-parallel group's shares of a global batch, in group order."""
+        return self.layout.dp_shares(self.rank)[0]
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        return self.layout.micro_batch_sizes(self.rank)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.layout.global_batch_size
+
+    def set_plan(self, plan: Plan) -> None:
+        """Adopt ``plan`` from the next step on: a plan of the same workers (ranks, devices, hosts,
+        groups) whose micro-batch sizes, hence shares, may differ. Pure bookkeeping (no data moves,
+        DDP is kept); every rank of the group must adopt the same plan at the same step boundary.
+        Raises :class:`planner.plan.PlanError` naming what differs for any other plan."""
+        _check_same_workers(self.plan, plan)
+        if plan.sync_batchnorm != self.plan.sync_batchnorm:
+            raise PlanError(f"set_plan: sync_batchnorm is {plan.sync_batchnorm} in the new plan, "
+                            f"{self.plan.sync_batchnorm} in the running one; that needs a new executor")
+        old = self.shares
+        self._adopt(plan)
+        log.info("rank %d: data-parallel shares %s -> %s, micro-batches %s", self.rank, old, self.shares,
+                 self.micro_batch_sizes)
+
+    def _adopt(self, plan: Plan) -> None:
+        """Take the layout of ``plan`` (checked against this rank's data-parallel group)."""
+        if len(plan.stages) != 1 or any(w.tp_size > 1 for w in plan.workers):
+            raise PlanError(f"DataParallelExecutor runs single-stage plans without split; this plan has "
+                            f"{len(plan.stages)} stages and tp_size {max(w.tp_size for w in plan.workers)}")
+        layout = SampleLayout.of(plan)
+        if layout.dp_group(self.rank) != self.group.ranks:
+            raise PlanError(f"rank {self.rank}: the plan's data-parallel group is ranks "
+                            f"{list(layout.dp_group(self.rank))}, the process group holds {list(self.group.ranks)}; "
+                            f"build the groups from this plan (runtime.groups.build_groups)")
+        shares = layout.dp_shares(self.rank)[0]
+        if sum(shares) != plan.global_batch_size:
+            raise PlanError(f"plan: the data-parallel shares {shares} of ranks {list(self.group.ranks)} sum to "
+                            f"{sum(shares)}, not global_batch_size={plan.global_batch_size}")
+        if self.sync_batchnorm:
+            check_equal_micro_batches([len(layout.micro_batch_sizes(r)) for r in self.group.ranks], self.group.ranks)
+        self.plan, self.layout = plan, layout
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -163,22 +206,15 @@ class DataParallelExecutor:
             raise ValueError(f"rank {self.rank}: the batch has {n} samples but the plan's shares sum to "
                              f"global_batch_size={self.global_batch_size} ({self.shares}); pass whole global "
                              f"batches (DataLoader(drop_last=True)) or a runtime.data.Share from UnevenLoader")
-        lo = sum(self.shares[: self.group.index(self.rank)])
-        share = Share(*slice_batch(inputs, targets, lo, lo + self.shares[self.group.index(self.rank)]),
-                      global_size=n)
-        return self.train_share(share)
+        lo, hi = self.layout.split(n, self.rank)
+        return self.train_share(Share(*slice_batch(inputs, targets, lo, hi), global_size=n))
 
     def train_share(self, share: Share) -> torch.Tensor:
         """Like :meth:`train_step` on a batch that holds only this rank's samples (from
         :class:`runtime.data.UnevenLoader`); a short last batch of an epoch is split into
         micro-batches no larger than the plan's largest."""
-        n = share.targets.shape[0]
-        if n == sum(self.micro_batch_sizes):
-            sizes = self.micro_batch_sizes
-        elif self.sync_batchnorm:   # every rank as many forwards as the plan's (each syncs BatchNorm)
-            sizes = proportional_split(n, self.micro_batch_sizes)
-        else:
-            sizes = _chunks(n, max(self.micro_batch_sizes, default=n))
+        # under synchronised BatchNorm every rank runs as many forwards as the plan's (each syncs)
+        sizes = self.layout.micro_batches(self.rank, share.targets.shape[0], keep_count=self.sync_batchnorm)
         # the reported loss in the model's dtype (a float64 model's loss is not rounded to float32)
         dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
         total = torch.zeros((), device=share.targets.device, dtype=dtype)
@@ -202,10 +238,7 @@ class DataParallelExecutor:
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """Global-mean loss of a batch of any size (split in proportion to the plan's shares)."""
         n = targets.shape[0]
-        split = self.shares if n == self.global_batch_size else proportional_split(n, self.shares)
-        index = self.group.index(self.rank)
-        lo = sum(split[:index])
-        mine = slice_batch(inputs, targets, lo, lo + split[index])
+        mine = slice_batch(inputs, targets, *self.layout.split(n, self.rank))
         was_training = self.module.training
         self.module.eval()
         try:
@@ -233,12 +266,20 @@ class DataParallelExecutor:
         return self.loss_fn(outputs, targets) * (n / global_size)
 
 
-def _chunks(n: int, size: int) -> list[int]:
-    """``n`` samples in micro-batches of at most ``size`` (at least one, possibly empty)."""
-    if n == 0:
-        return [0]
-    count = -(-n // size)
-    return proportional_split(n, [1] * count)
+_WORKER_FIELDS = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
+
+
+def _check_same_workers(old: Plan, new: Plan) -> None:
+    """Raise :class:`PlanError` naming the first worker field that differs between the plans."""
+    if new.world_size != old.world_size:
+        raise PlanError(f"set_plan: the new plan has {new.world_size} workers, the running one {old.world_size}; "
+                        f"a plan of other workers needs a new executor")
+    for a, b in zip(old.workers, new.workers):
+        for name in _WORKER_FIELDS:
+            if getattr(a, name) != getattr(b, name):
+                raise PlanError(f"set_plan: plan.workers[{a.rank}].{name} is {getattr(b, name)!r} in the new plan, "
+                                f"{getattr(a, name)!r} in the running one; only micro_batch_sizes may change "
+                                f"(a plan of other workers or groups needs a new executor)")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -12,9 +12,8 @@ stage group, and pipelining's way of driving DDP: ``no_sync`` for every micro-ba
 backward, which first calls ``reducer.prepare_for_backward`` on the stage outputs.
 
 Sample layout of the global batch (every rank holds all of it, so model inputs and targets are
-sliced locally and never sent): replica-major, then micro-batch, then ``dp_index``. Replica ``r``
-owns a contiguous block, micro-batch ``m`` a contiguous block inside it, and worker ``dp_index = i``
-of a stage the ``i``-th piece of that block, of its ``micro_batch_sizes[m]`` samples.
+sliced locally and never sent): :class:`planner.layout.SampleLayout`, replica-major, then
+micro-batch, then ``dp_index``; the members of a tensor-parallel slot share their samples.
 
 Exactness: the last stage weights ``loss_fn(outputs, targets)`` (a per-slice mean) by
 ``samples / global_batch_size``, and gradients are *summed* over each stage's data-parallel group
@@ -69,7 +68,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-from planner.plan import Plan, Worker
+from planner.layout import SampleLayout
+from planner.plan import Plan
 from planner.schedule import Action, build_schedule, gradient_accumulation
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data_parallel import wrap_ddp
@@ -97,44 +97,9 @@ class Piece:
 
 
 def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
-    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes.
-
-    The workers of one tensor-parallel group (same replica, stage and ``dp_index``) form one
-    *slot* and process the same samples. A single-stage plan exchanges nothing, so each slot takes
-    one contiguous block, micro-batch after micro-batch; its slots may then differ in micro-batch
-    count (Poplar's per-device gradient accumulation).
-    """
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    if len(plan.stages) == 1:
-        cursor = 0
-        for replica in range(plan.num_replicas):
-            for slot in _slots(plan, 0, replica):
-                own = []
-                for size in slot.micro_batch_sizes:
-                    own.append((cursor, cursor + size))
-                    cursor += size
-                ranges.update((w.rank, own) for w in plan.stage_workers(0, replica) if w.dp_index == slot.dp_index)
-        return ranges
-    offset = 0
-    for replica in range(plan.num_replicas):
-        block = [sum(w.micro_batch_sizes[m] for w in _slots(plan, 0, replica)) for m in range(plan.num_micro_batch)]
-        for stage in range(len(plan.stages)):
-            start = offset
-            per_slot: dict[int, list[tuple[int, int]]] = {w.dp_index: [] for w in _slots(plan, stage, replica)}
-            for m in range(plan.num_micro_batch):
-                cursor = start
-                for w in _slots(plan, stage, replica):
-                    per_slot[w.dp_index].append((cursor, cursor + w.micro_batch_sizes[m]))
-                    cursor += w.micro_batch_sizes[m]
-                start += block[m]
-            ranges.update((w.rank, per_slot[w.dp_index]) for w in plan.stage_workers(stage, replica))
-        offset += sum(block)
-    return ranges
-
-
-def _slots(plan: Plan, stage: int, replica: int) -> list[Worker]:
-    """One worker per data-parallel slot of a stage (its ``tp_index`` 0), by ``dp_index``."""
-    return sorted((w for w in plan.stage_workers(stage, replica) if w.tp_index == 0), key=lambda w: w.dp_index)
+    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes
+    (:meth:`planner.layout.SampleLayout.all_ranges`, the one owner of the layout)."""
+    return SampleLayout.of(plan).all_ranges()
 
 
 def _overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, tuple[int, int]]], value: ValueId) -> list[Piece]:
