@@ -59,7 +59,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
-    naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
+    naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     prediction, result = _best_aware_plan(graphs, cluster, config)
     result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
     result.validate(graphs=graphs, cluster=cluster)
@@ -88,7 +88,7 @@ def _best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> tu
 def _aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config,
                 layout: Layout) -> tuple[Prediction, Plan, Layout]:
     """(prediction, plan, layout) of the hardware-aware decisions on ``layout``."""
-    plan = build_plan(graphs, cluster, config, _aware_decisions(graphs, config, layout, cluster.network))
+    plan = build_plan(graphs, cluster, config, aware_decisions(graphs, config, layout, cluster.network))
     return predict(plan), plan, layout
 
 
@@ -132,7 +132,7 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     exceed device memory; it exists to compare against and to run side by side under emulation."""
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
-    naive = build_plan(graphs, cluster, config, _naive_decisions(graphs, config, layout))
+    naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     return with_predictions(naive, naive)
 
 
@@ -185,7 +185,9 @@ class _Stage:
                    for d, f in zip(group, self.shards.fractions))
 
 
-def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool) -> list[_Stage]:
+def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool, kept_shards=None) -> list[_Stage]:
+    """Every stage priced for ``num_micro_batch``; ``kept_shards[s]``, when given and not None,
+    is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one."""
     num_stages = layout.num_stages
     schedule = (build_schedule(config.schedule, num_stages, num_micro_batch) if num_stages > 1
                 else [gradient_accumulation(num_micro_batch)])
@@ -199,7 +201,9 @@ def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool) 
         tp = layout.shapes[s].tp
         if tp > 1 and not shardable:
             raise _nothing_to_shard(owners)
-        if not aware:
+        if kept_shards is not None and kept_shards[s] is not None:
+            shards = kept_shards[s]
+        elif not aware:
             shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
@@ -236,17 +240,36 @@ def _aware_shards(layout, s, cost: StageCost, in_flight: int, shardable, shard_g
 
 
 # -- hardware-aware decisions ----------------------------------------------------------------------
-def _aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network) -> Decisions:
-    stage_layers, solver, gap = partition_stage_layers(graphs, layout, config, network)
+def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network, *,
+                    stage_layers: list[list[int]] | None = None, shards: list[ShardLayout | None] | None = None,
+                    sizes: list | None = None, counts: list[int] | None = None) -> Decisions:
+    """The hardware-aware decisions on ``layout``: steps 2 to 4 of the module docstring.
+
+    A re-plan of a running job (:mod:`planner.rebalance`) passes what it keeps of the plan in force:
+    ``stage_layers`` instead of the partitioner's (the decisions then say solver ``"greedy"``, gap
+    None: the caller knows where they came from), ``shards`` (per stage a ShardLayout, or None to
+    shard by speed), ``sizes`` (``Decisions.sizes``) instead of balanced batch shares, and
+    ``counts``, the micro-batch counts a pipeline may use (default: ``num_micro_batch``, then
+    every larger divisor of the global batch). Raises PlanError when the stages do not fit.
+    """
+    if stage_layers is None:
+        stage_layers, solver, gap = partition_stage_layers(graphs, layout, config, network)
+    else:
+        solver, gap = "greedy", None
     gbs, m = config.global_batch_size, config.num_micro_batch
+    if sizes is not None:
+        count = max(len(n) for replica in sizes for stage in replica for n in stage)
+        stages = _stages(graphs, config, layout, stage_layers, count, True, shards)
+        return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
+                         [s.shards for s in stages], sizes, count, solver, gap)
     if layout.num_stages == 1:
-        stages = _stages(graphs, config, layout, stage_layers, m, aware=True)
+        stages = _stages(graphs, config, layout, stage_layers, m, True, shards)
         sizes, m = _single_stage_sizes(layout, stages[0], gbs, m)
         return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                          [s.shards for s in stages], sizes, m, solver, gap)
     first_error = None
-    for count in _micro_batch_counts(gbs, m, layout):
-        stages = _stages(graphs, config, layout, stage_layers, count, aware=True)
+    for count in _micro_batch_counts(gbs, m, layout) if counts is None else counts:
+        stages = _stages(graphs, config, layout, stage_layers, count, True, shards)
         try:
             sizes = _pipeline_sizes(layout, stages, gbs // count, count)
         except _StageDoesNotFit as e:
@@ -379,7 +402,8 @@ def _shortfall_error(layout: Layout, err: "_StageDoesNotFit", m: int) -> PlanErr
 
 
 # -- the naive plan --------------------------------------------------------------------------------
-def _naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
+def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
+    """The capacity-blind decisions on ``layout``: equal shares, shards and layer counts."""
     gbs, m = config.global_batch_size, config.num_micro_batch
     stage_layers = equal_stage_layers(graphs, layout)
     stages = _stages(graphs, config, layout, stage_layers, m, aware=False)

@@ -56,15 +56,16 @@ def equal_stage_layers(graphs: TaskGraphs, layout: Layout) -> list[list[int]]:
     return layers
 
 
-def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config,
-                           network: Network) -> tuple[list[list[int]], str, float | None]:
+def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
+                           in_force: list[list[int]] | None = None) -> tuple[list[list[int]], str, float | None]:
     """The hardware-aware split: ``(layers per stage, solver, optimality gap)``.
 
     The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
     stage ``k``; every replica has devices of the same classes), with the layers of stages that
     may not move pinned to their stage, and the first and last layer of every run pinned to keep
     them out of a neighbouring fixed stage. When the partition is infeasible at this micro-batch
-    size, the user's boundaries stand and the memory balancer reports what does not fit.
+    size, the user's boundaries stand (or ``in_force``, a re-plan's layers in force) with gap None, and
+    the memory balancer reports what does not fit.
     """
     layers = taskgraph_layers(graphs)
     if layout.num_stages == 1 or not movable_runs(graphs):
@@ -89,9 +90,9 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config,
     try:
         result = partition(problem)
     except PartitionInfeasible as e:
-        log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the "
-                    "TaskGraph boundaries", micro_batch, e)
-        return layers, "greedy", None
+        log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s",
+                    micro_batch, e, "TaskGraph boundaries" if in_force is None else "layers in force")
+        return (layers if in_force is None else in_force), "greedy", None
     return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
 
 

@@ -95,27 +95,56 @@ def shard_layout(shardable: dict[str, int], speeds: Sequence[float], max_fractio
     (hand-made TaskGraphs) all of the stage counts as sharded.
     Raises :class:`~planner.data_parallel.DoesNotFit` when the devices cannot hold the stage.
     """
-    parts = len(speeds)
     chosen = groups_of(shardable, groups)
-    sharded = sum(g.flops_per_sample for g in chosen)
-    replicated = 1.0 - min(sharded / stage_flops, 1.0) if stage_flops > 0 and sharded > 0 else 0.0
+    replicated = _replicated_share(chosen, stage_flops)
     # a device's fraction is replicated + (1 - replicated) * its share of the units: cap the share
     max_fractions = [(f - replicated) / (1.0 - replicated) if replicated < 1.0 else 1.0 for f in max_fractions]
     if sum(max_fractions) < 1 or min(max_fractions) <= 0:
         raise DoesNotFit(1, 0)
     if not chosen:
         return ShardLayout({}, [n / _VIRTUAL_UNITS for n in split_dimension(_VIRTUAL_UNITS, speeds, max_fractions)])
+    return _priced(chosen, [split_group(group, speeds, max_fractions) for group in chosen], replicated)
+
+
+def _priced(chosen: Sequence[ShardGroup], units: Sequence[Sequence[int]], replicated: float) -> ShardLayout:
+    """The layout giving ``units[k][i]`` units of group ``chosen[k]`` to device ``i``, with each
+    device's fraction of the stage (``replicated`` of it runs whole on every device)."""
     sizes: dict[str, list[int]] = {}
     weights, shares = [], []
-    for group in chosen:
-        units = split_group(group, speeds, max_fractions)
-        sizes.update(group.sizes(units))
+    for group, counts in zip(chosen, units):
+        sizes.update(group.sizes(counts))
         weights.append(group.flops_per_sample if group.flops_per_sample > 0
                        else sum(group.dim(m) for m in group.members))
-        shares.append([n / group.units for n in units])
+        shares.append([n / group.units for n in counts])
     total = sum(weights)
-    local = [sum(w * share[i] for w, share in zip(weights, shares)) / total for i in range(parts)]
+    local = [sum(w * share[i] for w, share in zip(weights, shares)) / total for i in range(len(units[0]))]
     return ShardLayout(sizes, [replicated + (1.0 - replicated) * f for f in local])
+
+
+def layout_of_sizes(shardable: dict[str, int], shard_sizes: dict[str, list[int]], parts: int,
+                    groups: Sequence[ShardGroup] = (), stage_flops: float = 0.0) -> ShardLayout:
+    """The :class:`ShardLayout` of given ``shard_sizes`` (a plan's ``StagePlan.shard_sizes`` over
+    ``parts`` devices), priced as :func:`shard_layout` prices its own: for a re-plan that keeps them."""
+    chosen = groups_of(shardable, groups)
+    if not chosen:
+        if parts != 1:
+            raise ValueError(f"layout_of_sizes: nothing is shardable, so {parts} devices cannot hold shards")
+        return ShardLayout({}, [1.0])
+    units = []
+    for group in chosen:
+        member = next((m for m in group.members if m.path in shard_sizes), None)
+        counts = None if member is None else group.units_of(member.path, shard_sizes[member.path])
+        if counts is None or len(counts) != parts or sum(counts) != group.units:
+            raise ValueError(f"layout_of_sizes: shard_sizes {shard_sizes!r} do not cut the {group.describe()} "
+                             f"into whole units over {parts} devices; pass the sizes of a valid plan")
+        units.append(counts)
+    return _priced(chosen, units, _replicated_share(chosen, stage_flops))
+
+
+def _replicated_share(chosen: Sequence[ShardGroup], stage_flops: float) -> float:
+    """The share of the stage's FLOPs that no group shards (it runs whole on every device)."""
+    sharded = sum(g.flops_per_sample for g in chosen)
+    return 1.0 - min(sharded / stage_flops, 1.0) if stage_flops > 0 and sharded > 0 else 0.0
 
 
 def even_layout(shardable: dict[str, int], parts: int, groups: Sequence[ShardGroup] = (),
