@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from whalelike.errors import WhaleError
 
@@ -109,6 +109,16 @@ class SemiCosts:
     omega2: Cost
     phi1: Cost
     phi2: Cost
+
+    @classmethod
+    def from_step(cls, matmul_times: Sequence[float], columns: Sequence[float]) -> "SemiCosts":
+        """The costs one step's measurements give without a pre-test: a receiver computes a migrated
+        column in the fastest rank's matmul time per column (``phi2``, the paper: "its speed L_y/T_y
+        is available"); pruning, its allocation and the sending are priced at 0 (``omega1``,
+        ``omega2``, ``phi1``: nothing measures them). With these, Eq. (2) gives ``beta = 0``: a
+        single straggler is resized only. Pass measured costs for a split."""
+        per_column = min(m / c for m, c in zip(matmul_times, columns))
+        return cls(0.0, lambda n: 0.0, lambda n: 0.0, lambda n: n * per_column)
 
 
 # -- Eq. (1) ------------------------------------------------------------------------------------------
@@ -234,16 +244,19 @@ def migration_gain(order: Sequence[int], count: int, times: Sequence[float], col
     return (times[order[count - 1]] - fastest) - phi1(volume) - slowest_receiver
 
 
-def semi_decision(times: Sequence[float], matmul_times: Sequence[float], columns: Union[Sequence[float], float],
-                  costs: SemiCosts, max_gamma: float = 0.9, tolerance: float = 0.0) -> SemiDecision:
+def semi_decision(times: Sequence[float], matmul_times: Sequence[float],
+                  columns: Union[Sequence[float], float] = 1.0, costs: Optional[SemiCosts] = None,
+                  max_gamma: float = 0.9, tolerance: float = 0.0) -> SemiDecision:
     """Algorithm 2: SEMI-migration for one tensor-parallel group.
 
     ``times[i]``: rank i's step time; ``matmul_times[i]``: its time in matmuls (Eq. 1's ``M_i``);
     ``columns``: the inner-dimension columns each rank computes (Eq. 3's ``L``; one number when
-    equal). Stragglers are ranks slower than ``T_min * (1 + tolerance)``. One straggler: Eq. (2)
-    splits its excess between migration and resizing. Several: the ``x`` slowest migrate (Eq. 3,
-    the largest ``x`` whose ``f`` stays >= 0 scanning from the slowest), the rest resize, each by
-    ``gamma_i`` of Eq. (1) against ``T_min``.
+    equal, by default 1: every rank's shard is the unit); ``costs``: the pre-tested costs
+    (default :meth:`SemiCosts.from_step`, which makes a single straggler resize only).
+    Stragglers are ranks slower than ``T_min * (1 + tolerance)``. One straggler: Eq. (2) splits its
+    excess between migration and resizing. Several: the ``x`` slowest migrate (Eq. 3, the largest
+    ``x`` whose ``f`` stays >= 0 scanning from the slowest), the rest resize, each by ``gamma_i``
+    of Eq. (1) against ``T_min``.
     """
     times, matmul_times = _check_times(times, matmul_times)
     size = len(times)
@@ -257,6 +270,7 @@ def semi_decision(times: Sequence[float], matmul_times: Sequence[float], columns
     if fastest <= 0:
         raise WhaleError(f"semi_decision: the fastest rank's step time is {fastest}s; measure a step before deciding")
     stragglers = tuple(rank for rank in order if times[rank] > fastest * (1.0 + tolerance))
+    costs = SemiCosts.from_step(matmul_times, widths) if costs is None else costs
     gammas = {rank: pruning_ratio(times[rank], fastest, matmul_times[rank], 1.0) for rank in stragglers}
     if not stragglers:
         return SemiDecision()

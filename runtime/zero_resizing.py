@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -73,15 +74,19 @@ class LineageEntry:
     pruned: tuple[int, ...]
     size: int
 
-    @property
+    @cached_property
     def kept(self) -> tuple[int, ...]:
         pruned = set(self.pruned)
         return tuple(i for i in range(self.size) if i not in pruned)
 
+    @cached_property
+    def kept_index(self) -> torch.Tensor:
+        return torch.tensor(self.kept, dtype=torch.long)
+
     def restore(self, pruned_grad: torch.Tensor) -> torch.Tensor:
         """Zero imputation: ``pruned_grad`` (last dimension ``size - len(pruned)``) put back at the
         kept positions of a zero tensor whose last dimension is ``size``."""
-        kept = torch.tensor(self.kept, dtype=torch.long, device=pruned_grad.device)
+        kept = self.kept_index.to(pruned_grad.device)
         if pruned_grad.shape[-1] != len(kept):
             raise WhaleError(f"{self.layer_name}.{self.matrix_name}: lineage keeps {len(kept)} of {self.size} "
                              f"columns but the gradient has {pruned_grad.shape[-1]}")
@@ -109,7 +114,10 @@ def dual_pruned_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """``x[..., keep] @ weight[:, keep]^T + bias`` (``weight`` is ``[out, in]``) with zero-imputed
     gradients; the matmul is :func:`runtime.tp_layers.local_linear`, so an emulated segment counts
     only the kept columns' FLOPs."""
-    kept = torch.tensor(weight_entry.kept, dtype=torch.long, device=weight.device)
+    if weight_entry.pruned != input_entry.pruned:
+        raise WhaleError(f"{weight_entry.layer_name}: dual pruning cuts the same columns from weight and input, "
+                         f"got {weight_entry.pruned} and {input_entry.pruned}")
+    kept = weight_entry.kept_index.to(weight.device)
     return local_linear(_Prune.apply(x, kept, input_entry), _Prune.apply(weight, kept, weight_entry), bias, emulator)
 
 
@@ -166,8 +174,8 @@ class _LayerPruning:
             candidates = int((self.delta < theta).sum())
             self.ratio = min(max(candidates / self.columns, alpha * gamma), max_gamma)
             count = self._count(self.ratio)
-            order = sorted(range(self.columns), key=lambda i: (float(self.delta[i]), i))
-            self.pruned = tuple(sorted(order[:count]))
+            order = torch.sort(self.delta, stable=True).indices[:count]   # smallest change first, ties by index
+            self.pruned = tuple(sorted(order.tolist()))
         self.entries = None if not self.pruned else (
             LineageEntry(self.name, "weight", self.pruned, self.columns),
             LineageEntry(self.name, "input", self.pruned, self.columns))
@@ -209,6 +217,7 @@ class ZeroResizer:
         if not 0 <= max_gamma < 1:
             raise WhaleError(f"ZeroResizer: max_gamma must be in [0, 1), got {max_gamma}")
         self.alpha, self.theta_iter, self.stats_every, self.max_gamma = alpha, theta_iter, int(stats_every), max_gamma
+        self.module = module
         self.layers = [_LayerPruning(name, sub) for name, sub in module.named_modules()
                        if isinstance(sub, _ParallelLinear)]
         if not self.layers:

@@ -88,6 +88,11 @@ def test_algorithm2_single_straggler_splits_by_eq2():
     assert decision.resize == pytest.approx({3: 0.625 * 0.71})
     assert decision.local_ratio(3) == pytest.approx(0.625 * 0.71 / (1 - 0.625 * 0.29))
     assert decision.local_ratio(0) == 0.0
+    # without pre-tested costs resizing is priced at 0, so Eq. (2) gives beta = 0: resize only
+    default = semi_decision([1.0, 1.0, 1.0, 2.0], [0.8, 0.8, 0.8, 1.6])
+    assert default.beta == 0.0 and default.migrate == {} and default.resize == pytest.approx({3: 0.625})
+    # phi2 from the fastest rank's matmul time per column: 0.8 s / 100 columns
+    assert SemiCosts.from_step([0.8, 1.6], [100, 100]).phi2(50) == pytest.approx(0.4)
 
 
 def test_algorithm2_several_stragglers_choose_x_by_eq3():

@@ -92,6 +92,36 @@ def test_resizer_hooks_the_parallel_linear_and_turns_off_exactly():
         ZeroResizer(model, alpha=2)
 
 
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D (recognised by name): ``y = x @ W + b`` with ``W`` stored ``[in, out]``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf, dtype=DTYPE))
+        self.bias = nn.Parameter(torch.randn(nf, dtype=DTYPE))
+
+
+def test_transposed_conv1d_prunes_its_inner_rows():
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.proj = ColumnParallelLinear(Conv1D(3, 4), [3], 0, gather_output=False)
+    weight = model.proj.weight                  # [in 4, out 3]
+    resizer = ZeroResizer(model, stats_every=1)
+    with torch.no_grad():
+        weight += torch.tensor([[0.3], [0.0], [0.2], [0.1]], dtype=DTYPE)   # inner column i = stored row i
+    resizer.observe_weights()
+    assert resizer.layers[0].delta.tolist() == pytest.approx([0.3, 0.0, 0.2, 0.1])
+    resizer.set_ratio(0.5)                      # candidates: column 1 (1/4); 0.8 * 0.5 = 0.4 -> 2 smallest: 1, 3
+    assert resizer.lineage["proj", "weight"].pruned == (1, 3)
+    x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
+    y = model.proj.local(x, bias=True)
+    assert_close(y, x[:, [0, 2]] @ weight[[0, 2]] + model.proj.bias, rtol=0, atol=0)
+    y.sum().backward()
+    assert weight.grad.shape == (4, 3) and (weight.grad[[1, 3]] == 0).all() and (weight.grad[[0, 2]] != 0).all()
+    assert (x.grad[:, [1, 3]] == 0).all()
+
+
 def test_emulated_segment_counts_only_the_kept_columns():
     model = _Column(inner=8)
     model.fc.emulator = Emulator(1.0, Emulation(base_gflops=1000.0), rank=0)
