@@ -1,0 +1,183 @@
+"""Dynamic balancing end to end: an emulated straggler forces re-plans mid-run, training stays exact.
+
+Each scenario trains a float64 model under ``runtime.Engine`` on emulated devices whose cluster
+spec schedules a straggler (``emulation.stragglers``), with the default policy ``"exact"``, and
+the same model in one process on the same batches (``tests/reference.py``): every step's loss and
+the final parameters must be equal although the plan changed under the run. Scenarios (SGD with
+momentum and AdamW each): data parallel (shares move), a two-stage pipeline (layers move with
+their parameters and optimizer state), tensor parallel (a permanent uneven re-shard), and a
+hybrid (a data-parallel stage feeding a second stage). Detection is checked on the events: the
+first re-plan comes within 3 steps of the onset, a 5% slowdown triggers nothing, and the policy
+``"off"`` only records. Bad input: invalid policy, thresholds out of range, a schedule naming a
+missing rank. One 2-rank spawn and one 3-rank spawn.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import planner
+import whalelike as wl
+from dist_utils import run_ranks
+from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from runtime.rebalance import BalanceConfig
+from whalelike.capture import capture
+from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler
+from whalelike.errors import SpecError
+
+WIDTH, BATCH, STEPS, ONSET = 32, 16, 10, 5
+BALANCE = BalanceConfig(warmup_steps=2, window=3)   # the speeds in force are measured over steps 2-4
+
+
+class Mlp(nn.Module):
+    """Six tanh layers; ``strategies`` annotates the first three and the last three."""
+
+    def __init__(self, first=None, second=None):
+        super().__init__()
+        torch.manual_seed(0)
+        layers = []
+        for scope in (first, second):
+            with scope() if scope is not None else _nothing():
+                layers += [nn.Linear(WIDTH, WIDTH) for _ in range(3)]
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class Block(nn.Module):
+    """A Megatron MLP block (column then row projection) under ``split``, with a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        with wl.split(2):
+            self.up = nn.Linear(WIDTH, 8 * WIDTH)
+            self.down = nn.Linear(8 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def loss_fn(out, target):
+    return F.mse_loss(out, target)
+
+
+def cluster(speeds, stragglers=(), base_gflops=0.01) -> Cluster:
+    devices = tuple(Device(f"emu-{i}", "emu", "localhost", peak_tflops=base_gflops * s / 1000 / 0.4,
+                           memory_gib=4, emulated_speed=s) for i, s in enumerate(speeds))
+    return Cluster("dyn", devices, Network(2.0, 2.0, 50.0), Emulation(base_gflops=base_gflops,
+                                                                       stragglers=tuple(stragglers)))
+
+
+def batches(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),),
+             torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+
+
+def scenario(model: nn.Module, spec: Cluster, num_micro_batch: int = 1, balance=BALANCE) -> dict:
+    """Plan ``model`` on ``spec``, train it exactly with both optimizers; the events of the last."""
+    model = model.double()
+    graphs = capture(model, batches()[0][0])
+    plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=num_micro_batch))
+    events = {}
+    for name, make_opt in OPTIMIZERS.items():
+        engine, _, _ = assert_engine_trains_like_reference(model, plan, batches(), make_opt, loss_fn, spec,
+                                                           f"{name}", balance=balance)
+        events[name] = [(e.step, e.action, e.exact, [c.rank for c in e.changes]) for e in engine.replans]
+    return {"events": events, "first": plan, "last": engine.plan}
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    slow = lambda factor, ops="all": (Straggler(rank=1, factor=factor, start_step=ONSET, ops=ops),)  # noqa: E731
+    return {
+        "dp": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), num_micro_batch=1),
+        "dp_noise": scenario(Mlp(), cluster([1.0, 1.0], slow(1.05))),
+        "dp_off": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), balance=BalanceConfig(policy="off")),
+        "pp": scenario(Mlp(wl.replicate, wl.replicate), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2),
+        "tp": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul"))),
+    }
+
+
+def _three_ranks(rank: int, world_size: int) -> dict:
+    two = lambda: wl.replicate(2)  # noqa: E731
+    spec = cluster([1.0, 1.0, 2.0], (Straggler(rank=0, factor=3.0, start_step=ONSET),))
+    return {"hybrid": scenario(Mlp(two, wl.replicate), spec, num_micro_batch=2)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(_two_ranks, 2, timeout_s=600)[0]
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_ranks(_three_ranks, 3, timeout_s=600)[0]
+
+
+def _first(result: dict) -> tuple:
+    for name, events in result["events"].items():
+        assert events, f"{name}: no re-plan happened"
+    return result["events"]["sgd"][0]
+
+
+def test_data_parallel_shares_follow_a_straggler_exactly(two):
+    step, action, exact, ranks = _first(two["dp"])
+    assert ONSET <= step <= ONSET + 2 and action == "shares" and exact and 1 in ranks
+    shares = [w.batch_share for w in two["dp"]["last"].workers]
+    assert shares[0] > shares[1], shares
+
+
+def test_noise_below_the_threshold_and_policy_off_change_nothing(two):
+    assert two["dp_noise"]["events"] == {"sgd": [], "adamw": []}
+    step, action, exact, ranks = _first(two["dp_off"])
+    assert action == "none" and 1 in ranks
+    assert [w.batch_share for w in two["dp_off"]["last"].workers] == [w.batch_share for w in two["dp_off"]["first"].workers]
+
+
+def test_pipeline_moves_layers_off_a_slow_stage_exactly(two):
+    step, action, exact, ranks = _first(two["pp"])
+    assert "layers" in action and exact
+    first, last = two["pp"]["first"], two["pp"]["last"]
+    assert len(last.stages[1].layers) < len(first.stages[1].layers), (first.stages, last.stages)
+
+
+def test_tensor_parallel_reshards_a_slow_rank_exactly(two):
+    step, action, exact, ranks = _first(two["tp"])
+    assert "reshard" in action and exact
+    first, last = two["tp"]["first"], two["tp"]["last"]
+    (path, sizes), = [(p, s) for p, s in last.stages[0].shard_sizes.items() if s != first.stages[0].shard_sizes[p]][:1]
+    assert sizes[1] < first.stages[0].shard_sizes[path][1]
+
+
+def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
+    step, action, exact, ranks = _first(three["hybrid"])
+    assert exact and 0 in ranks
+
+
+def test_bad_balance_settings_name_the_value():
+    with pytest.raises(SpecError, match="policy must be one of exact, semi, resize, off, got 'fast'"):
+        BalanceConfig(policy="fast")
+    for bad in (0.0, 1.0, -0.1, float("nan")):
+        with pytest.raises(SpecError, match="threshold must be a fraction in \\(0, 1\\)"):
+            BalanceConfig(threshold=bad)
+    with pytest.raises(SpecError, match="window must be an integer >= 1, got 0"):
+        BalanceConfig(window=0)
+    with pytest.raises(SpecError, match="takes a policy name"):
+        BalanceConfig.of(3)
+    spec = cluster([1.0, 1.0]).to_dict()
+    spec["emulation"]["stragglers"] = [{"rank": 5, "factor": 2.0}]
+    with pytest.raises(SpecError, match="straggler rank 5 does not exist"):
+        Cluster.from_dict(spec)
