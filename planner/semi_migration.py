@@ -161,6 +161,20 @@ def pruning_ratios(times: Sequence[float], matmul_times: Sequence[float], refere
     return [pruning_ratio(t, target, m, max_gamma) for t, m in zip(times, matmul_times)]
 
 
+def unresized(times: Sequence[float], matmul_times: Sequence[float],
+              pruned_work: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The step and matmul times each rank would have measured without ZERO-resizing, from what it
+    measured while ``pruned_work[i]`` of its matmul FLOPs were pruned (``ZeroResizer.pruned_work``):
+    ``M = M' / (1 - p)``, ``T = T' + M - M'``. Feed these to Eq. (1) while resizing is on, or a
+    resized straggler looks healthy, gets ``gamma = 0`` and slows down again."""
+    times, matmul_times = _check_times(times, matmul_times)
+    if len(pruned_work) != len(times) or any(not 0 <= p < 1 for p in pruned_work):
+        raise WhaleError(f"unresized: pruned_work must be one fraction in [0, 1) per rank ({len(times)}), "
+                         f"got {list(pruned_work)}")
+    full = [m / (1.0 - p) for m, p in zip(matmul_times, pruned_work)]
+    return [t + f - m for t, f, m in zip(times, full, matmul_times)], full
+
+
 # -- decisions ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SemiDecision:

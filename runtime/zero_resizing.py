@@ -241,6 +241,13 @@ class ZeroResizer:
         return {layer.name: layer.ratio for layer in self.layers}
 
     @property
+    def pruned_work(self) -> float:
+        """The fraction of this rank's tensor-parallel matmul FLOPs pruned now (layers weighted by
+        ``rows * columns``, i.e. per token): for :func:`planner.semi_migration.unresized`."""
+        total = sum(layer.rows * layer.columns for layer in self.layers)
+        return sum(layer.rows * len(layer.pruned) for layer in self.layers) / total
+
+    @property
     def lineage(self) -> dict[tuple[str, str], LineageEntry]:
         """The lineage table: ``(layer_name, matrix_name) -> LineageEntry`` for every pruned matrix."""
         return {(entry.layer_name, entry.matrix_name): entry

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner.semi_migration import (LinearCost, PiecewiseLinearCost, SemiCosts, migration_gain, pruning_ratio,
-                                    pruning_ratios, resize_decision, semi_decision, solve_beta)
+                                    pruning_ratios, resize_decision, semi_decision, solve_beta, unresized)
 from whalelike.errors import WhaleError
 
 APPROX = dict(abs=1e-9)
@@ -140,3 +140,12 @@ def test_algorithm2_bad_input():
         semi_decision([1, 2], [1, 1], 10, LINEAR, tolerance=-0.1)
     with pytest.raises(WhaleError, match="no step times"):
         semi_decision([], [], 10, LINEAR)
+
+
+def test_unresized_times_undo_the_pruning():
+    # rank 1 measured T' = 1.5, M' = 0.5 with half its matmul work pruned: M = 1.0, T = 2.0
+    times, matmul = unresized([1.0, 1.5], [0.5, 0.5], [0.0, 0.5])
+    assert times == pytest.approx([1.0, 2.0]) and matmul == pytest.approx([0.5, 1.0])
+    assert pruning_ratios(times, matmul, "min") == pytest.approx([0.0, 0.9])   # (2 - 1) / 1 clipped
+    with pytest.raises(WhaleError, match="one fraction in"):
+        unresized([1.0], [0.5], [1.0])

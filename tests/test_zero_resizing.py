@@ -199,6 +199,7 @@ def test_differentiated_ratios_per_layer():
     assert resizer.lineage["a", "weight"].pruned == (0, 2, 4)
     assert resizer.lineage["b", "weight"].pruned == (0, 1)
     assert resizer.lineage["c", "weight"].pruned == (0, 1, 2, 3, 4)
+    assert resizer.pruned_work == pytest.approx((3 + 2 + 5) / 18)   # equal layers: pruned columns / all
 
 
 # -- 2 ranks: column + row parallel MLP, rank 1 resized ------------------------------------------------
