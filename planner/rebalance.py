@@ -150,7 +150,8 @@ def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> C
     normalised so that they sum to the TFLOPS the plan assumed for those devices (see the module
     docstring). Devices the plan does not use are unchanged."""
     _check_inputs(plan, cluster, speeds)
-    assumed = math.fsum(device_tflops(cluster.device(w.device)) for w in plan.workers)
+    by_name = {d.name: d for d in cluster.devices}
+    assumed = math.fsum(device_tflops(by_name[w.device]) for w in plan.workers)
     total = math.fsum(float(v) for v in speeds)
     tflops = {w.device: float(v) / total * assumed for w, v in zip(plan.workers, speeds)}
     devices = tuple(dataclasses.replace(d, measured_tflops=tflops[d.name]) if d.name in tflops else d
@@ -192,7 +193,9 @@ class ShareChange:
 
     def describe(self) -> str:
         line = f"rank {self.rank}: batch share {sum(self.old)} -> {sum(self.new)}"
-        return line + f" (micro-batches {list(self.old)} -> {list(self.new)})" if len(set(self.old + self.new)) > 1 else line
+        if len(self.old) == len(self.new) and len(set(self.old)) == len(set(self.new)) == 1:
+            return line + f" ({self.old[0]} -> {self.new[0]} per micro-batch)"
+        return line + f" (micro-batches {list(self.old)} -> {list(self.new)})"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from whalelike.strategy import Strategy
 from whalelike.shard_groups import ShardGroup, ShardMember
 from whalelike.taskgraph import TaskGraphs
 
-from synthetic import synthetic_cluster, synthetic_model
+from synthetic import bert_large, synthetic_cluster, synthetic_model
 
 
 def assert_same_mapping(old, new):
@@ -119,6 +119,23 @@ def test_shares_stay_within_memory():
     assert all(w.memory_gib <= w.capacity_gib for w in new.workers)
 
 
+def test_accumulating_plan_keeps_its_micro_batch_count():
+    """A single stage under Poplar's accumulation (own micro-batch sizes per device): the re-plan
+    keeps the step's micro-batch count and moves samples off the slowed rank."""
+    graphs = bert_large([replicate()])
+    cluster = synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16)])
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=1000, num_micro_batch=1))
+    assert plan.num_micro_batch > 1 and len({len(w.micro_batch_sizes) for w in plan.workers}) > 1
+    new = rebalance(plan, graphs, cluster, [15.7, 15.7 / 4, 9.3, 9.3])
+    assert_same_mapping(plan, new)
+    assert new.num_micro_batch == plan.num_micro_batch
+    assert sum(w.batch_share for w in new.workers) == 1000
+    assert new.workers[1].batch_share < new.workers[2].batch_share < new.workers[0].batch_share
+    assert all(w.memory_gib <= w.capacity_gib for w in new.workers)
+    line = plan_changes(plan, new).describe().splitlines()[1]
+    assert line.startswith("rank 1: batch share 314 -> ") and "(micro-batches [104, 104, 104, 2] -> [" in line
+
+
 # -- pipeline --------------------------------------------------------------------------------------
 def test_slow_stage_gives_layers_to_its_neighbour():
     graphs, cluster, plan = pp_case()
@@ -200,6 +217,26 @@ def test_hybrid_replicated_split_reshards_and_reshares():
 
 
 # -- memory fallback -------------------------------------------------------------------------------
+def test_an_infeasible_partition_keeps_the_layers_in_force():
+    """Each stage's data-parallel pair loses one device to a 50x slowdown: the partitioner would put
+    nearly the whole micro-batch on the other device, and no split of the layers fits that in
+    memory. The layers stay, and the shares still move within memory (Whale's Algorithm 1)."""
+    graphs = synthetic_model(8, [replicate(2), replicate(2)], hidden=256, seq=32)
+    cost = StageCost.of_layers(graphs, range(4))
+    cluster = synthetic_cluster([(4, 10.0, (cost.static_bytes + 6 * cost.bytes_per_sample(2)) / GIB)])
+    plan = planner.plan(graphs, cluster, Config(32, 2))
+    assert [w.stage for w in plan.workers] == [0, 0, 1, 1]
+    result = replan(plan, graphs, cluster, [1.0, 0.02, 1.0, 0.02])
+    assert result.kept == ("stage layers: the pipeline partition for the measured speeds does not fit in memory",)
+    new = result.plan
+    assert_same_mapping(plan, new)
+    assert [st.layers for st in new.stages] == [st.layers for st in plan.stages]
+    assert new.num_micro_batch == plan.num_micro_batch
+    assert new.workers[0].batch_share > new.workers[1].batch_share
+    assert all(w.memory_gib <= w.capacity_gib for w in new.workers)
+    assert plan_changes(plan, new).kinds == {"shares"}
+
+
 def test_parts_that_do_not_fit_keep_the_plan_in_force(monkeypatch):
     """When moved layers (or any new shares) do not fit, the plan in force's value stays and the
     result says so; aware_decisions is made to refuse them here."""
