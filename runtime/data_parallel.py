@@ -41,10 +41,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.layout import SampleLayout
 from planner.plan import Plan, PlanError
+from planner.state_moves import Slab
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation import Emulator
 from runtime.groups import RankGroup
+from runtime.state_transfer import module_state, release_ddp
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class DataParallelExecutor:
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
         self.ddp = wrap_ddp(module, group.group, self.emulator)
-        self.emulator.pad_forward(module, flops_per_sample[0])
+        self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
 
     @property
     def shares(self) -> list[int]:
@@ -254,6 +256,17 @@ class DataParallelExecutor:
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)
+
+    def named_state(self) -> dict[str, tuple[torch.Tensor, Slab]]:
+        """Every parameter and buffer, whole (for :func:`runtime.state_transfer.switch_executor`)."""
+        return module_state(self.module)
+
+    def close(self) -> None:
+        """Take this executor's hooks off the model (emulation padding, DDP's reducer), so an
+        executor of another plan can wrap it; this one is not used again."""
+        self._unpad()
+        release_ddp(self.ddp)
+        self.ddp = None   # its buckets (a copy of the gradients) go with it
 
     def _weighted_loss(self, inputs: tuple, targets: torch.Tensor, global_size: int) -> torch.Tensor:
         """This slice's mean loss times its fraction of the global batch. An empty slice (a rank

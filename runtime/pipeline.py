@@ -71,11 +71,13 @@ from torch.nn.parallel.distributed import _find_tensors
 from planner.layout import SampleLayout
 from planner.plan import Plan
 from planner.schedule import Action, build_schedule, gradient_accumulation
+from planner.state_moves import Slab
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.sharded_loss import OutputLayout
+from runtime.state_transfer import module_state, release_ddp
 from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
 from runtime.tied import TiedParameters
 
@@ -229,6 +231,18 @@ class PipelineExecutor:
             raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
         load_full_state_dict(self.stage.module,
                              {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
+
+    def named_state(self) -> dict[str, tuple[torch.Tensor, Slab]]:
+        """This stage's parameters and buffers under the model's names, with the part of each it
+        holds (tensor-parallel shards); for :func:`runtime.state_transfer.switch_executor`."""
+        return module_state(self.stage.module, self._state_names)
+
+    def close(self) -> None:
+        """Leave no hook behind (DDP's reducer on this stage's parameters, which the model shares),
+        so an executor of another plan can take them over; this one is not used again."""
+        if isinstance(self.module, DistributedDataParallel):
+            release_ddp(self.module)
+        self.module = self.stage.module
 
     # -- one pass over a list of actions --------------------------------------------------------------
     def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
