@@ -182,6 +182,7 @@ class Engine:
         self.step = 0
         self._warned_overrun = False
         self.graphs: Optional[TaskGraphs] = None
+        self.compute_plan: Optional[Plan] = None    # the layout that computes while a migration runs
         self._context: Optional[ExecutorContext] = None
         self.rebalancer = Rebalancer(self, balance)
         if example_args is not None:
@@ -244,8 +245,32 @@ class Engine:
                 self.executor, lambda: _BUILDERS[kind](context), self.optimizer, self._make_optimizer,
                 None))
             self._context = context
-        self.plan, self.worker = plan, plan.worker(self.rank)
+        self.plan, self.worker, self.compute_plan = plan, plan.worker(self.rank), None
         return report
+
+    def start_migration(self, compute_plan: Plan) -> None:
+        """Run the next steps with ``compute_plan``'s layout (same workers, other shard sizes or
+        shares) while the plan in force keeps the parameters and optimizer state
+        (:mod:`runtime.migration`); collective. Replaces a migration already running."""
+        from runtime.migration import MigratingExecutor
+
+        _check_same_workers(self.plan, compute_plan)
+        compute_plan.validate(graphs=self.graphs, cluster=self.cluster)
+        self.stop_migration()
+        context = dataclasses.replace(self._context, plan=compute_plan, worker=compute_plan.worker(self.rank))
+        compute = self._collective(lambda: _BUILDERS[plan_kind(compute_plan)](context))
+        self.executor = self._collective(lambda: MigratingExecutor(self.executor, compute))
+        self.compute_plan = compute_plan
+
+    def stop_migration(self) -> bool:
+        """End a migration (the owners' parameters are current; nothing moves). False if none ran."""
+        from runtime.migration import MigratingExecutor
+
+        if not isinstance(self.executor, MigratingExecutor):
+            return False
+        self.executor = self.executor.release_compute()
+        self.compute_plan = None
+        return True
 
     def executor_module(self) -> nn.Module:
         """The module this rank runs (its stage, sharded where the plan says so)."""

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLICIES = ("exact", "semi", "resize", "off")
+TP_LOSSLESS = ("auto", "migrate", "reshard")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class BalanceConfig:
     exchange_every: steps between speed exchanges (one small all-gather each).
     warmup_steps:   first steps not measured (allocations, DDP's bucket set-up).
     max_gamma:      largest pruning ratio ZERO-resizing may use (policies semi and resize).
+    tp_lossless:    how the exact policy rebalances tensor-parallel stages: ``"auto"`` (default)
+                    migrates work while a change is new and re-shards for good once it has lasted
+                    ``persist_steps``; ``"migrate"`` only migrates; ``"reshard"`` re-shards at once.
+    persist_steps:  steps a migration lasts before ``"auto"`` makes it a permanent re-shard.
     """
 
     policy: str = "exact"
@@ -80,6 +85,8 @@ class BalanceConfig:
     exchange_every: int = 1
     warmup_steps: int = 2
     max_gamma: float = 0.9
+    tp_lossless: str = "auto"
+    persist_steps: int = 20
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -89,7 +96,10 @@ class BalanceConfig:
                 or not 0.0 < self.threshold < 1.0 or math.isnan(self.threshold):
             raise SpecError(f"BalanceConfig.threshold must be a fraction in (0, 1) (0.10 = a 10% speed change), "
                             f"got {self.threshold!r}")
-        for name, minimum in (("window", 1), ("exchange_every", 1), ("warmup_steps", 0)):
+        if self.tp_lossless not in TP_LOSSLESS:
+            raise SpecError(f"BalanceConfig.tp_lossless must be one of {', '.join(TP_LOSSLESS)}, got "
+                            f"{self.tp_lossless!r}")
+        for name, minimum in (("window", 1), ("exchange_every", 1), ("warmup_steps", 0), ("persist_steps", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise SpecError(f"BalanceConfig.{name} must be an integer >= {minimum}, got {value!r}")
@@ -148,7 +158,8 @@ class Rebalancer:
     history: list[ReplanEvent] = field(default_factory=list)
     reference: Optional[list[float]] = None   # speeds the plan in force was made for
     plan_version: int = 0
-    resizing: bool = False                      # ZERO-resizing active on some rank
+    migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
+    resized: dict = field(default_factory=dict)  # rank -> pruning ratio of ZERO-resizing in force
 
     def __post_init__(self):
         from runtime.straggler_monitor import StragglerMonitor
@@ -163,9 +174,11 @@ class Rebalancer:
         """Record this step's measurement; at exchange steps compare and maybe re-plan (collective)."""
         if step < self.config.warmup_steps:
             return None
+        flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
         self.monitor.record(step, flops, compute_s, matmul_s)
-        if len(self.monitor.samples) < self.config.window:
-            return None
+        event = self._persisted(step)
+        if event is not None or len(self.monitor.samples) < self.config.window:
+            return event
         measured = self.monitor.exchange(step)
         if measured is None:
             return None
@@ -177,47 +190,99 @@ class Rebalancer:
             return None
         start = time.perf_counter()
         action, detail, exact = self._react(measured)
-        cost_ms = (time.perf_counter() - start) * 1e3
         self.reference = list(measured.speeds)
         self.monitor.reset()   # samples from before the change must not outvote the new plan's
-        event = ReplanEvent(step, tuple(changes), action, detail, cost_ms, exact, self.plan_version)
+        return self._record(step, tuple(changes), action, detail, exact, start)
+
+    def _record(self, step, changes, action, detail, exact, start) -> ReplanEvent:
+        event = ReplanEvent(step, changes, action, detail, (time.perf_counter() - start) * 1e3, exact,
+                            self.plan_version)
         self.history.append(event)
         if self.engine.rank == 0:
-            (log.warning if not exact else log.info)("re-plan %s", event.line())
+            (log.info if exact else log.warning)("re-plan %s", event.line())
         return event
+
+    def _unresized(self, flops: float, compute_s: float, matmul_s: float) -> tuple[float, float, float]:
+        """What this step would have measured without ZERO-resizing (planner.semi_migration.unresized):
+        a resized straggler must keep looking as slow as it is, or Eq. (1) would switch it off again."""
+        if self._resizer is None or not self._resizer.active or matmul_s <= 0:
+            return flops, compute_s, matmul_s
+        kept = 1.0 - self._resizer.pruned_work
+        full = matmul_s / kept
+        return flops / kept, compute_s + full - matmul_s, full
 
     # -- decisions ---------------------------------------------------------------------------------
     def _react(self, measured: "Measured") -> tuple[str, str, bool]:
         policy = self.config.policy
         if policy == "off":
             return "none", "policy off: measured only", True
-        tensor_parallel = any(w.tp_size > 1 for w in self.engine.plan.workers)
-        if tensor_parallel and policy in ("semi", "resize"):
+        if not self._tensor_parallel:
+            return self._apply(measured.speeds)
+        if policy in ("semi", "resize"):
             return self._approximate(measured)
-        return self._exact(measured)
+        self._stop_resizing()
+        if self.config.tp_lossless == "reshard":
+            return self._apply(measured.speeds)
+        return self._migrate(measured.speeds)
 
-    def _exact(self, measured: "Measured") -> tuple[str, str, bool]:
+    @property
+    def _tensor_parallel(self) -> bool:
+        return any(w.tp_size > 1 for w in self.engine.plan.workers)
+
+    def _new_plan(self, speeds: Sequence[float]):
         from planner.rebalance import plan_changes, rebalance
 
         engine = self.engine
-        self._stop_resizing()
-        new = rebalance(engine.plan, engine.graphs, engine.cluster, measured.speeds)
-        changes = plan_changes(engine.plan, new)
+        new = rebalance(engine.plan, engine.graphs, engine.cluster, list(speeds))
+        return new, plan_changes(engine.plan, new)
+
+    def _apply(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
+        """The exact re-plan: shares in place, layers and shards moved with their optimizer state."""
+        new, changes = self._new_plan(speeds)
+        self._end_migration()
         if changes.empty:
             return "none", "the plan for the measured speeds is the plan in force", True
-        report = engine.apply_plan(new)
+        report = self.engine.apply_plan(new)
         self.plan_version += 1
-        action = "+".join(k for k in ("shares", "layers", "shards") if k in changes.kinds).replace("shards", "reshard")
-        moved = f"; moved {report.moved_tensors} tensors, {report.moved_bytes / 2**20:.2f} MiB" if report else ""
-        return action, changes.describe().replace("\n", "; ") + moved, True
+        moved = f"; {report.describe()}" if report is not None else ""
+        return _action(changes.kinds), changes.describe().replace("\n", "; ") + moved, True
+
+    def _migrate(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
+        """Lossless migration (runtime.migration): the plan for the measured speeds computes, the
+        plan in force keeps the parameters and optimizer state; none at all when they agree."""
+        new, changes = self._new_plan(speeds)
+        if changes.empty:
+            ended = self._end_migration()
+            return ("end migration" if ended else "none"), "the plan in force fits the measured speeds", True
+        self.engine.start_migration(new)
+        if self.migration_started is None:
+            self.migration_started = self.engine.step
+        self.plan_version += 1
+        return "migrate", changes.describe().replace("\n", "; "), True
+
+    def _persisted(self, step: int) -> Optional[ReplanEvent]:
+        """Under ``tp_lossless="auto"`` a migration that lasted ``persist_steps`` becomes the plan."""
+        if (self.migration_started is None or self.config.tp_lossless != "auto"
+                or step + 1 - self.migration_started < self.config.persist_steps):
+            return None
+        start = time.perf_counter()
+        plan = self.engine.compute_plan
+        self.migration_started = None
+        report = self.engine.apply_plan(plan)
+        self.plan_version += 1
+        detail = f"migration lasted {self.config.persist_steps} steps; " + (report.describe() if report else "")
+        return self._record(step, (), "reshard", detail, True, start)
+
+    def _end_migration(self) -> bool:
+        self.migration_started = None
+        return self.engine.stop_migration()
 
     def _approximate(self, measured: "Measured") -> tuple[str, str, bool]:
-        """FlexTP for tensor-parallel plans: ZERO-resizing (policy resize) or SEMI-migration (semi):
-        stragglers chosen for migration get their work moved exactly (a re-shard towards the
-        measured speeds), the others are resized by their own pruning ratio."""
+        """FlexTP for tensor-parallel plans: ZERO-resizing alone (policy resize, Eq. 1 against the
+        mean) or SEMI-migration (policy semi, Algorithm 2: the slowest stragglers migrate their
+        work exactly, the others are resized by Eq. 1 against the fastest)."""
         from planner.semi_migration import resize_decision, semi_decision
 
-        engine, rank = self.engine, self.engine.rank
         times, matmul = list(measured.compute_s), list(measured.matmul_s)
         if self.config.policy == "resize":
             decision = resize_decision(times, matmul, max_gamma=self.config.max_gamma)
@@ -225,54 +290,60 @@ class Rebalancer:
             decision = semi_decision(times, matmul, max_gamma=self.config.max_gamma)
         actions, details = [], []
         if decision.migrate:
-            speeds = list(measured.speeds)
-            for r in range(len(speeds)):
-                if r not in decision.migrate and r in decision.resize:
-                    # a resized rank keeps its shard: plan as if it ran at the others' pace
-                    speeds[r] = max(speeds)
-            action, detail, _ = self._exact_for(speeds)
-            if action != "none":
-                actions.append(action)
-                details.append(f"migrated ranks {sorted(decision.migrate)}: {detail}")
-        gamma = decision.resize.get(rank, 0.0)
-        self._set_resizing(gamma)
+            # the compute plan takes the migrated fraction off each migrating rank's share
+            speeds = [s * (1.0 - decision.migrate.get(r, 0.0)) for r, s in enumerate(self.reference)]
+            action, detail, _ = self._migrate(speeds)
+            actions.append(action)
+            details.append(f"migrating ranks {sorted(decision.migrate)}: {detail}")
+        else:
+            self._end_migration()
+        self._set_resizing(decision.resize.get(self.engine.rank, 0.0))
+        self.resized = dict(decision.resize)
         if decision.resize:
             actions.append("resize")
             details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(decision.resize.items())))
-        self.resizing = bool(decision.resize)
         return ("+".join(actions) or "none"), "; ".join(details), not decision.resize
 
-    def _exact_for(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
-        from planner.rebalance import plan_changes, rebalance
-
-        engine = self.engine
-        new = rebalance(engine.plan, engine.graphs, engine.cluster, speeds)
-        changes = plan_changes(engine.plan, new)
-        if changes.empty:
-            return "none", "", True
-        engine.apply_plan(new)
-        self.plan_version += 1
-        return "reshard" if "shards" in changes.kinds else "+".join(sorted(changes.kinds)), changes.describe(), True
-
     def _set_resizing(self, gamma: float) -> None:
+        resizer = self._resizer_of_module()
+        if resizer is not None:
+            resizer.set_ratio(gamma)
+
+    def _resizer_of_module(self):
+        """The ZERO-resizer of the module this rank computes with (a new one after a migration or a
+        re-shard rebuilt it), or None where it holds no tensor-parallel Linear."""
+        from runtime.tp_layers import _ParallelLinear
         from runtime.zero_resizing import ZeroResizer
 
         module = self.engine.executor_module()
-        if self._resizer is None or self._resizer.module is not module:
-            self._resizer = ZeroResizer(module)
-        self._resizer.set_ratio(gamma)
+        if self._resizer is not None and self._resizer.module is module:
+            return self._resizer
+        if self._resizer is not None:
+            self._resizer.set_ratio(0.0)
+        has_linear = any(isinstance(m, _ParallelLinear) for m in module.modules())
+        self._resizer = ZeroResizer(module, max_gamma=self.config.max_gamma) if has_linear else None
+        return self._resizer
 
     def _stop_resizing(self) -> None:
         if self._resizer is not None:
             self._resizer.set_ratio(0.0)
-        self.resizing = False
+        self.resized = {}
 
     def after_optimizer_step(self) -> None:
-        """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update."""
-        if self._resizer is not None:
-            self._resizer.observe_weights()
+        """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update, on
+        every rank, so a rank that becomes a straggler prunes its least-changing columns at once."""
+        if self.config.policy in ("semi", "resize") and self._tensor_parallel and self.engine.executor is not None:
+            resizer = self._resizer_of_module()
+            if resizer is not None:
+                resizer.observe_weights()
 
     @property
     def approximate(self) -> bool:
-        """Whether this rank's next step runs with ZERO-resizing."""
-        return self._resizer is not None and self._resizer.active
+        """Whether the next step is approximate: some rank (not necessarily this one) runs it with
+        ZERO-resizing, so the global loss and every gradient sum are approximate everywhere."""
+        return bool(self.resized)
+
+
+def _action(kinds) -> str:
+    names = {"shares": "shares", "layers": "layers", "shards": "reshard"}
+    return "+".join(names[k] for k in ("shares", "layers", "shards") if k in kinds) or "none"

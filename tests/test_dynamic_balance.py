@@ -14,6 +14,7 @@ missing rank. One 2-rank spawn and one 3-rank spawn.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -107,8 +108,28 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         "dp_noise": scenario(Mlp(), cluster([1.0, 1.0], slow(1.05))),
         "dp_off": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), balance=BalanceConfig(policy="off")),
         "pp": scenario(Mlp(wl.replicate, wl.replicate), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2),
-        "tp": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul"))),
+        # tensor parallel: lossless migration first, a permanent re-shard once it has lasted 2 steps
+        "tp": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")),
+                       balance=BalanceConfig(warmup_steps=2, window=3, persist_steps=2)),
+        "tp_migrate": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")),
+                               balance=BalanceConfig(warmup_steps=2, window=3, tp_lossless="migrate")),
+        "tp_resize": approximate_run(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")), "resize"),
     }
+
+
+def approximate_run(model: nn.Module, spec: Cluster, policy: str) -> dict:
+    """ZERO-resizing is approximate by design: the run must train (finite, falling losses), mark its
+    resized steps and events approximate, and prune only the straggler."""
+    from runtime import Engine
+
+    model = model.double()
+    graphs = capture(model, batches()[0][0])
+    plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH))
+    engine = Engine(model, plan, optimizer=OPTIMIZERS["adamw"], loss_fn=loss_fn, cluster=spec,
+                    balance=BalanceConfig(policy=policy, warmup_steps=2, window=3))
+    losses = [float(engine.train_step(b)) for b in batches()]
+    return {"losses": losses, "events": [(e.step, e.action, e.exact) for e in engine.replans],
+            "approximate": [s.approximate for s in engine.stats], "rank": engine.rank}
 
 
 def _three_ranks(rank: int, world_size: int) -> dict:
@@ -154,12 +175,23 @@ def test_pipeline_moves_layers_off_a_slow_stage_exactly(two):
     assert len(last.stages[1].layers) < len(first.stages[1].layers), (first.stages, last.stages)
 
 
-def test_tensor_parallel_reshards_a_slow_rank_exactly(two):
-    step, action, exact, ranks = _first(two["tp"])
-    assert "reshard" in action and exact
+def test_tensor_parallel_migrates_then_reshards_a_slow_rank_exactly(two):
+    actions = [e[1] for e in two["tp"]["events"]["sgd"]]
+    assert actions[:2] == ["migrate", "reshard"] and all(e[2] for e in two["tp"]["events"]["sgd"]), actions
+    step, action, exact, ranks = _first(two["tp_migrate"])
+    assert action == "migrate" and exact and 1 in ranks
+    assert two["tp_migrate"]["last"] == two["tp_migrate"]["first"]   # the plan in force keeps the state
     first, last = two["tp"]["first"], two["tp"]["last"]
     (path, sizes), = [(p, s) for p, s in last.stages[0].shard_sizes.items() if s != first.stages[0].shard_sizes[p]][:1]
     assert sizes[1] < first.stages[0].shard_sizes[path][1]
+
+
+def test_zero_resizing_marks_its_steps_and_events_approximate(two):
+    run = two["tp_resize"]
+    (step, action, exact), *_ = run["events"]
+    assert action == "resize" and not exact
+    assert not any(run["approximate"][:step + 1]) and any(run["approximate"][step + 1:])
+    assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
 
 
 def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
