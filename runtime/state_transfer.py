@@ -75,7 +75,10 @@ def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]]
 
     ``names`` maps ``module``'s state-dict keys to the model's names of the same tensor (first
     one canonical, as ``PipelineExecutor._state_names`` does); default: the keys are the model's
-    names, and a tensor under several keys (tied weights) is named by its first.
+    names, and a tensor under several keys (tied weights) is named by its first. A tied parameter
+    held twice by one tensor-parallel stage (an embedding whole, a sharded head's slice of it) is
+    two tensors: the first under the model's name, the other under ``"<name>@<key>"``; every copy
+    holds the same values, so each moves like a tensor of its own.
     """
     slabs: dict[int, Slab] = {}
     for layer in module.modules():
@@ -83,19 +86,15 @@ def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]]
             for param in ("weight", "bias"):
                 if getattr(layer, param) is not None:
                     slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
-    first_key: dict[int, str] = {}
+    seen: set[int] = set()
     out: NamedState = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
-        name = names[key][0] if names is not None else first_key.setdefault(id(tensor), key)
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        name = names[key][0] if names is not None else key
         slab = slabs.get(id(tensor), Slab(tuple(tensor.shape)))
-        if name in out:
-            if out[name][0] is tensor:
-                continue
-            raise StateTransferError(
-                f"{name!r} has two different tensors on this rank ({tuple(out[name][0].shape)} and "
-                f"{tuple(tensor.shape)}: a tied parameter held whole and sharded by one tensor-parallel stage); "
-                "moving such a parameter between plans is not supported: untie it or keep its shards fixed")
-        out[name] = (tensor, slab)
+        out[f"{name}@{key}" if name in out else name] = (tensor, slab)
     return out
 
 
@@ -257,9 +256,14 @@ def _region(tensor: torch.Tensor, slab: Slab, move: Move) -> torch.Tensor:
 
 
 @torch.no_grad()
-def execute_moves(moves: list[Move], rank: int, group, sources: NamedState, destinations: NamedState) -> None:
-    """Local copies, then every send and receive of this rank in one ``batch_isend_irecv`` (tag:
-    the move's index in the plan, the same on both ends)."""
+def execute_moves(moves: list[Move], rank: int, group: Optional[dist.ProcessGroup], sources: NamedState,
+                  destinations: NamedState) -> None:
+    """Carry out ``moves`` (the same list on every rank of ``group``; plan rank = group rank, default
+    group: the world) on rank ``rank``: pieces are read from ``sources`` and written into
+    ``destinations`` (name -> local tensor and the :class:`~planner.state_moves.Slab` it holds).
+    Local copies first, then every send and receive of this rank in one ``batch_isend_irecv`` (tag:
+    the move's index in the list, the same on both ends); returns once this rank's pieces arrived."""
+    group = group if group is not None else dist.group.WORLD
     wire = _wire_device(group)
     ops, landing = [], []
     for index, move in enumerate(moves):

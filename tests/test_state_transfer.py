@@ -14,6 +14,8 @@ step's loss and the final full state with the single-process reference:
   to stage 1;
 * ``reshard``: one tensor-parallel stage (attention by heads, SwiGLU MLP) resharded from 3:1 to
   1:3 units;
+* ``tied``: one tensor-parallel stage holding a tied matrix twice, whole as the embedding and
+  sliced as the (row-parallel) output projection, resharded 3:1 -> 1:3;
 * ``shares``: data parallel, shares 6:2 -> 2:6; nothing moves, and the old executor's hooks are gone.
 
 Before each switch every model tensor the old executor does not hold is filled with NaN on its
@@ -39,7 +41,7 @@ from planner.state_moves import Move, Slab, StateMoveError, plan_moves
 from reference import OPTIMIZERS, train_reference
 from whalelike.cluster import Cluster
 
-DIN, HIDDEN, CLASSES, SEQ = 6, 16, 4, 6
+DIN, HIDDEN, CLASSES, SEQ, VOCAB = 6, 16, 4, 6, 24
 BATCH, STEPS, SWITCH_AT = 8, 4, 2
 
 
@@ -180,6 +182,21 @@ class BlockNet(nn.Module):
         return self.head(self.block(self.embed(x)).mean(1))
 
 
+class TiedHead(nn.Module):
+    """The output projection is the embedding (GPT-2's tie); the hidden Linear and the head pair up
+    as an MLP group of 16 units."""
+
+    def __init__(self):
+        super().__init__()
+        with wl.split(2):
+            self.wte, self.h0 = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+            self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens):
+        return self.lm_head(torch.tanh(self.h0(self.wte(tokens))))
+
+
 def _cluster() -> Cluster:
     return Cluster.preset("emulated-2").without_emulation()
 
@@ -195,6 +212,9 @@ def _plan(graphs, stages: list[StagePlan], micro_batches: list[list[int]], stage
 
 def _data(model: nn.Module) -> list[tuple[tuple, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
+    if isinstance(model, TiedHead):
+        return [((torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+                for _ in range(STEPS)]
     shape = (BATCH, SEQ, DIN) if isinstance(model, BlockNet) else (BATCH, DIN)
     return [((torch.randn(*shape, generator=g, dtype=torch.float64),), torch.randint(0, CLASSES, (BATCH,), generator=g))
             for _ in range(STEPS)]
@@ -205,6 +225,19 @@ def _scenario(name: str):
     to change rank, by model name: a "buffer", a "param" (all its optimizer state moves with it) or
     a "shard" (part of a parameter: its state shaped like it moves, Adam's step is already there)."""
     torch.manual_seed(0)
+    if name == "tied":
+        model = TiedHead().double()
+        graphs = wl.capture(model, _data(model)[0][0])
+        before = planner.plan(graphs, _cluster(), wl.Config(global_batch_size=BATCH))
+        after = copy.deepcopy(before)
+        (stage,), (stage_after,) = before.stages, after.stages
+        assert stage.shard_sizes == {"h0": [8, 8], "lm_head": [8, 8]}
+        stage.shard_sizes = {"h0": [12, 4], "lm_head": [12, 4]}
+        stage_after.shard_sizes = {"h0": [4, 12], "lm_head": [4, 12]}
+        before.validate(graphs=graphs, cluster=_cluster())
+        # the head's slice of the tied matrix travels as a tensor of its own ("wte.weight@<key>")
+        moved = {"h0.weight": "shard", "h0.bias": "shard", "wte.weight@lm_head.weight": "shard"}
+        return model, before, after, moved, wl.token_cross_entropy
     if name == "pipeline":
         model = Stack().double()
         graphs = wl.capture(model, _data(model)[0][0])
@@ -233,7 +266,7 @@ def _scenario(name: str):
         after = _plan(graphs, [copy.deepcopy(stage)], [[2], [6]], [0, 0])
         moved = {}
     after.validate(graphs=graphs, cluster=_cluster())
-    return model, before, after, moved
+    return model, before, after, moved, F.cross_entropy
 
 
 def _poison_what_is_not_held(model: nn.Module, executor) -> None:
@@ -255,14 +288,14 @@ def _switch(rank: int, name: str, opt: str) -> dict:
     from runtime.state_transfer import switch_executor
     from runtime.tp_layers import _ParallelLinear
 
-    model, before, after, moved = _scenario(name)
+    model, before, after, moved, loss_fn = _scenario(name)
     data = _data(model)
-    losses, final = train_reference(model, data, OPTIMIZERS[opt], F.cross_entropy)
+    losses, final = train_reference(model, data, OPTIMIZERS[opt], loss_fn)
     kind = plan_kind(before)
     builder, contexts = _BUILDERS[kind], []
     register_executor(kind, lambda ctx: contexts.append(ctx) or builder(ctx))   # keeps the context
     try:
-        engine = Engine(copy.deepcopy(model), before, optimizer=OPTIMIZERS[opt], loss_fn=F.cross_entropy,
+        engine = Engine(copy.deepcopy(model), before, optimizer=OPTIMIZERS[opt], loss_fn=loss_fn,
                         cluster=_cluster(), timeout_s=60)
         got = [engine.train_step(batch) for batch in data[:SWITCH_AT]]
         _poison_what_is_not_held(engine.model, engine.executor)
@@ -284,6 +317,12 @@ def _switch(rank: int, name: str, opt: str) -> dict:
     assert state.keys() == final.keys(), f"{name}: {sorted(set(state) ^ set(final))}"
     for key, value in final.items():
         assert_close(state[key], value, msg=lambda m: f"{name}/{opt}: final {key}: {m}")
+    held = new.named_state()
+    for copy_name, (tensor, slab) in held.items():   # a second copy of a tied matrix equals the first
+        if "@" in copy_name:
+            whole, _ = held[copy_name.split("@")[0]]
+            index = torch.cat([torch.arange(lo, hi) for lo, hi in slab.ranges])
+            assert torch.equal(whole.index_select(slab.dim, index), tensor), f"{name}/{opt}: {copy_name}"
     riding = {"buffer": 0, "param": {"sgd": 1, "adamw": 3}[opt], "shard": {"sgd": 1, "adamw": 2}[opt]}
     expected_tensors = sum(1 + riding[what] for what in moved.values())
     assert report.moved_tensors == expected_tensors, (name, opt, report)
@@ -292,7 +331,8 @@ def _switch(rank: int, name: str, opt: str) -> dict:
 
 
 def _ranks(rank: int, world_size: int) -> dict:
-    return {(name, opt): _switch(rank, name, opt) for name in ("pipeline", "reshard", "shares") for opt in OPTIMIZERS}
+    return {(name, opt): _switch(rank, name, opt) for name in ("pipeline", "reshard", "tied", "shares")
+            for opt in OPTIMIZERS}
 
 
 def test_switching_plans_mid_training_matches_single_process_reference():
@@ -309,6 +349,10 @@ def test_switching_plans_mid_training_matches_single_process_reference():
     half = (3 * (32 * 32 + 32) + 32 * 32 + 2 * (64 * 32 + 64) + 32 * 64) // 2
     assert results[0]["reshard", "sgd"]["report"].moved_bytes == 2 * half * 8
     assert results[0]["reshard", "adamw"]["report"].moved_bytes == 3 * half * 8
+    # tied: rank 1 now holds 12 of the head's 16 input features of the tied matrix, next to the whole
+    assert results[1]["tied", "adamw"]["shapes"]["wte.weight"] == (VOCAB, HIDDEN)
+    copies = {n: shape for n, shape in results[1]["tied", "adamw"]["shapes"].items() if "@" in n}
+    assert copies == {"wte.weight@lm_head.weight": (VOCAB, 12)}, copies
     # shares: nothing moves, and the old executor's hooks left the model with it
     for rank in (0, 1):
         assert results[rank]["shares", "adamw"]["report"].moved_bytes == 0
