@@ -38,6 +38,10 @@ Where the paper is ambiguous, and what is chosen here:
   candidates, pruned last), which makes the schedule round-robin as the paper intends.
 * Pruned column counts round to the nearest integer, at most ``L - 1`` (a matmul keeps one
   column), and a layer's ratio is capped at ``max_gamma``; the paper bounds neither.
+* Line 6 preserves the statistics of indexes "not in pri_list": with pri_list the kept columns
+  (lines 12-13) those are the pruned ones, as the text says. Line 11 lets a layer with few
+  candidates prune only ``alpha * gamma`` (< gamma): kept as written, so a resized straggler may
+  stay a little slower than Eq. (1) aims for.
 * Algorithm 1 recomputes the lists once per epoch; here at :meth:`set_ratio` and after every
   statistics update while active.
 * The pruned copies of input and weight are kept for backward (as any Linear keeps its input),
@@ -45,7 +49,7 @@ Where the paper is ambiguous, and what is chosen here:
 * Statistics need the weights of the previous period: one detached copy of each local weight.
 
 Invariant: with ``gamma == 0`` (or no pruned column) every matmul is the exact one, bit for bit;
-``ZeroResizer.active`` says whether the last step was approximate (the Engine marks its loss).
+``ZeroResizer.active`` says whether steps run now are approximate (the Engine marks their losses).
 """
 from __future__ import annotations
 
