@@ -75,7 +75,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
         if show:
-            progress(step + 1, args.steps, losses[-1], elapsed)
+            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1].approximate)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
     if args.run_timeline and name == "whalelike":
@@ -93,10 +93,12 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}"}
 
 
-def progress(step: int, steps: int, loss: float, elapsed: float) -> None:
-    """A bar redrawn in place on a terminal; every fifth step on its own line in a log."""
+def progress(step: int, steps: int, loss: float, elapsed: float, approximate: bool = False) -> None:
+    """A bar redrawn in place on a terminal; every fifth step on its own line in a log. Losses of
+    steps run with ZERO-resizing (policies semi/resize) are marked approximate."""
     done = step * 30 // steps
-    line = f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}  {elapsed * 1e3:7.1f} ms"
+    line = (f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}"
+            + (" (approximate)" if approximate else "") + f"  {elapsed * 1e3:7.1f} ms")
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if step == steps else "", flush=True)
     elif step % 5 == 0 or step == steps:

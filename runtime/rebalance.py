@@ -192,7 +192,13 @@ class Rebalancer:
         action, detail, exact = self._react(measured)
         self.reference = list(measured.speeds)
         self.monitor.reset()   # samples from before the change must not outvote the new plan's
-        return self._record(step, tuple(changes), action, detail, exact, start)
+        return self._record(step, self._culprits(changes), action, detail, exact, start)
+
+    def _culprits(self, changes) -> tuple:
+        """The ranks whose own speed changed: when one rank slows, every other rank's *share* of
+        the total grows too (that is what triggers), but the event names the one that slowed."""
+        own = [c for c in changes if c.old_speed > 0 and abs(c.new_speed / c.old_speed - 1) > self.config.threshold]
+        return tuple(own or changes)
 
     def _record(self, step, changes, action, detail, exact, start) -> ReplanEvent:
         event = ReplanEvent(step, changes, action, detail, (time.perf_counter() - start) * 1e3, exact,
