@@ -284,31 +284,38 @@ class Rebalancer:
         return self.engine.stop_migration()
 
     def _approximate(self, measured: "Measured") -> tuple[str, str, bool]:
-        """FlexTP for tensor-parallel plans: ZERO-resizing alone (policy resize, Eq. 1 against the
-        mean) or SEMI-migration (policy semi, Algorithm 2: the slowest stragglers migrate their
-        work exactly, the others are resized by Eq. 1 against the fastest)."""
+        """FlexTP for tensor-parallel groups: ZERO-resizing alone (policy resize, Eq. 1 against the
+        group's mean) or SEMI-migration (policy semi, Algorithm 2: the slowest stragglers migrate
+        their work exactly, the others are resized by Eq. 1 against the group's fastest). Each
+        tensor-parallel group decides on its own ranks' times; ranks outside them (a hybrid plan's
+        data-parallel or pipeline stages) are re-planned exactly, at the speeds resizing leaves."""
         from planner.semi_migration import resize_decision, semi_decision
 
-        times, matmul = list(measured.compute_s), list(measured.matmul_s)
-        if self.config.policy == "resize":
-            decision = resize_decision(times, matmul, max_gamma=self.config.max_gamma)
-        else:
-            decision = semi_decision(times, matmul, max_gamma=self.config.max_gamma)
-        actions, details = [], []
-        if decision.migrate:
-            # the compute plan takes the migrated fraction off each migrating rank's share
-            speeds = [s * (1.0 - decision.migrate.get(r, 0.0)) for r, s in enumerate(self.reference)]
-            action, detail, _ = self._migrate(speeds)
-            actions.append(action)
-            details.append(f"migrating ranks {sorted(decision.migrate)}: {detail}")
-        else:
-            self._end_migration()
-        self._set_resizing(decision.resize.get(self.engine.rank, 0.0))
-        self.resized = dict(decision.resize)
-        if decision.resize:
+        migrate: dict[int, float] = {}
+        resize: dict[int, float] = {}
+        for ranks in _tensor_parallel_groups(self.engine.plan):
+            times = [measured.compute_s[r] for r in ranks]
+            matmul = [measured.matmul_s[r] for r in ranks]
+            decide = resize_decision if self.config.policy == "resize" else semi_decision
+            decision = decide(times, matmul, max_gamma=self.config.max_gamma)
+            migrate.update((ranks[i], f) for i, f in decision.migrate.items())
+            resize.update((ranks[i], g) for i, g in decision.resize.items())
+        # the layout to compute with: migrating ranks give up their migrated fraction, resized ranks
+        # keep their work (resizing brings them back to pace), everyone else runs at measured speed
+        speeds = list(measured.speeds)
+        for r in resize:
+            speeds[r] = self.reference[r]
+        for r, fraction in migrate.items():
+            speeds[r] = self.reference[r] * (1.0 - fraction)
+        action, detail, _ = self._migrate(speeds)
+        actions = [] if action == "none" else [action]
+        details = [detail] if action != "none" else []
+        self._set_resizing(resize.get(self.engine.rank, 0.0))
+        self.resized = resize
+        if resize:
             actions.append("resize")
-            details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(decision.resize.items())))
-        return ("+".join(actions) or "none"), "; ".join(details), not decision.resize
+            details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(resize.items())))
+        return ("+".join(actions) or "none"), "; ".join(details), not resize
 
     def _set_resizing(self, gamma: float) -> None:
         resizer = self._resizer_of_module()
@@ -348,6 +355,15 @@ class Rebalancer:
         """Whether the next step is approximate: some rank (not necessarily this one) runs it with
         ZERO-resizing, so the global loss and every gradient sum are approximate everywhere."""
         return bool(self.resized)
+
+
+def _tensor_parallel_groups(plan) -> list[list[int]]:
+    """The ranks of every tensor-parallel group (same replica, stage and dp_index), by tp_index."""
+    groups: dict[tuple, list] = {}
+    for w in plan.workers:
+        if w.tp_size > 1:
+            groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
+    return [[w.rank for w in sorted(g, key=lambda w: w.tp_index)] for g in groups.values()]
 
 
 def _action(kinds) -> str:
