@@ -9,7 +9,9 @@ emulation, whose straggler schedule slows rank ``--straggler`` by ``--factor`` f
 adaptive measures every rank's compute speed, re-plans the batch shares at a step boundary when a
 rank's share of the total speed moves past 10% (:mod:`runtime.rebalance`), and again when it
 recovers. Re-planned shares are exact: the two runs' losses must agree
-(``torch.testing.assert_close``; float64 so summation order is far below the tolerance).
+(``torch.testing.assert_close``; float64 so summation order is far below the tolerance). The two
+runs alternate step by step (each Engine has its own emulated devices and step count), so drift in
+the machine's load hits both alike; each step is timed on rank 0 from a barrier to its return.
 
 The time-varying ideal, per step ``s``::
 
@@ -54,6 +56,7 @@ from runtime.emulation import calibrate  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 from timing import spawn_ranks  # noqa: E402
 
+POLICIES = ("off", "exact")   # static, adaptive
 WORLD = 4
 DIN, CLASSES = 64, 10
 
@@ -83,27 +86,33 @@ def make_cluster(args) -> Cluster:
                    Emulation(base_gflops=args.base_gflops, stragglers=(straggler,)))
 
 
-def train(policy: str, cluster: Cluster, plan, batches, args) -> dict:
-    """One run; rank 0's per-step times (barrier-started, each step ends when its collectives did)."""
-    engine = Engine(make_model(args.width), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                    loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:8],),
-                    timeout_s=120, balance=policy)
-    losses, ends = [], []
-    dist.barrier()
-    start = time.perf_counter()
+def train_side_by_side(cluster: Cluster, plan, batches, args) -> dict[str, dict]:
+    """Both runs, alternating step by step (drift in machine load hits both alike): one Engine per
+    balance policy, same plan, weights and batches. Each step is timed on rank 0 from a barrier to
+    its return (a step ends in collectives: the loss, the speed exchange)."""
+    engines = {policy: Engine(make_model(args.width), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                             loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:8],),
+                             timeout_s=120, balance=policy)
+               for policy in POLICIES}
+    losses = {policy: [] for policy in POLICIES}
+    times = {policy: [] for policy in POLICIES}
     for batch in batches:
-        losses.append(float(engine.train_step(batch)))
-        ends.append(time.perf_counter())
-    dist.barrier()
-    total = time.perf_counter() - start
-    times = [b - a for a, b in zip([start, *ends], ends)]
-    modeled = torch.tensor([s.modeled_s for s in engine.stats], dtype=torch.float64)
+        for policy, engine in engines.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses[policy].append(float(engine.train_step(batch)))
+            times[policy].append(time.perf_counter() - start)
+    modeled = torch.tensor([[s.modeled_s for s in e.stats] for e in engines.values()], dtype=torch.float64)
     dist.all_reduce(modeled, op=dist.ReduceOp.MAX)    # the slowest rank's modeled compute, per step
-    counts = torch.tensor([sum(s.overruns for s in engine.stats), sum(s.segments for s in engine.stats)])
+    counts = torch.tensor([[sum(s.overruns for s in e.stats), sum(s.segments for s in e.stats)]
+                           for e in engines.values()])
     dist.all_reduce(counts)
-    return {"losses": losses, "times": times, "total": total, "max_modeled": modeled.tolist(),
-            "events": list(engine.replans), "overruns": (int(counts[0]), int(counts[1])),
-            "shares": [w.batch_share for w in engine.plan.workers]}
+    runs = {}
+    for index, (policy, engine) in enumerate(engines.items()):
+        runs[policy] = {"losses": losses[policy], "times": times[policy], "total": sum(times[policy]),
+                        "events": list(engine.replans), "overruns": tuple(int(c) for c in counts[index]),
+                        "max_modeled": modeled[index].tolist(), "shares": [w.batch_share for w in engine.plan.workers]}
+    return runs
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
@@ -116,7 +125,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
         graphs = wl.capture(make_model(args.width), (batches[0][0][0][:8],))
         plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=args.batch, num_micro_batch=1))
         flops_per_sample = sum(g.forward_flops + g.backward_flops for g in graphs)
-        runs = {policy: train(policy, cluster, plan, batches, args) for policy in ("off", "exact")}
+        runs = train_side_by_side(cluster, plan, batches, args)
         if rank == 0:
             smallest = min(w.batch_share for w in plan.workers)
             (x,), y = batches[0]
@@ -156,7 +165,6 @@ def report(results: dict, args) -> None:
         s, a, i = (sum(t[k] for k in steps) for t in (static["times"], adaptive["times"], ideal))
         label = f"{name} [{steps.start}, {steps.stop})"
         print(f"{label:28} {s:9.2f} {a:10.2f} {i:8.2f} {s / a:8.2f}x {i / a:8.1%}")
-    print(f"barrier to barrier: static {static['total']:.2f} s, adaptive {adaptive['total']:.2f} s")
     marks = sorted({0, args.onset - 1, args.onset, args.onset + 1, args.onset + 2, args.onset + 3,
                     args.recovery - 1, args.recovery, args.recovery + 1, args.recovery + 2, args.steps - 1})
     print("\nstep  true speeds        static ms  adaptive ms  ideal ms  static loss  adaptive loss")
