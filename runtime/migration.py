@@ -24,9 +24,9 @@ current).
 What moves is decided once, by :func:`planner.state_moves.plan_moves` between the two layouts'
 :class:`~planner.state_moves.Slab` descriptions (shared by one ``all_gather_object``), and executed
 every step with one ``batch_isend_irecv`` each way (:func:`runtime.state_transfer.execute_moves`).
-Parameters the two executors share (everything the compute plan does not shard differently:
-layer norms, embeddings, unsharded projections are the captured model's own tensors) are neither
-sent nor copied.
+Parameters the two executors share (layer norms, embeddings, unsharded projections are the
+captured model's own tensors in both) are neither sent nor copied: their moves are local, from a
+tensor to itself.
 
 Invariant: after each step the owner parameters' gradients equal what the owner executor would
 have computed (the same sums, in another place), so the optimizer update is exact; when migration
@@ -77,10 +77,11 @@ class MigratingExecutor:
         dist.all_gather_object(described, mine, group=self.group)
         owners = {r: d["owner"] for r, d in enumerate(described)}
         computers = {r: d["compute"] for r, d in enumerate(described)}
-        shared = {n for n, (t, _) in self._computed.items() if n in self._owned and self._owned[n][0] is t}
-        # values out: every compute slab from an owner; gradients back: every owner slab from a computer
-        self._out = [m for m in plan_moves(owners, computers) if not (m.local and m.name in shared)]
-        self._back = [m for m in plan_moves(computers, owners) if not (m.local and m.name in shared)]
+        # values out: every compute slab from an owner; gradients back: every owner slab from a
+        # computer. Every rank keeps the whole lists (a move's index is its message tag on both
+        # ends); a local move between a tensor and itself (shared parameters) copies nothing.
+        self._out = plan_moves(owners, computers)
+        self._back = plan_moves(computers, owners)
         self.stats = MigrationStats()
         crossing = [m for m in self._out if not m.local]
         log.info("rank %d: migrating %d slices of %d tensors (%d elements per step each way)", self.rank,
@@ -136,8 +137,7 @@ class MigratingExecutor:
 
     @torch.no_grad()
     def _send_values(self) -> None:
-        sources = {n: (t.detach(), s) for n, (t, s) in self._owned.items()}
-        destinations = {n: (t.detach(), s) for n, (t, s) in self._computed.items()}
+        sources, destinations = dict(self._owned), dict(self._computed)
         execute_moves(self._out, self.rank, self.group, sources, destinations)
         self.stats.sent_elements += sum(m.elements for m in self._out if not m.local)
 

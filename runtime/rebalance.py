@@ -293,7 +293,8 @@ class Rebalancer:
 
         migrate: dict[int, float] = {}
         resize: dict[int, float] = {}
-        for ranks in _tensor_parallel_groups(self.engine.plan):
+        groups = _tensor_parallel_groups(self.engine.plan)
+        for ranks in groups:
             times = [measured.compute_s[r] for r in ranks]
             matmul = [measured.matmul_s[r] for r in ranks]
             decide = resize_decision if self.config.policy == "resize" else semi_decision
@@ -303,7 +304,9 @@ class Rebalancer:
         # the layout to compute with: migrating ranks give up their migrated fraction, resized ranks
         # keep their work (resizing brings them back to pace), everyone else runs at measured speed
         speeds = list(measured.speeds)
-        for r in resize:
+        # policy resize is ZERO-resizing alone: tensor-parallel work never moves
+        kept = [r for ranks in groups for r in ranks] if self.config.policy == "resize" else list(resize)
+        for r in kept:
             speeds[r] = self.reference[r]
         for r, fraction in migrate.items():
             speeds[r] = self.reference[r] * (1.0 - fraction)

@@ -83,9 +83,11 @@ class LineageEntry:
         pruned = set(self.pruned)
         return tuple(i for i in range(self.size) if i not in pruned)
 
-    @cached_property
-    def kept_index(self) -> torch.Tensor:
-        return torch.tensor(self.kept, dtype=torch.long)
+    def __post_init__(self):
+        # built now, where the entry is made (set_ratio, outside any FakeTensorMode): an index
+        # made lazily inside the pipeline's fake-tensor shape run would be a FakeTensor, and a
+        # real forward indexed with it would produce fake values (and skip its all-reduce)
+        object.__setattr__(self, "kept_index", torch.tensor(self.kept, dtype=torch.long))
 
     def restore(self, pruned_grad: torch.Tensor) -> torch.Tensor:
         """Zero imputation: ``pruned_grad`` (last dimension ``size - len(pruned)``) put back at the

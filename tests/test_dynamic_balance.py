@@ -53,16 +53,23 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """A Megatron MLP block (column then row projection) under ``split``, with a head."""
+    """A Megatron MLP block (column then row projection) under ``split(ways)``, after an optional
+    ``replicate`` Linear (a hybrid: a data-parallel stage feeding the tensor-parallel one)."""
 
-    def __init__(self):
+    def __init__(self, ways: int = 2, stem: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        with wl.split(2):
+        self.stem = None
+        if stem:
+            with wl.replicate(1):
+                self.stem = nn.Linear(WIDTH, WIDTH)
+        with wl.split(ways):
             self.up = nn.Linear(WIDTH, 8 * WIDTH)
             self.down = nn.Linear(8 * WIDTH, WIDTH)
 
     def forward(self, x):
+        if self.stem is not None:
+            x = torch.tanh(self.stem(x))
         return x + self.down(torch.tanh(self.up(x)))
 
 
@@ -117,14 +124,14 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     }
 
 
-def approximate_run(model: nn.Module, spec: Cluster, policy: str) -> dict:
+def approximate_run(model: nn.Module, spec: Cluster, policy: str, num_micro_batch: int = 1) -> dict:
     """ZERO-resizing is approximate by design: the run must train (finite, falling losses), mark its
     resized steps and events approximate, and prune only the straggler."""
     from runtime import Engine
 
     model = model.double()
     graphs = capture(model, batches()[0][0])
-    plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH))
+    plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=num_micro_batch))
     engine = Engine(model, plan, optimizer=OPTIMIZERS["adamw"], loss_fn=loss_fn, cluster=spec,
                     balance=BalanceConfig(policy=policy, warmup_steps=2, window=3))
     losses = [float(engine.train_step(b)) for b in batches()]
@@ -135,7 +142,14 @@ def approximate_run(model: nn.Module, spec: Cluster, policy: str) -> dict:
 def _three_ranks(rank: int, world_size: int) -> dict:
     two = lambda: wl.replicate(2)  # noqa: E731
     spec = cluster([1.0, 1.0, 2.0], (Straggler(rank=0, factor=3.0, start_step=ONSET),))
-    return {"hybrid": scenario(Mlp(two, wl.replicate), spec, num_micro_batch=2)}
+    # the paper's multi-straggler case: two stragglers of different skew in one tensor-parallel group
+    skewed = cluster([1.0, 1.0, 1.0], (Straggler(rank=1, factor=6.0, start_step=ONSET, ops="matmul"),
+                                       Straggler(rank=2, factor=1.5, start_step=ONSET, ops="matmul")))
+    # SEMI in a hybrid: a replicate stage on rank 0 feeding a split(2) stage on ranks 1-2
+    mixed = cluster([1.0, 1.0, 1.0], (Straggler(rank=2, factor=3.0, start_step=ONSET, ops="matmul"),))
+    return {"hybrid": scenario(Mlp(two, wl.replicate), spec, num_micro_batch=2),
+            "semi_two_stragglers": approximate_run(Block(ways=3), skewed, "semi"),
+            "semi_hybrid": approximate_run(Block(ways=2, stem=True), mixed, "semi", num_micro_batch=2)}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +211,20 @@ def test_zero_resizing_marks_its_steps_and_events_approximate(two):
 def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
     step, action, exact, ranks = _first(three["hybrid"])
     assert exact and 0 in ranks
+
+
+def test_semi_migrates_the_worst_straggler_and_resizes_the_mild_one(three):
+    run = three["semi_two_stragglers"]
+    (step, action, exact), *_ = run["events"]
+    assert action == "migrate+resize" and not exact, run["events"]
+    assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
+
+
+def test_semi_in_a_hybrid_plan_resizes_inside_the_tensor_parallel_group_only(three):
+    run = three["semi_hybrid"]
+    (step, action, exact), *_ = run["events"]
+    assert "resize" in action and not exact, run["events"]
+    assert all(math.isfinite(x) for x in run["losses"])
 
 
 def test_bad_balance_settings_name_the_value():
