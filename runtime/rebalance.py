@@ -17,15 +17,19 @@ The loop, after every optimizer step (all of it collective and identical on ever
    groups: only amounts of work move;
 3. the change is applied by the Engine (:meth:`runtime.engine.Engine.apply_plan`):
 
-   ==============================  =============================================  ========
-   what changed                    how it is applied                               exact?
-   ==============================  =============================================  ========
-   data-parallel shares            new micro-batch sizes, no data moves            yes
-   pipeline layers                 parameters + optimizer state moved P2P          yes
-   tensor-parallel shard sizes     columns/heads + optimizer state moved P2P       yes
-   ZERO-resizing (semi, resize)    a straggler drops a fraction of its matmuls'    no
-                                   inner dimension (runtime.zero_resizing)
-   ==============================  =============================================  ========
+   ================================  ============================================  ========
+   what changed                      how it is applied                             exact?
+   ================================  ============================================  ========
+   data-parallel shares              new micro-batch sizes, no data moves          yes
+   pipeline layers                   parameters + optimizer state moved P2P        yes
+   tensor-parallel, while new        migration (runtime.migration): the plan in    yes
+                                     force keeps parameters and optimizer state,
+                                     the measured-speed layout computes
+   tensor-parallel, once persistent  re-shard: columns/heads + optimizer state     yes
+                                     moved P2P (after ``persist_steps``)
+   ZERO-resizing (semi, resize)      a straggler drops a fraction of its matmuls'  no
+                                     inner dimension (runtime.zero_resizing)
+   ================================  ============================================  ========
 
 4. a :class:`ReplanEvent` is appended to the history (``Engine.replans``) and logged once, on rank
    0: which ranks changed, old and new speed, the action, its cost in ms, exact or approximate.
@@ -52,7 +56,6 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 from whalelike.errors import SpecError
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
     from runtime.straggler_monitor import Measured, SpeedChange
 
 log = logging.getLogger(__name__)
