@@ -111,7 +111,7 @@ def scenario(model: nn.Module, spec: Cluster, num_micro_batch: int = 1, balance=
 def _two_ranks(rank: int, world_size: int) -> dict:
     slow = lambda factor, ops="all": (Straggler(rank=1, factor=factor, start_step=ONSET, ops=ops),)  # noqa: E731
     return {
-        "dp": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), num_micro_batch=1),
+        "dp": scenario(Mlp(), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=1),
         "dp_noise": scenario(Mlp(), cluster([1.0, 1.0], slow(1.05))),
         "dp_off": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), balance=BalanceConfig(policy="off")),
         "pp": scenario(Mlp(wl.replicate, wl.replicate), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2),
@@ -169,8 +169,9 @@ def _first(result: dict) -> tuple:
 
 
 def test_data_parallel_shares_follow_a_straggler_exactly(two):
+    """A rank slowed 2x is flagged within 3 steps of the onset, and the shares move off it."""
     step, action, exact, ranks = _first(two["dp"])
-    assert ONSET <= step <= ONSET + 2 and action == "shares" and exact and 1 in ranks
+    assert ONSET <= step <= ONSET + 2 and action == "shares" and exact and ranks == [1]
     shares = [w.batch_share for w in two["dp"]["last"].workers]
     assert shares[0] > shares[1], shares
 

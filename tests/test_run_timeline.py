@@ -1,0 +1,41 @@
+"""Pictures of a run (runtime/run_timeline.py): step times per rank and the re-plan events, drawn
+from real StepStats and ReplanEvents, as a PNG and a Chrome trace (in one process)."""
+from __future__ import annotations
+
+import json
+
+from runtime.engine import StepStats
+from runtime.rebalance import ReplanEvent
+from runtime.run_timeline import RunRecord, write_run_png, write_run_trace
+from runtime.straggler_monitor import SpeedChange
+
+
+def _record() -> RunRecord:
+    def stats(rank: int, step: int) -> StepStats:
+        slow = rank == 1 and 3 <= step < 5
+        compute = 0.02 * (3 if slow else 1)
+        return StepStats(step=step, wall_s=0.07 if 3 <= step < 5 else 0.03, compute_s=compute, modeled_s=compute,
+                         padded_s=compute, wait_s=0.0, segments=2, overruns=0, flops=1e6,
+                         approximate=step >= 5 and rank == 1, plan_version=int(step >= 5))
+
+    events = [ReplanEvent(4, (SpeedChange(1, 5e7, 1.7e7, 0.5),), "shares", "rank 1: [8] -> [4]", 1.5, True, 1),
+              ReplanEvent(6, (SpeedChange(1, 1.7e7, 5e7, 2.0),), "resize", "gamma rank 1: 0.50", 0.4, False, 1)]
+    return RunRecord([[stats(r, s) for s in range(8)] for r in range(2)], events, ["fast", "slow"])
+
+
+def test_run_png_and_trace_show_every_step_and_event(tmp_path):
+    record = _record()
+    png, trace = tmp_path / "run.png", tmp_path / "run.json"
+    write_run_png(record, png, title="two ranks")
+    write_run_trace(record, trace)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    compute = [e for e in events if e.get("cat") == "compute"]
+    assert len(compute) == 16 and {e["pid"] for e in compute} == {0, 1}
+    slow = [e["dur"] for e in compute if e["pid"] == 1 and e["name"] in ("step 3 compute", "step 4 compute")]
+    assert slow == [60000.0, 60000.0]                       # microseconds
+    replans = [e for e in events if e.get("cat") == "replan"]
+    assert [e["name"] for e in replans] == ["re-plan: shares", "re-plan: resize"]
+    assert replans[0]["ts"] == sum(0.07 if 3 <= s < 5 else 0.03 for s in range(5)) * 1e6   # at step 5's start
+    assert replans[1]["args"]["exact"] is False and "APPROXIMATE" in replans[1]["args"]["line"]
+    assert [e["args"]["approximate"] for e in compute if e["pid"] == 1][-1] is True
