@@ -187,11 +187,12 @@ def train(config: BalanceConfig, cluster: Cluster, plan, batches, held_out, args
     dist.all_reduce(migrated)
     state = engine.state_dict()
     layout = engine.compute_plan or engine.plan
-    path = sorted(layout.stages[0].shard_sizes)[0]
+    path = sorted(layout.stages[0].shard_sizes)[0]   # one layout per stage: every projection alike
     result = {"times": times, "losses": losses, "matmul": matmul.tolist(), "overruns": overruns.tolist(),
               "segments": int(segments), "events": [e.line() for e in engine.replans],
               "first_event": [e.step for e in engine.replans][:1],
-              "actions": [e.action for e in engine.replans], "pruned": float(most_pruned), "approx": sum(s.approximate for s in engine.stats),
+              "actions": [e.action for e in engine.replans], "pruned": float(most_pruned),
+              "approx": sum(s.approximate for s in engine.stats),
               "sizes": list(layout.stages[0].shard_sizes[path]), "migrated": float(migrated)}
     if dist.get_rank() == 0:
         model = Blocks(args.dim, args.hidden, args.blocks)
@@ -271,7 +272,7 @@ def report(runs: dict, args, load: str) -> None:
               f"the whole step: {(m0 + rest) * WORLD / sum(speeds) * 1e3:.1f} ms); 'settled' = {what} "
               f"[{settle}, {steps})")
         header = (f"{'method':9}{'settled ms':>11}{'whole ms':>10}{'speed-up':>9}{'of ideal':>9}{'final loss':>11}"
-                  f"{'vs exact':>10}{'last train':>11}{'approx':>7}{'pruned':>7}{'overruns':>11}{'migr/step':>10}  shards (up.0)")
+                  f"{'vs exact':>10}{'last train':>11}{'approx':>7}{'pruned':>7}{'overruns':>11}{'migr/step':>10}  shards")
         print(header)
         print("-" * len(header))
         static_mean = statistics.mean(static["times"][s] for s in settled)
