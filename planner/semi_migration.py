@@ -195,11 +195,16 @@ class SemiDecision:
         return 0.0 if remaining <= 0 else min(self.resize.get(rank, 0.0) / remaining, 1.0)
 
 
-def resize_decision(times: Sequence[float], matmul_times: Sequence[float], max_gamma: float = 0.9) -> SemiDecision:
-    """The resize-only policy (Algorithm 1 lines 1-2): every rank slower than the mean prunes
+def resize_decision(times: Sequence[float], matmul_times: Sequence[float], max_gamma: float = 0.9,
+                    tolerance: float = 0.0) -> SemiDecision:
+    """The resize-only policy (Algorithm 1 lines 1-2): every rank slower than the mean by more than
+    ``tolerance`` (a fraction: measured times of equal ranks differ in their last bits) prunes
     Eq. (1)'s ratio against ``T_avg``."""
+    if tolerance < 0:
+        raise WhaleError(f"resize_decision: tolerance must be >= 0, got {tolerance}")
     ratios = pruning_ratios(times, matmul_times, "mean", max_gamma)
-    resize = {rank: gamma for rank, gamma in enumerate(ratios) if gamma > 0}
+    mean = sum(float(t) for t in times) / len(times)
+    resize = {rank: gamma for rank, gamma in enumerate(ratios) if gamma > 0 and times[rank] > mean * (1.0 + tolerance)}
     slowest = tuple(sorted(resize, key=lambda rank: (-float(times[rank]), rank)))
     return SemiDecision(resize=resize, stragglers=slowest)
 

@@ -171,11 +171,17 @@ class Rebalancer:
         self.monitor = StragglerMonitor(e.rank, e.plan.world_size, None, window=self.config.window,
                                         threshold=self.config.threshold, exchange_every=self.config.exchange_every)
         self._resizer = None
+        self._fresh = False   # the next step is the first of a rebuilt executor
 
     # -- the step boundary --------------------------------------------------------------------------
     def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float) -> Optional[ReplanEvent]:
         """Record this step's measurement; at exchange steps compare and maybe re-plan (collective)."""
         if step < self.config.warmup_steps:
+            return None
+        if self._fresh:
+            # the first step of a rebuilt executor pays one-time costs (shape propagation,
+            # allocations): its speed is not the device's, and must not start a re-plan
+            self._fresh = False
             return None
         flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
         self.monitor.record(step, flops, compute_s, matmul_s)
@@ -191,10 +197,11 @@ class Rebalancer:
         changes = self.monitor.changed(measured, self.reference)
         if not changes:
             return None
-        start = time.perf_counter()
+        start, version = time.perf_counter(), self.plan_version
         action, detail, exact = self._react(measured)
         self.reference = list(measured.speeds)
         self.monitor.reset()   # samples from before the change must not outvote the new plan's
+        self._fresh = self.plan_version != version
         return self._record(step, self._culprits(changes), action, detail, exact, start)
 
     def _culprits(self, changes) -> tuple:
@@ -264,8 +271,7 @@ class Rebalancer:
             ended = self._end_migration()
             return ("end migration" if ended else "none"), "the plan in force fits the measured speeds", True
         self.engine.start_migration(new)
-        if self.migration_started is None:
-            self.migration_started = self.engine.step
+        self.migration_started = self.engine.step   # persistence counts from this layout on
         self.plan_version += 1
         return "migrate", changes.describe().replace("\n", "; "), True
 
@@ -279,6 +285,8 @@ class Rebalancer:
         self.migration_started = None
         report = self.engine.apply_plan(plan)
         self.plan_version += 1
+        self.monitor.reset()
+        self._fresh = True
         detail = f"migration lasted {self.config.persist_steps} steps; " + (report.describe() if report else "")
         return self._record(step, (), "reshard", detail, True, start)
 
@@ -301,7 +309,9 @@ class Rebalancer:
             times = [measured.compute_s[r] for r in ranks]
             matmul = [measured.matmul_s[r] for r in ranks]
             decide = resize_decision if self.config.policy == "resize" else semi_decision
-            decision = decide(times, matmul, max_gamma=self.config.max_gamma)
+            # a straggler is slower than the reference by more than the trigger threshold: equal
+            # ranks' measured times differ in their last bits, and must not count as stragglers
+            decision = decide(times, matmul, max_gamma=self.config.max_gamma, tolerance=self.config.threshold)
             migrate.update((ranks[i], f) for i, f in decision.migrate.items())
             resize.update((ranks[i], g) for i, g in decision.resize.items())
         # the layout to compute with: migrating ranks give up their migrated fraction, resized ranks
