@@ -212,9 +212,10 @@ class Engine:
         self.rebalancer.after_optimizer_step()
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em)
+        # the step boundary: measured speeds are shared and the plan may change (collective, part
+        # of this step: a rank that never starts the next one must not be reported as having begun it)
+        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s))
         self.step += 1
-        # the step boundary: measured speeds are shared and the plan may change (collective)
-        self._collective(lambda: self.rebalancer.after_step(self.step - 1, em.flops, em.padded_s, em.matmul_s))
         return loss
 
     @property

@@ -271,14 +271,14 @@ class Rebalancer:
             ended = self._end_migration()
             return ("end migration" if ended else "none"), "the plan in force fits the measured speeds", True
         self.engine.start_migration(new)
-        self.migration_started = self.engine.step   # persistence counts from this layout on
+        self.migration_started = self.engine.step   # the step just run; the layout computes from the next
         self.plan_version += 1
         return "migrate", changes.describe().replace("\n", "; "), True
 
     def _persisted(self, step: int) -> Optional[ReplanEvent]:
         """Under ``tp_lossless="auto"`` a migration that lasted ``persist_steps`` becomes the plan."""
         if (self.migration_started is None or self.config.tp_lossless != "auto"
-                or step + 1 - self.migration_started < self.config.persist_steps):
+                or step - self.migration_started < self.config.persist_steps):
             return None
         start = time.perf_counter()
         plan = self.engine.compute_plan
