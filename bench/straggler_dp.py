@@ -40,7 +40,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -54,6 +53,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.emulation import calibrate  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
+import side_by_side  # noqa: E402
 from timing import spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
@@ -87,31 +87,15 @@ def make_cluster(args) -> Cluster:
 
 
 def train_side_by_side(cluster: Cluster, plan, batches, args) -> dict[str, dict]:
-    """Both runs, alternating step by step (drift in machine load hits both alike): one Engine per
-    balance policy, same plan, weights and batches. Each step is timed on rank 0 from a barrier to
-    its return (a step ends in collectives: the loss, the speed exchange)."""
-    engines = {policy: Engine(make_model(args.width), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                             loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:8],),
-                             timeout_s=120, balance=policy)
-               for policy in POLICIES}
-    losses = {policy: [] for policy in POLICIES}
-    times = {policy: [] for policy in POLICIES}
-    for batch in batches:
-        for policy, engine in engines.items():
-            dist.barrier()
-            start = time.perf_counter()
-            losses[policy].append(float(engine.train_step(batch)))
-            times[policy].append(time.perf_counter() - start)
-    modeled = torch.tensor([[s.modeled_s for s in e.stats] for e in engines.values()], dtype=torch.float64)
-    dist.all_reduce(modeled, op=dist.ReduceOp.MAX)    # the slowest rank's modeled compute, per step
-    counts = torch.tensor([[sum(s.overruns for s in e.stats), sum(s.segments for s in e.stats)]
-                           for e in engines.values()])
-    dist.all_reduce(counts)
-    runs = {}
-    for index, (policy, engine) in enumerate(engines.items()):
-        runs[policy] = {"losses": losses[policy], "times": times[policy], "total": sum(times[policy]),
-                        "events": list(engine.replans), "overruns": tuple(int(c) for c in counts[index]),
-                        "max_modeled": modeled[index].tolist(), "shares": [w.batch_share for w in engine.plan.workers]}
+    """Both runs alternating step by step (bench/side_by_side.py), plus each run's final shares."""
+    def make_engine(policy: str) -> Engine:
+        return Engine(make_model(args.width), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                      loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:8],),
+                      timeout_s=120, balance=policy)
+
+    runs = side_by_side.train_side_by_side(make_engine, POLICIES, batches)
+    for run in runs.values():
+        run["shares"] = [w.batch_share for w in run.pop("plan").workers]
     return runs
 
 
@@ -172,23 +156,8 @@ def report(results: dict, args) -> None:
         speeds = ",".join(f"{v:.2g}" for v in true_speeds(args, k))
         print(f"{k:4}  {speeds:18} {static['times'][k] * 1e3:9.1f} {adaptive['times'][k] * 1e3:12.1f} "
               f"{ideal[k] * 1e3:9.1f}  {static['losses'][k]:11.6f}  {adaptive['losses'][k]:13.6f}")
-    print(f"\nre-plan events of the adaptive run ({len(events)}; an event at step s is in force from step s+1):")
-    for e in events:
-        print(f"  {e.line()}")
-    print(f"static run events: {len(static['events'])} (policy off measures only: "
-          f"{', '.join(e.action for e in static['events']) or 'none'})")
     print(f"final adaptive shares {adaptive['shares']}")
-    print(f"emulation overruns (all ranks): static {static['overruns'][0]}/{static['overruns'][1]}, "
-          f"adaptive {adaptive['overruns'][0]}/{adaptive['overruns'][1]} segments; rank 0 {results['calibration']}")
-    losses_ok = True
-    try:
-        torch.testing.assert_close(adaptive["losses"], static["losses"])
-    except AssertionError as e:
-        losses_ok = False
-        print(f"LOSSES DIFFER: {e}")
-    print(f"losses: {static['losses'][0]:.4f} -> {static['losses'][-1]:.4f} (static), "
-          f"{adaptive['losses'][0]:.4f} -> {adaptive['losses'][-1]:.4f} (adaptive); "
-          f"max |difference| {max(abs(a - b) for a, b in zip(static['losses'], adaptive['losses'])):.2e}")
+    losses_ok = side_by_side.report_runs(static, adaptive, f"; rank 0 {results['calibration']}")
     slowed = [e for e in events if any(c.rank == args.straggler and c.ratio < 1 for c in e.changes)]
     recovered = [e for e in events if e.step >= args.recovery and any(c.rank == args.straggler and c.ratio > 1
                                                                        for c in e.changes)]

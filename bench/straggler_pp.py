@@ -35,7 +35,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
+import side_by_side  # noqa: E402
 from timing import spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
@@ -110,29 +110,15 @@ def stage_layers(plan) -> str:
 
 
 def train_side_by_side(cluster: Cluster, plan, batches, args) -> dict[str, dict]:
-    """Both runs, alternating step by step (drift in machine load hits both alike): one Engine per
-    balance policy, same plan, weights and batches. Each step is timed on rank 0 from a barrier to
-    its return (a step ends in collectives: the loss, the speed exchange)."""
-    engines = {policy: Engine(make_model(args), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                             loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:2],),
-                             timeout_s=120, balance=policy)
-               for policy in POLICIES}
-    losses = {policy: [] for policy in POLICIES}
-    times = {policy: [] for policy in POLICIES}
-    for batch in batches:
-        for policy, engine in engines.items():
-            dist.barrier()
-            start = time.perf_counter()
-            losses[policy].append(float(engine.train_step(batch)))
-            times[policy].append(time.perf_counter() - start)
-    counts = torch.tensor([[sum(s.overruns for s in e.stats), sum(s.segments for s in e.stats)]
-                           for e in engines.values()])
-    dist.all_reduce(counts)
-    runs = {}
-    for index, (policy, engine) in enumerate(engines.items()):
-        runs[policy] = {"losses": losses[policy], "times": times[policy], "total": sum(times[policy]),
-                        "events": list(engine.replans), "overruns": tuple(int(c) for c in counts[index]),
-                        "layers": stage_layers(engine.plan)}
+    """Both runs alternating step by step (bench/side_by_side.py), plus each run's final stages."""
+    def make_engine(policy: str) -> Engine:
+        return Engine(make_model(args), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                      loss_fn=F.cross_entropy, cluster=cluster, example_args=(batches[0][0][0][:2],),
+                      timeout_s=120, balance=policy)
+
+    runs = side_by_side.train_side_by_side(make_engine, POLICIES, batches)
+    for run in runs.values():
+        run["layers"] = stage_layers(run.pop("plan"))
     return runs
 
 
@@ -193,21 +179,7 @@ def report(results: dict, args) -> None:
         flag = "  <- layers moved" if k == move else ""
         print(f"{k:4} {static['times'][k] * 1e3:10.1f} {adaptive['times'][k] * 1e3:12.1f}  "
               f"{static['losses'][k]:11.6f}  {adaptive['losses'][k]:13.6f}{flag}")
-    print(f"\nre-plan events of the adaptive run ({len(events)}; an event at step s is in force from step s+1):")
-    for e in events:
-        print(f"  {e.line()}")
-    print(f"static run events: {len(static['events'])} (policy off measures only)")
-    print(f"emulation overruns (all ranks): static {static['overruns'][0]}/{static['overruns'][1]}, "
-          f"adaptive {adaptive['overruns'][0]}/{adaptive['overruns'][1]} segments")
-    losses_ok = True
-    try:
-        torch.testing.assert_close(adaptive["losses"], static["losses"])
-    except AssertionError as e:
-        losses_ok = False
-        print(f"LOSSES DIFFER: {e}")
-    print(f"losses: {static['losses'][0]:.4f} -> {static['losses'][-1]:.4f} (static), "
-          f"{adaptive['losses'][0]:.4f} -> {adaptive['losses'][-1]:.4f} (adaptive); "
-          f"max |difference| {max(abs(a - b) for a, b in zip(static['losses'], adaptive['losses'])):.2e}")
+    losses_ok = side_by_side.report_runs(static, adaptive)
     s, a = (sum(t[k] for k in slowed) for t in (static["times"], adaptive["times"]))
     n = move - args.onset if move is not None else 0
     moved = f"layers moved at step {move} ({n} step{'' if n == 1 else 's'} after onset)" if move is not None \

@@ -35,6 +35,7 @@ from torch.testing import assert_close
 
 import planner
 import whalelike as wl
+from blocks import FxBlock
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.state_moves import Move, Slab, StateMoveError, plan_moves
@@ -149,34 +150,11 @@ class Stack(nn.Module):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(torch.tanh(self.l0(x)))))))
 
 
-class Block(nn.Module):
-    """Pre-norm causal attention (4 heads, literal head counts) and a SwiGLU MLP (64 units)."""
-
-    def __init__(self, heads=4):
-        super().__init__()
-        self.heads, self.head_dim = heads, HIDDEN * 2 // heads
-        width = HIDDEN * 2
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
-        self.gate, self.up, self.down = nn.Linear(width, 64), nn.Linear(width, 64), nn.Linear(64, width)
-        self.register_buffer("mask", torch.full((SEQ, SEQ), float("-inf")).triu(1))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        h = self.norm1(x)
-        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        v = self.v(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        attn = torch.softmax(q @ k.transpose(-2, -1) / self.head_dim ** 0.5 + self.mask, dim=-1) @ v
-        x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
-        h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
 class BlockNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.block, self.head = nn.Linear(DIN, HIDDEN * 2), Block(), nn.Linear(HIDDEN * 2, CLASSES)
+        self.embed, self.block, self.head = (nn.Linear(DIN, HIDDEN * 2), FxBlock(HIDDEN * 2, 4, SEQ),
+                                              nn.Linear(HIDDEN * 2, CLASSES))
 
     def forward(self, x):
         return self.head(self.block(self.embed(x)).mean(1))
