@@ -8,6 +8,11 @@ per host) three ways: data parallel (one ``replicate`` TaskGraph), a 2-stage pip
 then measures half its assumed speed; ``rebalance()`` is timed (median of ``--repeat`` runs,
 after one warm-up) with every part allowed to change. The table also shows what changed and the
 predicted step time of the plan in force and of the new plan, both at the measured speeds.
+
+The peer, in the same run: planning from scratch, ``planner.plan()`` on the cluster with the
+measured speeds (``planner.rebalance.measured_cluster``), which is what a restart with a new plan
+would run. It may choose another device mapping, so its predicted step time shows what keeping the
+mapping costs. The last line states the median speed-up of ``rebalance()`` over it.
 Single process, CPU only.
 
 Run: ``.venv/bin/python bench/replan_speed.py``
@@ -26,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 import planner  # noqa: E402
 from planner import PlanError  # noqa: E402
 from planner.cost_model import device_tflops  # noqa: E402
-from planner.rebalance import plan_changes, rebalance, replan  # noqa: E402
+from planner.rebalance import measured_cluster, plan_changes, rebalance, replan  # noqa: E402
 from synthetic import synthetic_cluster, synthetic_model  # noqa: E402
 from whalelike import Config, replicate  # noqa: E402
 from whalelike.display import format_table  # noqa: E402
@@ -48,10 +53,11 @@ LAYOUTS = {  # name: (strategies, global batch, micro-batches)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15, help="timed runs per case")
+    parser.add_argument("--peer-repeat", type=int, default=3, help="timed runs of planner.plan() per case")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     cluster = synthetic_cluster([(4, 125.0, 80), (4, 65.0, 40)], per_host=4, name="mixed-8")
-    rows, medians = [], []
+    rows, medians, ratios = [], [], []
     for model, (layers, hidden, heads) in MODELS.items():
         for name, (strategies, batch, micro) in LAYOUTS.items():
             graphs = synthetic_model(layers + 1, strategies, hidden=hidden, seq=1024, heads=heads, vocab=50257)
@@ -71,13 +77,24 @@ def main() -> None:
                 times.append((time.perf_counter() - start) * 1e3)
             median = statistics.median(times)
             medians.append(median)
+            measured = measured_cluster(plan, cluster, speeds)
+            peer_times = []
+            for _ in range(args.peer_repeat):
+                start = time.perf_counter()
+                scratch = planner.plan(graphs, measured, Config(batch, micro))
+                peer_times.append((time.perf_counter() - start) * 1e3)
+            peer = statistics.median(peer_times)
+            ratios.append(peer / median)
             changes = plan_changes(plan, new)
-            rows.append([model, name, f"{median:.1f}", f"{max(times):.1f}", ", ".join(sorted(changes.kinds)) or "none",
-                         f"{result.in_force.step_time_ms:.0f} -> {new.prediction.step_time_ms:.0f}"])
-    print(format_table(["model", "layout", "median ms", "max ms", "what changes",
+            rows.append([model, name, f"{median:.1f}", f"{max(times):.1f}", f"{peer:.0f}", f"{peer / median:.1f}x",
+                         ", ".join(sorted(changes.kinds)) or "none",
+                         f"{result.in_force.step_time_ms:.0f} -> {new.prediction.step_time_ms:.0f} "
+                         f"(scratch {scratch.prediction.step_time_ms:.0f})"])
+    print(format_table(["model", "layout", "median ms", "max ms", "plan() ms", "speed-up", "what changes",
                         "predicted step ms (in force -> re-planned)"], rows))
     print(f"rebalance() on 8 devices, GPT-2 small to XL: median {statistics.median(medians):.1f} ms over "
-          f"{len(medians)} cases (slowest case median {max(medians):.1f} ms)")
+          f"{len(medians)} cases (slowest case median {max(medians):.1f} ms); planning from scratch "
+          f"(planner.plan) takes {statistics.median(ratios):.1f}x as long (median)")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     plan.validate(graphs=graphs, cluster=cluster)
     measured = measured_cluster(plan, cluster, speeds)
     layout = plan_layout(plan, graphs, measured)
-    config = Config(plan.global_batch_size, plan.num_micro_batch, plan.schedule,
+    config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
                     sync_batchnorm=plan.sync_batchnorm)
     network = measured.network
     old_layers = [list(st.layers) for st in plan.stages]
@@ -123,7 +123,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
             decisions = aware_decisions(
                 graphs, config, layout, network,
                 stage_layers=new_layers if use_layers else old_layers,
-                shards=None if use_shards else old_shards, counts=[plan.num_micro_batch])
+                shards=None if use_shards else old_shards, counts=[config.num_micro_batch])
         except PlanError as e:
             first_error = first_error or e
             continue
@@ -280,6 +280,18 @@ def plan_changes(old: Plan, new: Plan) -> PlanChanges:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def _micro_batch_count(plan: Plan) -> int:
+    """The micro-batch count to re-plan with. A pipeline keeps its count (the schedule depends on
+    it). A single stage on Poplar's per-device accumulation (lists of different lengths) gets 1:
+    the planner then accumulates again, each device in as few micro-batches as its memory allows,
+    instead of cutting the batch into the old plan's longest list of equal micro-batches (which
+    gives a slowed device micro-batches of one sample)."""
+    lengths = {len(w.micro_batch_sizes) for w in plan.workers}
+    if len(plan.stages) == 1 and len(lengths) > 1:
+        return 1
+    return plan.num_micro_batch
+
+
 def _check_inputs(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> None:
     if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__len__"):
         raise PlanError(f"rebalance: speeds must be a list of measured FLOP/s, one per rank, got {speeds!r}")

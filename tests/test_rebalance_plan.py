@@ -119,20 +119,28 @@ def test_shares_stay_within_memory():
     assert all(w.memory_gib <= w.capacity_gib for w in new.workers)
 
 
-def test_accumulating_plan_keeps_its_micro_batch_count():
+def test_accumulating_plan_accumulates_again_at_the_measured_speeds():
     """A single stage under Poplar's accumulation (own micro-batch sizes per device): the re-plan
-    keeps the step's micro-batch count and moves samples off the slowed rank."""
+    accumulates again, samples move off the slowed rank, and each device keeps micro-batches as
+    large as its memory allows (not the old plan's longest list cut into equal micro-batches, which
+    gave a slowed device micro-batches of one sample). The result equals planning from scratch at
+    the measured speeds (the mapping of a single stage is the same either way)."""
     graphs = bert_large([replicate()])
     cluster = synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16)])
     plan = planner.plan(graphs, cluster, Config(global_batch_size=1000, num_micro_batch=1))
     assert plan.num_micro_batch > 1 and len({len(w.micro_batch_sizes) for w in plan.workers}) > 1
-    new = rebalance(plan, graphs, cluster, [15.7, 15.7 / 4, 9.3, 9.3])
+    speeds = [15.7, 15.7 / 4, 9.3, 9.3]
+    new = rebalance(plan, graphs, cluster, speeds)
     assert_same_mapping(plan, new)
-    assert new.num_micro_batch == plan.num_micro_batch
     assert sum(w.batch_share for w in new.workers) == 1000
     assert new.workers[1].batch_share < new.workers[2].batch_share < new.workers[0].batch_share
     assert all(w.memory_gib <= w.capacity_gib for w in new.workers)
-    line = plan_changes(plan, new).describe().splitlines()[1]
+    caps = {w.rank: max(w.micro_batch_sizes) for w in plan.workers}
+    for w in new.workers:   # as few micro-batches as memory allows
+        assert len(w.micro_batch_sizes) == -(-w.batch_share // caps[w.rank]), (w.rank, w.micro_batch_sizes)
+    scratch = planner.plan(graphs, measured_cluster(plan, cluster, speeds), Config(global_batch_size=1000))
+    assert [w.micro_batch_sizes for w in new.workers] == [w.micro_batch_sizes for w in scratch.workers]
+    (line,) = [l for l in plan_changes(plan, new).describe().splitlines() if l.startswith("rank 1:")]
     assert line.startswith("rank 1: batch share 314 -> ") and "(micro-batches [104, 104, 104, 2] -> [" in line
 
 
