@@ -117,7 +117,8 @@ class UnevenLoader:
     """Iterates :class:`Share` s of a map-style dataset of ``(inputs, target)`` items for one rank;
     pass each to ``Engine.train_step``. A rank with no samples in a short last batch gets an empty
     Share (batch dimension 0) so it still takes part in the step's collectives. :meth:`set_plan`
-    follows a re-planned Plan from the next step on (see the module docstring)."""
+    follows a re-planned Plan from the next step on (see the module docstring); :meth:`follow`
+    does it for every re-plan of an Engine."""
 
     def __init__(self, dataset: Dataset, plan: Plan, rank: int, seed: int = 0, shuffle: bool = True,
                  collate_fn: Optional[Callable] = None):
@@ -140,6 +141,12 @@ class UnevenLoader:
                              f"shares may change (a plan with other groups needs a new loader)")
         self.sampler.set_shares(layout.dp_shares(self.rank)[0])
 
+    def follow(self, engine) -> "UnevenLoader":
+        """Follow ``engine``'s re-plans (``runtime.Engine(balance=...)``): after each step, the
+        next share is drawn under the plan in force (``engine.plan``). Returns the loader."""
+        self._engine, self._plan = engine, engine.plan
+        return self
+
     def __len__(self) -> int:
         return len(self.sampler)
 
@@ -151,3 +158,8 @@ class UnevenLoader:
             else:
                 inputs, targets = self.collate([self.dataset[0]])
                 yield Share(*slice_batch(inputs, targets, 0, 0), global_size=global_size)
+            # the step that used this share may have re-planned: the next draw follows the new plan
+            engine = getattr(self, "_engine", None)
+            if engine is not None and engine.plan is not self._plan:
+                self._plan = engine.plan
+                self.set_plan(self._plan)

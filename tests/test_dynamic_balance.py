@@ -112,6 +112,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     slow = lambda factor, ops="all": (Straggler(rank=1, factor=factor, start_step=ONSET, ops=ops),)  # noqa: E731
     return {
         "dp": scenario(Mlp(), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=1),
+        "dp_loader": loader_scenario(Mlp(), cluster([1.0, 1.0], slow(2.0))),
         "dp_noise": scenario(Mlp(), cluster([1.0, 1.0], slow(1.05))),
         "dp_off": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), balance=BalanceConfig(policy="off")),
         "pp": scenario(Mlp(wl.replicate, wl.replicate), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2),
@@ -122,6 +123,35 @@ def _two_ranks(rank: int, world_size: int) -> dict:
                                balance=BalanceConfig(warmup_steps=2, window=3, tp_lossless="migrate")),
         "tp_resize": approximate_run(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")), "resize"),
     }
+
+
+def loader_scenario(model: nn.Module, spec: Cluster) -> dict:
+    """Data parallel through ``UnevenLoader.follow(engine)``: after the re-plan each rank reads its
+    new share of every global batch; the union of the shares is the same global batch the single
+    process trains on (the sampler's seeded permutation), so the run stays exact."""
+    from torch.testing import assert_close
+    from torch.utils.data import TensorDataset
+
+    from reference import train_reference
+    from runtime import Engine, UnevenLoader
+
+    model = model.double()
+    g = torch.Generator().manual_seed(3)
+    xs, ys = (torch.randn(STEPS * BATCH, WIDTH, generator=g, dtype=torch.float64) for _ in range(2))
+    plan = planner.plan(capture(model, (xs[:2],)), spec, wl.Config(global_batch_size=BATCH))
+    order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(5)).tolist()   # UnevenSampler's
+    chunks = [order[k * BATCH:(k + 1) * BATCH] for k in range(STEPS)]
+    losses, final = train_reference(model, [((xs[c],), ys[c]) for c in chunks], OPTIMIZERS["sgd"], loss_fn)
+    engine = Engine(model, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss_fn, cluster=spec, balance=BALANCE)
+    loader = UnevenLoader(TensorDataset(xs, ys), plan, engine.rank, seed=5).follow(engine)
+    sizes = []
+    for step, share in enumerate(loader):
+        sizes.append(int(share.targets.shape[0]))
+        assert_close(engine.train_step(share), losses[step], msg=lambda m: f"loader, step {step}: {m}")
+    state = engine.state_dict()
+    for key, value in final.items():
+        assert_close(state[key], value, msg=lambda m: f"loader, final {key}: {m}")
+    return {"sizes": sizes, "events": [(e.step, e.action) for e in engine.replans]}
 
 
 def approximate_run(model: nn.Module, spec: Cluster, policy: str, num_micro_batch: int = 1) -> dict:
@@ -174,6 +204,13 @@ def test_data_parallel_shares_follow_a_straggler_exactly(two):
     assert ONSET <= step <= ONSET + 2 and action == "shares" and exact and ranks == [1]
     shares = [w.batch_share for w in two["dp"]["last"].workers]
     assert shares[0] > shares[1], shares
+
+
+def test_uneven_loader_follows_the_engine_re_plans_exactly(two):
+    run = two["dp_loader"]   # rank 0's view: its share grows after the straggler (rank 1) is re-planned
+    (step, action), *_ = run["events"]
+    assert action == "shares" and run["sizes"][:step + 1] == [BATCH // 2] * (step + 1)
+    assert all(n > BATCH // 2 for n in run["sizes"][step + 1:]), run
 
 
 def test_noise_below_the_threshold_and_policy_off_change_nothing(two):
