@@ -97,6 +97,7 @@ class PipelineSplit:
     root: fx.GraphModule        # the split graph: calling it runs every stage in one process
     output_structure: Any       # the model's output with ValueIds at its leaves
     output_spec: Optional[TreeSpec] = None   # export graphs return flat outputs; this rebuilds the model's
+    source: Optional[fx.GraphModule] = None  # the captured graph the stages were cut from
 
     @property
     def num_stages(self) -> int:
@@ -114,12 +115,21 @@ class PipelineSplit:
     def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         """Shape, dtype and gradient flag of every value sent between stages, for model inputs
         shaped like ``inputs`` (the batch size is free). Runs the graph on fake tensors twice,
-        with two batch sizes, to tell the batch dimension apart."""
-        runs = [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
+        with two batch sizes, to tell the batch dimension apart.
+
+        The fake values of every node of the captured graph are kept on it (per input shapes), so
+        a re-planned split of the same graph (layers moved to another stage, :mod:`runtime.rebalance`)
+        finds its new boundary values there without running anything again."""
+        known = _fake_node_values(self.source, inputs) if self.source is not None else None
+        runs = None
         specs = {}
         for stage in self.stages:
             for value in stage.received:
-                a, b = runs[0][value], runs[1][value]
+                if known is not None and all(value.name in k for k in known):
+                    a, b = (k[value.name] for k in known)
+                else:
+                    runs = runs or [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
+                    a, b = runs[0][value], runs[1][value]
                 if not isinstance(a, torch.Tensor):
                     raise StageSplitError(
                         f"value {value} is used by stage {stage.index} but is a {type(a).__name__}, not a "
@@ -174,6 +184,7 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
     _match_buffer_persistence(root, original)
     split = _describe(root, num_stages)
     split.output_spec = output_spec
+    split.source = original
     for stage in split.stages:
         log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
                   [str(v) for v in stage.outputs])
@@ -319,8 +330,24 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
     return PipelineSplit(stages, root, result)
 
 
+def _fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
+    computed once per input shapes and kept on ``source`` (fake tensors hold no storage)."""
+    key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
+    cache = source.__dict__.setdefault("_whalelike_fake_values", {})
+    if key not in cache:
+        cache[key] = tuple(_fake_run(source, inputs, batch, _NodeRecorder) for batch in (2, 3))
+    return cache[key]
+
+
 def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:
-    """Run the split graph on fake inputs of batch size ``batch``; return every stage output.
+    """Run the split graph on fake inputs of batch size ``batch``; return every stage output."""
+    return _fake_run(root, inputs, batch, _Recorder)
+
+
+def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) -> dict:
+    """Run ``root`` under ``recorder_type`` (an fx Interpreter with ``values``) on fake inputs of
+    batch size ``batch``.
 
     Buffers are restored afterwards: an in-place update of a real buffer from real operands alone
     (BatchNorm's ``num_batches_tracked.add_(1)``) runs for real even under ``FakeTensorMode``."""
@@ -328,13 +355,26 @@ def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
             fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
-            recorder = _Recorder(root)
+            recorder = recorder_type(root)
             recorder.run(*fake)
     finally:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
     return recorder.values
+
+
+class _NodeRecorder(fx.Interpreter):
+    """Records the value of every node by name."""
+
+    def __init__(self, root: fx.GraphModule):
+        super().__init__(root)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
 
 
 class _Recorder(fx.Interpreter):
