@@ -9,7 +9,7 @@ their parameters and optimizer state), tensor parallel (a permanent uneven re-sh
 hybrid (a data-parallel stage feeding a second stage). Detection is checked on the events: the
 first re-plan comes within 3 steps of the onset, a 5% slowdown triggers nothing, and the policy
 ``"off"`` only records. Bad input: invalid policy, thresholds out of range, a schedule naming a
-missing rank. One 2-rank spawn and one 3-rank spawn.
+missing rank. One 2-rank, one 3-rank and one 4-rank spawn (split inside replicate).
 """
 from __future__ import annotations
 
@@ -182,6 +182,33 @@ def _three_ranks(rank: int, world_size: int) -> dict:
             "semi_hybrid": approximate_run(Block(ways=2, stem=True), mixed, "semi", num_micro_batch=2)}
 
 
+class ReplicatedSplit(nn.Module):
+    """``split(2)`` inside ``replicate(2)``: two tensor-parallel groups, each shard synced by DDP
+    across the groups (4 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        with wl.replicate(2), wl.split(2):
+            self.up = nn.Linear(WIDTH, 8 * WIDTH)
+            self.down = nn.Linear(8 * WIDTH, WIDTH)
+            self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.tanh(self.up(x))))
+
+
+def _four_ranks(rank: int, world_size: int) -> dict:
+    spec = cluster([1.0] * 4, (Straggler(rank=3, factor=3.0, start_step=ONSET, ops="matmul"),))
+    return {"replicated_split": scenario(ReplicatedSplit(), spec,
+                                         balance=BalanceConfig(warmup_steps=2, window=3, persist_steps=2))}
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_four_ranks, 4, timeout_s=600)[0]
+
+
 @pytest.fixture(scope="module")
 def two():
     return run_ranks(_two_ranks, 2, timeout_s=600)[0]
@@ -236,6 +263,15 @@ def test_tensor_parallel_migrates_then_reshards_a_slow_rank_exactly(two):
     first, last = two["tp"]["first"], two["tp"]["last"]
     (path, sizes), = [(p, s) for p, s in last.stages[0].shard_sizes.items() if s != first.stages[0].shard_sizes[p]][:1]
     assert sizes[1] < first.stages[0].shard_sizes[path][1]
+
+
+def test_split_inside_replicate_migrates_then_reshards_exactly(four):
+    """The compute layout's DDP syncs each migrated shard across the replicas; the owners' state
+    stays exact through the migration and the permanent re-shard."""
+    actions = [e[1] for e in four["replicated_split"]["events"]["adamw"]]
+    assert actions[:2] == ["migrate", "reshard"], actions
+    first, last = four["replicated_split"]["first"], four["replicated_split"]["last"]
+    assert last.stages[0].shard_sizes != first.stages[0].shard_sizes
 
 
 def test_zero_resizing_marks_its_steps_and_events_approximate(two):
