@@ -1,15 +1,17 @@
 """Dynamic balancing end to end: an emulated straggler forces re-plans mid-run, training stays exact.
 
-Each scenario trains a float64 model under ``runtime.Engine`` on emulated devices whose cluster
-spec schedules a straggler (``emulation.stragglers``), with the default policy ``"exact"``, and
-the same model in one process on the same batches (``tests/reference.py``): every step's loss and
-the final parameters must be equal although the plan changed under the run. Scenarios (SGD with
-momentum and AdamW each): data parallel (shares move), a two-stage pipeline (layers move with
-their parameters and optimizer state), tensor parallel (a permanent uneven re-shard), and a
-hybrid (a data-parallel stage feeding a second stage). Detection is checked on the events: the
-first re-plan comes within 3 steps of the onset, a 5% slowdown triggers nothing, and the policy
-``"off"`` only records. Bad input: invalid policy, thresholds out of range, a schedule naming a
-missing rank. One 2-rank, one 3-rank and one 4-rank spawn (split inside replicate).
+Each exact scenario trains a float64 model under ``runtime.Engine`` on emulated devices whose
+cluster spec schedules a straggler (``emulation.stragglers``) and the same model in one process on
+the same batches (``tests/reference.py``): every step's loss and the final parameters must be
+equal although the plan changed under the run (SGD with momentum and AdamW each). Exact
+scenarios: data parallel (shares move; also fed by ``UnevenLoader.follow``), a two-stage pipeline
+(layers move with their parameters and optimizer state), tensor parallel (lossless migration, then
+a permanent re-shard; migration alone), split inside replicate, and a hybrid (a data-parallel
+stage feeding a second stage). Approximate scenarios (ZERO-resizing, SEMI with two stragglers,
+SEMI in a hybrid plan) must train and mark their steps and events approximate. Detection is
+checked on the events: a rank slowed 2x is flagged within 3 steps of the onset, a 5% slowdown
+triggers nothing, and the policy ``"off"`` only records. Bad input: invalid policy, thresholds out
+of range, a schedule naming a missing rank. One 2-rank, one 3-rank and one 4-rank spawn.
 """
 from __future__ import annotations
 
