@@ -149,7 +149,7 @@ class TiedParameters:
                                    for w in plan.workers if w.stage in tie.stages))
             by_holders.setdefault(members, []).append((tie, by_stage))
         for members, held in sorted(by_holders.items()):
-            pg = dist.new_group(list(members)) if len(members) > 1 else None   # every rank creates every group
+            pg = _holders_group(members) if len(members) > 1 else None   # every rank creates every group
             if self.worker.stage in held[0][0].stages:
                 self._groups.append((members, pg, [(tie, by_stage[self.worker.stage]) for tie, by_stage in held]))
         mine = split.stages[self.worker.stage].module
@@ -241,3 +241,21 @@ def _copies_of(tie: Tie, original: nn.Parameter, places: list[tuple[str, str]], 
                 f"{'nothing' if p is None else 'a tensor that is no known slice of it'}, so its copies cannot be "
                 f"kept in sync; untie the parameter, or keep that module out of the split scope")
     return list(copies.values())
+
+
+_HOLDER_GROUPS: dict[int, tuple[object, dict[tuple[int, ...], object]]] = {}
+
+
+def _holders_group(members: tuple[int, ...]):
+    """One communicator per set of holders for the life of the world's process group. A re-planned
+    executor (runtime.rebalance rebuilds it when layers move) reuses it instead of creating another:
+    ``new_group`` is a collective over the whole world, and each group keeps its connections open
+    until the world is destroyed. Every rank builds the same executors in the same order, so every
+    rank hits or misses this cache alike and the collective stays matched."""
+    world = dist.group.WORLD
+    entry = _HOLDER_GROUPS.get(id(world))
+    if entry is None or entry[0] is not world:
+        entry = _HOLDER_GROUPS[id(world)] = (world, {})
+    if members not in entry[1]:
+        entry[1][members] = dist.new_group(list(members))
+    return entry[1][members]

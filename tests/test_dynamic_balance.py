@@ -5,7 +5,8 @@ cluster spec schedules a straggler (``emulation.stragglers``) and the same model
 the same batches (``tests/reference.py``): every step's loss and the final parameters must be
 equal although the plan changed under the run (SGD with momentum and AdamW each). Exact
 scenarios: data parallel (shares move; also fed by ``UnevenLoader.follow``), a two-stage pipeline
-(layers move with their parameters and optimizer state), tensor parallel (lossless migration, then
+(layers move with their parameters and optimizer state; also with a weight tied across the
+stages), tensor parallel (lossless migration, then
 a permanent re-shard; migration alone), split inside replicate, and a hybrid (a data-parallel
 stage feeding a second stage). Approximate scenarios (ZERO-resizing, SEMI with two stragglers,
 SEMI in a hybrid plan) must train and mark their steps and events approximate. Detection is
@@ -32,7 +33,7 @@ from whalelike.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler
 from whalelike.errors import SpecError
 
-WIDTH, BATCH, STEPS, ONSET = 32, 16, 10, 5
+WIDTH, BATCH, STEPS, ONSET, VOCAB = 32, 16, 10, 5, 24
 BALANCE = BalanceConfig(warmup_steps=2, window=3)   # the speeds in force are measured over steps 2-4
 
 
@@ -52,6 +53,37 @@ class Mlp(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+class TiedNet(nn.Module):
+    """A token embedding tied to the output head across two movable stages (GPT-2's tie)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        with wl.replicate(1):
+            self.embed = nn.Embedding(VOCAB, WIDTH)
+            self.lower = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        with wl.replicate(1):
+            self.upper = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in [*self.lower, *self.upper]:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def token_loss(out, target):
+    return F.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randint(0, VOCAB, (BATCH, 4), generator=g),), torch.randint(0, VOCAB, (BATCH, 4), generator=g))
+            for _ in range(STEPS)]
 
 
 class Block(nn.Module):
@@ -97,14 +129,16 @@ def batches(seed: int = 1):
              torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
 
 
-def scenario(model: nn.Module, spec: Cluster, num_micro_batch: int = 1, balance=BALANCE) -> dict:
+def scenario(model: nn.Module, spec: Cluster, num_micro_batch: int = 1, balance=BALANCE, data=None,
+             loss=loss_fn) -> dict:
     """Plan ``model`` on ``spec``, train it exactly with both optimizers; the events of the last."""
     model = model.double()
-    graphs = capture(model, batches()[0][0])
+    data = data if data is not None else batches()
+    graphs = capture(model, data[0][0])
     plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=num_micro_batch))
     events = {}
     for name, make_opt in OPTIMIZERS.items():
-        engine, _, _ = assert_engine_trains_like_reference(model, plan, batches(), make_opt, loss_fn, spec,
+        engine, _, _ = assert_engine_trains_like_reference(model, plan, data, make_opt, loss, spec,
                                                            f"{name}", balance=balance)
         events[name] = [(e.step, e.action, e.exact, [c.rank for c in e.changes]) for e in engine.replans]
     return {"events": events, "first": plan, "last": engine.plan}
@@ -118,6 +152,8 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         "dp_noise": scenario(Mlp(), cluster([1.0, 1.0], slow(1.05))),
         "dp_off": scenario(Mlp(), cluster([1.0, 1.0], slow(3.0)), balance=BalanceConfig(policy="off")),
         "pp": scenario(Mlp(wl.replicate, wl.replicate), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2),
+        "pp_tied": scenario(TiedNet(), cluster([1.0, 1.0], slow(2.0)), num_micro_batch=2, data=token_batches(),
+                            loss=token_loss),
         # tensor parallel: lossless migration first, a permanent re-shard once it has lasted 2 steps
         "tp": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")),
                        balance=BalanceConfig(warmup_steps=2, window=3, persist_steps=2)),
@@ -254,6 +290,12 @@ def test_pipeline_moves_layers_off_a_slow_stage_exactly(two):
     assert "layers" in action and exact
     first, last = two["pp"]["first"], two["pp"]["last"]
     assert len(last.stages[1].layers) < len(first.stages[1].layers), (first.stages, last.stages)
+
+
+def test_layers_move_between_stages_that_share_a_tied_weight_exactly(two):
+    step, action, exact, ranks = _first(two["pp_tied"])
+    assert action == "layers" and exact
+    assert len(two["pp_tied"]["last"].stages[1].layers) < len(two["pp_tied"]["first"].stages[1].layers)
 
 
 def test_tensor_parallel_migrates_then_reshards_a_slow_rank_exactly(two):
