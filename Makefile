@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo demo-balance test setup clean
 
 # The main job: plan Whale's flagship hybrid (replicate conv + split 20k-class classifier) onto the
 # built-in emulated unequal 4-device cluster, then train it with torchrun next to the naive plan.
@@ -15,6 +15,13 @@ demo: $(STAMP)
 	mkdir -p out
 	$(BIN)/whalelike plan $(DEMO_MODEL) $(DEMO_ARGS) -o out/plan.yaml --timeline out/plan.png
 	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan.yaml --steps 30 --compare-naive
+
+# Dynamic balancing: the same model on a cluster whose rank 1 slows threefold for steps 5-14; the
+# runtime re-plans around it and back, prints each event and draws out/run.png (+ out/run.json).
+demo-balance: $(STAMP)
+	mkdir -p out
+	$(BIN)/whalelike plan $(DEMO_MODEL) --cluster examples/clusters/emulated-straggler.yaml --global-batch 64 --micro-batches 4 -o out/plan-straggler.yaml
+	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan-straggler.yaml --cluster examples/clusters/emulated-straggler.yaml --steps 24 --run-timeline out/run.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
