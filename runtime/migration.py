@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MigrationStats:
-    """Per step, what the migration cost: elements sent out (values) and back (gradients), seconds."""
+    """What the migration has cost so far (summed over its steps): elements sent out (values) and
+    back (gradients) by this rank's moves, and this rank's seconds in migrated steps."""
 
     steps: int = 0
     sent_elements: int = 0
