@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MigrationStats:
-    """What the migration has cost so far (summed over its steps): elements sent out (values) and
-    back (gradients) by this rank's moves, and this rank's seconds in migrated steps."""
+    """What the migration has cost so far, summed over its steps: elements that crossed ranks out
+    (values) and back (gradients), over all ranks' moves (the same on every rank), and this rank's
+    seconds in migrated steps."""
 
     steps: int = 0
     sent_elements: int = 0
