@@ -150,6 +150,9 @@ class DataParallelExecutor:
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
         self.ddp = wrap_ddp(module, group.group, self.emulator)
+        # a vector summed over the ranks in this step's all-reduce, then handed back in place (the
+        # Engine's straggler measurements: runtime.straggler_monitor.StragglerMonitor.outgoing)
+        self.passenger: Optional[torch.Tensor] = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
 
     @property
@@ -220,6 +223,8 @@ class DataParallelExecutor:
         # the reported loss in the model's dtype (a float64 model's loss is not rounded to float32)
         dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
         total = torch.zeros((), device=share.targets.device, dtype=dtype)
+        extra, self.passenger = self.passenger, None
+        carrier = total
         lo = 0
         for m, size in enumerate(sizes):
             inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
@@ -229,11 +234,16 @@ class DataParallelExecutor:
                 loss = self._weighted_loss(inputs, targets, share.global_size)
                 total += loss.detach()
                 if last:  # the global loss rides in the gradient all-reduce: one collective per step
-                    sum_with_gradients(self.ddp, total)
+                    if extra is not None:   # and so does the straggler monitor's vector (Engine.passenger)
+                        carrier = torch.cat([total.reshape(1), extra.to(total.device, total.dtype)])
+                    sum_with_gradients(self.ddp, carrier)
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
         _flush_passenger(self.ddp)
+        if extra is not None:
+            extra.copy_(carrier[1:])
+            return carrier[0].clone()
         return total
 
     @torch.no_grad()

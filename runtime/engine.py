@@ -205,16 +205,26 @@ class Engine:
         before = self.emulator.stats.snapshot()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        # the straggler monitor's figures ride in the all-reduce that ends the step (executors with
+        # a ``passenger`` slot sum it there and clear the slot); others get an all-reduce of their own
+        carrier = self.rebalancer.outgoing(self.step)
+        carries = hasattr(self.executor, "passenger")
+        if carries:
+            self.executor.passenger = carrier
         loss = self._collective(
             lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
             else self.executor.train_step(inputs, targets))
+        if carrier is not None and (not carries or self.executor.passenger is not None):
+            self._collective(lambda: _sum_alone(carrier))
+        if carries:
+            self.executor.passenger = None
         self.optimizer.step()
         self.rebalancer.after_optimizer_step()
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em)
-        # the step boundary: measured speeds are shared and the plan may change (collective, part
-        # of this step: a rank that never starts the next one must not be reported as having begun it)
-        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s))
+        # the step boundary: the plan may change (collective, part of this step: a rank that never
+        # starts the next one must not be reported as having begun it)
+        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carrier))
         self.step += 1
         return loss
 
@@ -374,6 +384,18 @@ class Engine:
                         "factor (runtime.emulation.calibrate)", self.rank, self.step, stats.overruns,
                         stats.segments, em.worst_overrun)
         return stats
+
+
+def _sum_alone(vector: torch.Tensor) -> None:
+    """All-reduce ``vector`` in place on the device the backend needs (nccl: the current GPU)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        moved = vector.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(moved)
+        vector.copy_(moved.cpu())
+    else:
+        dist.all_reduce(vector)
 
 
 def _check_same_workers(old: Plan, new: Plan) -> None:

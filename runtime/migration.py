@@ -99,6 +99,15 @@ class MigratingExecutor:
         """The stage that runs (ZERO-resizing and the emulator attach to the computing modules)."""
         return self.compute.stage
 
+    @property
+    def passenger(self) -> Optional[torch.Tensor]:
+        """The Engine's vector to sum in this step's last collective: the computing executor's."""
+        return self.compute.passenger
+
+    @passenger.setter
+    def passenger(self, value: Optional[torch.Tensor]) -> None:
+        self.compute.passenger = value
+
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.owner.parameters()
 

@@ -9,8 +9,9 @@ approximately only where the policy allows it, and every re-plan says which it w
 The loop, after every optimizer step (all of it collective and identical on every rank):
 
 1. :class:`~runtime.straggler_monitor.StragglerMonitor` records this rank's *compute* time and FLOPs
-   (waiting excluded: DDP makes every rank's wall time equal) and every ``exchange_every`` steps
-   shares the smoothed speeds in one small all-gather;
+   (waiting excluded: DDP makes every rank's wall time equal); every ``exchange_every`` steps the
+   smoothed speeds ride in the all-reduce that ends a step anyway (DDP's last gradient bucket, the
+   pipeline's loss), so sharing them costs no collective of its own;
 2. if some rank's speed relative to the others changed by more than ``threshold`` since the plan in
    force was made, :func:`planner.rebalance.rebalance` (pure, deterministic, the planner's own
    functions) computes the plan for the measured speeds, keeping every worker's device, stage and
@@ -174,8 +175,20 @@ class Rebalancer:
         self._fresh = False   # the next step is the first of a rebuilt executor
 
     # -- the step boundary --------------------------------------------------------------------------
-    def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float) -> Optional[ReplanEvent]:
-        """Record this step's measurement; at exchange steps compare and maybe re-plan (collective)."""
+    def outgoing(self, step: int):
+        """The vector of this rank's smoothed figures to sum over the ranks during ``step`` (in the
+        all-reduce that ends it), or None when no exchange is due. The same decision on every rank:
+        it depends on the step and the number of recorded samples only."""
+        if (step < self.config.warmup_steps or len(self.monitor.samples) < self.config.window
+                or step % self.config.exchange_every):
+            return None
+        return self.monitor.outgoing()
+
+    def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float,
+                   carried=None) -> Optional[ReplanEvent]:
+        """Record this step's measurement; when ``carried`` (the :meth:`outgoing` vector of this
+        step, summed over the ranks) is given, compare and maybe re-plan (collective). The figures
+        it carries are as of the previous step: sharing them cost no collective of their own."""
         if step < self.config.warmup_steps:
             return None
         if self._fresh:
@@ -186,11 +199,9 @@ class Rebalancer:
         flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
         self.monitor.record(step, flops, compute_s, matmul_s)
         event = self._persisted(step)
-        if event is not None or len(self.monitor.samples) < self.config.window:
+        if event is not None or carried is None:
             return event
-        measured = self.monitor.exchange(step)
-        if measured is None:
-            return None
+        measured = self.monitor.received(step, carried)
         if self.reference is None:
             self.reference = list(measured.speeds)
             return None

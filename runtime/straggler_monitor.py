@@ -148,6 +148,25 @@ class StragglerMonitor:
         return (speed, statistics.median(s.compute_s for s in self.samples),
                 statistics.median(s.matmul_s for s in self.samples))
 
+    # -- riding on a collective that happens anyway ---------------------------------------------------
+    def outgoing(self) -> torch.Tensor:
+        """This rank's :meth:`smoothed` figures in its slot of a ``3 * world_size`` float64 vector,
+        zeros elsewhere. Summed over the ranks (the executors add it to the all-reduce that ends
+        every step: DDP's last gradient bucket, the pipeline's loss), every rank holds every
+        rank's figures, so sharing them costs no collective of its own; see :meth:`received`."""
+        out = torch.zeros(3 * self.world_size, dtype=torch.float64)
+        out[3 * self.rank:3 * self.rank + 3] = torch.tensor(self.smoothed(), dtype=torch.float64)
+        return out
+
+    def received(self, step: int, summed: torch.Tensor) -> Measured:
+        """The :class:`Measured` of an :meth:`outgoing` vector summed over the ranks (identical on
+        every rank: the same all-reduced values, converted alike)."""
+        if summed.numel() != 3 * self.world_size:
+            raise SpecError(f"StragglerMonitor.received: expected {3 * self.world_size} values (3 per rank), "
+                            f"got {summed.numel()}")
+        rows = summed.detach().to("cpu", torch.float64).view(self.world_size, 3).tolist()
+        return self._measured(step, rows)
+
     # -- the exchange (collective) -------------------------------------------------------------------
     def exchange(self, step: int) -> Optional[Measured]:
         """At steps that are multiples of ``exchange_every``: one all-gather of every rank's
@@ -161,7 +180,9 @@ class StragglerMonitor:
         mine = torch.tensor(self.smoothed(), dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
-        rows = torch.stack(gathered).cpu().tolist()
+        return self._measured(step, torch.stack(gathered).cpu().tolist())
+
+    def _measured(self, step: int, rows: list) -> Measured:
         measured = Measured(step, [row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows])
         unmeasured = [r for r, speed in enumerate(measured.speeds) if math.isnan(speed)]
         if unmeasured and not self._warned_unmeasured and self.rank == 0:
