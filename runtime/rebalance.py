@@ -74,7 +74,7 @@ class BalanceConfig:
                     (0.10: a 10% change); in (0, 1).
     window:         steps the median of measured speeds is taken over (a one-step spike is ignored;
                     a sustained change is seen after ``ceil(window / 2)`` steps).
-    exchange_every: steps between speed exchanges (one small all-gather each).
+    exchange_every: steps between speed exchanges (each rides in the all-reduce that ends a step).
     warmup_steps:   first steps not measured (allocations, DDP's bucket set-up).
     max_gamma:      largest pruning ratio ZERO-resizing may use (policies semi and resize).
     tp_lossless:    how the exact policy rebalances tensor-parallel stages: ``"auto"`` (default)
