@@ -61,6 +61,7 @@ class _HookState:
     group: Optional[dist.ProcessGroup]
     average: bool
     passenger: Optional[torch.Tensor] = None
+    fill: Optional[Callable[[torch.Tensor], None]] = None   # writes the passenger right before it is sent
 
 
 def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -75,6 +76,9 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
         work = dist.all_reduce(tensor, group=state.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     state.passenger = None
+    if state.fill is not None:
+        state.fill, fill = None, state.fill
+        fill(passenger)
     joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
     work = dist.all_reduce(joint, group=state.group, async_op=True)
 
@@ -86,18 +90,24 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
     return work.get_future().then(unpack)
 
 
-def sum_with_gradients(ddp: DistributedDataParallel, tensor: torch.Tensor) -> None:
+def sum_with_gradients(ddp: DistributedDataParallel, tensor: torch.Tensor,
+                       fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """Sum ``tensor`` (in place) over the group in the gradient all-reduce of ``ddp``'s next
     synchronising backward, instead of in a collective of its own. Call it right before that
-    backward; if no bucket carried it (nothing to sync), it is all-reduced on its own."""
+    backward; if no bucket carried it (nothing to sync), it is all-reduced on its own. ``fill``,
+    if given, writes ``tensor``'s content right before it is sent: after the backward's compute
+    (the straggler monitor sends this step's compute time)."""
     state: _HookState = ddp._whalelike_hook_state
-    state.passenger = tensor
+    state.passenger, state.fill = tensor, fill
 
 
 def _flush_passenger(ddp: DistributedDataParallel) -> None:
     state: _HookState = ddp._whalelike_hook_state
     if state.passenger is not None:
         passenger, state.passenger = state.passenger, None
+        if state.fill is not None:
+            state.fill, fill = None, state.fill
+            fill(passenger)
         dist.all_reduce(passenger, group=state.group)
 
 
@@ -150,9 +160,8 @@ class DataParallelExecutor:
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
         self.ddp = wrap_ddp(module, group.group, self.emulator)
-        # a vector summed over the ranks in this step's all-reduce, then handed back in place (the
-        # Engine's straggler measurements: runtime.straggler_monitor.StragglerMonitor.outgoing)
-        self.passenger: Optional[torch.Tensor] = None
+        # the Engine's runtime.straggler_monitor.Passenger: summed in this step's all-reduce
+        self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
 
     @property
@@ -223,8 +232,8 @@ class DataParallelExecutor:
         # the reported loss in the model's dtype (a float64 model's loss is not rounded to float32)
         dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
         total = torch.zeros((), device=share.targets.device, dtype=dtype)
-        extra, self.passenger = self.passenger, None
-        carrier = total
+        passenger, self.passenger = self.passenger, None
+        carrier, fill = total, None
         lo = 0
         for m, size in enumerate(sizes):
             inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
@@ -234,15 +243,16 @@ class DataParallelExecutor:
                 loss = self._weighted_loss(inputs, targets, share.global_size)
                 total += loss.detach()
                 if last:  # the global loss rides in the gradient all-reduce: one collective per step
-                    if extra is not None:   # and so does the straggler monitor's vector (Engine.passenger)
-                        carrier = torch.cat([total.reshape(1), extra.to(total.device, total.dtype)])
-                    sum_with_gradients(self.ddp, carrier)
+                    if passenger is not None:   # and so does the Engine's passenger, written at send time
+                        carrier = torch.cat([total.reshape(1), total.new_zeros(passenger.vector.numel())])
+                        fill = lambda c: c[1:].copy_(passenger.fill())  # noqa: E731
+                    sum_with_gradients(self.ddp, carrier, fill)
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
         _flush_passenger(self.ddp)
-        if extra is not None:
-            extra.copy_(carrier[1:])
+        if passenger is not None:
+            passenger.arrived(carrier[1:])
             return carrier[0].clone()
         return total
 

@@ -206,25 +206,27 @@ class Engine:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         # the straggler monitor's figures ride in the all-reduce that ends the step (executors with
-        # a ``passenger`` slot sum it there and clear the slot); others get an all-reduce of their own
-        carrier = self.rebalancer.outgoing(self.step)
+        # a ``passenger`` slot sum it there); a step without one sums it on its own
+        passenger = self.rebalancer.passenger(self.step, lambda: self.emulator.stats.since(before))
         carries = hasattr(self.executor, "passenger")
         if carries:
-            self.executor.passenger = carrier
+            self.executor.passenger = passenger
         loss = self._collective(
             lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
             else self.executor.train_step(inputs, targets))
-        if carrier is not None and (not carries or self.executor.passenger is not None):
-            self._collective(lambda: _sum_alone(carrier))
         if carries:
             self.executor.passenger = None
+        if passenger is not None and not passenger.carried:
+            passenger.fill()
+            self._collective(lambda: _sum_alone(passenger.vector))
         self.optimizer.step()
         self.rebalancer.after_optimizer_step()
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em)
         # the step boundary: the plan may change (collective, part of this step: a rank that never
         # starts the next one must not be reported as having begun it)
-        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carrier))
+        carried = passenger.vector if passenger is not None else None
+        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
         self.step += 1
         return loss
 

@@ -100,12 +100,12 @@ class MigratingExecutor:
         return self.compute.stage
 
     @property
-    def passenger(self) -> Optional[torch.Tensor]:
-        """The Engine's vector to sum in this step's last collective: the computing executor's."""
+    def passenger(self):
+        """The Engine's passenger to sum in this step's last collective: the computing executor's."""
         return self.compute.passenger
 
     @passenger.setter
-    def passenger(self, value: Optional[torch.Tensor]) -> None:
+    def passenger(self, value) -> None:
         self.compute.passenger = value
 
     def parameters(self) -> Iterator[nn.Parameter]:

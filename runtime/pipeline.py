@@ -177,9 +177,8 @@ class PipelineExecutor:
         self._transfers = self._plan_transfers()
         self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
-        # a vector summed over the plan's ranks in this step's loss all-reduce, then handed back in
-        # place (the Engine's straggler measurements: StragglerMonitor.outgoing)
-        self.passenger: Optional[torch.Tensor] = None
+        # the Engine's runtime.straggler_monitor.Passenger: summed in this step's loss all-reduce
+        self.passenger = None
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(dp_group)
         self.module = self._wrap_ddp(dp_group)
@@ -268,14 +267,16 @@ class PipelineExecutor:
                     f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
         for work in state.sends:
             work.wait()
-        extra, self.passenger = (self.passenger, None) if train else (None, self.passenger)
-        if extra is None:
+        passenger, self.passenger = (self.passenger, None) if train else (None, self.passenger)
+        if passenger is None:
             dist.all_reduce(state.loss, group=self.group)
             return state.loss
-        # the straggler monitor's vector rides in the loss all-reduce (Engine.passenger)
-        carrier = torch.cat([state.loss.reshape(1), extra.to(state.loss.device, state.loss.dtype)])
+        # the Engine's passenger (the straggler monitor's figures) rides in the loss all-reduce,
+        # written now that every compute segment of the step is done
+        extra = passenger.fill().to(state.loss.device, state.loss.dtype)
+        carrier = torch.cat([state.loss.reshape(1), extra])
         dist.all_reduce(carrier, group=self.group)
-        extra.copy_(carrier[1:])
+        passenger.arrived(carrier[1:])
         return carrier[0].clone()
 
     def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:

@@ -173,22 +173,37 @@ class Rebalancer:
                                         threshold=self.config.threshold, exchange_every=self.config.exchange_every)
         self._resizer = None
         self._fresh = False   # the next step is the first of a rebuilt executor
+        self._measured_step: Optional[int] = None
 
     # -- the step boundary --------------------------------------------------------------------------
-    def outgoing(self, step: int):
-        """The vector of this rank's smoothed figures to sum over the ranks during ``step`` (in the
-        all-reduce that ends it), or None when no exchange is due. The same decision on every rank:
-        it depends on the step and the number of recorded samples only."""
-        if (step < self.config.warmup_steps or len(self.monitor.samples) < self.config.window
-                or step % self.config.exchange_every):
+    def passenger(self, step: int, stats_so_far):
+        """A :class:`~runtime.straggler_monitor.Passenger` for ``step``'s last collective when an
+        exchange is due, else None. Filled when that collective is about to run (the step's compute
+        is done then: ``stats_so_far()`` gives its emulation figures), so this step's figures
+        travel. The same decision on every rank: it depends on the step and the sample count only."""
+        from runtime.straggler_monitor import Passenger
+
+        if (step < self.config.warmup_steps or self._fresh or step % self.config.exchange_every
+                or len(self.monitor.samples) + 1 < self.config.window):
             return None
-        return self.monitor.outgoing()
+
+        def fill():
+            stats = stats_so_far()
+            self._measure(step, stats.flops, stats.padded_s, stats.matmul_s)
+            return self.monitor.outgoing()
+
+        return Passenger(3 * self.engine.plan.world_size, fill)
+
+    def _measure(self, step: int, flops: float, compute_s: float, matmul_s: float) -> None:
+        flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
+        self.monitor.record(step, flops, compute_s, matmul_s)
+        self._measured_step = step
 
     def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float,
                    carried=None) -> Optional[ReplanEvent]:
-        """Record this step's measurement; when ``carried`` (the :meth:`outgoing` vector of this
-        step, summed over the ranks) is given, compare and maybe re-plan (collective). The figures
-        it carries are as of the previous step: sharing them cost no collective of their own."""
+        """Record this step's measurement (unless its passenger already did); when ``carried`` (this
+        step's passenger vector, summed over the ranks) is given, compare and maybe re-plan
+        (collective)."""
         if step < self.config.warmup_steps:
             return None
         if self._fresh:
@@ -196,8 +211,8 @@ class Rebalancer:
             # allocations): its speed is not the device's, and must not start a re-plan
             self._fresh = False
             return None
-        flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
-        self.monitor.record(step, flops, compute_s, matmul_s)
+        if self._measured_step != step:
+            self._measure(step, flops, compute_s, matmul_s)
         event = self._persisted(step)
         if event is not None or carried is None:
             return event

@@ -40,7 +40,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,30 @@ import torch.distributed as dist
 from whalelike.errors import SpecError
 
 log = logging.getLogger(__name__)
+
+
+class Passenger:
+    """A vector summed over the ranks in the collective that ends a step (DDP's last gradient
+    bucket, the pipeline's loss all-reduce), so the figures it carries cost no collective of their
+    own. The executor calls :meth:`fill` right before that collective (the step's compute is done
+    then, so this step's figures travel) and :meth:`arrived` with the summed values; a step that
+    had no such collective leaves it :attr:`carried` False, and the Engine sums it on its own."""
+
+    def __init__(self, size: int, fill: Callable[[], torch.Tensor]):
+        self.vector = torch.zeros(size, dtype=torch.float64)
+        self._fill = fill
+        self.filled = False
+        self.carried = False
+
+    def fill(self) -> torch.Tensor:
+        if not self.filled:
+            self.vector.copy_(self._fill())
+            self.filled = True
+        return self.vector
+
+    def arrived(self, summed: torch.Tensor) -> None:
+        self.vector.copy_(summed.detach().to("cpu", torch.float64))
+        self.carried = True
 
 
 @dataclass(frozen=True)
