@@ -23,9 +23,10 @@ Why ride on a collective that happens anyway: sharing is a collective, and even 
 all-gather per step cost 3-4 ms on a loaded 2-core machine with 4 ranks (``bench/dp_vs_ddp.py``,
 equal speeds: 0.93-0.96x of DDP with it, 0.97-1.00x without). :meth:`outgoing` puts this rank's
 three numbers in its slot of a zero vector; summed over the ranks in the all-reduce that ends every
-step (the Engine hands it to the executor: DDP's last gradient bucket, the pipeline's loss), it
-gives every rank every rank's figures (:meth:`received`), one step late. :meth:`exchange` is the
-stand-alone all-gather, for callers without such a collective.
+step (the Engine hands a :class:`Passenger` to the executor: DDP's last gradient bucket, the
+pipeline's loss), it gives every rank every rank's figures (:meth:`received`). The passenger is
+filled right before that collective, when the step's compute is done, so the figures include the
+step itself. :meth:`exchange` is the stand-alone all-gather, for callers without such a collective.
 
 Invariant: after :meth:`StragglerMonitor.exchange` or :meth:`received` every rank holds the same
 :class:`Measured` (the same reduced values, converted identically), and :meth:`~StragglerMonitor.changed` is a
