@@ -30,7 +30,6 @@ import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -42,7 +41,7 @@ from runtime.emulation import Emulator  # noqa: E402
 from runtime.pipeline import PipelineExecutor  # noqa: E402
 from runtime.stages import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
-from timing import seconds_per_step, spawn_ranks  # noqa: E402
+from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -160,9 +159,7 @@ def build_whalelike(graphs, plan, emulator: Emulator):
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, init_file, WORLD):
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, args.dim, generator=g), torch.randn(args.batch, 16, generator=g)
         for scenario, speeds in SCENARIOS.items():
@@ -188,8 +185,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
                 }
             overruns = {side: (e.stats.overruns, e.stats.segments) for side, e in emulators.items()}
             results[(scenario, rank)] = overruns
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

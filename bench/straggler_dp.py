@@ -36,13 +36,11 @@ ideal, detection within 3 steps of the onset, identical losses.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -54,7 +52,7 @@ from runtime import Engine  # noqa: E402
 from runtime.emulation import calibrate  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 import side_by_side  # noqa: E402
-from timing import spawn_ranks  # noqa: E402
+from timing import process_group, spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
 WORLD = 4
@@ -100,10 +98,7 @@ def train_side_by_side(cluster: Cluster, plan, batches, args) -> dict[str, dict]
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, init_file, WORLD):
         cluster = make_cluster(args)
         batches = make_batches(args)
         graphs = wl.capture(make_model(args.width), (batches[0][0][0][:8],))
@@ -118,8 +113,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
             results["runs"] = runs
             results["flops_per_sample"] = flops_per_sample
             results["shares"] = [w.batch_share for w in plan.workers]
-    finally:
-        dist.destroy_process_group()
 
 
 def true_speeds(args, step: int) -> list[float]:

@@ -31,13 +31,11 @@ Run (spawns 2 ranks itself, about a minute)::
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -48,7 +46,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 import side_by_side  # noqa: E402
-from timing import spawn_ranks  # noqa: E402
+from timing import process_group, spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
 WORLD = 2
@@ -123,10 +121,7 @@ def train_side_by_side(cluster: Cluster, plan, batches, args) -> dict[str, dict]
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, init_file, WORLD):
         batches = make_batches(args)
         graphs = wl.capture(make_model(args), (batches[0][0][0][:2],))
         config = wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro_batches, schedule="1f1b")
@@ -136,8 +131,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
         runs = train_side_by_side(cluster, plan, batches, args)
         if rank == 0:
             results.update(runs=runs, slow_rank=slow_rank, layers=stage_layers(plan), names=graphs_names(graphs))
-    finally:
-        dist.destroy_process_group()
 
 
 def graphs_names(graphs) -> list[str]:

@@ -94,7 +94,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.rebalance import BalanceConfig  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler, round_robin_stragglers  # noqa: E402
-from timing import spawn_ranks  # noqa: E402
+from timing import process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
 METHODS = {
@@ -211,10 +211,7 @@ def scenario(stragglers, methods, batches, held_out, args) -> dict:
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    logging.basicConfig(level=logging.ERROR)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, init_file, WORLD, logging.ERROR):
         batches, held_out = make_data(args)
         runs = {}
         for chi in args.chis:
@@ -230,8 +227,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
             runs["round-robin"] = scenario(slow, ["static", "exact"], batches[:args.rr_steps], held_out, args)
         if rank == 0:
             results["runs"] = runs
-    finally:
-        dist.destroy_process_group()
 
 
 def scenario_speeds(name: str, args) -> tuple[list[float], str]:

@@ -5,11 +5,14 @@ training job; imported by the benchmark scripts, which Python runs with ``bench/
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,6 +25,19 @@ def spawn_ranks(worker: Callable, args: Any, world: int) -> dict:
         results = manager.dict()
         mp.spawn(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=world, join=True)
         return dict(results)
+
+
+@contextmanager
+def process_group(rank: int, init_file: str, world: int, log_level: int = logging.WARNING):
+    """What every spawned bench rank does around its work: quiet logging, one intra-op thread (the
+    ranks share the machine's cores), a gloo group over ``init_file``, destroyed on the way out."""
+    logging.basicConfig(level=log_level)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def seconds_per_step(step: Callable[[], None], steps: int) -> float:

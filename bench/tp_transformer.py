@@ -52,7 +52,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.emulation import EmulationStats, Emulator  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
-from timing import seconds_per_step, spawn_ranks  # noqa: E402
+from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 from tp_vs_dtensor import emulate_dtensor_linear  # noqa: E402
 
 WORLD = 2
@@ -135,12 +135,10 @@ def build_dtensor(model, emulator: Emulator):
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     roles = _Roles()
     logging.getLogger("runtime.tensor_parallel").addHandler(roles)
     logging.getLogger("runtime.tensor_parallel").setLevel(logging.INFO)
-    try:
+    with process_group(rank, init_file, WORLD):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(args.batch, args.seq, args.dim, generator=g)
         y = torch.randn(args.batch, args.seq, args.dim, generator=g)
@@ -164,8 +162,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
             if rank == 0:
                 results[scenario] = {"times": times, "stats": gathered, "sizes": dict(sizes),
                                      "roles": roles.lines[-1] if roles.lines else "?"}
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

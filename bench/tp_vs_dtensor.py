@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.emulation import EmulationStats, Emulator  # noqa: E402
 from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
-from timing import seconds_per_step, spawn_ranks  # noqa: E402
+from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
 SCENARIOS = {"equal speeds 1, 1": (1.0, 1.0), "speeds 1, 0.5": (1.0, 0.5)}
@@ -120,9 +120,7 @@ def train_step(model: nn.Module, opt, x: torch.Tensor) -> None:
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, init_file, WORLD):
         x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1)).requires_grad_()
         for scenario, speeds in SCENARIOS.items():
             emulators = {side: Emulator(speeds[rank], Emulation(base_gflops=args.base_gflops), rank)
@@ -143,8 +141,6 @@ def worker(rank: int, init_file: str, args, results) -> None:
             if rank == 0:
                 results[scenario] = {"speeds": speeds, "sizes": proportional_sizes(4 * args.dim, speeds),
                                      "times": times, "stats": gathered}
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:
