@@ -87,7 +87,7 @@ class MigratingExecutor:
         self.stats = MigrationStats()
         crossing = [m for m in self._out if not m.local]
         log.info("rank %d: migrating %d slices of %d tensors (%d elements per step each way)", self.rank,
-                 len(crossing), len({m.name for m in crossing}), sum(m.elements for m in crossing))
+                 len(crossing), len({m.name for m in crossing}), migrated_elements(self._out))
 
     # -- what the Engine sees: the owner's parameters and state, the compute layout's work ------------
     @property
@@ -150,7 +150,7 @@ class MigratingExecutor:
     def _send_values(self) -> None:
         sources, destinations = dict(self._owned), dict(self._computed)
         execute_moves(self._out, self.rank, self.group, sources, destinations)
-        self.stats.sent_elements += sum(m.elements for m in self._out if not m.local)
+        self.stats.sent_elements += migrated_elements(self._out)
 
     @torch.no_grad()
     def _return_gradients(self) -> None:
@@ -164,7 +164,7 @@ class MigratingExecutor:
                 tensor.grad = torch.zeros_like(tensor)
             destinations[name] = (tensor.grad, slab)
         execute_moves(self._back, self.rank, self.group, sources, destinations)
-        self.stats.returned_elements += sum(m.elements for m in self._back if not m.local)
+        self.stats.returned_elements += migrated_elements(self._back)
 
 
 def _params(state: NamedState) -> NamedState:

@@ -247,11 +247,13 @@ class Rebalancer:
     def _unresized(self, flops: float, compute_s: float, matmul_s: float) -> tuple[float, float, float]:
         """What this step would have measured without ZERO-resizing (planner.semi_migration.unresized):
         a resized straggler must keep looking as slow as it is, or Eq. (1) would switch it off again."""
+        from planner.semi_migration import unresized
+
         if self._resizer is None or not self._resizer.active or matmul_s <= 0:
             return flops, compute_s, matmul_s
-        kept = 1.0 - self._resizer.pruned_work
-        full = matmul_s / kept
-        return flops / kept, compute_s + full - matmul_s, full
+        pruned = self._resizer.pruned_work
+        (compute,), (matmul,) = unresized([compute_s], [matmul_s], [pruned])
+        return flops / (1.0 - pruned), compute, matmul
 
     # -- decisions ---------------------------------------------------------------------------------
     def _react(self, measured: "Measured") -> tuple[str, str, bool]:
