@@ -30,7 +30,10 @@ The step-executor protocol (:class:`StepExecutor`), all collective on the ranks 
 * for dynamic balancing (:mod:`runtime.rebalance`): ``set_plan(plan)`` when a new plan of the same
   workers needs no state moved (data-parallel shares), else ``named_state()`` and ``close()`` so
   :func:`runtime.state_transfer.switch_executor` can build the new plan's executor and move the
-  parameters and optimizer state that change hands.
+  parameters and optimizer state that change hands; and a ``passenger`` slot: when the Engine puts
+  a :class:`runtime.straggler_monitor.Passenger` there, the executor fills it right before the
+  collective that ends the step, sums it in that collective and calls ``arrived`` (an executor
+  without the slot costs the Engine one small all-reduce per exchange).
 
 Dynamic balancing (``Engine(balance=...)``, default policy ``"exact"``): after every step the
 rank's measured compute speed is recorded and shared; a sustained change re-plans at the step

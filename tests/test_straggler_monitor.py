@@ -103,6 +103,29 @@ def test_bad_records_and_references():
         monitor.changed(measured, [1e9, -1e9])
 
 
+def test_passenger_vectors_summed_over_ranks_give_every_rank_all_figures():
+    """What rides in a step's all-reduce: each rank's figures in its own slot; the sum (what the
+    all-reduce computes) read back on any rank is the same Measured an all-gather would give."""
+    import torch
+
+    from runtime.straggler_monitor import Passenger
+
+    monitors = [StragglerMonitor(r, 3, window=1) for r in range(3)]
+    for r, m in enumerate(monitors):
+        m.record(0, flops=1e9 * (r + 1), compute_s=0.5, matmul_s=0.25)
+    passengers = [Passenger(9, m.outgoing) for m in monitors]
+    summed = sum(p.fill() for p in passengers)
+    for p in passengers:
+        assert not p.carried
+        p.arrived(summed)
+        assert p.carried
+    for m, p in zip(monitors, passengers):
+        measured = m.received(0, p.vector)
+        assert measured == Measured(0, [2e9, 4e9, 6e9], [0.5] * 3, [0.25] * 3)
+    with pytest.raises(SpecError, match="expected 9 values"):
+        monitors[0].received(0, torch.zeros(6))
+
+
 def test_exchange_off_its_steps_communicates_nothing():
     """No process group exists here: a call that tried to communicate would raise."""
     monitor = StragglerMonitor(0, 2, exchange_every=4)
