@@ -1,15 +1,18 @@
 """Pictures of a simulated step: a Chrome trace (open in https://ui.perfetto.dev) and a PNG Gantt chart.
 
-Both take a :class:`~planner.plan.Plan` (simulated here) or a :class:`~planner.simulator.SimResult`
-and write atomically (a temporary file in the target directory, then ``os.replace``), so a failed
-export never leaves a half-written file where the CLI said it would put one.
+Both take a :class:`~planner.plan.Plan` (simulated here) or a :class:`~planner.simulator.SimResult`,
+draw in memory and write with :func:`whalelike.files.write_atomic` (the path's extension is
+checked: ``.json`` for traces, ``.png`` for pictures), so a failed export never leaves a
+half-written or a temporary file where the CLI said it would put one.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
-from typing import Callable, IO, Union
+from typing import Union
+
+from whalelike.files import write_atomic
 
 from .plan import Plan
 from .simulator import SimResult, WorkerTime, simulate
@@ -48,7 +51,9 @@ def write_chrome_trace(source: Union[Plan, SimResult], path: str | os.PathLike) 
         "otherData": {"schedule": result.schedule, "num_micro_batch": result.num_micro_batch,
                       "step_time_ms": result.step_time_ms, "bubble_fraction": result.bubble_fraction},
     }
-    _write_atomically(path, "w", lambda f: json.dump(document, f))
+    text = io.StringIO()
+    json.dump(document, text)
+    write_atomic(path, text.getvalue(), kind="json")
     return result
 
 
@@ -103,7 +108,9 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
     ax.set_title(title, fontsize=10, loc="left")
     ax.legend(handles=[Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in COLOURS], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False, borderaxespad=0.2)
-    _write_atomically(path, "wb", lambda f: fig.savefig(f, format="png", dpi=110))
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=110)
+    write_atomic(path, picture.getvalue(), kind="png")
     return result
 
 
@@ -128,17 +135,3 @@ def busiest_workers(result: SimResult, max_rows: int) -> list[WorkerTime]:
         keep += sorted(members, key=lambda w: -w.busy_ms)[:per_stage]
     return sorted(keep, key=lambda w: w.rank)
 
-
-def _write_atomically(path: str | os.PathLike, mode: str, write: Callable[[IO], None]) -> None:
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".timeline-", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -7,10 +7,12 @@ with the action and whether it was exact) and the step times after it.
 
 :func:`gather_run` is a collective (every rank of the plan calls it; one ``all_gather_object`` of
 each rank's :class:`runtime.engine.StepStats`); rank 0 gets a :class:`RunRecord`, the others None.
-Files are written atomically (a temporary file, then ``os.replace``), as planner.timeline does.
+Files are written with :func:`whalelike.files.write_atomic` (all or nothing, ``.png`` and
+``.json`` extensions checked), as planner.timeline does.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -18,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from planner.timeline import _write_atomically
+from whalelike.files import write_atomic
 
 COMPUTE, WAIT = "#4C72B0", "#C8C8C8"
 
@@ -80,7 +82,9 @@ def write_run_png(record: RunRecord, path: str | os.PathLike, title: str = "") -
                    loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
     fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / (1.4 + 1.3 * n), bottom=0.45 / (1.4 + 1.3 * n),
                         hspace=0.15)
-    _write_atomically(path, "wb", lambda f: fig.savefig(f, format="png", dpi=100))
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=100)
+    write_atomic(path, picture.getvalue(), kind="png")
 
 
 def write_run_trace(record: RunRecord, path: str | os.PathLike) -> None:
@@ -103,7 +107,7 @@ def write_run_trace(record: RunRecord, path: str | os.PathLike) -> None:
         trace.append({"name": f"re-plan: {e.action}", "cat": "replan", "ph": "i", "s": "g",
                       "ts": starts.get(e.step + 1, 0.0) * 1e6, "pid": 0, "tid": 0,
                       "args": {"line": e.line(), "exact": e.exact, "cost_ms": e.cost_ms}})
-    _write_atomically(path, "w", lambda f: json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f))
+    write_atomic(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}), kind="json")
 
 
 def _step_args(stats) -> dict:

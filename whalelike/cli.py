@@ -6,7 +6,8 @@ Training itself is launched with the ordinary ``torchrun``.
 
 Errors a user can cause (:class:`~whalelike.errors.WhaleError`, or a file that cannot be read or
 written) print one line, ``whalelike: error: ...``, and exit with status 2; ``--debug`` shows the
-traceback instead. Commands that write files write all of them or none (see :class:`_Outputs`).
+traceback instead. Commands that write files check every output path (extension, directory, two
+options naming one file) before any work, and write all of them or none (:mod:`whalelike.files`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Iterator, Optional, Sequence
 from .cluster import Cluster
 from .config import OPTIMIZERS, SCHEDULES, Config
 from .errors import WhaleError
+from .files import Outputs, check_output_paths
 
 log = logging.getLogger("whalelike")
 
@@ -128,47 +129,31 @@ def _status(what: str) -> Iterator[None]:
     log.info("%s took %.1f s", what, time.perf_counter() - start)
 
 
-# -- writing files: all or none --------------------------------------------------------------------
-class _Outputs:
-    """Files one command writes. Each is first written to a temporary file beside its target and
-    moved into place only after every file was written: a failure leaves no file, new or partial."""
+# -- writing files: all or none (whalelike.files) -------------------------------------------------
+PLAN_OUTPUTS = {"-o": ("output", "yaml"), "--timeline": ("timeline", "png"), "--trace": ("trace", "json")}
+SIMULATE_OUTPUTS = {"--timeline": ("timeline", "png"), "--trace": ("trace", "json")}
 
-    def __init__(self) -> None:
-        self._staged: list[tuple[str, str]] = []
 
-    def stage(self, target: str) -> str:
-        """A temporary path to write ``target``'s content to."""
-        folder = os.path.dirname(os.path.abspath(target))
-        if not os.path.isdir(folder):
-            raise WhaleError(f"cannot write {target}: directory {folder} does not exist")
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        self._staged.append((tmp, target))
-        return tmp
-
-    def commit(self) -> list[str]:
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp, target in self._staged:
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
-            os.replace(tmp, target)
-        return [target for _, target in self._staged]
-
-    def discard(self) -> None:
-        for tmp, _ in self._staged:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+def _check_outputs(args: argparse.Namespace, options: dict[str, tuple[str, str]],
+                   inputs: dict[str, Optional[str]]) -> dict[str, tuple[str, str]]:
+    """The output options the user gave (label -> (path, kind)), checked before any work: a bad
+    path or extension, two options naming one file, or an output that would replace an input fail
+    in milliseconds, not after planning."""
+    given = {label: (getattr(args, dest), kind) for label, (dest, kind) in options.items()
+             if getattr(args, dest) is not None}
+    check_output_paths({label: path for label, (path, _) in given.items()},
+                       kinds={label: kind for label, (_, kind) in given.items()}, inputs=inputs)
+    return given
 
 
 @contextlib.contextmanager
-def _outputs() -> Iterator[_Outputs]:
-    out = _Outputs()
-    try:
+def _outputs() -> Iterator[Outputs]:
+    """A command's files (:class:`whalelike.files.Outputs`): all are written when the block ends
+    normally, none if it raises; then says which were written."""
+    with Outputs() as out:
         yield out
-    except BaseException:
-        out.discard()
-        raise
-    for target in out.commit():
+        written = out.commit()
+    for target in written:
         print(f"wrote {target}")
 
 
@@ -189,18 +174,18 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    import planner
+    model_file = args.model.rpartition(":")[0] or None
+    outputs = _check_outputs(args, PLAN_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster})
+    import planner  # after the checks: importing torch takes seconds
     import planner.timeline
 
     cluster = Cluster.load(args.cluster)
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm)
+    writers = {"-o": planner.Plan.to_yaml, "--timeline": planner.timeline.write_png,
+               "--trace": planner.timeline.write_chrome_trace}
     with _outputs() as out:
-        # stage every target first: a bad output directory fails before minutes of work
-        targets = [(args.output, planner.Plan.to_yaml),
-                   (args.timeline, planner.timeline.write_png),
-                   (args.trace, planner.timeline.write_chrome_trace)]
-        staged = [(out.stage(target), write) for target, write in targets if target is not None]
+        staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         graphs = capture_workload(args)
         with _status(f"planning on {cluster.name} ({cluster.inventory()})"):
             plan = planner.plan(graphs, cluster, config)
@@ -210,7 +195,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    import planner
+    outputs = _check_outputs(args, SIMULATE_OUTPUTS, inputs={"PLAN": args.plan})
+    import planner  # after the checks: importing torch takes seconds
     import planner.timeline
 
     if not os.path.isfile(args.plan):
@@ -221,9 +207,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         if str(e).startswith(args.plan):
             raise
         raise WhaleError(f"{args.plan}: {e}") from e
+    writers = {"--timeline": planner.timeline.write_png, "--trace": planner.timeline.write_chrome_trace}
     with _outputs() as out:
-        targets = [(args.timeline, planner.timeline.write_png), (args.trace, planner.timeline.write_chrome_trace)]
-        staged = [(out.stage(target), write) for target, write in targets if target is not None]
+        staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         result = planner.simulate(plan)
         print(result.summary())
         for tmp, write in staged:
@@ -288,17 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="BatchNorm in training mode takes its statistics over each stage's data-parallel group "
                         "(exact against one device with one micro-batch); default: per worker, as DDP")
-    p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan")
-    p.add_argument("--timeline", metavar="PNG", help="also draw the simulated step as a PNG picture")
-    p.add_argument("--trace", metavar="JSON", help="also write the simulated step as a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
+    p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="also write the simulated step as a Chrome trace (open in ui.perfetto.dev)")
     p.set_defaults(run=cmd_plan)
 
     p = command("simulate", "simulate one training step of a saved plan",
                 "Replays the plan's schedule event by event: step time, bubble, per-device busy and idle time.",
                 "  whalelike simulate plan.yaml\n  whalelike simulate plan.yaml --timeline step.png --trace step.json")
     p.add_argument("plan", metavar="PLAN.yaml", help="a plan written by `whalelike plan`")
-    p.add_argument("--timeline", metavar="PNG", help="draw the step as a PNG picture")
-    p.add_argument("--trace", metavar="JSON", help="write the step as a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw the step as a PNG picture")
+    p.add_argument("--trace", metavar="FILE.json", help="write the step as a Chrome trace (open in ui.perfetto.dev)")
     p.set_defaults(run=cmd_simulate)
     return parser
 

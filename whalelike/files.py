@@ -1,0 +1,315 @@
+"""Writing output files: every file of a command, or none, each checked before any work is done.
+
+Every writer in whalelike (the CLI, ``Plan.to_yaml``, the timeline pictures and traces) goes
+through this module, so they share one behaviour instead of several copies of
+temp-file-then-``os.replace`` that differed in permissions and in what they left behind.
+
+Invariant: a target path either keeps its old content or gets the complete new content; a
+command's targets change together (all or none); no temporary file survives a failure; a file
+that is written gets the mode ``open(path, "w")`` would give it (an existing file keeps its
+mode, a new one gets ``0o666 & ~umask``).
+
+How:
+
+- :func:`check_output_paths` refuses, before any work, what would fail (or do harm) only at the
+  final move: an empty path, a directory, a missing or non-directory parent, a FIFO, device or
+  socket, a read-only file, an unwritable directory, the wrong extension for the kind of file, and
+  two outputs that name the same file.
+- :class:`Outputs` stages each target as a temporary file beside it (same directory, so the move
+  is an atomic ``rename``), and at :meth:`Outputs.commit` checks every target again and sets every
+  mode *before* the first rename; only then does it move the files. A rename that still fails
+  after that (the disk vanished) is reported with the files that were already written.
+- Symlinks are written *through*: the file the link points to gets the new content and the link
+  stays a link (as ``open(link, "w")`` does). Replacing the link by a regular file would silently
+  break whatever the link was for (a "latest.yaml" pointing into a results folder, say).
+  Consequences: the temporary file lives in the link target's directory, and two outputs that
+  resolve to the same file are refused as duplicates.
+- Replacing a file by rename gives it a new inode: hard links to the old file keep the old
+  content, and the new file is owned by the writing user. That is the price of atomicity (and
+  what ``torch.save``-then-rename, editors and package managers do too).
+
+Why not :func:`tempfile.mkstemp` plus :func:`os.replace` (what each writer did before): mkstemp
+makes ``0o600`` files, and undoing that needs the umask, which can only be read by setting it
+(racy with threads). Here the temporary file is created with ``os.open(..., 0o666)``, so the
+kernel applies the umask exactly as for ``open(path, "w")``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+from .errors import WhaleError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# kind -> (accepted extensions, what the file is); the first extension is the one suggested
+KINDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "yaml": ((".yaml", ".yml"), "a YAML file"),
+    "png": ((".png",), "a PNG picture"),
+    "json": ((".json",), "a JSON file"),
+}
+TEMP_MARK = ".tmp"
+_NEW_FILE_MODE = 0o666  # before the umask, as open(path, "w")
+
+
+class OutputError(WhaleError):
+    """An output file cannot be written where the user asked (bad path, kind, or a failed move)."""
+
+
+def check_output_paths(paths: Mapping[str, Optional[PathLike]],
+                       kinds: Optional[Mapping[str, Optional[str]]] = None,
+                       inputs: Optional[Mapping[str, Optional[PathLike]]] = None) -> None:
+    """Refuse bad output paths before any work: ``paths`` maps an option label (``"-o"``,
+    ``"--timeline"``) to its path (None = option not given, skipped); ``kinds`` optionally maps a
+    label to the kind of file it gets (``"yaml"``, ``"png"``, ``"json"``) to check the extension;
+    ``inputs`` optionally maps labels to the files the command reads, which no output may replace.
+
+    Raises :class:`OutputError` naming the option, the path and the fix.
+    """
+    kinds = kinds or {}
+    read = {os.path.realpath(path): label for label, path in (inputs or {}).items()
+            if path is not None and os.fspath(path) and os.path.isfile(path)}
+    seen: dict[str, str] = {}  # real path -> label
+    for label, path in paths.items():
+        if path is None:
+            continue
+        real = _check_target(label, path, kinds.get(label))
+        if real in seen:
+            raise OutputError(_same_file(seen[real], label, path))
+        if real in read:
+            raise OutputError(f"{label} {os.fspath(path)}: is the {read[real]} input of this command; writing "
+                              "there would replace it, choose another path")
+        seen[real] = label
+
+
+def write_atomic(path: PathLike, data: Union[bytes, str], kind: Optional[str] = None) -> None:
+    """Write ``data`` (str is encoded as UTF-8) to ``path`` atomically (see the module docstring)."""
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    with Outputs() as out:
+        with open(out.stage(path, kind), "wb") as f:
+            f.write(payload)
+
+
+class Outputs:
+    """The files of one command, written all or none.
+
+    ::
+
+        with Outputs() as out:
+            tmp = out.stage("plan.yaml", kind="yaml", label="-o")   # checks the path now
+            ...                                                    # the work, then write tmp
+        # leaving the block normally commits; an exception removes every temporary file
+
+    :meth:`commit` may also be called inside the block (it returns the targets; a second call does
+    nothing). The temporary path ends with the target's extension, so a writer that checks the
+    kind accepts it.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[_Staged] = []
+        self._committed = False
+
+    def __enter__(self) -> "Outputs":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.commit()
+
+    def stage(self, target: PathLike, kind: Optional[str] = None, *, label: Optional[str] = None) -> str:
+        """Check ``target`` (as :func:`check_output_paths`, and against the targets staged so far)
+        and return a new, empty temporary file beside it to write the content to."""
+        if self._committed:
+            raise RuntimeError("Outputs.stage after commit: use a new Outputs for more files")
+        label = label or "output file"
+        real = _check_target(label, target, kind)
+        for earlier in self._staged:
+            if earlier.real == real:
+                raise OutputError(_same_file(earlier.label, label, target))
+        temp, new_mode = _create_temp(label, target, real)
+        self._staged.append(_Staged(os.fspath(target), real, temp, label, kind, new_mode))
+        return temp
+
+    def commit(self) -> list[str]:
+        """Move every staged file into place and return the targets (as given). Every target is
+        checked again and every mode set before the first move; on failure no temporary file is
+        left and :class:`OutputError` says what was written, if anything."""
+        if self._committed:
+            return [s.target for s in self._staged]
+        self._committed = True
+        try:
+            for s in self._staged:
+                if _check_target(s.label, s.target, s.kind) != s.real:
+                    raise OutputError(f"{s.label} {s.target}: the path changed (a symlink was replaced) while "
+                                      "the files were being made; nothing was written, run the command again")
+                # an existing file keeps its mode, a new one gets open()'s (the writer may have
+                # replaced the temporary file by one of its own, with other permissions)
+                existing = os.path.exists(s.real)
+                os.chmod(s.temp, stat.S_IMODE(os.stat(s.real).st_mode) if existing else s.new_mode)
+                _flush_to_disk(s.temp)
+        except BaseException:
+            self.discard()
+            raise
+        written: list[str] = []
+        for index, s in enumerate(self._staged):
+            try:
+                os.replace(s.temp, s.real)
+            except OSError as e:
+                self._discard(self._staged[index:])
+                done = f"already written: {', '.join(written)}" if written else "no file was written"
+                raise OutputError(f"{s.label} {s.target}: moving the finished file into place failed "
+                                  f"({e.strerror or e}); {done}") from e
+            written.append(s.target)
+        for folder in {os.path.dirname(s.real) for s in self._staged}:
+            _flush_to_disk(folder)
+        return written
+
+    def discard(self) -> None:
+        """Remove every temporary file (the targets are untouched)."""
+        self._committed = True
+        self._discard(self._staged)
+
+    @staticmethod
+    def _discard(staged: list["_Staged"]) -> None:
+        for s in staged:
+            try:
+                os.unlink(s.temp)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass(frozen=True)
+class _Staged:
+    target: str           # as the caller gave it
+    real: str             # symlinks resolved: the file that gets the content
+    temp: str             # the temporary file beside ``real``
+    label: str            # the option that named it, for messages
+    kind: Optional[str]
+    new_mode: int         # the mode open(path, "w") would give a new file there
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
+    """The real path (symlinks resolved) that ``path`` writes to, or OutputError saying why not."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{label}: output paths are str or os.PathLike[str], got {type(text).__name__}")
+    if not text.strip():
+        raise OutputError(f"{label}: the output path is empty ({text!r}); give a file name"
+                          f"{_example(label, '', kind)}")
+    if "\0" in text:
+        raise OutputError(f"{label} {text!r}: a path cannot contain a NUL character")
+    if text.endswith(os.sep) or os.path.isdir(text):
+        raise OutputError(f"{label} {text}: is a directory; name a file inside it"
+                          f"{_example(label, text, kind)}")
+    if kind is not None:
+        _check_extension(label, text, kind)
+    real = os.path.realpath(text)
+    folder = os.path.dirname(real)
+    if not os.path.exists(folder):
+        raise OutputError(f"{label} {text}: directory {folder} does not exist; create it (mkdir -p {folder}) "
+                          "or choose another path")
+    if not os.path.isdir(folder):
+        raise OutputError(f"{label} {text}: {folder} is not a directory; choose a path inside a directory")
+    try:
+        info = os.stat(real)
+    except FileNotFoundError:
+        info = None
+    except OSError as e:  # a symlink loop, a path too long
+        raise OutputError(f"{label} {text}: cannot be used as an output ({e.strerror}); choose another path") from e
+    if info is not None:
+        if stat.S_ISDIR(info.st_mode):  # a symlink to a directory, resolved
+            raise OutputError(f"{label} {text}: points to the directory {real}; name a file inside it"
+                              f"{_example(label, real, kind)}")
+        if not stat.S_ISREG(info.st_mode):
+            raise OutputError(f"{label} {text}: is a {_file_type(info.st_mode)}, not a regular file; whalelike "
+                              "writes only regular files, choose another path")
+        if not os.access(real, os.W_OK):
+            raise OutputError(f"{label} {text}: the existing file is read-only; make it writable "
+                              f"(chmod u+w {text}) or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{label} {text}: cannot create files in {folder} (permission denied); choose a "
+                          "writable directory")
+    return real
+
+
+def _check_extension(label: str, text: str, kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(KINDS)}")
+    extensions, what = KINDS[kind]
+    stem, extension = os.path.splitext(text)
+    if extension.lower() in extensions:
+        return
+    accepted = " or ".join(extensions)
+    got = f"got {extension!r}" if extension else "it has no extension"
+    raise OutputError(f"{label} {text}: expected {what} ending in {accepted}, {got}; "
+                      f"use e.g. {stem or 'out'}{extensions[0]}")
+
+
+def _same_file(first: str, second: str, path: PathLike) -> str:
+    if first == second:
+        return f"{first} {os.fspath(path)}: given twice as an output; each output needs its own file"
+    return (f"{first} and {second} name the same file ({os.fspath(path)}); give each output its own file, "
+            "or the second would overwrite the first")
+
+
+def _example(label: str, folder: str, kind: Optional[str]) -> str:
+    if kind is None:
+        return ""
+    name = {"yaml": "plan.yaml", "png": "timeline.png", "json": "trace.json"}[kind]
+    return f", e.g. {label} {os.path.join(folder, name)}"
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+# -- temporary files -------------------------------------------------------------------------------
+def _create_temp(label: str, target: PathLike, real: str) -> tuple[str, int]:
+    """A new empty file beside ``real``, named ``.<stem>.<random>.tmp<ext>`` (hidden, same extension),
+    and the mode a new file gets there: it is created with 0o666, so the kernel applies the umask
+    (and a default ACL) exactly as for ``open(path, "w")``."""
+    folder, name = os.path.split(real)
+    stem, extension = os.path.splitext(name)
+    for _ in range(100):
+        temp = os.path.join(folder, f".{stem}.{secrets.token_hex(4)}{TEMP_MARK}{extension}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         _NEW_FILE_MODE)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else e.strerror
+            raise OutputError(f"{label} {os.fspath(target)}: cannot create a file in {folder} ({reason}); "
+                              "choose a writable directory") from e
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 & ~umask, read without touching the umask
+        finally:
+            os.close(fd)
+        return temp, mode
+    raise OutputError(f"{label} {os.fspath(target)}: could not pick an unused temporary name in {folder}")
+
+
+def _flush_to_disk(path: str) -> None:
+    """fsync a finished file (or a directory after renames), so a crash cannot leave an empty
+    target behind a completed rename; file systems that cannot fsync a directory are skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
