@@ -4,7 +4,9 @@ DESIGN.md section 4. Each compute segment (a forward or backward of a stage for 
 takes ``max(real time, modeled time)``: the real computation runs (results stay exact), then the
 rank sleeps for the rest of the modeled time. Modeled time comes from the segment's FLOPs and the
 emulated device's speed, never from measured wall time, so waiting on other ranks can never feed
-back into it. Segments whose real time overran the model are counted and reported.
+back into it. Segments whose real time overran the model are counted and reported; a segment with
+no modeled work (no FLOPs, or no samples: a FLOP-free stage, a rank with an empty share) has no
+model to overrun and is never counted as an overrun, else such a rank would warn on every run.
 
 Collectives must stay outside segments. Where a collective is launched from inside a computation
 (DDP's gradient all-reduce fires during backward), call :meth:`Emulator.begin` before the
@@ -24,6 +26,11 @@ machine's cores; otherwise real time leaks into the measurement and the emulated
 :func:`calibrate` times a forward+backward alone, scales it by ranks per core, and returns the
 largest safe ``base_gflops``; at run time every overrun is counted (``EmulationStats.overruns``)
 and the worst ratio of real to modeled time is kept, so a bad calibration is visible.
+
+:meth:`Emulator.busy_for` says how long the rank has been inside its current compute segment (read
+by the heartbeat of :mod:`runtime.distributed`, so a peer's error can tell a rank stuck in its
+compute from one waiting in a collective). Segments run whether or not emulation is enabled, so it
+works on real devices too.
 """
 from __future__ import annotations
 
@@ -98,6 +105,7 @@ class Emulator:
         self._modeled = 0.0
         self._flops = 0.0
         self._kind = "stage"
+        self._busy_since: Optional[float] = None   # perf_counter at the current segment's start
 
     @classmethod
     def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
@@ -122,7 +130,7 @@ class Emulator:
     def modeled_seconds(self, flops: float, samples: int, kind: str = "stage") -> float:
         """Modeled duration of a segment of ``flops`` on ``samples`` samples on this device."""
         _check_kind(kind)
-        if not self.enabled:
+        if not self.enabled or flops <= 0 or samples <= 0:   # no work: nothing to model
             return 0.0
         em = self.emulation
         efficiency = 1.0
@@ -139,6 +147,7 @@ class Emulator:
         self._kind = kind
         self._begun_at = time.perf_counter()
         self._deadline = self._begun_at + self._modeled
+        self._busy_since = self._begun_at
 
     def wait_deadline(self) -> None:
         """Sleep until the current segment's modeled end (no-op once reached). Records the segment."""
@@ -154,14 +163,20 @@ class Emulator:
         self.stats.flops += self._flops
         if self._kind == "matmul":
             self.stats.matmul_s += max(real, modeled)
-        if self.enabled:
+        if self.enabled and modeled > 0:   # a segment without modeled work cannot overrun it
             if now > self._deadline:
                 self.stats.overruns += 1
-                if modeled > 0:
-                    self.stats.worst_overrun = max(self.stats.worst_overrun, real / modeled)
+                self.stats.worst_overrun = max(self.stats.worst_overrun, real / modeled)
             else:
                 time.sleep(self._deadline - now)
         self._deadline = None
+        self._busy_since = None
+
+    def busy_for(self) -> Optional[float]:
+        """Seconds spent so far in the current compute segment (its padding included), or None
+        outside segments. Safe to call from another thread (it reads one attribute)."""
+        since = self._busy_since
+        return None if since is None else time.perf_counter() - since
 
     @contextmanager
     def segment(self, flops: float, samples: int, kind: str = "stage"):

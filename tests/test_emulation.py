@@ -130,3 +130,33 @@ def test_calibrate_fits_real_compute_inside_the_fastest_modeled_time():
     assert_close(modeled, 2.0 * 2.0 * result.real_s)
     with pytest.raises(ValueError, match="speeds must be positive"):
         calibrate(model, (x,), y, F.cross_entropy, speeds=[0.0], ranks=1)
+
+
+def test_segments_without_modeled_work_never_overrun():
+    """A FLOP-free stage, or a rank with an empty share, has nothing modeled: its real time is no
+    overrun (it used to count one per segment, and the Engine warned on every run)."""
+    emulator = Emulator(1.0, Emulation(base_gflops=1.0, half_efficiency_batch=4))
+    for flops, samples in ((0.0, 4), (0.0, 0), (1e6, 0)):   # samples 0 used to divide by zero
+        with emulator.segment(flops, samples):
+            time.sleep(0.001)
+    stats = emulator.stats
+    assert stats.segments == 3 and stats.overruns == 0 and stats.worst_overrun == 0.0
+    assert stats.modeled_s == 0.0 and stats.padded_s == stats.real_s > 0
+    model = nn.Linear(3, 2)
+    emulator.pad_forward(model, flops_per_sample=1e6)
+    model(torch.randn(0, 3))   # an empty micro-batch
+    assert emulator.stats.segments == 4 and emulator.stats.overruns == 0
+
+
+def test_busy_for_is_the_time_inside_the_current_segment():
+    emulator = Emulator.disabled()
+    assert emulator.busy_for() is None
+    with emulator.segment(1e6, 1):
+        time.sleep(0.001)
+        inside = emulator.busy_for()
+    assert inside is not None and inside > 0
+    assert emulator.busy_for() is None
+    emulator.begin(1e6, 1)   # a backward whose comm hook ends the segment
+    assert emulator.busy_for() is not None
+    emulator.wait_deadline()
+    assert emulator.busy_for() is None
