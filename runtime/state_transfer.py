@@ -128,7 +128,7 @@ def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
 
 
 # -- the switch ------------------------------------------------------------------------------------
-def _state_name(param: str, key: str) -> str:
+def state_name(param: str, key: str) -> str:
     return f"{param}[{key}]"
 
 
@@ -152,8 +152,8 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
             tensor.grad = None
     # sources: snapshots of parameters and buffers (see the module docstring), optimizer state as it is
     sources: NamedState = {name: (t.detach().clone(), slab) for name, (t, slab) in held.items()}
-    kept_state, state_meta = _optimizer_state(optimizer, held)
-    sources.update((_state_name(p, k), (v, held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
+    kept_state, state_meta = optimizer_state(optimizer, held)
+    sources.update((state_name(p, k), (v, held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
                    for k, v in entries.items())
     new = build_new()
     target = new.named_state()
@@ -162,13 +162,13 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
             "state": state_meta}
     described: list[dict] = [None] * world
     dist.all_gather_object(described, mine, group=group)
-    keys = _state_keys(described)
-    wanted = [{**d["new"], **{_state_name(p, k): (d["new"][p] if meta[0] == "param" else Slab(()))
+    keys = state_keys(described)
+    wanted = [{**d["new"], **{state_name(p, k): (d["new"][p] if meta[0] == "param" else Slab(()))
                               for p in d["new"] if p in keys for k, meta in keys[p].items() if meta[0] != "value"}}
               for d in described]
     moves = plan_moves({r: d["old"] for r, d in enumerate(described)}, dict(enumerate(wanted)))
     destinations = dict(target)
-    new_state = _allocate_state(target, keys, sources, described[rank]["old"], wanted[rank])
+    new_state = allocate_state(target, keys, sources, described[rank]["old"], wanted[rank])
     destinations.update(new_state)
     execute_moves(moves, rank, group, sources, destinations)
     _rebind(optimizer, make_optimizer, new, target, new_state, keys)
@@ -182,7 +182,7 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
     return new, report
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, held: NamedState):
+def optimizer_state(optimizer: torch.optim.Optimizer, held: NamedState):
     """This rank's optimizer state by parameter name: tensors (to move) and, per entry, its kind:
     ``("param", ...)`` shaped like the parameter, ``("scalar", dtype, on_cpu)`` 0-dim, or
     ``("value", v)`` a non-tensor value."""
@@ -214,7 +214,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, held: NamedState):
     return tensors, meta
 
 
-def _state_keys(described: list[dict]) -> dict[str, dict[str, tuple]]:
+def state_keys(described: list[dict]) -> dict[str, dict[str, tuple]]:
     """Parameter name -> state key -> its kind, over every rank's old optimizer."""
     keys: dict[str, dict[str, tuple]] = {}
     for d in described:
@@ -224,7 +224,7 @@ def _state_keys(described: list[dict]) -> dict[str, dict[str, tuple]]:
     return keys
 
 
-def _allocate_state(target: NamedState, keys, sources: NamedState, had: Mapping[str, Slab],
+def allocate_state(target: NamedState, keys, sources: NamedState, had: Mapping[str, Slab],
                     wanted: Mapping[str, Slab]) -> NamedState:
     """The new optimizer state tensors of this rank: the old tensor itself where this rank held the
     same slab (nothing to copy), else an empty one to be filled by the moves."""
@@ -236,7 +236,7 @@ def _allocate_state(target: NamedState, keys, sources: NamedState, had: Mapping[
         for key, meta in entries.items():
             if meta[0] == "value":
                 continue
-            state = _state_name(name, key)
+            state = state_name(name, key)
             slab = wanted[state]
             if had.get(state) == slab:
                 out[state] = (sources[state][0], slab)
@@ -318,6 +318,6 @@ def _rebind(optimizer: torch.optim.Optimizer, make_optimizer: Callable, new, tar
                                      "named_state(); every parameter must be named to receive its state")
         entries = {}
         for key, meta in keys.get(name, {}).items():
-            entries[key] = meta[1] if meta[0] == "value" else new_state[_state_name(name, key)][0]
+            entries[key] = meta[1] if meta[0] == "value" else new_state[state_name(name, key)][0]
         if entries:
             optimizer.state[p] = entries
