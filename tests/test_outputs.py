@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
+from unittest import mock
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import planner
 from whalelike import Config, replicate
-from whalelike.files import Outputs, OutputError, check_output_paths, write_atomic
+from whalelike.files import TEMP_MARK, Outputs, OutputError, check_output_paths, write_atomic
 
 from synthetic import synthetic_cluster, synthetic_model
 from test_cli import assert_one_line_error, run
@@ -318,3 +322,85 @@ def test_temporary_files_are_hidden_beside_the_target_with_its_extension(tmp_pat
         assert out.commit() == [str(tmp_path / "plan.yaml")]
     assert (tmp_path / "plan.yaml").read_text() == "nested writers accept the temporary path"
     assert_files(tmp_path, "plan.yaml")
+
+
+# -- the invariant, over mixes of targets and failures ---------------------------------------------
+TARGET_SETUPS = ("new", "existing", "link", "dangling link")
+
+
+@settings(max_examples=60, deadline=None)
+@given(setups=st.lists(st.sampled_from(TARGET_SETUPS), min_size=1, max_size=4),
+       existing_mode=st.sampled_from([0o600, 0o640, 0o604, 0o664]),
+       failure=st.sampled_from([None, "error in the work", "target became a directory", "rename failed"]),
+       failing_index=st.integers(0, 3))
+def test_every_target_is_old_or_new_and_no_temporary_file_survives(setups, existing_mode, failure, failing_index):
+    """Targets of every sort (new, existing with its own mode, symlink, dangling symlink) and every
+    failure (in the work, a check at commit, a rename midway): each target holds its old content or
+    its complete new one, all change together unless a rename itself failed (then exactly those
+    before it, as the error says), links stay links, modes follow ``open(path, "w")``."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    with tempfile.TemporaryDirectory() as root:
+        os.mkdir(os.path.join(root, "real"))
+        targets, files = [], []   # what the caller names; the file that gets the content
+        for index, setup in enumerate(setups):
+            target = os.path.join(root, f"out{index}.json")
+            file = os.path.join(root, "real", f"out{index}.json") if "link" in setup else target
+            if setup in ("existing", "link"):
+                with open(file, "w") as f:
+                    f.write(f"old {index}")
+                os.chmod(file, existing_mode)
+            if "link" in setup:
+                os.symlink(file, target)
+            targets.append(target)
+            files.append(file)
+        before = [open(file).read() if os.path.exists(file) else None for file in files]
+        failing = failing_index % len(setups)
+        renames = []
+        real_replace = os.replace
+
+        def replace(source, destination):
+            if failure == "rename failed" and len(renames) == failing:
+                raise OSError(28, "No space left on device")
+            renames.append(destination)
+            real_replace(source, destination)
+
+        with mock.patch("whalelike.files.os.replace", replace):
+            try:
+                with Outputs() as out:
+                    for index, target in enumerate(targets):
+                        with open(out.stage(target, kind="json", label=f"--out{index}"), "w") as f:
+                            f.write(f"new {index}")
+                    if failure == "error in the work":
+                        raise KeyError("the work failed")
+                    if failure == "target became a directory":
+                        if os.path.exists(files[failing]):
+                            os.unlink(files[failing])
+                        os.mkdir(files[failing])
+                error = None
+            except (KeyError, OutputError) as caught:
+                error = caught
+
+        leftovers = [name for _, _, names in os.walk(root) for name in names if TEMP_MARK in name]
+        assert leftovers == []
+        assert all(os.path.islink(t) == ("link" in s) for t, s in zip(targets, setups))
+        if failure is None:
+            assert error is None
+            written = range(len(setups))
+        elif failure == "rename failed":
+            assert isinstance(error, OutputError) and "No space left on device" in str(error)
+            assert ("already written: " + ", ".join(targets[:failing]) if failing else "no file was written") \
+                in str(error)
+            written = range(failing)
+        else:
+            assert error is not None
+            written = range(0)
+        for index, file in enumerate(files):
+            if failure == "target became a directory" and index == failing:
+                assert os.path.isdir(file)
+            elif index in written:
+                assert open(file).read() == f"new {index}"
+                mode = existing_mode if before[index] is not None else 0o666 & ~umask
+                assert stat.S_IMODE(os.stat(file).st_mode) == mode
+            else:
+                assert (open(file).read() if os.path.exists(file) else None) == before[index]

@@ -160,8 +160,10 @@ class Outputs:
         for index, s in enumerate(self._staged):
             try:
                 os.replace(s.temp, s.real)
-            except OSError as e:
+            except BaseException as e:  # Ctrl-C included: no temporary file may survive
                 self._discard(self._staged[index:])
+                if not isinstance(e, OSError):
+                    raise
                 done = f"already written: {', '.join(written)}" if written else "no file was written"
                 raise OutputError(f"{s.label} {s.target}: moving the finished file into place failed "
                                   f"({e.strerror or e}); {done}") from e
@@ -234,8 +236,8 @@ def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
             raise OutputError(f"{label} {text}: the existing file is read-only; make it writable "
                               f"(chmod u+w {text}) or choose another path")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"{label} {text}: cannot create files in {folder} (permission denied); choose a "
-                          "writable directory")
+        raise OutputError(f"{label} {text}: cannot create files in {folder} (permission denied or a "
+                          "read-only file system); choose a writable directory")
     return real
 
 
@@ -281,6 +283,7 @@ def _create_temp(label: str, target: PathLike, real: str) -> tuple[str, int]:
     (and a default ACL) exactly as for ``open(path, "w")``."""
     folder, name = os.path.split(real)
     stem, extension = os.path.splitext(name)
+    stem = stem[:64]  # a long target name plus the marks must stay a legal name
     for _ in range(100):
         temp = os.path.join(folder, f".{stem}.{secrets.token_hex(4)}{TEMP_MARK}{extension}")
         try:
@@ -289,9 +292,12 @@ def _create_temp(label: str, target: PathLike, real: str) -> tuple[str, int]:
         except FileExistsError:
             continue
         except OSError as e:
-            reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else e.strerror
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                reason, fix = "permission denied", "choose a writable directory"
+            else:
+                reason, fix = e.strerror or str(e), "choose another path"
             raise OutputError(f"{label} {os.fspath(target)}: cannot create a file in {folder} ({reason}); "
-                              "choose a writable directory") from e
+                              f"{fix}") from e
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 & ~umask, read without touching the umask
         finally:
