@@ -1,7 +1,8 @@
-"""The ``whalelike`` command: output, one-line errors with exit status 2, and all-or-nothing files.
+"""The ``whalelike`` command: output, one-line errors with exit status 2, and all-or-nothing files
+(each bad output path has its own test in test_outputs.py).
 
 Commands run in-process through ``main([...])`` (importing torch in a subprocess costs seconds);
-one subprocess test checks the real entry point.
+two subprocess tests check the real entry point.
 """
 from __future__ import annotations
 
@@ -82,6 +83,18 @@ def test_the_installed_entry_point_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"whalelike: error: {bad}: line ")
     assert "malformed YAML" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_entry_point_refuses_a_bad_output_before_reading_any_input(tmp_path):
+    """Output paths are checked first: a wrong extension is reported, not the missing model."""
+    svg = tmp_path / "plan.svg"
+    proc = subprocess.run([sys.executable, "-m", "whalelike.cli", "plan", f"{tmp_path}/missing.py:build",
+                           "--cluster", "emulated-4", "--global-batch", "8", "-o", str(tmp_path / "plan.yaml"),
+                           "--timeline", str(svg)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (f"whalelike: error: --timeline {svg}: expected a PNG picture ending in .png, got '.svg'; "
+                           f"use e.g. {tmp_path / 'plan.png'}\n")
+    assert os.listdir(tmp_path) == []
 
 
 # -- the MODEL factory -----------------------------------------------------------------------------
