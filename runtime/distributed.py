@@ -5,18 +5,36 @@ environment; :func:`init` turns them into the default process group (gloo on CPU
 with a timeout, so a rank that never arrives fails the others within that bound instead of hanging.
 
 A failed collective says little by itself ("Connection closed by peer", "Timed out waiting 5000ms
-for recv"). :class:`Progress` records in the default group's key-value store which step each rank
-has begun (one small ``set`` per step), so when a collective fails the survivors can name the
-ranks that never reached the step. The store lives on rank 0; if rank 0 is gone, the message says
-so.
+for recv"). :class:`Progress` records in the default group's key-value store where each rank is,
+so when a collective fails the survivors can name the culprit:
+
+* the step each rank has begun and how many Engine-level collectives of it it has entered (one
+  small ``set`` per collective, none of its own): a rank that never reached the step, or that
+  began it but never entered the collective the others wait in, is named;
+* a heartbeat: a daemon thread per rank writes a timestamp, the PID and the seconds spent inside
+  the current compute segment (:meth:`runtime.emulation.Emulator.busy_for`) every
+  ``timeout_s / 12`` seconds (at most 5): no collective, a few hundred bytes. A rank whose
+  heartbeat is older than half the timeout is stopped (SIGSTOP), dead, or hung in native code; a
+  rank with a fresh heartbeat that has been inside one compute segment that long is alive but
+  stuck in its compute (an endless loop). Peers on the same machine are also looked up by PID,
+  which tells stopped from dead.
+
+Invariant: only the failure path reads the store, so a healthy step costs one ``set`` per
+Engine-level collective plus the heartbeat. Heartbeat ages compare wall clocks across hosts, which
+assumes clocks synchronised to well under ``timeout_s / 2`` (NTP gives milliseconds). The store
+lives on rank 0; if rank 0 is gone, the message says so.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
-from typing import Optional
+import socket
+import threading
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,37 +116,169 @@ def init(timeout_s: float) -> int:
 
 
 class Progress:
-    """Which step each rank has begun, kept in the default group's store (see the module docstring)."""
+    """Where each rank is, kept in the default group's store (see the module docstring): the step
+    and the count of Engine-level collectives it has entered (written when it enters one), and a
+    heartbeat written by a daemon thread."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, timeout_s: float = 300.0,
+                 computing: Optional[Callable[[], Optional[float]]] = None):
         self.rank, self.world_size = rank, world_size
         self.store = dist.distributed_c10d._get_default_store()
+        self.step, self.entered = -1, 0
+        self._entered_at = time.monotonic()
+        interval = min(5.0, timeout_s / 12)
+        self.silent_after = min(timeout_s / 2, 6 * interval)   # a heartbeat older than this has stopped
+        _Heartbeat.attach(self.store, rank, interval, computing)
 
-    def begin(self, step: int) -> None:
-        self.store.set(self._key(self.rank), str(step))
+    def enter(self, step: int) -> None:
+        """This rank enters an Engine-level collective of ``step`` (one small ``set``)."""
+        if step != self.step:
+            self.step, self.entered = step, 0
+        self.entered += 1
+        self._entered_at = time.monotonic()
+        self.store.set(_progress_key(self.rank), f"{step} {self.entered}")
 
     def failure(self, step: int, timeout_s: float, cause: BaseException) -> DistributedStepError:
         """The error to raise when a collective of ``step`` failed on this rank."""
         return DistributedStepError(
             f"rank {self.rank}, step {step}: a collective failed or timed out (timeout_s={timeout_s:g} s); "
-            f"{self._laggards(step)}. Cause: {cause}"
+            f"{self._suspects(step)}. Cause: {cause}"
         )
 
-    def _laggards(self, step: int) -> str:
+    def _suspects(self, step: int) -> str:
+        entered = self.entered if step == self.step else 0
+        waited = time.monotonic() - self._entered_at
         try:
-            behind = {}
+            now = time.time()
+            found = []
             for r in range(self.world_size):
-                key = self._key(r)
-                reached: Optional[int] = int(self.store.get(key)) if self.store.check([key]) else None
-                if reached is None or reached < step:
-                    behind[r] = reached
+                if r == self.rank:
+                    continue
+                reached = self._read(_progress_key(r))
+                beat = self._read(_heartbeat_key(r))
+                where = tuple(map(int, reached.split())) if reached is not None else None
+                line = _diagnose(r, where, _liveness(json.loads(beat) if beat else None, now, self.silent_after),
+                                 step, entered, waited)
+                if line:
+                    found.append(line)
         except Exception as e:  # the store itself is gone: its host, rank 0, is the likely casualty
-            return f"the progress store on rank 0 is unreachable ({type(e).__name__}), so rank 0 has likely died"
-        if not behind:
+            return (f"the progress store on rank 0 is unreachable ({type(e).__name__}), so rank 0 has likely died "
+                    "or is stopped")
+        if not found:
             return f"every rank began step {step}, so a rank failed or died during it"
-        return "; ".join(f"rank {r} never reached step {step} (last began: "
-                         f"{'none' if s is None else f'step {s}'})" for r, s in behind.items())
+        return "; ".join(found)
 
-    @staticmethod
-    def _key(rank: int) -> str:
-        return f"whalelike/progress/rank{rank}"
+    def _read(self, key: str) -> Optional[str]:
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+def _diagnose(rank: int, where: Optional[tuple[int, int]], liveness: tuple[str, str], step: int, entered: int,
+              waited: float) -> Optional[str]:
+    """One peer's line of the failure message, or None when it is where this rank is and alive."""
+    kind, detail = liveness
+    reached, reached_entered = where if where is not None else (None, 0)
+    if reached is None or reached < step:
+        head = f"rank {rank} never reached step {step} (last began: {'none' if reached is None else f'step {reached}'})"
+        return f"{head}; {detail}" if detail else head
+    if reached == step and reached_entered < entered:
+        head = (f"rank {rank} began step {step} but has not entered its collective {entered} of the step for "
+                f"{waited:.1f} s (it entered {reached_entered})")
+        return f"{head}; {detail}" if detail else head
+    if kind in ("alive", "unknown"):
+        return None
+    return f"rank {rank} began step {step} but {detail}"
+
+
+def _liveness(beat: Optional[dict], now: float, silent_after: float) -> tuple[str, str]:
+    """``(kind, text)`` about a peer from its heartbeat: dead, stopped, silent, computing, alive or
+    unknown. A peer on this machine (same host and PID namespace) is also looked up by its PID."""
+    if beat is None:
+        return "unknown", ""
+    age, pid = now - beat["time"], beat["pid"]
+    if beat["machine"] == _MACHINE:
+        state = _process_state(pid)
+        if state is None or state in "ZX":
+            return "dead", f"it has died (its process, PID {pid} on this machine, is gone)"
+        if state in "Tt":
+            return "stopped", (f"it is stopped (PID {pid} on this machine, state {state}: SIGSTOP, ctrl-Z or a "
+                               f"debugger; `kill -CONT {pid}` resumes it)")
+    if age > silent_after:
+        return "silent", (f"its heartbeat stopped {age:.1f} s ago: it is hung in native code that holds the "
+                          f"interpreter lock, stopped, or dead (PID {pid} on {beat['machine'].split()[0]})")
+    if beat["computing_s"] is not None and beat["computing_s"] + age > silent_after:
+        return "computing", (f"it has been inside one compute segment for {beat['computing_s'] + age:.1f} s "
+                             f"although alive (heartbeat {age:.1f} s ago): its computation is stuck (an endless "
+                             f"loop or a deadlock in the model) or far slower than its plan")
+    return "alive", f"it is alive (heartbeat {age:.1f} s ago)"
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """The state letter of process ``pid`` on this machine (``/proc/PID/stat``): None if it is gone,
+    ``"?"`` where there is no ``/proc`` to ask."""
+    if not os.path.isdir("/proc/self"):
+        return "?"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _machine() -> str:
+    """This machine's identity for PID look-ups: host name and PID namespace."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "-"
+    return f"{socket.gethostname()} {namespace}"
+
+
+_MACHINE = _machine()
+
+
+class _Heartbeat:
+    """One daemon thread per process writing this rank's heartbeat every ``interval`` seconds:
+    wall-clock time, PID, machine, and seconds inside the current compute segment. The latest
+    :class:`Progress` (Engine) of the process is the one reported."""
+
+    _current: Optional["_Heartbeat"] = None
+    _lock = threading.Lock()
+
+    def __init__(self, store, rank: int, interval: float, computing):
+        self.store, self.rank, self.interval, self.computing = store, rank, interval, computing
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"whalelike-heartbeat-rank{rank}", daemon=True)
+
+    @classmethod
+    def attach(cls, store, rank: int, interval: float, computing) -> None:
+        with cls._lock:
+            beat = cls._current
+            if beat is not None and beat.store is store and beat.rank == rank and beat._thread.is_alive():
+                beat.interval, beat.computing = interval, computing
+                return
+            if beat is not None:
+                beat._stop.set()
+            cls._current = cls(store, rank, interval, computing)
+            cls._current.publish()
+            cls._current._thread.start()
+
+    def publish(self) -> None:
+        computing = self.computing() if self.computing is not None else None
+        self.store.set(_heartbeat_key(self.rank), json.dumps(
+            {"time": time.time(), "pid": os.getpid(), "machine": _MACHINE, "computing_s": computing}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.publish()
+            except Exception as e:  # the store (rank 0) is gone: the collectives will say so
+                log.debug("rank %d: heartbeat stopped: %s", self.rank, e)
+                return
+
+
+def _progress_key(rank: int) -> str:
+    return f"whalelike/progress/rank{rank}"
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"whalelike/heartbeat/rank{rank}"

@@ -35,6 +35,13 @@ The step-executor protocol (:class:`StepExecutor`), all collective on the ranks 
   collective that ends the step, sums it in that collective and calls ``arrived`` (an executor
   without the slot costs the Engine one small all-reduce per exchange).
 
+Guards (:mod:`runtime.guards`): a NaN or inf loss raises :class:`runtime.guards.NonFiniteLossError`
+before the optimizer step, or skips the step on every rank (``on_nonfinite="skip"``); the same
+decision everywhere without a collective, because the loss every executor returns is the global
+mean, equal on every rank. Every ``batch_check_every`` steps (and the first) the ranks compare
+fingerprints of their whole-global batches (:class:`runtime.guards.BatchMismatchError`). A hung or
+stopped rank is named by its peers' :class:`DistributedStepError` (:class:`runtime.distributed.Progress`).
+
 Dynamic balancing (``Engine(balance=...)``, default policy ``"exact"``): after every step the
 rank's measured compute speed is recorded and shared; a sustained change re-plans at the step
 boundary (:mod:`runtime.rebalance`). ``Engine.plan`` is always the plan in force and
@@ -55,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from planner.plan import Plan, PlanError, Worker
-from runtime import distributed
+from runtime import distributed, guards
 from runtime.data import Share
 from runtime.data_parallel import DataParallelExecutor
 from runtime.emulation import EmulationStats, Emulator
@@ -144,6 +151,7 @@ class StepStats:
     flops: float = 0.0              # FLOPs of the step's compute segments (what the monitor divides by time)
     approximate: bool = False       # the step ran with ZERO-resizing (runtime.rebalance policies semi/resize)
     plan_version: int = 0           # how many re-plans were in force before this step
+    skipped: bool = False           # the loss was NaN or inf and on_nonfinite="skip" dropped the update
 
 
 class Engine:
@@ -153,18 +161,31 @@ class Engine:
     to this rank's parameters. ``loss_fn(outputs, targets)`` must return the *mean* loss over the
     samples it is given. ``cluster``: the cluster spec (default ``Cluster.preset(plan.cluster)``);
     its emulation block, if any, turns on emulated devices. ``example_args``: inputs to capture the
-    model with now; without them the first batch is used. ``timeout_s`` bounds every collective.
-    ``balance``: dynamic balancing, a policy name (``"exact"``, the default; ``"semi"``,
-    ``"resize"``, ``"off"``) or a :class:`runtime.rebalance.BalanceConfig`.
+    model with now; without them the first batch is used. ``timeout_s`` (seconds, positive and
+    finite) bounds every collective of the groups the Engine builds, and of the default group when
+    the Engine initialises it. ``balance``: dynamic balancing, a policy name (``"exact"``, the
+    default; ``"semi"``, ``"resize"``, ``"off"``) or a :class:`runtime.rebalance.BalanceConfig`.
+
+    ``on_nonfinite``: ``"raise"`` (default) stops at a NaN or inf loss with
+    :class:`runtime.guards.NonFiniteLossError` naming the step and the rank, before the optimizer
+    step; ``"skip"`` drops that step's update on every rank (gradients discarded, a warning naming
+    the step, ``StepStats.skipped`` and :attr:`skipped_steps`). ``batch_check_every``: compare the
+    ranks' whole-global batches at the first step and every that many steps (0: never), raising
+    :class:`runtime.guards.BatchMismatchError` when a rank's batch differs from rank 0's.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
                  loss_fn: Optional[Callable] = None, cluster: Optional[Cluster] = None,
                  example_args: Any = None, timeout_s: float = 300.0,
-                 balance: "BalanceConfig | str | None" = None):
+                 balance: "BalanceConfig | str | None" = None, on_nonfinite: str = "raise",
+                 batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
+        timeout_s = guards.check_timeout(timeout_s)
+        guards.check_options(on_nonfinite, batch_check_every)
+        self.on_nonfinite, self.batch_check_every = on_nonfinite, batch_check_every
+        self.skipped_steps: list[int] = []     # steps whose update on_nonfinite="skip" dropped
         balance = BalanceConfig.of(balance)
         rank, world_size = distributed.launched()
         distributed.check_world_size(plan, world_size, rank)
@@ -177,7 +198,7 @@ class Engine:
         self.device = distributed.device()
         self.model.to(self.device)
         self.groups = build_groups(plan, self.rank, timeout_s)
-        self.progress = distributed.Progress(self.rank, plan.world_size)
+        self.progress = distributed.Progress(self.rank, plan.world_size, timeout_s, self.emulator.busy_for)
         self._make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.executor: Optional[StepExecutor] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -195,12 +216,16 @@ class Engine:
     def train_step(self, batch) -> torch.Tensor:
         """One optimizer step on ``batch``: ``(inputs, targets)`` holding the whole global batch
         (every rank passes the same), or a :class:`runtime.data.Share` holding this rank's samples.
-        Returns the global-mean loss, the same on every rank."""
+        Returns the global-mean loss, the same on every rank (also when the step was skipped for a
+        non-finite loss: see ``on_nonfinite``)."""
         share = batch if isinstance(batch, Share) else None
         inputs, targets = self._unpack(batch)
         self._build(inputs)
         if share is None:
             self._check_batch(targets)
+            if guards.batch_check_due(self.step, self.batch_check_every):
+                self._collective(lambda: guards.check_same_batch(inputs, targets, self.step, self.rank,
+                                                                 self.batch_check_every))
         elif not hasattr(self.executor, "train_share"):
             raise WhaleError(f"{type(self.executor).__name__} takes whole global batches, not runtime.data.Share; "
                              f"pass (inputs, targets) of {self.plan.global_batch_size} samples on every rank")
@@ -222,10 +247,21 @@ class Engine:
         if passenger is not None and not passenger.carried:
             passenger.fill()
             self._collective(lambda: _sum_alone(passenger.vector))
-        self.optimizer.step()
-        self.rebalancer.after_optimizer_step()
+        # the loss is the global mean, equal on every rank: every rank decides alike, no collective
+        skipped = not guards.is_finite(loss)
+        if skipped and self.on_nonfinite == "raise":
+            raise guards.nonfinite_error(loss, self.step, self.rank)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps.append(self.step)
+            log.warning("rank %d, step %d: the loss is %s; skipped the step on every rank (no optimizer step, "
+                        "gradients dropped; on_nonfinite='skip'), %d skipped so far", self.rank, self.step,
+                        f"{loss.detach().float().cpu().reshape(-1)[0].item():g}", len(self.skipped_steps))
+        else:
+            self.optimizer.step()
+            self.rebalancer.after_optimizer_step()
         em = self.emulator.stats.since(before)
-        self._record(time.perf_counter() - start, em)
+        self._record(time.perf_counter() - start, em, skipped)
         # the step boundary: the plan may change (collective, part of this step: a rank that never
         # starts the next one must not be reported as having begun it)
         carried = passenger.vector if passenger is not None else None
@@ -367,19 +403,19 @@ class Engine:
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` after marking this step begun; a failed collective becomes a DistributedStepError."""
-        self.progress.begin(self.step)
         try:
+            self.progress.enter(self.step)
             return fn()
         except RuntimeError as e:
             if distributed.is_communication_failure(e):
                 raise self.progress.failure(self.step, self.timeout_s, e) from e
             raise
 
-    def _record(self, wall: float, em: EmulationStats) -> StepStats:
+    def _record(self, wall: float, em: EmulationStats, skipped: bool = False) -> StepStats:
         stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
                           padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
                           overruns=em.overruns, flops=em.flops, approximate=self.rebalancer.approximate,
-                          plan_version=self.rebalancer.plan_version)
+                          plan_version=self.rebalancer.plan_version, skipped=skipped)
         self.stats.append(stats)
         # from the second step on: the first pays one-time costs (allocations, DDP's bucket set-up)
         if stats.overruns and self.emulator.enabled and self.step > 0 and not self._warned_overrun:
