@@ -320,8 +320,20 @@ def test_temporary_files_are_hidden_beside_the_target_with_its_extension(tmp_pat
         assert name.startswith(".plan.") and name.endswith(".tmp.yaml")
         write_atomic(temp, "nested writers accept the temporary path", kind="yaml")
         assert out.commit() == [str(tmp_path / "plan.yaml")]
+        assert out.commit() == [str(tmp_path / "plan.yaml")]   # once only
     assert (tmp_path / "plan.yaml").read_text() == "nested writers accept the temporary path"
     assert_files(tmp_path, "plan.yaml")
+
+
+def test_discard_inside_the_block_writes_nothing(tmp_path):
+    with Outputs() as out:
+        with open(out.stage(tmp_path / "plan.yaml"), "w") as f:
+            f.write("draft")
+        out.discard()
+        assert out.commit() == []
+        with pytest.raises(RuntimeError, match="Outputs.stage after commit or discard"):
+            out.stage(tmp_path / "other.yaml")
+    assert_files(tmp_path)
 
 
 # -- the invariant, over mixes of targets and failures ---------------------------------------------

@@ -104,14 +104,15 @@ class Outputs:
             ...                                                    # the work, then write tmp
         # leaving the block normally commits; an exception removes every temporary file
 
-    :meth:`commit` may also be called inside the block (it returns the targets; a second call does
-    nothing). The temporary path ends with the target's extension, so a writer that checks the
-    kind accepts it.
+    :meth:`commit` may also be called inside the block (it returns the targets written; a second
+    call does nothing), and :meth:`discard` to give up. The temporary path ends with the target's
+    extension, so a writer that checks the kind accepts it.
     """
 
     def __init__(self) -> None:
         self._staged: list[_Staged] = []
-        self._committed = False
+        self._finished = False          # committed or discarded: no more staging or moving
+        self._written: list[str] = []   # targets moved into place
 
     def __enter__(self) -> "Outputs":
         return self
@@ -125,8 +126,8 @@ class Outputs:
     def stage(self, target: PathLike, kind: Optional[str] = None, *, label: Optional[str] = None) -> str:
         """Check ``target`` (as :func:`check_output_paths`, and against the targets staged so far)
         and return a new, empty temporary file beside it to write the content to."""
-        if self._committed:
-            raise RuntimeError("Outputs.stage after commit: use a new Outputs for more files")
+        if self._finished:
+            raise RuntimeError("Outputs.stage after commit or discard: use a new Outputs for more files")
         label = label or "output file"
         real = _check_target(label, target, kind)
         for earlier in self._staged:
@@ -140,9 +141,9 @@ class Outputs:
         """Move every staged file into place and return the targets (as given). Every target is
         checked again and every mode set before the first move; on failure no temporary file is
         left and :class:`OutputError` says what was written, if anything."""
-        if self._committed:
-            return [s.target for s in self._staged]
-        self._committed = True
+        if self._finished:
+            return list(self._written)
+        self._finished = True
         try:
             for s in self._staged:
                 if _check_target(s.label, s.target, s.kind) != s.real:
@@ -156,7 +157,7 @@ class Outputs:
         except BaseException:
             self.discard()
             raise
-        written: list[str] = []
+        written = self._written
         for index, s in enumerate(self._staged):
             try:
                 os.replace(s.temp, s.real)
@@ -170,11 +171,11 @@ class Outputs:
             written.append(s.target)
         for folder in {os.path.dirname(s.real) for s in self._staged}:
             _flush_to_disk(folder)
-        return written
+        return list(written)
 
     def discard(self) -> None:
-        """Remove every temporary file (the targets are untouched)."""
-        self._committed = True
+        """Remove every temporary file not yet moved into place (the targets are untouched)."""
+        self._finished = True
         self._discard(self._staged)
 
     @staticmethod
