@@ -72,6 +72,13 @@ def test_output_path_that_is_a_directory(capsys, no_work, tmp_path):
     assert_files(tmp_path / "plans")
 
 
+def test_output_path_ending_in_a_slash(tmp_path):
+    with pytest.raises(OutputError, match=r"-o .*/plans/: ends with '/', so it names a directory; name a file, "
+                                          r"e.g. -o .*/plans/plan.yaml"):
+        check_output_paths({"-o": f"{tmp_path}/plans/"}, kinds={"-o": "yaml"})
+    assert_files(tmp_path)
+
+
 def test_output_that_becomes_a_directory_during_the_work_writes_nothing(tmp_path):
     with pytest.raises(OutputError, match=r"--timeline .*step.png: is a directory"):
         with Outputs() as out:

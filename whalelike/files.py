@@ -208,8 +208,11 @@ def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
                           f"{_example(label, '', kind)}")
     if "\0" in text:
         raise OutputError(f"{label} {text!r}: a path cannot contain a NUL character")
-    if text.endswith(os.sep) or os.path.isdir(text):
+    if os.path.isdir(text):  # a symlink to a directory too
         raise OutputError(f"{label} {text}: is a directory; name a file inside it"
+                          f"{_example(label, text, kind)}")
+    if text.endswith(os.sep):
+        raise OutputError(f"{label} {text}: ends with {os.sep!r}, so it names a directory; name a file"
                           f"{_example(label, text, kind)}")
     if kind is not None:
         _check_extension(label, text, kind)
@@ -227,9 +230,6 @@ def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
     except OSError as e:  # a symlink loop, a path too long
         raise OutputError(f"{label} {text}: cannot be used as an output ({e.strerror}); choose another path") from e
     if info is not None:
-        if stat.S_ISDIR(info.st_mode):  # a symlink to a directory, resolved
-            raise OutputError(f"{label} {text}: points to the directory {real}; name a file inside it"
-                              f"{_example(label, real, kind)}")
         if not stat.S_ISREG(info.st_mode):
             raise OutputError(f"{label} {text}: is a {_file_type(info.st_mode)}, not a regular file; whalelike "
                               "writes only regular files, choose another path")
@@ -270,7 +270,7 @@ def _example(label: str, folder: str, kind: Optional[str]) -> str:
 
 
 def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
                        (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
         if test(mode):
             return name
