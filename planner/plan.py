@@ -12,9 +12,11 @@ Poplar) the lists may differ in length and their last entry is the worker's last
 Workers of one tensor-parallel group have equal lists (they process the same samples).
 
 A Plan is saved as YAML (:meth:`Plan.to_yaml`) and loaded back exactly, floats included;
-:meth:`Plan.from_dict` checks every field's type and :meth:`Plan.validate` the plan's
-consistency (and, given them, its match with a model's TaskGraphs and a cluster), so a hand-edited
-file fails on load with the name of the bad field.
+every field carries a :class:`whalelike.spec.Rule` (type, bounds: no negative, NaN or infinite time or
+size), which :meth:`Plan.from_dict` checks while reading; :meth:`Plan.validate` (that is,
+:func:`whalelike.spec.validate`) checks the rules and the plan's consistency (and, given them, its
+match with a model's TaskGraphs and a cluster: :mod:`planner.plan_checks`), so a hand-edited file
+fails on load with the path of the bad field. Validating again costs a digest of the plan.
 """
 from __future__ import annotations
 
@@ -23,39 +25,47 @@ import hashlib
 import json
 import os
 import tempfile
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
 from whalelike.errors import SpecError
+from whalelike.spec import Reader, load_yaml, rule, validate
+
+from .schedule import SCHEDULES
 
 SCHEMA_VERSION = 1
 SOLVERS = ("ilp", "greedy")
+MAX_FILE_BYTES = 16 << 20
+MAX_FILE_WHY = ("a plan of 1024 workers with 8 micro-batches is about 1 MiB; PyYAML needs seconds and hundreds of "
+                "MiB for tens of MiB, so a wrong file is refused before it is parsed")
 
 
 class PlanError(SpecError):
     """A plan cannot be made, or a plan (file) is inconsistent or made for another model/cluster."""
 
 
+MS = "ms, predicted"
+
+
 @dataclass
 class Worker:
-    rank: int
-    device: str
-    host: str
-    replica: int                   # pipeline replica (outer data parallel)
-    stage: int                     # pipeline stage index
-    dp_index: int                  # index in the stage's data-parallel group within this replica
-    tp_index: int = 0              # shard index in the tensor-parallel group (0 when no split)
-    tp_size: int = 1
-    micro_batch_sizes: list[int] = field(default_factory=list)
-    memory_gib: float = 0.0        # estimated peak memory
-    capacity_gib: float = 0.0
-    compute_ms: float = 0.0        # predicted forward+backward compute time per step
-    forward_ms: list[float] = field(default_factory=list)   # per micro-batch, predicted
-    backward_ms: list[float] = field(default_factory=list)  # per micro-batch, predicted
-    allreduce_ms: float = 0.0      # predicted gradient all-reduce time at the end of the step
+    rank: int = rule(int, "the torchrun rank running this worker", ge=0)
+    device: str = rule(str, "device name in the cluster, e.g. 'v100-0'")
+    host: str = rule(str, "host of the device")
+    replica: int = rule(int, "pipeline replica (outer data parallel)", ge=0)
+    stage: int = rule(int, "pipeline stage index", ge=0)
+    dp_index: int = rule(int, "index in the stage's data-parallel group within this replica", ge=0)
+    tp_index: int = rule(int, "shard index in the tensor-parallel group (0 when no split)", ge=0, default=0)
+    tp_size: int = rule(int, "workers in the tensor-parallel group", ge=1, default=1)
+    micro_batch_sizes: list[int] = rule(int, "samples in each micro-batch of a step", ge=1, default_factory=list)
+    memory_gib: float = rule(float, "estimated peak memory in GiB", ge=0, default=0.0)
+    capacity_gib: float = rule(float, "the device's memory in GiB", ge=0, default=0.0)
+    compute_ms: float = rule(float, f"forward+backward compute time per step, {MS}", ge=0, default=0.0)
+    forward_ms: list[float] = rule(float, f"forward time per micro-batch, {MS}", ge=0, default_factory=list)
+    backward_ms: list[float] = rule(float, f"backward time per micro-batch, {MS}", ge=0, default_factory=list)
+    allreduce_ms: float = rule(float, f"gradient all-reduce time at the end of the step, {MS}", ge=0, default=0.0)
 
     @property
     def batch_share(self) -> int:
@@ -64,46 +74,59 @@ class Worker:
 
 @dataclass
 class StagePlan:
-    index: int
-    taskgraphs: list[int]          # TaskGraph indices whose layers this stage runs
-    layers: list[int]              # contiguous layer indices
-    strategy: str                  # e.g. "replicate(2)" or "replicate(2)+split(2)"
-    shard_sizes: dict[str, list[int]] = field(default_factory=dict)  # module path -> size per tp_index
+    index: int = rule(int, "stage index, in pipeline order", ge=0)
+    taskgraphs: list[int] = rule(int, "TaskGraph indices whose layers this stage runs", ge=0)
+    layers: list[int] = rule(int, "contiguous layer indices", ge=0)
+    strategy: str = rule(str, "e.g. 'replicate(2)' or 'replicate(2)+split(2)'")
+    # module path -> size of its split dimension per tp_index
+    shard_sizes: dict[str, list[int]] = rule(int, "elements of the split dimension on each tp_index", ge=1,
+                                             default_factory=dict)
     batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.batchnorm)
 
 
 @dataclass
 class BoundaryPlan:
-    src_stage: int
-    dst_stage: int
+    src_stage: int = rule(int, "stage sending the activations", ge=0)
+    dst_stage: int = rule(int, "stage receiving them", ge=0)
     tensors: list[str]
-    bytes_per_sample: float
-    transfer_ms: list[float] = field(default_factory=list)  # per micro-batch, predicted
+    bytes_per_sample: float = rule(float, "bytes crossing the boundary per sample", ge=0)
+    transfer_ms: list[float] = rule(float, f"transfer time per micro-batch, {MS}", ge=0, default_factory=list)
 
 
 @dataclass
 class Prediction:
-    step_time_ms: float
-    bubble_fraction: float
-    throughput: float              # samples per second
+    step_time_ms: float = rule(float, f"time of one step, {MS}", ge=0)
+    bubble_fraction: float = rule(float, "idle share of the workers' time", ge=0)
+    throughput: float = rule(float, "samples per second", ge=0)
 
 
 @dataclass
 class Plan:
-    model_fingerprint: str
-    cluster: str
-    global_batch_size: int
-    num_micro_batch: int
-    schedule: str
-    solver: str                    # "ilp" or "greedy"
+    model_fingerprint: str = rule(str, "hash of the model the plan was made for")
+    cluster: str = rule(str, "name of the cluster the plan was made for")
+    global_batch_size: int = rule(int, "samples per optimizer step", ge=1)
+    num_micro_batch: int = rule(int, "micro-batches per step", ge=1)
+    schedule: str = rule(str, "pipeline schedule", choices=tuple(SCHEDULES))
+    solver: str = rule(str, "partitioner that made the plan", choices=SOLVERS)
     stages: list[StagePlan]
     workers: list[Worker]
     boundaries: list[BoundaryPlan]
     prediction: Prediction
     naive_prediction: Prediction
-    optimality_gap: Optional[float] = None
-    sync_batchnorm: bool = False   # BatchNorm statistics over each stage's data-parallel group (runtime.batchnorm)
-    schema_version: int = SCHEMA_VERSION
+    optimality_gap: Optional[float] = rule(float, "the ILP's bound on how far the plan is from optimal", ge=0,
+                                           default=None)
+    sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group "
+                                "(runtime.batchnorm)", default=False)
+    schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
+
+    # whalelike.spec.validate: field rules under "plan", then planner.plan_checks
+    spec_path = "plan"
+    spec_error = PlanError
+    spec_checks = {
+        "self": lambda plan: _checks().check_alone(plan),
+        "graphs": lambda plan, graphs: _checks().check_model(plan, graphs),
+        "cluster": lambda plan, cluster: _checks().check_cluster(plan, cluster),
+    }
 
     @property
     def world_size(self) -> int:
@@ -124,10 +147,11 @@ class Plan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Plan":
-        """Build a Plan from plain data, checking every field's presence and type (no consistency
-        checks: call :meth:`validate`, as :meth:`from_yaml` does)."""
-        return _convert(cls, data, "plan")
+    def from_dict(cls, data: Any, origin: Optional[str] = None) -> "Plan":
+        """Build a Plan from plain data, checking every field's presence, type and rule (no
+        consistency checks: call :meth:`validate`, as :meth:`from_yaml` does). Errors name the
+        field path and, when given, ``origin`` (the file)."""
+        return Reader(origin, PlanError).record(cls, data, "plan")
 
     def to_yaml(self, path: str | os.PathLike) -> None:
         """Write the plan atomically: a failed write leaves no partial file behind."""
@@ -144,21 +168,22 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, graphs=None, cluster=None) -> "Plan":
-        """Load and validate a plan file (against ``graphs`` and ``cluster`` when given)."""
+        """Load and validate a plan file (against ``graphs`` and ``cluster`` when given); errors
+        start with the file's path."""
+        origin = os.fspath(path)
+        data = load_yaml(origin, what="plan", limit=MAX_FILE_BYTES, limit_why=MAX_FILE_WHY, error=PlanError,
+                         missing=f"make one with `whalelike plan ... -o {origin}`")
+        plan = cls.from_dict(data, origin=origin)
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise PlanError(f"{os.fspath(path)}: not valid YAML: {e}") from None
-        plan = cls.from_dict(data)
-        plan.validate(graphs=graphs, cluster=cluster)
+            plan.validate(graphs=graphs, cluster=cluster)
+        except PlanError as e:
+            raise PlanError(f"{origin}: {e}") from None
         return plan
 
     def validate(self, graphs=None, cluster=None) -> None:
-        """Raise :class:`PlanError` naming the first inconsistent field (see :mod:`planner.plan_checks`)."""
-        from .plan_checks import check_plan
-
-        check_plan(self, graphs, cluster)
+        """Raise :class:`PlanError` naming the first broken rule or inconsistent field (see
+        :func:`whalelike.spec.validate` and :mod:`planner.plan_checks`); cheap when repeated."""
+        validate(self, graphs=graphs, cluster=cluster)
 
     def summary(self) -> str:
         """Aligned per-device table plus the predicted step time against the naive plan."""
@@ -188,54 +213,8 @@ def fingerprint_of(graphs) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-# -- typed conversion from plain data ------------------------------------------------------------
-def _convert(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise PlanError(f"{where}: expected a mapping, got {type(value).__name__}")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise PlanError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}")
-        kwargs = {}
-        for name, f in fields.items():
-            if name in value:
-                kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise PlanError(f"{where}: missing field {name!r}")
-        return tp(**kwargs)
-    if origin is typing.Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise PlanError(f"{where}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise PlanError(f"{where}: expected a mapping, got {value!r}")
-        key, item = typing.get_args(tp)
-        return {_convert(key, k, f"{where} key"): _convert(item, v, f"{where}[{k!r}]") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise PlanError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PlanError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PlanError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise PlanError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"{where}: no conversion for {tp!r}")
+def _checks():
+    """planner.plan_checks, imported when first needed (it imports this module)."""
+    from . import plan_checks
+
+    return plan_checks

@@ -2,27 +2,43 @@
 
 A plan file may be edited by hand or come from another run; every rule the runtime relies on is
 checked here, before any process starts, and the first broken one is reported with the path of the
-field (``plan.workers[3].micro_batch_sizes``), the bad value and what it should be.
+field (``plan.workers[3].micro_batch_sizes``), the bad value and what it should be. Single-field
+rules (types, bounds, allowed values) live on the fields (:class:`whalelike.spec.Rule`); the checks
+here relate fields to each other, to a model and to a cluster. They are reached through
+:func:`whalelike.spec.validate` (``plan.validate``), which runs each once per plan content.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .plan import SCHEMA_VERSION, SOLVERS, Plan, PlanError, fingerprint_of
-from .schedule import SCHEDULES
+from whalelike.spec import check_rules
+
+from .plan import SCHEMA_VERSION, Plan, PlanError, fingerprint_of
+
+# the planner's memory estimate is compared with the capacity in floating point (bytes / 2**30)
+MEMORY_TOLERANCE = 1e-9
 
 
 def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
+    """Every check, every time: the field rules, :func:`check_alone` and, when given,
+    :func:`check_model` and :func:`check_cluster`. ``plan.validate`` (:func:`whalelike.spec.validate`)
+    runs the same once per plan content."""
+    check_rules(plan, "plan", PlanError)
+    check_alone(plan)
+    if graphs is not None:
+        check_model(plan, graphs)
+    if cluster is not None:
+        check_cluster(plan, cluster)
+
+
+def check_alone(plan: Plan) -> None:
+    """The plan's own consistency (its fields' rules hold: :mod:`whalelike.spec` checks them first)."""
     _check_header(plan)
     _check_stages(plan)
     _check_workers(plan)
     _check_batches(plan)
     _check_shards(plan)
     _check_boundaries(plan)
-    if graphs is not None:
-        _check_model(plan, graphs)
-    if cluster is not None:
-        _check_cluster(plan, cluster)
 
 
 def _check_header(plan: Plan) -> None:
@@ -31,15 +47,6 @@ def _check_header(plan: Plan) -> None:
             f"plan.schema_version is {plan.schema_version}, this planner reads version {SCHEMA_VERSION}; "
             "re-create the plan with `whalelike plan`"
         )
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
-    if plan.solver not in SOLVERS:
-        raise PlanError(f"plan.solver must be one of {', '.join(SOLVERS)}, got {plan.solver!r}")
-    for name in ("global_batch_size", "num_micro_batch"):
-        if getattr(plan, name) < 1:
-            raise PlanError(f"plan.{name} must be >= 1, got {getattr(plan, name)}")
-    if plan.optimality_gap is not None and plan.optimality_gap < 0:
-        raise PlanError(f"plan.optimality_gap must be >= 0, got {plan.optimality_gap}")
     if not plan.stages:
         raise PlanError("plan.stages is empty")
     if not plan.workers:
@@ -75,6 +82,9 @@ def _check_workers(plan: Plan) -> None:
             raise PlanError(f"{where}.stage is {w.stage}, the plan has stages 0..{num_stages - 1}")
         if not 0 <= w.tp_index < w.tp_size:
             raise PlanError(f"{where}.tp_index is {w.tp_index}, must be in 0..{w.tp_size - 1} (tp_size {w.tp_size})")
+        if w.capacity_gib > 0 and w.memory_gib > w.capacity_gib * (1 + MEMORY_TOLERANCE):
+            raise PlanError(f"{where}.memory_gib is {w.memory_gib:g} GiB, above its capacity_gib {w.capacity_gib:g}; "
+                            "the worker would run out of memory: re-create the plan with `whalelike plan`")
     devices = defaultdict(list)
     for w in plan.workers:
         devices[w.device].append(w.rank)
@@ -188,7 +198,8 @@ def _check_boundaries(plan: Plan) -> None:
             raise PlanError(f"{where}.transfer_ms has {len(b.transfer_ms)} entries for {plan.num_micro_batch} micro-batches")
 
 
-def _check_model(plan: Plan, graphs) -> None:
+def check_model(plan: Plan, graphs) -> None:
+    """The plan was made for this model (its TaskGraphs): fingerprint, layers, shardable modules."""
     fp = fingerprint_of(graphs)
     if fp != plan.model_fingerprint:
         raise PlanError(
@@ -239,17 +250,23 @@ def _check_group(st, group) -> None:
         agreed = agreed or (member.path, units)
 
 
-def _check_cluster(plan: Plan, cluster) -> None:
+def check_cluster(plan: Plan, cluster) -> None:
+    """Every worker's device exists in ``cluster``, on its host, in rank order, with room for it."""
     known = {d.name: d for d in cluster.devices}
     for w in plan.workers:
         device = known.get(w.device)
         if device is None:
             raise PlanError(
                 f"plan.workers[{w.rank}].device: unknown device {w.device!r} for cluster {cluster.name!r} "
-                f"(it has {', '.join(sorted(known))})"
+                f"(it has {_some(sorted(known))}); re-plan for this cluster with `whalelike plan`"
             )
         if device.host != w.host:
             raise PlanError(f"plan.workers[{w.rank}].host is {w.host!r}, device {w.device!r} is on host {device.host!r}")
+        if w.memory_gib > device.memory_gib * (1 + MEMORY_TOLERANCE):
+            raise PlanError(
+                f"plan.workers[{w.rank}].memory_gib is {w.memory_gib:g} GiB, more than device {w.device!r} has "
+                f"({device.memory_gib:g} GiB in cluster {cluster.name!r}); re-plan for this cluster with `whalelike plan`"
+            )
     for before, w in zip(plan.workers, plan.workers[1:]):
         if cluster.positions[w.device] <= cluster.positions[before.device]:
             raise PlanError(
@@ -257,6 +274,11 @@ def _check_cluster(plan: Plan, cluster) -> None:
                 f"{before.device!r} in cluster {cluster.name!r}; ranks must follow the cluster's device order "
                 "(torchrun numbers processes host by host, each on its local device LOCAL_RANK)"
             )
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _span(layers: list[int]) -> str:

@@ -42,7 +42,7 @@ def test_round_trip_is_exact(setting, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]   # no temporary left behind
 
 
-finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+finite = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False, width=64)   # times and sizes are >= 0
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -65,8 +65,9 @@ def test_round_trip_keeps_every_float(setting, tmp_path, step, bubble, gap, time
         (lambda d: d["workers"][2].__setitem__("rank", 5), "plan.workers[2].rank is 5"),
         (lambda d: d["stages"][1].__setitem__("layers", [5, 6, 7]), "plan.stages[1].layers must be contiguous"),
         (lambda d: d.__setitem__("schema_version", 99), "schema_version is 99"),
-        (lambda d: d["workers"][0].pop("host"), "plan.workers[0]: missing field 'host'"),
-        (lambda d: d["workers"][0].__setitem__("stage", "zero"), "plan.workers[0].stage: expected an integer"),
+        (lambda d: d["workers"][0].pop("host"), "plan.workers[0]: missing required key 'host' (host of the device)"),
+        (lambda d: d["workers"][0].__setitem__("stage", "zero"),
+         "plan.workers[0].stage must be an integer (pipeline stage index), got 'zero'"),
         (lambda d: d.__setitem__("solver", "magic"), "plan.solver must be one of"),
         (lambda d: d["stages"][1]["shard_sizes"].__setitem__("layers.4.mlp.fc1", [1000, 100]),
          "sums to 1100, the dimension is 1024"),

@@ -22,103 +22,78 @@ two kinds share a short name). An optional ``emulation`` block turns the cluster
 hardware for testing; then *every* device needs an ``emulated_speed``, and ``emulated_speed`` is
 an error without the block: a half-emulated cluster would pad some ranks and not others.
 
-The dataclass fields double as the file schema: each field's metadata says its type, bound and
-meaning, so a value is checked by the same rule whether it comes from a file (the error names the
-file and the field path) or from Python code (the error names the object).
+The dataclass fields double as the file schema: each field carries a :class:`whalelike.spec.Rule`
+(type, bounds, meaning), so a value is checked by the same rule whether it comes from a file (the
+error names the file and the field path) or from Python code (the error names the object). Upper
+bounds (``MAX_*`` below, each with its reason) keep absurd values from reaching the planner.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import functools
-import math
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 from importlib import resources
-from typing import Any, Mapping, Optional, Sequence
-
-import yaml
+from typing import Any, Optional, Sequence
 
 from .display import format_table
 from .errors import SpecError
+from .spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
 
 PRESET_PACKAGE = "whalelike.presets"
 
 
-# -- field rules -----------------------------------------------------------------------------------
-def _meta(kind: type, doc: str, gt: Optional[float] = None, ge: Optional[float] = None,
-          choices: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
-    return {"type": kind, "gt": gt, "ge": ge, "doc": doc, "choices": choices}
-
-
-def _rule(kind: type, doc: str, *, gt: Optional[float] = None, ge: Optional[float] = None,
-          choices: Optional[tuple[str, ...]] = None, **kw) -> Any:
-    """A dataclass field whose metadata holds its type (str, int or float), bound (or, for a
-    string, its allowed values) and meaning."""
-    return field(metadata=_meta(kind, doc, gt, ge, choices), **kw)
-
-
-_KIND_TEXT = {str: "a non-empty string", int: "an integer", float: "a number"}
-
-
-def _problem(value: Any, meta: Mapping[str, Any]) -> Optional[str]:
-    """Why ``value`` breaks the rule in ``meta`` (as 'must be ..., got ...'), or None."""
-    kind = meta["type"]
-    if kind is str:
-        ok = isinstance(value, str) and bool(value.strip())
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok:
-        return f"must be {_KIND_TEXT[kind]} ({meta['doc']}), got {value!r}"
-    if meta.get("choices") and value not in meta["choices"]:
-        allowed = ", ".join(repr(c) for c in meta["choices"])
-        return f"must be one of {allowed} ({meta['doc']}), got {value!r}"
-    if meta["gt"] is not None and not value > meta["gt"]:
-        return f"must be > {meta['gt']:g}, got {value!r}"
-    if meta["ge"] is not None and not value >= meta["ge"]:
-        return f"must be >= {meta['ge']:g}, got {value!r}"
-    return None
-
-
-def _check_fields(obj: Any, label: str) -> None:
-    """Validate every field of a constructed record against its rule (None means 'not set')."""
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if "type" in f.metadata and value is not None:
-            problem = _problem(value, f.metadata)
-            if problem:
-                raise SpecError(f"{label}: {f.name} {problem}")
+# -- limits (each an upper bound in a rule below; the error prints the reason) -------------------------
+MAX_DEVICES = 16_384
+MAX_DEVICES_WHY = ("16x the largest cluster the planner is benchmarked on (bench/plan_scale.py, 1024 devices); "
+                   "every device becomes a record and a planner variable, so a typo like 10**9 would exhaust "
+                   "memory before any other error")
+MAX_MEMORY_GIB = float(1 << 20)
+MAX_MEMORY_WHY = ("1 PiB, far above any accelerator (the largest have a few hundred GiB); the planner counts "
+                  "bytes, and values like 1e300 GiB overflow to infinity there")
+MAX_TFLOPS = 1e6
+MAX_TFLOPS_WHY = ("an exaflop per device, hundreds of times the fastest accelerator; modeled times from larger "
+                  "values round to zero")
+MAX_GBPS = 1e6
+MAX_GBPS_WHY = "a petabyte per second, far above any link; transfer times from larger values round to zero"
+MAX_LATENCY_US = 1e6
+MAX_LATENCY_WHY = "one second per message; the field is in microseconds, larger values are a unit mistake"
+MAX_FILE_BYTES = 1 << 20
+MAX_FILE_WHY = ("a 1024-device spec listing every device on its own line is about 100 KiB; PyYAML needs seconds "
+                "and hundreds of MiB for tens of MiB, so a wrong file is refused before it is parsed")
 
 
 # -- the records -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Device:
-    name: str = _rule(str, "unique device name, e.g. 'v100-0'")
-    kind: str = _rule(str, "device model, e.g. 'V100-32GB'")
-    host: str = _rule(str, "host name")
-    peak_tflops: float = _rule(float, "nominal peak TFLOPS from the spec sheet, e.g. 15.7", gt=0)
-    memory_gib: float = _rule(float, "device memory in GiB, e.g. 32", gt=0)
+    name: str = rule(str, "unique device name, e.g. 'v100-0'")
+    kind: str = rule(str, "device model, e.g. 'V100-32GB'")
+    host: str = rule(str, "host name")
+    peak_tflops: float = rule(float, "nominal peak TFLOPS from the spec sheet, e.g. 15.7", gt=0,
+                              le=MAX_TFLOPS, le_why=MAX_TFLOPS_WHY)
+    memory_gib: float = rule(float, "device memory in GiB, e.g. 32", gt=0, le=MAX_MEMORY_GIB, le_why=MAX_MEMORY_WHY)
     # achieved TFLOPS from profiling, preferred by the planner
-    measured_tflops: Optional[float] = _rule(float, "achieved TFLOPS from profiling", gt=0, default=None)
+    measured_tflops: Optional[float] = rule(float, "achieved TFLOPS from profiling", gt=0, le=MAX_TFLOPS,
+                                            le_why=MAX_TFLOPS_WHY, default=None)
     # relative speed of an emulated device (runtime only)
-    emulated_speed: Optional[float] = _rule(float, "relative speed of the emulated device, e.g. 0.5",
-                                            gt=0, default=None)
+    emulated_speed: Optional[float] = rule(float, "relative speed of the emulated device, e.g. 0.5",
+                                           gt=0, default=None)
 
     def __post_init__(self):
-        _check_fields(self, f"device {self.name!r}")
+        check_fields(self, f"device {self.name!r}: ")
 
 
 @dataclass(frozen=True)
 class Network:
-    intra_host_gbps: float = _rule(float, "GB/s between devices on one host", gt=0)
-    inter_host_gbps: float = _rule(float, "GB/s between hosts", gt=0)
-    latency_us: float = _rule(float, "per-message latency in microseconds", ge=0)
+    intra_host_gbps: float = rule(float, "GB/s between devices on one host", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY)
+    inter_host_gbps: float = rule(float, "GB/s between hosts", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY)
+    latency_us: float = rule(float, "per-message latency in microseconds", ge=0, le=MAX_LATENCY_US,
+                             le_why=MAX_LATENCY_WHY)
 
     def __post_init__(self):
-        _check_fields(self, "network")
+        check_fields(self, "network: ")
 
 
 STRAGGLER_OPS = ("all", "matmul")
@@ -135,12 +110,12 @@ class Straggler:
     tensor-parallel benchmarks can slow exactly the matmuls they pad one by one.
     """
 
-    rank: int = _rule(int, "rank of the slowed device", ge=0)
-    factor: float = _rule(float, "slow-down factor, e.g. 3 for three times slower", gt=0)
-    start_step: int = _rule(int, "first slowed step", ge=0, default=0)
-    end_step: Optional[int] = _rule(int, "first step at normal speed again", ge=1, default=None)
-    ops: str = _rule(str, "which segments slow down: 'all', or 'matmul' for matrix multiplications only",
-                     choices=STRAGGLER_OPS, default="all")
+    rank: int = rule(int, "rank of the slowed device", ge=0)
+    factor: float = rule(float, "slow-down factor, e.g. 3 for three times slower", gt=0)
+    start_step: int = rule(int, "first slowed step", ge=0, default=0)
+    end_step: Optional[int] = rule(int, "first step at normal speed again", ge=1, default=None)
+    ops: str = rule(str, "which segments slow down: 'all', or 'matmul' for matrix multiplications only",
+                    choices=STRAGGLER_OPS, default="all")
 
     def applies(self, rank: int, step: int, kind: str) -> bool:
         """Whether this straggler slows a segment of ``kind`` ('stage' or 'matmul') on ``rank`` at ``step``."""
@@ -148,7 +123,7 @@ class Straggler:
         return rank == self.rank and in_range and (self.ops == "all" or kind == self.ops)
 
     def __post_init__(self):
-        _check_fields(self, f"straggler of rank {self.rank!r}")
+        check_fields(self, f"straggler of rank {self.rank!r}: ")
         if self.end_step is not None and self.end_step <= self.start_step:
             raise SpecError(f"straggler of rank {self.rank}: end_step must be > start_step "
                             f"({self.start_step}), got {self.end_step}")
@@ -162,14 +137,14 @@ class Emulation:
     efficiency(b) = b / (b + half_efficiency_batch) when ``half_efficiency_batch`` is set, else 1.
     """
 
-    base_gflops: float = _rule(float, "GFLOP/s of an emulated device of speed 1", gt=0)
-    half_efficiency_batch: Optional[float] = _rule(
+    base_gflops: float = rule(float, "GFLOP/s of an emulated device of speed 1", gt=0)
+    half_efficiency_batch: Optional[float] = rule(
         float, "batch size at which an emulated device runs at half efficiency", gt=0, default=None)
     stragglers: tuple[Straggler, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stragglers", tuple(self.stragglers))
-        _check_fields(self, "emulation")
+        check_fields(self, "emulation: ")
 
 
 def round_robin_stragglers(ranks: Sequence[int], factor: float, period: int, start_step: int = 0,
@@ -209,6 +184,9 @@ class Cluster:
     network: Network
     emulation: Optional[Emulation] = None
 
+    # whalelike.spec.validate: the records check their fields when built, the cluster its invariants
+    spec_checks = {"self": lambda cluster: _check_cluster(cluster)}
+
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
         _check_cluster(self)
@@ -239,20 +217,9 @@ class Cluster:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "Cluster":
         """Load a spec file; errors name the file, the field path, the bad value and the fix."""
-        origin = os.fspath(path)
-        try:
-            with open(origin) as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise SpecError(f"{origin}: no such cluster file; pass a YAML file or one of the presets: "
-                            f"{', '.join(cls.preset_names())}") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise SpecError(f"{origin}: {where}malformed YAML ({problem}); check the indentation and "
-                            "the brackets there") from None
-        return cls.from_dict(data, origin=origin)
+        data = load_yaml(path, what="cluster", limit=MAX_FILE_BYTES, limit_why=MAX_FILE_WHY,
+                         missing=f"pass a YAML file or one of the presets: {', '.join(cls.preset_names())}")
+        return cls.from_dict(data, origin=os.fspath(path))
 
     @classmethod
     def from_dict(cls, d: Any, origin: str = "<cluster spec>") -> "Cluster":
@@ -348,7 +315,7 @@ class Cluster:
 
 def _record_dict(record: Any) -> dict:
     return {f.name: getattr(record, f.name) for f in fields(record)
-            if "type" in f.metadata and getattr(record, f.name) is not None}
+            if rule_of(f) is not None and getattr(record, f.name) is not None}
 
 
 def _device_stem(kind: str, kinds: set[str]) -> str:
@@ -374,6 +341,9 @@ def _check_cluster(c: Cluster) -> None:
         raise SpecError(f"cluster name must be a non-empty string, got {c.name!r}")
     if not c.devices:
         raise SpecError(f"cluster {c.name!r} has no devices; list at least one host with one device")
+    if len(c.devices) > MAX_DEVICES:
+        raise SpecError(f"cluster {c.name!r} has {len(c.devices):,} devices, more than {MAX_DEVICES:,} "
+                        f"({MAX_DEVICES_WHY})")
     seen: set[str] = set()
     for d in c.devices:
         if d.name in seen:
@@ -403,78 +373,22 @@ def _check_cluster(c: Cluster) -> None:
 
 
 # -- the file schema -------------------------------------------------------------------------------
-def _rules(cls: type) -> dict[str, Optional[dict]]:
-    """Field name -> rule of a record type; None for a field whose value is a nested record."""
-    return {f.name: (dict(f.metadata) if "type" in f.metadata else None) for f in fields(cls)}
-
-
-def _required(cls: type) -> set[str]:
-    return {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-
-
-_TOP_RULES = {"name": _meta(str, "cluster name"), "network": None, "hosts": None, "emulation": None}
-_HOST_RULES = {"name": _meta(str, "host name"), "devices": None}
+_TOP_RULES = {"name": Rule(str, "cluster name"), "network": None, "hosts": None, "emulation": None}
+_HOST_RULES = {"name": Rule(str, "host name"), "devices": None}
 _GENERATED = ("name", "host")  # device fields a file does not set: from the kind and the enclosing host
-_DEVICE_RULES = {**{k: v for k, v in _rules(Device).items() if k not in _GENERATED},
-                 "count": _meta(int, "number of identical devices", gt=0)}
-_DEVICE_REQUIRED = _required(Device) - set(_GENERATED)
-
-
-class _Reader:
-    """Walks a parsed spec file; every error names the file and the field path."""
-
-    def __init__(self, origin: str):
-        self.origin = origin
-
-    def fail(self, message: str) -> SpecError:
-        return SpecError(f"{self.origin}: {message}")
-
-    def mapping(self, value: Any, path: str, rules: Mapping[str, Optional[dict]], required: set[str]) -> dict:
-        """Check keys (unknown, missing) and the values that have a rule; return the mapping."""
-        if not isinstance(value, dict):
-            got = "an empty file" if value is None and not path else repr(value)
-            where = path or "the top level"
-            raise self.fail(f"{where} must be a mapping with keys {', '.join(rules)}, got {got}")
-        for key in value:
-            if key not in rules:
-                close = difflib.get_close_matches(str(key), list(rules), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(rules)}"
-                raise self.fail(f"{_join(path, key)}: unknown key; {hint}")
-        for key in sorted(required - value.keys()):
-            doc = f" ({rules[key]['doc']})" if rules[key] else ""
-            raise self.fail(f"{path or 'the top level'}: missing required key {key!r}{doc}")
-        for key, v in value.items():
-            rule = rules[key]
-            if rule is not None and (v is not None or key in required):
-                problem = _problem(v, rule)
-                if problem:
-                    raise self.fail(f"{_join(path, key)} {problem}")
-        return value
-
-    def sequence(self, value: Any, path: str, what: str, allow_empty: bool = False) -> list:
-        if not isinstance(value, list) or (not value and not allow_empty):
-            raise self.fail(f"{path} must be a {'' if allow_empty else 'non-empty '}list of {what}, got {value!r}")
-        return value
-
-    def build(self, cls: type, values: Mapping[str, Any], path: str) -> Any:
-        """Construct a record; its own cross-field checks get the file (and path) prefixed."""
-        try:
-            return cls(**values)
-        except SpecError as e:
-            raise self.fail(f"{path}: {e}" if path else str(e)) from None
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
+_DEVICE_RULES = {**{k: v for k, v in rules(Device).items() if k not in _GENERATED},
+                 "count": Rule(int, "number of identical devices", gt=0, le=MAX_DEVICES, le_why=MAX_DEVICES_WHY)}
+_DEVICE_REQUIRED = required(Device) - set(_GENERATED)
 
 
 def _parse_cluster(data: Any, origin: str) -> Cluster:
-    r = _Reader(origin)
+    r = Reader(origin)
     top = r.mapping(data, "", _TOP_RULES, {"name", "network", "hosts"})
-    network = r.build(Network, r.mapping(top["network"], "network", _rules(Network), _required(Network)), "network")
+    network = r.record(Network, top["network"], "network")
 
     entries: list[tuple[str, dict]] = []
     host_index: dict[str, int] = {}
+    total = 0
     for h, host in enumerate(r.sequence(top["hosts"], "hosts", "hosts ({name, devices})")):
         path = f"hosts[{h}]"
         host = r.mapping(host, path, _HOST_RULES, {"name", "devices"})
@@ -483,7 +397,12 @@ def _parse_cluster(data: Any, origin: str) -> Cluster:
                          "host names must be unique, list all devices of a host under one entry")
         host_index[host["name"]] = h
         for i, dev in enumerate(r.sequence(host["devices"], f"{path}.devices", "devices ({kind, count, ...})")):
-            entries.append((host["name"], r.mapping(dev, f"{path}.devices[{i}]", _DEVICE_RULES, _DEVICE_REQUIRED)))
+            entry = r.mapping(dev, f"{path}.devices[{i}]", _DEVICE_RULES, _DEVICE_REQUIRED)
+            total += entry.get("count", 1)
+            if total > MAX_DEVICES:
+                raise r.fail(f"{path}.devices[{i}]: the cluster has more than {MAX_DEVICES:,} devices up to here, "
+                             f"the most a spec may list ({MAX_DEVICES_WHY}); check the counts")
+            entries.append((host["name"], entry))
 
     kinds = {dev["kind"] for _, dev in entries}
     counters: dict[str, int] = {}
@@ -498,13 +417,6 @@ def _parse_cluster(data: Any, origin: str) -> Cluster:
 
     emulation = None
     if top.get("emulation") is not None:
-        em = r.mapping(top["emulation"], "emulation", _rules(Emulation), _required(Emulation))
-        stragglers = []
-        listed = em.get("stragglers")
-        for i, s in enumerate(r.sequence([] if listed is None else listed, "emulation.stragglers",
-                                         "stragglers ({rank, factor, start_step, end_step, ops})", allow_empty=True)):
-            path = f"emulation.stragglers[{i}]"
-            stragglers.append(r.build(Straggler, r.mapping(s, path, _rules(Straggler), _required(Straggler)), path))
-        emulation = r.build(Emulation, {**em, "stragglers": tuple(stragglers)}, "emulation")
+        emulation = r.record(Emulation, top["emulation"], "emulation")
     return r.build(Cluster, {"name": top["name"], "devices": devices, "network": network,
                              "emulation": emulation}, "")

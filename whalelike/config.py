@@ -1,10 +1,15 @@
-"""Training configuration that the planner and runtime share (typed, validated at construction)."""
+"""Training configuration that the planner and runtime share (typed, validated at construction).
+
+Each field carries its :class:`whalelike.spec.Rule`; ``__post_init__`` checks them and the one
+cross-field rule (a micro-batch needs a sample), and :func:`whalelike.spec.validate` runs the same.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
 from .errors import SpecError
+from .spec import check_fields, rule
 
 Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
@@ -28,25 +33,23 @@ class Config:
                        (``runtime.batchnorm``).
     """
 
-    global_batch_size: int
-    num_micro_batch: int = 1
-    schedule: str = "1f1b"
-    optimizer: str = "adamw"
-    sync_batchnorm: bool = False
+    global_batch_size: int = rule(int, gt=0, says="a positive integer")
+    num_micro_batch: int = rule(int, gt=0, says="a positive integer", default=1)
+    schedule: str = rule(str, choices=SCHEDULES, says=f"one of {', '.join(SCHEDULES)}", default="1f1b")
+    optimizer: str = rule(str, choices=OPTIMIZERS, says=f"one of {', '.join(OPTIMIZERS)}", default="adamw")
+    sync_batchnorm: bool = rule(bool, default=False)
+
+    # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
+    spec_checks = {"self": lambda config: _check_config(config)}
 
     def __post_init__(self):
-        for name in ("global_batch_size", "num_micro_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SpecError(f"Config.{name} must be a positive integer, got {value!r}")
-        if self.schedule not in SCHEDULES:
-            raise SpecError(f"Config.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise SpecError(f"Config.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not isinstance(self.sync_batchnorm, bool):
-            raise SpecError(f"Config.sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
-        if self.num_micro_batch > self.global_batch_size:
-            raise SpecError(
-                f"Config.num_micro_batch ({self.num_micro_batch}) exceeds global_batch_size "
-                f"({self.global_batch_size}): every micro-batch needs at least one sample"
-            )
+        check_fields(self, "Config.")
+        _check_config(self)
+
+
+def _check_config(config: Config) -> None:
+    if config.num_micro_batch > config.global_batch_size:
+        raise SpecError(
+            f"Config.num_micro_batch ({config.num_micro_batch}) exceeds global_batch_size "
+            f"({config.global_batch_size}): every micro-batch needs at least one sample"
+        )

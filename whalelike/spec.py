@@ -1,0 +1,425 @@
+"""Typed specs: dataclass fields that carry their rules, one reader for files, one ``validate``.
+
+Cluster, Config and Plan are dataclasses whose fields say what a good value is (a :class:`Rule`:
+type, bounds, allowed values, meaning). The same rule checks a value whether it comes from a YAML
+file (:func:`load_yaml` and :class:`Reader`; the error names the file, the field path, the bad
+value and the fix) or from Python code (:func:`check_fields` in ``__post_init__``, and
+:func:`validate`). Rules are per field, so there is one place to read or change what a field accepts.
+
+Why not pydantic or jsonschema: the records are plain frozen dataclasses the planner and runtime
+pass around by the thousand; a rule table next to each field costs nothing at attribute access,
+needs no dependency, and gives the one-line, path-naming errors the CLI prints.
+
+Invariants:
+
+* a float rule accepts only finite numbers (ints are accepted and, when read, become floats); an int
+  rule rejects bools and floats; a str rule rejects the empty string;
+* :func:`load_yaml` refuses before parsing a file over its size limit or that is not UTF-8, and
+  reads YAML 1.2 exponents (``1e3``) as numbers and a key given twice in one mapping as an error;
+* :func:`validate` runs each check of an object once for its current content: a second call with the
+  same ``graphs``/``cluster`` objects costs one digest of the object (see :class:`_Checked`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import hashlib
+import math
+import os
+import re
+import typing
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Optional
+
+import yaml
+
+from .errors import SpecError
+
+
+# -- rules -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """What a field (or each item of a list field) accepts.
+
+    ``kind``: str, int, float or bool. ``gt``/``ge``/``le``: bounds; ``le_why`` says why the upper
+    bound is there (it is printed with the error). ``choices``: the allowed values. ``says``: the
+    whole requirement in words, replacing the generic text and the doc (``"a positive integer"``).
+    """
+
+    kind: type
+    doc: str = ""
+    gt: Optional[float] = None
+    ge: Optional[float] = None
+    le: Optional[float] = None
+    le_why: str = ""
+    choices: Optional[tuple] = None
+    says: Optional[str] = None
+
+    def problem(self, value: Any, spelling: str = "python") -> Optional[str]:
+        """Why ``value`` breaks this rule ('must be ..., got ...'), or None. ``spelling`` is
+        ``"python"`` or ``"yaml"`` (how true and false are written in the message)."""
+        doc = f" ({self.doc})" if self.doc else ""
+        wanted = self.says or (_kind_text(self.kind, spelling, strict=True) + doc)
+        if not _is_kind(self.kind, value, strict=True):
+            return f"must be {wanted}, got {value!r}"
+        if self.choices is not None and value not in self.choices:
+            allowed = ", ".join(repr(c) for c in self.choices)
+            return f"must be {self.says or f'one of {allowed}{doc}'}, got {value!r}"
+        if self.gt is not None and not value > self.gt:
+            return f"must be {self.says}, got {value!r}" if self.says else f"must be > {_number(self.gt)}, got {value!r}"
+        if self.ge is not None and not value >= self.ge:
+            return f"must be {self.says}, got {value!r}" if self.says else f"must be >= {_number(self.ge)}, got {value!r}"
+        if self.le is not None and not value <= self.le:
+            why = f"; {self.le_why}" if self.le_why else ""
+            return f"must be <= {_number(self.le)}{doc}, got {_number(value)}{why}"
+        return None
+
+
+def rule(kind: type, doc: str = "", *, gt: Optional[float] = None, ge: Optional[float] = None,
+         le: Optional[float] = None, le_why: str = "", choices: Optional[tuple] = None,
+         says: Optional[str] = None, **field_args) -> Any:
+    """A dataclass field carrying a :class:`Rule` (``field_args`` go to :func:`dataclasses.field`:
+    ``default``, ``default_factory``). For a list or dict field the rule applies to each item."""
+    return field(metadata={"rule": Rule(kind, doc, gt, ge, le, le_why, choices, says)}, **field_args)
+
+
+def rule_of(f: dataclasses.Field) -> Optional[Rule]:
+    return f.metadata.get("rule")
+
+
+def rules(cls: type) -> dict[str, Optional[Rule]]:
+    """Field name -> rule of a spec dataclass (None for a field without one, e.g. a nested record)."""
+    return {f.name: rule_of(f) for f in fields(cls)}
+
+
+def required(cls: type) -> set[str]:
+    return {f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+
+def _is_kind(kind: type, value: Any, strict: bool) -> bool:
+    """Whether ``value`` has ``kind``; ``strict`` str means non-empty, a float must be finite."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    if kind is float:
+        return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if kind is str:
+        return isinstance(value, str) and (not strict or bool(value.strip()))
+    raise TypeError(f"no rule for values of type {kind!r}")
+
+
+def _kind_text(kind: type, spelling: str, strict: bool) -> str:
+    if kind is bool:
+        return "true or false" if spelling == "yaml" else "True or False"
+    return {int: "an integer", float: "a number", str: "a non-empty string" if strict else "a string"}[kind]
+
+
+def _number(x: Any) -> str:
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10**15:
+        return f"{float(x):g}" if x < 10**308 else f"an integer of {len(str(abs(x)))} digits"
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """Check every field of a constructed record that has a rule and is set (not None) against it;
+    ``prefix`` starts the message: ``"Config."`` or ``"device 'v100-0': "``."""
+    for f in fields(obj):
+        spec_rule = rule_of(f)
+        value = getattr(obj, f.name)
+        if spec_rule is not None and value is not None:
+            problem = spec_rule.problem(value)
+            if problem:
+                raise SpecError(f"{prefix}{f.name} {problem}")
+
+
+def check_rules(obj: Any, path: str, error: type = SpecError) -> None:
+    """Check every rule in ``obj`` and the records, lists and dicts it holds (for :func:`validate`
+    of records that are not checked at construction, like a Plan); errors name the field path."""
+    for f in fields(obj):
+        spec_rule = rule_of(f)
+        where = f"{path}.{f.name}"
+        _check_value(getattr(obj, f.name), spec_rule, where, error)
+
+
+def _check_value(value: Any, spec_rule: Optional[Rule], where: str, error: type) -> None:
+    if value is None:
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        check_rules(value, where, error)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_value(item, spec_rule, f"{where}[{i}]", error)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_value(item, spec_rule, f"{where}[{key!r}]", error)
+    elif spec_rule is not None:
+        problem = spec_rule.problem(value)
+        if problem:
+            raise error(f"{where} {problem}")
+
+
+# -- reading files ---------------------------------------------------------------------------------
+_YAML_12_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping names one key twice (PyYAML would keep the last silently)."""
+
+    def __init__(self, key: Any, first_line: int, second_line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """PyYAML's safe loader (libyaml's when installed) with two fixes: ``1e3`` is a number, as in
+    YAML 1.2 and JSON (YAML 1.1, which PyYAML follows, wants ``1.0e+3``), and a key given twice in
+    one mapping is an error instead of the last one winning."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue  # `<<: *base` merges may be overridden by the mapping's own keys
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:
+                    continue  # an unhashable key: the constructor reports it
+        return super().construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_12_EXPONENT, list("-+0123456789."))
+
+
+def load_yaml(path: str | os.PathLike, *, what: str, limit: int, limit_why: str, error: type = SpecError,
+              missing: str = "") -> Any:
+    """Parse the YAML file at ``path`` (a ``what`` file: "cluster", "plan") into plain data.
+
+    Refused before parsing: a file over ``limit`` bytes (``limit_why`` says why the limit), one that
+    is not UTF-8 (the error gives the byte offset), a missing file (``missing`` is the hint appended).
+    Malformed YAML and duplicate keys name the line. Every error is ``error`` and starts with the path.
+    """
+    origin = os.fspath(path)
+    try:
+        with open(origin, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise error(_too_big(origin, what, f"{size:,} bytes ({_mib(size)})", limit, limit_why))
+            data = f.read(limit + 1)   # a pipe or special file has no size until read
+    except FileNotFoundError:
+        raise error(f"{origin}: no such {what} file{'; ' + missing if missing else ''}") from None
+    except IsADirectoryError:
+        raise error(f"{origin}: is a directory, not a {what} file; pass the path of a YAML file") from None
+    except OSError as e:
+        raise error(f"{origin}: cannot read the {what} file ({e.strerror or e}); check the path and its "
+                    "permissions") from None
+    if len(data) > limit:
+        raise error(_too_big(origin, what, f"more than {limit:,} bytes", limit, limit_why))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise error(f"{origin}: not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset {e.start} (line {line}) "
+                    f"is not valid UTF-8; save the {what} file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except DuplicateKey as e:
+        raise error(f"{origin}: line {e.second_line}: duplicate key {e.key!r} (first at line {e.first_line}); "
+                    "each key may appear once in a mapping, remove one of them") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise error(f"{origin}: {where}malformed YAML ({problem}); check the indentation and the brackets "
+                    "there") from None
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _too_big(origin: str, what: str, size: str, limit: int, why: str) -> str:
+    return (f"{origin}: the file is {size}, over the {_mib(limit)} limit for {what} files ({why}); "
+            f"check that this is the {what} file you meant")
+
+
+class Reader:
+    """Turns parsed data into spec records; every error is ``error``, names ``origin`` (when given),
+    the field path, the bad value and the fix."""
+
+    def __init__(self, origin: Optional[str] = None, error: type = SpecError):
+        self.origin, self.error = origin, error
+
+    def fail(self, message: str) -> Exception:
+        return self.error(f"{self.origin}: {message}" if self.origin else message)
+
+    def mapping(self, value: Any, path: str, keys: Mapping[str, Optional[Rule]], needed: set[str],
+                check_values: bool = True) -> dict:
+        """Check that ``value`` is a mapping with only ``keys`` and every ``needed`` one and, with
+        ``check_values``, that each value with a rule keeps it (None means 'not set' for a key that
+        is not needed); return a copy, float values as floats."""
+        if not isinstance(value, dict):
+            got = "an empty file" if value is None and path in ("", "plan") else repr(value)
+            raise self.fail(f"{path or 'the top level'} must be a mapping with keys {', '.join(keys)}, got {got}")
+        for key in value:
+            if key not in keys:
+                close = difflib.get_close_matches(str(key), list(keys), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(keys)}"
+                raise self.fail(f"{_join(path, key)}: unknown key; {hint}")
+        for key in sorted(needed - value.keys()):
+            doc = f" ({keys[key].doc})" if keys[key] is not None and keys[key].doc else ""
+            raise self.fail(f"{path or 'the top level'}: missing required key {key!r}{doc}")
+        out = dict(value)
+        for key, item in value.items():
+            spec_rule = keys[key]
+            if check_values and spec_rule is not None and (item is not None or key in needed):
+                out[key] = self.scalar(item, spec_rule, _join(path, key))
+        return out
+
+    def scalar(self, value: Any, spec_rule: Rule, path: str) -> Any:
+        problem = spec_rule.problem(value, spelling="yaml")
+        if problem:
+            raise self.fail(f"{path} {problem}")
+        return float(value) if spec_rule.kind is float else value
+
+    def sequence(self, value: Any, path: str, what: str, allow_empty: bool = False) -> list:
+        if not isinstance(value, list) or (not value and not allow_empty):
+            raise self.fail(f"{path} must be a {'' if allow_empty else 'non-empty '}list of {what}, got {value!r}")
+        return value
+
+    def record(self, cls: type, value: Any, path: str) -> Any:
+        """Build the spec dataclass ``cls`` from a mapping, converting nested records, lists and
+        dicts by the field types and checking each value by its field's rule."""
+        keys = rules(cls)
+        needed = required(cls)
+        values = self.mapping(value, path, keys, needed, check_values=False)
+        hints = _hints(cls)
+        for name, item in list(values.items()):
+            if item is None and name not in needed:
+                del values[name]   # None means 'not set': the field's default
+            else:
+                values[name] = self.convert(hints[name], keys[name], item, _join(path, name))
+        return self.build(cls, values, path)
+
+    def convert(self, hint: Any, spec_rule: Optional[Rule], value: Any, path: str) -> Any:
+        """``value`` as type ``hint``; ``spec_rule`` checks the scalars in it."""
+        origin = typing.get_origin(hint)
+        if dataclasses.is_dataclass(hint):
+            return self.record(hint, value, path)
+        if origin is typing.Union:
+            args = typing.get_args(hint)
+            if value is None and type(None) in args:
+                return None
+            (inner,) = [a for a in args if a is not type(None)]
+            return self.convert(inner, spec_rule, value, path)
+        if origin in (list, tuple):
+            if not isinstance(value, list):
+                raise self.fail(f"{path} must be a list, got {value!r}")
+            item = typing.get_args(hint)[0]
+            items = [self.convert(item, spec_rule, v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return items if origin is list else tuple(items)
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise self.fail(f"{path} must be a mapping, got {value!r}")
+            key_type, item = typing.get_args(hint)
+            for key in value:
+                if not _is_kind(key_type, key, strict=False):
+                    raise self.fail(f"{path}: key {key!r} must be {_kind_text(key_type, 'yaml', strict=False)}")
+            return {k: self.convert(item, spec_rule, v, f"{path}[{k!r}]") for k, v in value.items()}
+        if spec_rule is not None:
+            return self.scalar(value, spec_rule, path)
+        if not _is_kind(hint, value, strict=False):
+            raise self.fail(f"{path} must be {_kind_text(hint, 'yaml', strict=False)}, got {value!r}")
+        return float(value) if hint is float else value
+
+    def build(self, cls: type, values: Mapping[str, Any], path: str) -> Any:
+        """Construct a record; its own cross-field checks get the file (and path) prefixed."""
+        try:
+            return cls(**values)
+        except SpecError as e:
+            raise self.fail(f"{path}: {e}" if path else str(e)) from None
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# -- the one entry point ---------------------------------------------------------------------------
+Check = Callable[..., None]
+
+
+def validate(obj: Any, *, graphs: Any = None, cluster: Any = None) -> None:
+    """Raise a :class:`~whalelike.errors.SpecError` (a subclass for plans) naming the first broken
+    rule of ``obj``, a Cluster, Config or Plan: its field rules, its cross-field checks and, when
+    given, its match with a model's TaskGraphs (``graphs``) and a ``cluster``.
+
+    A spec class lists its checks in a class attribute ``spec_checks``: ``"self"`` (cross-field),
+    ``"graphs"``, ``"cluster"`` -> a function ``(obj[, against])``; and its name in error paths in
+    ``spec_path`` (default: no path, the rules are checked at construction). Each check runs once
+    per content of ``obj`` and object checked against: validating a plan again costs a digest.
+    """
+    checks: Mapping[str, Check] = getattr(type(obj), "spec_checks", None) or {}
+    if not dataclasses.is_dataclass(obj) or "self" not in checks:
+        raise TypeError(f"validate() takes a Cluster, Config or Plan, got {type(obj).__name__}")
+    against = {name: value for name, value in (("graphs", graphs), ("cluster", cluster)) if value is not None}
+    for name in against:
+        if name not in checks:
+            raise TypeError(f"a {type(obj).__name__} is not checked against {name}; leave {name}= out")
+    done = _Checked.of(obj)
+    if done.needs("self", None):
+        path = getattr(type(obj), "spec_path", None)
+        if path is not None:
+            check_rules(obj, path, getattr(type(obj), "spec_error", SpecError))
+        checks["self"](obj)
+        done.add("self", None)
+    for name, value in against.items():
+        if done.needs(name, value):
+            checks[name](obj, value)
+            done.add(name, value)
+
+
+class _Checked:
+    """What an object passed, for its content when checked: (check name, object it was checked
+    against, kept alive so its id stays unique). Kept in a table beside the object (by id, dropped
+    when the object is collected), so copying, pickling and comparing it never see it; a changed
+    content (a mutable Plan edited in place) starts over."""
+
+    _table: dict[int, tuple[weakref.ref, "_Checked"]] = {}
+
+    def __init__(self, digest: bytes):
+        self.digest = digest
+        self.passed: list[tuple[str, Any]] = []
+
+    @classmethod
+    def of(cls, obj: Any) -> "_Checked":
+        digest = hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
+        key = id(obj)
+        entry = cls._table.get(key)
+        if entry is not None and entry[0]() is obj and entry[1].digest == digest:
+            return entry[1]
+        done = cls(digest)
+        cls._table[key] = (weakref.ref(obj, lambda _, key=key: cls._table.pop(key, None)), done)
+        return done
+
+    def needs(self, name: str, against: Any) -> bool:
+        return not any(n == name and a is against for n, a in self.passed)
+
+    def add(self, name: str, against: Any) -> None:
+        self.passed.append((name, against))
