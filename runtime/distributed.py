@@ -56,6 +56,8 @@ class DistributedStepError(RuntimeError):
 _TRANSPORT_FAILURE = re.compile(r"gloo|nccl|timed out|connection (closed|reset|refused)|by peer|broken pipe",
                                 re.IGNORECASE)
 
+_PEER_CLOSED = re.compile(r"connection (closed|reset)|by peer|broken pipe", re.IGNORECASE)
+
 
 def is_communication_failure(error: BaseException) -> bool:
     """Whether ``error`` comes from a failed or timed-out collective rather than from the model."""
@@ -142,28 +144,28 @@ class Progress:
         """The error to raise when a collective of ``step`` failed on this rank."""
         return DistributedStepError(
             f"rank {self.rank}, step {step}: a collective failed or timed out (timeout_s={timeout_s:g} s); "
-            f"{self._suspects(step)}. Cause: {cause}"
+            f"{self._suspects(step, cause)}. Cause: {cause}"
         )
 
-    def _suspects(self, step: int) -> str:
+    def _suspects(self, step: int, cause: BaseException) -> str:
         entered = self.entered if step == self.step else 0
         waited = time.monotonic() - self._entered_at
-        try:
-            now = time.time()
-            found = []
+        try:   # read the store at once: its host, rank 0, may be a survivor about to exit
+            records = {}
             for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                reached = self._read(_progress_key(r))
-                beat = self._read(_heartbeat_key(r))
-                where = tuple(map(int, reached.split())) if reached is not None else None
-                line = _diagnose(r, where, _liveness(json.loads(beat) if beat else None, now, self.silent_after),
-                                 step, entered, waited)
-                if line:
-                    found.append(line)
+                if r != self.rank:
+                    reached, beat = self._read(_progress_key(r)), self._read(_heartbeat_key(r))
+                    records[r] = (tuple(map(int, reached.split())) if reached is not None else None,
+                                  json.loads(beat) if beat is not None else None)
         except Exception as e:  # the store itself is gone: its host, rank 0, is the likely casualty
             return (f"the progress store on rank 0 is unreachable ({type(e).__name__}), so rank 0 has likely died "
                     "or is stopped")
+        if _PEER_CLOSED.search(str(cause)):
+            time.sleep(0.1)   # a peer's sockets close a moment before its process is gone: let it finish dying
+        now = time.time()
+        found = [_diagnose(r, where, _liveness(beat, now, self.silent_after), step, entered, waited)
+                 for r, (where, beat) in records.items()]
+        found = [line for line in found if line]
         if not found:
             return f"every rank began step {step}, so a rank failed or died during it"
         return "; ".join(found)

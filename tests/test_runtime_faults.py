@@ -1,22 +1,29 @@
-"""Bad input and faults of runtime.Engine, on 3 gloo ranks (two spawns: a dead rank ends its world).
+"""Bad input and faults of runtime.Engine, on 3 gloo ranks (three spawns: a failed rank ends its world).
 
 Spawn 1, on every rank: a plan for another world size, a plan for another model, a batch that
 does not match the plan's shares (all clear errors raised before any collective, so no rank hangs);
 then a rank that never arrives at step 1 while the others wait in its collective: they fail within
-``timeout_s`` with an error naming themselves, the step and the missing rank.
-Spawn 2: a rank dies during training; the survivors fail with an error naming the step, and exit
-non-zero.
+``timeout_s`` with an error naming themselves, the step and the missing rank (alive: its heartbeat
+goes on).
+Spawn 2: a rank dies during training; the survivors fail with an error naming the step and the
+dead rank, and exit non-zero.
+Spawn 3: two ranks hang inside the forward of step 1, one stopped (SIGSTOP), one alive in an
+endless loop; rank 0's error names both and tells them apart. Rank 0 then resumes them.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+import re
+import signal
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import torch.distributed as dist
 
 from dist_utils import spawn_ranks
 from planner.plan import PlanError, Worker
@@ -65,7 +72,7 @@ def _bad_input_then_missing_rank(rank: int, world_size: int) -> str:
     waited = time.monotonic() - start
     message = str(info.value)
     assert message.startswith(f"rank {rank}, step 1: a collective failed or timed out (timeout_s=3 s)"), message
-    assert "rank 1 never reached step 1 (last began: step 0)" in message, message
+    assert re.search(r"rank 1 never reached step 1 \(last began: step 0\); it is alive \(heartbeat \d", message), message
     assert waited < 4 * TIMEOUT_S, f"failed after {waited:.1f} s"
     return message
 
@@ -95,3 +102,77 @@ def test_dead_rank_fails_the_others_with_the_step():
     for o in outcomes[:2]:
         assert o.exitcode == 1 and o.error_type == "DistributedStepError", o
         assert f"rank {o.rank}, step 1: a collective failed or timed out" in o.error, o.error
+    # rank 0 holds the store; rank 1 may find it gone already (rank 0 exits as soon as it has failed)
+    assert "rank 2 never reached step 1 (last began: step 0); it has died (its process, PID " in outcomes[0].error
+
+
+class StallingNet(Net):
+    """Net whose forward first calls ``stall`` when one is set (inside the step's compute segment)."""
+
+    stall = None
+
+    def forward(self, x, z):
+        if self.stall is not None:
+            self.stall()
+        return super().forward(x, z)
+
+
+def _ranks_hang(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = StallingNet()
+    plan = make_plan(model, SHARES)
+    data = batches(plan.global_batch_size, seed=0)
+    engine = _engine(model, plan)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/pid{rank}", str(os.getpid()))
+    engine.train_step(data[0])
+    if rank == 1:
+        engine.model.stall = lambda: os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == 2:   # an endless loop until rank 0 has its error
+        engine.model.stall = lambda: [time.sleep(0.05) for _ in iter(lambda: store.check(["test/release"]), True)]
+    if rank > 0:
+        engine.train_step(data[1])
+        return "resumed"
+    try:
+        with pytest.raises(DistributedStepError) as info:
+            engine.train_step(data[1])
+    finally:
+        os.kill(int(store.get("test/pid1")), signal.SIGCONT)
+        store.set("test/release", "1")
+    return str(info.value)
+
+
+def test_hung_ranks_are_named_stopped_or_stuck_in_compute():
+    outcomes = spawn_ranks(_ranks_hang, WORLD, init_process_group=False, timeout_s=240)
+    assert outcomes[0].ok, outcomes[0].error
+    message = outcomes[0].value
+    assert message.startswith("rank 0, step 1: a collective failed or timed out (timeout_s=3 s); "), message
+    assert re.search(r"rank 1 began step 1 but it is stopped \(PID \d+ on this machine, state T: SIGSTOP, ctrl-Z or "
+                     r"a debugger; `kill -CONT \d+` resumes it\)", message), message
+    assert re.search(r"rank 2 began step 1 but it has been inside one compute segment for [\d.]+ s although alive "
+                     r"\(heartbeat [\d.]+ s ago\): its computation is stuck \(an endless loop", message), message
+    for o in outcomes[1:]:   # resumed, they find rank 0 gone: they end (with an error), they do not hang
+        assert o.exitcode is not None, o
+
+
+def test_failure_lines_from_progress_and_heartbeat():
+    """The survivors' lines for what a 3-rank spawn cannot stage cheaply (in-process, pure)."""
+    from runtime.distributed import _diagnose, _liveness
+
+    now = time.time()
+    alive = _liveness({"time": now - 0.3, "pid": 1, "machine": "elsewhere -", "computing_s": None}, now, 1.5)
+    assert alive == ("alive", "it is alive (heartbeat 0.3 s ago)")
+    # began the step, then hung between two of the Engine's collectives (e.g. in its optimizer step)
+    assert _diagnose(2, (5, 1), alive, step=5, entered=2, waited=40.0) == (
+        "rank 2 began step 5 but has not entered its collective 2 of the step for 40.0 s (it entered 1); "
+        "it is alive (heartbeat 0.3 s ago)")
+    # a peer waiting in the same collective, alive, is no suspect
+    assert _diagnose(2, (5, 2), alive, step=5, entered=2, waited=40.0) is None
+    # another machine: no PID to ask, so a silent heartbeat says stopped, dead or hung
+    silent = _liveness({"time": now - 10.0, "pid": 77, "machine": "node7 pid:[1]", "computing_s": None}, now, 1.5)
+    assert silent[0] == "silent" and silent[1].startswith(
+        "its heartbeat stopped 10.0 s ago: it is hung in native code that holds the interpreter lock, stopped, "
+        "or dead (PID 77 on node7)"), silent
+    assert _diagnose(1, None, silent, step=0, entered=1, waited=3.0).startswith(
+        "rank 1 never reached step 0 (last began: none); its heartbeat stopped")
+    assert _liveness(None, now, 1.5) == ("unknown", "")
