@@ -24,13 +24,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
 from whalelike.errors import SpecError
+from whalelike.files import write_atomic
 from whalelike.spec import Reader, load_yaml, rule, validate
 
 from .schedule import SCHEDULES
@@ -115,8 +115,8 @@ class Plan:
     naive_prediction: Prediction
     optimality_gap: Optional[float] = rule(float, "the ILP's bound on how far the plan is from optimal", ge=0,
                                            default=None)
-    sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group "
-                                "(runtime.batchnorm)", default=False)
+    # runtime.batchnorm
+    sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group", default=False)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks
@@ -154,17 +154,9 @@ class Plan:
         return Reader(origin, PlanError).record(cls, data, "plan")
 
     def to_yaml(self, path: str | os.PathLike) -> None:
-        """Write the plan atomically: a failed write leaves no partial file behind."""
-        path = os.fspath(path)
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".yaml", dir=os.path.dirname(path) or ".")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        """Write the plan to ``path`` (.yaml or .yml) with :func:`whalelike.files.write_atomic`: the
+        file keeps its old content or gets all of the new, with the mode ``open(path, "w")`` gives."""
+        write_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False), kind="yaml")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, graphs=None, cluster=None) -> "Plan":
