@@ -256,7 +256,7 @@ class Engine:
             self.skipped_steps.append(self.step)
             log.warning("rank %d, step %d: the loss is %s; skipped the step on every rank (no optimizer step, "
                         "gradients dropped; on_nonfinite='skip'), %d skipped so far", self.rank, self.step,
-                        f"{loss.detach().float().cpu().reshape(-1)[0].item():g}", len(self.skipped_steps))
+                        guards.loss_text(loss), len(self.skipped_steps))
         else:
             self.optimizer.step()
             self.rebalancer.after_optimizer_step()
@@ -402,7 +402,8 @@ class Engine:
             )
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` after marking this step begun; a failed collective becomes a DistributedStepError."""
+        """Run ``fn`` after recording that this rank entered one more collective of this step
+        (:meth:`runtime.distributed.Progress.enter`); a failed collective becomes a DistributedStepError."""
         try:
             self.progress.enter(self.step)
             return fn()

@@ -54,13 +54,18 @@ def check_options(on_nonfinite: str, batch_check_every: int) -> None:
 
 
 # -- non-finite loss ---------------------------------------------------------------------------------
-def is_finite(loss: torch.Tensor) -> bool:
-    return bool(torch.isfinite(loss.detach()).all())
+def is_finite(loss: Any) -> bool:
+    return bool(torch.isfinite(torch.as_tensor(loss).detach()).all())
 
 
-def nonfinite_error(loss: torch.Tensor, step: int, rank: int) -> NonFiniteLossError:
-    value = loss.detach().float().cpu()
-    shown = f"{value.item():g}" if value.numel() == 1 else str(value.tolist())
+def loss_text(loss: Any) -> str:
+    """The loss as a message shows it (``nan``, ``inf``, or the list of a non-scalar loss)."""
+    value = torch.as_tensor(loss).detach().float().cpu()
+    return f"{value.item():g}" if value.numel() == 1 else str(value.tolist())
+
+
+def nonfinite_error(loss: Any, step: int, rank: int) -> NonFiniteLossError:
+    shown = loss_text(loss)
     return NonFiniteLossError(
         f"rank {rank}, step {step}: the loss is {shown} (the global-mean loss over every rank's samples, so "
         f"every rank stops at this step); the parameters are those before step {step}, the optimizer did not "
