@@ -13,11 +13,15 @@ so when a collective fails the survivors can name the culprit:
   began it but never entered the collective the others wait in, is named;
 * a heartbeat: a daemon thread per rank writes a timestamp, the PID and the seconds spent inside
   the current compute segment (:meth:`runtime.emulation.Emulator.busy_for`) every
-  ``timeout_s / 12`` seconds (at most 5): no collective, a few hundred bytes. A rank whose
-  heartbeat is older than half the timeout is stopped (SIGSTOP), dead, or hung in native code; a
-  rank with a fresh heartbeat that has been inside one compute segment that long is alive but
-  stuck in its compute (an endless loop). Peers on the same machine are also looked up by PID,
-  which tells stopped from dead.
+  ``timeout_s / 12`` seconds (0.1 to 5): no collective, a few hundred bytes. A rank whose
+  heartbeat is older than ``min(timeout_s / 2, 6 beats)`` is stopped (SIGSTOP), dead, or hung in
+  native code; a rank with a fresh heartbeat that has been inside one compute segment that long
+  is alive but stuck in its compute (an endless loop). Peers on the same machine (host and PID
+  namespace) are also looked up by PID, which tells stopped from dead.
+
+Why not torch's ``monitored_barrier``: it names the ranks that miss a barrier, but it is a
+collective of its own (a per-step cost, gloo only) and cannot tell a stopped rank from one stuck in
+its compute; NCCL's watchdog watches its own process only.
 
 Invariant: only the failure path reads the store, so a healthy step costs one ``set`` per
 Engine-level collective plus the heartbeat. Heartbeat ages compare wall clocks across hosts, which
@@ -128,7 +132,7 @@ class Progress:
         self.store = dist.distributed_c10d._get_default_store()
         self.step, self.entered = -1, 0
         self._entered_at = time.monotonic()
-        interval = min(5.0, timeout_s / 12)
+        interval = min(5.0, max(0.1, timeout_s / 12))
         self.silent_after = min(timeout_s / 2, 6 * interval)   # a heartbeat older than this has stopped
         _Heartbeat.attach(self.store, rank, interval, computing)
 
