@@ -25,6 +25,7 @@ movable stage: what a capacity-blind system would do, as the baseline of the pre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -43,12 +44,16 @@ from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares
 from .plan import Plan, PlanError, Prediction
 from .schedule import build_schedule, gradient_accumulation, max_in_flight
 from .stages import equal_stage_layers, movable_runs, partition_stage_layers
-from .tensor_parallel import ShardLayout, even_layout, shard_layout
+from .tensor_parallel import ShardLayout, even_layout, groups_of, shard_layout
 from .virtual_devices import PLACEMENTS, Layout, build_layout
 
 log = logging.getLogger(__name__)
 
 MAX_SWAP_STAGES = 8   # longest pipeline whose stage-device assignment is searched by swaps
+# Most micro-batches per step a plan may have. Schedules, batch shares and the simulator are all
+# linear in the count (about 0.15 ms per micro-batch to plan), so the count, never the batch size,
+# bounds the planner's work: a global batch of 10**12 is planned as fast as one of 64.
+MAX_MICRO_BATCHES = 16384
 
 
 def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
@@ -57,6 +62,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (too many
     devices, batch too small or indivisible, memory infeasible), naming what would fit.
     """
+    _check_model(graphs)
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
@@ -130,6 +136,7 @@ def _swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config,
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """The capacity-blind plan on the same devices (equal shares, shards and layer counts). It may
     exceed device memory; it exists to compare against and to run side by side under emulation."""
+    _check_model(graphs)
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
@@ -137,6 +144,23 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
 
 
 # -- input checks ----------------------------------------------------------------------------------
+def _check_model(graphs: TaskGraphs) -> None:
+    """A model without parameters has nothing to train: torch's optimizers refuse an empty
+    parameter list, so every rank would fail at its first step."""
+    if sum(tg.param_count for tg in graphs) == 0:
+        paths = ", ".join(p for tg in graphs for p in tg.module_paths) or "no modules"
+        raise PlanError(
+            f"the model has no parameters ({len(graphs)} TaskGraph(s) over {paths}): there is nothing to "
+            "train or to balance; plan a model with at least one parameter (an nn.Linear, nn.Conv2d, ...)"
+        )
+
+
+def divisors(n: int, low: int, high: int) -> list[int]:
+    """The divisors of ``n`` in ``[low, high]``, ascending, by trial division over that range only:
+    O(high - low), never O(n), so callers bound ``high`` (by :data:`MAX_MICRO_BATCHES`)."""
+    return [d for d in range(max(low, 1), min(high, n) + 1) if n % d == 0]
+
+
 def _check_batch(config: Config, layout: Layout) -> None:
     gbs, m = config.global_batch_size, config.num_micro_batch
     groups = max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
@@ -145,8 +169,13 @@ def _check_batch(config: Config, layout: Layout) -> None:
             f"global_batch_size {gbs} is smaller than the {groups} data-parallel groups of the plan: "
             f"every group needs at least one sample; use global_batch_size >= {groups}"
         )
+    if m > MAX_MICRO_BATCHES:
+        raise PlanError(
+            f"num_micro_batch {m} exceeds the {MAX_MICRO_BATCHES} micro-batches per step the planner "
+            f"schedules and simulates; use num_micro_batch <= {MAX_MICRO_BATCHES} (larger micro-batches)"
+        )
     if layout.num_stages > 1 and gbs % m:
-        options = [d for d in range(1, gbs + 1) if gbs % d == 0 and gbs // d >= groups]
+        options = divisors(gbs, 1, min(gbs // groups, MAX_MICRO_BATCHES))
         near = sorted(options, key=lambda d: abs(d - m))[:3]
         raise PlanError(
             f"num_micro_batch {m} does not divide global_batch_size {gbs}: a pipeline needs equal "
@@ -188,19 +217,16 @@ class _Stage:
 def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool, kept_shards=None) -> list[_Stage]:
     """Every stage priced for ``num_micro_batch``; ``kept_shards[s]``, when given and not None,
     is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one."""
-    num_stages = layout.num_stages
-    schedule = (build_schedule(config.schedule, num_stages, num_micro_batch) if num_stages > 1
-                else [gradient_accumulation(num_micro_batch)])
+    in_flight_per_stage = _in_flight(config.schedule, layout.num_stages, num_micro_batch)
     out = []
     for s, layers in enumerate(stage_layers):
         cost = StageCost.of_layers(graphs, layers)
-        in_flight = max_in_flight(schedule[s])
+        in_flight = in_flight_per_stage[s]
         owners = [graphs[t] for t in sorted({graphs.layers[i].taskgraph for i in layers})]
         shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
         groups = tuple(g for tg in owners for g in tg.shard_groups)
         tp = layout.shapes[s].tp
-        if tp > 1 and not shardable:
-            raise _nothing_to_shard(owners)
+        _check_shardable(layout, s, owners, shardable, groups)
         if kept_shards is not None and kept_shards[s] is not None:
             shards = kept_shards[s]
         elif not aware:
@@ -212,13 +238,63 @@ def _stages(graphs, config, layout, stage_layers, num_micro_batch, aware: bool, 
     return out
 
 
+def _in_flight(schedule: str, num_stages: int, count: int) -> tuple[int, ...]:
+    """Micro-batches in flight per stage under ``schedule`` with ``count`` micro-batches.
+
+    Every schedule warms up with a number of forwards that depends on the stage only, so in flight
+    stops growing with the count past it (GPipe's, all forwards first, never does). When a schedule
+    of ``2 * num_stages + 2`` micro-batches and one of one more agree, that is the answer for any
+    larger count: the batch-size search prices up to :data:`MAX_MICRO_BATCHES` micro-batches
+    without building their action lists."""
+    probe = 2 * num_stages + 2
+    if count > probe:
+        short = _in_flight_of_schedule(schedule, num_stages, probe)
+        if short == _in_flight_of_schedule(schedule, num_stages, probe + 1):
+            return short
+    return _in_flight_of_schedule(schedule, num_stages, count)
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight_of_schedule(schedule: str, num_stages: int, count: int) -> tuple[int, ...]:
+    actions = build_schedule(schedule, num_stages, count) if num_stages > 1 else [gradient_accumulation(count)]
+    return tuple(max_in_flight(stage) for stage in actions)
+
+
+def _check_shardable(layout: Layout, s: int, owners, shardable, groups) -> None:
+    """A ``split`` region must shard something, at any width (even one device: the plan would
+    otherwise pass for tensor parallel and run replicated), and no wider than its narrowest group."""
+    if any(_has_split(tg.strategy) for tg in owners) and not shardable:
+        raise _nothing_to_shard(owners)
+    tp = layout.shapes[s].tp
+    narrowest = min(groups_of(shardable, groups), key=lambda g: g.units, default=None)
+    if narrowest is not None and tp > narrowest.units:
+        automatic = any(_split_of(tg.strategy).device_count is None for tg in owners if _has_split(tg.strategy))
+        how = (f"the automatic width gives it {tp} of the cluster's devices" if automatic
+               else f"it asks for {tp} devices")
+        names = ", ".join(f"TaskGraph {tg.index} ({tg.strategy})" for tg in owners)
+        raise PlanError(
+            f"{names}, stage {s}: {how}, but its {narrowest.describe()} can be cut over at most "
+            f"{narrowest.units} devices (one unit each); use split({narrowest.units}) or narrower for this "
+            "region (the other devices then go to the automatic stages, or to more pipeline replicas)"
+        )
+
+
+def _has_split(strategy) -> bool:
+    return strategy.kind == "split" or strategy.inner is not None
+
+
+def _split_of(strategy):
+    return strategy if strategy.kind == "split" else strategy.inner
+
+
 def _nothing_to_shard(owners) -> PlanError:
     paths = ", ".join(p for tg in owners for p in tg.module_paths) or "no modules"
     strategies = ", ".join(sorted({str(tg.strategy) for tg in owners}))
     return PlanError(
-        f"{strategies} over {paths}: nothing in this region can be sharded, so every tensor-parallel device "
-        f"would run all of it; split shards {WHAT_SPLIT_SHARDS}. Put split around such modules, or use "
-        "replicate for this region"
+        f"{strategies} over {paths}: nothing in this region can be sharded (none of these modules is a "
+        "projection split can cut), so every tensor-parallel device would run all of it; split shards "
+        f"{WHAT_SPLIT_SHARDS}. Use replicate for this region, or put split around (or annotate with split) "
+        "a shardable module such as an nn.Linear"
     )
 
 
@@ -267,8 +343,9 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
         sizes, m = _single_stage_sizes(layout, stages[0], gbs, m)
         return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                          [s.shards for s in stages], sizes, m, solver, gap)
-    first_error = None
+    first_error, tried = None, m
     for count in _micro_batch_counts(gbs, m, layout) if counts is None else counts:
+        tried = count
         stages = _stages(graphs, config, layout, stage_layers, count, True, shards)
         try:
             sizes = _pipeline_sizes(layout, stages, gbs // count, count)
@@ -280,13 +357,17 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                         gbs // m, count, gbs // count)
         return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                          [s.shards for s in stages], sizes, count, solver, gap)
-    raise _shortfall_error(layout, first_error, m)
+    raise _shortfall_error(layout, first_error, m, gbs, tried)
 
 
 def _micro_batch_counts(gbs: int, m: int, layout: Layout) -> list[int]:
-    """``m`` and every larger divisor of ``gbs`` that still gives each group a sample."""
-    groups = max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
-    return [c for c in range(m, gbs // groups + 1) if gbs % c == 0]
+    """``m`` and every larger divisor of ``gbs`` that still gives each group a sample, up to
+    :data:`MAX_MICRO_BATCHES` (what can be tried: each count is a schedule to price)."""
+    return divisors(gbs, m, min(gbs // _most_groups(layout), MAX_MICRO_BATCHES))
+
+
+def _most_groups(layout: Layout) -> int:
+    return max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
 
 
 class _StageDoesNotFit(Exception):
@@ -345,6 +426,7 @@ def _single_stage_sizes(layout: Layout, st: _Stage, gbs: int, m: int):
     except _StageDoesNotFit:
         speeds = [st.group_speed(g) for g in groups]
         totals = proportional_shares(gbs, speeds, minimum=1)
+        _check_accumulation(layout, st, totals, groups, gbs)
         flat = [accumulation_sizes(n, st.group_cap(g)) for n, g in zip(totals, groups)]
         count = max(len(f) for f in flat)
         log.warning("the global batch does not fit in %d micro-batch(es); per-device gradient accumulation "
@@ -355,6 +437,21 @@ def _single_stage_sizes(layout: Layout, st: _Stage, gbs: int, m: int):
         sizes.append([flat[i:i + n]])
         i += n
     return sizes, count
+
+
+def _check_accumulation(layout: Layout, st: _Stage, totals: list[int], groups, gbs: int) -> None:
+    """Per-device gradient accumulation must stay within :data:`MAX_MICRO_BATCHES` micro-batches."""
+    count, group = max(((math.ceil(n / max(st.group_cap(g), 1)), g) for n, g in zip(totals, groups)),
+                       key=lambda pair: pair[0])
+    if count > MAX_MICRO_BATCHES:
+        fits = sum(max(st.group_cap(g), 0) for g in groups)
+        raise PlanError(
+            f"global_batch_size {gbs} does not fit TaskGraph {layout.shapes[st.index].taskgraph}: device "
+            f"{group[0].name!r} would accumulate gradients over {count} micro-batches, more than the "
+            f"{MAX_MICRO_BATCHES} the planner schedules per step (its devices hold {fits} samples at once in "
+            f"all, so no global batch above {fits * MAX_MICRO_BATCHES} can fit); use a smaller "
+            "global_batch_size or add devices"
+        )
 
 
 # -- memory errors ---------------------------------------------------------------------------------
@@ -385,18 +482,27 @@ def _memory_error(layout, s, cost: StageCost, in_flight: int, groups, shards: Sh
     )
 
 
-def _shortfall_error(layout: Layout, err: "_StageDoesNotFit", m: int) -> PlanError:
+def _shortfall_error(layout: Layout, err: "_StageDoesNotFit", m: int, gbs: int, tried: int) -> PlanError:
+    """Why the first micro-batch count tried (``m``) does not fit; ``tried``: the largest count tried."""
     st = err.stage
     per_sample = st.cost.bytes_per_sample(st.in_flight)
     groups = layout.stage_groups(st.index)
     best = max(groups, key=lambda g: st.group_cap(g))
-    fits = sum(st.group_cap(g) for g in groups)
+    fits = sum(max(st.group_cap(g), 0) for g in groups)
     more = math.ceil(err.shortfall / max(st.group_cap(best), 1))
+    needed = math.ceil(gbs / max(fits, 1))
+    if needed > MAX_MICRO_BATCHES:
+        limit = (f"; it would take at least {needed} micro-batches, more than the {MAX_MICRO_BATCHES} the planner "
+                 "schedules per step")
+    elif tried > m:
+        limit = f"; neither does any num_micro_batch up to {tried} that divides global_batch_size {gbs}"
+    else:
+        limit = ""
     return PlanError(
         f"TaskGraph {layout.shapes[st.index].taskgraph} (stage {st.index}) does not fit: a micro-batch of "
         f"{err.micro_batch} samples needs {human_bytes(err.shortfall * per_sample)} more activation memory than "
-        f"its devices have (short by {err.shortfall * per_sample / GIB:.2f} GiB); at most {fits} samples per "
-        f"micro-batch fit (global_batch_size <= {fits * m} with num_micro_batch={m}), or add {more} more "
+        f"its devices have (short by {err.shortfall * per_sample / GIB:.2f} GiB){limit}; at most {fits} samples "
+        f"per micro-batch fit (global_batch_size <= {fits * m} with num_micro_batch={m}), or add {more} more "
         f"{best[0].kind} device(s) to the stage"
     )
 

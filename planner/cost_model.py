@@ -36,6 +36,7 @@ from whalelike.taskgraph import TaskGraphs
 
 DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
+UNBOUNDED_SAMPLES = 2**62   # "any number of samples fits": far above any batch, still an exact integer
 
 
 def device_tflops(device: Device) -> float:
@@ -157,11 +158,12 @@ class StageCost:
         return shard * (self.static_bytes + micro_batch * self.bytes_per_sample(in_flight))
 
     def max_micro_batch(self, capacity_bytes: float, in_flight: int, shard: float = 1.0) -> int:
-        """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit)."""
+        """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit),
+        at most :data:`UNBOUNDED_SAMPLES` (a device of 1e300 GiB holds any batch, not infinitely many)."""
         free = capacity_bytes / shard - self.static_bytes
         if free < 0:
             return -1
         per_sample = self.bytes_per_sample(in_flight)
-        if per_sample <= 0:
-            return 2**62
+        if per_sample <= 0 or free / per_sample >= UNBOUNDED_SAMPLES:
+            return UNBOUNDED_SAMPLES
         return math.floor(free / per_sample)

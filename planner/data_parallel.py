@@ -56,6 +56,11 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0) -
         raise ValueError(f"cannot give {n} devices at least {minimum} of {total}")
     weight = sum(speeds)
     shares = [max(minimum, math.floor(total * s / weight)) for s in speeds]
+    # beyond 2**53 samples the float shares miss the total by more than one per device: share
+    # the difference out the same way until they do not (each round shrinks it ~2**-50-fold)
+    while abs(total - sum(shares)) > n:
+        rest = total - sum(shares)
+        shares = [max(minimum, share + math.floor(rest * s / weight)) for share, s in zip(shares, speeds)]
     # raising small shares to the minimum may overshoot: take back from the most loaded
     while sum(shares) > total:
         i = max((i for i in range(n) if shares[i] > minimum), key=lambda i: (shares[i] / speeds[i], -i))
@@ -73,34 +78,66 @@ def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) ->
     """Whale Algorithm 1: move samples off devices over their memory cap onto the least utilised
     devices with room. ``memory_util(i, samples)`` is device ``i``'s memory use / capacity.
 
+    Every peak ends at its cap; each moved sample goes to the valley that would finish it soonest
+    (``(share + 1) / speed``, then memory utilisation), so the valleys receive the moved samples
+    with the smallest such keys. Those below a threshold are placed in bulk
+    (:func:`_fill_below`) and the last ones one by one, so the work is bounded by the number of
+    devices, not by the number of samples moved (a batch of 10**12 samples moves as fast as 64).
+
     Raises :class:`DoesNotFit` when the peaks cannot all be relieved.
     """
     if any(s.cap < 0 for s in slots):
         raise ValueError("balance_memory: every slot must hold its weights (cap >= 0); check that first")
     shares = list(shares)
-    peaks = {i for i, s in enumerate(slots) if shares[i] > s.cap}
+    peaks = [i for i, s in enumerate(slots) if shares[i] > s.cap]
     if not peaks:
         return shares
-    valleys = [
-        ((shares[i] + 1) / s.speed, memory_util(i, shares[i] + 1), i)
-        for i, s in enumerate(slots)
-        if shares[i] < s.cap
-    ]
-    heapq.heapify(valleys)
-    while peaks and valleys:
-        peak = max(peaks, key=lambda i: (memory_util(i, shares[i]), -i))
-        _, _, valley = heapq.heappop(valleys)
-        shares[peak] -= 1
+    excess = sum(shares[i] - slots[i].cap for i in peaks)
+    valleys = [i for i, s in enumerate(slots) if shares[i] < s.cap]
+    room = sum(slots[i].cap - shares[i] for i in valleys)
+    if excess > room:
+        raise DoesNotFit(excess - room, sum(max(s.cap, 0) for s in slots))
+    for i in peaks:
+        shares[i] = slots[i].cap
+    moved = _fill_below(shares, slots, valleys, excess)
+    heap = [((shares[i] + 1) / slots[i].speed, memory_util(i, shares[i] + 1), i)
+            for i in valleys if shares[i] < slots[i].cap]
+    heapq.heapify(heap)
+    for _ in range(excess - moved):
+        _, _, valley = heapq.heappop(heap)
         shares[valley] += 1
-        if shares[peak] <= slots[peak].cap:
-            peaks.discard(peak)
         if shares[valley] < slots[valley].cap:
             s = shares[valley]
-            heapq.heappush(valleys, ((s + 1) / slots[valley].speed, memory_util(valley, s + 1), valley))
-    if peaks:
-        shortfall = sum(shares[i] - max(slots[i].cap, 0) for i in peaks)
-        raise DoesNotFit(shortfall, sum(max(s.cap, 0) for s in slots))
+            heapq.heappush(heap, ((s + 1) / slots[valley].speed, memory_util(valley, s + 1), valley))
     return shares
+
+
+def _fill_below(shares: list[int], slots: Sequence[Slot], valleys: Sequence[int], excess: int) -> int:
+    """Give the valleys, in bulk, every sample whose key ``k / speed`` (its ``k``-th sample) lies
+    below the largest threshold at which they take at most ``excess - len(valleys)`` samples; those
+    are among the ``excess`` smallest keys, so one-by-one placement would have placed them too.
+    Returns how many samples were placed (0 for small ``excess``: the caller places them all)."""
+    budget = excess - len(valleys)
+    if budget <= 0:
+        return 0
+
+    def taken(threshold: float) -> list[int]:
+        return [min(slots[i].cap, max(shares[i], math.ceil(threshold * slots[i].speed) - 1)) - shares[i]
+                for i in valleys]
+
+    low, high = 0.0, max((slots[i].cap + 1) / slots[i].speed for i in valleys)
+    for _ in range(200):
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        if sum(taken(middle)) <= budget:
+            low = middle
+        else:
+            high = middle
+    amounts = taken(low)
+    for i, n in zip(valleys, amounts):
+        shares[i] += n
+    return sum(amounts)
 
 
 def balanced_shares(total: int, slots: Sequence[Slot], memory_util, minimum: int = 1) -> list[int]:

@@ -58,7 +58,8 @@ def split_dimension(dim: int, speeds: Sequence[float], max_fractions: Sequence[f
         raise ValueError(f"a dimension of size {dim} cannot be split over {parts} devices")
     g = granularity(dim, parts) if granule is None else granule
     units = dim // g
-    slots = [Slot(s, math.floor(f * units)) for s, f in zip(speeds, max_fractions)]
+    # a share above 1 (a device with room for the stage many times over) allows the whole dimension
+    slots = [Slot(s, math.floor(min(f, 1.0) * units)) for s, f in zip(speeds, max_fractions)]
     if any(s.cap < 1 for s in slots):
         raise DoesNotFit(units - sum(max(s.cap, 0) for s in slots), sum(max(s.cap, 0) for s in slots))
     shares = balanced_shares(units, slots, lambda i, n: n / slots[i].cap)

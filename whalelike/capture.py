@@ -68,8 +68,15 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
+    """The example batch size: every cost is reported per sample, as a total over it divided by it."""
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
+            if t.shape[0] == 0:
+                raise CaptureError(
+                    f"capture: the example batch is empty (an input of shape {tuple(t.shape)}): costs are "
+                    "measured per sample, so it needs at least one; give example inputs with a batch of "
+                    "1 or more, e.g. torch.randn(8, ...)"
+                )
             return int(t.shape[0])
     raise CaptureError("capture: example_args must contain a tensor whose first dimension is the batch")
 
