@@ -38,6 +38,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -231,12 +232,16 @@ def _process_state(pid: int) -> Optional[str]:
 
 
 def _machine() -> str:
-    """This machine's identity for PID look-ups: host name and PID namespace."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = "-"
-    return f"{socket.gethostname()} {namespace}"
+    """This machine's identity for PID look-ups: host name, boot id (host names repeat across
+    containers and clusters) and PID namespace."""
+    parts = [socket.gethostname()]
+    for path, read in (("/proc/sys/kernel/random/boot_id", lambda path: Path(path).read_text().strip()),
+                       ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(read(path))
+        except OSError:
+            parts.append("-")
+    return " ".join(parts)
 
 
 _MACHINE = _machine()
