@@ -16,6 +16,12 @@ Patterns:
 
 Entries are applied outermost first, so an entry inside another's module nests under it
 (``split`` inside ``replicate`` is tensor parallel inside each replica; other nestings are errors).
+
+One call says everything: a second ``annotate`` call that reaches a module an earlier call
+annotated (the module itself or one inside it) is an error naming both strategies, since it would
+silently replace the first (``_wl_annotation``: the pattern and strategy that tagged a module;
+every call checks all it reaches before tagging any, so a tag found is an earlier call's). Nesting belongs
+in one mapping; ``replace=True`` replaces on purpose.
 """
 from __future__ import annotations
 
@@ -35,12 +41,14 @@ log = logging.getLogger(__name__)
 _RANGE = re.compile(r"^(?P<prefix>.*?)(?P<lo>\d+)-(?P<hi>\d+)(?P<suffix>(\..*)?)$")
 
 
-def annotate(model: nn.Module, mapping: Mapping[str, Strategy]) -> dict[str, list[str]]:
+def annotate(model: nn.Module, mapping: Mapping[str, Strategy], *, replace: bool = False) -> dict[str, list[str]]:
     """Tag the modules matched by each pattern of ``mapping`` with its strategy.
 
     Returns, per pattern, the module paths it matched (in model order). Every module under a
     matched module is tagged too, so construction-time tags inside it are overridden; a deeper
     entry of the same mapping then re-tags its own subtree, nested under the outer strategy.
+    A module an earlier ``annotate`` call tagged is an error unless ``replace`` is True, in which
+    case this call's strategy replaces the earlier one on the modules it matches.
     """
     if not isinstance(model, nn.Module):
         raise AnnotationError(f"annotate expects an nn.Module, got {type(model).__name__}")
@@ -61,6 +69,8 @@ def annotate(model: nn.Module, mapping: Mapping[str, Strategy]) -> dict[str, lis
                     "make the patterns disjoint"
                 )
             owner[path] = pattern
+    if not replace:
+        _check_not_annotated(modules, matched, mapping)
 
     # Outermost first: a pattern's scope nests inside the scope of the pattern enclosing it.
     order = sorted(matched, key=lambda p: min(_depth(path) for path in matched[p]))
@@ -74,8 +84,27 @@ def annotate(model: nn.Module, mapping: Mapping[str, Strategy]) -> dict[str, lis
         for path in matched[pattern]:
             for sub in modules[path].modules():
                 object.__setattr__(sub, "_wl_scope", scope)
+                object.__setattr__(sub, "_wl_annotation", (pattern, str(mapping[pattern])))
         log.debug("annotate %r -> %s on %s", pattern, scope, matched[pattern])
     return matched
+
+
+def _check_not_annotated(modules: Mapping[str, nn.Module], matched: Mapping[str, list[str]],
+                         mapping: Mapping[str, Strategy]) -> None:
+    """No module this call reaches may carry an earlier call's annotation."""
+    for pattern, paths in matched.items():
+        for path in paths:
+            for sub_path, sub in modules[path].named_modules(prefix=path):
+                earlier = getattr(sub, "_wl_annotation", None)
+                if earlier is None:
+                    continue
+                earlier_pattern, earlier_strategy = earlier
+                raise AnnotationError(
+                    f"annotate: module {sub_path!r} is already annotated with {earlier_strategy} (pattern "
+                    f"{earlier_pattern!r} of an earlier annotate call); this call would silently replace it with "
+                    f"{mapping[pattern]} (pattern {pattern!r}). Give both entries in one annotate mapping (an entry "
+                    "inside another's module nests under it), or pass replace=True to replace the earlier annotation"
+                )
 
 
 def _scope(outer, strategy: Strategy) -> Strategy:
