@@ -37,9 +37,10 @@ from .schedule import SCHEDULES
 
 SCHEMA_VERSION = 1
 SOLVERS = ("ilp", "greedy")
+# A plan takes about 570 bytes per worker with 8 micro-batches: 16 MiB holds 16,384 workers (the most a
+# cluster spec may list) with room to spare. Larger files are refused before parsing (see whalelike.cluster).
 MAX_FILE_BYTES = 16 << 20
-MAX_FILE_WHY = ("a plan of 1024 workers with 8 micro-batches is about 1 MiB; PyYAML needs seconds and hundreds of "
-                "MiB for tens of MiB, so a wrong file is refused before it is parsed")
+MAX_FILE_WHY = "room for 16,384 workers; YAML this large takes minutes and GiBs to parse"
 
 
 class PlanError(SpecError):

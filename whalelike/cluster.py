@@ -47,22 +47,23 @@ PRESET_PACKAGE = "whalelike.presets"
 
 # -- limits (each an upper bound in a rule below; the error prints the reason) -------------------------
 MAX_DEVICES = 16_384
-MAX_DEVICES_WHY = ("16x the largest cluster the planner is benchmarked on (bench/plan_scale.py, 1024 devices); "
-                   "every device becomes a record and a planner variable, so a typo like 10**9 would exhaust "
-                   "memory before any other error")
+MAX_DEVICES_WHY = ("16x the largest cluster the planner is benchmarked on (bench/plan_scale.py); each device becomes "
+                   "a record and a planner variable")
 MAX_MEMORY_GIB = float(1 << 20)
 MAX_MEMORY_WHY = ("1 PiB, far above any accelerator (the largest have a few hundred GiB); the planner counts "
                   "bytes, and values like 1e300 GiB overflow to infinity there")
 MAX_TFLOPS = 1e6
-MAX_TFLOPS_WHY = ("an exaflop per device, hundreds of times the fastest accelerator; modeled times from larger "
-                  "values round to zero")
+MAX_TFLOPS_WHY = ("an exaflop per device, hundreds of times the fastest accelerator; values like 1e300 overflow to "
+                  "infinity in FLOP/s and every modeled time becomes zero")
 MAX_GBPS = 1e6
-MAX_GBPS_WHY = "a petabyte per second, far above any link; transfer times from larger values round to zero"
+MAX_GBPS_WHY = ("a petabyte per second, far above any link; values like 1e300 overflow to infinity in bytes/s and "
+                "every transfer time becomes zero")
 MAX_LATENCY_US = 1e6
 MAX_LATENCY_WHY = "one second per message; the field is in microseconds, larger values are a unit mistake"
+# A spec of the most devices allowed, 8 per host, is about 250 KiB; parsing a 40 MiB spec took PyYAML
+# (libyaml) 100 s and 3 GiB on the development machine. Larger files are refused before parsing.
 MAX_FILE_BYTES = 1 << 20
-MAX_FILE_WHY = ("a 1024-device spec listing every device on its own line is about 100 KiB; PyYAML needs seconds "
-                "and hundreds of MiB for tens of MiB, so a wrong file is refused before it is parsed")
+MAX_FILE_WHY = "a real spec is a few KiB, and YAML this large takes minutes and GiBs to parse"
 
 
 # -- the records -----------------------------------------------------------------------------------
