@@ -22,12 +22,19 @@ Same model as :mod:`planner.partition` (read its docstring first), written as li
 CBC starts from the greedy partition (``warmStart``) and ``T`` is bounded by it, so "infeasible"
 then means nothing beats the greedy answer; when CBC stops on ``time_limit_s``, the relative gap
 comes from the lower bound it prints in its log.
+
+CBC runs through ``pulp.COIN_CMD``, PuLP's supported interface to it. ``PULP_CBC_CMD`` (the CBC
+binary bundled inside PuLP) is deprecated and goes away in PuLP 4.0, whose CBC comes from the
+``cbcbox`` package (``pip install pulp[cbc]``). :func:`cbc_path` takes that one when installed,
+else a ``cbc`` on ``PATH``, else the copy PuLP 3 still bundles; the model and the answers are the
+same whichever binary runs.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -150,8 +157,8 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
             var.setInitialValue(1 if warm.stages[k].slot == g else 0)
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=warm is not None, logPath=log_path,
-                                threads=1)
+        cmd = pulp.COIN_CMD(path=cbc_path(), msg=False, timeLimit=time_limit_s, warmStart=warm is not None,
+                            logPath=log_path, threads=1)
         prob.solve(cmd)
         log_text = open(log_path).read() if os.path.exists(log_path) else ""
     if prob.status == pulp.LpStatusInfeasible:
@@ -164,6 +171,27 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     if prob.sol_status == pulp.LpSolutionOptimal:
         return IlpOutcome("optimal", order, 0.0)
     return IlpOutcome("stopped", order, _gap_from_log(log_text))
+
+
+def cbc_path() -> str:
+    """The CBC binary to run: cbcbox's (PuLP's ``cbc`` extra, the supported source from PuLP 4.0),
+    else a ``cbc`` on ``PATH``, else the one bundled in PuLP 3. Raises
+    :class:`~planner.plan.PlanError` when there is none."""
+    try:
+        import cbcbox
+    except ImportError:
+        cbcbox = None
+    candidates = [cbcbox.cbc_bin_path() if cbcbox is not None else None, shutil.which("cbc"),
+                  getattr(pulp.apis.coin_api, "pulp_cbc_path", None)]   # bundled: PuLP 3 only
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    from .plan import PlanError
+
+    raise PlanError(
+        f"the ILP partitioner needs the CBC solver and PuLP {pulp.__version__} has none installed; run "
+        "`pip install 'pulp[cbc]'`, or use solver='greedy'"
+    )
 
 
 def _gap_from_log(text: str) -> Optional[float]:
