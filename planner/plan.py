@@ -152,7 +152,7 @@ class Plan:
         """Build a Plan from plain data, checking every field's presence, type and rule (no
         consistency checks: call :meth:`validate`, as :meth:`from_yaml` does). Errors name the
         field path and, when given, ``origin`` (the file)."""
-        return Reader(origin, PlanError).record(cls, data, "plan")
+        return Reader(origin, PlanError, root="plan").record(cls, data, "plan")
 
     def to_yaml(self, path: str | os.PathLike) -> None:
         """Write the plan to ``path`` (.yaml or .yml) with :func:`whalelike.files.write_atomic`: the

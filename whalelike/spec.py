@@ -127,16 +127,17 @@ def _number(x: Any) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def check_fields(obj: Any, prefix: str) -> None:
+def check_fields(obj: Any, prefix: str, error: type = SpecError) -> None:
     """Check every field of a constructed record that has a rule and is set (not None) against it;
-    ``prefix`` starts the message: ``"Config."`` or ``"device 'v100-0': "``."""
+    ``prefix`` starts the message: ``"Config."`` or ``"device 'v100-0': "``; ``error`` is raised
+    (ValueError for the planner's internal records, whose bad values are bugs, not user input)."""
     for f in fields(obj):
         spec_rule = rule_of(f)
         value = getattr(obj, f.name)
         if spec_rule is not None and value is not None:
             problem = spec_rule.problem(value)
             if problem:
-                raise SpecError(f"{prefix}{f.name} {problem}")
+                raise error(f"{prefix}{f.name} {problem}")
 
 
 def check_rules(obj: Any, path: str, error: type = SpecError) -> None:
@@ -256,11 +257,11 @@ def _too_big(origin: str, what: str, size: str, limit: int, why: str) -> str:
 
 
 class Reader:
-    """Turns parsed data into spec records; every error is ``error``, names ``origin`` (when given),
-    the field path, the bad value and the fix."""
+    """Turns parsed data into spec records; every error is ``error``, names ``origin`` (the file,
+    when given), the field path, the bad value and the fix."""
 
-    def __init__(self, origin: Optional[str] = None, error: type = SpecError):
-        self.origin, self.error = origin, error
+    def __init__(self, origin: Optional[str] = None, error: type = SpecError, root: str = ""):
+        self.origin, self.error, self.root = origin, error, root   # root: the path of the whole file
 
     def fail(self, message: str) -> Exception:
         return self.error(f"{self.origin}: {message}" if self.origin else message)
@@ -271,7 +272,7 @@ class Reader:
         ``check_values``, that each value with a rule keeps it (None means 'not set' for a key that
         is not needed); return a copy, float values as floats."""
         if not isinstance(value, dict):
-            got = "an empty file" if value is None and path in ("", "plan") else repr(value)
+            got = "an empty file" if value is None and path == self.root and self.origin else repr(value)
             raise self.fail(f"{path or 'the top level'} must be a mapping with keys {', '.join(keys)}, got {got}")
         for key in value:
             if key not in keys:
