@@ -16,11 +16,25 @@ measured speed changes (an ``emulation.stragglers`` entry in the cluster spec ma
 mid-run, e.g. ``--cluster examples/clusters/emulated-straggler.yaml``); rank 0 prints every re-plan
 event as it happens, and ``--run-timeline out/run.png`` draws step times per rank with the events
 (a Chrome trace goes next to it, ``.json``). The naive run never re-plans: it is the baseline.
+
+Checkpoints (``--checkpoint-dir DIR``): the whalelike run saves every ``--checkpoint-every`` steps
+and at the end (``runtime.checkpoint``: torch.distributed.checkpoint, atomic), and a run started
+with the same ``--checkpoint-dir`` resumes from the newest complete checkpoint there: the step, the
+model and optimizer state, the data position (the batch generator's state) and the loss curve so far.
+``--plan`` may then be left out (the checkpoint's plan is used) or name a *different* plan (another
+cluster, other ranks): the state is resharded on load. Under ``torchrun --max-restarts N`` a rank
+that dies makes the others fail within ``--timeout`` seconds; torchrun restarts them all and they
+resume from the newest checkpoint. ``--no-resume`` starts from step 0 even if checkpoints exist.
+
+Errors in the command line or its inputs (a missing plan file, a bad argument) are one line on
+stderr from rank 0 and exit status 2 on every rank, before any process group is made; a failure
+while training is one line per rank (which rank, which step, why) and exit status 1.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 
@@ -30,16 +44,39 @@ import torch.distributed as dist
 import planner
 import runtime
 import whalelike as wl
+from runtime import checkpoint
 from whalelike.cli import load_workload
 from whalelike.display import format_table
+from whalelike.errors import WhaleError
 
 WARMUP_STEPS = 2
 
 
+EXIT_USAGE, EXIT_FAILED = 2, 1
+_QUIET_RANKS_WAIT_S = 3.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once per job (rank 0), not once per rank."""
+
+    def error(self, message):
+        _say_once(f"{self.prog}: error: {message} (see --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _say_once(line: str) -> None:
+    """Print ``line`` on rank 0 only. The other ranks, failing alike, wait a moment before they exit:
+    torchrun stops every rank as soon as one exits with an error, and rank 0 must have said why."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(_QUIET_RANKS_WAIT_S)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="path/to/file.py:factory returning a whalelike.Workload with loss_fn and make_batch")
-    p.add_argument("--plan", required=True, help="plan YAML written by `whalelike plan`")
+    p.add_argument("--plan", help="plan YAML written by `whalelike plan` (optional when resuming: the checkpoint's)")
     p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
@@ -49,24 +86,54 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
     p.add_argument("--run-timeline", metavar="PNG", help="write step times per rank and re-plan events here "
                    "(and a Chrome trace next to it, .json)")
-    return p.parse_args(argv)
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here and resume from the newest one")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="steps between checkpoints (default 10; one is also saved at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="newest checkpoints kept (default 2)")
+    p.add_argument("--no-resume", action="store_true", help="start at step 0 even if --checkpoint-dir has checkpoints")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="bound on every collective: a dead or hung rank fails the others after this (default 300)")
+    args = p.parse_args(argv)
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.keep_checkpoints < 1:
+        p.error(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if not (args.timeout > 0) or args.timeout == float("inf"):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.compare_naive and args.checkpoint_dir:
+        p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
+                "a job to resume; drop one")
+    return args
 
 
 def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.Plan, cluster: wl.Cluster,
-          args) -> dict:
-    """Train a fresh copy of the model under ``plan``; return its losses and timings (rank 0 prints)."""
+          args, resume: "checkpoint.CheckpointInfo | None" = None) -> dict:
+    """Train a fresh copy of the model under ``plan`` (continuing ``resume`` if given); return its
+    losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
     model = copy.deepcopy(workload.model)
     model.load_state_dict(initial_state)
     engine = runtime.Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                            loss_fn=workload.loss_fn, cluster=cluster,
-                            balance=args.balance if name == "whalelike" else "off")
+                            loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
+                            balance=args.balance if name == "whalelike" else "off",
+                            example_args=workload.example_args)
     generator = torch.Generator().manual_seed(args.seed)
-    losses, step_times = [], []
+    losses, step_times, save_times = [], [], []
     show = dist.get_rank() == 0
-    if show:
+    if resume is not None:
+        extra = checkpoint.load(engine, resume)
+        generator.set_state(extra["generator"])
+        losses = list(extra["losses"])
+        if show:
+            moved = "" if resume.world_size == plan.world_size and _same_plan(resume, plan) else \
+                f", resharded from the {resume.world_size}-rank plan it was saved with"
+            print(f"\n[{name}] resumed at step {engine.step} from {resume.path}{moved}", flush=True)
+    elif show:
         print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks",
               flush=True)
-    for step in range(args.steps):
+    saving = args.checkpoint_dir is not None and name == "whalelike"
+    for step in range(engine.step, args.steps):
         batch = workload.make_batch(plan.global_batch_size, generator)
         start = time.perf_counter()
         loss = engine.train_step(batch)
@@ -78,6 +145,11 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1].approximate)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
+        if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
+            start = time.perf_counter()
+            checkpoint.save(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
+                            extra={"generator": generator.get_state(), "losses": losses, "seed": args.seed})
+            save_times.append(time.perf_counter() - start)
     if args.run_timeline and name == "whalelike":
         from runtime.run_timeline import gather_run, write_run_png, write_run_trace
 
@@ -88,9 +160,14 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             print(f"  wrote {args.run_timeline} and its Chrome trace", flush=True)
     overruns = sum(s.overruns for s in engine.stats)
     segments = sum(s.segments for s in engine.stats)
-    mean_step = sum(step_times) / len(step_times)
+    mean_step = sum(step_times) / len(step_times) if step_times else float("nan")
     return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
-            "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}"}
+            "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
+            "save_ms": [t * 1e3 for t in save_times]}
+
+
+def _same_plan(info, plan: planner.Plan) -> bool:
+    return info.load_plan().to_dict() == plan.to_dict()
 
 
 def progress(step: int, steps: int, loss: float, elapsed: float, approximate: bool = False) -> None:
@@ -105,30 +182,80 @@ def progress(step: int, steps: int, loss: float, elapsed: float, approximate: bo
         print(line, flush=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.steps <= WARMUP_STEPS:
-        raise SystemExit(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
+    try:
+        workload, plan, cluster, resume = inputs(args)
+    except (WhaleError, OSError) as e:
+        # the same inputs on every rank, checked before any process group exists: one line per job
+        _say_once(f"train.py: error: {_one_line(e)}")
+        return EXIT_USAGE
+    if resume is not None and resume.step >= args.steps:
+        _say_once(f"train.py: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
+                  "(raise --steps to train on)")
+        return 0
+    try:
+        initial_state = copy.deepcopy(workload.model.state_dict())
+        runs = [("whalelike", plan)]
+        if args.compare_naive:
+            graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs)
+            config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
+                               schedule=plan.schedule)
+            runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
+        results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None)
+                   for name, p in runs]
+        if dist.get_rank() == 0:
+            report(results, args.steps)
+    except (WhaleError, RuntimeError, OSError) as e:
+        # a failure while training differs by rank (which peer died, which step): one line each
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        print(f"train.py: rank {rank}: error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def inputs(args):
+    """The workload, plan, cluster and checkpoint to resume, checked before training starts: every
+    rank reads the same files, so every rank fails alike (and none waits for the others)."""
     workload = load_workload(args.model)
     if workload.loss_fn is None or workload.make_batch is None:
-        raise SystemExit(f"{args.model} must return a Workload with loss_fn and make_batch to train")
-    plan = planner.Plan.from_yaml(args.plan)
+        raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
+    resume = None
+    if args.checkpoint_dir is not None and not args.no_resume:
+        if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+            raise WhaleError(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created)")
+        resume = checkpoint.latest(args.checkpoint_dir)
+    if args.plan is None and resume is None:
+        where = f" and {args.checkpoint_dir} holds no checkpoint to resume" if args.checkpoint_dir else ""
+        raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`){where}")
+    if args.plan is not None and not os.path.isfile(args.plan):
+        raise WhaleError(f"--plan {args.plan}: no such file; write one with `whalelike plan MODEL --cluster ... -o "
+                         f"{args.plan}`")
+    plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
     cluster = wl.Cluster.load(args.cluster or plan.cluster)
-    initial_state = copy.deepcopy(workload.model.state_dict())
-    runs = [("whalelike", plan)]
-    if args.compare_naive:
-        graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs)
-        config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
-                           schedule=plan.schedule)
-        runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
-    results = [train(name, workload, initial_state, p, cluster, args) for name, p in runs]
-    if dist.get_rank() == 0:
-        report(results, args.steps)
-    dist.destroy_process_group()
+    plan.validate(cluster=cluster)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if plan.world_size != world:
+        raise WhaleError(f"the plan has {plan.world_size} workers but torchrun started {world} ranks; launch "
+                         f"`torchrun --nproc_per_node {plan.world_size} ...`, or make a plan for {world} devices")
+    if resume is not None and args.plan is not None:
+        saved = resume.load_plan()
+        if saved.global_batch_size != plan.global_batch_size:
+            _say_once(f"train.py: warning: {resume.path} was trained with global batches of {saved.global_batch_size} "
+                      f"samples, --plan has {plan.global_batch_size}: the run continues, with other batches than "
+                      "the uninterrupted run would have drawn")
+    return workload, plan, cluster, resume
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def report(results: list[dict], steps: int) -> None:
-    marks = sorted({0, *range(4, steps, 5), steps - 1})
+    marks = sorted({0, *range(4, steps, 5), steps - 1} & set(range(len(results[0]["losses"]))))
     print()
     print(format_table(["step", *(f"{r['name']} loss" for r in results)],
                        [[m + 1, *(f"{r['losses'][m]:.4f}" for r in results)] for m in marks],
@@ -137,11 +264,15 @@ def report(results: list[dict], steps: int) -> None:
     print(format_table(["plan", "ms/step", "samples/s", "re-plans", "emulation overruns"],
                        [[r["name"], f"{r['step_ms']:.1f}", f"{r['throughput']:.1f}", r["replans"], r["overruns"]]
                         for r in results],
-                       title=f"measured throughput (mean over steps {WARMUP_STEPS + 1}..{steps})"))
+                       title=f"measured throughput (mean over the steps this run trained, after step {WARMUP_STEPS})"))
+    saves = results[0]["save_ms"]
+    if saves:
+        print(f"\ncheckpoints: {len(saves)} saved, {sum(saves) / len(saves):.1f} ms each on average "
+              f"(first {saves[0]:.1f} ms), not counted in ms/step")
     if len(results) == 2:
         print(f"\nmeasured speed-up of the hardware-aware plan over the naive plan: "
               f"{results[0]['throughput'] / results[1]['throughput']:.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

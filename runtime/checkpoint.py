@@ -41,12 +41,14 @@ speed window is not state of the model).
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
@@ -258,49 +260,132 @@ def save(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[str, A
 
     ``extra``: the caller's own state (the data position, a scheduler's ``state_dict()``), any
     picklable values, given back by :func:`load`. ``keep``: how many complete checkpoints to keep
-    (the newest; None keeps all). Returns the checkpoint written."""
+    (the newest; None keeps all). Returns once the checkpoint is complete on disk."""
+    job = _prepare(engine, directory, extra, keep, snapshot=False)
+    engine._collective(lambda: _write(job, group=None))
+    return job.info
+
+
+def save_async(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[str, Any]] = None,
+               keep: Optional[int] = 2) -> "PendingCheckpoint":
+    """Like :func:`save`, but training goes on while the checkpoint is written: this rank's pieces
+    are copied (the only stall), then a thread writes them through a process group of its own.
+    Call ``.wait()`` on the result before the next save and before the job ends (collective). A
+    failed write raises from ``wait()``; the half-written directory is removed, never loaded.
+
+    Why not ``dcp.async_save``: its stager copies only tensors, DTensors and ShardedTensors out of
+    the state dict; our pieces (uneven, fused shards) would be written from the live parameters
+    while the next steps change them."""
+    group = getattr(engine, "_checkpoint_group", None)
+    if group is None:                   # made once, collectively, on the first asynchronous save
+        group = engine._collective(lambda: dist.new_group(backend="gloo"))
+        engine._checkpoint_group = group
+    job = _prepare(engine, directory, extra, keep, snapshot=True)
+    return PendingCheckpoint(job, group)
+
+
+@dataclass
+class _Job:
+    state: dict[str, Any]
+    partial: str
+    final: str
+    directory: str
+    plan: Plan
+    keep: Optional[int]
+    info: CheckpointInfo
+    started: float
+
+
+def _prepare(engine, directory, extra, keep, snapshot: bool) -> _Job:
+    """The foreground half of a save: who writes what, and this rank's state to write (copied out
+    of the live tensors when ``snapshot``: the write then runs while training goes on)."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"checkpoint keep={keep!r}: keep at least 1 checkpoint (or None for all)")
-    start = time.perf_counter()
+    started = time.perf_counter()
     directory = os.fspath(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
     step = engine.step
     final = step_directory(directory, step)
     partial = os.path.join(directory, f".step-{step:08d}.partial")
+    if rank == 0:                       # before the first collective: no rank has begun writing yet
+        _remove_stale(directory)
+        os.makedirs(directory, exist_ok=True)
     held, opt_tensors, kinds = _holdings(engine)
     described: list[dict] = [None] * world
     mine = {"slabs": {name: slab for name, (t, slab) in held.items() if "@" not in name},
             "buffers": [name for name, (t, _) in held.items() if "@" not in name and not isinstance(t, nn.Parameter)],
             "state": {name: entries for name, entries in kinds.items() if "@" not in name}}
     engine._collective(lambda: dist.all_gather_object(described, mine))
-    state = _state_to_write(rank, held, opt_tensors, _writers(described), state_keys(described))
+    state = _state_to_write(rank, held, opt_tensors, _writers(described), snapshot)
     state[f"rng/rank{rank}"] = _rng_state()
     if rank == 0:
         state["meta"] = {"step": step, "param_groups": _hyperparameters(engine.optimizer),
                          "kinds": state_keys(described), "extra": dict(extra or {})}
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
-        os.makedirs(directory, exist_ok=True)
+        if snapshot:
+            state["meta"] = copy.deepcopy(state["meta"])
+    info = CheckpointInfo(final, step, world, os.path.join(final, PLAN_FILE), time.time())
+    return _Job(state, partial, final, directory, engine.plan, keep, info, started)
+
+
+def _write(job: _Job, group: Optional[dist.ProcessGroup]) -> None:
+    """The background half: DCP writes every rank's pieces, rank 0 completes the checkpoint (plan,
+    manifest, rename), drops the oldest; every rank returns once it is complete."""
+    rank = dist.get_rank()
     try:
-        engine._collective(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                                            planner=_SavePlanner()))
+        dcp.save(job.state, storage_writer=dcp.FileSystemWriter(job.partial, sync_files=True),
+                 planner=_SavePlanner(), process_group=group)
+        if rank == 0:
+            _finish(job.partial, job.final, job.plan, job.info.step, job.info.world_size)
+            if job.keep is not None:
+                for old in complete(job.directory)[:-job.keep]:
+                    shutil.rmtree(old.path, ignore_errors=True)
     except Exception as e:
         if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(job.partial, ignore_errors=True)
         if isinstance(e, OSError):
-            raise CheckpointError(f"rank {rank}: writing checkpoint {final} failed: {e}; check the space and "
-                                  f"permissions of {directory}") from e
+            raise CheckpointError(f"rank {rank}: writing checkpoint {job.final} failed: {e}; check the space and "
+                                  f"permissions of {job.directory}") from e
         raise
-    if rank == 0:
-        _finish(partial, final, engine.plan, step, world)
-        if keep is not None:
-            for old in complete(directory)[:-keep]:
-                shutil.rmtree(old.path, ignore_errors=True)
     # every rank returns once the checkpoint is complete (a rank restarted right after sees it)
-    engine._collective(dist.barrier)
-    seconds = time.perf_counter() - start
-    log.info("rank %d: checkpoint of step %d written to %s in %.1f ms", rank, step, final, seconds * 1e3)
-    return CheckpointInfo(final, step, world, os.path.join(final, PLAN_FILE), time.time())
+    dist.barrier(group=group)
+    log.info("rank %d: checkpoint of step %d written to %s in %.1f ms", rank, job.info.step, job.final,
+             (time.perf_counter() - job.started) * 1e3)
+
+
+class PendingCheckpoint:
+    """A checkpoint being written by a thread (:func:`save_async`)."""
+
+    def __init__(self, job: _Job, group: dist.ProcessGroup):
+        self.info = job.info
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(job, group), daemon=True,
+                                        name=f"whalelike-checkpoint-{job.info.step}")
+        self._thread.start()
+
+    def _run(self, job: _Job, group) -> None:
+        try:
+            _write(job, group)
+        except BaseException as e:      # handed to wait(), on the training thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> CheckpointInfo:
+        """Block until the checkpoint is complete on every rank; raise if writing it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.info
+
+
+def _remove_stale(directory: str) -> None:
+    """Rank 0: remove the half-written directories of saves that never completed (a crash mid-save)."""
+    if not os.path.isdir(directory):
+        return
+    for entry in os.listdir(directory):
+        if entry.startswith(".step-") and entry.endswith(".partial"):
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
 def _writers(described: list[dict]) -> list[Move]:
@@ -321,8 +406,9 @@ def _writers(described: list[dict]) -> list[Move]:
 
 
 def _state_to_write(rank: int, held: NamedState, opt_tensors: Mapping[str, Mapping[str, torch.Tensor]],
-                    moves: Iterable[Move], keys: Mapping[str, Mapping[str, tuple]]) -> dict[str, Any]:
-    """This rank's share of the writing: a :class:`_Pieces` per tensor it writes pieces of."""
+                    moves: Iterable[Move], snapshot: bool) -> dict[str, Any]:
+    """This rank's share of the writing: a :class:`_Pieces` per tensor it writes pieces of (views
+    of the live tensors, or copies on the CPU when ``snapshot``)."""
     local: dict[str, tuple[str, torch.Tensor, Slab]] = {}
     for name, (tensor, slab) in held.items():
         if "@" in name:
@@ -339,6 +425,9 @@ def _state_to_write(rank: int, held: NamedState, opt_tensors: Mapping[str, Mappi
         if pieces is None:
             pieces = state[fqn] = _Pieces(slab.shape, tensor)
         pieces.add(tensor, slab, move.dim, move.lo, move.hi)
+    if snapshot:
+        for pieces in state.values():
+            pieces.pieces = [(view.to("cpu", copy=True), chunk) for view, chunk in pieces.pieces]
     return state
 
 
