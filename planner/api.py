@@ -16,7 +16,9 @@ The planner is a chain of pure steps (Whale's parallel planner, with Poplar's ba
    each stage over its data-parallel groups by speed, with Whale's memory balancing
    (:mod:`planner.data_parallel`). When a micro-batch still does not fit, a pipeline gets more
    micro-batches (the next divisor of the global batch), and a single stage switches to Poplar's
-   per-device gradient accumulation (own micro-batch size and last batch size per device);
+   per-device gradient accumulation (own micro-batch size and last batch size per device); either
+   way at most ``MAX_MICRO_BATCHES`` per step, so the planner's work is bounded by that count and
+   never by the number of samples (a global batch of 10**12 is an error in milliseconds, not a hang);
 5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.simulator`).
 
 The naive plan uses the same devices with equal shares, equal shards and equal layer counts per
