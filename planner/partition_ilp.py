@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Optional
 import pulp
 
 if TYPE_CHECKING:
-    from .partition import Partition, PartitionProblem
+    from .partition_problem import Partition, PartitionProblem
 
 log = logging.getLogger(__name__)
 
