@@ -372,9 +372,14 @@ def validate(obj: Any, *, graphs: Any = None, cluster: Any = None) -> None:
     given, its match with a model's TaskGraphs (``graphs``) and a ``cluster``.
 
     A spec class lists its checks in a class attribute ``spec_checks``: ``"self"`` (cross-field),
-    ``"graphs"``, ``"cluster"`` -> a function ``(obj[, against])``; and its name in error paths in
-    ``spec_path`` (default: no path, the rules are checked at construction). Each check runs once
-    per content of ``obj`` and object checked against: validating a plan again costs a digest.
+    ``"graphs"``, ``"cluster"`` -> a function ``(obj[, against])``. A class whose records are not
+    checked at construction (Plan) names its root in error paths in ``spec_path`` (its field rules
+    are then checked here, first) and its error type in ``spec_error``.
+
+    Each check runs once per content of ``obj`` and object checked against (``is``): validating a
+    plan again costs a digest of its repr (9 ms instead of 115 ms for 1024 workers), so the
+    runtime may validate wherever it needs the guarantee. Other ``graphs``/``cluster`` objects,
+    or an edited plan, are checked afresh.
     """
     checks: Mapping[str, Check] = getattr(type(obj), "spec_checks", None) or {}
     if not dataclasses.is_dataclass(obj) or "self" not in checks:
