@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from whalelike.shard_groups import ShardGroup, ShardMember
 
+from .cost_model import UNBOUNDED_SAMPLES
 from .data_parallel import DoesNotFit, Slot, balanced_shares
 from .plan import PlanError
 
@@ -58,8 +59,8 @@ def split_dimension(dim: int, speeds: Sequence[float], max_fractions: Sequence[f
         raise ValueError(f"a dimension of size {dim} cannot be split over {parts} devices")
     g = granularity(dim, parts) if granule is None else granule
     units = dim // g
-    # a share above 1 (a device with room for the stage many times over) allows the whole dimension
-    slots = [Slot(s, math.floor(min(f, 1.0) * units)) for s, f in zip(speeds, max_fractions)]
+    # a device with room for the stage many times over may have an infinite share (1e300 GiB / need)
+    slots = [Slot(s, math.floor(min(f * units, UNBOUNDED_SAMPLES))) for s, f in zip(speeds, max_fractions)]
     if any(s.cap < 1 for s in slots):
         raise DoesNotFit(units - sum(max(s.cap, 0) for s in slots), sum(max(s.cap, 0) for s in slots))
     shares = balanced_shares(units, slots, lambda i, n: n / slots[i].cap)
