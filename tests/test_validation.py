@@ -15,6 +15,7 @@ import yaml
 
 import planner
 import planner.plan_checks
+import whalelike.spec
 from planner import Plan, PlanError
 from whalelike import Cluster, Config, SpecError, replicate
 from whalelike.cluster import MAX_DEVICES, MAX_FILE_BYTES as CLUSTER_LIMIT
@@ -338,3 +339,40 @@ def test_rules_speak_the_language_of_where_the_value_came_from():
         Config(global_batch_size=4, num_micro_batch=0)
     with pytest.raises(SpecError, match=r"^Config\.schedule must be one of gpipe, 1f1b, eager-1f1b, got 'zb'$"):
         Config(global_batch_size=4, schedule="zb")
+
+
+# -- YAML that expands ------------------------------------------------------------------------------
+def test_aliases_cannot_make_a_small_file_huge(plan_file, monkeypatch):
+    monkeypatch.setattr(whalelike.spec, "MAX_VALUES", 5_000)
+    data = yaml.safe_load(plan_file.read_text())
+    worker = yaml.safe_dump({"w": data["workers"][0]}, default_flow_style=True).strip()[4:-1]
+    head = yaml.safe_dump({k: v for k, v in data.items() if k != "workers"}, sort_keys=False)
+    plan_file.write_text(head + f"workers: [&w {worker}, " + ", ".join(["*w"] * 1000) + "]\n")
+    with pytest.raises(PlanError, match=r"plan\.workers\[\d+\]: the data holds more than 5,000 values, more than any "
+                                        r"spec needs; YAML aliases \(\*name\) repeat what an anchor"):
+        Plan.from_yaml(plan_file)
+
+
+def test_a_nested_alias_is_shown_cut_short(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path = write(tmp_path / "cluster.yaml", CLUSTER.replace("name: lab", "name: *a8", 1))
+    path.write_text("\n".join(lines) + "\n" + path.read_text())
+    with pytest.raises(SpecError) as e:
+        Cluster.from_yaml(path)
+    assert str(e.value).startswith(f"{path}: a0: unknown key")   # refused before any value is shown
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SpecError) as e:
+        Cluster.from_dict({**yaml.safe_load(CLUSTER), "name": yaml.load(path.read_text(), Loader=StrictLoader)["a8"]})
+    assert str(e.value).startswith("<cluster spec>: name must be a non-empty string (cluster name), got [[[...], ")
+    assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("value, problem", [("1" * 5000, "Exceeds the limit (4300 digits)"),
+                                            ("2024-13-45", "month must be in 1..12")])
+def test_unreadable_scalars_name_the_line(tmp_path, value, problem):
+    path = write(tmp_path / "cluster.yaml", CLUSTER.replace("latency_us: 10", f"latency_us: {value}"))
+    with pytest.raises(SpecError) as e:
+        Cluster.from_yaml(path)
+    assert str(e.value).startswith(f"{path}: line 2, column ")
+    assert f"malformed YAML (cannot read '{value[:20]}" in str(e.value) and problem in str(e.value)

@@ -28,6 +28,7 @@ import hashlib
 import math
 import os
 import re
+import reprlib
 import typing
 import weakref
 from dataclasses import dataclass, field, fields
@@ -63,14 +64,14 @@ class Rule:
         doc = f" ({self.doc})" if self.doc else ""
         wanted = self.says or (_kind_text(self.kind, spelling, strict=True) + doc)
         if not _is_kind(self.kind, value, strict=True):
-            return f"must be {wanted}, got {value!r}"
+            return f"must be {wanted}, got {shown(value)}"
         if self.choices is not None and value not in self.choices:
             allowed = ", ".join(repr(c) for c in self.choices)
-            return f"must be {self.says or f'one of {allowed}{doc}'}, got {value!r}"
+            return f"must be {self.says or f'one of {allowed}{doc}'}, got {shown(value)}"
         if self.gt is not None and not value > self.gt:
-            return f"must be {self.says}, got {value!r}" if self.says else f"must be > {_number(self.gt)}, got {value!r}"
+            return f"must be {self.says}, got {shown(value)}" if self.says else f"must be > {_number(self.gt)}, got {shown(value)}"
         if self.ge is not None and not value >= self.ge:
-            return f"must be {self.says}, got {value!r}" if self.says else f"must be >= {_number(self.ge)}, got {value!r}"
+            return f"must be {self.says}, got {shown(value)}" if self.says else f"must be >= {_number(self.ge)}, got {shown(value)}"
         if self.le is not None and not value <= self.le:
             why = f"; {self.le_why}" if self.le_why else ""
             return f"must be <= {_number(self.le)}{doc}, got {_number(value)}{why}"
@@ -119,6 +120,17 @@ def _kind_text(kind: type, spelling: str, strict: bool) -> str:
     return {int: "an integer", float: "a number", str: "a non-empty string" if strict else "a string"}[kind]
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 2, 4, 4, 4
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short: a value read from a file may be a huge or
+    deeply nested structure (YAML aliases can nest a list in itself a billion times over)."""
+    return _SHOWN.repr(value)
+
+
 def _number(x: Any) -> str:
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10**15:
         return f"{float(x):g}" if x < 10**308 else f"an integer of {len(str(abs(x)))} digits"
@@ -159,7 +171,7 @@ def _check_value(value: Any, spec_rule: Optional[Rule], where: str, error: type)
             _check_value(item, spec_rule, f"{where}[{i}]", error)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_value(item, spec_rule, f"{where}[{key!r}]", error)
+            _check_value(item, spec_rule, f"{where}[{shown(key)}]", error)
     elif spec_rule is not None:
         problem = spec_rule.problem(value)
         if problem:
@@ -175,7 +187,7 @@ class DuplicateKey(yaml.YAMLError):
     """A mapping names one key twice (PyYAML would keep the last silently)."""
 
     def __init__(self, key: Any, first_line: int, second_line: int):
-        super().__init__(f"duplicate key {key!r}")
+        super().__init__(f"duplicate key {shown(key)}")
         self.key, self.first_line, self.second_line = key, first_line, second_line
 
 
@@ -199,6 +211,15 @@ class StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
                 except TypeError:
                     continue  # an unhashable key: the constructor reports it
         return super().construct_mapping(node, deep=deep)
+
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except ValueError as e:  # int('1' * 5000), the date 2024-13-45: a traceback without this
+            reason = str(e).split(";")[0]
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read {shown(node.value)}: {reason}",
+                                                    node.start_mark) from None
 
 
 StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_12_EXPONENT, list("-+0123456789."))
@@ -237,7 +258,7 @@ def load_yaml(path: str | os.PathLike, *, what: str, limit: int, limit_why: str,
     try:
         return yaml.load(text, Loader=StrictLoader)
     except DuplicateKey as e:
-        raise error(f"{origin}: line {e.second_line}: duplicate key {e.key!r} (first at line {e.first_line}); "
+        raise error(f"{origin}: line {e.second_line}: duplicate key {shown(e.key)} (first at line {e.first_line}); "
                     "each key may appear once in a mapping, remove one of them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -256,12 +277,25 @@ def _too_big(origin: str, what: str, size: str, limit: int, why: str) -> str:
             f"check that this is the {what} file you meant")
 
 
+# A plan of 16,384 workers with 8 micro-batches holds about 900k values (read at ~1.5 us each);
+# YAML aliases (``*name``) let a file of a few KiB repeat a mapping millions of times, which the
+# reader would then walk for minutes.
+MAX_VALUES = 2_000_000
+
+
 class Reader:
     """Turns parsed data into spec records; every error is ``error``, names ``origin`` (the file,
-    when given), the field path, the bad value and the fix."""
+    when given), the field path, the bad value and the fix. It reads at most :data:`MAX_VALUES`."""
 
     def __init__(self, origin: Optional[str] = None, error: type = SpecError, root: str = ""):
         self.origin, self.error, self.root = origin, error, root   # root: the path of the whole file
+        self.values_left = MAX_VALUES
+
+    def spend(self, path: str, count: int = 1) -> None:
+        self.values_left -= count
+        if self.values_left < 0:
+            raise self.fail(f"{path}: the data holds more than {MAX_VALUES:,} values, more than any spec needs; "
+                            "YAML aliases (*name) repeat what an anchor (&name) marks, check where they are used")
 
     def fail(self, message: str) -> Exception:
         return self.error(f"{self.origin}: {message}" if self.origin else message)
@@ -272,16 +306,18 @@ class Reader:
         ``check_values``, that each value with a rule keeps it (None means 'not set' for a key that
         is not needed); return a copy, float values as floats."""
         if not isinstance(value, dict):
-            got = "an empty file" if value is None and path == self.root and self.origin else repr(value)
+            got = "an empty file" if value is None and path == self.root and self.origin else shown(value)
             raise self.fail(f"{path or 'the top level'} must be a mapping with keys {', '.join(keys)}, got {got}")
         for key in value:
             if key not in keys:
                 close = difflib.get_close_matches(str(key), list(keys), n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(keys)}"
-                raise self.fail(f"{_join(path, key)}: unknown key; {hint}")
+                name = key if isinstance(key, str) and len(key) <= 80 else shown(key)
+                raise self.fail(f"{_join(path, name)}: unknown key; {hint}")
         for key in sorted(needed - value.keys()):
             doc = f" ({keys[key].doc})" if keys[key] is not None and keys[key].doc else ""
             raise self.fail(f"{path or 'the top level'}: missing required key {key!r}{doc}")
+        self.spend(path or "the top level", len(value))
         out = dict(value)
         for key, item in value.items():
             spec_rule = keys[key]
@@ -297,7 +333,7 @@ class Reader:
 
     def sequence(self, value: Any, path: str, what: str, allow_empty: bool = False) -> list:
         if not isinstance(value, list) or (not value and not allow_empty):
-            raise self.fail(f"{path} must be a {'' if allow_empty else 'non-empty '}list of {what}, got {value!r}")
+            raise self.fail(f"{path} must be a {'' if allow_empty else 'non-empty '}list of {what}, got {shown(value)}")
         return value
 
     def record(self, cls: type, value: Any, path: str) -> Any:
@@ -316,6 +352,7 @@ class Reader:
 
     def convert(self, hint: Any, spec_rule: Optional[Rule], value: Any, path: str) -> Any:
         """``value`` as type ``hint``; ``spec_rule`` checks the scalars in it."""
+        self.spend(path)
         origin = typing.get_origin(hint)
         if dataclasses.is_dataclass(hint):
             return self.record(hint, value, path)
@@ -327,22 +364,22 @@ class Reader:
             return self.convert(inner, spec_rule, value, path)
         if origin in (list, tuple):
             if not isinstance(value, list):
-                raise self.fail(f"{path} must be a list, got {value!r}")
+                raise self.fail(f"{path} must be a list, got {shown(value)}")
             item = typing.get_args(hint)[0]
             items = [self.convert(item, spec_rule, v, f"{path}[{i}]") for i, v in enumerate(value)]
             return items if origin is list else tuple(items)
         if origin is dict:
             if not isinstance(value, dict):
-                raise self.fail(f"{path} must be a mapping, got {value!r}")
+                raise self.fail(f"{path} must be a mapping, got {shown(value)}")
             key_type, item = typing.get_args(hint)
             for key in value:
                 if not _is_kind(key_type, key, strict=False):
-                    raise self.fail(f"{path}: key {key!r} must be {_kind_text(key_type, 'yaml', strict=False)}")
-            return {k: self.convert(item, spec_rule, v, f"{path}[{k!r}]") for k, v in value.items()}
+                    raise self.fail(f"{path}: key {shown(key)} must be {_kind_text(key_type, 'yaml', strict=False)}")
+            return {k: self.convert(item, spec_rule, v, f"{path}[{shown(k)}]") for k, v in value.items()}
         if spec_rule is not None:
             return self.scalar(value, spec_rule, path)
         if not _is_kind(hint, value, strict=False):
-            raise self.fail(f"{path} must be {_kind_text(hint, 'yaml', strict=False)}, got {value!r}")
+            raise self.fail(f"{path} must be {_kind_text(hint, 'yaml', strict=False)}, got {shown(value)}")
         return float(value) if hint is float else value
 
     def build(self, cls: type, values: Mapping[str, Any], path: str) -> Any:
