@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import planner
 from planner import Plan, PlanError, Prediction
 from whalelike import Config, replicate
+from whalelike.spec import StrictLoader
 from whalelike.strategy import Strategy
 
 from synthetic import synthetic_cluster, synthetic_model
@@ -54,7 +55,7 @@ def test_round_trip_keeps_every_float(setting, tmp_path, step, bubble, gap, time
     edited = dataclasses.replace(plan, prediction=Prediction(step, bubble, step), optimality_gap=gap, workers=workers)
     path = tmp_path / "p.yaml"
     edited.to_yaml(path)
-    assert Plan.from_dict(yaml.safe_load(path.read_text())) == edited
+    assert Plan.from_dict(yaml.load(path.read_text(), Loader=StrictLoader)) == edited   # the loader from_yaml uses
 
 
 @pytest.mark.parametrize(
