@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Optional
 
 import pulp
 
+from .plan import PlanError
+
 if TYPE_CHECKING:
     from .partition_problem import Partition, PartitionProblem
 
@@ -186,8 +188,6 @@ def cbc_path() -> str:
     for path in candidates:
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
-    from .plan import PlanError
-
     raise PlanError(
         f"the ILP partitioner needs the CBC solver and PuLP {pulp.__version__} has none installed; run "
         "`pip install 'pulp[cbc]'`, or use solver='greedy'"
