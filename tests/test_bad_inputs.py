@@ -281,3 +281,14 @@ def test_ilp_partitioner_raises_no_deprecation_warning():
         result = partition(problem, solver="ilp")
     assert result.solver == "ilp" and result.gap == 0.0
     assert os.access(cbc_path(), os.X_OK)
+
+
+def test_ilp_without_any_cbc_binary_is_a_clear_error(monkeypatch):
+    import pulp
+
+    monkeypatch.setitem(sys.modules, "cbcbox", None)   # `import cbcbox` raises ImportError
+    monkeypatch.setattr("planner.partition_ilp.shutil.which", lambda name: None)
+    monkeypatch.setattr(pulp.apis.coin_api, "pulp_cbc_path", "/nonexistent/cbc", raising=False)
+    with pytest.raises(PlanError, match=r"the ILP partitioner needs the CBC solver .* pip install 'pulp\[cbc\]'`, "
+                                        r"or use solver='greedy'"):
+        cbc_path()
