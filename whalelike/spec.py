@@ -16,6 +16,8 @@ Invariants:
   rule rejects bools and floats; a str rule rejects the empty string;
 * :func:`load_yaml` refuses before parsing a file over its size limit or that is not UTF-8, and
   reads YAML 1.2 exponents (``1e3``) as numbers and a key given twice in one mapping as an error;
+  :class:`Reader` walks at most :data:`MAX_VALUES` values (aliases cannot blow a small file up),
+  and messages show bad values cut short (:func:`shown`);
 * :func:`validate` runs each check of an object once for its current content: a second call with the
   same ``graphs``/``cluster`` objects costs one digest of the object (see :class:`_Checked`).
 """
