@@ -18,7 +18,8 @@ event as it happens, and ``--run-timeline out/run.png`` draws step times per ran
 (a Chrome trace goes next to it, ``.json``). The naive run never re-plans: it is the baseline.
 
 Checkpoints (``--checkpoint-dir DIR``): the whalelike run saves every ``--checkpoint-every`` steps
-and at the end (``runtime.checkpoint``: torch.distributed.checkpoint, atomic), and a run started
+and at the end (``runtime.checkpoint.save_async``: torch.distributed.checkpoint, atomic, written by
+a thread while training goes on), and a run started
 with the same ``--checkpoint-dir`` resumes from the newest complete checkpoint there: the step, the
 model and optimizer state, the data position (the batch generator's state) and the loss curve so far.
 ``--plan`` may then be left out (the checkpoint's plan is used) or name a *different* plan (another
@@ -48,6 +49,7 @@ from runtime import checkpoint
 from whalelike.cli import load_workload
 from whalelike.display import format_table
 from whalelike.errors import WhaleError
+from whalelike.files import check_output_paths
 
 WARMUP_STEPS = 2
 
@@ -93,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-resume", action="store_true", help="start at step 0 even if --checkpoint-dir has checkpoints")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="bound on every collective: a dead or hung rank fails the others after this (default 300)")
+    p.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
+                   help="a NaN or inf loss stops training naming the step (raise, default) or skips that step")
+    p.add_argument("--batch-check-every", type=int, default=100, metavar="N",
+                   help="check every N steps (and the first) that all ranks pass the same batch; 0: never")
     args = p.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
@@ -102,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if not (args.timeout > 0) or args.timeout == float("inf"):
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.batch_check_every < 0:
+        p.error(f"--batch-check-every must be 0 (off) or a number of steps, got {args.batch_check_every}")
     if args.compare_naive and args.checkpoint_dir:
         p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
                 "a job to resume; drop one")
@@ -117,7 +125,8 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     engine = runtime.Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                             loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
                             balance=args.balance if name == "whalelike" else "off",
-                            example_args=workload.example_args)
+                            example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
+                            batch_check_every=args.batch_check_every)
     generator = torch.Generator().manual_seed(args.seed)
     losses, step_times, save_times = [], [], []
     show = dist.get_rank() == 0
@@ -133,6 +142,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks",
               flush=True)
     saving = args.checkpoint_dir is not None and name == "whalelike"
+    pending = None
     for step in range(engine.step, args.steps):
         batch = workload.make_batch(plan.global_batch_size, generator)
         start = time.perf_counter()
@@ -146,17 +156,24 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
         if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
+            # written in the background while training goes on; the stall is the wait for the
+            # previous checkpoint (if still writing) and the snapshot of this rank's pieces
             start = time.perf_counter()
-            checkpoint.save(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
-                            extra={"generator": generator.get_state(), "losses": losses, "seed": args.seed})
+            if pending is not None:
+                pending.wait()
+            pending = checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
+                                            extra={"generator": generator.get_state(), "losses": list(losses),
+                                                   "seed": args.seed})
             save_times.append(time.perf_counter() - start)
+    if pending is not None:
+        pending.wait()
     if args.run_timeline and name == "whalelike":
         from runtime.run_timeline import gather_run, write_run_png, write_run_trace
 
         record = gather_run(engine)
         if record is not None:
             write_run_png(record, args.run_timeline, title=f"{name}: step times per rank, policy {args.balance}")
-            write_run_trace(record, args.run_timeline.rsplit(".", 1)[0] + ".json")
+            write_run_trace(record, _trace_path(args.run_timeline))
             print(f"  wrote {args.run_timeline} and its Chrome trace", flush=True)
     overruns = sum(s.overruns for s in engine.stats)
     segments = sum(s.segments for s in engine.stats)
@@ -164,6 +181,10 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
             "save_ms": [t * 1e3 for t in save_times]}
+
+
+def _trace_path(png: str) -> str:
+    return os.path.splitext(png)[0] + ".json"
 
 
 def _same_plan(info, plan: planner.Plan) -> bool:
@@ -220,6 +241,10 @@ def main(argv=None) -> int:
 def inputs(args):
     """The workload, plan, cluster and checkpoint to resume, checked before training starts: every
     rank reads the same files, so every rank fails alike (and none waits for the others)."""
+    if args.run_timeline is not None:
+        trace = "--run-timeline's trace"
+        check_output_paths({"--run-timeline": args.run_timeline, trace: _trace_path(args.run_timeline)},
+                           kinds={"--run-timeline": "png", trace: "json"})
     workload = load_workload(args.model)
     if workload.loss_fn is None or workload.make_batch is None:
         raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
@@ -267,8 +292,8 @@ def report(results: list[dict], steps: int) -> None:
                        title=f"measured throughput (mean over the steps this run trained, after step {WARMUP_STEPS})"))
     saves = results[0]["save_ms"]
     if saves:
-        print(f"\ncheckpoints: {len(saves)} saved, {sum(saves) / len(saves):.1f} ms each on average "
-              f"(first {saves[0]:.1f} ms), not counted in ms/step")
+        print(f"\ncheckpoints: {len(saves)} saved in the background; training stalled {sum(saves) / len(saves):.1f} ms "
+              f"per save on average (first {saves[0]:.1f} ms), not counted in ms/step")
     if len(results) == 2:
         print(f"\nmeasured speed-up of the hardware-aware plan over the naive plan: "
               f"{results[0]['throughput'] / results[1]['throughput']:.2f}x")

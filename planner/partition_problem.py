@@ -11,10 +11,10 @@ solver never sees a negative, infinite or inconsistent input; the model they des
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Optional, Sequence
 
+from whalelike.spec import check_fields, rule
 from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import StageCost
@@ -26,11 +26,9 @@ class PartitionInfeasible(PlanError):
     """No contiguous split of the layers over the stages fits in memory."""
 
 
-def _check_number(owner: str, name: str, value: float, *, positive: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{owner}: {name} must be a finite number {bound}, got {value!r}")
+def _number(doc: str, *, positive: bool = False, **bounds):
+    """A finite-number field (whalelike.spec rule): >= 0, or > 0 when ``positive``."""
+    return rule(float, doc, **({"gt": 0} if positive else {"ge": 0}), **bounds)
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -40,16 +38,15 @@ class LayerCost:
     ``state_bytes`` (gradients + optimizer state) are for the whole layer."""
 
     name: str
-    forward_flops: float
-    backward_flops: float
-    param_bytes: float
-    state_bytes: float
-    activation_bytes: float
-    cut_bytes: float  # sent per sample when a stage boundary follows this layer
+    forward_flops: float = _number("FLOPs of the forward pass per sample")
+    backward_flops: float = _number("FLOPs of the backward pass per sample")
+    param_bytes: float = _number("bytes of the layer's parameters")
+    state_bytes: float = _number("bytes of its gradients and optimizer state")
+    activation_bytes: float = _number("activation bytes per sample kept for the backward pass")
+    cut_bytes: float = _number("bytes per sample sent when a stage boundary follows this layer")
 
     def __post_init__(self):
-        for f in ("forward_flops", "backward_flops", "param_bytes", "state_bytes", "activation_bytes", "cut_bytes"):
-            _check_number(f"layer {self.name!r}", f, getattr(self, f))
+        check_fields(self, f"layer {self.name!r}: ", error=ValueError)
 
     @property
     def flops(self) -> float:
@@ -80,18 +77,13 @@ class DeviceMemory:
     stage's parameters, gradients and optimizer state and ``batch_fraction`` of each micro-batch's
     activations."""
 
-    capacity_bytes: float
-    weight_fraction: float = 1.0
-    batch_fraction: float = 1.0
+    capacity_bytes: float = _number("device memory in bytes", positive=True)
+    weight_fraction: float = _number("share of the stage's weights", le=1, default=1.0)
+    batch_fraction: float = _number("share of each micro-batch", le=1, default=1.0)
     name: str = ""
 
     def __post_init__(self):
-        _check_number(f"device {self.name!r}", "capacity_bytes", self.capacity_bytes, positive=True)
-        for f in ("weight_fraction", "batch_fraction"):
-            value = getattr(self, f)
-            _check_number(f"device {self.name!r}", f, value)
-            if value > 1:
-                raise ValueError(f"device {self.name!r}: {f} must be <= 1 (a share of the stage), got {value!r}")
+        check_fields(self, f"device {self.name!r}: ", error=ValueError)
 
 
 @dataclass(frozen=True)
@@ -100,11 +92,11 @@ class Slot:
     data-parallel devices' speeds) and its devices' memory."""
 
     name: str
-    flops_per_s: float
+    flops_per_s: float = _number("the group's aggregate speed in FLOP/s", positive=True)
     devices: tuple[DeviceMemory, ...]
 
     def __post_init__(self):
-        _check_number(f"slot {self.name!r}", "flops_per_s", self.flops_per_s, positive=True)
+        check_fields(self, f"slot {self.name!r}: ", error=ValueError)
         object.__setattr__(self, "devices", tuple(self.devices))
         if not self.devices:
             raise ValueError(f"slot {self.name!r}: devices must list at least one DeviceMemory")
@@ -146,12 +138,11 @@ class Slot:
 class Link:
     """The connection between two neighbouring stage positions."""
 
-    bandwidth_bytes_per_s: float
-    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = _number("bytes per second", positive=True)
+    latency_s: float = _number("seconds per message", default=0.0)
 
     def __post_init__(self):
-        _check_number("link", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
-        _check_number("link", "latency_s", self.latency_s)
+        check_fields(self, "link: ", error=ValueError)
 
 
 @dataclass(frozen=True)
@@ -168,7 +159,7 @@ class PartitionProblem:
     layers: tuple[LayerCost, ...]
     slots: tuple[Slot, ...]
     links: tuple[Link, ...]
-    micro_batch: float
+    micro_batch: float = _number("samples per micro-batch", positive=True)
     in_flight: tuple[int, ...]
     pinned: Mapping[int, int] = field(default_factory=dict)
     order: Literal["fixed", "search"] = "fixed"
@@ -189,7 +180,7 @@ class PartitionProblem:
             raise ValueError(f"PartitionProblem.links must have one Link per boundary ({S - 1}), got {len(self.links)}")
         if len(self.in_flight) != S or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.in_flight):
             raise ValueError(f"PartitionProblem.in_flight must be {S} integers >= 1 (one per stage), got {self.in_flight!r}")
-        _check_number("PartitionProblem", "micro_batch", self.micro_batch, positive=True)
+        check_fields(self, "PartitionProblem.", error=ValueError)
         if self.order not in ("fixed", "search"):
             raise ValueError(f"PartitionProblem.order must be 'fixed' or 'search', got {self.order!r}")
         bad = sorted(k for k in self.keep_position if not 0 <= k < S)

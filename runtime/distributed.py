@@ -110,8 +110,10 @@ def init(timeout_s: float) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s))
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        dist.init_process_group(backend(), store=_attempt_store(store), rank=rank, world_size=world, timeout=timeout)
     except (dist.DistError, RuntimeError) as e:
         raise DistributedStepError(
             f"rank {rank}: process-group initialisation failed within timeout_s={timeout_s:g} s: not all {world} "
@@ -120,6 +122,18 @@ def init(timeout_s: float) -> int:
         ) from e
     log.info("rank %d of %d: %s process group initialised (timeout %g s)", rank, world, backend(), timeout_s)
     return rank
+
+
+def _attempt_store(store: "dist.Store") -> "dist.Store":
+    """The rendezvous store seen through a prefix of torchrun's restart attempt.
+
+    Why: under ``torchrun --max-restarts`` the agent's store outlives the workers it restarts, and
+    with the static rendezvous (``--master-port``) torch adds no per-attempt prefix, so restarted
+    workers read the previous attempt's gloo addresses and their process group times out
+    connecting to ranks that no longer exist. A prefix per attempt gives every attempt fresh keys
+    (the progress and heartbeat keys of :class:`Progress` included)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return dist.PrefixStore(f"whalelike/attempt{attempt}", store) if attempt is not None else store
 
 
 class Progress:

@@ -145,7 +145,7 @@ def test_batchnorm_warning_text(caplog, tmp_path):
         del stage["batchnorm"]
     loaded = Plan.from_dict(old)
     assert not loaded.sync_batchnorm and loaded.stages[0].batchnorm == []
-    with pytest.raises(wl.SpecError, match=r"plan.sync_batchnorm: expected true or false, got 'yes'"):
+    with pytest.raises(wl.SpecError, match=r"plan.sync_batchnorm must be true or false \(.*\), got 'yes'"):
         Plan.from_dict({**synced.to_dict(), "sync_batchnorm": "yes"})
     with pytest.raises(wl.SpecError, match=r"Config.sync_batchnorm must be True or False, got 1"):
         wl.Config(global_batch_size=4, sync_batchnorm=1)

@@ -313,3 +313,19 @@ def test_plan_failures_write_no_file(capsys, synthetic_capture, tmp_path, argv, 
     code, _, err = run(capsys, *args)
     assert_one_line_error(code, err, *fragments)
     assert os.listdir(tmp_path) == []
+
+
+def test_simulate_checks_the_plans_devices_against_its_cluster(capsys, tmp_path):
+    cluster = Cluster.preset("emulated-4")
+    plan = planner.plan(synthetic_model(4, [replicate(4)], hidden=64, seq=8), cluster, Config(global_batch_size=8))
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    code, _, err = run(capsys, "simulate", str(path), "--cluster", "emulated-2")
+    assert_one_line_error(code, err, f"{path}: plan.workers[1].device: unknown device '{plan.workers[1].device}' "
+                                     "for cluster 'emulated-2'")
+    data = yaml.safe_load(path.read_text())
+    data["workers"][1]["device"] = "gpu-9"   # the plan names the preset emulated-4: checked against it
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, _, err = run(capsys, "simulate", str(path))
+    assert_one_line_error(code, err, "plan.workers[1].device: unknown device 'gpu-9' for cluster 'emulated-4'")
+    assert os.listdir(tmp_path) == ["plan.yaml"]

@@ -27,6 +27,7 @@ from .cluster import Cluster
 from .config import OPTIMIZERS, SCHEDULES, Config
 from .errors import WhaleError
 from .files import Outputs, check_output_paths
+from .spec import validate
 
 log = logging.getLogger("whalelike")
 
@@ -195,14 +196,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    outputs = _check_outputs(args, SIMULATE_OUTPUTS, inputs={"PLAN": args.plan})
+    outputs = _check_outputs(args, SIMULATE_OUTPUTS, inputs={"PLAN": args.plan, "--cluster": args.cluster})
     import planner  # after the checks: importing torch takes seconds
     import planner.timeline
 
     if not os.path.isfile(args.plan):
         raise WhaleError(f"{args.plan}: no such plan file; make one with `whalelike plan ... -o {args.plan}`")
+    cluster = Cluster.load(args.cluster) if args.cluster is not None else None
     try:
         plan = planner.Plan.from_yaml(args.plan)
+        if cluster is None and plan.cluster in Cluster.preset_names():
+            cluster = Cluster.preset(plan.cluster)   # as runtime.Engine does
+        if cluster is not None:  # its devices exist there, on their hosts, with room (planner.plan_checks)
+            validate(plan, cluster=cluster)
     except WhaleError as e:  # name the file when the planner's message does not
         if str(e).startswith(args.plan):
             raise
@@ -284,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "Replays the plan's schedule event by event: step time, bubble, per-device busy and idle time.",
                 "  whalelike simulate plan.yaml\n  whalelike simulate plan.yaml --timeline step.png --trace step.json")
     p.add_argument("plan", metavar="PLAN.yaml", help="a plan written by `whalelike plan`")
+    p.add_argument("--cluster", metavar="NAME_OR_YAML",
+                   help="the cluster the plan is for: its devices must be there, on their hosts, with room for the "
+                        "plan (default: the preset the plan names, when it names one)")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json", help="write the step as a Chrome trace (open in ui.perfetto.dev)")
     p.set_defaults(run=cmd_simulate)
