@@ -1,6 +1,6 @@
 """Data parallel on unequal devices: whalelike's uneven shares vs torch DDP with equal shares.
 
-Both sides train the same MLP on the same data on 4 emulated devices (DESIGN.md section 4), and
+Both sides train the same MLP on the same data on 4 emulated devices (docs/ARCHITECTURE.md section 4), and
 both are padded by the same kind of :class:`runtime.emulation.Emulator` (forward per micro-batch via
 hooks on the module, backward up to the comm hook), so the comparison is fair: the peer is stock
 ``DistributedDataParallel`` with equal shares (``global_batch / 4`` each) whose comm hook only

@@ -10,7 +10,7 @@ Workload: ``blocks`` Linear+ReLU blocks of width ``dim`` and a small head, annot
   nominal speeds (where to cut, and which device runs which stage), and
   :class:`runtime.pipeline.PipelineExecutor` runs the plan.
 
-Fair emulation (DESIGN.md section 4): both sides pad every forward and every backward of a stage
+Fair emulation (docs/ARCHITECTURE.md section 4): both sides pad every forward and every backward of a stage
 for one micro-batch to its modeled time with the same :class:`runtime.emulation.Emulator`, from the
 same captured FLOPs per sample of the stage's layers. whalelike does it inside its executor. The
 peer's stage module is wrapped: the forward runs inside ``Emulator.segment``; identity autograd

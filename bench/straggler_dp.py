@@ -2,7 +2,7 @@
 plan (``Engine(balance="off")``) vs the adaptive one (``Engine(balance="exact")``), side by side.
 
 Workload: a float64 MLP student learns a fixed random teacher's labels (cross-entropy, AdamW), on
-4 gloo ranks on CPU with emulated devices (DESIGN.md section 4; ``--speeds``, default 1,1,1,1).
+4 gloo ranks on CPU with emulated devices (docs/ARCHITECTURE.md section 4; ``--speeds``, default 1,1,1,1).
 Both runs start from the same initial weights and see the same global batches under the same
 emulation, whose straggler schedule slows rank ``--straggler`` by ``--factor`` for steps
 ``[--onset, --recovery)``. Static keeps the plan :func:`planner.plan` made from the nominal speeds;

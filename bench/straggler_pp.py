@@ -5,7 +5,7 @@ Workload: ``--blocks`` pre-norm residual blocks (LayerNorm, Linear, ReLU) of wid
 classifier head, annotated as two ``wl.replicate(1)`` regions (plain replicate stages, so the
 planner may move layers across the cut), a float64 model learning a fixed random teacher's labels
 (cross-entropy, AdamW); 2 gloo ranks on CPU, 1F1B over ``--micro-batches`` micro-batches, emulated
-devices of speed 1 (DESIGN.md section 4). :func:`planner.plan` makes the plan from the nominal
+devices of speed 1 (docs/ARCHITECTURE.md section 4). :func:`planner.plan` makes the plan from the nominal
 speeds; both runs start from it, from the same initial weights, on the same batches, under the same
 emulation, whose straggler schedule slows the device of stage 1 by ``--factor`` from step
 ``--onset`` to the end.

@@ -5,7 +5,7 @@ Workload: a float32 stack of ``--blocks`` residual Megatron MLP blocks ``x + dow
 (``up: d -> hidden`` column-parallel, ``down: hidden -> d`` row-parallel, sharded by MLP features
 in granules of 8, so shard sizes can follow speeds in steps of 8 of ``--hidden`` features) under
 ``wl.split(4)``, learning a fixed random teacher (``y = tanh(x A) B``, MSE, AdamW). Four gloo ranks
-on CPU, emulated devices of equal speed (DESIGN.md section 4): every local matmul, forward and
+on CPU, emulated devices of equal speed (docs/ARCHITECTURE.md section 4): every local matmul, forward and
 backward, is padded to its modeled time. From step ``--onset`` to the end, rank 3's matmuls (only
 its matmuls: ``Straggler(ops="matmul")``, the paper's straggling skewness chi) run chi times slower.
 

@@ -14,7 +14,7 @@ sees its own number of heads) and is what an unsharded model computes too.
   ``planner.plan`` onto the two devices from their nominal speeds, trained by ``runtime.Engine``.
   The plan's shard sizes are printed with the roles the runtime gave each Linear.
 
-Fair emulation (DESIGN.md section 4), the same as ``bench/tp_vs_dtensor.py``: both sides pad
+Fair emulation (docs/ARCHITECTURE.md section 4), the same as ``bench/tp_vs_dtensor.py``: both sides pad
 every local matmul of the six Linears, forward and backward, to its modeled time on the emulated
 device with the same :class:`runtime.emulation.Emulator` settings (FLOPs of the local shard).
 whalelike does it in its parallel layers; DTensor's modules get the hooks of

@@ -9,7 +9,7 @@ over 2 gloo ranks on CPU, its input requiring grad as inside a real network, SGD
 * whalelike: :class:`runtime.tp_layers.ColumnParallelLinear` + :class:`RowParallelLinear` with the
   hidden dimension split proportionally to the device speeds (largest remainder).
 
-Fair emulation (DESIGN.md section 4). Both sides run the real computation and each rank pads every
+Fair emulation (docs/ARCHITECTURE.md section 4). Both sides run the real computation and each rank pads every
 local matmul, forward and backward, to its modeled time on the emulated device with the same
 :class:`runtime.emulation.Emulator` (FLOPs of the *local* shard: ``2 * rows * in_local * out_local``
 forward, twice that backward). whalelike does it inside its local-matmul autograd function. For

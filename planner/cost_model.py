@@ -8,7 +8,7 @@ peak that dense training reaches in practice (0.4: typical model-FLOPs utilisati
 training on V100/A100-class GPUs); it scales all devices alike, so it changes how compute compares
 to communication, never which device gets more work. The planner never reads
 ``Device.emulated_speed`` or ``Cluster.emulation``: those are the emulator's hidden truth
-(DESIGN.md section 4).
+(docs/ARCHITECTURE.md section 4).
 
 Communication. alpha-beta model on the cluster's :class:`~whalelike.cluster.Network`: a message
 of ``b`` bytes costs ``latency + b / bandwidth``; a collective whose devices all sit on one host

@@ -1,6 +1,6 @@
 """Heterogeneity emulation: make a homogeneous CPU machine behave like an unequal cluster.
 
-DESIGN.md section 4. Each compute segment (a forward or backward of a stage for one micro-batch)
+docs/ARCHITECTURE.md section 4. Each compute segment (a forward or backward of a stage for one micro-batch)
 takes ``max(real time, modeled time)``: the real computation runs (results stay exact), then the
 rank sleeps for the rest of the modeled time. Modeled time comes from the segment's FLOPs and the
 emulated device's speed, never from measured wall time, so waiting on other ranks can never feed

@@ -7,7 +7,7 @@ slow. Each rank therefore records the time its compute segments took (the Engine
 ``EmulationStats.padded_s`` and ``.flops`` of the step: waiting and communication excluded) and
 its speed is ``flops / compute_s``. The monitor never reads the emulator's configured speeds: on
 real hardware there is no configuration, and the planner must see what a real job would see
-(DESIGN.md section 4).
+(docs/ARCHITECTURE.md section 4).
 
 Why a median: a single slow step (a page fault, a noisy neighbour for a moment, the first step's
 allocations) must not trigger a re-plan, whose cost is far above one step's. The smoothed speed is

@@ -257,5 +257,21 @@ def _holders_group(members: tuple[int, ...]):
     if entry is None or entry[0] is not world:
         entry = _HOLDER_GROUPS[id(world)] = (world, {})
     if members not in entry[1]:
-        entry[1][members] = dist.new_group(list(members))
+        entry[1][members] = dist.new_group(list(members), timeout=_world_timeout())
     return entry[1][members]
+
+
+def _world_timeout():
+    """The default group's collective timeout (the Engine's ``timeout_s`` when the Engine made the
+    group), so a dead holder fails the others as fast as on every other group, not after torch's
+    30-minute default for new groups; None (torch's default) if the backend does not say."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(_backend_device()).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _backend_device():
+    import torch
+
+    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")

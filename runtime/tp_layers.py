@@ -20,7 +20,7 @@ The pieces (Megatron-LM, Shoeybi et al. 2019; Whale's class-sharded classifier):
   materialises the full logits on any rank (two small all-reduces over the batch, no gradient
   communication).
 
-Heterogeneity emulation (DESIGN.md section 4): every local matmul, forward and backward, is one
+Heterogeneity emulation (docs/ARCHITECTURE.md section 4): every local matmul, forward and backward, is one
 compute segment on the rank's :class:`~runtime.emulation.Emulator` with the FLOPs of the *local*
 shard, so a rank holding a bigger shard takes longer on the emulated device. Segments never span a
 collective: the collectives live in separate autograd nodes. Consequently a stage holding

@@ -1,6 +1,6 @@
 """whalelike: train one PyTorch model across unequal accelerators.
 
-Public face (DESIGN.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
+Public face (docs/ARCHITECTURE.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
 ``Cluster``, ``Config``.
 """
 from .annotate import annotate

@@ -1,7 +1,7 @@
 """The ``whalelike`` command: inspect a model's TaskGraphs, look at clusters, plan, simulate.
 
 This is the one place that ties ``whalelike``, ``planner`` (and, for training, ``runtime``)
-together (DESIGN.md section 1); the planner is imported only by the commands that need it.
+together (docs/ARCHITECTURE.md section 1); the planner is imported only by the commands that need it.
 Training itself is launched with the ordinary ``torchrun``.
 
 Errors a user can cause (:class:`~whalelike.errors.WhaleError`, or a file that cannot be read or

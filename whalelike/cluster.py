@@ -2,7 +2,7 @@
 
 The *nominal* figures (``peak_tflops``, ``measured_tflops``) are what the planner may read. The
 ``emulated_speed`` of a device and the ``emulation`` block are the hidden truth of the emulated
-"hardware" (DESIGN.md section 4): only the runtime's emulator reads them.
+"hardware" (docs/ARCHITECTURE.md section 4): only the runtime's emulator reads them.
 
 A spec file looks like this (units: TFLOPS, GiB, GB/s, microseconds)::
 
