@@ -94,6 +94,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.rebalance import BalanceConfig  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler, round_robin_stragglers  # noqa: E402
+from whalelike.files import check_output_paths, write_atomic  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
@@ -330,12 +331,12 @@ def main() -> None:
     args = parser.parse_args()
     if not 5 <= args.onset < args.steps:
         parser.error("need 5 <= --onset < --steps (speeds in force are measured over steps 2-4)")
+    check_output_paths({"--json": args.json}, kinds={"--json": "json"})   # before minutes of runs
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     runs = spawn_ranks(worker, args, WORLD)["runs"]
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "runs": runs}, out, indent=1)
+        write_atomic(args.json, json.dumps({"args": vars(args), "runs": runs}, indent=1), kind="json")
     report(runs, args, load)
 
 
