@@ -14,9 +14,16 @@ model of execution is the runtime's:
   member, when the action ends; sends do not block compute (``isend``), but one worker's sends in
   one direction share its link and go one after another, each taking ``BoundaryPlan.transfer_ms``
   (free when the plan left it empty).
-* After its last backward, each data-parallel group of a stage (every worker with that stage and
-  ``tp_index``, over groups and replicas) all-reduces its gradients: the all-reduce starts when
-  all members are done and takes the largest ``Worker.allreduce_ms`` among them.
+* Each data-parallel group of a stage (every worker with that stage and ``tp_index``, over groups
+  and replicas) all-reduces its gradients once per step. Without ``buckets`` the all-reduce starts
+  when all members have finished their last backward and takes the largest ``Worker.allreduce_ms``
+  among them. With ``buckets`` (:class:`GradientBucket`, built from the model by
+  :func:`planner.gradient_buckets.gradient_buckets`: DDP's buckets in reverse layer order), it
+  overlaps with the last backward bucket by bucket, as DDP's does: bucket ``k`` is ready when
+  every member has run ``ready_fraction`` of its last backward (the layers it covers), its
+  all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one process group runs them
+  in order), and the group's step ends when the last bucket's ends. A worker's ``allreduce_ms`` in
+  the result is then the exposed part, after its own compute; ``hidden_allreduce_ms`` the rest.
 
 Processing order does not change the times: every resource (a group's device time, a worker's
 link) is used in program order, so each action's start is the maximum of known finish times.
@@ -29,13 +36,15 @@ import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 from whalelike.display import format_table
 
 from .plan import Plan, Prediction, Worker
 from .schedule import Action, build_schedule, gradient_accumulation, max_in_flight
 from .validate import ScheduleError, validate_plan
+
+GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +75,22 @@ class SimEvent(NamedTuple):
         return f"{self.kind}{self.micro_batch}"
 
 
+class GradientBucket(NamedTuple):
+    """One gradient bucket of a data-parallel group: ready once every member has run
+    ``ready_fraction`` (0..1) of its last backward; its all-reduce takes ``allreduce_ms``;
+    ``nbytes`` is what it carries (for display)."""
+
+    ready_fraction: float
+    allreduce_ms: float
+    nbytes: float = 0.0
+
+
 @dataclass(frozen=True)
 class WorkerTime:
     """Where one worker's step went. ``idle_ms`` is waiting: for inputs (pipeline bubbles), for a
-    slower tensor-parallel peer, or for slower data-parallel peers before the all-reduce."""
+    slower tensor-parallel peer, or for slower data-parallel peers before the all-reduce.
+    ``allreduce_ms`` is the gradient all-reduce time after the worker's own compute ended (all of
+    it without overlap), ``hidden_allreduce_ms`` the part overlapped with its backward."""
 
     rank: int
     device: str
@@ -79,6 +100,7 @@ class WorkerTime:
     allreduce_ms: float
     idle_ms: float
     peak_in_flight: int
+    hidden_allreduce_ms: float = 0.0
 
     @property
     def busy_ms(self) -> float:
@@ -139,13 +161,18 @@ class _Group:
     free_ms: float = 0.0
 
 
-def simulate(plan: Plan, record_events: bool = True) -> SimResult:
+def simulate(plan: Plan, record_events: bool = True,
+             buckets: Optional[Mapping[GroupKey, Sequence[GradientBucket]]] = None) -> SimResult:
     """Simulate one step of ``plan``; raises :class:`~planner.validate.ScheduleError` if it cannot run.
 
     ``record_events=False`` keeps only the times (``SimResult.events`` stays empty): the planner's
     predictions need no timeline, and on thousands of workers the events dominate the cost.
+    ``buckets`` maps a data-parallel group ``(stage, tp_index)`` to its gradient buckets in
+    all-reduce order; their all-reduces overlap with the last backward (module docstring). A group
+    left out all-reduces after its backward, taking ``Worker.allreduce_ms``.
     """
     validate_plan(plan)
+    _check_buckets(plan, buckets)
     groups = _groups(plan)
     events: list[SimEvent] = []
     compute: dict[int, float] = defaultdict(float)
@@ -153,6 +180,7 @@ def simulate(plan: Plan, record_events: bool = True) -> SimResult:
     arrivals: dict[tuple[int, int], list] = defaultdict(lambda: [0, 0.0])
     waiting: dict[tuple[int, int], list[_Group]] = defaultdict(list)
     link_free: dict[tuple[int, str], float] = defaultdict(float)
+    last_backward: dict[int, tuple[float, float]] = {}
     ready = deque(groups)
 
     def run(g: _Group, a: Action) -> bool:
@@ -169,6 +197,8 @@ def simulate(plan: Plan, record_events: bool = True) -> SimResult:
         for w in g.members:
             took = (w.forward_ms if a.kind == "F" else w.backward_ms)[m]
             compute[w.rank] += took
+            if a.kind == "B":
+                last_backward[w.rank] = (start, start + took)
             if record_events:
                 events.append(SimEvent(w.rank, g.stage, a.kind, m, start, start + took))
             end = max(end, start + took)
@@ -198,7 +228,7 @@ def simulate(plan: Plan, record_events: bool = True) -> SimResult:
             f"replica {g.replica} stage {g.stage} at {g.actions[g.pc]}" for g in stalled))
 
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
-    allreduce = _allreduce(plan, finish, events if record_events else None)
+    allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
     step_ms = max(finish.values())
     return _result(plan, groups, events, compute, allreduce, step_ms)
 
@@ -235,30 +265,65 @@ def _groups(plan: Plan) -> list[_Group]:
     return out
 
 
-def _allreduce(plan: Plan, finish: dict[int, float], events: Optional[list[SimEvent]]) -> dict[int, float]:
-    """Run each data-parallel group's gradient all-reduce; updates ``finish``, returns its time per rank."""
+def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tuple[float, float]],
+               buckets: Mapping[GroupKey, Sequence[GradientBucket]],
+               events: Optional[list[SimEvent]]) -> dict[int, tuple[float, float]]:
+    """Run each data-parallel group's gradient all-reduce, bucket by bucket (one bucket after the
+    backward when ``buckets`` has none for the group); updates ``finish``, returns per rank the
+    (exposed, hidden) all-reduce time."""
     peers = defaultdict(list)
     for w in plan.workers:
         peers[w.stage, w.tp_index].append(w)
     took = {}
-    for ws in peers.values():
-        start = max(finish[w.rank] for w in ws)
-        duration = max(w.allreduce_ms for w in ws)
+    for key, ws in peers.items():
+        own = buckets.get(key)
+        if own is None:
+            own = [GradientBucket(1.0, max(w.allreduce_ms for w in ws))]
+        spans = []
+        previous_end = 0.0
+        for bucket in own:
+            ready = max(start + bucket.ready_fraction * (end - start)
+                        for start, end in (last_backward[w.rank] for w in ws))
+            start = max(ready, previous_end)
+            previous_end = start + bucket.allreduce_ms
+            if bucket.allreduce_ms > 0:
+                spans.append((start, previous_end))
         for w in ws:
-            took[w.rank] = duration
-            if duration > 0:
+            compute_end = finish[w.rank]
+            exposed = sum(end - max(start, compute_end) for start, end in spans if end > compute_end)
+            took[w.rank] = (exposed, sum(end - start for start, end in spans) - exposed)
+            if spans:
                 if events is not None:
-                    events.append(SimEvent(w.rank, w.stage, "allreduce", None, start, start + duration))
-                finish[w.rank] = start + duration
+                    events.extend(SimEvent(w.rank, w.stage, "allreduce", None, start, end) for start, end in spans)
+                finish[w.rank] = max(compute_end, spans[-1][1])
     return took
+
+
+def _check_buckets(plan: Plan, buckets: Optional[Mapping[GroupKey, Sequence[GradientBucket]]]) -> None:
+    """Every bucket belongs to a data-parallel group of the plan and has usable figures."""
+    if not buckets:
+        return
+    groups = {(w.stage, w.tp_index) for w in plan.workers}
+    for key, own in buckets.items():
+        if key not in groups:
+            raise ScheduleError(f"buckets: no data-parallel group (stage, tp_index) = {key!r} in the plan; groups: "
+                                f"{sorted(groups)}; build the buckets for this plan (planner.gradient_buckets)")
+        for k, bucket in enumerate(own):
+            fraction, ms = bucket.ready_fraction, bucket.allreduce_ms
+            if not (isinstance(fraction, (int, float)) and 0.0 <= fraction <= 1.0):
+                raise ScheduleError(f"buckets[{key!r}][{k}].ready_fraction must be in [0, 1] (the share of the "
+                                    f"last backward run before the bucket is ready), got {fraction!r}")
+            if not (isinstance(ms, (int, float)) and 0.0 <= ms < float("inf")):
+                raise ScheduleError(f"buckets[{key!r}][{k}].allreduce_ms must be a finite number >= 0, got {ms!r}")
 
 
 def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], compute: dict[int, float],
             allreduce: dict[int, float], step_ms: float) -> SimResult:
     in_flight = {w.rank: max_in_flight(g.actions) for g in groups for w in g.members}
     workers = [
-        WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank],
-                   max(step_ms - compute[w.rank] - allreduce[w.rank], 0.0), in_flight[w.rank])
+        WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank][0],
+                   max(step_ms - compute[w.rank] - allreduce[w.rank][0], 0.0), in_flight[w.rank],
+                   allreduce[w.rank][1])
         for w in plan.workers
     ]
     total = step_ms * len(workers)

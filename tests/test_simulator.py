@@ -5,9 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.gradient_buckets import fill_buckets, gradient_buckets
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
 from planner.schedule import SCHEDULES
-from planner.simulator import simulate
+from planner.simulator import GradientBucket, simulate
 from planner.validate import ScheduleError
 
 
@@ -250,3 +251,119 @@ def test_time_accounting_adds_up(schedule, num_micro_batch, times, transfer):
     for w in result.workers:
         assert w.busy_ms + w.idle_ms == pytest.approx(result.step_time_ms)
     assert 0.0 <= result.bubble_fraction < 1.0
+
+
+# -- overlap of the gradient all-reduce with backward (DDP buckets) ------------------------------------
+def overlap_plan(backward=(4.0,), slow_backward=None, allreduce=3.0):
+    """Data parallel on two workers: forward 1 ms, backward ``backward`` per micro-batch; the second
+    worker's backward is ``slow_backward`` when given."""
+    fast = worker(0, 0, [1.0] * len(backward), list(backward), dp=0, allreduce=allreduce)
+    slow = worker(1, 0, [1.0] * len(backward), list(slow_backward or backward), dp=1, allreduce=allreduce)
+    return make_plan([fast, slow], len(backward))
+
+
+def allreduce_spans(result, rank):
+    return [(e.start_ms, e.end_ms) for e in result.events if e.kind == "allreduce" and e.rank == rank]
+
+
+def test_bucket_allreduces_overlap_the_backward_and_the_step_ends_with_the_last():
+    """Backward [1, 5]: buckets ready at 2, 3 and 5 run back to back as they become ready."""
+    buckets = {(0, 0): [GradientBucket(0.25, 1.0), GradientBucket(0.5, 1.0), GradientBucket(1.0, 1.0)]}
+    plain, overlapped = simulate(overlap_plan()), simulate(overlap_plan(), buckets=buckets)
+    assert plain.step_time_ms == pytest.approx(1.0 + 4.0 + 3.0)
+    assert overlapped.step_time_ms == pytest.approx(6.0)
+    assert allreduce_spans(overlapped, 0) == [(2.0, 3.0), (3.0, 4.0), (5.0, 6.0)]   # exact in binary
+    for w in overlapped.workers:
+        assert (w.allreduce_ms, w.hidden_allreduce_ms, w.idle_ms) == pytest.approx((1.0, 2.0, 0.0))
+        assert w.busy_ms + w.idle_ms == pytest.approx(overlapped.step_time_ms)
+
+
+def test_buckets_ready_at_once_run_one_after_another():
+    """One process group all-reduces the buckets in order: three 2 ms buckets ready when the
+    backward starts (at 1) end at 7, 2 ms after the backward."""
+    buckets = {(0, 0): [GradientBucket(0.0, 2.0)] * 3}
+    result = simulate(overlap_plan(), buckets=buckets)
+    assert [s for s, _ in allreduce_spans(result, 1)] == pytest.approx([1.0, 3.0, 5.0])
+    assert result.step_time_ms == pytest.approx(7.0)
+    assert [w.allreduce_ms for w in result.workers] == pytest.approx([2.0, 2.0])
+
+
+def test_a_bucket_waits_for_the_slowest_peer_to_reach_its_layers():
+    """Worker 1's backward runs [1, 9]: the bucket ready at half the backward waits for it (5), not
+    for worker 0 (3). Worker 0's compute ended at 5, so both of its all-reduces are exposed and it
+    idles 3 ms; worker 1 hides the first under its backward."""
+    buckets = {(0, 0): [GradientBucket(0.5, 1.0), GradientBucket(1.0, 1.0)]}
+    result = simulate(overlap_plan(slow_backward=(8.0,)), buckets=buckets)
+    assert allreduce_spans(result, 0) == [(5.0, 6.0), (9.0, 10.0)]
+    fast, slow = result.workers
+    assert (fast.allreduce_ms, fast.hidden_allreduce_ms, fast.idle_ms) == pytest.approx((2.0, 0.0, 3.0))
+    assert (slow.allreduce_ms, slow.hidden_allreduce_ms, slow.idle_ms) == pytest.approx((1.0, 1.0, 0.0))
+
+
+def test_under_gradient_accumulation_only_the_last_backward_is_overlapped():
+    buckets = {(0, 0): [GradientBucket(0.0, 1.0)]}
+    result = simulate(overlap_plan(backward=(4.0, 4.0)), buckets=buckets)
+    # F0 B0 F1 B1: the last backward starts at 1 + 4 + 1 = 6
+    assert allreduce_spans(result, 0) == [(6.0, 7.0)]
+    assert result.step_time_ms == pytest.approx(10.0)
+
+
+def test_one_bucket_after_the_backward_is_the_plain_allreduce():
+    m = 2
+    workers = [worker(0, 0, [1.0] * m, [1.0] * m, replica=0, allreduce=1.0),
+               worker(1, 1, [1.0] * m, [1.0] * m, replica=0, allreduce=1.5),
+               worker(2, 0, [2.0] * m, [2.0] * m, replica=1, allreduce=1.0),
+               worker(3, 1, [2.0] * m, [2.0] * m, replica=1, allreduce=3.0)]
+    plan = make_plan(workers, m, "1f1b")
+    one = {(0, 0): [GradientBucket(1.0, 1.0)], (1, 0): [GradientBucket(1.0, 3.0)]}
+    plain, bucketed = simulate(plan), simulate(plan, buckets=one)
+    assert bucketed.step_time_ms == pytest.approx(plain.step_time_ms)
+    assert bucketed.workers == plain.workers
+    assert sorted(bucketed.events) == sorted(plain.events)
+
+
+@pytest.mark.parametrize("buckets, message", [
+    ({(3, 0): []}, r"buckets: no data-parallel group \(stage, tp_index\) = \(3, 0\) in the plan; groups: \[\(0, 0\)\]"),
+    ({(0, 0): [GradientBucket(1.5, 1.0)]}, r"buckets\[\(0, 0\)\]\[0\].ready_fraction must be in \[0, 1\] .* got 1.5"),
+    ({(0, 0): [GradientBucket(0.5, 1.0), GradientBucket(1.0, float("nan"))]},
+     r"buckets\[\(0, 0\)\]\[1\].allreduce_ms must be a finite number >= 0, got nan"),
+])
+def test_bad_buckets_are_rejected_by_name(buckets, message):
+    with pytest.raises(ScheduleError, match=message):
+        simulate(overlap_plan(), buckets=buckets)
+
+
+def test_fill_buckets_follows_ddp_caps_and_keeps_every_byte():
+    mib = 2**20
+    layers = [(0.25, 3 * mib), (0.5, 30 * mib), (1.0, 10 * mib)]   # (ready fraction, bytes), in ready order
+    buckets = fill_buckets(layers, first_bucket_bytes=mib, bucket_bytes=25 * mib)
+    assert buckets == [(mib, 0.25), (25 * mib, 0.5), (17 * mib, 1.0)]
+    assert sum(b for b, _ in buckets) == 43 * mib
+
+
+def test_gradient_buckets_of_a_planned_model_carry_its_gradients_and_shorten_the_step():
+    """Data parallel over two hosts of a synthetic cluster: the buckets carry every gradient byte,
+    in reverse layer order, each priced as a ring all-reduce by planner.network; overlapping them
+    with the backward makes the step shorter than all-reducing after it, and no shorter than the
+    compute or the all-reduces alone."""
+    from planner import plan as make
+    from planner.cost_model import StageCost
+    from planner.network import NetworkModel
+    from synthetic import synthetic_cluster, synthetic_model
+    from whalelike import Config, replicate
+
+    cluster = synthetic_cluster([(2, 10.0, 32.0), (2, 5.0, 32.0)], per_host=2)
+    graphs = synthetic_model(num_layers=6, strategies=[replicate(4)], vocab=1000)
+    planned = make(graphs, cluster, Config(global_batch_size=16, num_micro_batch=1))
+    buckets = gradient_buckets(planned, graphs, cluster)
+    assert list(buckets) == [(0, 0)]
+    own = buckets[0, 0]
+    assert sum(b.nbytes for b in own) == pytest.approx(StageCost.of_layers(graphs, range(6)).param_bytes)
+    assert [b.ready_fraction for b in own] == sorted(b.ready_fraction for b in own) and own[-1].ready_fraction == 1.0
+    devices = [w.device for w in planned.workers]
+    network = NetworkModel.of_cluster(cluster)
+    assert [b.allreduce_ms for b in own] == pytest.approx([network.ring_allreduce_ms(b.nbytes, devices) for b in own])
+    plain, overlapped = simulate(planned), simulate(planned, buckets=buckets)
+    assert overlapped.step_time_ms < plain.step_time_ms
+    assert overlapped.step_time_ms >= max(w.compute_ms for w in planned.workers)
+    assert overlapped.step_time_ms >= sum(b.allreduce_ms for b in own)
