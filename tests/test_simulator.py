@@ -367,3 +367,22 @@ def test_gradient_buckets_of_a_planned_model_carry_its_gradients_and_shorten_the
     assert overlapped.step_time_ms < plain.step_time_ms
     assert overlapped.step_time_ms >= max(w.compute_ms for w in planned.workers)
     assert overlapped.step_time_ms >= sum(b.allreduce_ms for b in own)
+
+
+def test_gradient_buckets_of_a_split_stage_carry_each_shard():
+    """replicate(2) of split(2): each tensor-parallel index all-reduces its own shard of the gradients
+    with its data-parallel peer in the other replica."""
+    from planner import plan as make
+    from planner.cost_model import StageCost
+    from synthetic import synthetic_cluster, synthetic_model
+    from whalelike import Config, split
+
+    cluster = synthetic_cluster([(2, 10.0, 32.0), (2, 5.0, 32.0)], per_host=2)
+    graphs = synthetic_model(4, [split(2)], hidden=256, seq=32)
+    planned = make(graphs, cluster, Config(global_batch_size=8, num_micro_batch=1))
+    buckets = gradient_buckets(planned, graphs, cluster)
+    assert sorted(buckets) == [(0, 0), (0, 1)]
+    shards = [sum(b.nbytes for b in buckets[0, t]) for t in (0, 1)]
+    assert sum(shards) == pytest.approx(StageCost.of_layers(graphs, range(4)).param_bytes)
+    assert all(b.allreduce_ms > 0 for t in (0, 1) for b in buckets[0, t])
+    assert simulate(planned, buckets=buckets).step_time_ms <= simulate(planned).step_time_ms
