@@ -94,10 +94,10 @@ def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
         members = sorted(plan.stage_workers(stage.index), key=lambda w: w.rank)
         fractions = _shard_fractions(graphs, stage, members[0].tp_size)
         for tp_index, fraction in enumerate(fractions):
-            devices = [w.device for w in members if w.tp_index == tp_index]
+            ring = network.ring([w.device for w in members if w.tp_index == tp_index])
             scaled = [(ready, nbytes * fraction) for ready, nbytes in ready_bytes]
             out[stage.index, tp_index] = [
-                GradientBucket(ready, network.ring_allreduce_ms(nbytes, devices), nbytes)
+                GradientBucket(ready, ring.allreduce_ms(nbytes), nbytes)
                 for nbytes, ready in fill_buckets(scaled, first_bucket_bytes, bucket_bytes)]
     return out
 

@@ -20,7 +20,7 @@ What is modeled:
   twice as long as one: the bottleneck of one sender host feeding many receivers (seed 001).
   Event-driven and work-conserving: a transfer whose NICs are free never waits behind one whose
   NICs are busy.
-* **Ring collectives** (all-reduce, all-gather, reduce-scatter) over devices in the order given
+* **Ring collectives** (:class:`Ring`: all-reduce, all-gather, reduce-scatter) over devices in the order given
   (rank order, as gloo's and NCCL's rings run for host-contiguous ranks): each of the ``n - 1``
   (all-reduce: ``2(n - 1)``) steps moves a ``bytes / n`` chunk over every hop at once, so a step
   lasts as long as its slowest hop; hops leaving (entering) one host share its NIC, dividing its
@@ -214,36 +214,61 @@ class NetworkModel:
         return timed  # type: ignore[return-value]
 
     # -- ring collectives ----------------------------------------------------------------------------
-    def ring_step_ms(self, chunk_bytes: float, devices: Sequence[str]) -> float:
-        """One ring step: every device sends ``chunk_bytes`` to the next one at once; the slowest
-        hop decides, hops out of (into) one host sharing its NIC."""
+    def ring(self, devices: Sequence[str]) -> "Ring":
+        """The ring over ``devices`` in the order given, priced once: reuse it for many messages."""
         devices = list(devices)
         if len(set(devices)) != len(devices):
             twice = sorted(d for d, n in Counter(devices).items() if n > 1)
             raise NetworkError(f"ring over {devices}: devices {twice} appear twice; list each device once")
         hops = [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
+        if len(devices) <= 1:
+            return Ring(len(devices), 0.0, 0.0)
         leaving = Counter(h.src_host for h in hops if h.kind == INTER_HOST)
         entering = Counter(h.dst_host for h in hops if h.kind == INTER_HOST)
-        return max(h.time_ms(chunk_bytes, max(leaving[h.src_host], entering[h.dst_host]) if h.kind == INTER_HOST
-                             else 1) for h in hops)
-
-    def _ring_ms(self, nbytes: float, devices: Sequence[str], steps_per_device: int, what: str) -> float:
-        nbytes = _bytes(nbytes, what)
-        n = len(devices)
-        if n <= 1 or nbytes <= 0:
-            for d in devices:
-                self.host_of(d)
-            return 0.0
-        return steps_per_device * (n - 1) * self.ring_step_ms(nbytes / n, devices)
+        # every hop has the same latency, so the slowest hop is the one with the least bandwidth
+        ms_per_byte = max((max(leaving[h.src_host], entering[h.dst_host]) if h.kind == INTER_HOST else 1)
+                          / (h.gbps * BYTES_PER_MS_PER_GBPS) for h in hops)
+        return Ring(len(devices), self.latency_ms, ms_per_byte)
 
     def ring_allreduce_ms(self, nbytes: float, devices: Sequence[str]) -> float:
         """Ring all-reduce of ``nbytes`` per device: reduce-scatter then all-gather, ``2(n-1)`` steps."""
-        return self._ring_ms(nbytes, devices, 2, "ring all-reduce")
+        return self.ring(devices).allreduce_ms(nbytes)
 
     def ring_allgather_ms(self, nbytes: float, devices: Sequence[str]) -> float:
         """Ring all-gather of a tensor of ``nbytes`` in total (each device holds ``nbytes / n``)."""
-        return self._ring_ms(nbytes, devices, 1, "ring all-gather")
+        return self.ring(devices).allgather_ms(nbytes)
 
     def ring_reduce_scatter_ms(self, nbytes: float, devices: Sequence[str]) -> float:
         """Ring reduce-scatter of ``nbytes`` per device (each ends with its reduced ``nbytes / n``)."""
-        return self._ring_ms(nbytes, devices, 1, "ring reduce-scatter")
+        return self.ring(devices).reduce_scatter_ms(nbytes)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A priced ring of ``size`` devices: each step moves one chunk over every hop at once and
+    lasts ``latency_ms + chunk * ms_per_byte`` (its slowest hop, NIC sharing included)."""
+
+    size: int
+    latency_ms: float
+    ms_per_byte: float
+
+    def step_ms(self, chunk_bytes: float) -> float:
+        return self.latency_ms + chunk_bytes * self.ms_per_byte
+
+    def _collective_ms(self, nbytes: float, steps_per_device: int, what: str) -> float:
+        nbytes = _bytes(nbytes, what)
+        if self.size <= 1 or nbytes <= 0:
+            return 0.0
+        return steps_per_device * (self.size - 1) * self.step_ms(nbytes / self.size)
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        """All-reduce of ``nbytes`` per device: ``2(n-1)`` steps of ``nbytes / n``."""
+        return self._collective_ms(nbytes, 2, "ring all-reduce")
+
+    def allgather_ms(self, nbytes: float) -> float:
+        """All-gather of ``nbytes`` in total: ``n - 1`` steps of ``nbytes / n``."""
+        return self._collective_ms(nbytes, 1, "ring all-gather")
+
+    def reduce_scatter_ms(self, nbytes: float) -> float:
+        """Reduce-scatter of ``nbytes`` per device: ``n - 1`` steps of ``nbytes / n``."""
+        return self._collective_ms(nbytes, 1, "ring reduce-scatter")

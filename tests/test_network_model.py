@@ -103,6 +103,15 @@ def test_a_host_contiguous_cross_host_ring_is_bounded_by_the_inter_host_link(per
         2 * (n - 1) / n * wire_ms(nbytes, INTER) + 2 * (n - 1) * LATENCY_MS)
 
 
+def test_a_priced_ring_is_reused_for_many_messages():
+    net = two_hosts(2)
+    ring = net.ring(["a0", "a1", "b0", "b1"])
+    assert (ring.size, ring.latency_ms, ring.ms_per_byte) == pytest.approx((4, LATENCY_MS, wire_ms(1, INTER)))
+    for nbytes in (0, 1.0, 25 * MB):
+        assert ring.allreduce_ms(nbytes) == net.ring_allreduce_ms(nbytes, ["a0", "a1", "b0", "b1"])
+    assert net.ring(["a0"]).allreduce_ms(MB) == 0.0
+
+
 def test_an_interleaved_ring_shares_each_nic_between_its_hops():
     net = two_hosts(2)
     contiguous = net.ring_allreduce_ms(64 * MB, ["a0", "a1", "b0", "b1"])
