@@ -12,9 +12,10 @@ holds the slice are always fed from that host (intra-host, a local holder); a re
 the slice itself keeps it (strategy ``local``, no traffic). For the others:
 
 * ``send_recv``: one transfer per receiving device, a full copy from a sender device.
-* ``allgather``: one transfer per receiving host: the sender sends the slice cut in ``m`` parts,
-  one to each of the host's ``m`` receivers (serially, ``m`` messages), which then all-gather it
-  over the intra-host ring (``(m-1)`` steps of ``S/m``). One cross-host copy per receiving host.
+* ``allgather``: one transfer per receiving host: the sender sends the slice cut in ``m`` parts
+  (:func:`allgather_parts`), one to each of the host's ``m`` receivers (serially, ``m`` messages),
+  which then all-gather it over the intra-host ring (``(m-1)`` steps of ``S/m``). One cross-host
+  copy per receiving host.
 * ``broadcast``: one transfer for all remote receivers: a ring from the sender through the
   receivers, host by host, cut in ``K`` chunks and pipelined:
   ``sum_h (L + c/bw_h) + (K-1) * max_h (L + c/bw_h)``, ``c = S/K``, ``K`` chosen to minimise it
@@ -193,16 +194,24 @@ def _route(strategy: str, sender: str, sender_host: str, receivers: Sequence[str
     if cross:
         resources |= {("out", sender_host), ("in", host)}
     if strategy == "allgather" and len(receivers) > 1:
-        part = nbytes / len(receivers)
-        hops = tuple(Hop(sender, d, part, cross) for d in receivers)
+        parts = [size * itemsize for size in allgather_parts(int(nbytes // itemsize), len(receivers))]
+        hops = tuple(Hop(sender, d, float(part), cross) for d, part in zip(receivers, parts))
         ring = list(receivers)
-        hops += tuple(Hop(a, b, part * (len(ring) - 1), False) for a, b in zip(ring, ring[1:] + ring[:1]))
-        gather = (len(ring) - 1) * links.message_ms(part, host, host)
-        duration = sum(links.message_ms(part, sender_host, host) for _ in receivers) + gather
+        # ring all-gather: each device forwards every part but its successor's own
+        hops += tuple(Hop(a, b, float(nbytes - parts[(i + 1) % len(ring)]), False)
+                      for i, (a, b) in enumerate(zip(ring, ring[1:] + ring[:1])))
+        gather = (len(ring) - 1) * links.message_ms(max(parts), host, host)
+        duration = sum(links.message_ms(part, sender_host, host) for part in parts) + gather
         return Route(sender, sender_host, duration, frozenset(resources), hops)
     hops = tuple(Hop(sender, d, nbytes, cross) for d in receivers)
     duration = sum(links.message_ms(nbytes, sender_host, dst_hosts[d]) for d in receivers)
     return Route(sender, sender_host, duration, frozenset(resources), hops)
+
+
+def allgather_parts(elements: int, count: int) -> list[int]:
+    """How an all-gather transfer cuts a slice of ``elements`` entries (flattened, row-major) over
+    ``count`` receivers: consecutive parts, the first ``elements % count`` one entry longer."""
+    return [elements // count + (1 if i < elements % count else 0) for i in range(count)]
 
 
 def _pipelined_ms(nbytes: float, gbps: Sequence[float], latency_ms: float, max_chunks: int) -> tuple[float, int]:
