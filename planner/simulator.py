@@ -24,6 +24,8 @@ model of execution is the runtime's:
   all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one process group runs them
   in order), and the group's step ends when the last bucket's ends. A worker's ``allreduce_ms`` in
   the result is then the exposed part, after its own compute; ``hidden_allreduce_ms`` the rest.
+  Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
+  network interface, and all-reduce traffic slowing concurrent boundary sends.
 
 Processing order does not change the times: every resource (a group's device time, a worker's
 link) is used in program order, so each action's start is the maximum of known finish times.
