@@ -3,16 +3,26 @@
 Why one module: a predicted step time is only comparable with a measured (emulated) one when both
 price a transfer the same way, so the link a transfer crosses, its time and the queueing on each
 host's network interface are defined once, here, from the cluster spec's
-:class:`~whalelike.cluster.Network` figures (bandwidths in GB/s, latency in microseconds). Pure
-Python, no ``torch.distributed``: it runs in the planner's single process.
+:class:`~whalelike.cluster.Network` figures. Pure Python, no ``torch.distributed``: it runs in the
+planner's single process. Its users: the simulator and :mod:`planner.gradient_buckets` (rings,
+queueing) and the cross-mesh resharding planner (:mod:`planner.resharding_cost`: the link between
+two hosts, :meth:`NetworkModel.check_placement`).
+
+**Units.** Bandwidths are gigaBYTES per second, 10^9 bytes/s = 10^6 bytes per millisecond
+(:data:`BYTES_PER_MS_PER_GBPS`), although the cluster's fields are named ``*_gbps``: a figure of
+``12.5`` means 12.5 GB/s (100 Gbit/s), not 12.5 Gbit/s. Latency is given in microseconds and every
+time returned is in milliseconds.
 
 What is modeled:
 
 * **Links.** A transfer between two devices crosses one link: none on the same device (free), the
   intra-host link between devices of one host, or the inter-host link through the sending host's
   network interface (NIC) out and the receiving host's NIC in; its bandwidth is the slower of the
-  two NICs (``inter_host_gbps`` unless ``nic_gbps`` overrides a host). A message of ``b`` bytes
-  takes ``latency + b / bandwidth`` (the alpha-beta model of :mod:`planner.cost_model`).
+  two NICs (``inter_host_gbps`` unless ``nic_gbps`` overrides a host). A message of ``b > 0`` bytes
+  takes ``latency + b / bandwidth`` (the alpha-beta model of :mod:`planner.cost_model`); an empty
+  one takes no time (it is not sent). :meth:`NetworkModel.host_link` is the same link between two
+  hosts, for callers that place transfers by host (a model built with :meth:`NetworkModel.of_hosts`
+  knows hosts but no devices).
 * **NIC queueing** (:meth:`NetworkModel.schedule`). Each host's NIC is one serial resource per
   direction: an inter-host transfer holds its sender's outgoing and its receiver's incoming NIC
   for its whole time (latency included: per-message overhead occupies the interface); waiting
@@ -48,7 +58,7 @@ from typing import Mapping, Optional, Sequence
 from whalelike.errors import SpecError
 
 SAME_DEVICE, INTRA_HOST, INTER_HOST = "same device", "intra-host", "inter-host"
-BYTES_PER_MS_PER_GBPS = 1e6   # 1 GB/s moves 10^6 bytes per millisecond (as in planner.cost_model)
+BYTES_PER_MS_PER_GBPS = 1e6   # 1 GB/s (gigaBYTE) moves 10^6 bytes per millisecond (as in planner.cost_model)
 
 
 class NetworkError(SpecError):
@@ -80,11 +90,16 @@ class Link:
     src_host: str
     dst_host: str
 
+    @property
+    def ms_per_byte(self) -> float:
+        """Milliseconds per byte on the wire (0 on one device)."""
+        return 0.0 if self.kind == SAME_DEVICE else 1.0 / (self.gbps * BYTES_PER_MS_PER_GBPS)
+
     def time_ms(self, nbytes: float, sharing: int = 1) -> float:
         """Milliseconds to move ``nbytes`` over this link while ``sharing`` transfers split its bandwidth."""
         if self.kind == SAME_DEVICE or nbytes <= 0:
             return 0.0
-        return self.latency_ms + nbytes * sharing / (self.gbps * BYTES_PER_MS_PER_GBPS)
+        return self.latency_ms + nbytes * sharing * self.ms_per_byte
 
 
 @dataclass(frozen=True)
@@ -117,11 +132,14 @@ class NetworkModel:
     """Links, transfer times, NIC queueing and ring collective costs on one cluster's network.
 
     ``device_hosts`` maps every device name to its host; ``nic_gbps`` optionally gives a host's
-    NIC its own bandwidth (GB/s, each direction) instead of ``inter_host_gbps``.
+    NIC its own bandwidth (GB/s, each direction) instead of ``inter_host_gbps``; ``hosts`` lists
+    hosts beyond those of ``device_hosts`` (see :meth:`of_hosts`). Bandwidths in GB/s (gigaBYTES,
+    see the module docstring), latency in microseconds.
     """
 
     def __init__(self, intra_host_gbps: float, inter_host_gbps: float, latency_us: float,
-                 device_hosts: Mapping[str, str], nic_gbps: Optional[Mapping[str, float]] = None):
+                 device_hosts: Mapping[str, str], nic_gbps: Optional[Mapping[str, float]] = None,
+                 hosts: Sequence[str] = ()):
         self.intra_host_gbps = _positive(intra_host_gbps, "intra_host_gbps", "GB/s between devices of one host")
         self.inter_host_gbps = _positive(inter_host_gbps, "inter_host_gbps", "GB/s between hosts")
         if (isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not math.isfinite(latency_us)
@@ -129,11 +147,11 @@ class NetworkModel:
             raise NetworkError(f"network: latency_us must be a finite number >= 0 (per-message latency in "
                                f"microseconds), got {latency_us!r}; fix the cluster spec's network block")
         self.latency_ms = float(latency_us) * 1e-3
-        if not device_hosts:
-            raise NetworkError("network: no devices; pass device_hosts (device name -> host), e.g. "
-                               "NetworkModel.of_cluster(cluster)")
+        if not device_hosts and not hosts:
+            raise NetworkError("network: no devices and no hosts; pass device_hosts (device name -> host), e.g. "
+                               "NetworkModel.of_cluster(cluster), or hosts (NetworkModel.of_hosts)")
         self.device_hosts = dict(device_hosts)
-        self.hosts = list(dict.fromkeys(self.device_hosts.values()))
+        self.hosts = list(dict.fromkeys([*self.device_hosts.values(), *hosts]))
         self.nic_gbps = {host: self.inter_host_gbps for host in self.hosts}
         for host, gbps in (nic_gbps or {}).items():
             self._check_host(host, "nic_gbps")
@@ -146,10 +164,39 @@ class NetworkModel:
         return cls(net.intra_host_gbps, net.inter_host_gbps, net.latency_us,
                    {d.name: d.host for d in cluster.devices}, nic_gbps)
 
+    @classmethod
+    def of_hosts(cls, intra_host_gbps: float, inter_host_gbps: float, latency_us: float, hosts: Sequence[str],
+                 nic_gbps: Optional[Mapping[str, float]] = None) -> "NetworkModel":
+        """A model that knows hosts but no devices: for callers whose devices carry their own host
+        (sharding specs, hand-made meshes); :meth:`host_link` works, :meth:`link` knows no device and
+        :meth:`check_placement` checks hosts only."""
+        return cls(intra_host_gbps, inter_host_gbps, latency_us, {}, nic_gbps, hosts=tuple(hosts))
+
     def _check_host(self, host: str, what: str) -> None:
         if host not in self.nic_gbps:
             raise NetworkError(f"network: {what} names host {host!r}, which has no devices; "
                                f"hosts: {', '.join(self.hosts)} (fix the name or remove the entry)")
+
+    def key(self) -> tuple:
+        """Every figure and placement of this model, hashable: equal keys price everything alike."""
+        return (self.intra_host_gbps, self.inter_host_gbps, self.latency_ms, tuple(sorted(self.device_hosts.items())),
+                tuple(sorted(self.nic_gbps.items())))
+
+    def check_placement(self, device_hosts: Mapping[str, str], what: str) -> None:
+        """Every device of ``device_hosts`` (device -> host, e.g. a mesh's) sits on a host of this
+        network and, when the model knows its devices, is one of them and on that host."""
+        for device, host in device_hosts.items():
+            if host not in self.nic_gbps:
+                raise NetworkError(f"{what} device {device!r} is on host {host!r}, which the cluster does not have; "
+                                   f"hosts are {list(self.hosts)}: fix the mesh or the cluster spec")
+            if self.device_hosts:
+                known = self.device_hosts.get(device)
+                if known is None:
+                    raise NetworkError(f"{what} device {device!r} is not in the cluster; devices are "
+                                       f"{sorted(self.device_hosts)[:8]}...: use the cluster's device names")
+                if known != host:
+                    raise NetworkError(f"{what} device {device!r} is given on host {host!r} but the cluster "
+                                       f"puts it on {known!r}; fix the mesh's host")
 
     def host_of(self, device: str) -> str:
         try:
@@ -165,10 +212,21 @@ class NetworkModel:
         src_host, dst_host = self.host_of(src), self.host_of(dst)
         if src == dst:
             return Link(SAME_DEVICE, math.inf, 0.0, src_host, dst_host)
+        return self.host_link(src_host, dst_host)
+
+    def host_link(self, src_host: str, dst_host: str) -> Link:
+        """The link between two different devices on hosts ``src_host`` and ``dst_host``."""
+        for host in (src_host, dst_host):
+            self._check_host(host, "a transfer")
         if src_host == dst_host:
             return Link(INTRA_HOST, self.intra_host_gbps, self.latency_ms, src_host, dst_host)
         gbps = min(self.nic_gbps[src_host], self.nic_gbps[dst_host])
         return Link(INTER_HOST, gbps, self.latency_ms, src_host, dst_host)
+
+    def nic_ms_per_byte(self, host: str) -> float:
+        """Milliseconds per byte through ``host``'s network interface (each direction)."""
+        self._check_host(host, "a transfer")
+        return 1.0 / (self.nic_gbps[host] * BYTES_PER_MS_PER_GBPS)
 
     def transfer_ms(self, nbytes: float, src: str, dst: str) -> float:
         """Modeled time of one transfer alone on its link: ``latency + bytes / bandwidth``."""

@@ -28,13 +28,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .resharding_cost import STRATEGIES, Hop, Links, Transfer, lower_bound_ms, transfers
+from .layout import SampleLayout
+from .network import NetworkError, NetworkModel
+from .resharding_cost import STRATEGIES, Hop, Transfer, lower_bound_ms, transfers
 from .resharding_schedule import Schedule, best_schedule
-from .resharding_spec import Box, ReshardingError, ShardingSpec, box_text
+from .resharding_spec import Box, ReshardingError, ShardingSpec, box_text, stage_output_spec
 from .resharding_tasks import UnitTask, unit_tasks
 
-__all__ = ["ReshardPlan", "ScheduledTransfer", "plan_resharding", "ShardingSpec", "Links", "ReshardingError",
-           "UnitTask", "STRATEGIES"]
+__all__ = ["ReshardPlan", "ScheduledTransfer", "plan_resharding", "boundary_resharding", "ShardingSpec",
+           "NetworkModel", "NetworkError", "ReshardingError", "UnitTask", "STRATEGIES"]
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,12 @@ class ReshardPlan:
         """A header line, then one line per transfer (for ``whalelike plan``'s summary)."""
         total = sum(t.elements for t in self.tasks) * self.itemsize
         others = ", ".join(f"{name} {ms:.3g} ms" for name, ms in self.alternatives_ms.items() if name != self.strategy)
-        lines = [f"resharding {self.shape}: {len(self.tasks)} unit task(s), {_size(total)}, {self.strategy} "
+        lines = [f"resharding {self.shape}: {len(self.tasks)} unit task(s), {byte_size(total)}, {self.strategy} "
                  f"({self.algorithm}), predicted {self.predicted_ms:.3g} ms, lower bound "
                  f"{self.lower_bound_ms:.3g} ms" + (f"; {others}" if others else "")]
         for t in self.transfers:
             chunks = f" in {t.chunks} chunks" if t.chunks > 1 else ""
-            lines.append(f"  task {t.task} {box_text(t.box)} {_size(t.nbytes)} {t.strategy}{chunks}: "
+            lines.append(f"  task {t.task} {box_text(t.box)} {byte_size(t.nbytes)} {t.strategy}{chunks}: "
                          f"{t.sender}@{t.sender_host} -> {','.join(t.receivers)} "
                          f"[{t.start_ms:.3g}, {t.end_ms:.3g}] ms")
         return "\n".join(lines)
@@ -98,9 +100,12 @@ class ReshardPlan:
         return asdict(self)
 
 
-def plan_resharding(src: ShardingSpec, dst: ShardingSpec, links: Links, itemsize: int = 4, strategy: str = "auto",
-                    seed: int = 0, max_nodes: int = 20_000, time_budget_s: Optional[float] = None) -> ReshardPlan:
-    """Plan moving a tensor laid out as ``src`` to the layout ``dst`` (``itemsize`` bytes per entry).
+def plan_resharding(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, itemsize: int = 4,
+                    strategy: str = "auto", seed: int = 0, max_nodes: int = 20_000,
+                    time_budget_s: Optional[float] = None) -> ReshardPlan:
+    """Plan moving a tensor laid out as ``src`` to the layout ``dst`` (``itemsize`` bytes per entry)
+    over ``network`` (:meth:`NetworkModel.of_cluster`, or :meth:`NetworkModel.of_hosts` when the
+    specs' devices are not a cluster's).
 
     ``strategy``: one of :data:`STRATEGIES` or ``"auto"`` (the fastest of them and of the cheapest
     strategy per task). ``seed`` drives the randomized search; ``max_nodes`` bounds the DFS."""
@@ -110,14 +115,14 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, links: Links, itemsize
     if strategy != "auto" and strategy not in STRATEGIES:
         raise ReshardingError(f"resharding: unknown strategy {strategy!r}; use 'auto' or one of {STRATEGIES}")
     src_hosts, dst_hosts = src.device_hosts, dst.device_hosts
-    links.check_devices(src_hosts, "source")
-    links.check_devices(dst_hosts, "destination")
+    network.check_placement(src_hosts, "resharding: source")
+    network.check_placement(dst_hosts, "resharding: destination")
     for device in set(src_hosts) & set(dst_hosts):
         if src_hosts[device] != dst_hosts[device]:
             raise ReshardingError(f"resharding: device {device!r} is on host {src_hosts[device]!r} in the source "
                                   f"mesh but {dst_hosts[device]!r} in the destination; a device has one host")
     tasks = unit_tasks(src, dst)
-    per_strategy = {name: [tr for task in tasks for tr in transfers(task, name, src_hosts, dst_hosts, links, itemsize)]
+    per_strategy = {name: [tr for task in tasks for tr in transfers(task, name, src_hosts, dst_hosts, network, itemsize)]
                     for name in STRATEGIES}
     names = list(STRATEGIES) if strategy == "auto" else [strategy]
     candidates = {name: per_strategy[name] for name in names}
@@ -137,8 +142,52 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, links: Links, itemsize
                                            route.chunks, start, start + route.duration_ms))
     scheduled.sort(key=lambda t: (t.start_ms, t.task, t.receivers))
     return ReshardPlan(src.shape, itemsize, winner, schedule.algorithm, tuple(tasks), tuple(scheduled),
-                       schedule.makespan_ms, lower_bound_ms(tasks, src_hosts, dst_hosts, links, itemsize),
+                       schedule.makespan_ms, lower_bound_ms(tasks, src_hosts, dst_hosts, network, itemsize),
                        {name: results[name][0].makespan_ms for name in results})
+
+
+BOUNDARY_MAX_NODES = 2_000   # DFS nodes per strategy for a plan's boundaries: a summary stays fast
+
+
+def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BOUNDARY_MAX_NODES,
+                        ) -> list[Optional[ReshardPlan]]:
+    """The resharding of micro-batch ``micro_batch`` at each of ``plan.boundaries`` (in order;
+    None for a boundary that carries no bytes), over ``cluster``'s network (a
+    :class:`whalelike.cluster.Cluster`, or a :class:`NetworkModel` built from one).
+
+    The Plan records a boundary's size only as ``bytes_per_sample``, so its tensors are planned as
+    one ``(global_batch_size, bytes_per_sample)`` byte tensor (``itemsize`` 1): each worker of the
+    sending stage holds its rows of the micro-batch (:class:`planner.layout.SampleLayout`, every
+    replica), each worker of the receiving stage needs its rows, the members of a tensor-parallel
+    group hold and need every feature (a ``split`` stage's output as it leaves today, gathered).
+    Deterministic (seed 0, a DFS budget of ``max_nodes`` nodes per strategy)."""
+    network = cluster if isinstance(cluster, NetworkModel) else NetworkModel.of_cluster(cluster)
+    layout = SampleLayout.of(plan)
+    out: list[Optional[ReshardPlan]] = []
+    for boundary in plan.boundaries:
+        row_bytes = int(round(boundary.bytes_per_sample))
+        if row_bytes < 1:
+            out.append(None)
+            continue
+        src = stage_output_spec(plan, layout, boundary.src_stage, micro_batch, (row_bytes,))
+        dst = stage_output_spec(plan, layout, boundary.dst_stage, micro_batch, (row_bytes,))
+        out.append(_cached_plan(src, dst, network, max_nodes))
+    return out
+
+
+_CACHE: dict = {}
+_CACHE_SIZE = 256
+
+
+def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, max_nodes: int) -> ReshardPlan:
+    """:func:`plan_resharding` (itemsize 1, auto, seed 0) memoised on its inputs: a summary printed
+    twice, or boundaries that look alike, plan once."""
+    key = (src, dst, network.key(), max_nodes)
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = plan_resharding(src, dst, network, itemsize=1, max_nodes=max_nodes)
+    return _CACHE[key]
 
 
 def _cheapest_per_task(tasks, per_strategy: dict[str, list[Transfer]]) -> list[Transfer]:
@@ -150,7 +199,8 @@ def _cheapest_per_task(tasks, per_strategy: dict[str, list[Transfer]]) -> list[T
     return out
 
 
-def _size(nbytes: float) -> str:
+def byte_size(nbytes: float) -> str:
+    """``16 MiB``, ``512 B``: a byte count for people."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"

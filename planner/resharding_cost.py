@@ -1,11 +1,16 @@
 """What one unit task costs under each strategy, and the lower bound of a whole resharding.
 
-Seed paper 001, section 3.1, on the cluster's link figures (:class:`whalelike.cluster.Network`,
-the same figures as :class:`planner.cost_model.CommModel`: GB/s and microseconds): a message of
-``b`` bytes costs ``latency + b / bandwidth``, intra-host or inter-host bandwidth by where its two
-ends sit. Resources (paper section 3, "communication bottleneck at hosts", full duplex): each
-device, each host's outgoing network interface (``out``) and each host's incoming one (``in``)
-runs one transfer at a time; a transfer occupies all of its resources for its whole duration.
+Seed paper 001, section 3.1, on the network model the simulator uses
+(:class:`planner.network.NetworkModel`: link figures, units, which link joins two hosts, the
+alpha-beta time ``latency + b / bandwidth`` of a message; nothing about links is defined here).
+This module adds only what is resharding-specific: the transfers each strategy makes of a unit
+task, their resources, and the lower bound. Resources (paper section 3, "communication bottleneck
+at hosts", full duplex): each host's outgoing network interface (``out``) and incoming one
+(``in``) runs one transfer at a time, the rule :meth:`NetworkModel.schedule` queues by; the
+resharding search adds each device as a resource (the paper's rule: a device runs one send or
+receive at a time) and places transfers itself (:mod:`planner.resharding_schedule`), since a
+broadcast holds several hosts' interfaces at once. A transfer occupies all of its resources for
+its whole duration.
 
 A unit task becomes one or more *transfers* (the schedulable pieces). Receivers on a host that
 holds the slice are always fed from that host (intra-host, a local holder); a receiver that holds
@@ -28,15 +33,17 @@ variant is not offered (on 2-host meshes it is the host-local one plus cross-hos
 broadcast already beats).
 
 :func:`lower_bound_ms`: no schedule beats the bytes that must cross the busiest interface (a
-receiving host's ``in``; a host's ``out`` for slices only it holds; the average ``out`` over the
-holding hosts) or enter the busiest device, over its bandwidth, plus one latency.
+receiving host's ``in``; a host's ``out`` for slices only it holds; all bytes leaving the holding
+hosts, spread over their interfaces' total bandwidth) or enter the busiest device (over the fastest
+link from a holder's host), plus one latency. Per-host interface figures (``nic_gbps``) count.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
+from .network import NetworkModel
 from .resharding_spec import ReshardingError
 from .resharding_tasks import UnitTask
 
@@ -44,62 +51,6 @@ STRATEGIES = ("broadcast", "allgather", "send_recv")
 MAX_CHUNKS = 1024   # chunks of one broadcast: enough to hide the ring's fill on 8-hop rings to < 1%
 
 Resource = tuple[str, str]   # ("dev", device) | ("out", host) | ("in", host)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Link figures and the hosts that exist. Build it from a cluster with :meth:`of_cluster`.
-
-    ``device_hosts`` (optional): the cluster's device -> host map; when given, a mesh device that
-    is not in the cluster, or sits on another host than the spec says, is an error."""
-
-    intra_host_gbps: float
-    inter_host_gbps: float
-    latency_us: float
-    hosts: tuple[str, ...]
-    device_hosts: Optional[Mapping[str, str]] = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "hosts", tuple(self.hosts))
-        for name in ("intra_host_gbps", "inter_host_gbps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ReshardingError(f"links: {name} is {value!r}; it must be a bandwidth > 0 in GB/s, e.g. "
-                                      "12.5 between hosts, 150 within one (the cluster spec's network block)")
-        if (not isinstance(self.latency_us, (int, float)) or isinstance(self.latency_us, bool)
-                or not 0 <= self.latency_us < math.inf):
-            raise ReshardingError(f"links: latency_us is {self.latency_us!r}; it must be >= 0 microseconds, e.g. 5")
-        if not self.hosts:
-            raise ReshardingError("links: no hosts; list the cluster's hosts (Links.of_cluster does)")
-
-    @classmethod
-    def of_cluster(cls, cluster) -> "Links":
-        network = cluster.network
-        return cls(network.intra_host_gbps, network.inter_host_gbps, network.latency_us, tuple(cluster.hosts),
-                   {d.name: d.host for d in cluster.devices})
-
-    @property
-    def latency_ms(self) -> float:
-        return self.latency_us * 1e-3
-
-    def message_ms(self, nbytes: float, src_host: str, dst_host: str) -> float:
-        gbps = self.intra_host_gbps if src_host == dst_host else self.inter_host_gbps
-        return self.latency_ms + nbytes / (gbps * 1e6)
-
-    def check_devices(self, device_hosts: Mapping[str, str], mesh: str) -> None:
-        """Every device of a mesh sits on a host that exists (and, with ``device_hosts``, on its own)."""
-        for device, host in device_hosts.items():
-            if host not in self.hosts:
-                raise ReshardingError(f"resharding: {mesh} device {device!r} is on host {host!r}, which the cluster "
-                                      f"does not have; hosts are {list(self.hosts)}: fix the mesh or the cluster spec")
-            if self.device_hosts is not None:
-                known = self.device_hosts.get(device)
-                if known is None:
-                    raise ReshardingError(f"resharding: {mesh} device {device!r} is not in the cluster; devices are "
-                                          f"{sorted(self.device_hosts)[:8]}...: use the cluster's device names")
-                if known != host:
-                    raise ReshardingError(f"resharding: {mesh} device {device!r} is given on host {host!r} but the "
-                                          f"cluster puts it on {known!r}; fix the mesh's host")
 
 
 @dataclass(frozen=True)
@@ -137,7 +88,7 @@ class Transfer:
 
 
 def transfers(task: UnitTask, strategy: str, src_hosts: Mapping[str, str], dst_hosts: Mapping[str, str],
-              links: Links, itemsize: int) -> list[Transfer]:
+              network: NetworkModel, itemsize: int) -> list[Transfer]:
     """The transfers of ``task`` under ``strategy`` (see the module docstring)."""
     if strategy not in STRATEGIES:
         raise ReshardingError(f"resharding: unknown strategy {strategy!r}; use one of {STRATEGIES} or 'auto'")
@@ -171,14 +122,14 @@ def transfers(task: UnitTask, strategy: str, src_hosts: Mapping[str, str], dst_h
         if remote:
             groups.append(([d for ds in remote_by_host.values() for d in ds], list(task.holders)))
     for receivers, senders in groups:
-        routes = tuple(_route(strategy, sender, src_hosts[sender], receivers, dst_hosts, nbytes, links, itemsize)
+        routes = tuple(_route(strategy, sender, src_hosts[sender], receivers, dst_hosts, nbytes, network, itemsize)
                        for sender in senders)
         out.append(Transfer(task.index, strategy, tuple(receivers), nbytes, routes))
     return out
 
 
 def _route(strategy: str, sender: str, sender_host: str, receivers: Sequence[str], dst_hosts: Mapping[str, str],
-           nbytes: float, links: Links, itemsize: int) -> Route:
+           nbytes: float, network: NetworkModel, itemsize: int) -> Route:
     resources = {("dev", sender)} | {("dev", d) for d in receivers}
     if strategy == "broadcast" and len(receivers) > 1:
         ring = [(sender, sender_host)] + [(d, dst_hosts[d]) for d in receivers]
@@ -186,8 +137,9 @@ def _route(strategy: str, sender: str, sender_host: str, receivers: Sequence[str
         for (_, ha), (_, hb) in zip(ring, ring[1:]):
             if ha != hb:
                 resources |= {("out", ha), ("in", hb)}
-        gbps = [links.inter_host_gbps if hop.cross_host else links.intra_host_gbps for hop in hops]
-        duration, chunks = _pipelined_ms(nbytes, gbps, links.latency_ms, max(1, int(nbytes // itemsize)))
+        links = [network.host_link(ha, hb) for (_, ha), (_, hb) in zip(ring, ring[1:])]
+        duration, chunks = _pipelined_ms(nbytes, [link.ms_per_byte for link in links], network.latency_ms,
+                                         max(1, int(nbytes // itemsize)))
         return Route(sender, sender_host, duration, frozenset(resources), hops, chunks)
     host = dst_hosts[receivers[0]]
     cross = host != sender_host
@@ -200,11 +152,12 @@ def _route(strategy: str, sender: str, sender_host: str, receivers: Sequence[str
         # ring all-gather: each device forwards every part but its successor's own
         hops += tuple(Hop(a, b, float(nbytes - parts[(i + 1) % len(ring)]), False)
                       for i, (a, b) in enumerate(zip(ring, ring[1:] + ring[:1])))
-        gather = (len(ring) - 1) * links.message_ms(max(parts), host, host)
-        duration = sum(links.message_ms(part, sender_host, host) for part in parts) + gather
+        gather = (len(ring) - 1) * network.host_link(host, host).time_ms(max(parts))
+        link = network.host_link(sender_host, host)
+        duration = sum(link.time_ms(part) for part in parts) + gather
         return Route(sender, sender_host, duration, frozenset(resources), hops)
     hops = tuple(Hop(sender, d, nbytes, cross) for d in receivers)
-    duration = sum(links.message_ms(nbytes, sender_host, dst_hosts[d]) for d in receivers)
+    duration = sum(network.host_link(sender_host, dst_hosts[d]).time_ms(nbytes) for d in receivers)
     return Route(sender, sender_host, duration, frozenset(resources), hops)
 
 
@@ -214,17 +167,16 @@ def allgather_parts(elements: int, count: int) -> list[int]:
     return [elements // count + (1 if i < elements % count else 0) for i in range(count)]
 
 
-def _pipelined_ms(nbytes: float, gbps: Sequence[float], latency_ms: float, max_chunks: int) -> tuple[float, int]:
-    """Time of a chunked ring broadcast over hops of bandwidths ``gbps`` and its best chunk count."""
-    per_ms = [g * 1e6 for g in gbps]
+def _pipelined_ms(nbytes: float, ms_per_byte: Sequence[float], latency_ms: float, max_chunks: int
+                  ) -> tuple[float, int]:
+    """Time of a chunked ring broadcast over hops of ``ms_per_byte`` and its best chunk count."""
 
     def time(chunks: int) -> float:
-        steps = [latency_ms + nbytes / chunks / bw for bw in per_ms]
+        steps = [latency_ms + nbytes / chunks * per_byte for per_byte in ms_per_byte]
         return sum(steps) + (chunks - 1) * max(steps)
 
     limit = max(1, min(MAX_CHUNKS, max_chunks))
-    slowest = min(per_ms)
-    extra = sum(1 / bw for bw in per_ms) - 1 / slowest
+    extra = sum(ms_per_byte) - max(ms_per_byte)
     guess = limit if latency_ms <= 0 else math.sqrt(nbytes * extra / latency_ms)
     candidates = {1, limit} | {min(limit, max(1, int(guess) + k)) for k in (-1, 0, 1, 2)}
     best = min(sorted(candidates), key=time)
@@ -232,11 +184,11 @@ def _pipelined_ms(nbytes: float, gbps: Sequence[float], latency_ms: float, max_c
 
 
 def lower_bound_ms(tasks: Sequence[UnitTask], src_hosts: Mapping[str, str], dst_hosts: Mapping[str, str],
-                   links: Links, itemsize: int) -> float:
+                   network: NetworkModel, itemsize: int) -> float:
     """No schedule of any strategy finishes sooner (see the module docstring)."""
-    into_host: dict[str, float] = {}
-    only_out: dict[str, float] = {}
-    into_device: dict[str, float] = {}
+    into_host: dict[str, float] = {}     # ms through each receiving host's incoming interface
+    only_out: dict[str, float] = {}      # ms through a host's outgoing interface for slices only it holds
+    into_device: dict[str, float] = {}   # ms of bytes entering each receiving device
     leaving, senders = 0.0, set()
     for task in tasks:
         nbytes = float(task.elements * itemsize)
@@ -244,18 +196,20 @@ def lower_bound_ms(tasks: Sequence[UnitTask], src_hosts: Mapping[str, str], dst_
         remote_hosts = {dst_hosts[d] for d in task.needers if dst_hosts[d] not in holder_hosts}
         for device in task.needers:
             if device not in task.holders:
-                gbps = links.intra_host_gbps if dst_hosts[device] in holder_hosts else links.inter_host_gbps
-                into_device[device] = into_device.get(device, 0.0) + nbytes / (gbps * 1e6)
+                per_byte = min(network.host_link(host, dst_hosts[device]).ms_per_byte for host in holder_hosts)
+                into_device[device] = into_device.get(device, 0.0) + nbytes * per_byte
         if not remote_hosts:
             continue
         for host in remote_hosts:
-            into_host[host] = into_host.get(host, 0.0) + nbytes
+            into_host[host] = into_host.get(host, 0.0) + nbytes * network.nic_ms_per_byte(host)
         if len(holder_hosts) == 1:
             (host,) = holder_hosts
-            only_out[host] = only_out.get(host, 0.0) + nbytes
+            only_out[host] = only_out.get(host, 0.0) + nbytes * network.nic_ms_per_byte(host)
         leaving += nbytes
         senders |= holder_hosts
     if not into_device:
         return 0.0   # every receiver already holds what it needs
-    busiest = max([0.0, *into_host.values(), *only_out.values(), leaving / max(1, len(senders))])
-    return max(busiest / (links.inter_host_gbps * 1e6), *into_device.values()) + links.latency_ms
+    # the bytes leaving all sender hosts share their interfaces at best evenly
+    spread = leaving / sum(1.0 / network.nic_ms_per_byte(host) for host in senders) if senders else 0.0
+    busiest = max([spread, *into_host.values(), *only_out.values()])
+    return max(busiest, *into_device.values()) + network.latency_ms

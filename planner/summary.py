@@ -1,4 +1,9 @@
-"""``Plan.summary()``: one aligned row per device and the predicted gain over the naive plan."""
+"""``Plan.summary()``: one aligned row per device, the predicted gain over the naive plan and, given
+the cluster, the resharding chosen at each pipeline boundary.
+
+The resharding section needs the cluster: the Plan records which host each worker is on and each
+boundary's bytes per sample, but not the link figures (bandwidths, latency) that price a transfer.
+"""
 from __future__ import annotations
 
 from itertools import groupby
@@ -7,9 +12,12 @@ from whalelike.display import format_table
 
 from .batchnorm import batchnorm_warnings
 from .plan import Plan, Worker
+from .resharding import boundary_resharding, byte_size
 
 
-def plan_summary(plan: Plan) -> str:
+def plan_summary(plan: Plan, cluster=None) -> str:
+    """The summary; with ``cluster`` (the :class:`whalelike.cluster.Cluster` the plan was made for,
+    or a :class:`planner.network.NetworkModel` of it) also :func:`resharding_lines`."""
     headers = ["rank", "device", "host", "stage", "dp", "tp", "samples", "shard", "memory GiB", "compute ms"]
     rows = [
         [
@@ -44,7 +52,31 @@ def plan_summary(plan: Plan) -> str:
         f"predicted speed-up over naive: {speedup:.2f}x",
         *(f"warning: {line}" for line in batchnorm_warnings(plan)),
     ]
+    if cluster is not None and plan.boundaries:
+        lines += ["", *resharding_lines(plan, cluster)]
     return "\n".join(lines)
+
+
+def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
+    """One line per pipeline boundary: the resharding of micro-batch ``micro_batch``
+    (:func:`planner.resharding.boundary_resharding`): bytes, strategy, unit tasks, predicted time,
+    lower bound, what plain send/recv would take, and the plan's own ``BoundaryPlan.transfer_ms``
+    (the simulator's figure) for comparison."""
+    lines = [f"resharding at each boundary (micro-batch {micro_batch}, predicted by planner.resharding):"]
+    for boundary, reshard in zip(plan.boundaries, boundary_resharding(plan, cluster, micro_batch)):
+        head = f"  boundary stage {boundary.src_stage} -> {boundary.dst_stage}"
+        if reshard is None:
+            lines.append(f"{head}: nothing crosses it")
+            continue
+        nbytes = sum(task.elements for task in reshard.tasks) * reshard.itemsize
+        send_recv = reshard.alternatives_ms.get("send_recv")
+        lines.append(f"{head}: {byte_size(nbytes)}, strategy {reshard.strategy}, {len(reshard.tasks)} unit task(s), "
+                     f"{len(reshard.transfers)} transfer(s), predicted {reshard.predicted_ms:.3g} ms (lower bound "
+                     f"{reshard.lower_bound_ms:.3g} ms)"
+                     + (f", send/recv would take {send_recv:.3g} ms" if send_recv is not None else "")
+                     + (f"; the plan's transfer_ms {boundary.transfer_ms[micro_batch]:.3g} ms"
+                        if micro_batch < len(boundary.transfer_ms) else ""))
+    return lines
 
 
 def _samples(w: Worker) -> str:

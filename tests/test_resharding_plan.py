@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from planner.layout import SampleLayout
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.resharding import STRATEGIES, Links, ReshardingError, ShardingSpec, plan_resharding
+from planner.network import NetworkError, NetworkModel
+from planner.resharding import STRATEGIES, ReshardingError, ShardingSpec, plan_resharding
 from planner.resharding_cost import transfers
 from planner.resharding_schedule import best_schedule
 from planner.resharding_spec import box_size, padded_sizes, stage_output_spec
@@ -27,7 +28,7 @@ from whalelike.cluster import Cluster, Device, Network
 
 HOSTS = ("h0", "h1", "h2", "h3")
 # the paper's testbed: NVLink-class inside a host, 10 Gbps (1.25 GB/s) between hosts, 5 us per message
-LINKS = Links(intra_host_gbps=100.0, inter_host_gbps=1.25, latency_us=5.0, hosts=HOSTS)
+LINKS = NetworkModel.of_hosts(intra_host_gbps=100.0, inter_host_gbps=1.25, latency_us=5.0, hosts=HOSTS)
 SHAPE = (8, 1024, 1024)   # 32 MiB of float32
 
 
@@ -124,7 +125,7 @@ def test_padded_sizes_and_spec_from_a_plan():
     assert [(h.device, h.host, h.box) for h in src.holdings] == [
         ("a0", "h0", ((4, 6), (0, 6))), ("a1", "h0", ((6, 8), (0, 6)))]
     assert [(h.device, h.box) for h in dst.holdings] == [("b0", ((4, 8), (0, 4))), ("b1", ((4, 8), (4, 6)))]
-    links = Links(100.0, 1.25, 5.0, ("h0", "h1"))
+    links = NetworkModel.of_hosts(100.0, 1.25, 5.0, ("h0", "h1"))
     for strategy in STRATEGIES:
         check_plan(plan_resharding(src, dst, links, strategy=strategy), src, dst)
     with pytest.raises(ReshardingError, match="feature_sizes with 2 sizes"):
@@ -306,23 +307,23 @@ def test_random_specs_deliver_exactly_what_each_device_needs(case, strategy, see
 def test_bad_link_figures_are_named(field, value):
     figures = dict(intra_host_gbps=100.0, inter_host_gbps=1.25, latency_us=5.0, hosts=HOSTS)
     figures[field] = value
-    with pytest.raises(ReshardingError, match=f"links: {field} is {value!r}; it must be"):
-        Links(**figures)
+    with pytest.raises(NetworkError, match=rf"network: {field} must be a finite number .* got {value!r}; fix"):
+        NetworkModel.of_hosts(**figures)
 
 
 def test_hosts_and_devices_that_do_not_exist():
     src = ShardingSpec.replicated((4,), mesh("h0"))
-    with pytest.raises(ReshardingError, match=r"destination device 'h9-d0' is on host 'h9', which the cluster "
+    with pytest.raises(NetworkError, match=r"destination device 'h9-d0' is on host 'h9', which the cluster "
                                               r"does not have; hosts are \['h0', 'h1', 'h2', 'h3'\]"):
         plan_resharding(src, ShardingSpec.replicated((4,), mesh("h9")), LINKS)
     cluster = Cluster("two", tuple(Device(f"g{i}", "V100", host, 15.7, 32) for i, host in enumerate("aabb")),
                       Network(100.0, 1.25, 5.0))
-    links = Links.of_cluster(cluster)
+    links = NetworkModel.of_cluster(cluster)
     good = ShardingSpec.replicated((4,), [("g0", "a")])
     assert plan_resharding(good, ShardingSpec.replicated((4,), [("g2", "b"), ("g3", "b")]), links).tasks
-    with pytest.raises(ReshardingError, match="destination device 'g7' is not in the cluster"):
+    with pytest.raises(NetworkError, match="destination device 'g7' is not in the cluster"):
         plan_resharding(good, ShardingSpec.replicated((4,), [("g7", "b")]), links)
-    with pytest.raises(ReshardingError, match="device 'g2' is given on host 'a' but the cluster puts it on 'b'"):
+    with pytest.raises(NetworkError, match="device 'g2' is given on host 'a' but the cluster puts it on 'b'"):
         plan_resharding(good, ShardingSpec.replicated((4,), [("g2", "a")]), links)
 
 
