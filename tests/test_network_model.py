@@ -164,3 +164,30 @@ def test_bad_nic_figures_and_unknown_hosts_and_devices_are_named():
     with pytest.raises(NetworkError, match=r"no devices"):
         NetworkModel(INTRA, INTER, LATENCY_US, {})
     assert issubclass(NetworkError, SpecError)
+
+
+def test_bandwidths_are_gigabytes_per_second():
+    """A figure of 12.5 moves 12.5e6 bytes per millisecond (GB/s, not Gbit/s)."""
+    net = NetworkModel(100.0, 12.5, 0.0, {"a0": "a", "b0": "b"})
+    assert net.transfer_ms(12.5e6, "a0", "b0") == pytest.approx(1.0)
+    assert net.link("a0", "b0").ms_per_byte == pytest.approx(1 / 12.5e6)
+
+
+def test_host_level_view_prices_like_the_device_links():
+    devices = two_hosts(nic_gbps={"b": 2.5})
+    hosts = NetworkModel.of_hosts(INTRA, INTER, LATENCY_US, ["a", "b"], nic_gbps={"b": 2.5})
+    for src, dst in [("a0", "a1"), ("a0", "b0"), ("b1", "a0")]:
+        assert hosts.host_link(devices.host_of(src), devices.host_of(dst)) == devices.link(src, dst)
+    assert hosts.nic_ms_per_byte("b") == pytest.approx(1 / 2.5e6) and hosts.nic_ms_per_byte("a") == pytest.approx(
+        1 / (INTER * 1e6))
+    assert hosts.key() != devices.key() and two_hosts().key() == two_hosts().key()
+    hosts.check_placement({"anything": "a"}, "mesh")   # a host-level model checks hosts only
+    with pytest.raises(NetworkError, match=r"mesh device 'x' is on host 'c', which the cluster does not have; "
+                                           r"hosts are \['a', 'b'\]"):
+        hosts.check_placement({"x": "c"}, "mesh")
+    with pytest.raises(NetworkError, match=r"a transfer names host 'c', which has no devices; hosts: a, b"):
+        hosts.host_link("a", "c")
+    with pytest.raises(NetworkError, match=r"mesh device 'z9' is not in the cluster"):
+        devices.check_placement({"z9": "a"}, "mesh")
+    with pytest.raises(NetworkError, match=r"mesh device 'a0' is given on host 'b' but the cluster puts it on 'a'"):
+        devices.check_placement({"a0": "b"}, "mesh")

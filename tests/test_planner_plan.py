@@ -176,3 +176,31 @@ def test_stages_exchange_devices_when_that_is_faster():
     assert plan.prediction.step_time_ms <= min(by_rule)
     head = plan.stage_workers(2)[0]
     assert cluster.device(head.device).peak_tflops > 2.5, plan.summary()
+
+
+def test_summary_shows_the_resharding_of_each_boundary():
+    """Given the cluster, the summary prints each boundary's resharding (strategy, unit tasks,
+    predicted time, lower bound, send/recv) as planner.resharding.boundary_resharding plans it."""
+    import re
+
+    from planner.resharding import boundary_resharding
+    from planner.summary import plan_summary
+
+    graphs = synthetic_model(6, [replicate(), split(), replicate()], hidden=256, seq=32)
+    cluster = synthetic_cluster([(4, 20.0, 32), (4, 10.0, 32)], per_host=4)
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=4))
+    text = plan_summary(plan, cluster)
+    assert plan_summary(plan) == plan.summary() and "resharding" not in plan.summary()
+    lines = [line for line in text.splitlines() if line.startswith("  boundary stage ")]
+    reshards = boundary_resharding(plan, cluster)
+    assert len(lines) == len(plan.boundaries) == len(reshards) == 2
+    for line, boundary, reshard in zip(lines, plan.boundaries, reshards):
+        match = re.fullmatch(rf"  boundary stage {boundary.src_stage} -> {boundary.dst_stage}: [\d.]+ (KiB|MiB|B), "
+                             rf"strategy (\w+), (\d+) unit task\(s\), \d+ transfer\(s\), predicted ([\d.e+-]+) ms "
+                             rf"\(lower bound ([\d.e+-]+) ms\), send/recv would take ([\d.e+-]+) ms; "
+                             rf"the plan's transfer_ms [\d.e+-]+ ms", line)
+        assert match, line
+        strategy, tasks, predicted, bound, send_recv = match.groups()[1:]
+        assert (strategy, int(tasks)) == (reshard.strategy, len(reshard.tasks))
+        assert float(bound) <= float(predicted) <= float(send_recv)
+    assert plan_summary(plan, cluster) == text

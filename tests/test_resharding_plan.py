@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from planner.layout import SampleLayout
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.network import NetworkError, NetworkModel
-from planner.resharding import STRATEGIES, ReshardingError, ShardingSpec, plan_resharding
+from planner.plan import BoundaryPlan
+from planner.resharding import (BOUNDARY_MAX_NODES, STRATEGIES, ReshardingError, ShardingSpec, boundary_resharding,
+                                plan_resharding)
 from planner.resharding_cost import transfers
 from planner.resharding_schedule import best_schedule
 from planner.resharding_spec import box_size, padded_sizes, stage_output_spec
@@ -130,6 +132,42 @@ def test_padded_sizes_and_spec_from_a_plan():
         check_plan(plan_resharding(src, dst, links, strategy=strategy), src, dst)
     with pytest.raises(ReshardingError, match="feature_sizes with 2 sizes"):
         stage_output_spec(plan, layout, 1, 0, (6,), feature_dim=1)
+
+
+def test_boundary_resharding_of_a_plan():
+    """Each boundary of a Plan as a (global batch, bytes per sample) byte tensor, micro-batch 0."""
+    workers = [Worker(0, "a0", "h0", 0, 0, 0, micro_batch_sizes=[3, 2]),
+               Worker(1, "a1", "h0", 0, 0, 1, micro_batch_sizes=[1, 2]),
+               Worker(2, "b0", "h1", 0, 1, 0, micro_batch_sizes=[2, 2]),
+               Worker(3, "b1", "h1", 0, 1, 1, micro_batch_sizes=[2, 2])]
+    plan = Plan(model_fingerprint="reshard-test", cluster="reshard-test", global_batch_size=8, num_micro_batch=2,
+                schedule="1f1b", solver="greedy",
+                stages=[StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "replicate(2)")],
+                workers=workers, boundaries=[BoundaryPlan(0, 1, ["hidden"], 24.0, [0.1, 0.1]),
+                                             BoundaryPlan(0, 1, [], 0.0, [0.0, 0.0])],
+                prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    network = NetworkModel.of_hosts(100.0, 1.25, 5.0, ("h0", "h1"))
+    wide, empty = boundary_resharding(plan, network)
+    assert empty is None
+    layout = SampleLayout.of(plan)
+    src, dst = (stage_output_spec(plan, layout, stage, 0, (24,)) for stage in (0, 1))
+    check_plan(wide, src, dst)
+    assert wide.shape == (8, 24) and wide.itemsize == 1
+    assert sum(t.elements for t in wide.tasks) == 4 * 24   # micro-batch 0: 3 + 1 samples of 24 bytes
+    alone = plan_resharding(src, dst, network, itemsize=1, max_nodes=BOUNDARY_MAX_NODES)
+    assert wide.to_dict() == alone.to_dict()
+    assert boundary_resharding(plan, network, micro_batch=1)[0].to_dict() != wide.to_dict()
+
+
+def test_a_host_nic_figure_of_the_network_model_prices_the_resharding():
+    """One network model: a sender host's slower interface (nic_gbps) slows plan and bound alike."""
+    src = ShardingSpec.replicated(SHAPE, mesh("h0"))
+    dst = ShardingSpec.replicated(SHAPE, mesh("h2", "h3"))
+    slow = NetworkModel.of_hosts(100.0, 1.25, 5.0, HOSTS, nic_gbps={"h0": 0.625})
+    fast_plan, slow_plan = plan_resharding(src, dst, LINKS), plan_resharding(src, dst, slow)
+    check_plan(slow_plan, src, dst)
+    assert slow_plan.predicted_ms / fast_plan.predicted_ms == pytest.approx(2.0, rel=0.05)
+    assert slow_plan.lower_bound_ms / fast_plan.lower_bound_ms == pytest.approx(2.0, rel=0.05)
 
 
 # -- the paper's microbenchmark cases on 2 hosts x 2 devices per mesh ------------------------------
