@@ -23,16 +23,19 @@ The step's global loss is summed in the same all-reduce as the gradients (append
 bucket, :func:`sum_with_gradients`), so a step costs one collective, as plain DDP's does.
 
 Emulation: the forward of each micro-batch is padded by hooks on the wrapped module (DDP's own
-pre-forward stays outside), the backward is a segment begun before ``loss.backward()`` whose deadline
-the comm hook waits for before communicating, so modeled time never includes waiting on peers.
+pre-forward stays outside), the backward is a segment begun before ``loss.backward()``. Without an
+emulated network the comm hook waits for its deadline before communicating, so modeled time never
+includes waiting on peers. With one, the all-reduce overlaps the backward bucket by bucket in
+modeled time (:func:`_emulate_overlap`); only the last bucket waits for the deadline.
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,17 +65,27 @@ class _HookState:
     average: bool
     passenger: Optional[torch.Tensor] = None
     fill: Optional[Callable[[torch.Tensor], None]] = None   # writes the passenger right before it is sent
+    # network emulation: the group's devices in rank order (the ring), the gradient bytes of a
+    # backward, and the bytes of this backward's buckets so far
+    devices: Optional[tuple[str, ...]] = None
+    total_bytes: int = 0
+    launched_bytes: int = 0
 
 
 def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
-    """Wait out the backward's modeled time, then all-reduce the bucket (SUM, or AVG if asked),
-    with the passenger of :func:`sum_with_gradients` appended to the last bucket."""
-    state.emulator.wait_deadline()
+    """All-reduce the bucket (SUM, or AVG if asked), with the passenger of
+    :func:`sum_with_gradients` appended to the last bucket. Under emulation without a network, wait
+    out the backward's modeled time first; with one, overlap (:func:`_emulate_overlap`)."""
+    network = state.emulator.network if state.devices is not None else None
+    if network is None:
+        state.emulator.wait_deadline()
     tensor = bucket.buffer()
     if state.average:
         tensor.div_(dist.get_world_size(state.group))
     passenger = state.passenger if bucket.is_last() else None
     if passenger is None:
+        if network is not None:
+            _emulate_overlap(state, bucket, tensor)
         work = dist.all_reduce(tensor, group=state.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     state.passenger = None
@@ -80,6 +93,8 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
         state.fill, fill = None, state.fill
         fill(passenger)
     joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
+    if network is not None:
+        _emulate_overlap(state, bucket, joint)
     work = dist.all_reduce(joint, group=state.group, async_op=True)
 
     def unpack(fut):
@@ -88,6 +103,30 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
         return out[: tensor.numel()]
 
     return work.get_future().then(unpack)
+
+
+def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
+    """Under network emulation, record the bucket's modeled all-reduce before it is launched.
+
+    DDP fills and launches buckets in index order as their gradients become ready (reverse layer
+    order), so bucket ``k`` is modeled ready when the backward's modeled time has run the share of
+    the gradient bytes of buckets ``0..k``; the last bucket closes the backward's compute segment
+    first (at its modeled end), so no real waiting on peers falls inside it. Earlier buckets are
+    launched for real at once (results stay exact); :meth:`Emulator.wait_communication` pads to the
+    modeled end after the backward.
+    """
+    if bucket.index() == 0:
+        state.launched_bytes = 0
+    nbytes = sent.numel() * sent.element_size()
+    state.launched_bytes += nbytes
+    emulator = state.emulator
+    if bucket.is_last():
+        emulator.wait_deadline()
+        ready = None
+    else:
+        ready = emulator.segment_ready(state.launched_bytes / max(state.total_bytes, 1))
+    emulator.network.allreduce_launched(time.monotonic() if ready is None else ready, nbytes, state.devices,
+                                        state.group, sent.device)
 
 
 def sum_with_gradients(ddp: DistributedDataParallel, tensor: torch.Tensor,
@@ -112,8 +151,9 @@ def _flush_passenger(ddp: DistributedDataParallel) -> None:
 
 
 def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
-             *, average: bool = False) -> DistributedDataParallel:
-    """DDP over ``process_group`` whose comm hook first waits for ``emulator``'s backward deadline.
+             *, average: bool = False, devices: Optional[Sequence[str]] = None,
+             bucket_cap_mb: Optional[float] = None) -> DistributedDataParallel:
+    """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
 
     Gradients are summed (``average=False``): weight each rank's loss by its share of the global
     batch. ``average=True`` gives stock DDP semantics (equal shares), for peers in benchmarks.
@@ -124,6 +164,13 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     :mod:`runtime.batchnorm`). Under emulation all gradients go in one bucket: the
     backward is one modeled segment, and a bucket fired early would either wait for the whole
     segment (then do the rest of the backward unpadded) or communicate inside it.
+
+    With network emulation (``emulator.network``) and ``devices`` (the group's devices, in rank
+    order), buckets keep DDP's sizes (``bucket_cap_mb``, default DDP's) and each all-reduce
+    overlaps the rest of the backward in modeled time: bucket ``k`` is ready at its share of the
+    backward (:func:`_emulate_overlap`), ends ``max(latest member's ready, bucket k-1's end) + ring
+    cost`` (:class:`runtime.network_emulation.NetworkEmulator`); call
+    ``emulator.wait_communication()`` after the backward to pad to the last end.
     """
     emulator = emulator or Emulator.disabled()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -131,12 +178,17 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
         raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
     kwargs: dict[str, Any] = dict(process_group=process_group)
     kwargs[_NO_FORWARD_BUFFER_SYNC] = False
-    if emulator.enabled:
-        kwargs["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in params) / 2**20 + 1.0
+    total_bytes = sum(p.numel() * p.element_size() for p in params)
+    overlap = emulator.enabled and emulator.network is not None and devices is not None
+    if emulator.enabled and not overlap:
+        kwargs["bucket_cap_mb"] = total_bytes / 2**20 + 1.0
+    elif bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
     if params[0].device.type == "cuda":
         kwargs["device_ids"] = [params[0].device]
     ddp = DistributedDataParallel(module, **kwargs)
-    ddp._whalelike_hook_state = _HookState(emulator, process_group, average)
+    ddp._whalelike_hook_state = _HookState(emulator, process_group, average,
+                                           devices=tuple(devices) if overlap else None, total_bytes=total_bytes)
     ddp.register_comm_hook(ddp._whalelike_hook_state, _deadline_allreduce)
     return ddp
 
@@ -159,7 +211,8 @@ class DataParallelExecutor:
         self._adopt(plan)
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
-        self.ddp = wrap_ddp(module, group.group, self.emulator)
+        self.ddp = wrap_ddp(module, group.group, self.emulator,
+                            devices=[plan.worker(r).device for r in sorted(group.ranks)])
         # the Engine's runtime.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
@@ -250,6 +303,7 @@ class DataParallelExecutor:
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
+                self.emulator.wait_communication()   # the overlapped all-reduce's modeled end, if any
         _flush_passenger(self.ddp)
         if passenger is not None:
             passenger.arrived(carrier[1:])

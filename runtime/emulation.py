@@ -27,6 +27,11 @@ machine's cores; otherwise real time leaks into the measurement and the emulated
 largest safe ``base_gflops``; at run time every overrun is counted (``EmulationStats.overruns``)
 and the worst ratio of real to modeled time is kept, so a bad calibration is visible.
 
+Network: on an emulated cluster each emulator also carries a
+:class:`runtime.network_emulation.NetworkEmulator` (``Emulator.network``), which pads transfers
+between emulated hosts and the overlapped gradient all-reduce (:meth:`Emulator.wait_communication`)
+to their modeled time; segment times are ``time.monotonic()``, the clock it shares across processes.
+
 :meth:`Emulator.busy_for` says how long the rank has been inside its current compute segment (read
 by the heartbeat of :mod:`runtime.distributed`, so a peer's error can tell a rank stuck in its
 compute from one waiting in a collective). Segments run whether or not emulation is enabled, so it
@@ -47,6 +52,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from runtime.network_emulation import NetworkEmulator
 from whalelike.cluster import Cluster, Emulation
 
 log = logging.getLogger(__name__)
@@ -93,8 +99,10 @@ class Emulator:
     segments as they are.
     """
 
-    def __init__(self, speed: Optional[float], emulation: Optional[Emulation], rank: int = 0):
+    def __init__(self, speed: Optional[float], emulation: Optional[Emulation], rank: int = 0,
+                 network: Optional[NetworkEmulator] = None):
         self.enabled = emulation is not None and speed is not None
+        self.network = network   # the emulated network (runtime.network_emulation), None when off
         self.speed = speed
         self.emulation = emulation
         self.rank = rank
@@ -105,12 +113,13 @@ class Emulator:
         self._modeled = 0.0
         self._flops = 0.0
         self._kind = "stage"
-        self._busy_since: Optional[float] = None   # perf_counter at the current segment's start
+        self._busy_since: Optional[float] = None   # monotonic time at the current segment's start
 
     @classmethod
     def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
         device = cluster.device(device_name)
-        emulator = cls(device.emulated_speed, cluster.emulation, rank)
+        network = NetworkEmulator.of_cluster(cluster, device_name) if device.emulated_speed is not None else None
+        emulator = cls(device.emulated_speed, cluster.emulation, rank, network)
         if emulator.enabled:
             log.info("rank %d: emulating device %s at speed %.3g (testing feature)", rank, device.name, device.emulated_speed)
         return emulator
@@ -145,7 +154,7 @@ class Emulator:
         self._modeled = self.modeled_seconds(flops, samples, kind)
         self._flops = float(flops)
         self._kind = kind
-        self._begun_at = time.perf_counter()
+        self._begun_at = time.monotonic()
         self._deadline = self._begun_at + self._modeled
         self._busy_since = self._begun_at
 
@@ -153,7 +162,7 @@ class Emulator:
         """Sleep until the current segment's modeled end (no-op once reached). Records the segment."""
         if self._deadline is None:
             return
-        now = time.perf_counter()
+        now = time.monotonic()
         real = now - self._begun_at
         modeled = self._modeled
         self.stats.segments += 1
@@ -172,11 +181,25 @@ class Emulator:
         self._deadline = None
         self._busy_since = None
 
+    def wait_communication(self) -> None:
+        """After a backward whose gradient all-reduce overlapped it (DDP's comm hook under network
+        emulation): sleep until the last bucket's modeled end. No-op without network emulation or
+        when no bucket was all-reduced. Not part of any compute segment."""
+        if self.network is not None:
+            self.network.wait_allreduces()
+
+    def segment_ready(self, fraction: float) -> Optional[float]:
+        """Monotonic time at which ``fraction`` of the open segment's modeled time has passed
+        (when a gradient bucket of the backward is modeled to be ready), or None outside segments."""
+        if self._deadline is None:
+            return None
+        return self._begun_at + min(max(fraction, 0.0), 1.0) * self._modeled
+
     def busy_for(self) -> Optional[float]:
         """Seconds spent so far in the current compute segment (its padding included), or None
         outside segments. Safe to call from another thread (it reads one attribute)."""
         since = self._busy_since
-        return None if since is None else time.perf_counter() - since
+        return None if since is None else time.monotonic() - since
 
     @contextmanager
     def segment(self, flops: float, samples: int, kind: str = "stage"):

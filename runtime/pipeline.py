@@ -29,7 +29,9 @@ same order, so gloo (matches by peer and tag) and NCCL (by order) agree.
 
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
-send and receive; the DDP all-reduce of the last backward waits for the segment's deadline.
+send and receive; the DDP all-reduce of the last backward overlaps it bucket by bucket
+(:mod:`runtime.data_parallel`). On an emulated network, sends and receives carry their modeled
+arrival and receives sleep until it (:mod:`runtime.network_emulation`).
 
 Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
 (replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
@@ -321,6 +323,7 @@ class PipelineExecutor:
             with self._no_sync():
                 torch.autograd.backward(roots, grads)
         self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
+        self.emulator.wait_communication()   # the overlapped gradient all-reduce's modeled end, if any
         sends = []
         for p in self._transfers.send_grads[m]:
             if specs[p.value].requires_grad:
@@ -349,13 +352,20 @@ class PipelineExecutor:
     def _receive(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int) -> None:
         """Receive into the given views (contiguous slices along the batch) and wait for all."""
         ops = [dist.P2POp(dist.irecv, view, self._global(p.peer), tag=self._tag(p.value, d, m)) for view, p, d in posts]
+        arrival = None
+        if ops and self.emulator.network is not None:   # emulated network: the senders' modeled arrivals too
+            ops, arrival = self.emulator.network.stamp_receives(ops)
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
+        if arrival is not None:
+            arrival.wait()
 
     def _send(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int, state: "_StepState") -> None:
         """Post sends; they are waited for at the end of the step (receives block, sends do not)."""
         ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(p.peer), tag=self._tag(p.value, d, m))
                for t, p, d in posts]
+        if ops and self.emulator.network is not None:   # emulated network: priced and stamped by the sender
+            ops = self.emulator.network.stamp_sends(ops, [self.plan.worker(p.peer).device for _, p, _ in posts])
         if ops:
             state.sends.extend(dist.batch_isend_irecv(ops))
             state.keep_alive.extend(op.tensor for op in ops)
@@ -432,7 +442,9 @@ class PipelineExecutor:
         if dp_group is None:
             raise PipelineError(f"rank {self.rank}: stage {self.stage.index} runs on {workers} workers; pass their "
                                 f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
-        return wrap_ddp(module, dp_group, self.emulator)
+        devices = [w.device for w in sorted(self.plan.stage_workers(self.stage.index), key=lambda w: w.rank)
+                   if w.tp_index == self.worker.tp_index]
+        return wrap_ddp(module, dp_group, self.emulator, devices=devices)
 
     def _synchronise_batchnorm(self, dp_group: Optional[dist.ProcessGroup]) -> None:
         """BatchNorm statistics over the workers holding this stage's parameters (runtime.batchnorm)."""

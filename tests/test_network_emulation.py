@@ -1,0 +1,130 @@
+"""Network emulation (runtime.network_emulation): transfers padded to their modeled time, NICs shared.
+
+One spawn of 4 gloo ranks on an emulated cluster of three hosts: A holds ranks 0 and 1, B rank 2,
+C rank 3. Modeled times are ~50-200 ms, so scheduling noise is small next to them; each padded
+time must be at least its modeled time and within 50% above it (the tolerance of the emulation,
+not a speed threshold). Received tensors must equal the sent ones (the real transfer happens).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from dist_utils import run_ranks
+from planner.network import NetworkModel
+from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator
+
+MB = 1_000_000                       # bytes per message: 125,000 float64
+INTER_GBPS, INTRA_GBPS, LATENCY_US = 0.01, 0.02, 1000.0   # 1 MB: 101 ms between hosts, 51 ms inside one
+DEVICE_HOSTS = {"a0": "A", "a1": "A", "b0": "B", "c0": "C"}
+DEVICES = list(DEVICE_HOSTS)         # rank r runs device DEVICES[r]
+TOLERANCE = 1.5
+
+
+def _model() -> NetworkModel:
+    return NetworkModel(INTRA_GBPS, INTER_GBPS, LATENCY_US, DEVICE_HOSTS)
+
+
+def _payload(rank: int) -> torch.Tensor:
+    return torch.arange(MB // 8, dtype=torch.float64) + 1000.0 * rank
+
+
+def _exchange(network: NetworkEmulator, rank: int, sends: dict[int, int]) -> dict:
+    """One round: every sender in ``sends`` (sender -> receiver) posts its payload at once after a
+    barrier; returns this rank's post time, or its receive completion time and what it got."""
+    dist.barrier()
+    receivers = {dst: src for src, dst in sends.items()}
+    if rank in sends:
+        posted = time.monotonic()
+        ops = network.stamp_sends([dist.P2POp(dist.isend, _payload(rank), sends[rank], tag=7)], [DEVICES[sends[rank]]])
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {"posted": posted}
+    if rank in receivers:
+        buffer = torch.empty(MB // 8, dtype=torch.float64)
+        ops, arrival = network.stamp_receives([dist.P2POp(dist.irecv, buffer, receivers[rank], tag=7)])
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        arrival.wait()
+        return {"done": time.monotonic(), "got": buffer, "from": receivers[rank]}
+    return {}
+
+
+def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
+    network = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root)
+    out = {"directory": network.ledger.directory}
+    out["alone"] = _exchange(network, rank, {0: 2})             # A -> B, NICs idle
+    out["intra"] = _exchange(network, rank, {0: 1})             # inside host A
+    out["shared"] = _exchange(network, rank, {0: 2, 1: 3})      # A -> B and A -> C: one outgoing NIC
+    out["stats"] = network.stats
+    dist.barrier()
+    network.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ledger"))
+    return run_ranks(_scenarios, 4, args=(root,), env={"OMP_NUM_THREADS": "1"}, timeout_s=120)
+
+
+def _elapsed(results, scenario: str, receiver: int) -> float:
+    got = results[receiver][scenario]
+    return got["done"] - results[got["from"]][scenario]["posted"]
+
+
+def test_received_tensors_equal_the_sent_ones(results):
+    for scenario, receivers in (("alone", [2]), ("intra", [1]), ("shared", [2, 3])):
+        for receiver in receivers:
+            got = results[receiver][scenario]
+            assert_close(got["got"], _payload(got["from"]), rtol=0, atol=0)
+
+
+def test_transfer_takes_latency_plus_bytes_over_bandwidth(results):
+    modeled = LATENCY_US * 1e-6 + MB / (INTER_GBPS * 1e9)
+    assert _model().transfer_ms(MB, "a0", "b0") == pytest.approx(modeled * 1e3)
+    measured = _elapsed(results, "alone", 2)
+    assert modeled <= measured <= TOLERANCE * modeled, (measured, modeled)
+
+
+def test_transfer_inside_a_host_uses_the_intra_host_link(results):
+    modeled = LATENCY_US * 1e-6 + MB / (INTRA_GBPS * 1e9)
+    measured = _elapsed(results, "intra", 1)
+    assert modeled <= measured <= TOLERANCE * modeled, (measured, modeled)
+
+
+def test_two_sends_sharing_a_nic_take_twice_as_long(results):
+    one = LATENCY_US * 1e-6 + MB / (INTER_GBPS * 1e9)
+    start = min(results[sender]["shared"]["posted"] for sender in (0, 1))   # the round starts at the first post
+    first, second = sorted(results[receiver]["shared"]["done"] - start for receiver in (2, 3))
+    assert one <= first <= TOLERANCE * one, (first, one)
+    assert 2 * one <= second <= TOLERANCE * 2 * one, (second, one)
+    sender_stats = [results[r]["stats"] for r in (0, 1)]
+    assert sum(s.queued_s for s in sender_stats) == pytest.approx(one, rel=0.2)
+
+
+def test_ledger_is_removed_when_every_rank_has_closed(results):
+    directories = {r["directory"] for r in results}
+    assert len(directories) == 1
+    assert not os.path.exists(directories.pop())
+
+
+def test_ledger_directory_that_cannot_be_created_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(NetworkEmulationError) as error:
+        NetworkEmulator(_model(), "a0", run_id="bad", ledger_root=str(blocker))
+    message = str(error.value)
+    assert str(blocker) in message and LEDGER_ENV in message
+
+
+def test_ranks_on_several_machines_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(NetworkEmulationError, match="LOCAL_WORLD_SIZE=4"):
+        NetworkEmulator(_model(), "a0", run_id="several", ledger_root=str(tmp_path))
