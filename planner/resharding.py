@@ -146,7 +146,7 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel,
                        {name: results[name][0].makespan_ms for name in results})
 
 
-BOUNDARY_MAX_NODES = 2_000   # DFS nodes per strategy for a plan's boundaries: a summary stays fast
+BOUNDARY_MAX_NODES = 2_000   # search nodes per strategy at a plan's boundaries: ~15-45 ms each up to 256 devices
 
 
 def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BOUNDARY_MAX_NODES,

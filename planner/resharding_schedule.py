@@ -19,7 +19,8 @@ Three searches, the best kept (ties to the earlier):
   bound (a resource's free time plus the remaining transfers that need it on every route) reaches
   the best makespan found, and symmetric siblings (same routes, same durations) skipped.
 
-Departure: the paper budgets the DFS in seconds; here the budget is a count of search nodes, so a
+Departure: the paper budgets the DFS in seconds; here the budget is a count of search nodes (DFS
+nodes; for the randomized search, transfers looked at: it stops restarting past it), so a
 plan is the same on every machine for a given seed (an optional wall-clock cap is the caller's
 choice and makes the result machine-dependent when it bites).
 """
@@ -80,16 +81,25 @@ def greedy(transfers: Sequence[Transfer]) -> Schedule:
     return evaluate(transfers, order, "greedy")
 
 
-def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, tries: int = 8) -> Schedule:
+def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, tries: int = 8,
+               max_nodes: Optional[int] = None) -> Schedule:
+    """Up to ``restarts`` seeded restarts of ``tries`` random orders per round. With ``max_nodes``,
+    once the transfers looked at (``tries`` per remaining transfer per round) reach it, rounds
+    try one order and no new restart begins (the first always finishes)."""
     best: Optional[Schedule] = None
+    spent = 0
     for restart in range(restarts):
+        if max_nodes is not None and restart > 0 and spent >= max_nodes:
+            break
         rng = random.Random(seed * 1_000_003 + restart)
         remaining = list(range(len(transfers)))
         load: dict = {}
         order: list[Step] = []
         while remaining:
             chosen_best, key_best = None, None
-            for _ in range(tries):
+            round_tries = 1 if max_nodes is not None and spent >= max_nodes else tries
+            spent += round_tries * len(remaining)
+            for _ in range(round_tries):
                 permutation = remaining[:]
                 rng.shuffle(permutation)
                 used: set = set()
@@ -183,8 +193,9 @@ def dfs(transfers: Sequence[Transfer], incumbent: Schedule, max_nodes: int = 20_
 
 def best_schedule(transfers: Sequence[Transfer], seed: int = 0, max_nodes: int = 20_000,
                   time_budget_s: Optional[float] = None) -> tuple[Schedule, dict[str, float]]:
-    """The best of greedy, randomized greedy and DFS (ties to the earlier), and every makespan."""
-    candidates = [greedy(transfers), randomized(transfers, seed)]
+    """The best of greedy, randomized greedy and DFS (ties to the earlier), and every makespan.
+    ``max_nodes`` bounds the DFS and the randomized search's restarts alike."""
+    candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes)]
     incumbent = min(candidates, key=lambda s: s.makespan_ms)
     candidates.append(dfs(transfers, incumbent, max_nodes, time_budget_s))
     makespans = {s.algorithm: s.makespan_ms for s in candidates[:2]}
