@@ -225,6 +225,7 @@ class NetworkEmulator:
         self.stats = NetworkStats()
         self._rings: dict[tuple[str, ...], Ring] = {}
         self._allreduces: list[tuple[torch.Tensor, object, float]] = []   # (ready stamp, its work, ring seconds)
+        self.last_allreduce_end: Optional[float] = None   # monotonic modeled end of the last backward's all-reduce
 
     @classmethod
     def of_cluster(cls, cluster, device: str, run_id: Optional[str] = None) -> Optional["NetworkEmulator"]:
@@ -296,6 +297,7 @@ class NetworkEmulator:
             self.stats.allreduces += 1
             self.stats.allreduce_modeled_s += seconds
         self._allreduces.clear()
+        self.last_allreduce_end = end
         left = end - time.monotonic()
         if left > 0:
             time.sleep(left)

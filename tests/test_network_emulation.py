@@ -7,16 +7,21 @@ not a speed threshold). Received tensors must equal the sent ones (the real tran
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
 from planner.network import NetworkModel
+from whalelike.cluster import Emulation
+from runtime.data_parallel import wrap_ddp
+from runtime.emulation import Emulator
 from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator
 
 MB = 1_000_000                       # bytes per message: 125,000 float64
@@ -55,13 +60,47 @@ def _exchange(network: NetworkEmulator, rank: int, sends: dict[int, int]) -> dic
     return {}
 
 
+WIDTH, LAYERS = 128, 4              # DDP buckets of one 128x128 float64 weight each: 131,072 bytes
+BACKWARD_S = 0.1                     # modeled backward: 1e8 FLOPs at 1 GFLOP/s
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(8, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+
+
+def _ddp_overlap(network: NetworkEmulator, rank: int, world_size: int) -> dict:
+    """Two steps of DDP over every rank (the first builds DDP's buckets); the second's backward
+    time from its start to the all-reduce's padded end, and the gradients against a reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)]).double()
+    reference = copy.deepcopy(model)
+    emulator = Emulator(1.0, Emulation(base_gflops=1.0), rank, network=network)
+    ddp = wrap_ddp(model, None, emulator, devices=DEVICES, bucket_cap_mb=WIDTH * WIDTH * 8 / 2**20)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = ddp(_inputs(rank)).pow(2).mean()
+        before = network.stats.allreduces
+        dist.barrier()
+        start = time.monotonic()
+        emulator.begin(BACKWARD_S * 1e9, 8)
+        loss.backward()
+        emulator.wait_deadline()
+        emulator.wait_communication()
+        done = time.monotonic()
+    sum(reference(_inputs(r)).pow(2).mean() for r in range(world_size)).backward()
+    return {"measured": done - start, "modeled": network.last_allreduce_end - start,
+            "buckets": network.stats.allreduces - before,
+            "grads": [p.grad for p in model.parameters()], "reference": [p.grad for p in reference.parameters()]}
+
+
 def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     network = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root)
     out = {"directory": network.ledger.directory}
     out["alone"] = _exchange(network, rank, {0: 2})             # A -> B, NICs idle
     out["intra"] = _exchange(network, rank, {0: 1})             # inside host A
     out["shared"] = _exchange(network, rank, {0: 2, 1: 3})      # A -> B and A -> C: one outgoing NIC
-    out["stats"] = network.stats
+    out["stats"] = copy.copy(network.stats)
+    out["ddp"] = _ddp_overlap(network, rank, world_size)
     dist.barrier()
     network.close()
     return out
@@ -128,3 +167,18 @@ def test_ranks_on_several_machines_are_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(NetworkEmulationError, match="LOCAL_WORLD_SIZE=4"):
         NetworkEmulator(_model(), "a0", run_id="several", ledger_root=str(tmp_path))
+
+
+def test_ddp_all_reduce_overlaps_backward_bucket_by_bucket(results):
+    ring = _model().ring(DEVICES).allreduce_ms(WIDTH * WIDTH * 8) * 1e-3
+    end = 0.0
+    for k in range(LAYERS):   # equal buckets, bucket k ready at (k+1)/LAYERS of the backward
+        end = max(BACKWARD_S * (k + 1) / LAYERS, end) + ring
+    assert end < BACKWARD_S + LAYERS * ring   # what waiting for the whole backward would cost
+    for rank, result in enumerate(results):
+        ddp = result["ddp"]
+        assert ddp["buckets"] == LAYERS
+        assert ddp["modeled"] == pytest.approx(end, abs=0.01), rank
+        assert end <= ddp["measured"] + 0.01 and ddp["measured"] <= TOLERANCE * end, (rank, ddp["measured"], end)
+        for got, want in zip(ddp["grads"], ddp["reference"]):
+            assert_close(got, want)
