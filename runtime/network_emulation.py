@@ -120,7 +120,7 @@ class NicLedger:
             for direction in ("out", "in"):
                 self._paths[host, direction] = os.path.join(directory, f"{index}-{safe}.{direction}")
         self._fds: dict[str, int] = {}
-        self._marker = os.path.join(directory, f"member-{os.getpid()}")
+        self._marker = os.path.join(directory, f"member-{os.getpid()}-{id(self)}")
         try:
             os.makedirs(directory, exist_ok=True)
             with self._directory_lock():

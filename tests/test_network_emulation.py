@@ -20,7 +20,13 @@ from torch.testing import assert_close
 from dist_utils import run_ranks
 from planner.network import NetworkModel
 from whalelike.cluster import Emulation
+import torch.fx as fx
+import torch.nn.functional as F
+
+import test_pipeline as pipeline_case
 from runtime.data_parallel import wrap_ddp
+from runtime.groups import group_ranks
+from runtime.pipeline import PipelineExecutor
 from runtime.emulation import Emulator
 from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator
 
@@ -93,6 +99,46 @@ def _ddp_overlap(network: NetworkEmulator, rank: int, world_size: int) -> dict:
             "grads": [p.grad for p in model.parameters()], "reference": [p.grad for p in reference.parameters()]}
 
 
+def _pipeline(rank: int, ledger_root: str) -> dict:
+    """test_pipeline's 'straddling-2x2' (stage 0 on ranks 0-1 of host A, stage 1 on ranks 2 and 3 of
+    hosts B and C, DDP inside each stage) on the emulated network: losses and final state against
+    the single-process reference."""
+    schedule, cut, workers, _ = pipeline_case.SCENARIOS["straddling-2x2"]
+    plan = pipeline_case._plan(schedule, workers)
+    model = NetworkModel(1.0, 0.5, 500.0, {f"cpu{r}": host for r, host in enumerate("AABC")})
+    network = NetworkEmulator(model, f"cpu{rank}", ledger_root=ledger_root)
+    torch.manual_seed(0)
+    net = pipeline_case.SkipNet()
+    reference = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(plan.global_batch_size, pipeline_case.DIN, generator=g),
+                torch.randn(plan.global_batch_size, pipeline_case.CLASSES, generator=g),
+                torch.randint(0, pipeline_case.CLASSES, (plan.global_batch_size,), generator=g)) for _ in range(2)]
+    dp_group = None
+    for ranks in group_ranks(plan, "dp").values():
+        created = dist.new_group(list(ranks))
+        dp_group = created if rank in ranks else dp_group
+    gm = fx.symbolic_trace(net)
+    emulator = Emulator(1.0 if rank % 2 else 0.5, Emulation(base_gflops=10.0), rank, network=network)
+    pipe = PipelineExecutor(gm, pipeline_case._cut(gm, cut), plan, F.cross_entropy, emulator=emulator,
+                            stage_flops=[(2e3, 4e3)] * 2, dp_group=dp_group)
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, reference))
+    losses, ref_losses = [], []
+    for x, z, y in batches:
+        optimizer.zero_grad()
+        losses.append(pipe.train_step((x, z), y))
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x, z), y)
+        loss.backward()
+        ref_optimizer.step()
+        ref_losses.append(loss.detach())
+    state = pipe.full_state_dict()
+    network.close()
+    return {"losses": losses, "ref_losses": ref_losses, "state": state, "ref_state": reference.state_dict(),
+            "stats": network.stats}
+
+
 def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     network = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root)
     out = {"directory": network.ledger.directory}
@@ -101,6 +147,7 @@ def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     out["shared"] = _exchange(network, rank, {0: 2, 1: 3})      # A -> B and A -> C: one outgoing NIC
     out["stats"] = copy.copy(network.stats)
     out["ddp"] = _ddp_overlap(network, rank, world_size)
+    out["pipeline"] = _pipeline(rank, ledger_root)
     dist.barrier()
     network.close()
     return out
@@ -182,3 +229,16 @@ def test_ddp_all_reduce_overlaps_backward_bucket_by_bucket(results):
         assert end <= ddp["measured"] + 0.01 and ddp["measured"] <= TOLERANCE * end, (rank, ddp["measured"], end)
         for got, want in zip(ddp["grads"], ddp["reference"]):
             assert_close(got, want)
+
+
+def test_pipeline_on_the_emulated_network_matches_the_reference(results):
+    for rank, result in enumerate(results):
+        got = result["pipeline"]
+        assert_close(torch.stack(got["losses"]), torch.stack(got["ref_losses"]))
+        assert got["state"].keys() == got["ref_state"].keys()
+        for key, want in got["ref_state"].items():
+            assert_close(got["state"][key], want, msg=f"rank {rank}: {key}")
+        stats = got["stats"]
+        # stage 0 (ranks 0-1) sends activations and receives gradients, stage 1 the reverse; each
+        # stage's gradients are all-reduced once per step, overlapping the last backward
+        assert stats.sent > 0 and stats.received > 0 and stats.allreduces >= 2, (rank, stats)
