@@ -122,9 +122,15 @@ class NicLedger:
         self._fds: dict[str, int] = {}
         self._marker = os.path.join(directory, f"member-{os.getpid()}-{id(self)}")
         try:
-            os.makedirs(directory, exist_ok=True)
-            with self._directory_lock():
-                open(self._marker, "w").close()
+            for attempt in range(3):   # the last process of an earlier use may remove it meanwhile
+                os.makedirs(directory, exist_ok=True)
+                try:
+                    with self._directory_lock():
+                        open(self._marker, "w").close()
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
         except OSError as e:
             raise NetworkEmulationError(
                 f"network emulation: cannot create its NIC ledger directory {directory!r} ({e.strerror or e}); "
@@ -146,8 +152,8 @@ class NicLedger:
         ``ready`` and lasting ``duration`` (monotonic seconds); both NICs are held until ``end``."""
         paths = [self._paths[src_host, "out"], self._paths[dst_host, "in"]]
         fds = [self._fd(p) for p in paths]
-        for fd in sorted(fds):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        for path in sorted(paths):   # one order in every process (fd numbers differ between them)
+            fcntl.flock(self._fds[path], fcntl.LOCK_EX)
         try:
             free = [_FREE_AT.unpack(data)[0] if len(data) == _FREE_AT.size else 0.0
                     for data in (os.pread(fd, _FREE_AT.size, 0) for fd in fds)]

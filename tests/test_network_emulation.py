@@ -190,8 +190,8 @@ def test_two_sends_sharing_a_nic_take_twice_as_long(results):
     first, second = sorted(results[receiver]["shared"]["done"] - start for receiver in (2, 3))
     assert one <= first <= TOLERANCE * one, (first, one)
     assert 2 * one <= second <= TOLERANCE * 2 * one, (second, one)
-    sender_stats = [results[r]["stats"] for r in (0, 1)]
-    assert sum(s.queued_s for s in sender_stats) == pytest.approx(one, rel=0.2)
+    # one sender took the idle NIC, the other queued behind it (rank 1 sends only in this round)
+    assert sorted(results[r]["stats"].queued_s > 0 for r in (0, 1)) == [False, True]
 
 
 def test_ledger_is_removed_when_every_rank_has_closed(results):
