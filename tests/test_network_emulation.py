@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
-from planner.network import NetworkModel
+from planner.network import NetworkError, NetworkModel
 from whalelike.cluster import Emulation
 import torch.fx as fx
 import torch.nn.functional as F
@@ -242,3 +242,8 @@ def test_pipeline_on_the_emulated_network_matches_the_reference(results):
         # stage 0 (ranks 0-1) sends activations and receives gradients, stage 1 the reverse; each
         # stage's gradients are all-reduced once per step, overlapping the last backward
         assert stats.sent > 0 and stats.received > 0 and stats.allreduces >= 2, (rank, stats)
+
+
+def test_device_not_in_the_cluster_is_a_clear_error(tmp_path):
+    with pytest.raises(NetworkError, match="'z9' is not in the cluster"):
+        NetworkEmulator(_model(), "z9", run_id="unknown", ledger_root=str(tmp_path))
