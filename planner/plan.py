@@ -178,11 +178,12 @@ class Plan:
         :func:`whalelike.spec.validate` and :mod:`planner.plan_checks`); cheap when repeated."""
         validate(self, graphs=graphs, cluster=cluster)
 
-    def summary(self) -> str:
-        """Aligned per-device table plus the predicted step time against the naive plan."""
+    def summary(self, cluster=None) -> str:
+        """Aligned per-device table plus the predicted step time against the naive plan; with the
+        ``cluster`` (its link figures), also the resharding chosen for each stage boundary."""
         from .summary import plan_summary
 
-        return plan_summary(self)
+        return plan_summary(self, cluster)
 
 
 def fingerprint_of(graphs) -> str:

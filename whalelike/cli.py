@@ -190,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         graphs = capture_workload(args)
         with _status(f"planning on {cluster.name} ({cluster.inventory()})"):
             plan = planner.plan(graphs, cluster, config)
-        print(plan.summary())
+        print(plan.summary(cluster))
         for tmp, write in staged:
             write(plan, tmp)
 
