@@ -108,8 +108,9 @@ class NicLedger:
 
     One 8-byte file per (host, direction) in ``directory``; :meth:`reserve` locks both NICs of a
     transfer, starts it when both are free and the transfer is ready, and advances both. Each
-    process registers itself with a marker file; :meth:`close` removes the marker, and the last
-    process to leave removes the directory.
+    process registers itself with a marker file; :meth:`close` (also at exit) removes the marker,
+    and the last process to leave removes the directory; ledgers whose members all died without
+    leaving are removed by the next ledger created under the same root.
     """
 
     def __init__(self, directory: str, hosts: Sequence[str]):
@@ -121,6 +122,7 @@ class NicLedger:
                 self._paths[host, direction] = os.path.join(directory, f"{index}-{safe}.{direction}")
         self._fds: dict[str, int] = {}
         self._marker = os.path.join(directory, f"member-{os.getpid()}-{id(self)}")
+        _remove_stale_ledgers(os.path.dirname(directory) or ".")
         try:
             for attempt in range(3):   # the last process of an earlier use may remove it meanwhile
                 os.makedirs(directory, exist_ok=True)
@@ -176,15 +178,51 @@ class NicLedger:
             os.close(fd)
         self._fds.clear()
         try:
-            with self._directory_lock():
+            with _Locked([os.path.join(self.directory, ".lock")]):
                 os.remove(self._marker)
-                if any(name.startswith("member-") for name in os.listdir(self.directory)):
-                    return
-                for name in os.listdir(self.directory):
-                    os.remove(os.path.join(self.directory, name))
-                os.rmdir(self.directory)
+                _remove_if_unused(self.directory)
         except OSError as e:   # another process cleaned up first, or the files are gone: nothing to keep
             log.debug("network emulation: ledger cleanup of %s: %s", self.directory, e)
+
+
+def _remove_if_unused(directory: str) -> bool:
+    """Remove ``directory`` (a ledger) if no live process is a member; call it holding its lock.
+    A member that died without leaving (killed, ``os._exit``) does not count."""
+    members = [name for name in os.listdir(directory) if name.startswith("member-")]
+    if any(_alive(name.split("-")[1]) for name in members):
+        return False
+    for name in os.listdir(directory):
+        os.remove(os.path.join(directory, name))
+    os.rmdir(directory)
+    return True
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):   # another user's process, or not a pid: keep it
+        return True
+    return True
+
+
+def _remove_stale_ledgers(root: str) -> None:
+    """Remove the ledgers under ``root`` whose members all died without leaving (a crashed run)."""
+    try:
+        names = [name for name in os.listdir(root) if name.startswith("whalelike-")]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(root, name)
+        try:
+            if not any(n.startswith("member-") for n in os.listdir(directory)):
+                continue   # being created right now, or not a ledger
+            with _Locked([os.path.join(directory, ".lock")]):
+                if _remove_if_unused(directory):
+                    log.info("network emulation: removed the stale ledger %s of a run that died", directory)
+        except OSError as e:
+            log.debug("network emulation: stale ledger %s left alone: %s", directory, e)
 
 
 class _Locked:

@@ -247,3 +247,17 @@ def test_pipeline_on_the_emulated_network_matches_the_reference(results):
 def test_device_not_in_the_cluster_is_a_clear_error(tmp_path):
     with pytest.raises(NetworkError, match="'z9' is not in the cluster"):
         NetworkEmulator(_model(), "z9", run_id="unknown", ledger_root=str(tmp_path))
+
+
+def test_ledger_of_a_run_that_died_is_removed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "whalelike-crashed"
+    stale.mkdir()
+    (stale / f"member-{int(dead.stdout)}-1").write_text("")
+    (stale / "0-A.out").write_bytes(b"\0" * 8)
+    network = NetworkEmulator(_model(), "a0", run_id="next", ledger_root=str(tmp_path))
+    assert not stale.exists()
+    network.close()
+    assert list(tmp_path.iterdir()) == []
