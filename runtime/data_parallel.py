@@ -161,16 +161,18 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     No buffer sync in forward (buffers are synced once, at construction): buffer broadcast is a collective inside every forward, which would
     fall inside the forward's compute segment (and a per-rank buffer such as BatchNorm statistics is
     computed from the rank's own share anyway, unless ``Plan.sync_batchnorm`` synchronises it:
-    :mod:`runtime.batchnorm`). Under emulation all gradients go in one bucket: the
-    backward is one modeled segment, and a bucket fired early would either wait for the whole
-    segment (then do the rest of the backward unpadded) or communicate inside it.
+    :mod:`runtime.batchnorm`). Under emulation without a network, all gradients go in one
+    bucket: the backward is one modeled segment, and a bucket fired early would either wait for
+    the whole segment (then do the rest of the backward unpadded) or communicate inside it.
 
     With network emulation (``emulator.network``) and ``devices`` (the group's devices, in rank
     order), buckets keep DDP's sizes (``bucket_cap_mb``, default DDP's) and each all-reduce
     overlaps the rest of the backward in modeled time: bucket ``k`` is ready at its share of the
     backward (:func:`_emulate_overlap`), ends ``max(latest member's ready, bucket k-1's end) + ring
     cost`` (:class:`runtime.network_emulation.NetworkEmulator`); call
-    ``emulator.wait_communication()`` after the backward to pad to the last end.
+    ``emulator.wait_communication()`` after the backward to pad to the last end. Early buckets
+    are launched for real at once (no real waiting inside the segment); only their modeled times
+    overlap. ``bucket_cap_mb`` is DDP's (ignored under emulation without a network).
     """
     emulator = emulator or Emulator.disabled()
     params = [p for p in module.parameters() if p.requires_grad]
