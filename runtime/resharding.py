@@ -1,0 +1,308 @@
+"""Execute a cross-mesh resharding plan (:class:`planner.resharding.ReshardPlan`) on process-group ranks.
+
+Why: the planner decides, per unit task, who sends which slice to whom, by which strategy, in
+which order (seed paper 001, sections 3-4). This module carries that out on real tensors, exactly
+as planned: ``local`` copies, ``send_recv`` direct sends, ``allgather`` (the slice cut by
+:func:`planner.resharding_cost.allgather_parts` into one part per receiver of the host, then a ring
+all-gather inside the host) and ``broadcast`` (a ring through ``receivers`` in ``chunks`` pieces,
+pipelined: each member forwards chunk ``k`` as soon as it has it).
+
+Why not torch's DTensor ``redistribute``: its placements are even tiles (``Shard(d)`` splits a
+dimension evenly), while our stage groups hold uneven batch shares and uneven feature shards; it
+picks its own collectives per placement pair, blind to hosts, so it cannot run the planner's
+chosen strategy (one slice crossing each host once, sender hosts load-balanced, tasks ordered);
+and its source and destination must be one device mesh, not two stage groups.
+
+How: :func:`compile_resharding` turns the plan into *messages* (source device, destination device,
+a ``[lo, hi)`` range of the slice flattened row-major), numbered in one global order that every
+rank derives from the same plan; it checks each message against the plan's hops (devices, bytes)
+and that a device forwards only ranges it received earlier in the order. :meth:`ReshardProgram.run`
+executes this rank's share: transfers in the plan's start order, each finished on this rank
+before its next one starts (every transfer a rank takes part in shares its device, and the plan
+runs those one after another); within a transfer, ops are posted in the global order with
+non-blocking ``isend``/``irecv`` (tag: ``tag_base`` + the message's number), and a forwarder waits
+only for the receive of the range it forwards. Local offsets are the box minus the holder's box.
+
+No deadlock (gloo and NCCL): every rank posts its ops in increasing global number and blocks only
+on its own ops already posted, all numbered below its next op (the receive it forwards from, or at
+the end of a transfer). Take the lowest-numbered op that never completes. Each end has posted it:
+an end that has not is blocked on a lower-numbered op that never completes, which contradicts the
+choice. Gloo matches the two ends by (peer, unique tag); NCCL runs each rank's point-to-point ops
+in posting order per stream, and every op posted before it on either end is lower-numbered, so
+complete. So it completes: a contradiction. The compile-time check (forward only what arrived
+earlier) is the premise. Interfaces shared by transfers of *different* ranks are not serialized
+here by signalling (real NICs serialize by themselves; the emulated network pads per interface).
+
+Invariant: after :meth:`ReshardProgram.run` on every rank, each destination device's tensor equals
+the full tensor's entries of its box (every entry written once, from a device that held it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from planner.resharding import ReshardPlan, ShardingSpec
+from planner.resharding_cost import allgather_parts
+from planner.resharding_spec import Box, box_size, box_text
+from whalelike.errors import WhaleError
+
+__all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "ReshardStats", "compile_resharding",
+           "execute_resharding"]
+
+MAX_TAG = 2**31 - 1
+
+
+class ReshardingRuntimeError(WhaleError):
+    """A resharding plan, device-to-rank mapping or local tensor does not fit the execution."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Message ``number`` (global order, tag offset): entries ``[lo, hi)`` of transfer
+    ``transfer``'s slice, flattened row-major, from device ``src`` to device ``dst``."""
+
+    number: int
+    transfer: int
+    src: str
+    dst: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class ReshardStats:
+    """What this rank did: messages posted, bytes sent and received, entries copied locally."""
+
+    messages: int
+    sent_bytes: int
+    received_bytes: int
+    copied_entries: int
+
+
+def _box_of(spec: ShardingSpec) -> dict[str, Box]:
+    return {h.device: h.box for h in spec.holdings}
+
+
+@dataclass(frozen=True)
+class ReshardProgram:
+    """A compiled plan: per transfer, its messages in global order; device boxes and ranks."""
+
+    plan: ReshardPlan
+    messages: tuple[tuple[Message, ...], ...]
+    src_boxes: Mapping[str, Box]
+    dst_boxes: Mapping[str, Box]
+    ranks: Mapping[str, int]
+
+    @property
+    def message_count(self) -> int:
+        """Tags ``tag_base .. tag_base + message_count - 1`` are used: give concurrent reshardings
+        disjoint ranges."""
+        return sum(len(m) for m in self.messages)
+
+    def roles(self, rank: int) -> tuple[Optional[str], Optional[str]]:
+        """The source device and the destination device that ``rank`` plays (None: none)."""
+        src = [d for d in self.src_boxes if self.ranks[d] == rank]
+        dst = [d for d in self.dst_boxes if self.ranks[d] == rank]
+        return (src[0] if src else None), (dst[0] if dst else None)
+
+    @torch.no_grad()
+    def run(self, source: Optional[torch.Tensor], destination: Optional[torch.Tensor],
+            group: Optional[dist.ProcessGroup] = None, tag_base: int = 0, rank: Optional[int] = None) -> ReshardStats:
+        """Carry out this rank's share. ``source``: this rank's tensor of its source device's box
+        (None if it plays no source device); ``destination``: an allocated tensor of its
+        destination device's box, written in place. Ranks are global (``group``: default world)."""
+        rank = dist.get_rank() if rank is None else rank
+        src_device, dst_device = self.roles(rank)
+        _check_local(source, src_device, self.src_boxes, "source", rank)
+        _check_local(destination, dst_device, self.dst_boxes, "destination", rank)
+        if tag_base < 0 or tag_base + self.message_count > MAX_TAG:
+            raise ReshardingRuntimeError(f"resharding: tag_base {tag_base} with {self.message_count} messages leaves "
+                                         f"the tag range 0..{MAX_TAG}; use a smaller tag_base")
+        counts = [0, 0, 0, 0]   # messages, sent bytes, received bytes, copied entries
+        for index, transfer in enumerate(self.plan.transfers):
+            mine_src = transfer.sender == src_device
+            mine_dst = dst_device in transfer.receivers
+            if not (mine_src or mine_dst):
+                continue
+            if transfer.strategy == "local":
+                if mine_dst:   # the same device name on both meshes: one rank, copy in place
+                    _region(destination, self.dst_boxes[dst_device], transfer.box).copy_(
+                        _region(source, self.src_boxes[transfer.sender], transfer.box))
+                    counts[3] += box_size(transfer.box)
+                continue
+            src_flat = _region(source, self.src_boxes[src_device], transfer.box).contiguous().view(-1) if mine_src else None
+            landing, dst_flat, direct = None, None, False
+            if mine_dst:   # receive straight into the destination when its region is contiguous
+                landing = _region(destination, self.dst_boxes[dst_device], transfer.box)
+                direct = landing.is_contiguous()
+                dst_flat = landing.view(-1) if direct else landing.new_empty(landing.numel())
+            self._run_transfer(index, rank, src_device, dst_device, src_flat, dst_flat, group, tag_base, counts)
+            if mine_dst and not direct:
+                landing.copy_(dst_flat.view(landing.shape))
+        return ReshardStats(*counts)
+
+    def _run_transfer(self, index: int, rank: int, src_device, dst_device, src_flat, dst_flat, group,
+                      tag_base: int, counts: list[int]) -> None:
+        sender = self.plan.transfers[index].sender
+        arrived: dict[tuple[int, int], object] = {}   # range of dst_flat -> its receive (None: copied)
+        works = []
+        for message in self.messages[index]:
+            from_rank, to_rank = self.ranks[message.src], self.ranks[message.dst]
+            if rank not in (from_rank, to_rank):
+                continue
+            span = (message.lo, message.hi)
+            payload = None
+            if from_rank == rank:
+                if message.src == sender and message.src == src_device:
+                    payload = src_flat[message.lo:message.hi]
+                else:   # forwarding: wait for the receive that brought this range here
+                    work = arrived[span]
+                    if work is not None:   # a gloo receive must be waited once: drop it from the list
+                        work.wait()
+                        arrived[span] = None
+                        works.remove(work)
+                    payload = dst_flat[message.lo:message.hi]
+            if from_rank == to_rank:
+                dst_flat[message.lo:message.hi].copy_(payload)
+                arrived[span] = None
+                counts[3] += message.hi - message.lo
+            elif from_rank == rank:
+                works.append(dist.isend(payload, to_rank, group=group, tag=tag_base + message.number))
+                counts[0] += 1
+                counts[1] += payload.numel() * payload.element_size()
+            else:
+                into = dst_flat[message.lo:message.hi]
+                work = dist.irecv(into, from_rank, group=group, tag=tag_base + message.number)
+                arrived[span] = work
+                works.append(work)
+                counts[0] += 1
+                counts[2] += into.numel() * into.element_size()
+        for work in works:
+            work.wait()
+
+
+def _region(tensor: torch.Tensor, own: Box, box: Box) -> torch.Tensor:
+    """The view of ``tensor`` (holding ``own``) covering ``box``: local offsets = box - own box."""
+    index = tuple(slice(lo - own_lo, hi - own_lo) for (lo, hi), (own_lo, _) in zip(box, own))
+    return tensor[index]
+
+
+def _check_local(tensor, device, boxes, which: str, rank: int) -> None:
+    if device is None:
+        return
+    shape = tuple(hi - lo for lo, hi in boxes[device])
+    if prod(shape) and tensor is None:
+        raise ReshardingRuntimeError(f"resharding: rank {rank} plays {which} device {device!r} holding "
+                                     f"{box_text(boxes[device])} but was given no {which} tensor; pass a tensor "
+                                     f"of shape {shape}")
+    if tensor is not None and tuple(tensor.shape) != shape:
+        raise ReshardingRuntimeError(f"resharding: rank {rank}'s {which} tensor has shape {tuple(tensor.shape)} but "
+                                     f"its device {device!r} holds {box_text(boxes[device])}, shape {shape}; pass "
+                                     "the local tensor of that box")
+
+
+def compile_resharding(plan: ReshardPlan, src: ShardingSpec, dst: ShardingSpec,
+                       ranks: Mapping[str, int]) -> ReshardProgram:
+    """The messages of ``plan`` (made from ``src`` -> ``dst``), plan devices mapped to global ranks
+    by ``ranks`` (device name -> rank; a rank plays at most one device of each spec). Pure: the
+    same on every rank."""
+    if tuple(src.shape) != tuple(plan.shape) or tuple(dst.shape) != tuple(plan.shape):
+        raise ReshardingRuntimeError(f"resharding: the plan is for shape {plan.shape} but the specs have "
+                                     f"{src.shape} and {dst.shape}; pass the specs the plan was made from")
+    ranks = dict(ranks)
+    for spec, which in ((src, "source"), (dst, "destination")):
+        owner: dict[int, str] = {}
+        for device in spec.devices:
+            if device not in ranks:
+                raise ReshardingRuntimeError(f"resharding: {which} device {device!r} has no rank in the mapping "
+                                             f"{dict(list(ranks.items())[:6])}...; map every device to a global rank")
+            rank = ranks[device]
+            if rank in owner:
+                raise ReshardingRuntimeError(f"resharding: rank {rank} is mapped to {which} devices {owner[rank]!r} "
+                                             f"and {device!r}; a rank holds one box of each spec, map them apart")
+            owner[rank] = device
+    src_boxes, dst_boxes = _box_of(src), _box_of(dst)
+    number = 0
+    per_transfer = []
+    for index, transfer in enumerate(plan.transfers):
+        if transfer.sender not in src_boxes or any(d not in dst_boxes for d in transfer.receivers):
+            raise ReshardingRuntimeError(f"resharding: transfer {index} ({transfer.sender} -> "
+                                         f"{', '.join(transfer.receivers)}) names devices outside the specs; "
+                                         "pass the specs the plan was made from")
+        messages = []
+        for src_device, dst_device, lo, hi in _layout(index, transfer, plan.itemsize):
+            if hi > lo:
+                messages.append(Message(number, index, src_device, dst_device, lo, hi))
+                number += 1
+        _check_forwarding(index, transfer, messages)
+        per_transfer.append(tuple(messages))
+    return ReshardProgram(plan, tuple(per_transfer), src_boxes, dst_boxes, ranks)
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def _layout(index: int, transfer, itemsize: int) -> list[tuple[str, str, int, int]]:
+    """``(src, dst, lo, hi)`` per message of one transfer, in order, checked against its hops."""
+    elements = box_size(transfer.box)
+    receivers, sender, hops = list(transfer.receivers), transfer.sender, transfer.hops
+    if transfer.strategy == "local":
+        expected, out = [], []
+    elif transfer.strategy == "broadcast" and len(receivers) > 1:
+        ring = [sender] + receivers
+        expected = [(a, b, elements) for a, b in zip(ring, ring[1:])]
+        chunks = _ranges(allgather_parts(elements, max(1, transfer.chunks)))
+        # wavefront order: chunk k on hop j comes after chunk k on hop j-1 and after chunk k+1 on hop j-1
+        steps = sorted(((k, j) for k in range(len(chunks)) for j in range(len(expected))),
+                       key=lambda kj: (kj[0] + kj[1], kj[1]))
+        out = [(ring[j], ring[j + 1], *chunks[k]) for k, j in steps]
+    elif transfer.strategy == "allgather" and len(receivers) > 1:
+        count = len(receivers)
+        parts = _ranges(allgather_parts(elements, count))
+        expected = [(sender, d, hi - lo) for d, (lo, hi) in zip(receivers, parts)]
+        expected += [(receivers[i], receivers[(i + 1) % count], elements - (parts[(i + 1) % count][1]
+                                                                          - parts[(i + 1) % count][0]))
+                     for i in range(count)]
+        out = [(sender, d, lo, hi) for d, (lo, hi) in zip(receivers, parts)]
+        out += [(receivers[i], receivers[(i + 1) % count], *parts[(i - step) % count])
+                for step in range(count - 1) for i in range(count)]
+    else:   # send_recv, or a broadcast / all-gather to one receiver: a full copy to each receiver
+        expected = [(sender, d, elements) for d in receivers]
+        out = [(sender, d, 0, elements) for d in receivers]
+    planned = [(hop.src, hop.dst, hop.nbytes) for hop in hops]
+    if planned != [(a, b, float(n * itemsize)) for a, b, n in expected]:
+        raise ReshardingRuntimeError(
+            f"resharding: transfer {index} ({transfer.strategy}, {transfer.sender} -> {', '.join(receivers)}, "
+            f"{box_text(transfer.box)}) has hops {planned} but the runtime lays it out as "
+            f"{[(a, b, n * itemsize) for a, b, n in expected]}; the planner's hop layout "
+            "(planner/resharding_cost.py) and runtime/resharding.py disagree: bring them in line")
+    return out
+
+
+def _check_forwarding(index: int, transfer, messages: list[Message]) -> None:
+    """A device sends only ranges it holds: the sender's slice, or a range it received earlier in
+    the order (the premise of the no-deadlock argument in the module docstring)."""
+    received: dict[str, set] = {}
+    for message in messages:
+        if message.src != transfer.sender and (message.lo, message.hi) not in received.get(message.src, set()):
+            raise ReshardingRuntimeError(f"resharding: transfer {index} message {message.number} forwards "
+                                         f"[{message.lo}:{message.hi}] from {message.src!r} before it arrived there; "
+                                         "the message order is broken (runtime/resharding.py _layout)")
+        received.setdefault(message.dst, set()).add((message.lo, message.hi))
+
+
+def execute_resharding(plan: ReshardPlan, src: ShardingSpec, dst: ShardingSpec, ranks: Mapping[str, int],
+                       source: Optional[torch.Tensor], destination: Optional[torch.Tensor],
+                       group: Optional[dist.ProcessGroup] = None, tag_base: int = 0) -> ReshardStats:
+    """Compile ``plan`` and run this rank's share (see :meth:`ReshardProgram.run`); a collective
+    over the ranks the plan's devices map to. Compile once with :func:`compile_resharding` to reuse."""
+    return compile_resharding(plan, src, dst, ranks).run(source, destination, group, tag_base)
