@@ -134,7 +134,9 @@ class ReshardProgram:
                         _region(source, self.src_boxes[transfer.sender], transfer.box))
                     counts[3] += box_size(transfer.box)
                 continue
-            src_flat = _region(source, self.src_boxes[src_device], transfer.box).contiguous().view(-1) if mine_src else None
+            src_flat = None
+            if mine_src:   # the sender's slice, contiguous and flat (a copy when the region is strided)
+                src_flat = _region(source, self.src_boxes[src_device], transfer.box).contiguous().view(-1)
             landing, dst_flat, direct = None, None, False
             if mine_dst:   # receive straight into the destination when its region is contiguous
                 landing = _region(destination, self.dst_boxes[dst_device], transfer.box)

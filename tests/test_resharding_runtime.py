@@ -36,13 +36,13 @@ def mesh(*hosts: str, tag: str) -> list[tuple[str, str]]:
     return [(f"{host}-{tag}{i}", host) for host in hosts for i in range(2)]
 
 
-def _case(name, src, dst, strategy="auto", shift=1):
+def _case(name, src, dst, strategy="auto", shift=1, itemsize=8):
     """A case: its plan and the mapping source device i -> rank i, destination i -> rank i + shift."""
     ranks = {device: i % WORLD for i, device in enumerate(src.devices)}
     for i, device in enumerate(dst.devices):
         if ranks.setdefault(device, (i + shift) % WORLD) != (i + shift) % WORLD:
             raise ValueError(f"{name}: shared device {device} needs the same rank on both meshes")
-    plan = plan_resharding(src, dst, NETWORK, itemsize=8, strategy=strategy, max_nodes=500)
+    plan = plan_resharding(src, dst, NETWORK, itemsize=itemsize, strategy=strategy, max_nodes=500)
     return name, plan, src, dst, ranks
 
 
@@ -81,6 +81,12 @@ def cases():
             for s in ("auto", "broadcast", "allgather", "send_recv")]
     out.append(_case("shared devices, one host -> replicated, broadcast", shared_one_host, shared_replicated,
                      "broadcast", 0))
+    # the form planner.resharding.boundary_resharding plans: rows of bytes (itemsize 1); the
+    # runtime moves the float64 tensors through uint8 views of their rows
+    row_bytes = prod(SHAPE[1:]) * 8
+    out.append(_case("byte rows, uneven -> replicated, auto",
+                     ShardingSpec.split((SHAPE[0], row_bytes), mesh("a", "b", tag="s"), dim=0, sizes=[3, 1, 2, 2]),
+                     ShardingSpec.replicated((SHAPE[0], row_bytes), mesh("c", "d", tag="r")), "auto", 1, itemsize=1))
     return out
 
 
@@ -92,20 +98,31 @@ def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
     return tensor[tuple(slice(lo, hi) for lo, hi in box)]
 
 
+def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's rows as bytes: a view, so writes land in ``tensor``."""
+    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
+
+
 def _run_cases(rank: int, world_size: int, all_cases) -> list:
     full = full_tensor()
     out, tag_base = [], 0
     for name, plan, src, dst, ranks in all_cases:
         program = compile_resharding(plan, src, dst, ranks)
         src_device, dst_device = program.roles(rank)
-        source = box_of(full, program.src_boxes[src_device]).clone() if src_device else None
-        destination = None
+        as_bytes = plan.itemsize == 1   # boxes are (rows, bytes): the tensors' rows seen as bytes
+        source = destination = result = None
+        if src_device:
+            box = program.src_boxes[src_device]
+            source = box_of(full, box[:1] if as_bytes else box).clone()
+            source = _byte_rows(source) if as_bytes else source
         if dst_device:
-            shape = tuple(hi - lo for lo, hi in program.dst_boxes[dst_device])
-            destination = torch.full(shape, float("nan"), dtype=torch.float64)
+            box = program.dst_boxes[dst_device]
+            rows = (box[0][1] - box[0][0], *SHAPE[1:]) if as_bytes else tuple(hi - lo for lo, hi in box)
+            result = torch.full(rows, float("nan"), dtype=torch.float64)
+            destination = _byte_rows(result) if as_bytes else result
         stats = program.run(source, destination, tag_base=tag_base)
         tag_base += program.message_count
-        out.append((name, dst_device, destination, stats))
+        out.append((name, dst_device, result, stats))
     return out
 
 
@@ -128,7 +145,8 @@ def test_plans_execute_exactly_on_four_ranks():
             if device is None:
                 continue
             seen.add(device)
-            assert torch.equal(tensor, box_of(full, boxes[device])), (name, device)
+            box = boxes[device][:1] if plan.itemsize == 1 else boxes[device]
+            assert torch.equal(tensor, box_of(full, box)), (name, device)
         assert seen == set(dst.devices), name
         moved = sum(results[rank][index][3].sent_bytes for rank in range(WORLD))
         assert moved == sum(results[rank][index][3].received_bytes for rank in range(WORLD)), name
@@ -138,7 +156,6 @@ def test_plans_execute_exactly_on_four_ranks():
 def _simulate(program) -> dict[str, torch.Tensor]:
     """Run the messages sequentially in one process, each device's copy of each slice apart:
     every destination entry must be written exactly once, forwarded only after it arrived."""
-    full = full_tensor()
     written = {d: torch.zeros(tuple(hi - lo for lo, hi in box), dtype=torch.int64)
                for d, box in program.dst_boxes.items()}
     for index, transfer in enumerate(program.plan.transfers):
@@ -155,7 +172,6 @@ def _simulate(program) -> dict[str, torch.Tensor]:
             assert torch.equal(count, torch.ones_like(count)), (index, device)
             local = [(lo - o, hi - o) for (lo, hi), (o, _) in zip(transfer.box, own[device])]
             box_of(written[device], local).add_(1)
-    del full
     return written
 
 
