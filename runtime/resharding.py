@@ -51,7 +51,7 @@ from planner.resharding_spec import Box, box_size, box_text
 from whalelike.errors import WhaleError
 
 __all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "ReshardStats", "compile_resharding",
-           "execute_resharding"]
+           "execute_resharding", "device_ranks", "byte_rows"]
 
 MAX_TAG = 2**31 - 1
 
@@ -300,6 +300,23 @@ def _check_forwarding(index: int, transfer, messages: list[Message]) -> None:
                                          f"[{message.lo}:{message.hi}] from {message.src!r} before it arrived there; "
                                          "the message order is broken (runtime/resharding.py _layout)")
         received.setdefault(message.dst, set()).add((message.lo, message.hi))
+
+
+def device_ranks(plan) -> dict[str, int]:
+    """Device name -> global rank from a :class:`planner.plan.Plan`'s workers (the mapping that
+    specs built by :func:`planner.resharding_spec.stage_output_spec` need)."""
+    return {worker.device: worker.rank for worker in plan.workers}
+
+
+def byte_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's rows as bytes, ``(rows, row_bytes)`` uint8, a view (writes land in
+    ``tensor``): what a byte-row plan (``itemsize`` 1, rows = samples, as
+    :func:`planner.resharding.boundary_resharding` makes) moves."""
+    if not tensor.is_contiguous() or tensor.dim() < 1:
+        raise ReshardingRuntimeError(f"resharding: byte_rows needs a contiguous tensor with a batch dimension, got "
+                                     f"shape {tuple(tensor.shape)} strides {tensor.stride()}; call .contiguous() "
+                                     "first (a destination must be the tensor written, so allocate it contiguous)")
+    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
 
 
 def execute_resharding(plan: ReshardPlan, src: ShardingSpec, dst: ShardingSpec, ranks: Mapping[str, int],

@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from planner.layout import SampleLayout
 from planner.network import NetworkModel
+from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.resharding import ShardingSpec, plan_resharding
-from planner.resharding_spec import padded_sizes
-from runtime.resharding import ReshardingRuntimeError, compile_resharding
+from planner.resharding_spec import padded_sizes, stage_output_spec
+from runtime.resharding import ReshardingRuntimeError, byte_rows, compile_resharding, device_ranks
 
 SHAPE = (8, 6, 10)   # 480 float64 entries: small, but cut unevenly into parts and chunks
 HOSTS = ("a", "b", "c", "d", "h0", "h1")
@@ -36,12 +38,14 @@ def mesh(*hosts: str, tag: str) -> list[tuple[str, str]]:
     return [(f"{host}-{tag}{i}", host) for host in hosts for i in range(2)]
 
 
-def _case(name, src, dst, strategy="auto", shift=1, itemsize=8):
-    """A case: its plan and the mapping source device i -> rank i, destination i -> rank i + shift."""
-    ranks = {device: i % WORLD for i, device in enumerate(src.devices)}
-    for i, device in enumerate(dst.devices):
-        if ranks.setdefault(device, (i + shift) % WORLD) != (i + shift) % WORLD:
-            raise ValueError(f"{name}: shared device {device} needs the same rank on both meshes")
+def _case(name, src, dst, strategy="auto", shift=1, itemsize=8, ranks=None):
+    """A case: its plan and the mapping source device i -> rank i, destination i -> rank i + shift
+    (or ``ranks``)."""
+    if ranks is None:
+        ranks = {device: i % WORLD for i, device in enumerate(src.devices)}
+        for i, device in enumerate(dst.devices):
+            if ranks.setdefault(device, (i + shift) % WORLD) != (i + shift) % WORLD:
+                raise ValueError(f"{name}: shared device {device} needs the same rank on both meshes")
     plan = plan_resharding(src, dst, NETWORK, itemsize=itemsize, strategy=strategy, max_nodes=500)
     return name, plan, src, dst, ranks
 
@@ -87,7 +91,27 @@ def cases():
     out.append(_case("byte rows, uneven -> replicated, auto",
                      ShardingSpec.split((SHAPE[0], row_bytes), mesh("a", "b", tag="s"), dim=0, sizes=[3, 1, 2, 2]),
                      ShardingSpec.replicated((SHAPE[0], row_bytes), mesh("c", "d", tag="r")), "auto", 1, itemsize=1))
-    return out
+    return out + stage_cases()
+
+
+def stage_cases():
+    """A ``replicate(2)`` stage on host h0 (uneven shares) feeding a ``split(2)`` stage on h1 whose
+    input arrives as feature shards (stage_output_spec, micro-batch 1 of 2), and the reverse."""
+    shares = {0: [3, 2], 1: [1, 2]}
+    workers = [Worker(r, f"w{r}", "h0", 0, 0, r, micro_batch_sizes=shares[r]) for r in (0, 1)]
+    workers += [Worker(r, f"w{r}", "h1", 0, 1, 0, r - 2, 2, micro_batch_sizes=[4, 4]) for r in (2, 3)]
+    plan = Plan(model_fingerprint="reshard-runtime", cluster="reshard-runtime", global_batch_size=8,
+                num_micro_batch=2, schedule="1f1b", solver="greedy",
+                stages=[StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "split(2)")],
+                workers=workers, boundaries=[], prediction=Prediction(0.0, 0.0, 0.0),
+                naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan.validate()
+    layout = SampleLayout.of(plan)
+    rows = stage_output_spec(plan, layout, 0, 1, SHAPE[1:])
+    shards = stage_output_spec(plan, layout, 1, 1, SHAPE[1:], feature_dim=2, feature_sizes=[7, 3])
+    return [_case(f"replicate stage -> split stage shards, {s}", rows, shards, s, ranks=device_ranks(plan))
+            for s in ("auto", "broadcast")] + [
+            _case("split stage shards -> replicate stage, auto", shards, rows, ranks=device_ranks(plan))]
 
 
 def full_tensor() -> torch.Tensor:
@@ -96,11 +120,6 @@ def full_tensor() -> torch.Tensor:
 
 def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
     return tensor[tuple(slice(lo, hi) for lo, hi in box)]
-
-
-def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's rows as bytes: a view, so writes land in ``tensor``."""
-    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
 
 
 def _run_cases(rank: int, world_size: int, all_cases) -> list:
@@ -114,12 +133,12 @@ def _run_cases(rank: int, world_size: int, all_cases) -> list:
         if src_device:
             box = program.src_boxes[src_device]
             source = box_of(full, box[:1] if as_bytes else box).clone()
-            source = _byte_rows(source) if as_bytes else source
+            source = byte_rows(source) if as_bytes else source
         if dst_device:
             box = program.dst_boxes[dst_device]
             rows = (box[0][1] - box[0][0], *SHAPE[1:]) if as_bytes else tuple(hi - lo for lo, hi in box)
             result = torch.full(rows, float("nan"), dtype=torch.float64)
-            destination = _byte_rows(result) if as_bytes else result
+            destination = byte_rows(result) if as_bytes else result
         stats = program.run(source, destination, tag_base=tag_base)
         tag_base += program.message_count
         out.append((name, dst_device, result, stats))
