@@ -22,16 +22,24 @@ before its next one starts (every transfer a rank takes part in shares its devic
 runs those one after another); within a transfer, ops are posted in the global order with
 non-blocking ``isend``/``irecv`` (tag: ``tag_base`` + the message's number), and a forwarder waits
 only for the receive of the range it forwards. Local offsets are the box minus the holder's box.
+Plan devices map to global ranks by a given mapping (:func:`device_ranks` for a Plan's workers); a
+rank plays at most one device of each spec, and a message between two devices of one rank (the
+source and the destination device it plays) is a local copy.
 
 No deadlock (gloo and NCCL): every rank posts its ops in increasing global number and blocks only
 on its own ops already posted, all numbered below its next op (the receive it forwards from, or at
 the end of a transfer). Take the lowest-numbered op that never completes. Each end has posted it:
 an end that has not is blocked on a lower-numbered op that never completes, which contradicts the
-choice. Gloo matches the two ends by (peer, unique tag); NCCL runs each rank's point-to-point ops
-in posting order per stream, and every op posted before it on either end is lower-numbered, so
-complete. So it completes: a contradiction. The compile-time check (forward only what arrived
+choice. Gloo matches the two ends by (peer, unique tag); NCCL ignores tags and matches the k-th
+send from A to B with B's k-th receive from A, the same message since both post in global order,
+and runs a rank's point-to-point ops in posting order per stream, where every op before it is
+lower-numbered, so complete. So it completes: a contradiction. The compile-time check (forward only what arrived
 earlier) is the premise. Interfaces shared by transfers of *different* ranks are not serialized
 here by signalling (real NICs serialize by themselves; the emulated network pads per interface).
+
+Tensors travel on their own device (NCCL needs CUDA tensors on both ends); only gloo is tested
+here (CPU; no machine with several GPUs). A gloo receive is waited once (a second wait blocks for
+another message), so a forwarded range's receive leaves the list of works when it is waited.
 
 Invariant: after :meth:`ReshardProgram.run` on every rank, each destination device's tensor equals
 the full tensor's entries of its box (every entry written once, from a device that held it).

@@ -7,7 +7,10 @@ differently sharded, uneven (and empty) batch shares to replicated, each strateg
 device -> host mapping; all ranks run on this machine. Source and destination meshes are 8 plan
 devices on 4 ranks (each rank plays one source and one destination device, mapped with several
 rotations so some hops stay on one rank and most cross), plus meshes sharing their devices (the
-``local`` strategy). Every destination tensor must equal its box of the full tensor exactly.
+``local`` strategy), a ``replicate(2)`` stage feeding a ``split(2)`` stage's feature shards and
+the reverse (specs from a Plan by ``stage_output_spec``), and a byte-row plan (itemsize 1, the
+form ``boundary_resharding`` plans) moving float64 rows through uint8 views. Every destination
+tensor must equal its box of the full tensor exactly.
 One 4-rank spawn runs every case; the compile step (message layout, checks, bad input) is tested
 in process.
 """
@@ -240,3 +243,5 @@ def test_bad_input_is_named():
         program.run(None, torch.zeros(SHAPE), rank=rank)
     with pytest.raises(ReshardingRuntimeError, match="tag_base 2147483640 with 16 messages leaves the tag range"):
         program.run(torch.zeros(SHAPE), torch.zeros(SHAPE), tag_base=2**31 - 8, rank=rank)
+    with pytest.raises(ReshardingRuntimeError, match=r"byte_rows needs a contiguous tensor .* shape \(6, 8\)"):
+        byte_rows(torch.zeros(8, 6).t())
