@@ -310,10 +310,13 @@ def _check_forwarding(index: int, transfer, messages: list[Message]) -> None:
         received.setdefault(message.dst, set()).add((message.lo, message.hi))
 
 
-def device_ranks(plan) -> dict[str, int]:
+def device_ranks(plan, group: Optional[dist.ProcessGroup] = None) -> dict[str, int]:
     """Device name -> global rank from a :class:`planner.plan.Plan`'s workers (the mapping that
-    specs built by :func:`planner.resharding_spec.stage_output_spec` need)."""
-    return {worker.device: worker.rank for worker in plan.workers}
+    specs built by :func:`planner.resharding_spec.stage_output_spec` need). With ``group``, plan
+    rank ``r`` is rank ``r`` of ``group`` (as in :mod:`runtime.pipeline`); else the global rank."""
+    if group is None:
+        return {worker.device: worker.rank for worker in plan.workers}
+    return {worker.device: dist.get_global_rank(group, worker.rank) for worker in plan.workers}
 
 
 def byte_rows(tensor: torch.Tensor) -> torch.Tensor:
