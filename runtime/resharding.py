@@ -56,6 +56,7 @@ import torch.distributed as dist
 from planner.resharding import ReshardPlan, ShardingSpec
 from planner.resharding_cost import allgather_parts
 from planner.resharding_spec import Box, box_size, box_text
+from runtime.network_emulation import STAMP_TAG, NetworkEmulator
 from whalelike.errors import WhaleError
 
 __all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "ReshardStats", "compile_resharding",
@@ -119,17 +120,25 @@ class ReshardProgram:
 
     @torch.no_grad()
     def run(self, source: Optional[torch.Tensor], destination: Optional[torch.Tensor],
-            group: Optional[dist.ProcessGroup] = None, tag_base: int = 0, rank: Optional[int] = None) -> ReshardStats:
+            group: Optional[dist.ProcessGroup] = None, tag_base: int = 0, rank: Optional[int] = None,
+            network: Optional[NetworkEmulator] = None) -> ReshardStats:
         """Carry out this rank's share. ``source``: this rank's tensor of its source device's box
         (None if it plays no source device); ``destination``: an allocated tensor of its
-        destination device's box, written in place. Ranks are global (``group``: default world)."""
+        destination device's box, written in place. Ranks are global (``group``: default world).
+        ``network``: this rank's emulator on an emulated network (its device must be every device
+        this rank sends from): each send is stamped with its modeled arrival and each receive
+        sleeps until it, before it is forwarded and at the end of its transfer (as
+        :mod:`runtime.pipeline` does); tags must then stay below ``STAMP_TAG``."""
         rank = dist.get_rank() if rank is None else rank
         src_device, dst_device = self.roles(rank)
+        if network is not None:
+            _check_network(self, network, rank, src_device, dst_device)
         _check_local(source, src_device, self.src_boxes, "source", rank)
         _check_local(destination, dst_device, self.dst_boxes, "destination", rank)
-        if tag_base < 0 or tag_base + self.message_count > MAX_TAG:
+        top = MAX_TAG if network is None else STAMP_TAG - 1   # stamps take tag + STAMP_TAG
+        if tag_base < 0 or tag_base + self.message_count > top:
             raise ReshardingRuntimeError(f"resharding: tag_base {tag_base} with {self.message_count} messages leaves "
-                                         f"the tag range 0..{MAX_TAG}; use a smaller tag_base")
+                                         f"the tag range 0..{top}; use a smaller tag_base")
         counts = [0, 0, 0, 0]   # messages, sent bytes, received bytes, copied entries
         for index, transfer in enumerate(self.plan.transfers):
             mine_src = transfer.sender == src_device
@@ -150,16 +159,18 @@ class ReshardProgram:
                 landing = _region(destination, self.dst_boxes[dst_device], transfer.box)
                 direct = landing.is_contiguous()
                 dst_flat = landing.view(-1) if direct else landing.new_empty(landing.numel())
-            self._run_transfer(index, rank, src_device, dst_device, src_flat, dst_flat, group, tag_base, counts)
+            self._run_transfer(index, rank, src_device, dst_device, src_flat, dst_flat, group, tag_base, counts,
+                               network)
             if mine_dst and not direct:
                 landing.copy_(dst_flat.view(landing.shape))
         return ReshardStats(*counts)
 
     def _run_transfer(self, index: int, rank: int, src_device, dst_device, src_flat, dst_flat, group,
-                      tag_base: int, counts: list[int]) -> None:
+                      tag_base: int, counts: list[int], network: Optional[NetworkEmulator] = None) -> None:
         sender = self.plan.transfers[index].sender
-        arrived: dict[tuple[int, int], object] = {}   # range of dst_flat -> its receive (None: copied)
-        works = []
+        # range of dst_flat -> (its receive works, its modeled arrival or None); None: copied or waited
+        arrived: dict[tuple[int, int], object] = {}
+        works, keep_alive = [], []
         for message in self.messages[index]:
             from_rank, to_rank = self.ranks[message.src], self.ranks[message.dst]
             if rank not in (from_rank, to_rank):
@@ -169,30 +180,65 @@ class ReshardProgram:
             if from_rank == rank:
                 if message.src == sender and message.src == src_device:
                     payload = src_flat[message.lo:message.hi]
-                else:   # forwarding: wait for the receive that brought this range here
-                    work = arrived[span]
-                    if work is not None:   # a gloo receive must be waited once: drop it from the list
-                        work.wait()
+                else:   # forwarding: wait for the receive that brought this range here (and its modeled arrival)
+                    if arrived[span] is not None:   # a gloo receive must be waited once: drop it from the list
+                        _finish(arrived[span], works)
                         arrived[span] = None
-                        works.remove(work)
                     payload = dst_flat[message.lo:message.hi]
+            tag = tag_base + message.number
             if from_rank == to_rank:
                 dst_flat[message.lo:message.hi].copy_(payload)
                 arrived[span] = None
                 counts[3] += message.hi - message.lo
             elif from_rank == rank:
-                works.append(dist.isend(payload, to_rank, group=group, tag=tag_base + message.number))
+                ops = [dist.P2POp(dist.isend, payload, to_rank, group, tag)]
+                if network is not None:   # priced and stamped by the sender, as runtime.pipeline's _send
+                    ops = network.stamp_sends(ops, [message.dst])
+                works.extend(_post(ops))
+                keep_alive.extend(op.tensor for op in ops)
                 counts[0] += 1
                 counts[1] += payload.numel() * payload.element_size()
             else:
                 into = dst_flat[message.lo:message.hi]
-                work = dist.irecv(into, from_rank, group=group, tag=tag_base + message.number)
-                arrived[span] = work
-                works.append(work)
+                ops, arrival = [dist.P2POp(dist.irecv, into, from_rank, group, tag)], None
+                if network is not None:   # the sender's modeled arrival too, as runtime.pipeline's _receive
+                    ops, arrival = network.stamp_receives(ops)
+                posted = _post(ops)
+                arrived[span] = (posted, arrival)
+                works.extend(posted)
                 counts[0] += 1
                 counts[2] += into.numel() * into.element_size()
         for work in works:
             work.wait()
+        for pending in arrived.values():   # sleep until the modeled arrival of what was not forwarded
+            if pending is not None and pending[1] is not None:
+                pending[1].wait()
+
+
+def _post(ops: list) -> list:
+    """Post point-to-point ops one by one, in order (each with its own tag): their works."""
+    return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+
+def _finish(pending, works: list) -> None:
+    """Wait for a receive's works (dropping them from ``works``), then for its modeled arrival."""
+    posted, arrival = pending
+    for work in posted:
+        work.wait()
+        works.remove(work)
+    if arrival is not None:
+        arrival.wait()
+
+
+def _check_network(program: "ReshardProgram", network: NetworkEmulator, rank: int, src_device, dst_device) -> None:
+    """The emulator prices sends from its own device: it must be every device this rank sends from."""
+    sending = {d for d in (src_device, dst_device) if d is not None and any(
+        m.src == d and program.ranks[m.dst] != rank for messages in program.messages for m in messages)}
+    wrong = sorted(sending - {network.device})
+    if wrong:
+        raise ReshardingRuntimeError(f"resharding: rank {rank} sends from device(s) {wrong} but its network emulator "
+                                     f"is for device {network.device!r}; give each rank the emulator of the device it "
+                                     "sends from (one device per rank on an emulated network)")
 
 
 def _region(tensor: torch.Tensor, own: Box, box: Box) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""Cross-mesh resharding: broadcast vs send/recv vs send/recv + local all-gather, measured on gloo ranks.
+
+The seed paper's (001, Zhuang et al.) microbenchmark cases adapted to meshes of 2 hosts x 2
+devices: (a) one sender host feeding a replicated destination mesh on two hosts, (b) both sender
+hosts usable (the tensor replicated on both), (c) sharded to differently sharded (a 2x2 grid: row
+halves per host, column halves per device, to column halves per host, replicated inside it), (d) uneven batch
+shares to replicated; plus (a8), case (a) with 8 receivers (2 hosts x 4 devices): with 4 receivers
+send/recv pushes 4 copies through the sender's NIC and broadcast one, so 4x is the ceiling of
+their ratio there (less the broadcast's pipeline fill); with 8 the ceiling is 8x.
+
+Each strategy is forced (``plan_resharding(..., strategy=...)``) and executed for real by
+:meth:`runtime.resharding.ReshardProgram.run` on spawned gloo ranks, one rank per plan device
+(10 ranks; a case uses the first ones), all under the same emulated network
+(:class:`runtime.network_emulation.NetworkEmulator`: each send stamped with its modeled arrival,
+each host's NIC a serial resource per direction, receives sleep until the arrival), whose link
+figures are the planner's :class:`planner.network.NetworkModel`, so the predicted and the measured
+times compare. The figures (0.04 GB/s between hosts, 2 GB/s inside one, 50 us latency) and the
+4 MB float32 tensor put the modeled times at ~50-850 ms, so Python and loopback costs (a few ms)
+stay small. Strategies alternate within each round (rotated order) and the median round is
+reported. Every destination tensor is checked equal to its box of the full tensor (exactness).
+
+Columns: measured ms (barrier to barrier, slowest rank decides), the planner's predicted ms, the
+lower bound (bytes over the busiest link / its bandwidth, plus one latency), measured / predicted.
+The last line: broadcast over send/recv where the sender's link is the bottleneck (a, a8), and
+broadcast's measured time over the lower bound (target within 1.1x).
+
+Run (spawns its ranks itself; ~1 minute on 2 cores)::
+
+    .venv/bin/python bench/resharding.py [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from timing import process_group, spawn_ranks  # noqa: E402
+
+from planner.network import NetworkModel  # noqa: E402
+from planner.resharding import ShardingSpec, plan_resharding  # noqa: E402
+from runtime.network_emulation import NetworkEmulator  # noqa: E402
+from runtime.resharding import compile_resharding  # noqa: E402
+
+SHAPE = (1024, 1024)          # float32: 4 MiB
+ITEMSIZE = 4
+INTRA_GBPS, INTER_GBPS, LATENCY_US = 2.0, 0.04, 50.0
+STRATEGIES = ("broadcast", "send_recv", "allgather")
+WORLD = 10                    # the largest case: 2 source + 8 destination devices
+
+
+def mesh(*hosts: str, tag: str, per_host: int = 2) -> list[tuple[str, str]]:
+    return [(f"{host}-{tag}{i}", host) for host in hosts for i in range(per_host)]
+
+
+def cases() -> list[tuple[str, ShardingSpec, ShardingSpec]]:
+    """(name, source spec, destination spec); source hosts a, b; destination hosts c, d."""
+    replicated = ShardingSpec.replicated(SHAPE, mesh("c", "d", tag="r"))
+    grid = ShardingSpec.grid(SHAPE, [mesh("a", tag="s"), mesh("b", tag="s")], row=(0, [512, 512]),
+                             col=(1, [512, 512]))
+    return [
+        ("a: one sender host -> replicated", ShardingSpec.replicated(SHAPE, mesh("a", tag="s")), replicated),
+        ("b: both sender hosts -> replicated", ShardingSpec.replicated(SHAPE, mesh("a", "b", tag="s")), replicated),
+        ("c: 2x2 grid -> column halves per host", grid,
+         ShardingSpec.grid(SHAPE, [mesh("c", tag="r"), mesh("d", tag="r")], row=(1, [512, 512]))),
+        ("d: uneven rows 3:1:2:2 -> replicated",
+         ShardingSpec.split(SHAPE, mesh("a", "b", tag="s"), dim=0, sizes=[384, 128, 256, 256]), replicated),
+        ("a8: one sender host -> 8 receivers", ShardingSpec.replicated(SHAPE, mesh("a", tag="s")),
+         ShardingSpec.replicated(SHAPE, mesh("c", "d", tag="r", per_host=4))),
+    ]
+
+
+def network_model(all_cases) -> NetworkModel:
+    device_hosts = {}
+    for _, src, dst in all_cases:
+        device_hosts.update(src.device_hosts)
+        device_hosts.update(dst.device_hosts)
+    return NetworkModel(INTRA_GBPS, INTER_GBPS, LATENCY_US, device_hosts)
+
+
+def device_ranks(src: ShardingSpec, dst: ShardingSpec) -> dict[str, int]:
+    """One rank per plan device: source devices first, then destination devices."""
+    return {device: rank for rank, device in enumerate([*src.devices, *dst.devices])}
+
+
+def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
+    return tensor[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def worker(rank: int, init_file: str, args, results) -> None:
+    rounds, run_id = args
+    all_cases = cases()
+    model = network_model(all_cases)
+    full = torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE)   # exact in float32
+    runs = []   # (case, strategy, program, source, destination device box)
+    for name, src, dst in all_cases:
+        for strategy in STRATEGIES:
+            plan = plan_resharding(src, dst, model, itemsize=ITEMSIZE, strategy=strategy)
+            program = compile_resharding(plan, src, dst, device_ranks(src, dst))
+            src_device, _ = program.roles(rank)
+            source = box_of(full, program.src_boxes[src_device]).clone() if src_device else None
+            runs.append((name, strategy, program, source))
+    emulators: dict[str, NetworkEmulator] = {}
+    measured: dict[tuple[str, str], list[float]] = {}
+    wrong = []
+    with process_group(rank, init_file, WORLD):
+        for round_index in range(rounds):
+            for case_index in range(len(all_cases)):
+                group = runs[case_index * len(STRATEGIES):(case_index + 1) * len(STRATEGIES)]
+                shift = round_index % len(group)   # alternate which strategy goes first
+                for name, strategy, program, source in group[shift:] + group[:shift]:
+                    src_device, dst_device = program.roles(rank)
+                    device = dst_device or src_device
+                    network = None
+                    if device is not None:
+                        if device not in emulators:
+                            emulators[device] = NetworkEmulator(model, device, run_id)
+                        network = emulators[device]
+                    destination = None
+                    if dst_device:
+                        box = program.dst_boxes[dst_device]
+                        destination = torch.full(tuple(hi - lo for lo, hi in box), float("nan"))
+                    dist.barrier()
+                    start = time.perf_counter()
+                    program.run(source, destination, network=network)
+                    dist.barrier()
+                    measured.setdefault((name, strategy), []).append((time.perf_counter() - start) * 1e3)
+                    if destination is not None and not torch.equal(destination, box_of(full, box)):
+                        wrong.append(f"{name} {strategy} {dst_device}")
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, wrong)
+    for emulator in emulators.values():
+        emulator.close()
+    if rank == 0:
+        results["measured"] = measured
+        results["wrong"] = [w for ws in gathered for w in ws]
+        results["plans"] = {(name, strategy): (p.plan.predicted_ms, p.plan.lower_bound_ms)
+                            for name, strategy, p, _ in runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported")
+    args = parser.parse_args()
+    all_cases = cases()
+    print(f"cross-mesh resharding of a {SHAPE[0]}x{SHAPE[1]} float32 tensor ({SHAPE[0] * SHAPE[1] * ITEMSIZE / 2**20:.0f} "
+          f"MiB) on an emulated network: {INTER_GBPS} GB/s between hosts, {INTRA_GBPS} GB/s inside one, "
+          f"{LATENCY_US:.0f} us latency; {WORLD} gloo ranks (one per plan device), median of {args.rounds} rounds")
+    start = time.perf_counter()
+    results = spawn_ranks(worker, (args.rounds, f"reshard-bench-{os.getpid()}"), WORLD)
+    if results["wrong"]:
+        raise SystemExit(f"EXACTNESS FAILED: destination tensors differ from their boxes: {results['wrong'][:10]}")
+    print(f"exactness: every destination tensor equals its box of the full tensor in every run "
+          f"({len(all_cases) * len(STRATEGIES) * args.rounds} runs)")
+    print(f"{'case':40s} {'strategy':10s} {'measured':>9s} {'predicted':>9s} {'bound':>8s} {'meas/pred':>9s}")
+    median = {key: statistics.median(values) for key, values in results["measured"].items()}
+    for name, _, _ in all_cases:
+        for strategy in STRATEGIES:
+            predicted, bound = results["plans"][name, strategy]
+            ms = median[name, strategy]
+            print(f"{name:40s} {strategy:10s} {ms:8.1f}  {predicted:8.1f}  {bound:7.1f}  {ms / predicted:8.2f}x")
+    print(f"(total {time.perf_counter() - start:.0f} s)")
+    names = {name[:name.index(":")]: name for name, _, _ in all_cases}
+    ratio = {key: median[names[key], "send_recv"] / median[names[key], "broadcast"] for key in ("a", "a8")}
+    over_bound = {key: median[name, "broadcast"] / results["plans"][name, "broadcast"][1] for key, name in names.items()}
+    worst = max(over_bound, key=over_bound.get)
+    print(f"headline: broadcast is {ratio['a']:.2f}x faster than send/recv with one sender host and 4 receivers "
+          f"(ceiling 4x; target >= 4x), {ratio['a8']:.2f}x with 8 receivers (ceiling 8x); broadcast measured / "
+          f"lower bound {over_bound['a']:.2f}x in case a (target <= 1.1x), worst {over_bound[worst]:.2f}x "
+          f"(case {worst})")
+
+
+if __name__ == "__main__":
+    main()
