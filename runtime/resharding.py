@@ -46,6 +46,7 @@ the full tensor's entries of its box (every entry written once, from a device th
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from math import prod
 from typing import Mapping, Optional
@@ -128,7 +129,9 @@ class ReshardProgram:
         ``network``: this rank's emulator on an emulated network (its device must be every device
         this rank sends from): each send is stamped with its modeled arrival and each receive
         sleeps until it, before it is forwarded and at the end of its transfer (as
-        :mod:`runtime.pipeline` does); tags must then stay below ``STAMP_TAG``."""
+        :mod:`runtime.pipeline` does), and a sender posts each transfer no earlier than its planned
+        start after this call began (the emulated NICs are reserved first come, first served, so
+        posting ahead of the plan would reorder it); tags must then stay below ``STAMP_TAG``."""
         rank = dist.get_rank() if rank is None else rank
         src_device, dst_device = self.roles(rank)
         if network is not None:
@@ -140,11 +143,14 @@ class ReshardProgram:
             raise ReshardingRuntimeError(f"resharding: tag_base {tag_base} with {self.message_count} messages leaves "
                                          f"the tag range 0..{top}; use a smaller tag_base")
         counts = [0, 0, 0, 0]   # messages, sent bytes, received bytes, copied entries
+        origin = time.monotonic()
         for index, transfer in enumerate(self.plan.transfers):
             mine_src = transfer.sender == src_device
             mine_dst = dst_device in transfer.receivers
             if not (mine_src or mine_dst):
                 continue
+            if network is not None and mine_src and transfer.strategy != "local":
+                _sleep_until(origin + transfer.start_ms * 1e-3)   # the plan's slot: NICs are not shared first-come
             if transfer.strategy == "local":
                 if mine_dst:   # the same device name on both meshes: one rank, copy in place
                     _region(destination, self.dst_boxes[dst_device], transfer.box).copy_(
@@ -213,6 +219,12 @@ class ReshardProgram:
         for pending in arrived.values():   # sleep until the modeled arrival of what was not forwarded
             if pending is not None and pending[1] is not None:
                 pending[1].wait()
+
+
+def _sleep_until(moment: float) -> None:
+    left = moment - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def _post(ops: list) -> list:

@@ -11,12 +11,15 @@ rotations so some hops stay on one rank and most cross), plus meshes sharing the
 the reverse (specs from a Plan by ``stage_output_spec``), and a byte-row plan (itemsize 1, the
 form ``boundary_resharding`` plans) moving float64 rows through uint8 views. Every destination
 tensor must equal its box of the full tensor exactly.
+The same spawn runs two cases under the emulated network (``run(..., network=)``: stamped sends,
+receives that wait their modeled arrival): exact, and every stamp sent is taken.
 One 4-rank spawn runs every case; the compile step (message layout, checks, bad input) is tested
 in process.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from math import prod
 
 import pytest
@@ -28,6 +31,7 @@ from planner.network import NetworkModel
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from planner.resharding import ShardingSpec, plan_resharding
 from planner.resharding_spec import padded_sizes, stage_output_spec
+from runtime.network_emulation import NetworkEmulator
 from runtime.resharding import ReshardingRuntimeError, byte_rows, compile_resharding, device_ranks
 
 SHAPE = (8, 6, 10)   # 480 float64 entries: small, but cut unevenly into parts and chunks
@@ -125,11 +129,38 @@ def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
     return tensor[tuple(slice(lo, hi) for lo, hi in box)]
 
 
-def _run_cases(rank: int, world_size: int, all_cases) -> list:
+def emulated_cases():
+    """One sender host -> replicated on hosts c, d (send_recv, and a broadcast whose forwarders are
+    ranks that send from no other device), priced by a model that knows the devices."""
+    src = ShardingSpec.replicated(SHAPE, mesh("a", tag="s"))
+    dst = ShardingSpec.replicated(SHAPE, mesh("c", "d", tag="r"))
+    model = NetworkModel(100.0, 1.25, 0.2, {**src.device_hosts, **dst.device_hosts})
+    ranks = {"a-s0": 0, "a-s1": 1, "c-r0": 1, "c-r1": 2, "d-r0": 3, "d-r1": 0}
+    out = []
+    for strategy in ("send_recv", "broadcast"):
+        plan = plan_resharding(src, dst, model, itemsize=8, strategy=strategy, max_nodes=500)
+        assert plan.transfers[0].sender == "a-s0" and plan.transfers[-1].receivers[-1] == "d-r1"
+        out.append((f"emulated network, one sender host -> replicated, {strategy}", plan, src, dst, ranks))
+    return model, out
+
+
+def _sending_device(program, rank: int):
+    """The one device ``rank`` sends from to another rank (else the device it plays)."""
+    sending = {m.src for ms in program.messages for m in ms if program.ranks[m.src] == rank != program.ranks[m.dst]}
+    assert len(sending) <= 1, sending
+    src_device, dst_device = program.roles(rank)
+    return sending.pop() if sending else (dst_device or src_device)
+
+
+def _run_cases(rank: int, world_size: int, all_cases, emulated=None, run_id="") -> list:
     full = full_tensor()
     out, tag_base = [], 0
-    for name, plan, src, dst, ranks in all_cases:
+    model, emulated = emulated if emulated else (None, [])
+    for name, plan, src, dst, ranks in [*all_cases, *emulated]:
         program = compile_resharding(plan, src, dst, ranks)
+        network = None
+        if name.startswith("emulated"):
+            network = NetworkEmulator(model, _sending_device(program, rank), run_id)
         src_device, dst_device = program.roles(rank)
         as_bytes = plan.itemsize == 1   # boxes are (rows, bytes): the tensors' rows seen as bytes
         source = destination = result = None
@@ -142,8 +173,11 @@ def _run_cases(rank: int, world_size: int, all_cases) -> list:
             rows = (box[0][1] - box[0][0], *SHAPE[1:]) if as_bytes else tuple(hi - lo for lo, hi in box)
             result = torch.full(rows, float("nan"), dtype=torch.float64)
             destination = byte_rows(result) if as_bytes else result
-        stats = program.run(source, destination, tag_base=tag_base)
+        stats = program.run(source, destination, tag_base=tag_base, network=network)
         tag_base += program.message_count
+        if network is not None:
+            network.close()
+            stats = (stats, network.stats.sent, network.stats.received)
         out.append((name, dst_device, result, stats))
     return out
 
@@ -156,9 +190,10 @@ def test_plans_execute_exactly_on_four_ranks():
     assert any(t.strategy == "broadcast" and t.chunks > 1 and len(t.receivers) == 4
                for _, plan, *_ in all_cases for t in plan.transfers)
     assert any(t.strategy == "allgather" and len(t.receivers) == 2 for _, plan, *_ in all_cases for t in plan.transfers)
-    results = run_ranks(_run_cases, WORLD, args=(all_cases,), timeout_s=120)
+    emulated = emulated_cases()
+    results = run_ranks(_run_cases, WORLD, args=(all_cases, emulated, f"reshard-test-{os.getpid()}"), timeout_s=120)
     full = full_tensor()
-    for index, (name, plan, src, dst, ranks) in enumerate(all_cases):
+    for index, (name, plan, src, dst, ranks) in enumerate(all_cases + emulated[1]):
         boxes = {h.device: h.box for h in dst.holdings}
         seen = set()
         for rank in range(WORLD):
@@ -170,8 +205,12 @@ def test_plans_execute_exactly_on_four_ranks():
             box = boxes[device][:1] if plan.itemsize == 1 else boxes[device]
             assert torch.equal(tensor, box_of(full, box)), (name, device)
         assert seen == set(dst.devices), name
-        moved = sum(results[rank][index][3].sent_bytes for rank in range(WORLD))
-        assert moved == sum(results[rank][index][3].received_bytes for rank in range(WORLD)), name
+        stats = [results[rank][index][3] for rank in range(WORLD)]
+        if name.startswith("emulated"):   # every message stamped by its sender and the stamp taken
+            stamps_sent, stamps_taken = sum(s[1] for s in stats), sum(s[2] for s in stats)
+            stats = [s[0] for s in stats]
+            assert stamps_sent == stamps_taken == sum(s.messages for s in stats) // 2 > 0, name
+        assert sum(s.sent_bytes for s in stats) == sum(s.received_bytes for s in stats), name
 
 
 # -- the compile step, in process ------------------------------------------------------------------
@@ -243,5 +282,14 @@ def test_bad_input_is_named():
         program.run(None, torch.zeros(SHAPE), rank=rank)
     with pytest.raises(ReshardingRuntimeError, match="tag_base 2147483640 with 16 messages leaves the tag range"):
         program.run(torch.zeros(SHAPE), torch.zeros(SHAPE), tag_base=2**31 - 8, rank=rank)
+    model, ((_, emulated, e_src, e_dst, e_ranks), _) = emulated_cases()
+    network = NetworkEmulator(model, "c-r0", f"reshard-test-bad-{os.getpid()}")
+    try:
+        with pytest.raises(ReshardingRuntimeError, match=r"rank 0 sends from device\(s\) \['a-s0'\] but its network "
+                                                         r"emulator is for device 'c-r0'"):
+            compile_resharding(emulated, e_src, e_dst, e_ranks).run(torch.zeros(SHAPE), torch.zeros(SHAPE), rank=0,
+                                                                     network=network)
+    finally:
+        network.close()
     with pytest.raises(ReshardingRuntimeError, match=r"byte_rows needs a contiguous tensor .* shape \(6, 8\)"):
         byte_rows(torch.zeros(8, 6).t())
