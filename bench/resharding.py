@@ -3,8 +3,8 @@
 The seed paper's (001, Zhuang et al.) microbenchmark cases adapted to meshes of 2 hosts x 2
 devices: (a) one sender host feeding a replicated destination mesh on two hosts, (b) both sender
 hosts usable (the tensor replicated on both), (c) sharded to differently sharded (a 2x2 grid: row
-halves per host, column halves per device, to column halves per host, replicated inside it), (d) uneven batch
-shares to replicated; plus (a8), case (a) with 8 receivers (2 hosts x 4 devices): with 4 receivers
+halves per host, column halves per device, to column halves per host, replicated inside it), (d)
+uneven batch shares to replicated; plus (a8), case (a) with 8 receivers (2 hosts x 4 devices): with 4 receivers
 send/recv pushes 4 copies through the sender's NIC and broadcast one, so 4x is the ceiling of
 their ratio there (less the broadcast's pipeline fill); with 8 the ceiling is 8x.
 
@@ -14,17 +14,20 @@ Each strategy is forced (``plan_resharding(..., strategy=...)``) and executed fo
 (:class:`runtime.network_emulation.NetworkEmulator`: each send stamped with its modeled arrival,
 each host's NIC a serial resource per direction, receives sleep until the arrival), whose link
 figures are the planner's :class:`planner.network.NetworkModel`, so the predicted and the measured
-times compare. The figures (0.04 GB/s between hosts, 2 GB/s inside one, 50 us latency) and the
-4 MB float32 tensor put the modeled times at ~50-850 ms, so Python and loopback costs (a few ms)
-stay small. Strategies alternate within each round (rotated order) and the median round is
-reported. Every destination tensor is checked equal to its box of the full tensor (exactness).
+times compare. The figures (0.02 GB/s between hosts, 2 GB/s inside one, 50 us latency) and the
+4 MiB float32 tensor put broadcast's modeled time at ~100-220 ms (send/recv's at up to 1.7 s, 8
+copies through one NIC): the per-run fixed costs (two barriers over 10 ranks, Python, loopback;
+~5-10 ms on 2 cores) and each forwarder's per-chunk cost (a broadcast pipelines ~50-100 chunks of
+~2-4 ms modeled each) stay small against them. Senders post each transfer at the plan's start time
+(the runtime does so under emulation: the NIC ledger is first come, first served). Strategies
+alternate within each round (rotated order) and the median round is reported. Every destination tensor is checked equal to its box of the full tensor (exactness).
 
 Columns: measured ms (barrier to barrier, slowest rank decides), the planner's predicted ms, the
 lower bound (bytes over the busiest link / its bandwidth, plus one latency), measured / predicted.
 The last line: broadcast over send/recv where the sender's link is the bottleneck (a, a8), and
 broadcast's measured time over the lower bound (target within 1.1x).
 
-Run (spawns its ranks itself; ~1 minute on 2 cores)::
+Run (spawns its 10 ranks itself; ~1 minute on 2 cores)::
 
     .venv/bin/python bench/resharding.py [--rounds 5]
 """
@@ -50,7 +53,7 @@ from runtime.resharding import compile_resharding  # noqa: E402
 
 SHAPE = (1024, 1024)          # float32: 4 MiB
 ITEMSIZE = 4
-INTRA_GBPS, INTER_GBPS, LATENCY_US = 2.0, 0.04, 50.0
+INTRA_GBPS, INTER_GBPS, LATENCY_US = 2.0, 0.02, 50.0
 STRATEGIES = ("broadcast", "send_recv", "allgather")
 WORLD = 10                    # the largest case: 2 source + 8 destination devices
 

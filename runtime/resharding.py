@@ -37,6 +37,14 @@ lower-numbered, so complete. So it completes: a contradiction. The compile-time 
 earlier) is the premise. Interfaces shared by transfers of *different* ranks are not serialized
 here by signalling (real NICs serialize by themselves; the emulated network pads per interface).
 
+On an emulated network (``run(..., network=)``, :mod:`runtime.network_emulation`), each send is
+stamped with its modeled arrival (a stamp message right after it, tag + ``STAMP_TAG``, so the
+order argument above holds for the pair) and a receive sleeps until that arrival before its range
+is forwarded and at the end of its transfer, as :mod:`runtime.pipeline` does; a sender posts each
+transfer no earlier than its planned start after ``run`` began, since the emulated NICs are
+reserved first come, first served and posting early would reorder the plan. A rank on an emulated
+network sends from one device (the emulator's). With ``network=None`` none of this runs.
+
 Tensors travel on their own device (NCCL needs CUDA tensors on both ends); only gloo is tested
 here (CPU; no machine with several GPUs). A gloo receive is waited once (a second wait blocks for
 another message), so a forwarded range's receive leaves the list of works when it is waited.
