@@ -66,6 +66,7 @@ from planner.plan import Plan
 from planner.state_moves import Move, Slab, plan_moves
 from runtime.state_transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
 from whalelike.errors import WhaleError
+from whalelike.files import flush_to_disk, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -432,26 +433,16 @@ def _state_to_write(rank: int, held: NamedState, opt_tensors: Mapping[str, Mappi
 
 
 def _finish(partial: str, final: str, plan: Plan, step: int, world: int) -> None:
-    """Rank 0, after DCP finished everywhere: the plan and the manifest, synced, then the rename."""
+    """Rank 0, after DCP finished everywhere: the plan and the manifest (each synced to disk by
+    :func:`whalelike.files.write_atomic`), then the rename, synced too."""
     plan.to_yaml(os.path.join(partial, PLAN_FILE))
-    manifest = os.path.join(partial, MANIFEST)
-    with open(manifest, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "step": step, "world_size": world, "saved_at": time.time(),
-                   "torch": torch.__version__}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    manifest = {"format": FORMAT, "step": step, "world_size": world, "saved_at": time.time(),
+                "torch": torch.__version__}
+    write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1), kind="json")
     if os.path.exists(final):             # a save of the same step again (a resumed run re-saving)
         shutil.rmtree(final)
     os.rename(partial, final)
-    _sync_directory(os.path.dirname(final))
-
-
-def _sync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flush_to_disk(os.path.dirname(final))
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -3,6 +3,8 @@
 file left behind; and ``validate`` running each check once per plan content."""
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import dataclasses
 import os
@@ -126,11 +128,8 @@ def test_a_stream_without_a_size_is_cut_at_the_limit(tmp_path):
     os.mkfifo(fifo)
 
     def writer():   # more than the limit; the reader stops early, so the pipe may break
-        try:
-            with open(fifo, "wb") as f:
-                f.write(b"#" * (CLUSTER_LIMIT + 10))
-        except BrokenPipeError:
-            pass
+        with contextlib.suppress(BrokenPipeError), open(fifo, "wb") as f:
+            f.write(b"#" * (CLUSTER_LIMIT + 10))
 
     thread = threading.Thread(target=writer)
     thread.start()

@@ -35,6 +35,7 @@ kernel applies the umask exactly as for ``open(path, "w")``.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -153,7 +154,7 @@ class Outputs:
                 # replaced the temporary file by one of its own, with other permissions)
                 existing = os.path.exists(s.real)
                 os.chmod(s.temp, stat.S_IMODE(os.stat(s.real).st_mode) if existing else s.new_mode)
-                _flush_to_disk(s.temp)
+                flush_to_disk(s.temp)
         except BaseException:
             self.discard()
             raise
@@ -170,7 +171,7 @@ class Outputs:
                                   f"({e.strerror or e}); {done}") from e
             written.append(s.target)
         for folder in {os.path.dirname(s.real) for s in self._staged}:
-            _flush_to_disk(folder)
+            flush_to_disk(folder)
         return list(written)
 
     def discard(self) -> None:
@@ -181,10 +182,8 @@ class Outputs:
     @staticmethod
     def _discard(staged: list["_Staged"]) -> None:
         for s in staged:
-            try:
+            with contextlib.suppress(FileNotFoundError):   # never created, or already moved
                 os.unlink(s.temp)
-            except FileNotFoundError:
-                pass
 
 
 @dataclass(frozen=True)
@@ -307,7 +306,7 @@ def _create_temp(label: str, target: PathLike, real: str) -> tuple[str, int]:
     raise OutputError(f"{label} {os.fspath(target)}: could not pick an unused temporary name in {folder}")
 
 
-def _flush_to_disk(path: str) -> None:
+def flush_to_disk(path: PathLike) -> None:
     """fsync a finished file (or a directory after renames), so a crash cannot leave an empty
     target behind a completed rename; file systems that cannot fsync a directory are skipped."""
     try:
@@ -315,8 +314,7 @@ def _flush_to_disk(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):   # e.g. a directory on a file system without dir fsync
+            os.fsync(fd)
     finally:
         os.close(fd)
