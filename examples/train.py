@@ -48,7 +48,7 @@ import whalelike as wl
 from runtime import checkpoint
 from whalelike.cli import load_workload
 from whalelike.display import format_table
-from whalelike.errors import WhaleError
+from whalelike.errors import WhaleError, one_line
 from whalelike.files import check_output_paths
 
 WARMUP_STEPS = 2
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         workload, plan, cluster, resume = inputs(args)
     except (WhaleError, OSError) as e:
         # the same inputs on every rank, checked before any process group exists: one line per job
-        _say_once(f"train.py: error: {_one_line(e)}")
+        _say_once(f"train.py: error: {one_line(e)}")
         return EXIT_USAGE
     if resume is not None and resume.step >= args.steps:
         _say_once(f"train.py: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     except (WhaleError, RuntimeError, OSError) as e:
         # a failure while training differs by rank (which peer died, which step): one line each
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
-        print(f"train.py: rank {rank}: error: {_one_line(e)}", file=sys.stderr, flush=True)
+        print(f"train.py: rank {rank}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         if dist.is_initialized():
@@ -273,10 +273,6 @@ def inputs(args):
                       f"samples, --plan has {plan.global_batch_size}: the run continues, with other batches than "
                       "the uninterrupted run would have drawn")
     return workload, plan, cluster, resume
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def report(results: list[dict], steps: int) -> None:

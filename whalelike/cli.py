@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Sequence
 
 from .cluster import Cluster
 from .config import OPTIMIZERS, SCHEDULES, Config
-from .errors import WhaleError
+from .errors import WhaleError, one_line
 from .files import Outputs, check_output_paths
 from .spec import validate
 
@@ -311,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (WhaleError, OSError) as e:
         if args.debug:
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = one_line(e)
         print(f"whalelike: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

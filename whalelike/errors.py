@@ -20,3 +20,9 @@ class CaptureError(WhaleError):
 
 class SpecError(WhaleError):
     """A cluster spec, config or plan file violates its schema."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (whitespace runs folded), for the command-line tools that
+    print an error instead of a traceback; the exception's class name when it has no message."""
+    return " ".join(str(error).split()) or type(error).__name__
