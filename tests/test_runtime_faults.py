@@ -42,6 +42,15 @@ def _engine(model, plan, **kwargs) -> Engine:
                   loss_fn=F.cross_entropy, cluster=cluster, timeout_s=TIMEOUT_S, **kwargs)
 
 
+def _fault_setup(model_class=None):
+    """A seeded model, its plan and data, and an Engine built for it (the start of every fault case)."""
+    torch.manual_seed(0)
+    model = (model_class or Net)()
+    plan = make_plan(model, SHARES)
+    data = batches(plan.global_batch_size, seed=0)
+    return model, plan, data, _engine(model, plan)
+
+
 def _bad_input_then_missing_rank(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = Net()
@@ -85,11 +94,7 @@ def test_bad_input_and_missing_rank():
 
 
 def _rank_dies(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)
-    model = Net()
-    plan = make_plan(model, SHARES)
-    data = batches(plan.global_batch_size, seed=0)
-    engine = _engine(model, plan)
+    _, _, data, engine = _fault_setup()
     engine.train_step(data[0])
     if rank == 2:
         os._exit(17)  # dies without a word
@@ -118,11 +123,7 @@ class StallingNet(Net):
 
 
 def _ranks_hang(rank: int, world_size: int) -> str:
-    torch.manual_seed(0)
-    model = StallingNet()
-    plan = make_plan(model, SHARES)
-    data = batches(plan.global_batch_size, seed=0)
-    engine = _engine(model, plan)
+    _, _, data, engine = _fault_setup(StallingNet)
     store = dist.distributed_c10d._get_default_store()
     store.set(f"test/pid{rank}", str(os.getpid()))
     engine.train_step(data[0])
