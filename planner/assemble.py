@@ -82,6 +82,8 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         naive_prediction=zero,
         optimality_gap=dec.optimality_gap,
         sync_batchnorm=config.sync_batchnorm,
+        resharding=config.resharding,
+        delay_weight_gradients=config.delay_weight_gradients,
     )
 
 

@@ -33,6 +33,7 @@ from whalelike.errors import SpecError
 from whalelike.files import write_atomic
 from whalelike.spec import Reader, load_yaml, rule, validate
 
+from .resharding_cost import STRATEGIES as RESHARDING_STRATEGIES
 from .schedule import SCHEDULES
 
 SCHEMA_VERSION = 1
@@ -118,6 +119,12 @@ class Plan:
                                            default=None)
     # runtime.batchnorm
     sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group", default=False)
+    # runtime.boundaries: how values cross stage boundaries (planner.resharding's strategies, or the best)
+    resharding: str = rule(str, "strategy of the cross-mesh resharding at stage boundaries",
+                           choices=("auto", *RESHARDING_STRATEGIES), default="auto")
+    # runtime.split_backward: a backward computes the input gradients, sends them, then the weight gradients
+    delay_weight_gradients: bool = rule(bool, "send a backward's input gradients before computing its weight "
+                                        "gradients", default=False)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks

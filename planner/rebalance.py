@@ -101,7 +101,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     measured = measured_cluster(plan, cluster, speeds)
     layout = plan_layout(plan, graphs, measured)
     config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
-                    sync_batchnorm=plan.sync_batchnorm)
+                    sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
+                    delay_weight_gradients=plan.delay_weight_gradients)
     network = measured.network
     old_layers = [list(st.layers) for st in plan.stages]
     old_shards = _plan_shards(plan, graphs)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from .cluster import Cluster
-from .config import OPTIMIZERS, SCHEDULES, Config
+from .config import OPTIMIZERS, RESHARDING, SCHEDULES, Config
 from .errors import WhaleError, one_line
 from .files import Outputs, check_output_paths
 from .spec import validate
@@ -182,7 +182,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cluster = Cluster.load(args.cluster)
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
-                    schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm)
+                    schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
+                    resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients)
     writers = {"-o": planner.Plan.to_yaml, "--timeline": planner.timeline.write_png,
                "--trace": planner.timeline.write_chrome_trace}
     with _outputs() as out:
@@ -280,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="BatchNorm in training mode takes its statistics over each stage's data-parallel group "
                         "(exact against one device with one micro-batch); default: per worker, as DDP")
+    p.add_argument("--resharding", choices=RESHARDING, default="auto",
+                   help="strategy of the cross-mesh resharding at stage boundaries (default: auto, the fastest "
+                        "predicted per boundary)")
+    p.add_argument("--delay-weight-gradients", action="store_true",
+                   help="each backward sends its input gradients before computing its weight gradients")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
     p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json",

@@ -15,6 +15,7 @@ Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+RESHARDING = ("auto", "broadcast", "allgather", "send_recv")   # planner.resharding_cost.STRATEGIES and "auto"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class Config:
                        data-parallel group instead of each worker's own samples (the default, as
                        DDP does); exact against one device when ``num_micro_batch == 1``
                        (``runtime.batchnorm``).
+    resharding:        how values cross stage boundaries (``runtime.boundaries``): ``"auto"`` (the
+                       planner's fastest per boundary), or always ``"broadcast"``, ``"allgather"`` or
+                       ``"send_recv"`` (seed paper 001's strategies).
+    delay_weight_gradients: each backward computes its input gradients, sends them, and only then
+                       its weight gradients, so the send overlaps compute (``runtime.split_backward``).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -38,6 +44,8 @@ class Config:
     schedule: str = rule(str, choices=SCHEDULES, says=f"one of {', '.join(SCHEDULES)}", default="1f1b")
     optimizer: str = rule(str, choices=OPTIMIZERS, says=f"one of {', '.join(OPTIMIZERS)}", default="adamw")
     sync_batchnorm: bool = rule(bool, default=False)
+    resharding: str = rule(str, choices=RESHARDING, says=f"one of {', '.join(RESHARDING)}", default="auto")
+    delay_weight_gradients: bool = rule(bool, default=False)
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}
