@@ -25,10 +25,12 @@ the price of recomputing the I path between them: only for parameters used sever
 
 Why not ``torch.distributed.pipelining._backward`` (``stage_backward_input``/``stage_backward_weight``):
 it finds the seeds only through the received tensors, so a stage whose inputs need no gradient
-(the first stage) or a parameter on a branch that does not meet them (``y = f(x) + w``) gets no
-weight gradient; it computes the weight gradients with ``autograd.grad`` and assigns ``.grad`` by
-hand, so ``AccumulateGrad`` never runs and DDP's reducer never fires; it detaches the stage's
-outputs in place; and a parameter whose groups merge transitively can be counted twice.
+(the first stage) or a parameter feeding a root that never meets them (a second output ``w * c``)
+gets no weight gradient; it computes the weight gradients with ``autograd.grad`` and assigns
+``.grad`` by hand, so ``AccumulateGrad`` never runs and DDP's reducer never fires; it detaches the
+stage's outputs in place; and its groups' engine calls free nodes another group still needs (a
+weight shared by two ``F.linear`` calls with their own biases fails with "backward through the
+graph a second time"; torch 2.13, checked by hand).
 
 Limit: custom ``autograd.Function`` nodes cannot skip unrequested gradients (``needs_input_grad`` is
 fixed at forward) and re-run whole in the weight half, collectives inside them included; so
@@ -77,7 +79,8 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torc
     finally:
         for h in hooks:
             h.remove()
-    roots_outside = [(get_gradient_edge(r), g) for r, g in pairs if get_gradient_edge(r).node in on_weight_path]
+    root_edges = [(get_gradient_edge(r), g) for r, g in pairs]
+    roots_outside = [(edge, g) for edge, g in root_edges if edge.node in on_weight_path]
     weights = WeightGradients(graph, on_weight_path, param_nodes, kept, roots_outside, [r for r, _ in pairs])
     return result, weights
 

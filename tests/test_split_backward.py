@@ -36,19 +36,35 @@ class Chain(nn.Module):
 
 class Shared(nn.Module):
     """One Linear applied three times (a parameter used by several layers), one between them, a
-    parameter on a branch that never meets the input (``+ self.offset * 3``), a LayerNorm."""
+    parameter on a branch joining the input's path (``+ self.offset * 3``), a LayerNorm, and a
+    second root that never meets the inputs (``tanh(self.extra) * 2``)."""
 
     def __init__(self):
         super().__init__()
         self.shared, self.middle = nn.Linear(6, 6), nn.Linear(6, 6)
         self.norm = nn.LayerNorm(6)
         self.offset = nn.Parameter(torch.randn(6))
+        self.extra = nn.Parameter(torch.randn(4, 6))
 
     def forward(self, x, y):
         h = torch.tanh(self.shared(x))
         h = torch.tanh(self.middle(h)) + y
         h = self.norm(self.shared(h))
-        return [self.shared(h) + self.offset * 3]
+        return [self.shared(h) + self.offset * 3, torch.tanh(self.extra) * 2]
+
+
+class SharedWeightOwnBiases(nn.Module):
+    """One weight in two ``F.linear`` calls, each with its own bias (torch's stage_backward_weight
+    fails here: its per-group engine calls free nodes the next group needs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b3 = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+        self.weight = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, x):
+        h = torch.tanh(nn.functional.linear(x, self.weight, self.b1))
+        return [nn.functional.linear(h, self.weight, self.b3)]
 
 
 class NoParams(nn.Module):
@@ -77,6 +93,7 @@ CASES = {
     "chain, input needs no gradient (first stage)": (Chain, [False], "given"),
     "shared parameter and a branch off the input path": (Shared, [True, True], "given"),
     "shared parameter, second input needs no gradient": (Shared, [True, False], "given"),
+    "weight shared by two linears with their own biases": (SharedWeightOwnBiases, [True], "given"),
     "no parameters": (NoParams, [True, True], "given"),
     "last stage: loss with no gradient": (Loss, [True], None),
 }
