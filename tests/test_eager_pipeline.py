@@ -8,7 +8,8 @@ gradient-carrying value and has parameters), with emulation on, and (b) 2 stages
 micro-batch sizes on a 2-rank subgroup. Each trains ``tests/test_pipeline.SkipNet`` for 3 AdamW
 steps and compares every step's loss and the final parameters with
 :func:`reference.train_reference`; the two workers of the data-parallel stage must also hold equal
-parameters. Under delay, every backward is two emulated compute segments (three per micro-batch).
+parameters. Under delay, every backward is two emulated compute segments (three per micro-batch)
+whose FLOPs add up to the undelayed backward's.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def _run_case(rank: int, groups: dict[int, dist.ProcessGroup], plan_name: str, s
         segments_per_micro_batch = 3 if delay else 2
         assert emulator.stats.segments == segments_per_micro_batch * plan.num_micro_batch * STEPS, label
     return {"losses": torch.stack(losses), "stage": pipe.worker.stage,
+            "emulated_flops": emulator.stats.flops if emulator is not None else None,
             "state": {k: v.detach().clone() for k, v in pipe.stage.module.state_dict().items()}}
 
 
@@ -100,7 +102,11 @@ def test_eager_1f1b_and_delayed_weight_gradients_match_single_process_reference(
         for states in by_stage.values():   # the data-parallel workers of a stage stay identical
             for state in states[1:]:
                 assert_close(state, states[0], rtol=0, atol=0, msg=lambda m: f"{case}: {m}")
-    # delayed or not, the same plan and schedule train the same model
+    # delayed or not, the same plan and schedule train the same model, and the two emulated halves
+    # of each backward add up to the one-segment backward's FLOPs
     for plan in PLANS:
         for schedule in ("eager-1f1b", "1f1b"):
             assert_close(results[0][(plan, schedule, True)]["losses"], results[0][(plan, schedule, False)]["losses"])
+            for r in results:
+                if r[(plan, schedule, True)] is not None:
+                    assert r[(plan, schedule, True)]["emulated_flops"] == r[(plan, schedule, False)]["emulated_flops"]
