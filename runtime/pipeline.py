@@ -37,6 +37,15 @@ send and receive; the DDP all-reduce of the last backward overlaps it bucket by 
 (:mod:`runtime.data_parallel`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it (:mod:`runtime.network_emulation`).
 
+Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
+half of backward covering the backward's sends): each B computes the received values' gradients,
+posts their sends, then the parameters' gradients (:mod:`runtime.split_backward`; the last B arms
+DDP's reducer before both halves and its all-reduce fires in the weight half). Emulated as two
+segments that split the stage's backward FLOPs (``_input_share``: half each, none for the input
+half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
+stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
+which the weight half would run again).
+
 Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
 (replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
 stage's Linears are swapped for uneven parallel ones (:class:`runtime.tensor_parallel.StageSharding`)
@@ -85,6 +94,7 @@ from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.sharded_loss import OutputLayout
+from runtime.split_backward import backward_inputs
 from runtime.state_transfer import module_state, release_ddp
 from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
 from runtime.tied import TiedParameters
@@ -304,21 +314,66 @@ class PipelineExecutor:
             incoming = self._receive_grads(m, n, specs, state)
             roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
             grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
-        if self._segments_per_stage:
-            self.emulator.begin(self.flops[1] * n, n)
-        if isinstance(self.module, DistributedDataParallel) and last:
+        arm_ddp = isinstance(self.module, DistributedDataParallel) and last
+        if arm_ddp:
             # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
             self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
+        if self._splits_backward():
+            self._split_backward(m, n, roots, grads, received, specs, state, arm_ddp)
+            return
+        if self._segments_per_stage:
+            self.emulator.begin(self.flops[1] * n, n)
+        if arm_ddp:
             torch.autograd.backward(roots, grads)
         elif roots:
             with self._no_sync():
                 torch.autograd.backward(roots, grads)
         self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
         self.emulator.wait_communication()   # the overlapped gradient all-reduce's modeled end, if any
+        self._send_input_grads(m, {v: t.grad for v, t in received.items()}, received, specs, state)
+
+    def _split_backward(self, m: int, n: int, roots, grads, received, specs, state: "_StepState",
+                        arm_ddp: bool) -> None:
+        """``delay_weight_gradients``: input gradients, their sends posted, then weight gradients
+        (:mod:`runtime.split_backward`); DDP's all-reduce fires in the weight half. Emulated as two
+        compute segments splitting the stage's backward FLOPs by :meth:`_input_share`."""
+        share = self._input_share(specs)
+        values = list(received)
+        with self._no_sync() if not arm_ddp else nullcontext():
+            self.emulator.begin(self.flops[1] * n * share, n)
+            input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
+                                                   self.stage.module.parameters())
+            self.emulator.wait_deadline()
+            self._send_input_grads(m, dict(zip(values, input_grads)), received, specs, state)
+            self.emulator.begin(self.flops[1] * n * (1.0 - share), n)
+            weights.run()
+            self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
+        self.emulator.wait_communication()
+
+    def _splits_backward(self) -> bool:
+        """Whether backwards are split (:mod:`runtime.split_backward`): the plan asks for it and the
+        stage's backward has no custom autograd functions with collectives inside (tensor-parallel
+        layers, synchronised BatchNorm), which the weight half would run a second time."""
+        return self.plan.delay_weight_gradients and self._segments_per_stage and not self.plan.sync_batchnorm
+
+    def _input_share(self, specs) -> float:
+        """The input half's share of the stage's backward FLOPs: none without received values that
+        carry gradients (the first stage), all without parameters, else half: a Linear's dX and dW
+        are matmuls of the same size (2 * samples * fan_in * fan_out FLOPs each), and parameter-free
+        operators (activations, attention's matmuls) are small or, for attention, only on the input
+        side, so half slightly under-states the input half of attention stages."""
+        if not any(specs[v].requires_grad for v in self.stage.received):
+            return 0.0
+        if not any(p.requires_grad for p in self.stage.module.parameters()):
+            return 1.0
+        return 0.5
+
+    def _send_input_grads(self, m: int, input_grads: dict, received: dict, specs, state: "_StepState") -> None:
+        """Post the sends of the received values' gradients (zeros where one got none)."""
         for crossing in self.boundaries.crossings(self.stage.index, m, "B", "source"):
             if specs[crossing.value].requires_grad:
-                t = received[crossing.value]
-                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                grad = input_grads[crossing.value]
+                grad = grad if grad is not None else torch.zeros_like(received[crossing.value])
                 state.sends.append(self.boundaries.send(crossing, grad, specs))
 
     # -- communication ----------------------------------------------------------------------------

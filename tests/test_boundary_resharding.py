@@ -12,7 +12,8 @@ final parameters compared with ``assert_close``):
   tensor-parallel third (a skip connection, as in the paper's U-Transformer);
 
 each under every strategy (``broadcast``, ``allgather``, ``send_recv``) and ``auto``, under 1F1B
-and eager-1F1B, and once on the emulated network (stamped messages, forwarding inside host ``b``).
+and eager-1F1B (with and without delayed weight gradients), and on the emulated network (stamped
+messages, forwarding inside host ``b``).
 The plans are checked too: a forced strategy is the one run, and under ``broadcast`` and
 ``allgather`` no slice enters host ``b`` twice.
 """
@@ -63,11 +64,13 @@ LAYOUTS = {
                       ([2], "split(2)", {"l2": [20, 12], "head": [6, 4]})],
              [(0, 0, 0, 1, [4, 4]), (1, 0, 0, 1, [4, 4]), (2, 0, 0, 2, [4, 4]), (2, 0, 1, 2, [4, 4])]),
 }
-CASES = [(layout, schedule, strategy, False)
+# (layout, schedule, strategy, emulated network, delayed weight gradients)
+CASES = [(layout, schedule, strategy, False, False)
          for layout in LAYOUTS for schedule in ("1f1b", "eager-1f1b")
          for strategy in ("auto", "broadcast", "allgather", "send_recv")
          if schedule == "1f1b" or strategy == "auto"]
-CASES += [("replicate->split", "1f1b", "broadcast", True), ("skip", "eager-1f1b", "auto", True)]
+CASES += [(layout, "eager-1f1b", "auto", False, True) for layout in ("split->replicate", "skip")]
+CASES += [("replicate->split", "1f1b", "broadcast", True, False), ("skip", "eager-1f1b", "auto", True, True)]
 
 
 def make_cluster(emulated: bool) -> Cluster:
@@ -77,19 +80,19 @@ def make_cluster(emulated: bool) -> Cluster:
     return Cluster("two-hosts", devices, Network(2.0, 0.2, 50.0), Emulation(base_gflops=0.5) if emulated else None)
 
 
-def make_plan(layout: str, schedule: str, strategy: str):
+def make_plan(layout: str, schedule: str, strategy: str, delay: bool = False):
     make_model, stages, workers = LAYOUTS[layout]
     torch.manual_seed(0)
     model = make_model()
     plan = tp_case.make_plan(model, schedule, stages, workers)
-    plan = dataclasses.replace(plan, cluster="two-hosts", resharding=strategy,
+    plan = dataclasses.replace(plan, cluster="two-hosts", resharding=strategy, delay_weight_gradients=delay,
                                workers=[dataclasses.replace(w, host=HOSTS[w.rank]) for w in plan.workers])
     return model, plan
 
 
-def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool) -> dict:
-    label = f"{layout}/{schedule}/{strategy}" + ("/emulated" if emulated else "")
-    model, plan = make_plan(layout, schedule, strategy)
+def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool, delay: bool) -> dict:
+    label = f"{layout}/{schedule}/{strategy}" + ("/emulated" if emulated else "") + ("/delayed" if delay else "")
+    model, plan = make_plan(layout, schedule, strategy, delay)
     data = tp_case.batches(model, plan.global_batch_size, seed=1)
     engine, _, _ = assert_engine_trains_like_reference(model, plan, data, OPTIMIZERS["sgd"], F.cross_entropy,
                                                        make_cluster(emulated), label, timeout_s=60)
@@ -106,7 +109,7 @@ def test_boundaries_reshard_exactly_between_differently_laid_out_stages():
     results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=600)
     hosts = {f"emu-{i}": host for i, host in enumerate(HOSTS)}
     for case in CASES:
-        _, _, strategy, _ = case
+        strategy = case[2]
         for rank in range(WORLD):
             for crossing, (chosen, transfers) in results[rank][case].items():
                 if strategy != "auto":
@@ -122,8 +125,8 @@ def test_boundaries_reshard_exactly_between_differently_laid_out_stages():
                     assert all(n <= slice_bytes[box] for (box, _), n in entering.items()), (case, crossing, entering)
     # the replicate -> split forward: both members of the split stage get every row; under broadcast
     # each slice crosses to host b once and is forwarded inside it
-    forward = {c: t for c, t in results[2][("replicate->split", "1f1b", "broadcast", False)].items() if "'F'" in c}
+    forward = {c: t for c, t in results[2][("replicate->split", "1f1b", "broadcast", False, False)].items() if "'F'" in c}
     assert forward and all(len(t[2]) == 2 for _, transfers in forward.values() for t in transfers)
     # the skip value reaches stage 2 (skipping stage 1) on both ranks of the tensor-parallel group
-    skip = [c for c in results[3][("skip", "1f1b", "auto", False)] if "consumer=2" in c and "stage=0" in c]
-    assert skip, results[3][("skip", "1f1b", "auto", False)].keys()
+    skip = [c for c in results[3][("skip", "1f1b", "auto", False, False)] if "consumer=2" in c and "stage=0" in c]
+    assert skip, results[3][("skip", "1f1b", "auto", False, False)].keys()
