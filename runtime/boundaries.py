@@ -10,6 +10,10 @@ holders so sender hosts share the load, and orders the transfers. :mod:`planner.
 that; this module gives every boundary crossing of a :class:`planner.plan.Plan` its plan and runs
 it with :mod:`runtime.resharding`'s split sides.
 
+A ``split`` stage's output that only a lone column projection makes leaves as that projection's
+feature shards, without the gather (:func:`runtime.tensor_parallel.outputs_leaving_sharded`): the
+source spec then holds each member's features, and the gradient comes back as shards.
+
 A *crossing* is one value (:class:`runtime.stages.ValueId`) for one consuming stage, one direction
 and one micro-batch: forward, the producing stage's workers hold it, the consumer's need it;
 backward, the consumer's workers hold the gradient (each member of a tensor-parallel group holds
@@ -100,12 +104,17 @@ class BoundaryExchange:
     ``network``: the link figures the plans are priced with (the cluster's; default
     :func:`default_network`); ``emulated``: this rank's :class:`NetworkEmulator` on an emulated
     network (its model is then the figures used, and every message is padded to its modeled time).
+    ``feature_shards``: values that leave their (tensor-parallel) stage as shards of the last
+    dimension, with the shard size of each ``tp_index``
+    (:func:`runtime.tensor_parallel.outputs_leaving_sharded`); their gradients come back sharded
+    alike. The same on every rank.
     """
 
     def __init__(self, plan: Plan, split: PipelineSplit, rank: int, group: Optional[dist.ProcessGroup] = None,
                  network: Optional[NetworkModel] = None, emulated: Optional[NetworkEmulator] = None,
-                 max_nodes: int = BOUNDARY_MAX_NODES):
+                 max_nodes: int = BOUNDARY_MAX_NODES, feature_shards: Optional[Mapping[ValueId, Sequence[int]]] = None):
         self.plan, self.split, self.rank = plan, split, rank
+        self.feature_shards = {v: list(sizes) for v, sizes in (feature_shards or {}).items()}
         self.group = group if group is not None else dist.group.WORLD
         self.emulated = emulated
         self.network = emulated.model if emulated is not None else (network or default_network(plan))
@@ -136,7 +145,7 @@ class BoundaryExchange:
         """Post this rank's sends of ``crossing`` (``rows``: its rows of the value or gradient,
         ``(samples, *shape)``); wait for the returned sends before changing ``rows``."""
         program = self.program(crossing, specs)
-        flat = rows.detach().reshape(rows.shape[0], -1)
+        flat = rows.detach().reshape(rows.shape[0], -1, rows.shape[-1] if rows.dim() > 1 else 1)
         return program.post_sends(flat if flat.numel() else None, self.group, self._tag_base(crossing, program),
                                   self.global_rank, self.emulated)
 
@@ -146,7 +155,7 @@ class BoundaryExchange:
         program = self.program(crossing, specs)
         if not into.is_contiguous():
             raise BoundaryError(f"boundary {crossing}: the receive buffer must be contiguous (it is written in place)")
-        flat = into.view(into.shape[0], -1)
+        flat = into.view(into.shape[0], -1, into.shape[-1] if into.dim() > 1 else 1)
         return program.receive(flat if flat.numel() else None, self.group, self._tag_base(crossing, program),
                                self.global_rank, self.emulated)
 
@@ -166,20 +175,31 @@ class BoundaryExchange:
         return self._programs[key]
 
     def specs(self, crossing: Crossing, spec: ValueSpec) -> tuple[ShardingSpec, ShardingSpec]:
-        """Source and destination :class:`ShardingSpec` of ``crossing``: each worker of the stage
-        holds (needs) its rows of the micro-batch and every feature."""
-        features = prod(spec.shape)
-        shape = (self.plan.global_batch_size, features)
-        return (self._spec(crossing.source_stage, crossing.micro_batch, shape),
-                self._spec(crossing.destination_stage, crossing.micro_batch, shape))
+        """Source and destination :class:`ShardingSpec` of ``crossing`` over the value as
+        ``(global_batch_size, positions, features)`` (its per-sample shape's last dimension, and
+        the product of the others): each worker of a stage holds (needs) its rows of the
+        micro-batch and every feature, or, on the producing stage of a value in
+        ``feature_shards``, its ``tp_index``'s features."""
+        features = spec.shape[-1] if spec.shape else 1
+        shape = (self.plan.global_batch_size, prod(spec.shape[:-1]), features)
+        return (self._spec(crossing.source_stage, crossing.micro_batch, shape, crossing.value),
+                self._spec(crossing.destination_stage, crossing.micro_batch, shape, crossing.value))
+
+    def local_shape(self, value: ValueId, spec: ValueSpec, stage: int, tp_index: int) -> tuple[int, ...]:
+        """The per-sample shape of ``value`` (or its gradient) on a worker of ``stage``."""
+        sizes = self.feature_shards.get(value) if stage == value.stage else None
+        return tuple(spec.shape) if sizes is None else (*spec.shape[:-1], sizes[tp_index])
 
     def plans(self) -> dict[Crossing, ReshardPlan]:
         """Each crossing planned so far -> its plan (for logs and tests)."""
         return {key[0]: program.plan for key, program in self._programs.items()}
 
-    def _spec(self, stage: int, micro_batch: int, shape: Sequence[int]) -> ShardingSpec:
-        boxes = [((w.device, w.host), [self.ranges[w.rank][micro_batch], (0, shape[1])])
-                 for w in self.plan.stage_workers(stage)]
+    def _spec(self, stage: int, micro_batch: int, shape: Sequence[int], value: ValueId) -> ShardingSpec:
+        sizes = self.feature_shards.get(value) if stage == value.stage else None
+        boxes = []
+        for w in self.plan.stage_workers(stage):
+            features = (0, shape[2]) if sizes is None else (sum(sizes[:w.tp_index]), sum(sizes[:w.tp_index + 1]))
+            boxes.append(((w.device, w.host), [self.ranges[w.rank][micro_batch], (0, shape[1]), features]))
         return ShardingSpec.of_boxes(shape, boxes)
 
     def _tag_base(self, crossing: Crossing, program: ReshardProgram) -> int:

@@ -96,7 +96,8 @@ from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_
 from runtime.sharded_loss import OutputLayout
 from runtime.split_backward import backward_inputs
 from runtime.state_transfer import module_state, release_ddp
-from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
+from runtime.tensor_parallel import (StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict,
+                                     outputs_leaving_sharded)
 from runtime.tied import TiedParameters
 
 log = logging.getLogger(__name__)
@@ -173,10 +174,14 @@ class PipelineExecutor:
         # a tensor-parallel stage is emulated per parallel Linear: a stage-wide segment would span
         # its collectives (see runtime.tp_layers)
         self._segments_per_stage = self.worker.tp_size == 1
+        # before sharding (from the unsharded graphs): every rank derives the same layouts
+        feature_shards = self._outputs_leaving_sharded(sharding, graph_module)
         self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
+        keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
         self.tied.attach(self.stage.module)
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.boundaries)
-        self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network)
+        self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
+                                           feature_shards=feature_shards)
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         # the Engine's runtime.straggler_monitor.Passenger: summed in this step's loss all-reduce
         self.passenger = None
@@ -283,7 +288,7 @@ class PipelineExecutor:
     def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
         start, stop = self._ranges[m]
         n = stop - start
-        received = {v: self._buffer(specs[v], n) for v in self.stage.received}
+        received = {v: self._buffer(v, specs[v], n) for v in self.stage.received}
         for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination"):
             state.sends.append(self.boundaries.receive(crossing, received[crossing.value], specs))
         for v, t in received.items():
@@ -383,16 +388,36 @@ class PipelineExecutor:
         total: dict[ValueId, torch.Tensor] = {}
         for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination"):
             if specs[crossing.value].requires_grad:
-                grad = self._buffer(specs[crossing.value], n)
+                grad = self._buffer(crossing.value, specs[crossing.value], n)
                 state.sends.append(self.boundaries.receive(crossing, grad, specs))
                 v = crossing.value
                 total[v] = grad if v not in total else total[v] + grad
         return total
 
-    def _buffer(self, spec: ValueSpec, n: int) -> torch.Tensor:
-        return torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device)
+    def _buffer(self, value: ValueId, spec: ValueSpec, n: int) -> torch.Tensor:
+        """Room for ``n`` samples of ``value`` (or its gradient) as this rank holds it: whole, or
+        its features of a value that leaves this stage sharded."""
+        shape = self.boundaries.local_shape(value, spec, self.stage.index, self.worker.tp_index)
+        return torch.empty((n, *shape), dtype=spec.dtype, device=self._device)
 
     # -- set-up -----------------------------------------------------------------------------------
+    def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
+        """Every tensor-parallel stage's outputs that leave as feature shards, without a gather
+        (:func:`runtime.tensor_parallel.outputs_leaving_sharded`), computed on every rank."""
+        tp_stages = [s for s in range(len(self.plan.stages)) if self.plan.stage_workers(s)[0].tp_size > 1]
+        if not tp_stages or len(self.plan.stages) == 1:
+            return {}
+        if sharding is None:
+            raise PipelineError(f"rank {self.rank}: stages {tp_stages} are tensor parallel and their boundary layouts "
+                                "depend on their sharding; pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        leaving = {}
+        for s in tp_stages:
+            stage = self.split.stages[s]
+            crossing = [v for v in stage.outputs if self.split.consumers(v)]   # not the model's output
+            leaving.update(outputs_leaving_sharded(stage.module, crossing, graph_module, sharding.node_taskgraph,
+                                                   sharding.split_taskgraphs, self.plan.stages[s].shard_sizes))
+        return leaving
+
     def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
         """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
         use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
