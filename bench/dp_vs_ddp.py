@@ -30,11 +30,15 @@ Run (spawns 4 ranks itself)::
     .venv/bin/python bench/dp_vs_ddp.py [--base-gflops 1] [--cases two-hosts]
     # or: .venv/bin/torchrun --nproc_per_node 4 bench/dp_vs_ddp.py
 
-What is not emulated (the optimizer step, the loss, Python, the real all-reduces) costs both sides
-about the same fixed time per step on a 2-core machine (printed as "unmodeled"); the ratio
-approaches the ideal as modeled compute grows (a larger batch, or a lower ``base_gflops``). Each
-run also prints rank 0's :func:`runtime.emulation.calibrate` bound for each model, to confirm the
-rate in use is safe.
+What is not emulated (the optimizer step, the loss, Python, the real all-reduces and the sleeps'
+wake-up) costs both sides a fixed time per step on a 2-core machine (printed as "unmodeled":
+~10-15 ms for DDP, ~5 ms more for whalelike, whose Engine also writes its progress to the store
+and runs the straggler monitor); the ratio approaches the ideal as modeled compute grows (a larger
+batch, or a lower ``base_gflops``). That is why two-hosts runs a global batch of 704 at 1 GFLOP/s
+(whalelike's step ~490 ms modeled, 4x the one-host case's), and why its link is 1 Gb/s: the
+all-reduce's share of the step goes as ``base_gflops / (link * samples per rank)``, so at 10 Gb/s
+it would be ~0.3%, far below the unmodeled time. Each run also prints rank 0's
+:func:`runtime.emulation.calibrate` bound for each model, to confirm the rate in use is safe.
 """
 from __future__ import annotations
 
@@ -266,7 +270,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=352,
                         help="global batch of the one-host cases (352 = 2.75 x 128: exact ideal shares; large "
                              "enough that modeled compute dominates the real all-reduce and optimizer time); "
-                             "two-hosts uses 704")
+                             "two-hosts always uses 704 (= 2.75 x 256)")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     parser.add_argument("--base-gflops", type=float, default=None,
                         help="override the clusters' emulation.base_gflops (lower = longer modeled steps, "
