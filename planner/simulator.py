@@ -8,12 +8,22 @@ model of execution is the runtime's:
 * The workers of one tensor-parallel group (same replica, stage and ``dp_index``) move in
   lockstep: an action starts when the whole group may start it and ends when its slowest member
   ends (their collectives inside the segment wait for it).
-* Forward ``m`` of a stage needs micro-batch ``m``'s activations from every tensor-parallel group
-  of each stage feeding it in the same replica; backward ``m`` needs the gradients from every
-  group of each stage it feeds. A group sends once per boundary and micro-batch, through its first
-  member, when the action ends; sends do not block compute (``isend``), but one worker's sends in
-  one direction share its link and go one after another, each taking ``BoundaryPlan.transfer_ms``
-  (free when the plan left it empty).
+* Forward ``m`` of a stage needs micro-batch ``m``'s activations from the stages feeding it;
+  backward ``m`` needs the gradients from the stages it feeds. Sends do not block compute
+  (``isend``). With ``network`` (what :func:`planner.assemble.predict` and the CLI pass: the
+  cluster's network) a boundary is the cross-mesh resharding the runtime runs under
+  ``Plan.resharding`` (:mod:`planner.boundary_traffic`; backward: the same boundary reversed):
+  each of its transfers leaves its sender's group when the action ends, no earlier than its
+  planned start after that (the runtime posts it so), and takes the first gap at or after that
+  in which its devices and the host network interfaces it crosses are all free (interfaces are
+  serial, :mod:`planner.network`); a receiving group's input is complete when every transfer to
+  one of its members has arrived. Without ``network`` (or on a boundary that carries no bytes),
+  a group sends once per boundary and micro-batch, through its first member, to every group of
+  the peer stage in its replica; one worker's sends in one direction share its link and go one
+  after another, each taking ``BoundaryPlan.transfer_ms`` (free when the plan left it empty).
+* ``Plan.delay_weight_gradients``: a backward's input gradients leave after its first half (the
+  input-gradient half, as the runtime splits it) and the group stays busy for the second (the
+  weight-gradient half, in which DDP's buckets fill).
 * Each data-parallel group of a stage (every worker with that stage and ``tp_index``, over groups
   and replicas) all-reduces its gradients once per step. Without ``buckets`` the all-reduce starts
   when all members have finished their last backward and takes the largest ``Worker.allreduce_ms``
@@ -24,11 +34,17 @@ model of execution is the runtime's:
   all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one process group runs them
   in order), and the group's step ends when the last bucket's ends. A worker's ``allreduce_ms`` in
   the result is then the exposed part, after its own compute; ``hidden_allreduce_ms`` the rest.
+  With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
+  (:func:`planner.gradient_buckets.plan_buckets`), as the runtime overlaps them.
   Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
-  network interface, and all-reduce traffic slowing concurrent boundary sends.
+  network interface, all-reduce traffic slowing concurrent boundary sends, and a broadcast's
+  forwarding receivers being busy with compute (the runtime forwards when the rank gets to it).
 
-Processing order does not change the times: every resource (a group's device time, a worker's
-link) is used in program order, so each action's start is the maximum of known finish times.
+Processing order does not change the times without a network: every resource (a group's device
+time, a worker's link) is used in program order, so each action's start is the maximum of known
+finish times. With one, transfers of different groups meet on host interfaces in the order the
+simulator reaches them; first-fit placement keeps an early transfer from waiting behind a later
+one, but two transfers competing for one gap go in processing order.
 A group whose next action lacks an input parks on that input's channel and is woken when every
 sender has sent; the work is linear in the number of actions, which keeps 1024-device plans fast.
 """
@@ -295,8 +311,7 @@ def simulate(plan: Plan, record_events: bool = True,
                 done = begin + send.duration_ms
                 if record_events:
                     events.append(SimEvent(rank_of_device[send.sender], g.stage, "send", m, begin, done, peer,
-                                           _send_detail(send), tuple(f"{host} {way}" for way, host in send.resources
-                                                                     if way != "dev")))
+                                           _send_detail(send), _nics(send)))
                 for receiver in receivers:
                     arrive(("reshard", index, direction, receiver), m, done, counts[receiver])
         return True
@@ -321,6 +336,11 @@ def simulate(plan: Plan, record_events: bool = True,
 def _send_detail(send) -> str:
     chunks = f", {send.chunks} chunks" if send.chunks > 1 else ""
     return f"{send.strategy} task {send.task}{chunks} -> {','.join(send.receivers)}"
+
+
+def _nics(send) -> tuple[str, ...]:
+    """``("A out", "B in")``: the host interfaces a send holds, outgoing ones first."""
+    return tuple(f"{host} {way}" for way in ("out", "in") for kind, host in send.resources if kind == way)
 
 
 def _routes(traffic: dict, group_of_device: dict[str, int]) -> dict[tuple[int, str, int], tuple[dict, dict]]:
