@@ -13,7 +13,8 @@ from planner.gradient_buckets import MIB, gradient_buckets, plan_buckets
 from planner.network import NetworkModel
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
 from planner.resharding import boundary_resharding, plan_resharding
-from planner.resharding_spec import ShardingSpec
+from planner.layout import SampleLayout
+from planner.resharding_spec import stage_output_spec
 from planner.simulator import simulate
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Config, replicate
@@ -160,8 +161,7 @@ def test_traffic_plans_are_boundary_reshardings_for_every_micro_batch(make):
         assert [(s.offset_ms, s.duration_ms) for s in got.sends] == [
             pytest.approx((t.start_ms, t.end_ms - t.start_ms)) for t in planned]
         # the backward reverses the boundary: the receiving stage's rows go back to the senders
-        layout = planner.layout.SampleLayout.of(plan)
-        from planner.resharding_spec import stage_output_spec
+        layout = SampleLayout.of(plan)
         src, dst = (stage_output_spec(plan, layout, s, m, (int(plan.boundaries[0].bytes_per_sample),)) for s in (0, 1))
         backward = plan_resharding(dst, src, network, itemsize=1, max_nodes=2000)
         assert traffic[0, BACKWARD][m].predicted_ms == pytest.approx(backward.predicted_ms)
