@@ -35,7 +35,7 @@ from whalelike.cluster import Cluster
 from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import StageCost
-from .network import NetworkModel
+from .network import NetworkModel, Ring
 from .plan import Plan, StagePlan
 from .simulator import GradientBucket, GroupKey
 from .tensor_parallel import layout_of_sizes
@@ -80,7 +80,7 @@ def fill_buckets(ready_bytes: Sequence[tuple[float, float]], first_bucket_bytes:
     return buckets
 
 
-def ddp_buckets(gradient_bytes: float, ring, first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+def ddp_buckets(gradient_bytes: float, ring: Ring, first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
                 bucket_bytes: float = DDP_BUCKET_BYTES) -> list[GradientBucket]:
     """The buckets of ``gradient_bytes`` all-reduced over ``ring`` (a :class:`planner.network.Ring`),
     each ready at its cumulative byte share of the backward (module docstring)."""
@@ -100,14 +100,15 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
     for w in plan.workers:
         members.setdefault((w.stage, w.tp_index), []).append(w)
     out: dict[GroupKey, list[GradientBucket]] = {}
-    rings: dict[tuple[str, ...], object] = {}
+    rings: dict[tuple[str, ...], Ring] = {}
     for key, ws in members.items():
         nbytes = max(w.gradient_bytes for w in ws)
         if nbytes <= 0 or len(ws) < 2:
             continue
         devices = tuple(w.device for w in sorted(ws, key=lambda w: w.rank))
-        ring = rings.get(devices) or rings.setdefault(devices, network.ring(devices))
-        out[key] = ddp_buckets(nbytes, ring, first_bucket_bytes, bucket_bytes)
+        if devices not in rings:
+            rings[devices] = network.ring(devices)
+        out[key] = ddp_buckets(nbytes, rings[devices], first_bucket_bytes, bucket_bytes)
     return out
 
 
