@@ -36,6 +36,10 @@ from .resharding_cost import Transfer
 Step = tuple[int, int]   # (transfer index, route index)
 
 
+LARGE_PLAN = 128            # transfers past which the searches' budgets count work, not nodes
+LARGE_PLAN_WORK = 100_000   # nodes x transfers for such a plan: ~0.1 s per search
+
+
 @dataclass(frozen=True)
 class Schedule:
     """``order``: (transfer, route) in start order; ``starts_ms``: each one's start; the makespan."""
@@ -85,9 +89,12 @@ def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, trie
                max_nodes: Optional[int] = None) -> Schedule:
     """Up to ``restarts`` seeded restarts of ``tries`` random orders per round. With ``max_nodes``,
     once the transfers looked at (``tries`` per remaining transfer per round) reach it, rounds
-    try one order and no new restart begins (the first always finishes)."""
+    try one order and no new restart begins (the first always finishes; past
+    :data:`LARGE_PLAN` transfers it finishes in greedy's order instead, as a round costs one look
+    per remaining transfer and there are as many rounds as transfers)."""
     best: Optional[Schedule] = None
     spent = 0
+    large = max_nodes is not None and len(transfers) > LARGE_PLAN
     for restart in range(restarts):
         if max_nodes is not None and restart > 0 and spent >= max_nodes:
             break
@@ -96,6 +103,10 @@ def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, trie
         load: dict = {}
         order: list[Step] = []
         while remaining:
+            if large and spent >= max_nodes:   # a large plan out of budget: the rest in greedy's order
+                order.extend((i, min(range(len(transfers[i].routes)), key=lambda r, i=i: transfers[i].routes[r].duration_ms))
+                             for i in sorted(remaining, key=lambda i: (-_shortest(transfers[i]), i)))
+                break
             chosen_best, key_best = None, None
             round_tries = 1 if max_nodes is not None and spent >= max_nodes else tries
             spent += round_tries * len(remaining)
@@ -201,7 +212,12 @@ def dfs(transfers: Sequence[Transfer], incumbent: Schedule, max_nodes: int = 20_
 def best_schedule(transfers: Sequence[Transfer], seed: int = 0, max_nodes: int = 20_000,
                   time_budget_s: Optional[float] = None) -> tuple[Schedule, dict[str, float]]:
     """The best of greedy, randomized greedy and DFS (ties to the earlier), and every makespan.
-    ``max_nodes`` bounds the DFS and the randomized search's restarts alike."""
+    ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
+    :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
+    :data:`LARGE_PLAN_WORK` (each node costs one pass over the transfers: a 512-device boundary
+    planned at plan time took seconds otherwise)."""
+    if len(transfers) > LARGE_PLAN:
+        max_nodes = max(1, min(max_nodes, LARGE_PLAN_WORK // len(transfers)))
     candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes)]
     incumbent = min(candidates, key=lambda s: s.makespan_ms)
     candidates.append(dfs(transfers, incumbent, max_nodes, time_budget_s))
