@@ -97,6 +97,7 @@ class ExecutorContext:
     loss_fn: Callable
     emulator: Emulator
     device: torch.device
+    cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.boundaries)
 
 
 def plan_kind(plan: Plan) -> str:
@@ -111,13 +112,15 @@ def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
 
 
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
+    from planner.network import NetworkModel
     from runtime.pipeline import PipelineExecutor
     from runtime.stages import node_stages_from_plan, stage_flops_from_plan
     from runtime.tensor_parallel import StageSharding
 
     return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
-                            dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group))
+                            dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
+                            network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None)
 
 
 _BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
@@ -371,7 +374,7 @@ class Engine:
                              f"(runtime.engine.register_executor); this plan has strategies "
                              f"{[s.strategy for s in self.plan.stages]}")
         ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
-                              self.emulator, self.device)
+                              self.emulator, self.device, self.cluster)
         self.graphs, self._context = graphs, ctx
         self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
         self.optimizer = self._make_optimizer(list(self.executor.parameters()))

@@ -3,13 +3,15 @@
 Why not ``torch.distributed.pipelining``: its stages exchange whole micro-batches between exactly
 one rank per stage and every micro-batch has the same size. A whalelike Plan gives each worker of
 a stage its own, uneven, share of every micro-batch (faster devices take more samples), and stages
-sit on device groups of different sizes (stage 0 on two devices feeding stage 1 on one). So this
-module moves *sample slices*: each worker of a stage covers a contiguous sample range of micro-batch
-``m``, and exactly the overlap of a producer's range and a consumer's range travels between them
-(forward) and back (gradients). What is reused from torch: stage splitting by ``split_module``
-(:mod:`runtime.stages`), the P2P ops (``batch_isend_irecv``), DDP for the gradient sync within a
-stage group, and pipelining's way of driving DDP: ``no_sync`` for every micro-batch but the last
-backward, which first calls ``reducer.prepare_for_backward`` on the stage outputs.
+sit on device groups of different sizes (stage 0 on two devices feeding stage 1 on one). So each
+worker of a stage covers a contiguous sample range of micro-batch ``m``, and what crosses a stage
+boundary, forward (values) and back (gradients), is a cross-mesh resharding between the two stage
+groups' layouts, planned and run by :mod:`runtime.boundaries` (seed paper 001: each unique slice
+crosses into a host once, by broadcast or all-gather among its receivers, senders balanced;
+``Plan.resharding`` picks the strategy). What is reused from torch: stage splitting by
+``split_module`` (:mod:`runtime.stages`), the P2P ops (``isend``/``irecv``), DDP for the gradient
+sync within a stage group, and pipelining's way of driving DDP: ``no_sync`` for every micro-batch
+but the last backward, which first calls ``reducer.prepare_for_backward`` on the stage outputs.
 
 Sample layout of the global batch (every rank holds all of it, so model inputs and targets are
 sliced locally and never sent): :class:`planner.layout.SampleLayout`, replica-major, then
@@ -23,9 +25,11 @@ and the returned loss is the global-mean loss on every rank.
 Ordering: each rank runs ``planner.schedule.build_schedule(plan.schedule, ...)[stage]`` exactly
 (a single stage: ``gradient_accumulation`` of its own micro-batches; what is simulated is what
 runs). Receives block before an action, sends are posted after it and waited at the end of the
-step, which :mod:`planner.validate` proves deadlock-free for GPipe and 1F1B. Every message has a
-unique tag (direction, micro-batch, boundary value), and both sides post their operations in the
-same order, so gloo (matches by peer and tag) and NCCL (by order) agree.
+step, which :mod:`planner.validate` proves deadlock-free for GPipe, 1F1B and eager-1F1B; the
+forwarding a resharding does inside a receiving stage happens at the same action on each of its
+workers. Every crossing (value, consumer stage, direction, micro-batch) has its own tag range and
+both sides post their messages in one global order (:mod:`runtime.boundaries`), so gloo (matches
+by peer and tag) and NCCL (by order) agree.
 
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
@@ -33,12 +37,22 @@ send and receive; the DDP all-reduce of the last backward overlaps it bucket by 
 (:mod:`runtime.data_parallel`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it (:mod:`runtime.network_emulation`).
 
+Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
+half of backward covering the backward's sends): each B computes the received values' gradients,
+posts their sends, then the parameters' gradients (:mod:`runtime.split_backward`; the last B arms
+DDP's reducer before both halves and its all-reduce fires in the weight half). Emulated as two
+segments that split the stage's backward FLOPs (``_input_share``: half each, none for the input
+half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
+stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
+which the weight half would run again).
+
 Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
 (replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
 stage's Linears are swapped for uneven parallel ones (:class:`runtime.tensor_parallel.StageSharding`)
 and, on the last stage, a class-sharded classifier feeds the sharded cross-entropy. Boundary values
-and their gradients are full on every member, so only ``tp_index`` 0 sends (see
-``_plan_transfers``), only it adds to the reported loss, and DDP syncs each shard over the workers
+and their gradients are full on every member, so any member may send them (the resharding plan
+picks, balancing sender hosts) and every member receives them; only ``tp_index`` 0 adds to the
+reported loss, and DDP syncs each shard over the workers
 holding the same shard. Emulation pads such a stage matmul by matmul (segments must not span the
 tensor-parallel collectives); its other operators run unpadded.
 
@@ -60,7 +74,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -71,16 +84,20 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from planner.layout import SampleLayout
+from planner.network import NetworkModel
 from planner.plan import Plan
 from planner.schedule import Action, build_schedule, gradient_accumulation
 from planner.state_moves import Slab
+from runtime.boundaries import BoundaryExchange
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.sharded_loss import OutputLayout
+from runtime.split_backward import backward_inputs
 from runtime.state_transfer import module_state, release_ddp
-from runtime.tensor_parallel import StageSharding, full_state_dict, load_full_state_dict
+from runtime.tensor_parallel import (StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict,
+                                     outputs_leaving_sharded)
 from runtime.tied import TiedParameters
 
 log = logging.getLogger(__name__)
@@ -90,30 +107,10 @@ class PipelineError(RuntimeError):
     """A pipeline step failed; the message names rank, stage, schedule step and micro-batch."""
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Samples ``[lo, hi)`` of a micro-batch (local to this rank's range) exchanged with ``peer``."""
-
-    value: ValueId
-    peer: int
-    lo: int
-    hi: int
-
-
 def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes
     (:meth:`planner.layout.SampleLayout.all_ranges`, the one owner of the layout)."""
     return SampleLayout.of(plan).all_ranges()
-
-
-def _overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, tuple[int, int]]], value: ValueId) -> list[Piece]:
-    """Pieces of my range ``mine`` held by each peer (rank, range), in sample order."""
-    pieces = []
-    for peer, (start, stop) in peers:
-        lo, hi = max(start, mine[0]), min(stop, mine[1])
-        if lo < hi:
-            pieces.append(Piece(value, peer, lo - mine[0], hi - mine[0]))
-    return sorted(pieces, key=lambda p: p.lo)
 
 
 class PipelineExecutor:
@@ -127,7 +124,9 @@ class PipelineExecutor:
     every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
     ``names``: the module whose parameter and buffer names :meth:`full_state_dict` uses (default
     ``graph_module``; pass the user's model if the capture renamed them). It must share its
-    tensors with ``graph_module``, as :func:`whalelike.capture` does.
+    tensors with ``graph_module``, as :func:`whalelike.capture` does. ``network``: the link
+    figures the boundary reshardings are planned with (the Engine passes the cluster's; on an
+    emulated network the emulator's; default :func:`runtime.boundaries.default_network`).
     """
 
     def __init__(
@@ -143,6 +142,7 @@ class PipelineExecutor:
         dp_group: Optional[dist.ProcessGroup] = None,
         names: Optional[nn.Module] = None,
         sharding: Optional[StageSharding] = None,
+        network: Optional[NetworkModel] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -174,10 +174,14 @@ class PipelineExecutor:
         # a tensor-parallel stage is emulated per parallel Linear: a stage-wide segment would span
         # its collectives (see runtime.tp_layers)
         self._segments_per_stage = self.worker.tp_size == 1
+        # before sharding (from the unsharded graphs): every rank derives the same layouts
+        feature_shards = self._outputs_leaving_sharded(sharding, graph_module)
         self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
+        keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
         self.tied.attach(self.stage.module)
-        self._transfers = self._plan_transfers()
-        self._value_ids = {v: i for i, v in enumerate(v for s in self.split.stages for v in s.outputs)}
+        # every value and gradient crossing a stage boundary is a planned resharding (runtime.boundaries)
+        self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
+                                           feature_shards=feature_shards)
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         # the Engine's runtime.straggler_monitor.Passenger: summed in this step's loss all-reduce
         self.passenger = None
@@ -267,8 +271,8 @@ class PipelineExecutor:
                 raise PipelineError(
                     f"rank {self.rank}, stage {self.stage.index}, schedule step {step} ({action}), "
                     f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
-        for work in state.sends:
-            work.wait()
+        for posted in state.sends:
+            posted.wait()
         passenger, self.passenger = (self.passenger, None) if train else (None, self.passenger)
         if passenger is None:
             dist.all_reduce(state.loss, group=self.group)
@@ -284,8 +288,9 @@ class PipelineExecutor:
     def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
         start, stop = self._ranges[m]
         n = stop - start
-        received = {v: self._buffer(specs[v], n) for v in self.stage.received}
-        self._receive([(received[p.value][p.lo:p.hi], p, "F") for p in self._transfers.recv_values[m]], m)
+        received = {v: self._buffer(v, specs[v], n) for v in self.stage.received}
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination"):
+            state.sends.append(self.boundaries.receive(crossing, received[crossing.value], specs))
         for v, t in received.items():
             t.requires_grad_(train and specs[v].requires_grad)
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
@@ -301,7 +306,8 @@ class PipelineExecutor:
                 outputs = {None: loss}
         if train:
             state.saved[m] = (received, outputs)
-        self._send([(outputs[p.value].detach()[p.lo:p.hi], p, "F") for _, p in self._transfers.send_values[m]], m, state)
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "source"):
+            state.sends.append(self.boundaries.send(crossing, outputs[crossing.value], specs))
 
     def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
         start, stop = self._ranges[m]
@@ -310,107 +316,107 @@ class PipelineExecutor:
         if self.is_last:
             roots, grads = [outputs[None]], [None]
         else:
-            incoming = self._receive_grads(m, n, specs)
+            incoming = self._receive_grads(m, n, specs, state)
             roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
             grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
-        if self._segments_per_stage:
-            self.emulator.begin(self.flops[1] * n, n)
-        if isinstance(self.module, DistributedDataParallel) and last:
+        arm_ddp = isinstance(self.module, DistributedDataParallel) and last
+        if arm_ddp:
             # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
             self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
+        if self._splits_backward():
+            self._split_backward(m, n, roots, grads, received, specs, state, arm_ddp)
+            return
+        if self._segments_per_stage:
+            self.emulator.begin(self.flops[1] * n, n)
+        if arm_ddp:
             torch.autograd.backward(roots, grads)
         elif roots:
             with self._no_sync():
                 torch.autograd.backward(roots, grads)
         self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
         self.emulator.wait_communication()   # the overlapped gradient all-reduce's modeled end, if any
-        sends = []
-        for p in self._transfers.send_grads[m]:
-            if specs[p.value].requires_grad:
-                t = received[p.value]
-                sends.append(((t.grad if t.grad is not None else torch.zeros_like(t))[p.lo:p.hi], p, "B"))
-        self._send(sends, m, state)
+        self._send_input_grads(m, {v: t.grad for v, t in received.items()}, received, specs, state)
+
+    def _split_backward(self, m: int, n: int, roots, grads, received, specs, state: "_StepState",
+                        arm_ddp: bool) -> None:
+        """``delay_weight_gradients``: input gradients, their sends posted, then weight gradients
+        (:mod:`runtime.split_backward`); DDP's all-reduce fires in the weight half. Emulated as two
+        compute segments splitting the stage's backward FLOPs by :meth:`_input_share`."""
+        share = self._input_share(specs)
+        values = list(received)
+        with self._no_sync() if not arm_ddp else nullcontext():
+            self.emulator.begin(self.flops[1] * n * share, n)
+            input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
+                                                   self.stage.module.parameters())
+            self.emulator.wait_deadline()
+            self._send_input_grads(m, dict(zip(values, input_grads)), received, specs, state)
+            self.emulator.begin(self.flops[1] * n * (1.0 - share), n)
+            weights.run()
+            self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
+        self.emulator.wait_communication()
+
+    def _splits_backward(self) -> bool:
+        """Whether backwards are split (:mod:`runtime.split_backward`): the plan asks for it and the
+        stage's backward has no custom autograd functions with collectives inside (tensor-parallel
+        layers, synchronised BatchNorm), which the weight half would run a second time."""
+        return self.plan.delay_weight_gradients and self._segments_per_stage and not self.plan.sync_batchnorm
+
+    def _input_share(self, specs) -> float:
+        """The input half's share of the stage's backward FLOPs: none without received values that
+        carry gradients (the first stage), all without parameters, else half: a Linear's dX and dW
+        are matmuls of the same size (2 * samples * fan_in * fan_out FLOPs each), and parameter-free
+        operators (activations, attention's matmuls) are small or, for attention, only on the input
+        side, so half slightly under-states the input half of attention stages."""
+        if not any(specs[v].requires_grad for v in self.stage.received):
+            return 0.0
+        if not any(p.requires_grad for p in self.stage.module.parameters()):
+            return 1.0
+        return 0.5
+
+    def _send_input_grads(self, m: int, input_grads: dict, received: dict, specs, state: "_StepState") -> None:
+        """Post the sends of the received values' gradients (zeros where one got none)."""
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "source"):
+            if specs[crossing.value].requires_grad:
+                grad = input_grads[crossing.value]
+                grad = grad if grad is not None else torch.zeros_like(received[crossing.value])
+                state.sends.append(self.boundaries.send(crossing, grad, specs))
 
     # -- communication ----------------------------------------------------------------------------
-    def _receive_grads(self, m: int, n: int, specs) -> dict[ValueId, torch.Tensor]:
+    def _receive_grads(self, m: int, n: int, specs, state: "_StepState") -> dict[ValueId, torch.Tensor]:
         """Gradient of each sent value that carries one, summed over its consumer stages (each
-        covers all of this rank's samples once, from the ``tp_index`` 0 worker of each slot)."""
-        buffers: dict[tuple[int, ValueId], torch.Tensor] = {}
-        posts = []
-        for consumer, p in self._transfers.recv_grads[m]:
-            if specs[p.value].requires_grad:
-                key = (consumer, p.value)
-                if key not in buffers:
-                    buffers[key] = self._buffer(specs[p.value], n)
-                posts.append((buffers[key][p.lo:p.hi], p, "B"))
-        self._receive(posts, m)
+        covers all of this rank's samples once)."""
         total: dict[ValueId, torch.Tensor] = {}
-        for (_, v), g in buffers.items():
-            total[v] = g if v not in total else total[v] + g
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination"):
+            if specs[crossing.value].requires_grad:
+                grad = self._buffer(crossing.value, specs[crossing.value], n)
+                state.sends.append(self.boundaries.receive(crossing, grad, specs))
+                v = crossing.value
+                total[v] = grad if v not in total else total[v] + grad
         return total
 
-    def _receive(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int) -> None:
-        """Receive into the given views (contiguous slices along the batch) and wait for all."""
-        ops = [dist.P2POp(dist.irecv, view, self._global(p.peer), tag=self._tag(p.value, d, m)) for view, p, d in posts]
-        arrival = None
-        if ops and self.emulator.network is not None:   # emulated network: the senders' modeled arrivals too
-            ops, arrival = self.emulator.network.stamp_receives(ops)
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        if arrival is not None:
-            arrival.wait()
-
-    def _send(self, posts: list[tuple[torch.Tensor, Piece, str]], m: int, state: "_StepState") -> None:
-        """Post sends; they are waited for at the end of the step (receives block, sends do not)."""
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(p.peer), tag=self._tag(p.value, d, m))
-               for t, p, d in posts]
-        if ops and self.emulator.network is not None:   # emulated network: priced and stamped by the sender
-            ops = self.emulator.network.stamp_sends(ops, [self.plan.worker(p.peer).device for _, p, _ in posts])
-        if ops:
-            state.sends.extend(dist.batch_isend_irecv(ops))
-            state.keep_alive.extend(op.tensor for op in ops)
-
-    def _tag(self, value: ValueId, direction: str, m: int) -> int:
-        """Unique per (micro-batch, direction, value): a pair of ranks exchanges one piece of it."""
-        return (m * 2 + (direction == "B")) * len(self._value_ids) + self._value_ids[value]
-
-    def _global(self, plan_rank: int) -> int:
-        return dist.get_global_rank(self.group, plan_rank)
-
-    def _buffer(self, spec: ValueSpec, n: int) -> torch.Tensor:
-        return torch.empty((n, *spec.shape), dtype=spec.dtype, device=self._device)
+    def _buffer(self, value: ValueId, spec: ValueSpec, n: int) -> torch.Tensor:
+        """Room for ``n`` samples of ``value`` (or its gradient) as this rank holds it: whole, or
+        its features of a value that leaves this stage sharded."""
+        shape = self.boundaries.local_shape(value, spec, self.stage.index, self.worker.tp_index)
+        return torch.empty((n, *shape), dtype=spec.dtype, device=self._device)
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _plan_transfers(self) -> "_Transfers":
-        """Per micro-batch, the pieces this rank exchanges, from the sample layout of its replica.
-
-        Every worker of a tensor-parallel group holds the same full boundary values and needs the
-        same full gradients, so forward values go from a producer slot's ``tp_index`` 0 worker to
-        every worker of the consumer slots, and gradients from a consumer slot's ``tp_index`` 0
-        worker to every worker of the producer slots. Each list is in one canonical order (value,
-        then samples), so the two ends of every rank pair post their operations alike.
-        """
-        replica, ranges = self.worker.replica, self._all_ranges
-        lead = self.worker.tp_index == 0
-
-        def peers(stage: int, m: int, leads_only: bool) -> list[tuple[int, tuple[int, int]]]:
-            return [(w.rank, ranges[w.rank][m]) for w in self.plan.stage_workers(stage, replica)
-                    if w.tp_index == 0 or not leads_only]
-
-        def order(v: ValueId) -> tuple[int, int]:
-            return v.stage, v.index
-
-        received = sorted(self.stage.received, key=order)
-        produced = [(c, v) for v in sorted(self.stage.outputs, key=order) for c in self.split.consumers(v)]
-        t = _Transfers([], [], [], [])
-        for m, mine in enumerate(self._ranges):
-            t.recv_values.append([p for v in received for p in _overlaps(mine, peers(v.stage, m, True), v)])
-            t.recv_grads.append([(c, p) for c, v in produced for p in _overlaps(mine, peers(c, m, True), v)])
-            t.send_values.append([(c, p) for c, v in produced for p in _overlaps(mine, peers(c, m, False), v)]
-                                 if lead else [])
-            t.send_grads.append([p for v in received for p in _overlaps(mine, peers(v.stage, m, False), v)]
-                                if lead else [])
-        return t
+    def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
+        """Every tensor-parallel stage's outputs that leave as feature shards, without a gather
+        (:func:`runtime.tensor_parallel.outputs_leaving_sharded`), computed on every rank."""
+        tp_stages = [s for s in range(len(self.plan.stages)) if self.plan.stage_workers(s)[0].tp_size > 1]
+        if not tp_stages or len(self.plan.stages) == 1:
+            return {}
+        if sharding is None:
+            raise PipelineError(f"rank {self.rank}: stages {tp_stages} are tensor parallel and their boundary layouts "
+                                "depend on their sharding; pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        leaving = {}
+        for s in tp_stages:
+            stage = self.split.stages[s]
+            crossing = [v for v in stage.outputs if self.split.consumers(v)]   # not the model's output
+            leaving.update(outputs_leaving_sharded(stage.module, crossing, graph_module, sharding.node_taskgraph,
+                                                   sharding.split_taskgraphs, self.plan.stages[s].shard_sizes))
+        return leaving
 
     def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
         """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
@@ -483,22 +489,10 @@ class PipelineExecutor:
         return p.device if p is not None else torch.device("cpu")
 
 
-@dataclass
-class _Transfers:
-    """Per micro-batch, what this rank receives and sends (see ``PipelineExecutor._plan_transfers``);
-    the ``send_values``/``recv_grads`` entries carry the consumer stage of each piece."""
-
-    recv_values: list[list[Piece]]
-    recv_grads: list[list[tuple[int, Piece]]]
-    send_values: list[list[tuple[int, Piece]]]
-    send_grads: list[list[Piece]]
-
-
 class _StepState:
     """What one step keeps between actions: activations per micro-batch, posted sends, the loss."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.loss = torch.zeros((), device=device, dtype=dtype)
         self.saved: dict[int, tuple] = {}
-        self.sends: list = []
-        self.keep_alive: list[torch.Tensor] = []
+        self.sends: list = []   # runtime.resharding.Posted: sends (and forwarded ranges) to wait for

@@ -68,7 +68,7 @@ from planner.resharding_spec import Box, box_size, box_text
 from runtime.network_emulation import STAMP_TAG, NetworkEmulator
 from whalelike.errors import WhaleError
 
-__all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "ReshardStats", "compile_resharding",
+__all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "Posted", "ReshardStats", "compile_resharding",
            "execute_resharding", "device_ranks", "byte_rows"]
 
 MAX_TAG = 2**31 - 1
@@ -140,8 +140,44 @@ class ReshardProgram:
         :mod:`runtime.pipeline` does), and a sender posts each transfer no earlier than its planned
         start after this call began (the emulated NICs are reserved first come, first served, so
         posting ahead of the plan would reorder it); tags must then stay below ``STAMP_TAG``."""
+        posted = Posted()
+        stats = self._execute(source, destination, group, tag_base, rank, network, posted, paced=True)
+        posted.wait()
+        return stats
+
+    @torch.no_grad()
+    def post_sends(self, source: Optional[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                   tag_base: int = 0, rank: Optional[int] = None, network: Optional[NetworkEmulator] = None
+                   ) -> "Posted":
+        """The source side alone, without blocking: post every send this rank's source device
+        makes (in the global order) and return them pending; :meth:`Posted.wait` them later. For a
+        caller whose two sides run at different times (:mod:`runtime.boundaries`: the producing
+        stage sends after its forward, the consuming stage receives before its own). Sends are
+        posted at once, not paced (no common start time)."""
+        posted = Posted()
+        self._execute(source, None, group, tag_base, rank, network, posted, paced=False, side="source")
+        return posted
+
+    @torch.no_grad()
+    def receive(self, destination: Optional[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                tag_base: int = 0, rank: Optional[int] = None, network: Optional[NetworkEmulator] = None
+                ) -> "Posted":
+        """The destination side alone: returns once this rank's destination box is complete (and,
+        emulated, its modeled arrival has passed); the ranges it forwards to other receivers
+        (broadcast ring, all-gather) are posted as soon as they arrive and returned pending."""
+        posted = Posted()
+        self._execute(None, destination, group, tag_base, rank, network, posted, paced=False, side="destination")
+        return posted
+
+    def _execute(self, source, destination, group, tag_base: int, rank: Optional[int], network, posted: "Posted",
+                 paced: bool, side: Optional[str] = None) -> ReshardStats:
         rank = dist.get_rank() if rank is None else rank
         src_device, dst_device = self.roles(rank)
+        if side is not None and src_device is not None and dst_device is not None:
+            raise ReshardingRuntimeError(f"resharding: rank {rank} plays source device {src_device!r} and destination "
+                                         f"device {dst_device!r}; run both sides at once with run()")
+        src_device = None if side == "destination" else src_device
+        dst_device = None if side == "source" else dst_device
         if network is not None:
             _check_network(self, network, rank, src_device, dst_device)
         _check_local(source, src_device, self.src_boxes, "source", rank)
@@ -153,11 +189,11 @@ class ReshardProgram:
         counts = [0, 0, 0, 0]   # messages, sent bytes, received bytes, copied entries
         origin = time.monotonic()
         for index, transfer in enumerate(self.plan.transfers):
-            mine_src = transfer.sender == src_device
-            mine_dst = dst_device in transfer.receivers
+            mine_src = src_device is not None and transfer.sender == src_device
+            mine_dst = dst_device is not None and dst_device in transfer.receivers
             if not (mine_src or mine_dst):
                 continue
-            if network is not None and mine_src and transfer.strategy != "local":
+            if paced and network is not None and mine_src and transfer.strategy != "local":
                 _sleep_until(origin + transfer.start_ms * 1e-3)   # the plan's slot: NICs are not shared first-come
             if transfer.strategy == "local":
                 if mine_dst:   # the same device name on both meshes: one rank, copy in place
@@ -174,24 +210,28 @@ class ReshardProgram:
                 direct = landing.is_contiguous()
                 dst_flat = landing.view(-1) if direct else landing.new_empty(landing.numel())
             self._run_transfer(index, rank, src_device, dst_device, src_flat, dst_flat, group, tag_base, counts,
-                               network)
+                               network, posted)
             if mine_dst and not direct:
                 landing.copy_(dst_flat.view(landing.shape))
         return ReshardStats(*counts)
 
     def _run_transfer(self, index: int, rank: int, src_device, dst_device, src_flat, dst_flat, group,
-                      tag_base: int, counts: list[int], network: Optional[NetworkEmulator] = None) -> None:
+                      tag_base: int, counts: list[int], network: Optional[NetworkEmulator], posted: "Posted") -> None:
+        """This rank's messages of one transfer (those of the devices it plays here: ``None`` is a
+        side not played); its receives are waited before returning, its sends go to ``posted``."""
         sender = self.plan.transfers[index].sender
         # range of dst_flat -> (its receive works, its modeled arrival or None); None: copied or waited
         arrived: dict[tuple[int, int], object] = {}
-        works, keep_alive = [], []
+        works = []
         for message in self.messages[index]:
             from_rank, to_rank = self.ranks[message.src], self.ranks[message.dst]
-            if rank not in (from_rank, to_rank):
+            sends = from_rank == rank and message.src in (src_device, dst_device)
+            takes = to_rank == rank and message.dst == dst_device
+            if not (sends or takes):
                 continue
             span = (message.lo, message.hi)
             payload = None
-            if from_rank == rank:
+            if sends:
                 if message.src == sender and message.src == src_device:
                     payload = src_flat[message.lo:message.hi]
                 else:   # forwarding: wait for the receive that brought this range here (and its modeled arrival)
@@ -200,16 +240,16 @@ class ReshardProgram:
                         arrived[span] = None
                     payload = dst_flat[message.lo:message.hi]
             tag = tag_base + message.number
-            if from_rank == to_rank:
+            if sends and takes:
                 dst_flat[message.lo:message.hi].copy_(payload)
                 arrived[span] = None
                 counts[3] += message.hi - message.lo
-            elif from_rank == rank:
+            elif sends:
                 ops = [dist.P2POp(dist.isend, payload, to_rank, group, tag)]
                 if network is not None:   # priced and stamped by the sender, as runtime.pipeline's _send
                     ops = network.stamp_sends(ops, [message.dst])
-                works.extend(_post(ops))
-                keep_alive.extend(op.tensor for op in ops)
+                posted.works.extend(_post(ops))
+                posted.keep_alive.extend(op.tensor for op in ops)
                 counts[0] += 1
                 counts[1] += payload.numel() * payload.element_size()
             else:
@@ -217,9 +257,9 @@ class ReshardProgram:
                 ops, arrival = [dist.P2POp(dist.irecv, into, from_rank, group, tag)], None
                 if network is not None:   # the sender's modeled arrival too, as runtime.pipeline's _receive
                     ops, arrival = network.stamp_receives(ops)
-                posted = _post(ops)
-                arrived[span] = (posted, arrival)
-                works.extend(posted)
+                received = _post(ops)
+                arrived[span] = (received, arrival)
+                works.extend(received)
                 counts[0] += 1
                 counts[2] += into.numel() * into.element_size()
         for work in works:
@@ -227,6 +267,20 @@ class ReshardProgram:
         for pending in arrived.values():   # sleep until the modeled arrival of what was not forwarded
             if pending is not None and pending[1] is not None:
                 pending[1].wait()
+
+
+class Posted:
+    """Sends posted and not yet waited (with the tensors they read, kept alive until then)."""
+
+    def __init__(self):
+        self.works: list = []
+        self.keep_alive: list[torch.Tensor] = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        self.keep_alive.clear()
 
 
 def _sleep_until(moment: float) -> None:

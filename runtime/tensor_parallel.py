@@ -143,6 +143,46 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     return ShardedModule(gm, roles, sharded_loss)
 
 
+def outputs_leaving_sharded(stage: fx.GraphModule, outputs: Iterable, captured: fx.GraphModule,
+                            node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],
+                            shard_sizes: Mapping[str, Sequence[int]]) -> dict:
+    """The ``outputs`` (:class:`runtime.stages.ValueId`) of pipeline stage ``stage`` that leave it as
+    feature shards: each is a lone projection's output in a ``split`` region (a ``column+gather``
+    of :func:`shard_module`) used by nothing in the stage, so its gather would only feed the
+    boundary, which reshards it anyway (seed paper 001; :mod:`runtime.boundaries`). Value -> the
+    projection's shard sizes along the last dimension. Pure, from the unsharded stage graph: every
+    rank computes it for every stage, so both ends of a boundary agree on its layout."""
+    splits = set(split_taskgraphs)
+    paths = original_module_paths(captured, stage)
+    nodes = {n.name: n for n in stage.graph.nodes}
+    region = {n.name for n in stage.graph.nodes
+              if taskgraph_of(n, node_taskgraph) in splits and not n.meta.get(ATTACHED_META)}
+    lone = {n.name for n in analyse_blocks(stage, region).lone} if region else set()   # as shard_module decides
+    leaving = {}
+    for value in outputs:
+        node = nodes.get(value.name)
+        if node is None or node.name not in lone or node.op != "call_module":
+            continue
+        if any(user.op != "output" for user in node.users) or projection_dims(stage.get_submodule(node.target)) is None:
+            continue
+        path = paths.get(node.target, node.target)
+        if path in shard_sizes:
+            leaving[value] = list(shard_sizes[path])
+    return leaving
+
+
+def keep_outputs_sharded(stage: fx.GraphModule, values: Iterable) -> None:
+    """After :func:`shard_module`: the projections producing ``values`` (from
+    :func:`outputs_leaving_sharded`) return their shard instead of gathering it."""
+    nodes = {n.name: n for n in stage.graph.nodes}
+    for value in values:
+        layer = stage.get_submodule(nodes[value.name].target)
+        if not (isinstance(layer, ColumnParallelLinear) and layer.gather_output):
+            raise WhaleError(f"split: stage output {value} was expected to be a gathered column projection, got "
+                             f"{type(layer).__name__}; the ranks would disagree on its layout (a bug: report it)")
+        layer.gather_output = False
+
+
 @dataclass(frozen=True)
 class StageSharding:
     """What a pipeline stage needs to shard its ``split`` regions: the capture's node -> TaskGraph

@@ -8,6 +8,7 @@ not a speed threshold). Received tensors must equal the sent ones (the real tran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 
@@ -104,8 +105,10 @@ def _pipeline(rank: int, ledger_root: str) -> dict:
     hosts B and C, DDP inside each stage) on the emulated network: losses and final state against
     the single-process reference."""
     schedule, cut, workers, _ = pipeline_case.SCENARIOS["straddling-2x2"]
+    hosts = {f"cpu{r}": host for r, host in enumerate("AABC")}
     plan = pipeline_case._plan(schedule, workers)
-    model = NetworkModel(1.0, 0.5, 500.0, {f"cpu{r}": host for r, host in enumerate("AABC")})
+    plan = dataclasses.replace(plan, workers=[dataclasses.replace(w, host=hosts[w.device]) for w in plan.workers])
+    model = NetworkModel(1.0, 0.5, 500.0, hosts)
     network = NetworkEmulator(model, f"cpu{rank}", ledger_root=ledger_root)
     torch.manual_seed(0)
     net = pipeline_case.SkipNet()

@@ -21,11 +21,15 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
+from planner.layout import SampleLayout
 from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.resharding import plan_resharding
+from planner.resharding_spec import stage_output_spec
+from runtime.boundaries import default_network
 from runtime.emulation import Emulator
 from runtime.groups import group_ranks
-from runtime.pipeline import PipelineExecutor, _overlaps, sample_ranges
-from runtime.stages import ModelInput, StageSplitError, ValueId, split_stages
+from runtime.pipeline import PipelineExecutor, sample_ranges
+from runtime.stages import ModelInput, StageSplitError, split_stages
 from runtime.tied import find_ties
 from whalelike.cluster import Emulation
 
@@ -235,14 +239,17 @@ def test_split_errors_name_the_value_and_the_fix():
         split.value_specs((torch.randn(3, 4),))
 
 
-def test_sample_layout_and_overlaps():
+def test_sample_layout_and_boundary_transfers():
     plan = _plan("1f1b", SCENARIOS["straddling-2x2"][2])
     ranges = sample_ranges(plan)
     assert ranges == {0: [(0, 1), (4, 7)], 1: [(1, 4), (7, 8)], 2: [(0, 2), (4, 6)], 3: [(2, 4), (6, 8)]}
-    v = ValueId(0, 0, "h")
-    # consumer rank 3 in micro-batch 0 holds [2, 4): all of it from producer rank 1
-    assert [(p.peer, p.lo, p.hi) for p in _overlaps(ranges[3][0], [(0, (0, 1)), (1, (1, 4))], v)] == [(1, 0, 2)]
-    # producer rank 1 in micro-batch 0 holds [1, 4): [1, 2) goes to rank 2, [2, 4) to rank 3
-    assert [(p.peer, p.lo, p.hi) for p in _overlaps(ranges[1][0], [(2, (0, 2)), (3, (2, 4))], v)] == [(2, 0, 1), (3, 1, 3)]
+    # micro-batch 0 crossing from stage 0 (ranks 0, 1) to stage 1 (ranks 2, 3), as runtime.boundaries plans it:
+    # rank 2 needs [0, 2): [0, 1) from rank 0 and [1, 2) from rank 1; rank 3 needs [2, 4): all from rank 1
+    layout = SampleLayout.of(plan)
+    src, dst = (stage_output_spec(plan, layout, stage, 0, (4,)) for stage in (0, 1))
+    device_rank = {w.device: w.rank for w in plan.workers}
+    moves = {(device_rank[t.sender], tuple(device_rank[d] for d in t.receivers), t.box[0])
+             for t in plan_resharding(src, dst, default_network(plan)).transfers}
+    assert moves == {(0, (2,), (0, 1)), (1, (2,), (1, 2)), (1, (3,), (2, 4))}
     replicated = sample_ranges(_plan("1f1b", SCENARIOS["2-replicas"][2]))
     assert replicated[0][0] == (0, 3) and replicated[2][0] == (12, 13)
