@@ -39,9 +39,17 @@ overruns (compute segments whose real time exceeded the modeled one, out of all 
 was already over when the receiver got to it, out of all stamped receives), and the messages and
 bytes sent (the real ones: (c) moves the same data as (b)).
 
-The last line: (b) over (a) (target >= 1.1x) and (b)'s gap to (c) (target within 5%).
+The last line: (b) over (a) (target >= 1.1x) and (b)'s gap to (c) (target within 5%). What the
+model alone expects: per micro-batch, stage 0 computes ~67 ms, stage 1 ~39 ms, the boundary (512
+KiB) takes ~26 ms per copy across the hosts (send/recv: two copies through host A's interface,
+broadcast: one) and its gradient ~26 ms back; 1F1B keeps one transfer each way on its critical
+loop, eager-1F1B hides them all but the first forward's and the last backward's (~52 ms of a
+~2.2 s step, ~2.4%: (b)'s floor over (c)); the rest of the gap is unmodeled per-message work
+(stamps, the broadcast's forwarding). The planner's simulator prices a boundary as one worker's
+point-to-point send (``BoundaryPlan.transfer_ms``) whatever the strategy, so its predictions
+differ only by schedule.
 
-Run (spawns its 4 ranks itself; about 1-2 minutes on 2 cores)::
+Run (spawns its 4 ranks itself; about 2 minutes on 2 cores)::
 
     .venv/bin/python bench/pipeline_comm.py [--rounds 3 --steps 2 --batch 256 --micro-batches 32 --width 4096]
 """
