@@ -69,7 +69,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     prediction, result = _best_aware_plan(graphs, cluster, config)
-    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive))
+    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive, cluster))
     result.validate(graphs=graphs, cluster=cluster)
     log_batchnorm_warnings(result)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
@@ -97,7 +97,7 @@ def _aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config,
                 layout: Layout) -> tuple[Prediction, Plan, Layout]:
     """(prediction, plan, layout) of the hardware-aware decisions on ``layout``."""
     plan = build_plan(graphs, cluster, config, aware_decisions(graphs, config, layout, cluster.network))
-    return predict(plan), plan, layout
+    return predict(plan, cluster), plan, layout
 
 
 def _swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config,
@@ -142,7 +142,7 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     layout = build_layout(graphs, cluster)
     _check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
-    return with_predictions(naive, naive)
+    return with_predictions(naive, naive, cluster)
 
 
 # -- input checks ----------------------------------------------------------------------------------

@@ -8,14 +8,22 @@ every timing field the simulator reads, and asks the simulator for the step-time
 Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
 the worker's shard of its samples plus, under ``split``, the one all-reduce per layer and direction
 that Megatron-style sharding costs (it runs inside the segment, so it is part of it);
-``allreduce_ms`` is the ring all-reduce of the worker's gradient shard over every worker holding
-the same shard; ``BoundaryPlan.transfer_ms`` is the slowest point-to-point send of one
-data-parallel group's activations to the next stage, over every replica.
+``allreduce_ms`` is the ring all-reduce of the worker's gradient shard (``gradient_bytes``) over
+every worker holding the same shard, in one bucket; ``BoundaryPlan.transfer_ms`` is the predicted
+time of the boundary's forward resharding of that micro-batch, every sender ready at once
+(:mod:`planner.boundary_traffic`: the plan :func:`planner.resharding.boundary_resharding` makes
+under ``Plan.resharding``, whose transfers share the host network interfaces).
+
+Predictions: :func:`predict` simulates on the cluster's network (:func:`planner.simulate` with
+``network``), as the runtime runs: DDP's buckets overlapped with the backward, the boundary
+transfers queued on devices and host interfaces. All links are priced by
+:class:`planner.network.NetworkModel`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
@@ -23,6 +31,8 @@ from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import GIB, CommModel, StageCost, compute_ms
 from .batchnorm import stage_batchnorms
+from .boundary_traffic import FORWARD, plan_traffic
+from .network import NetworkModel
 from .plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
 from .simulator import simulate
 from .tensor_parallel import ShardLayout
@@ -68,7 +78,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
     workers = [_worker(rank, *item, dec, comm) for rank, item in enumerate(placed)]
     _fill_allreduce(workers, layout, dec, comm)
     zero = Prediction(0.0, 0.0, 0.0)
-    return Plan(
+    plan = Plan(
         model_fingerprint=fingerprint_of(graphs),
         cluster=cluster.name,
         global_batch_size=config.global_batch_size,
@@ -77,7 +87,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         solver=dec.solver,
         stages=stages,
         workers=workers,
-        boundaries=_boundaries(graphs, dec, comm),
+        boundaries=_boundaries(graphs, dec),
         prediction=zero,
         naive_prediction=zero,
         optimality_gap=dec.optimality_gap,
@@ -85,15 +95,19 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         resharding=config.resharding,
         delay_weight_gradients=config.delay_weight_gradients,
     )
+    _fill_transfers(plan, cluster)
+    return plan
 
 
-def predict(plan: Plan) -> Prediction:
-    """Simulate one step of ``plan`` (see :mod:`planner.simulator`)."""
-    return simulate(plan, record_events=False).prediction
+def predict(plan: Plan, cluster: Optional[Cluster] = None) -> Prediction:
+    """Simulate one step of ``plan`` (see :mod:`planner.simulator`) on ``cluster``'s network, the
+    cluster it was made for; without it, the plan's own timing fields alone (no DDP buckets, one
+    ``transfer_ms`` per sending group)."""
+    return simulate(plan, record_events=False, network=cluster).prediction
 
 
-def with_predictions(plan: Plan, naive: Plan) -> Plan:
-    return dataclasses.replace(plan, prediction=predict(plan), naive_prediction=predict(naive))
+def with_predictions(plan: Plan, naive: Plan, cluster: Optional[Cluster] = None) -> Plan:
+    return dataclasses.replace(plan, prediction=predict(plan, cluster), naive_prediction=predict(naive, cluster))
 
 
 def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommModel) -> Worker:
@@ -122,28 +136,29 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
     by_name = {d.name: d for r in layout.groups for s in r for g in s for d in g}
     for (s, t), ws in peers.items():
         nbytes = dec.costs[s].param_bytes * dec.shards[s].fractions[t]
-        ms = comm.allreduce_ms(nbytes, [by_name[w.device] for w in ws])
+        ms = comm.allreduce_ms(nbytes, [by_name[w.device] for w in sorted(ws, key=lambda w: w.rank)])
         for w in ws:
             w.allreduce_ms = ms
+            w.gradient_bytes = float(nbytes)
 
 
-def _boundaries(graphs: TaskGraphs, dec: Decisions, comm: CommModel) -> list[BoundaryPlan]:
+def _boundaries(graphs: TaskGraphs, dec: Decisions) -> list[BoundaryPlan]:
+    """The boundaries with their tensors and sizes; :func:`_fill_transfers` prices them."""
     out = []
-    layout = dec.layout
-    for s in range(layout.num_stages - 1):
+    for s in range(dec.layout.num_stages - 1):
         cut = dec.stage_layers[s][-1]
         per_sample = graphs.layers[cut].cut_bytes_per_sample
-        times = []
-        for m in range(dec.num_micro_batch):
-            worst = 0.0
-            for r, replica in enumerate(layout.groups):
-                senders, receivers = replica[s], replica[s + 1]
-                for d, group in enumerate(senders):
-                    nbytes = per_sample * dec.sizes[r][s][d][m]
-                    worst = max(worst, comm.p2p_ms(nbytes, group[0], receivers[d % len(receivers)][0]))
-            times.append(worst)
-        out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), times))
+        out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), []))
     return out
+
+
+def _fill_transfers(plan: Plan, cluster: Cluster) -> None:
+    """``transfer_ms[m]``: the predicted time of boundary's forward resharding of micro-batch ``m``."""
+    if not plan.boundaries:
+        return
+    traffic = plan_traffic(plan, NetworkModel.of_cluster(cluster))
+    for index, boundary in enumerate(plan.boundaries):
+        boundary.transfer_ms = [t.predicted_ms if t is not None else 0.0 for t in traffic[index, FORWARD]]
 
 
 def _crossing_tensors(graphs: TaskGraphs, cut: int) -> list[str]:

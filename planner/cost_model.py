@@ -10,11 +10,10 @@ to communication, never which device gets more work. The planner never reads
 ``Device.emulated_speed`` or ``Cluster.emulation``: those are the emulator's hidden truth
 (docs/ARCHITECTURE.md section 4).
 
-Communication. alpha-beta model on the cluster's :class:`~whalelike.cluster.Network`: a message
-of ``b`` bytes costs ``latency + b / bandwidth``; a collective whose devices all sit on one host
-uses the intra-host bandwidth, otherwise the (slower) inter-host one, since a ring is as slow as
-its slowest link. Ring all-reduce: ``2(n-1)/n * bytes / bw + 2(n-1) * latency``; ring
-all-gather: ``(n-1)/n * bytes / bw + (n-1) * latency``.
+Communication. Priced by :class:`planner.network.NetworkModel`, the one link model the simulator
+and the runtime's network emulation share: ``latency + bytes / bandwidth`` per message, intra-host
+or inter-host link, ring collectives whose slowest hop (NIC sharing included) sets the pace.
+:class:`CommModel` is its device-record front end for the planner's assembly.
 
 Memory. A worker holds its shard of the parameters, gradients (same size as the parameters) and
 optimizer state, plus, per micro-batch in flight under the pipeline schedule, the activations saved
@@ -33,6 +32,8 @@ from typing import Sequence
 
 from whalelike.cluster import Device, Network
 from whalelike.taskgraph import TaskGraphs
+
+from .network import NetworkModel, Ring
 
 DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
@@ -53,47 +54,47 @@ def compute_ms(flops: float, device: Device) -> float:
 
 @dataclass(frozen=True)
 class CommModel:
-    """Communication times (ms) on one cluster network."""
+    """Communication times (ms) on one cluster network, for :class:`~whalelike.cluster.Device`
+    records: each call prices its devices with :class:`planner.network.NetworkModel` (rings in the
+    order given, which the planner passes in rank order, as the runtime's process groups run)."""
 
     network: Network
 
-    def _bytes_per_ms(self, devices: Sequence[Device]) -> float:
-        one_host = len({d.host for d in devices}) <= 1
-        gbps = self.network.intra_host_gbps if one_host else self.network.inter_host_gbps
-        return gbps * 1e6
+    def _model(self, devices: Sequence[Device]) -> NetworkModel:
+        net = self.network
+        return NetworkModel(net.intra_host_gbps, net.inter_host_gbps, net.latency_us,
+                            {d.name: d.host for d in devices})
 
-    @property
-    def _latency_ms(self) -> float:
-        return self.network.latency_us * 1e-3
+    def _ring(self, devices: Sequence[Device]) -> Ring:
+        return self._model(devices).ring([d.name for d in devices])
 
     def p2p_ms(self, nbytes: float, src: Device, dst: Device) -> float:
-        if src.name == dst.name or nbytes <= 0:
+        if nbytes <= 0:
             return 0.0
-        return self._latency_ms + nbytes / self._bytes_per_ms((src, dst))
+        return self._model((src, dst)).transfer_ms(nbytes, src.name, dst.name)
 
     def allreduce_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
-        n = len(devices)
-        if n <= 1 or nbytes <= 0:
+        if len(devices) <= 1 or nbytes <= 0:
             return 0.0
-        return 2 * (n - 1) / n * nbytes / self._bytes_per_ms(devices) + 2 * (n - 1) * self._latency_ms
+        return self._ring(devices).allreduce_ms(nbytes)
 
     def allreduce_each_ms(self, nbytes: Sequence[float], scale: float, devices: Sequence[Device]) -> float:
         """Total time of one all-reduce per entry of ``nbytes``, each scaled by ``scale`` (the
-        per-layer all-reduces of a tensor-parallel stage), in closed form: it runs per worker
-        and micro-batch on plans of thousands of devices."""
-        n = len(devices)
+        per-layer all-reduces of a tensor-parallel stage), in closed form (a ring's time is
+        linear in the bytes plus a latency per step): it runs per worker and micro-batch on plans
+        of thousands of devices."""
         live = [b for b in nbytes if b > 0]
-        if n <= 1 or scale <= 0 or not live:
+        if len(devices) <= 1 or scale <= 0 or not live:
             return 0.0
-        return (2 * (n - 1) / n * scale * sum(live) / self._bytes_per_ms(devices)
-                + 2 * (n - 1) * self._latency_ms * len(live))
+        ring = self._ring(devices)
+        steps = 2 * (ring.size - 1)
+        return steps * (ring.latency_ms * len(live) + scale * sum(live) / ring.size * ring.ms_per_byte)
 
     def allgather_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
         """All-gather of a tensor of ``nbytes`` in total (each device holds ``nbytes / n``)."""
-        n = len(devices)
-        if n <= 1 or nbytes <= 0:
+        if len(devices) <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) / n * nbytes / self._bytes_per_ms(devices) + (n - 1) * self._latency_ms
+        return self._ring(devices).allgather_ms(nbytes)
 
 
 @dataclass(frozen=True)

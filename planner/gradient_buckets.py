@@ -2,24 +2,30 @@
 all-reduce with backward.
 
 Why: torch DDP does not all-reduce after the backward; it packs gradients into buckets (the first
-of 1 MiB, the others of 25 MiB, ``bucket_cap_mb``) in the order they become ready, roughly reverse
-layer order, and all-reduces each bucket as soon as all of its gradients exist, while the backward
-of earlier layers goes on. A simulator that all-reduces after the backward overprices data
-parallelism on slow networks (issue 11: 1.16x predicted against Whale's 1.3-1.4x). The Plan does
-not carry per-layer sizes, so the buckets are built here from the model's TaskGraphs and handed to
-:func:`planner.simulator.simulate` (``buckets=``).
+of 1 MiB, the others of 25 MiB, ``bucket_cap_mb``; rebuilt after the first step in the order the
+gradients became ready, roughly reverse layer order) and all-reduces each bucket as soon as all of
+its gradients exist, while the backward of earlier layers goes on. A simulator that all-reduces
+after the backward overprices data parallelism on slow networks (issue 11: 1.16x predicted against
+Whale's 1.3-1.4x).
 
-What is modeled: a stage's gradient bytes per layer (parameters plus the copies of tied weights an
-earlier stage owns), scaled by the worker's tensor-parallel shard fraction; layers' gradients
-become ready in reverse layer order, each when its layer's backward ends, the backward of a layer
-taking its share of the stage's backward FLOPs; buckets are filled to the byte (a layer may span
-two buckets); each bucket's all-reduce is a ring over the group's devices in rank order, priced by
-:class:`planner.network.NetworkModel`. Not modeled: DDP's whole-parameter granularity (a 120 MiB
-embedding matrix is one bucket there, five here: the same bytes, four more latencies), gradients
-that become ready inside a layer's backward, and the loss riding in the last bucket.
+The runtime's model, copied here (:func:`runtime.data_parallel.wrap_ddp` under network emulation,
+default ``bucket_cap_mb``): bucket ``k`` is ready when the backward has run the share of the
+gradient bytes of buckets ``0..k`` (a backward is modeled uniform in gradient bytes, the last
+bucket at its end), its all-reduce is a ring over the group's devices in rank order, priced by
+:class:`planner.network.NetworkModel`, and one process group runs the buckets in order. So a
+group's buckets follow from its gradient bytes alone: :func:`ddp_buckets`;
+:func:`plan_buckets` takes them from ``Worker.gradient_bytes`` (what :func:`planner.simulate`
+uses given a network), :func:`gradient_buckets` from the model's TaskGraphs (parameters plus the
+copies of tied weights an earlier stage owns, scaled by the shard fraction).
 
-Invariant: the buckets of a group carry exactly the worker's gradient bytes (its shard of
-``StageCost.param_bytes``), in non-decreasing order of ready fraction, each fraction in [0, 1].
+Not modeled: DDP's whole-parameter granularity (a bucket closes at the first parameter that fills
+it, so real buckets run over the cap by up to a parameter, and a 120 MiB embedding matrix is one
+bucket there, five here: the same bytes, four more latencies; the Plan and the TaskGraphs record
+bytes per layer, not per parameter), the first step's single bucket (DDP has not seen the ready
+order yet), and the loss riding in the last bucket.
+
+Invariant: the buckets of a group carry exactly the worker's gradient bytes, in non-decreasing
+order of ready fraction, each fraction in [0, 1], the last 1.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from whalelike.cluster import Cluster
 from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import StageCost
-from .network import NetworkModel
+from .network import NetworkModel, Ring
 from .plan import Plan, StagePlan
 from .simulator import GradientBucket, GroupKey
 from .tensor_parallel import layout_of_sizes
@@ -74,6 +80,38 @@ def fill_buckets(ready_bytes: Sequence[tuple[float, float]], first_bucket_bytes:
     return buckets
 
 
+def ddp_buckets(gradient_bytes: float, ring: Ring, first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+                bucket_bytes: float = DDP_BUCKET_BYTES) -> list[GradientBucket]:
+    """The buckets of ``gradient_bytes`` all-reduced over ``ring`` (a :class:`planner.network.Ring`),
+    each ready at its cumulative byte share of the backward (module docstring)."""
+    out, done = [], 0.0
+    for nbytes, _ in fill_buckets([(1.0, gradient_bytes)], first_bucket_bytes, bucket_bytes):
+        done += nbytes
+        out.append(GradientBucket(min(done / gradient_bytes, 1.0), ring.allreduce_ms(nbytes), nbytes))
+    return out
+
+
+def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+                 bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[GroupKey, list[GradientBucket]]:
+    """The buckets of every data-parallel group ``(stage, tp_index)`` of ``plan`` whose workers
+    record their ``gradient_bytes`` (a plan made before that field keeps its one all-reduce after
+    the backward), priced on ``network``."""
+    members: dict[GroupKey, list] = {}
+    for w in plan.workers:
+        members.setdefault((w.stage, w.tp_index), []).append(w)
+    out: dict[GroupKey, list[GradientBucket]] = {}
+    rings: dict[tuple[str, ...], Ring] = {}
+    for key, ws in members.items():
+        nbytes = max(w.gradient_bytes for w in ws)
+        if nbytes <= 0 or len(ws) < 2:
+            continue
+        devices = tuple(w.device for w in sorted(ws, key=lambda w: w.rank))
+        if devices not in rings:
+            rings[devices] = network.ring(devices)
+        out[key] = ddp_buckets(nbytes, rings[devices], first_bucket_bytes, bucket_bytes)
+    return out
+
+
 def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
                      first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
                      bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[GroupKey, list[GradientBucket]]:
@@ -82,23 +120,13 @@ def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
     network = NetworkModel.of_cluster(cluster)
     out: dict[GroupKey, list[GradientBucket]] = {}
     for stage in plan.stages:
-        layers = list(stage.layers)
-        per_layer = layer_gradient_bytes(graphs, layers)
-        backward = [graphs.layers[i].backward_flops for i in layers]
-        total_backward = sum(backward)
-        # reverse layer order; a layer's gradients are ready when its backward ends
-        ready_bytes, done = [], 0.0
-        for flops, nbytes in zip(reversed(backward), reversed(per_layer)):
-            done += flops
-            ready_bytes.append((min(done / total_backward, 1.0) if total_backward > 0 else 1.0, nbytes))
+        total = sum(layer_gradient_bytes(graphs, list(stage.layers)))
         members = sorted(plan.stage_workers(stage.index), key=lambda w: w.rank)
         fractions = _shard_fractions(graphs, stage, members[0].tp_size)
         for tp_index, fraction in enumerate(fractions):
             ring = network.ring([w.device for w in members if w.tp_index == tp_index])
-            scaled = [(ready, nbytes * fraction) for ready, nbytes in ready_bytes]
-            out[stage.index, tp_index] = [
-                GradientBucket(ready, ring.allreduce_ms(nbytes), nbytes)
-                for nbytes, ready in fill_buckets(scaled, first_bucket_bytes, bucket_bytes)]
+            if total * fraction > 0:
+                out[stage.index, tp_index] = ddp_buckets(total * fraction, ring, first_bucket_bytes, bucket_bytes)
     return out
 
 

@@ -68,6 +68,8 @@ class Worker:
     forward_ms: list[float] = rule(float, f"forward time per micro-batch, {MS}", ge=0, default_factory=list)
     backward_ms: list[float] = rule(float, f"backward time per micro-batch, {MS}", ge=0, default_factory=list)
     allreduce_ms: float = rule(float, f"gradient all-reduce time at the end of the step, {MS}", ge=0, default=0.0)
+    gradient_bytes: float = rule(float, "bytes of gradients the worker all-reduces per step (its shard of the "
+                                 "stage's parameters; the simulator's DDP buckets)", ge=0, default=0.0)
 
     @property
     def batch_share(self) -> int:

@@ -142,7 +142,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
     _check_mapping(plan, new, cluster)
     in_force = _in_force(plan, graphs, measured, config, layout, old_layers, old_shards)
-    naive = predict(build_plan(graphs, measured, config, naive_decisions(graphs, config, layout)))
+    naive = predict(build_plan(graphs, measured, config, naive_decisions(graphs, config, layout)), measured)
     return Replan(dataclasses.replace(new, naive_prediction=naive), in_force, tuple(kept))
 
 
@@ -339,14 +339,14 @@ def _plan_sizes(plan: Plan, layout: Layout) -> list:
 
 def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Decisions) -> Plan:
     plan = build_plan(graphs, cluster, config, decisions)
-    return dataclasses.replace(plan, prediction=predict(plan))
+    return dataclasses.replace(plan, prediction=predict(plan, cluster))
 
 
 def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) -> Prediction:
     """The plan in force re-priced at the measured speeds."""
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
                            shards=old_shards, sizes=_plan_sizes(plan, layout))
-    return predict(build_plan(graphs, measured, config, kept))
+    return predict(build_plan(graphs, measured, config, kept), measured)
 
 
 def _check_mapping(old: Plan, new: Plan, cluster: Cluster) -> None:

@@ -150,7 +150,7 @@ BOUNDARY_MAX_NODES = 2_000   # search nodes per strategy at a plan's boundaries:
 
 
 def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BOUNDARY_MAX_NODES,
-                        ) -> list[Optional[ReshardPlan]]:
+                        strategy: Optional[str] = None) -> list[Optional[ReshardPlan]]:
     """The resharding of micro-batch ``micro_batch`` at each of ``plan.boundaries`` (in order;
     None for a boundary that carries no bytes), over ``cluster``'s network (a
     :class:`whalelike.cluster.Cluster`, or a :class:`NetworkModel` built from one).
@@ -160,7 +160,9 @@ def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BO
     sending stage holds its rows of the micro-batch (:class:`planner.layout.SampleLayout`, every
     replica), each worker of the receiving stage needs its rows, the members of a tensor-parallel
     group hold and need every feature (a ``split`` stage's output as it leaves today, gathered).
+    ``strategy`` defaults to the plan's (``Plan.resharding``: ``auto`` or one of :data:`STRATEGIES`).
     Deterministic (seed 0, a DFS budget of ``max_nodes`` nodes per strategy)."""
+    strategy = getattr(plan, "resharding", "auto") if strategy is None else strategy
     network = cluster if isinstance(cluster, NetworkModel) else NetworkModel.of_cluster(cluster)
     layout = SampleLayout.of(plan)
     out: list[Optional[ReshardPlan]] = []
@@ -171,7 +173,7 @@ def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BO
             continue
         src = stage_output_spec(plan, layout, boundary.src_stage, micro_batch, (row_bytes,))
         dst = stage_output_spec(plan, layout, boundary.dst_stage, micro_batch, (row_bytes,))
-        out.append(_cached_plan(src, dst, network, max_nodes))
+        out.append(_cached_plan(src, dst, network, max_nodes, strategy))
     return out
 
 
@@ -179,14 +181,15 @@ _CACHE: dict = {}
 _CACHE_SIZE = 256
 
 
-def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, max_nodes: int) -> ReshardPlan:
-    """:func:`plan_resharding` (itemsize 1, auto, seed 0) memoised on its inputs: a summary printed
+def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, max_nodes: int,
+                 strategy: str = "auto") -> ReshardPlan:
+    """:func:`plan_resharding` (itemsize 1, seed 0) memoised on its inputs: a summary printed
     twice, or boundaries that look alike, plan once."""
-    key = (src, dst, network.key(), max_nodes)
+    key = (src, dst, network.key(), max_nodes, strategy)
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = plan_resharding(src, dst, network, itemsize=1, max_nodes=max_nodes)
+        _CACHE[key] = plan_resharding(src, dst, network, itemsize=1, strategy=strategy, max_nodes=max_nodes)
     return _CACHE[key]
 
 

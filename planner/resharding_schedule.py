@@ -129,10 +129,17 @@ def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, trie
     return best
 
 
+MAX_DFS_DEPTH = 400   # transfers the recursive DFS descends through: well inside Python's recursion limit
+
+
 def dfs(transfers: Sequence[Transfer], incumbent: Schedule, max_nodes: int = 20_000,
         time_budget_s: Optional[float] = None) -> Schedule:
-    """Depth-first search started from ``incumbent``'s makespan; returns a better schedule or it."""
+    """Depth-first search started from ``incumbent``'s makespan; returns a better schedule or it.
+    Past :data:`MAX_DFS_DEPTH` transfers it returns ``incumbent`` (one level per transfer would
+    exhaust the recursion limit, and a node budget cannot reach far into such a tree anyway)."""
     count = len(transfers)
+    if count > MAX_DFS_DEPTH:
+        return incumbent
     # resources a transfer holds on every route, and its shortest duration: for the bound
     fixed = [frozenset.intersection(*(r.resources for r in t.routes)) for t in transfers]
     shortest = [_shortest(t) for t in transfers]

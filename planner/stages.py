@@ -16,6 +16,7 @@ from whalelike.config import Config
 from whalelike.taskgraph import TaskGraphs
 
 from .cost_model import GIB, device_tflops
+from .network import BYTES_PER_MS_PER_GBPS, NetworkModel
 from .partition import DeviceMemory, Link, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition
 from .virtual_devices import Layout
 
@@ -112,7 +113,12 @@ def _slot(layout: Layout, stage: int) -> Slot:
 
 
 def _link(layout: Layout, stage: int, network: Network) -> Link:
-    devices = [d for s in (stage, stage + 1) for g in layout.groups[0][s] for d in g]
-    one_host = len({d.host for d in devices}) == 1
-    gbps = network.intra_host_gbps if one_host else network.inter_host_gbps
-    return Link(gbps * 1e9, network.latency_us * 1e-6)
+    """The link the partitioner prices stage ``stage``'s activations on: the slowest link between
+    a host of replica 0's stage ``stage`` and one of stage ``stage + 1``
+    (:meth:`planner.network.NetworkModel.host_link`: intra-host when they share a host)."""
+    senders = {d.host for g in layout.groups[0][stage] for d in g}
+    receivers = {d.host for g in layout.groups[0][stage + 1] for d in g}
+    model = NetworkModel.of_hosts(network.intra_host_gbps, network.inter_host_gbps, network.latency_us,
+                                  sorted(senders | receivers))
+    slowest = min((model.host_link(a, b) for a in sorted(senders) for b in sorted(receivers)), key=lambda l: l.gbps)
+    return Link(slowest.gbps * BYTES_PER_MS_PER_GBPS * 1e3, slowest.latency_ms * 1e-3)

@@ -198,9 +198,27 @@ def test_summary_shows_the_resharding_of_each_boundary():
         match = re.fullmatch(rf"  boundary stage {boundary.src_stage} -> {boundary.dst_stage}: [\d.]+ (KiB|MiB|B), "
                              rf"strategy (\w+), (\d+) unit task\(s\), \d+ transfer\(s\), predicted ([\d.e+-]+) ms "
                              rf"\(lower bound ([\d.e+-]+) ms\), send/recv would take ([\d.e+-]+) ms; "
-                             rf"the plan's transfer_ms [\d.e+-]+ ms", line)
+                             rf"the plan's transfer_ms ([\d.e+-]+) ms", line)
         assert match, line
-        strategy, tasks, predicted, bound, send_recv = match.groups()[1:]
+        strategy, tasks, predicted, bound, send_recv, transfer = match.groups()[1:]
         assert (strategy, int(tasks)) == (reshard.strategy, len(reshard.tasks))
         assert float(bound) <= float(predicted) <= float(send_recv)
+        # the plan prices its boundaries with the resharding the summary shows
+        assert transfer == predicted and boundary.transfer_ms[0] == pytest.approx(reshard.predicted_ms)
     assert plan_summary(plan, cluster) == text
+
+
+@pytest.mark.parametrize("strategy", ["send_recv", "broadcast"])
+def test_the_plans_resharding_strategy_prices_its_boundaries(strategy):
+    """Config.resharding reaches the plan, its summary and its boundary times: the boundary is
+    planned under that strategy only."""
+    from planner.resharding import boundary_resharding
+
+    graphs = synthetic_model(6, [replicate(), split(), replicate()], hidden=256, seq=32)
+    cluster = synthetic_cluster([(4, 20.0, 32), (4, 10.0, 32)], per_host=4)
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=4, resharding=strategy))
+    assert plan.resharding == strategy
+    for boundary, reshard in zip(plan.boundaries, boundary_resharding(plan, cluster)):
+        assert reshard.strategy == strategy and list(reshard.alternatives_ms) == [strategy]
+        assert boundary.transfer_ms == pytest.approx([reshard.predicted_ms] * plan.num_micro_batch)
+    assert f"strategy {strategy}" in plan.summary(cluster)

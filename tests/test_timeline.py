@@ -68,3 +68,29 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_chrome_trace(plan, tmp_path / "x.json")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_timelines_on_a_network_show_the_resharding_and_the_host_interfaces(tmp_path):
+    """Simulated on a network, each send carries its resharding (strategy, unit task, receivers),
+    every host interface a send held has its own track, and each boundary's resharding (strategy,
+    unit tasks, predicted time) is listed; the PNG draws the interfaces as rows of their own."""
+    from test_simulator_network import network_of, straddling_plan
+
+    plan = straddling_plan()
+    network = network_of(plan, latency_us=5.0)
+    path = tmp_path / "step.json"
+    result = write_chrome_trace(plan, path, network=network)
+    trace = json.loads(path.read_text())
+    sends = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "transfer"]
+    assert sends and all(e["args"]["resharding"].startswith("broadcast task ") for e in sends)
+    nic_pid = len(plan.workers)
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name" and e["pid"] == nic_pid}
+    assert tracks == {"A out", "A in", "B out", "B in", "C out", "C in"}
+    on_nics = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == nic_pid]
+    assert len(on_nics) == sum(len(e["args"]["nics"]) for e in sends) == 2 * len(sends)   # every send crosses hosts
+    listed = trace["otherData"]["reshardings"]
+    assert listed == [t.describe() for t in result.reshardings] and len(listed) == 2   # forward and backward
+    assert "broadcast, 3 unit task(s), 3 transfer(s), predicted" in listed[0]
+    picture = tmp_path / "step.png"
+    write_png(plan, picture, network=network)
+    assert picture.read_bytes().startswith(PNG_MAGIC)

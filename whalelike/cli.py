@@ -184,8 +184,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients)
-    writers = {"-o": planner.Plan.to_yaml, "--timeline": planner.timeline.write_png,
-               "--trace": planner.timeline.write_chrome_trace}
+    writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
+               "--timeline": lambda plan, path: planner.timeline.write_png(plan, path, network=cluster),
+               "--trace": lambda plan, path: planner.timeline.write_chrome_trace(plan, path, network=cluster)}
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         graphs = capture_workload(args)
@@ -217,7 +218,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     writers = {"--timeline": planner.timeline.write_png, "--trace": planner.timeline.write_chrome_trace}
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
-        result = planner.simulate(plan)
+        result = planner.simulate(plan, network=cluster)   # without a cluster: the plan's timing fields alone
         print(result.summary())
         for tmp, write in staged:
             write(result, tmp)
