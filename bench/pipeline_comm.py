@@ -31,8 +31,9 @@ and batches, alternating in rounds (rotated order; the median round per side is 
 
 The plans come from ``planner.plan`` with each side's ``Config`` (schedule, resharding,
 delay_weight_gradients), so the predicted step time printed next to the measured one is the
-planner's simulator on the same link figures; (c)'s prediction is (b)'s plan simulated with its
-boundary transfers free. Exactness: the sides' losses must agree step by step (float64,
+planner's simulator on the same link figures (boundaries priced as the resharding of each side's
+strategy, queued on the host interfaces); (c)'s prediction is (b)'s plan simulated with its
+boundaries carrying no bytes. Exactness: the sides' losses must agree step by step (float64,
 ``torch.testing.assert_close``). Per side, summed over ranks over the timed steps: emulation
 overruns (compute segments whose real time exceeded the modeled one, out of all segments),
 "hidden" receives (batches of receives that returned after their modeled arrival: the transfer
@@ -45,9 +46,7 @@ KiB) takes ~26 ms per copy across the hosts (send/recv: two copies through host 
 broadcast: one) and its gradient ~26 ms back; 1F1B keeps one transfer each way on its critical
 loop, eager-1F1B hides them all but the first forward's and the last backward's (~52 ms of a
 ~2.2 s step, ~2.4%: (b)'s floor over (c)); the rest of the gap is unmodeled per-message work
-(stamps, the broadcast's forwarding). The planner's simulator prices a boundary as one worker's
-point-to-point send (``BoundaryPlan.transfer_ms``) whatever the strategy, so its predictions
-differ only by schedule.
+(stamps, the broadcast's forwarding, which the simulator does not model either).
 
 Run (spawns its 4 ranks itself; about 2 minutes on 2 cores)::
 
@@ -120,11 +119,13 @@ def make_plans(graphs, cluster: Cluster, args) -> dict:
     return plans
 
 
-def predicted_ms(side: str, plan) -> float:
+def predicted_ms(side: str, plan, cluster: Cluster) -> float:
+    """The planner's prediction (its simulator on the cluster's network); for the signal side, the
+    same simulation with boundaries that carry no bytes (free), the all-reduces still priced."""
     if not SIDES[side][3]:
         return plan.prediction.step_time_ms
-    free = [dataclasses.replace(b, transfer_ms=[]) for b in plan.boundaries]   # empty: the simulator's "free"
-    return simulate(dataclasses.replace(plan, boundaries=free), record_events=False).step_time_ms
+    free = [dataclasses.replace(b, bytes_per_sample=0.0, transfer_ms=[]) for b in plan.boundaries]
+    return simulate(dataclasses.replace(plan, boundaries=free), record_events=False, network=cluster).step_time_ms
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
@@ -171,7 +172,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
             results["times"] = times
             results["losses"] = losses
             results["counts"] = gathered
-            results["predicted"] = {side: predicted_ms(side, plan) for side, plan in plans.items()}
+            results["predicted"] = {side: predicted_ms(side, plan, cluster) for side, plan in plans.items()}
             results["layout"] = plans[A].summary(cluster)
             results["boundaries"] = {side: [line.strip() for line in plans[side].summary(cluster).splitlines()
                                             if line.strip().startswith("boundary stage")] for side in (B,)}
