@@ -25,6 +25,13 @@ the bucket, so every member computes the same ``end_k = max(latest member's read
 ring cost`` (:meth:`planner.network.Ring.allreduce_ms`), and after the backward the rank sleeps
 until the last ``end``. A ring is priced in closed form; it does not take NIC ledger slots.
 
+Benchmark bound (``signal_bytes``): an emulator built with ``signal_bytes=1`` prices every
+point-to-point message as one byte, the seed paper's "Signal Send/Recv" (section 4): the data
+dependencies stay and the real data still moves (results stay exact), but the modeled transfer
+time is one latency, so a run with it is the upper bound a schedule's overlap is measured against
+(``bench/pipeline_comm.py``). Only point-to-point messages change; collectives keep their price.
+Not a model of any network: never set it outside a benchmark.
+
 Not emulated: sharing of a NIC between a collective and point-to-point transfers, transfers of the
 loss and of the straggler monitor's figures (one scalar each), evaluation, and a sender's own
 wait for its sends (the receiver's sleep carries the transfer; the step's loss all-reduce joins
@@ -250,14 +257,20 @@ class NetworkEmulator:
     """Pads this rank's transfers to their modeled time on the emulated network (module docstring).
 
     ``model``: the cluster's :class:`~planner.network.NetworkModel`; ``device``: this rank's device
-    name; ``run_id`` names the ledger shared with the other processes of the run.
+    name; ``run_id`` names the ledger shared with the other processes of the run. ``signal_bytes``
+    (benchmarks only, module docstring): price every point-to-point message as that many bytes
+    instead of its size; a public attribute, so a benchmark may set it on an emulator a runtime
+    built (``engine.emulator.network.signal_bytes = 1``).
     """
 
     def __init__(self, model: NetworkModel, device: str, run_id: Optional[str] = None,
-                 ledger_root: Optional[str] = None):
+                 ledger_root: Optional[str] = None, signal_bytes: Optional[int] = None):
         self.model = model
         self.device = device
         self.host = model.host_of(device)
+        self.signal_bytes = signal_bytes
+        if signal_bytes is not None:
+            self._signal_size()   # a bad value fails here, before any message
         local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
         if local and world and local != world:
             raise NetworkEmulationError(
@@ -281,10 +294,12 @@ class NetworkEmulator:
     # -- point to point ------------------------------------------------------------------------------
     def schedule_send(self, nbytes: int, dst_device: str, ready: Optional[float] = None) -> float:
         """Modeled arrival (monotonic seconds) of ``nbytes`` sent now (or at ``ready``) to
-        ``dst_device``; an inter-host transfer takes its NICs' next free slot."""
+        ``dst_device``; an inter-host transfer takes its NICs' next free slot. With
+        ``signal_bytes`` set, the message is priced as that many bytes (``stats.bytes`` still
+        counts the real ones)."""
         ready = time.monotonic() if ready is None else ready
         link = self.model.link(self.device, dst_device)
-        duration = link.time_ms(nbytes) * 1e-3
+        duration = link.time_ms(nbytes if self.signal_bytes is None else self._signal_size()) * 1e-3
         if link.kind == INTER_HOST and duration > 0:
             start, end = self.ledger.reserve(link.src_host, link.dst_host, ready, duration)
         else:
@@ -294,6 +309,14 @@ class NetworkEmulator:
         self.stats.modeled_s += duration
         self.stats.queued_s += start - ready
         return end
+
+    def _signal_size(self) -> int:
+        size = self.signal_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise NetworkEmulationError(f"network emulation: signal_bytes must be an int >= 0 (the size every "
+                                        f"point-to-point message is priced as, e.g. 1), got {size!r}; or None "
+                                        f"to price messages by their size")
+        return size
 
     def stamp_sends(self, ops: list, devices: Sequence[str]) -> list:
         """``ops`` (``isend`` P2POps, ``devices[i]`` the device of ``ops[i]``'s peer) followed by one

@@ -151,7 +151,11 @@ def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     out["stats"] = copy.copy(network.stats)
     out["ddp"] = _ddp_overlap(network, rank, world_size)
     out["pipeline"] = _pipeline(rank, ledger_root)
+    signal = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root, signal_bytes=1)
+    out["signal"] = _exchange(signal, rank, {0: 2})             # A -> B priced as one byte
+    out["signal_stats"] = copy.copy(signal.stats)
     dist.barrier()
+    signal.close()
     network.close()
     return out
 
@@ -195,6 +199,16 @@ def test_two_sends_sharing_a_nic_take_twice_as_long(results):
     assert 2 * one <= second <= TOLERANCE * 2 * one, (second, one)
     # one sender took the idle NIC, the other queued behind it (rank 1 sends only in this round)
     assert sorted(results[r]["stats"].queued_s > 0 for r in (0, 1)) == [False, True]
+
+
+def test_signal_bytes_moves_the_real_data_and_pads_one_byte(results):
+    """The "signal send/recv" bound: the 1 MB payload arrives whole, priced as one byte."""
+    got = results[2]["signal"]
+    assert_close(got["got"], _payload(0), rtol=0, atol=0)
+    one_byte = _model().transfer_ms(1, "a0", "b0") * 1e-3
+    stats = results[0]["signal_stats"]
+    assert stats.bytes == MB and stats.modeled_s == pytest.approx(one_byte)
+    assert _elapsed(results, "signal", 2) >= one_byte
 
 
 def test_ledger_is_removed_when_every_rank_has_closed(results):
@@ -264,3 +278,28 @@ def test_ledger_of_a_run_that_died_is_removed_by_the_next(tmp_path):
     assert not stale.exists()
     network.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_signal_bytes_prices_every_message_as_that_many_bytes(tmp_path):
+    """The benchmark bound (bench/pipeline_comm.py's "signal send/recv"): a 1 MB message between
+    hosts is priced as one byte, its NICs are held that long only, and the message itself is
+    the same emulator without it prices the size. (The message still moves: the spawn's "signal" round.)"""
+    model = _model()
+    signal = NetworkEmulator(model, "a0", run_id="signal", ledger_root=str(tmp_path), signal_bytes=1)
+    ready = time.monotonic() + 100.0   # later than anything in the ledger: no queueing before it
+    one_byte = model.transfer_ms(1, "a0", "b0") * 1e-3
+    assert signal.schedule_send(MB, "b0", ready) == pytest.approx(ready + one_byte)
+    # the second message through A's outgoing NIC waits for the first's one-byte slot only
+    assert signal.schedule_send(MB, "c0", ready) == pytest.approx(ready + 2 * one_byte)
+    assert signal.stats.bytes == 2 * MB and signal.stats.modeled_s == pytest.approx(2 * one_byte)
+    signal.signal_bytes = None          # settable on a live emulator; off prices by size again
+    full = model.transfer_ms(MB, "a0", "b0") * 1e-3
+    later = ready + 100.0
+    assert signal.schedule_send(MB, "b0", later) == pytest.approx(later + full)
+    signal.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_signal_bytes_that_is_not_a_size_is_a_clear_error(tmp_path, bad):
+    with pytest.raises(NetworkEmulationError, match=f"signal_bytes must be an int >= 0.*got {bad!r}"):
+        NetworkEmulator(_model(), "a0", run_id="bad-signal", ledger_root=str(tmp_path), signal_bytes=bad)
