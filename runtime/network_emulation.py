@@ -96,10 +96,13 @@ class NetworkStats:
 
 def default_run_id() -> str:
     """An id shared by the processes of one run and different between runs on one machine:
-    torchrun's run id plus the rendezvous address (the port is unique among live runs)."""
+    torchrun's run id plus the rendezvous address (the port is unique among live runs). Without
+    either (ranks started by ``torch.multiprocessing.spawn`` with another init method) the parent
+    process's id: the ranks of one launcher share it, where their own ids would give every rank a
+    ledger of its own and its interfaces would never be shared."""
     parts = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")]
     if not any(parts):
-        return f"pid{os.getpid()}"
+        return f"ppid{os.getppid()}"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(p for p in parts if p))
 
 
