@@ -32,6 +32,10 @@ time is one latency, so a run with it is the upper bound a schedule's overlap is
 (``bench/pipeline_comm.py``). Only point-to-point messages change; collectives keep their price.
 Not a model of any network: never set it outside a benchmark.
 
+Tensor-parallel collectives (:func:`price_group` / :func:`pad_collective`, called by
+:mod:`runtime.tp_layers`'s region ops): the real collective blocks until its last member joins,
+then each member sleeps the ring time, so all end at the latest arrival plus the modeled cost.
+
 Not emulated: sharing of a NIC between a collective and point-to-point transfers, transfers of the
 loss and of the straggler monitor's figures (one scalar each), evaluation, and a sender's own
 wait for its sends (the receiver's sleep carries the transfer; the step's loss all-reduce joins
@@ -375,6 +379,38 @@ class NetworkEmulator:
 
     def close(self) -> None:
         self.ledger.close()
+
+
+# -- tensor-parallel collectives ---------------------------------------------------------------------
+# process group -> (its ranks' emulator on this process, the ring of its devices in group rank order)
+_PRICED_GROUPS: dict = {}
+
+
+def price_group(group: dist.ProcessGroup, network: NetworkEmulator, devices: Sequence[str]) -> None:
+    """Pad the blocking collectives :mod:`runtime.tp_layers` runs on ``group`` (a tensor-parallel
+    group; ``devices`` in its rank order) to their ring time on the emulated network."""
+    if network.device not in devices:
+        raise NetworkEmulationError(f"network emulation: this rank's device {network.device!r} is not in the group's "
+                                    f"devices {list(devices)}; pass the devices of the group it belongs to")
+    _PRICED_GROUPS[group] = (network, network.ring(devices))
+
+
+def pad_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int) -> None:
+    """After a blocking collective of ``kind`` (``"allreduce"``: ``nbytes`` per member;
+    ``"allgather"``: ``nbytes`` in total) on a :func:`price_group` group: sleep its modeled ring
+    time. The real collective returns once its last member has joined, so every member ends at the
+    latest member's arrival plus the ring time, as the model says, without exchanging stamps.
+    No-op for a group that is not priced (emulation off)."""
+    priced = _PRICED_GROUPS.get(group) if group is not None else None
+    if priced is None:
+        return
+    network, ring = priced
+    seconds = (ring.allreduce_ms(nbytes) if kind == "allreduce" else ring.allgather_ms(nbytes)) * 1e-3
+    network.stats.allreduces += 1
+    network.stats.allreduce_modeled_s += seconds
+    if seconds > 0:
+        time.sleep(seconds)
+        network.stats.allreduce_waited_s += seconds
 
 
 class Arrival:

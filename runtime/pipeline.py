@@ -35,7 +35,8 @@ Emulation: each F and each B of a micro-batch is one compute segment of the rank
 :class:`~runtime.emulation.Emulator` (stage FLOPs per sample times samples), outside every
 send and receive; the DDP all-reduce of the last backward overlaps it bucket by bucket
 (:mod:`runtime.data_parallel`). On an emulated network, sends and receives carry their modeled
-arrival and receives sleep until it (:mod:`runtime.network_emulation`).
+arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
+time (:mod:`runtime.network_emulation`).
 
 Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
 half of backward covering the backward's sends): each B computes the received values' gradients,
@@ -92,6 +93,7 @@ from runtime.boundaries import BoundaryExchange
 from runtime.batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data_parallel import wrap_ddp
 from runtime.emulation import Emulator
+from runtime.network_emulation import price_group
 from runtime.stages import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.sharded_loss import OutputLayout
 from runtime.split_backward import backward_inputs
@@ -424,6 +426,10 @@ class PipelineExecutor:
         if sharding is None:
             raise PipelineError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
                                 f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        if self.emulator.network is not None:   # its collectives cross the emulated links too
+            slot = [w for w in self.plan.stage_workers(self.stage.index, self.worker.replica)
+                    if w.dp_index == self.worker.dp_index]
+            price_group(sharding.group, self.emulator.network, [w.device for w in sorted(slot, key=lambda w: w.tp_index)])
         layout = OutputLayout.of_stage(self.split, self.stage) if self.is_last else None
         sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
                                  self.worker.tp_index, loss_fn if self.is_last else None, self.emulator, layout)

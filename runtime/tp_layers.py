@@ -26,6 +26,8 @@ shard, so a rank holding a bigger shard takes longer on the emulated device. Seg
 collective: the collectives live in separate autograd nodes. Consequently a stage holding
 tensor-parallel layers must not also be wrapped in one stage-wide segment (it would span the
 collectives, and segments do not nest); :class:`PaddedLinear` pads its other Linears the same way.
+On an emulated network the region ops' collectives are padded to their ring time over the
+group's devices (:func:`runtime.network_emulation.pad_collective`, once the group is priced).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from runtime.emulation import Emulator
+from runtime.network_emulation import pad_collective
 from whalelike.errors import WhaleError
 from whalelike.sharding import projection_dims
 
@@ -69,8 +72,10 @@ def all_gather_uneven(tensor: torch.Tensor, shard_sizes: Sequence[int], dim: int
 
 
 def _all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A step's all-reduce on ``group``, padded to its ring time on an emulated network."""
     out = tensor.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=op, group=group)
+    pad_collective(group, "allreduce", out.numel() * out.element_size())
     return out
 
 
@@ -100,7 +105,9 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard_sizes, index, group):
         ctx.own = shard_range(shard_sizes, index)
-        return all_gather_uneven(x, shard_sizes, -1, group)
+        out = all_gather_uneven(x, shard_sizes, -1, group)
+        pad_collective(group, "allgather", out.numel() * out.element_size())
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -29,7 +29,8 @@ from runtime.data_parallel import wrap_ddp
 from runtime.groups import group_ranks
 from runtime.pipeline import PipelineExecutor
 from runtime.emulation import Emulator
-from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator
+from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator, price_group
+from runtime.tp_layers import reduce_from_region
 
 MB = 1_000_000                       # bytes per message: 125,000 float64
 INTER_GBPS, INTRA_GBPS, LATENCY_US = 0.01, 0.02, 1000.0   # 1 MB: 101 ms between hosts, 51 ms inside one
@@ -142,6 +143,19 @@ def _pipeline(rank: int, ledger_root: str) -> dict:
             "stats": network.stats}
 
 
+def _tensor_parallel(network: NetworkEmulator, rank: int) -> dict:
+    """A tensor-parallel all-reduce (runtime.tp_layers' region op) between hosts A and B (ranks 0
+    and 2) on a priced group: the real sum, padded to the ring's modeled time."""
+    group = dist.new_group([0, 2])   # every rank creates every group
+    if rank not in (0, 2):
+        return {}
+    price_group(group, network, ["a0", "b0"])
+    dist.barrier(group=group)
+    start = time.monotonic()
+    total = reduce_from_region(_payload(rank), group)
+    return {"elapsed": time.monotonic() - start, "sum": total}
+
+
 def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     network = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root)
     out = {"directory": network.ledger.directory}
@@ -151,6 +165,7 @@ def _scenarios(rank: int, world_size: int, ledger_root: str) -> dict:
     out["stats"] = copy.copy(network.stats)
     out["ddp"] = _ddp_overlap(network, rank, world_size)
     out["pipeline"] = _pipeline(rank, ledger_root)
+    out["tp"] = _tensor_parallel(network, rank)
     signal = NetworkEmulator(_model(), DEVICES[rank], ledger_root=ledger_root, signal_bytes=1)
     out["signal"] = _exchange(signal, rank, {0: 2})             # A -> B priced as one byte
     out["signal_stats"] = copy.copy(signal.stats)
@@ -209,6 +224,13 @@ def test_signal_bytes_moves_the_real_data_and_pads_one_byte(results):
     stats = results[0]["signal_stats"]
     assert stats.bytes == MB and stats.modeled_s == pytest.approx(one_byte)
     assert _elapsed(results, "signal", 2) >= one_byte
+
+
+def test_tensor_parallel_all_reduce_takes_its_ring_time(results):
+    modeled = _model().ring(["a0", "b0"]).allreduce_ms(MB) * 1e-3
+    for rank in (0, 2):
+        assert_close(results[rank]["tp"]["sum"], _payload(0) + _payload(2), rtol=0, atol=0)
+        assert modeled <= results[rank]["tp"]["elapsed"] <= TOLERANCE * modeled, (results[rank]["tp"], modeled)
 
 
 def test_ledger_is_removed_when_every_rank_has_closed(results):

@@ -18,7 +18,15 @@ from torch.testing import assert_close
 
 from runtime.split_backward import backward_inputs
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """float64 for this module's tests only (a module-level setting would leak into every later module)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 class Chain(nn.Module):
