@@ -34,7 +34,10 @@ Not a model of any network: never set it outside a benchmark.
 
 Tensor-parallel collectives (:func:`price_group` / :func:`pad_collective`, called by
 :mod:`runtime.tp_layers`'s region ops): the real collective blocks until its last member joins,
-then each member sleeps the ring time, so all end at the latest arrival plus the modeled cost.
+then each member sleeps the ring time, so all end at the latest arrival plus the modeled cost. An
+asynchronous one (:func:`launch_collective`, the column-parallel input-gradient all-reduce that
+overlaps the weight gradient) carries the members' launch times in a MAX all-reduce and ends at
+the latest launch plus the ring time, however much compute ran meanwhile.
 
 Not emulated: sharing of a NIC between a collective and point-to-point transfers, transfers of the
 loss and of the straggler monitor's figures (one scalar each), evaluation, and a sender's own
@@ -411,6 +414,41 @@ def pad_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int) -
     if seconds > 0:
         time.sleep(seconds)
         network.stats.allreduce_waited_s += seconds
+
+
+def launch_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int,
+                      device: torch.device) -> Optional["PendingCollective"]:
+    """For an asynchronous collective on a :func:`price_group` group, launched just before this
+    call: launch the MAX all-reduce of the members' launch times (one float64, same group, same
+    order on every member) and return what :meth:`PendingCollective.wait` needs to sleep until
+    ``latest launch + ring time`` once both are done. None for a group that is not priced."""
+    priced = _PRICED_GROUPS.get(group) if group is not None else None
+    if priced is None:
+        return None
+    network, ring = priced
+    seconds = (ring.allreduce_ms(nbytes) if kind == "allreduce" else ring.allgather_ms(nbytes)) * 1e-3
+    stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=device)
+    work = dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return PendingCollective(network, stamp, work, seconds)
+
+
+class PendingCollective:
+    """An asynchronous tensor-parallel collective's modeled end (see :func:`launch_collective`)."""
+
+    def __init__(self, network: NetworkEmulator, stamp: torch.Tensor, work, seconds: float):
+        self.network, self.stamp, self.work, self.seconds = network, stamp, work, seconds
+
+    def wait(self) -> None:
+        """After the collective's own wait: sleep until the latest member's launch plus its ring time."""
+        self.work.wait()
+        end = float(self.stamp.item()) + self.seconds
+        stats = self.network.stats
+        stats.allreduces += 1
+        stats.allreduce_modeled_s += self.seconds
+        left = end - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+            stats.allreduce_waited_s += left
 
 
 class Arrival:

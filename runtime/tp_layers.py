@@ -32,6 +32,7 @@ group's devices (:func:`runtime.network_emulation.pad_collective`, once the grou
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
@@ -40,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from runtime.emulation import Emulator
-from runtime.network_emulation import pad_collective
+from runtime.network_emulation import launch_collective, pad_collective
 from whalelike.errors import WhaleError
 from whalelike.sharding import projection_dims
 
@@ -88,7 +89,15 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # the collectives of _ColumnParallelMatmul's backward, in its order (the data, then the
+        # emulated network's launch stamp): a group may mix the two paths (ZERO-resizing is per rank)
+        out = grad.clone(memory_format=torch.contiguous_format)
+        work = dist.all_reduce(out, group=ctx.group, async_op=True)
+        pending = launch_collective(ctx.group, "allreduce", out.numel() * out.element_size(), out.device)
+        work.wait()
+        if pending is not None:
+            pending.wait()
+        return out, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -174,6 +183,56 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if emulator is None or not emulator.enabled:
         return F.linear(x, weight, bias)
     return _EmulatedLinear.apply(x, weight, bias, emulator)
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``F.linear`` of a column-parallel layer with a replicated input (``copy_to_region`` and the
+    local matmul in one node), whose backward overlaps the input gradient's all-reduce with the
+    weight gradient (Megatron-LM's asynchronous tensor-parallel all-reduce): dX, launch its
+    all-reduce, dW and db while it runs, wait. The numbers are those of ``copy_to_region`` followed
+    by :func:`local_linear`: the same dX, summed over the group by the same all-reduce. Emulated
+    as a forward segment and two backward segments (dX, then dW), with the all-reduce padded to its
+    ring time from the latest member's launch (:func:`runtime.network_emulation.launch_collective`).
+    Members of one group may take this path or ``copy_to_region``'s (a ZERO-resized rank), so both
+    issue the same collectives in the same order: the dX all-reduce, then the launch stamp.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, emulator: Optional[Emulator]):
+        rows = x.numel() // x.shape[-1]
+        ctx.unit_flops = 2.0 * rows * weight.shape[0] * weight.shape[1]
+        ctx.samples = _samples(x)
+        ctx.emulator = emulator if emulator is not None and emulator.enabled else None
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        with _maybe_segment(ctx.emulator, ctx.unit_flops, ctx.samples):
+            return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = work = pending = None
+        if need_x:
+            with _maybe_segment(ctx.emulator, ctx.unit_flops, ctx.samples):
+                grad_x = grad.matmul(weight)
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            pending = launch_collective(ctx.group, "allreduce", grad_x.numel() * grad_x.element_size(), grad_x.device)
+        flat = grad.reshape(-1, grad.shape[-1])
+        with _maybe_segment(ctx.emulator, ctx.unit_flops if need_w else 0.0, ctx.samples):
+            if need_w:
+                grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias and need_b:
+                grad_b = flat.sum(0)
+        if work is not None:
+            work.wait()
+        if pending is not None:
+            pending.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _maybe_segment(emulator: Optional[Emulator], flops: float, samples: int):
+    return emulator.segment(flops, samples, kind="matmul") if emulator is not None else nullcontext()
 
 
 class PaddedLinear(nn.Linear):
@@ -325,8 +384,16 @@ class ColumnParallelLinear(_ParallelLinear):
             raise WhaleError(f"{name}: a fused projection's output cannot be gathered as one tensor; it feeds its group")
         self.gather_output = gather_output
 
+    # overlap the input gradient's all-reduce with the weight gradient (False: all-reduce after
+    # the local backward, as copy_to_region does; the same numbers either way)
+    overlap_input_grad = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(copy_to_region(x, self.group), bias=True)
+        if self.overlap_input_grad and self.zero_resizing is None:
+            weight = self.weight.t() if self.transposed else self.weight
+            y = _ColumnParallelMatmul.apply(x, weight, self.bias, self.group, self.emulator)
+        else:
+            y = self.local(copy_to_region(x, self.group), bias=True)
         return gather_from_region(y, self.shard_sizes, self.tp_index, self.group) if self.gather_output else y
 
 
