@@ -56,9 +56,9 @@ class Blocks(nn.Module):
         half = [2 * d, 2 * d]
         self.pairs = nn.ModuleList()
         for fc1, fc2 in full:
-            column = ColumnParallelLinear(fc1, half, rank, None, gather_output=False, emulator=emulator)
+            column = ColumnParallelLinear(fc1, half, rank, dist.group.WORLD, gather_output=False, emulator=emulator)
             column.overlap_input_grad = overlap
-            self.pairs.append(nn.ModuleList([column, RowParallelLinear(fc2, half, rank, None, emulator=emulator)]))
+            self.pairs.append(nn.ModuleList([column, RowParallelLinear(fc2, half, rank, dist.group.WORLD, emulator=emulator)]))
 
     def forward(self, x):
         for fc1, fc2 in self.pairs:
