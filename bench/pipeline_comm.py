@@ -11,9 +11,9 @@ tensor-parallel group shares its inputs), so each slice has two receivers on the
 plain send/recv pushes it twice through host A's network interface, broadcast-based resharding
 once (then forwards it inside host B). Compute per sample is small next to the boundary (narrow
 bottleneck Linears), the regime where communication decides the step. Stage 0 is the slower
-stage (about 1.7x stage 1's modeled compute): stage 1 runs more unpadded work per micro-batch
-(its tensor-parallel all-reduces, per-matmul emulation segments, the broadcast's forwarding), which
-its slack absorbs.
+stage (about 1.7x stage 1's modeled compute): stage 1 runs more real work per micro-batch
+(the real cost of its tensor-parallel all-reduces, its per-matmul emulation segments, the
+broadcast's forwarding), which its slack absorbs.
 
 Sides, one ``runtime.Engine`` each on the same 4 gloo ranks, same emulation, same initial weights
 and batches, alternating in rounds (rotated order; the median round per side is reported):
