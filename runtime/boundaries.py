@@ -18,10 +18,11 @@ A *crossing* is one value (:class:`runtime.stages.ValueId`) for one consuming st
 and one micro-batch: forward, the producing stage's workers hold it, the consumer's need it;
 backward, the consumer's workers hold the gradient (each member of a tensor-parallel group holds
 it whole, after the group's own all-reduce) and the producer's need it. Every crossing is one
-:class:`~planner.resharding.ReshardPlan` over a ``(global_batch_size, features)`` tensor (the
-value's per-sample shape flattened; its dtype's item size) whose holdings are the workers' rows
-from :class:`planner.layout.SampleLayout`, every replica at once (replicas hold disjoint rows, so
-their unit tasks never mix). The strategy is ``Plan.resharding`` (``auto``: the fastest predicted).
+:class:`~planner.resharding.ReshardPlan` over a ``(rows, positions, features)`` tensor (the
+micro-batch's samples, the value's per-sample shape as the product of all but its last dimension
+and its last; its dtype's item size) whose holdings are the workers' rows from
+:class:`planner.layout.SampleLayout`, every replica at once (replicas hold disjoint rows, so
+their unit tasks never mix); micro-batches with equal shares share one plan and program. The strategy is ``Plan.resharding`` (``auto``: the fastest predicted).
 With one worker per side it is the plain send/receive of the overlapping rows, as before.
 
 Why not torch's DTensor ``redistribute``: see :mod:`runtime.resharding` (even tiles, one mesh,
@@ -128,7 +129,7 @@ class BoundaryExchange:
         count = max(1, plan.num_micro_batch * 2 * len(pairs))
         self.stride = STAMP_TAG // count
         self._programs: dict[tuple, ReshardProgram] = {}
-        self._plans: dict[tuple, ReshardPlan] = {}
+        self._compiled: dict[tuple, ReshardProgram] = {}   # (source spec, destination spec, item size) -> program
 
     # -- what this rank does at each action -----------------------------------------------------------
     def crossings(self, stage: int, micro_batch: int, direction: str, side: str) -> list[Crossing]:
@@ -167,39 +168,69 @@ class BoundaryExchange:
         if key not in self._programs:
             src, dst = self.specs(crossing, spec)
             itemsize = torch.empty((), dtype=spec.dtype).element_size()
-            plan_key = (src, dst, itemsize)
-            if plan_key not in self._plans:
-                self._plans[plan_key] = plan_resharding(src, dst, self.network, itemsize=itemsize,
-                                                        strategy=self.plan.resharding, max_nodes=self.max_nodes)
-            self._programs[key] = compile_resharding(self._plans[plan_key], src, dst, self.ranks)
+            plan_key = (src, dst, itemsize)   # micro-batches of equal shares share it (compact rows)
+            if plan_key not in self._compiled:
+                plan = plan_resharding(src, dst, self.network, itemsize=itemsize, strategy=self.plan.resharding,
+                                       max_nodes=self.max_nodes)
+                self._compiled[plan_key] = compile_resharding(plan, src, dst, self.ranks)
+            self._programs[key] = self._compiled[plan_key]
         return self._programs[key]
 
     def specs(self, crossing: Crossing, spec: ValueSpec) -> tuple[ShardingSpec, ShardingSpec]:
-        """Source and destination :class:`ShardingSpec` of ``crossing`` over the value as
-        ``(global_batch_size, positions, features)`` (its per-sample shape's last dimension, and
-        the product of the others): each worker of a stage holds (needs) its rows of the
-        micro-batch and every feature, or, on the producing stage of a value in
-        ``feature_shards``, its ``tp_index``'s features."""
+        """Source and destination :class:`ShardingSpec` of ``crossing`` over the micro-batch's
+        value as ``(rows, positions, features)`` (its per-sample shape's last dimension, and the
+        product of the others): each worker of a stage holds (needs) its rows of the micro-batch
+        and every feature, or, on the producing stage of a value in ``feature_shards``, its
+        ``tp_index``'s features. Rows are compact: the micro-batch's blocks of global samples (one
+        per replica) laid end to end from 0, so micro-batches with equal shares have equal specs
+        and share one plan (a box's position only matters relative to the holder's box)."""
+        compact = self._compact_rows(crossing.micro_batch)
         features = spec.shape[-1] if spec.shape else 1
-        shape = (self.plan.global_batch_size, prod(spec.shape[:-1]), features)
-        return (self._spec(crossing.source_stage, crossing.micro_batch, shape, crossing.value),
-                self._spec(crossing.destination_stage, crossing.micro_batch, shape, crossing.value))
+        shape = (sum(stop - start for start, stop in compact), prod(spec.shape[:-1]), features)
+        return (self._spec(crossing.source_stage, crossing.micro_batch, shape, crossing.value, compact),
+                self._spec(crossing.destination_stage, crossing.micro_batch, shape, crossing.value, compact))
+
+    def _compact_rows(self, micro_batch: int) -> list[tuple[int, int]]:
+        """The micro-batch's maximal blocks of global samples, in order (one per replica)."""
+        blocks: list[tuple[int, int]] = []
+        for start, stop in sorted(self.ranges[w.rank][micro_batch] for w in self.plan.workers):
+            if blocks and start <= blocks[-1][1]:
+                blocks[-1] = (blocks[-1][0], max(blocks[-1][1], stop))
+            else:
+                blocks.append((start, stop))
+        return blocks
 
     def local_shape(self, value: ValueId, spec: ValueSpec, stage: int, tp_index: int) -> tuple[int, ...]:
         """The per-sample shape of ``value`` (or its gradient) on a worker of ``stage``."""
         sizes = self.feature_shards.get(value) if stage == value.stage else None
         return tuple(spec.shape) if sizes is None else (*spec.shape[:-1], sizes[tp_index])
 
+    @property
+    def program_count(self) -> int:
+        """Distinct compiled programs so far (micro-batches with equal shares share one)."""
+        return len(self._compiled)
+
     def plans(self) -> dict[Crossing, ReshardPlan]:
         """Each crossing planned so far -> its plan (for logs and tests)."""
         return {key[0]: program.plan for key, program in self._programs.items()}
 
-    def _spec(self, stage: int, micro_batch: int, shape: Sequence[int], value: ValueId) -> ShardingSpec:
+    def _spec(self, stage: int, micro_batch: int, shape: Sequence[int], value: ValueId,
+              compact: Sequence[tuple[int, int]]) -> ShardingSpec:
         sizes = self.feature_shards.get(value) if stage == value.stage else None
         boxes = []
         for w in self.plan.stage_workers(stage):
+            start, stop = self.ranges[w.rank][micro_batch]
+            offset = 0
+            for block_start, block_stop in compact:   # the worker's rows in compact coordinates
+                if block_start <= start < block_stop:
+                    break
+                offset += block_stop - block_start
+            else:
+                raise BoundaryError(f"micro-batch {micro_batch}: rank {w.rank}'s samples [{start}, {stop}) lie in no "
+                                    f"block {list(compact)}; the plan's sample layout is inconsistent")
+            rows = (offset + start - block_start, offset + stop - block_start)
             features = (0, shape[2]) if sizes is None else (sum(sizes[:w.tp_index]), sum(sizes[:w.tp_index + 1]))
-            boxes.append(((w.device, w.host), [self.ranges[w.rank][micro_batch], (0, shape[1]), features]))
+            boxes.append(((w.device, w.host), [rows, (0, shape[1]), features]))
         return ShardingSpec.of_boxes(shape, boxes)
 
     def _tag_base(self, crossing: Crossing, program: ReshardProgram) -> int:

@@ -119,6 +119,7 @@ def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool,
     out = {str(crossing): (p.strategy, [(t.strategy, t.sender, t.receivers, t.box, t.hops, t.nbytes) for t in p.transfers])
            for crossing, p in boundaries.plans().items()}
     out["feature_shards"] = {str(v): sizes for v, sizes in boundaries.feature_shards.items()}
+    out["programs"] = (boundaries.program_count, len(boundaries.plans()))
     return out
 
 
@@ -129,6 +130,11 @@ def _ranks(rank: int, world_size: int) -> dict:
 def test_boundaries_reshard_exactly_between_differently_laid_out_stages():
     results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=600)
     shards = {case: [results[r][case].pop("feature_shards") for r in range(WORLD)] for case in CASES}
+    programs = {case: [results[r][case].pop("programs") for r in range(WORLD)] for case in CASES}
+    # the skip layout's two micro-batches have equal shares: they share one plan per crossing pair and
+    # direction; the others' shares differ between micro-batches, so each crossing has its own
+    assert all(2 * count == crossings for count, crossings in programs["skip", "1f1b", "auto", False, False])
+    assert all(count == crossings for count, crossings in programs["replicate->split", "1f1b", "auto", False, False])
     hosts = {f"emu-{i}": host for i, host in enumerate(HOSTS)}
     for case in CASES:
         strategy = case[2]
