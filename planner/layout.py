@@ -135,6 +135,28 @@ class SampleLayout:
         """Rank -> :meth:`ranges`, for every rank."""
         return {r: list(rs) for r, rs in enumerate(self.rank_ranges)}
 
+    def micro_batch_rows(self, micro_batch: int) -> tuple[int, dict[int, Range]]:
+        """Micro-batch ``micro_batch`` of a multi-stage plan with its rows renumbered without gaps
+        (its blocks of global samples, one per replica, end to end from 0): the row count and each
+        rank's ``[lo, hi)`` in those rows. Micro-batches of equal shares give equal results (what
+        lets boundary reshardings share one plan)."""
+        blocks: list[Range] = []   # the micro-batch's maximal runs of global samples, in order
+        for start, stop in sorted(ranges[micro_batch] for ranges in self.rank_ranges):
+            if blocks and start <= blocks[-1][1]:
+                blocks[-1] = (blocks[-1][0], max(blocks[-1][1], stop))
+            else:
+                blocks.append((start, stop))
+        offsets, total = [], 0
+        for start, stop in blocks:
+            offsets.append((start, stop, total - start))
+            total += stop - start
+        rows = {}
+        for rank, ranges in enumerate(self.rank_ranges):
+            start, stop = ranges[micro_batch]
+            shift = next(shift for lo, hi, shift in offsets if lo <= start < hi)
+            rows[rank] = (start + shift, stop + shift)
+        return total, rows
+
     def micro_batch_sizes(self, rank: int) -> list[int]:
         return list(self.rank_micro_batches[self._check(rank)])
 

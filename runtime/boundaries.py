@@ -120,7 +120,7 @@ class BoundaryExchange:
         self.emulated = emulated
         self.network = emulated.model if emulated is not None else (network or default_network(plan))
         self.max_nodes = max_nodes
-        self.ranges = SampleLayout.of(plan).all_ranges()
+        self.layout = SampleLayout.of(plan)
         self.ranks = device_ranks(plan, self.group)
         self.global_rank = dist.get_global_rank(self.group, rank) if self.group is not dist.group.WORLD else rank
         pairs = sorted({(v, c) for stage in split.stages for v in stage.outputs for c in split.consumers(v)},
@@ -181,24 +181,14 @@ class BoundaryExchange:
         value as ``(rows, positions, features)`` (its per-sample shape's last dimension, and the
         product of the others): each worker of a stage holds (needs) its rows of the micro-batch
         and every feature, or, on the producing stage of a value in ``feature_shards``, its
-        ``tp_index``'s features. Rows are compact: the micro-batch's blocks of global samples (one
-        per replica) laid end to end from 0, so micro-batches with equal shares have equal specs
-        and share one plan (a box's position only matters relative to the holder's box)."""
-        compact = self._compact_rows(crossing.micro_batch)
+        ``tp_index``'s features. Rows are :meth:`planner.layout.SampleLayout.micro_batch_rows`
+        (the micro-batch's blocks of samples end to end from 0), so micro-batches with equal shares
+        have equal specs and share one plan (a box matters only relative to its holder's box)."""
+        rows, holdings = self.layout.micro_batch_rows(crossing.micro_batch)
         features = spec.shape[-1] if spec.shape else 1
-        shape = (sum(stop - start for start, stop in compact), prod(spec.shape[:-1]), features)
-        return (self._spec(crossing.source_stage, crossing.micro_batch, shape, crossing.value, compact),
-                self._spec(crossing.destination_stage, crossing.micro_batch, shape, crossing.value, compact))
-
-    def _compact_rows(self, micro_batch: int) -> list[tuple[int, int]]:
-        """The micro-batch's maximal blocks of global samples, in order (one per replica)."""
-        blocks: list[tuple[int, int]] = []
-        for start, stop in sorted(self.ranges[w.rank][micro_batch] for w in self.plan.workers):
-            if blocks and start <= blocks[-1][1]:
-                blocks[-1] = (blocks[-1][0], max(blocks[-1][1], stop))
-            else:
-                blocks.append((start, stop))
-        return blocks
+        shape = (rows, prod(spec.shape[:-1]), features)
+        return (self._spec(crossing.source_stage, shape, crossing.value, holdings),
+                self._spec(crossing.destination_stage, shape, crossing.value, holdings))
 
     def local_shape(self, value: ValueId, spec: ValueSpec, stage: int, tp_index: int) -> tuple[int, ...]:
         """The per-sample shape of ``value`` (or its gradient) on a worker of ``stage``."""
@@ -214,23 +204,13 @@ class BoundaryExchange:
         """Each crossing planned so far -> its plan (for logs and tests)."""
         return {key[0]: program.plan for key, program in self._programs.items()}
 
-    def _spec(self, stage: int, micro_batch: int, shape: Sequence[int], value: ValueId,
-              compact: Sequence[tuple[int, int]]) -> ShardingSpec:
+    def _spec(self, stage: int, shape: Sequence[int], value: ValueId, rows: Mapping[int, tuple[int, int]]
+              ) -> ShardingSpec:
         sizes = self.feature_shards.get(value) if stage == value.stage else None
         boxes = []
         for w in self.plan.stage_workers(stage):
-            start, stop = self.ranges[w.rank][micro_batch]
-            offset = 0
-            for block_start, block_stop in compact:   # the worker's rows in compact coordinates
-                if block_start <= start < block_stop:
-                    break
-                offset += block_stop - block_start
-            else:
-                raise BoundaryError(f"micro-batch {micro_batch}: rank {w.rank}'s samples [{start}, {stop}) lie in no "
-                                    f"block {list(compact)}; the plan's sample layout is inconsistent")
-            rows = (offset + start - block_start, offset + stop - block_start)
             features = (0, shape[2]) if sizes is None else (sum(sizes[:w.tp_index]), sum(sizes[:w.tp_index + 1]))
-            boxes.append(((w.device, w.host), [rows, (0, shape[1]), features]))
+            boxes.append(((w.device, w.host), [rows[w.rank], (0, shape[1]), features]))
         return ShardingSpec.of_boxes(shape, boxes)
 
     def _tag_base(self, crossing: Crossing, program: ReshardProgram) -> int:

@@ -107,6 +107,11 @@ def test_pipeline_replicas_and_tensor_parallel_slots():
         0: [(0, 2), (3, 4)], 1: [(2, 3), (4, 6)], 2: [(0, 3), (3, 6)], 3: [(0, 3), (3, 6)],
         4: [(6, 7), (8, 9)], 5: [(7, 8), (9, 10)], 6: [(6, 8), (8, 10)], 7: [(6, 8), (8, 10)]}
     assert layout.dp_group(3) == (3, 7) and layout.dp_shares(6) == ([6, 4], 1)
+    # micro-batch 1's rows without gaps: replica 0's block [3, 6) then replica 1's [8, 10)
+    assert layout.micro_batch_rows(1) == (5, {0: (0, 1), 1: (1, 3), 2: (0, 3), 3: (0, 3),
+                                              4: (3, 4), 5: (4, 5), 6: (3, 5), 7: (3, 5)})
+    # micro-batch 0 has other shares in replica 0 (2 + 1 against 1 + 2), the same block sizes
+    assert layout.micro_batch_rows(0)[0] == 5 and layout.micro_batch_rows(0)[1][0] == (0, 2)
 
 
 def test_single_stage_tensor_parallel_slots_share_their_samples():
