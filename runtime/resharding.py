@@ -55,7 +55,7 @@ the full tensor's entries of its box (every entry written once, from a device th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping, Optional
 
@@ -114,18 +114,26 @@ class ReshardProgram:
     src_boxes: Mapping[str, Box]
     dst_boxes: Mapping[str, Box]
     ranks: Mapping[str, int]
+    # derived once (a program runs every step): Tags used, each rank's devices, devices sending off-rank
+    message_count: int = field(init=False, compare=False)
+    _roles: Mapping[int, tuple] = field(init=False, compare=False, repr=False)
+    _senders: frozenset = field(init=False, compare=False, repr=False)
 
-    @property
-    def message_count(self) -> int:
-        """Tags ``tag_base .. tag_base + message_count - 1`` are used: give concurrent reshardings
-        disjoint ranges."""
-        return sum(len(m) for m in self.messages)
+    def __post_init__(self):
+        # message_count: tags tag_base .. tag_base + message_count - 1 are used (concurrent reshardings
+        # need disjoint ranges)
+        object.__setattr__(self, "message_count", sum(len(m) for m in self.messages))
+        roles: dict[int, list] = {}
+        for which, boxes in enumerate((self.src_boxes, self.dst_boxes)):
+            for device in boxes:
+                roles.setdefault(self.ranks[device], [None, None])[which] = device
+        object.__setattr__(self, "_roles", {rank: tuple(pair) for rank, pair in roles.items()})
+        object.__setattr__(self, "_senders", frozenset(
+            m.src for messages in self.messages for m in messages if self.ranks[m.src] != self.ranks[m.dst]))
 
     def roles(self, rank: int) -> tuple[Optional[str], Optional[str]]:
         """The source device and the destination device that ``rank`` plays (None: none)."""
-        src = [d for d in self.src_boxes if self.ranks[d] == rank]
-        dst = [d for d in self.dst_boxes if self.ranks[d] == rank]
-        return (src[0] if src else None), (dst[0] if dst else None)
+        return self._roles.get(rank, (None, None))
 
     @torch.no_grad()
     def run(self, source: Optional[torch.Tensor], destination: Optional[torch.Tensor],
@@ -306,8 +314,7 @@ def _finish(pending, works: list) -> None:
 
 def _check_network(program: "ReshardProgram", network: NetworkEmulator, rank: int, src_device, dst_device) -> None:
     """The emulator prices sends from its own device: it must be every device this rank sends from."""
-    sending = {d for d in (src_device, dst_device) if d is not None and any(
-        m.src == d and program.ranks[m.dst] != rank for messages in program.messages for m in messages)}
+    sending = {d for d in (src_device, dst_device) if d in program._senders}
     wrong = sorted(sending - {network.device})
     if wrong:
         raise ReshardingRuntimeError(f"resharding: rank {rank} sends from device(s) {wrong} but its network emulator "
