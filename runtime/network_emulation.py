@@ -398,6 +398,13 @@ def price_group(group: dist.ProcessGroup, network: NetworkEmulator, devices: Seq
     _PRICED_GROUPS[group] = (network, network.ring(devices))
 
 
+def _ring_seconds(ring: Ring, kind: str, nbytes: int) -> float:
+    """``"allreduce"`` of ``nbytes`` per member or ``"allgather"`` of ``nbytes`` in all, on ``ring``."""
+    if kind not in ("allreduce", "allgather"):
+        raise NetworkEmulationError(f"network emulation: collective kind {kind!r}; use 'allreduce' or 'allgather'")
+    return (ring.allreduce_ms(nbytes) if kind == "allreduce" else ring.allgather_ms(nbytes)) * 1e-3
+
+
 def pad_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int) -> None:
     """After a blocking collective of ``kind`` (``"allreduce"``: ``nbytes`` per member;
     ``"allgather"``: ``nbytes`` in total) on a :func:`price_group` group: sleep its modeled ring
@@ -408,7 +415,7 @@ def pad_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int) -
     if priced is None:
         return
     network, ring = priced
-    seconds = (ring.allreduce_ms(nbytes) if kind == "allreduce" else ring.allgather_ms(nbytes)) * 1e-3
+    seconds = _ring_seconds(ring, kind, nbytes)
     network.stats.allreduces += 1
     network.stats.allreduce_modeled_s += seconds
     if seconds > 0:
@@ -426,7 +433,7 @@ def launch_collective(group: Optional[dist.ProcessGroup], kind: str, nbytes: int
     if priced is None:
         return None
     network, ring = priced
-    seconds = (ring.allreduce_ms(nbytes) if kind == "allreduce" else ring.allgather_ms(nbytes)) * 1e-3
+    seconds = _ring_seconds(ring, kind, nbytes)
     stamp = torch.tensor([time.monotonic()], dtype=torch.float64, device=device)
     work = dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True)
     return PendingCollective(network, stamp, work, seconds)

@@ -89,15 +89,25 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # the collectives of _ColumnParallelMatmul's backward, in its order (the data, then the
-        # emulated network's launch stamp): a group may mix the two paths (ZERO-resizing is per rank)
+        # the collectives of _ColumnParallelMatmul's backward, in its order: a group may mix the two
+        # paths (ZERO-resizing is per rank)
         out = grad.clone(memory_format=torch.contiguous_format)
-        work = dist.all_reduce(out, group=ctx.group, async_op=True)
-        pending = launch_collective(ctx.group, "allreduce", out.numel() * out.element_size(), out.device)
+        _start_input_grad_all_reduce(out, ctx.group)()
+        return out, None
+
+
+def _start_input_grad_all_reduce(grad_x: torch.Tensor, group: ProcessGroup):
+    """Launch the in-place sum of an input gradient over ``group`` (and, on an emulated network,
+    the stamp of its launch time); returns the function that waits for both."""
+    work = dist.all_reduce(grad_x, group=group, async_op=True)
+    pending = launch_collective(group, "allreduce", grad_x.numel() * grad_x.element_size(), grad_x.device)
+
+    def wait() -> None:
         work.wait()
         if pending is not None:
             pending.wait()
-        return out, None
+
+    return wait
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -212,22 +222,19 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = work = pending = None
+        grad_x = grad_w = grad_b = wait = None
         if need_x:
             with _maybe_segment(ctx.emulator, ctx.unit_flops, ctx.samples):
                 grad_x = grad.matmul(weight)
-            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-            pending = launch_collective(ctx.group, "allreduce", grad_x.numel() * grad_x.element_size(), grad_x.device)
+            wait = _start_input_grad_all_reduce(grad_x, ctx.group)
         flat = grad.reshape(-1, grad.shape[-1])
         with _maybe_segment(ctx.emulator, ctx.unit_flops if need_w else 0.0, ctx.samples):
             if need_w:
                 grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))
             if ctx.has_bias and need_b:
                 grad_b = flat.sum(0)
-        if work is not None:
-            work.wait()
-        if pending is not None:
-            pending.wait()
+        if wait is not None:
+            wait()
         return grad_x, grad_w, grad_b, None, None
 
 
