@@ -69,7 +69,7 @@ from runtime.network_emulation import STAMP_TAG, NetworkEmulator
 from whalelike.errors import WhaleError
 
 __all__ = ["ReshardingRuntimeError", "Message", "ReshardProgram", "Posted", "ReshardStats", "compile_resharding",
-           "execute_resharding", "device_ranks", "byte_rows"]
+           "device_ranks", "byte_rows"]
 
 MAX_TAG = 2**31 - 1
 
@@ -456,10 +456,3 @@ def byte_rows(tensor: torch.Tensor) -> torch.Tensor:
                                      "first (a destination must be the tensor written, so allocate it contiguous)")
     return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
 
-
-def execute_resharding(plan: ReshardPlan, src: ShardingSpec, dst: ShardingSpec, ranks: Mapping[str, int],
-                       source: Optional[torch.Tensor], destination: Optional[torch.Tensor],
-                       group: Optional[dist.ProcessGroup] = None, tag_base: int = 0) -> ReshardStats:
-    """Compile ``plan`` and run this rank's share (see :meth:`ReshardProgram.run`); a collective
-    over the ranks the plan's devices map to. Compile once with :func:`compile_resharding` to reuse."""
-    return compile_resharding(plan, src, dst, ranks).run(source, destination, group, tag_base)
