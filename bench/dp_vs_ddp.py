@@ -1,12 +1,12 @@
 """Data parallel on unequal devices: whalelike's uneven shares vs torch DDP with equal shares.
 
 Both sides train the same MLP on the same data on 4 emulated devices (docs/ARCHITECTURE.md section
-4) and run on the same emulation: the same kind of :class:`runtime.emulation.Emulator` pads the
+4) and run on the same emulation: the same kind of :class:`runtime.emulation.compute.Emulator` pads the
 forward per micro-batch (hooks on the module) and the backward, and the same emulated network
-(:mod:`runtime.network_emulation`) pads each DDP bucket's all-reduce to its ring time on the
-cluster's :class:`planner.network.NetworkModel`, overlapped with the backward bucket by bucket.
+(:mod:`runtime.emulation.network`) pads each DDP bucket's all-reduce to its ring time on the
+cluster's :class:`planner.devices.network.NetworkModel`, overlapped with the backward bucket by bucket.
 The peer is stock ``DistributedDataParallel`` with equal shares (``global_batch / 4`` each, DDP's
-own averaging) wrapped by :func:`runtime.data_parallel.wrap_ddp`, so its comm hook pads exactly as
+own averaging) wrapped by :func:`runtime.parallel.data_parallel.wrap_ddp`, so its comm hook pads exactly as
 whalelike's does; whalelike runs ``runtime.Engine`` with the plan ``planner.plan`` makes for the
 cluster (the planner reads nominal ``peak_tflops``, never the emulated speeds). Both keep DDP's
 default buckets.
@@ -23,7 +23,7 @@ device, speed-proportional ones finish together):
 The sides alternate in rounds of ``--steps`` steps and the median round is reported, so drift in
 machine load hits both alike. Next to each measured step time stands the planner's prediction:
 ``planner.simulate`` of the plan (whalelike) and of ``planner.naive_plan`` (equal shares: DDP),
-with the all-reduce overlapped in DDP's buckets (:func:`planner.gradient_buckets.gradient_buckets`).
+with the all-reduce overlapped in DDP's buckets (:func:`planner.schedule.gradient_buckets.gradient_buckets`).
 
 Run (spawns 4 ranks itself)::
 
@@ -38,7 +38,7 @@ batch, or a lower ``base_gflops``). That is why two-hosts runs a global batch of
 (whalelike's step ~490 ms modeled, 4x the one-host case's), and why its link is 1 Gb/s: the
 all-reduce's share of the step goes as ``base_gflops / (link * samples per rank)``, so at 10 Gb/s
 it would be ~0.3%, far below the unmodeled time. Each run also prints rank 0's
-:func:`runtime.emulation.calibrate` bound for each model, to confirm the rate in use is safe.
+:func:`runtime.emulation.compute.calibrate` bound for each model, to confirm the rate in use is safe.
 """
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import planner  # noqa: E402
-from planner.gradient_buckets import gradient_buckets  # noqa: E402
+from planner.schedule.gradient_buckets import gradient_buckets  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.data_parallel import wrap_ddp  # noqa: E402
-from runtime.emulation import Emulator, calibrate  # noqa: E402
+from runtime.parallel.data_parallel import wrap_ddp  # noqa: E402
+from runtime.emulation.compute import Emulator, calibrate  # noqa: E402
 from whalelike import Cluster, Config  # noqa: E402
-from whalelike.capture import capture  # noqa: E402
+from whalelike.graphs.capture import capture  # noqa: E402
 
 WORLD = 4
 

@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
-from planner.simulator import simulate  # noqa: E402
+from planner.schedule.simulator import simulate  # noqa: E402
 from runtime import Engine  # noqa: E402
 from whalelike.cluster import Cluster  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--mlp", type=int, default=48, help="stage 1's MLP features, split over its 2 devices")
     parser.add_argument("--inputs", type=int, default=64)
     args = parser.parse_args()
-    # one run id for the ranks' emulated NIC ledger (runtime.network_emulation.default_run_id)
+    # one run id for the ranks' emulated NIC ledger (runtime.emulation.network.default_run_id)
     os.environ["TORCHELASTIC_RUN_ID"] = f"pipeline-comm-{os.getpid()}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cluster = Cluster.load(CLUSTER)
@@ -205,7 +205,7 @@ def main() -> None:
     results = spawn_ranks(worker, args, WORLD)
     layout = results["layout"].splitlines()
     print("\n".join(line for line in layout if line.strip().startswith(("stage ", "0 ", "1 ", "2 ", "3 "))))
-    print(f"planner.resharding, per micro-batch: {'; '.join(results['boundaries'][B]) or 'no resharding line'}")
+    print(f"planner.resharding.reshard, per micro-batch: {'; '.join(results['boundaries'][B]) or 'no resharding line'}")
     losses = results["losses"]
     exact = True
     for side in SIDES:

@@ -32,8 +32,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 
-from planner.cost_model import GIB, device_tflops  # noqa: E402
-from planner.partition import (  # noqa: E402
+from planner.devices.cost_model import GIB, device_tflops  # noqa: E402
+from planner.partition.solve import (  # noqa: E402
     DeviceMemory, LayerCost, Link, PartitionInfeasible, PartitionProblem, Slot, partition,
 )
 from whalelike.cluster import Cluster, Device, Network  # noqa: E402
@@ -124,7 +124,7 @@ def partition_rows(sizes: list[int], repeats: int) -> list[list[str]]:
 def gpt3_taskgraphs(stage_layers: list[list[int]], strategy):
     """TaskGraphs of :func:`gpt3_layers`, one per stage with the given layers (16 bytes of
     parameters + gradients + AdamW state per parameter, as :class:`StageCost` counts them)."""
-    from whalelike.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+    from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 
     costs = gpt3_layers()
     owner = {i: s for s, layers in enumerate(stage_layers) for i in layers}

@@ -8,10 +8,10 @@ Workload: ``blocks`` Linear+ReLU blocks of width ``dim`` and a small head, annot
   pipelining gives a user who cuts the model in the middle; it never chooses where to cut).
 * whalelike: ``wl.capture`` the model, ``planner.plan`` balances the layers to the devices'
   nominal speeds (where to cut, and which device runs which stage), and
-  :class:`runtime.pipeline.PipelineExecutor` runs the plan.
+  :class:`runtime.parallel.pipeline.PipelineExecutor` runs the plan.
 
 Fair emulation (docs/ARCHITECTURE.md section 4): both sides pad every forward and every backward of a stage
-for one micro-batch to its modeled time with the same :class:`runtime.emulation.Emulator`, from the
+for one micro-batch to its modeled time with the same :class:`runtime.emulation.compute.Emulator`, from the
 same captured FLOPs per sample of the stage's layers. whalelike does it inside its executor. The
 peer's stage module is wrapped: the forward runs inside ``Emulator.segment``; identity autograd
 functions at the stage output (its backward runs first: starts the segment) and at the stage input
@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
-from runtime.emulation import Emulator  # noqa: E402
-from runtime.pipeline import PipelineExecutor  # noqa: E402
-from runtime.stages import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
+from runtime.emulation.compute import Emulator  # noqa: E402
+from runtime.parallel.pipeline import PipelineExecutor  # noqa: E402
+from runtime.parallel.stage_split import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""How long :func:`planner.rebalance.rebalance` takes: it runs inside a step boundary, on every rank.
+"""How long :func:`planner.balance.replan.rebalance` takes: it runs inside a step boundary, on every rank.
 
 Workload: GPT-2-like synthetic TaskGraphs (``tests/synthetic.py``: sequence 1024, vocabulary 50257
 as the first layer, fp32 AdamW costs) of four sizes, small (12 layers, d 768) to XL (48 layers,
@@ -10,7 +10,7 @@ after one warm-up) with every part allowed to change. The table also shows what 
 predicted step time of the plan in force and of the new plan, both at the measured speeds.
 
 The peer, in the same run: planning from scratch, ``planner.plan()`` on the cluster with the
-measured speeds (``planner.rebalance.measured_cluster``), which is what a restart with a new plan
+measured speeds (``planner.balance.replan.measured_cluster``), which is what a restart with a new plan
 would run. It may choose another device mapping, so its predicted step time shows what keeping the
 mapping costs. The last line states the median speed-up of ``rebalance()`` over it.
 Single process, CPU only.
@@ -30,8 +30,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 
 import planner  # noqa: E402
 from planner import PlanError  # noqa: E402
-from planner.cost_model import device_tflops  # noqa: E402
-from planner.rebalance import measured_cluster, plan_changes, rebalance, replan  # noqa: E402
+from planner.devices.cost_model import device_tflops  # noqa: E402
+from planner.balance.replan import measured_cluster, plan_changes, rebalance, replan  # noqa: E402
 from synthetic import synthetic_cluster, synthetic_model  # noqa: E402
 from whalelike import Config, replicate  # noqa: E402
 from whalelike.display import format_table  # noqa: E402

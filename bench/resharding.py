@@ -9,11 +9,11 @@ send/recv pushes 4 copies through the sender's NIC and broadcast one, so 4x is t
 their ratio there (less the broadcast's pipeline fill); with 8 the ceiling is 8x.
 
 Each strategy is forced (``plan_resharding(..., strategy=...)``) and executed for real by
-:meth:`runtime.resharding.ReshardProgram.run` on spawned gloo ranks, one rank per plan device
+:meth:`runtime.parallel.resharding.ReshardProgram.run` on spawned gloo ranks, one rank per plan device
 (10 ranks; a case uses the first ones), all under the same emulated network
-(:class:`runtime.network_emulation.NetworkEmulator`: each send stamped with its modeled arrival,
+(:class:`runtime.emulation.network.NetworkEmulator`: each send stamped with its modeled arrival,
 each host's NIC a serial resource per direction, receives sleep until the arrival), whose link
-figures are the planner's :class:`planner.network.NetworkModel`, so the predicted and the measured
+figures are the planner's :class:`planner.devices.network.NetworkModel`, so the predicted and the measured
 times compare. The figures (0.02 GB/s between hosts, 2 GB/s inside one, 50 us latency) and the
 4 MiB float32 tensor put broadcast's modeled time at ~100-220 ms (send/recv's at up to 1.7 s, 8
 copies through one NIC): the per-run fixed costs (two barriers over 10 ranks, Python, loopback;
@@ -46,10 +46,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from timing import process_group, spawn_ranks  # noqa: E402
 
-from planner.network import NetworkModel  # noqa: E402
-from planner.resharding import ShardingSpec, plan_resharding  # noqa: E402
-from runtime.network_emulation import NetworkEmulator  # noqa: E402
-from runtime.resharding import compile_resharding  # noqa: E402
+from planner.devices.network import NetworkModel  # noqa: E402
+from planner.resharding.reshard import ShardingSpec, plan_resharding  # noqa: E402
+from runtime.emulation.network import NetworkEmulator  # noqa: E402
+from runtime.parallel.resharding import compile_resharding  # noqa: E402
 
 SHAPE = (1024, 1024)          # float32: 4 MiB
 ITEMSIZE = 4

@@ -7,7 +7,7 @@ Both runs start from the same initial weights and see the same global batches un
 emulation, whose straggler schedule slows rank ``--straggler`` by ``--factor`` for steps
 ``[--onset, --recovery)``. Static keeps the plan :func:`planner.plan` made from the nominal speeds;
 adaptive measures every rank's compute speed, re-plans the batch shares at a step boundary when a
-rank's share of the total speed moves past 10% (:mod:`runtime.rebalance`), and again when it
+rank's share of the total speed moves past 10% (:mod:`runtime.balance.rebalance`), and again when it
 recovers. Re-planned shares are exact: the two runs' losses must agree
 (``torch.testing.assert_close``; float64 so summation order is far below the tolerance). The two
 runs alternate step by step (each Engine has its own emulated devices and step count), so drift in
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.emulation import calibrate  # noqa: E402
+from runtime.emulation.compute import calibrate  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 import side_by_side  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402

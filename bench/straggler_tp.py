@@ -92,7 +92,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.rebalance import BalanceConfig  # noqa: E402
+from runtime.balance.rebalance import BalanceConfig  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler, round_robin_stragglers  # noqa: E402
 from whalelike.files import check_output_paths, write_atomic  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402

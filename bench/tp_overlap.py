@@ -3,13 +3,13 @@
 In a column/row MLP block under ``split`` (Megatron-LM), the backward of the column layer (fc1)
 computes dX, all-reduces it over the tensor-parallel group, and computes dW. whalelike launches
 the all-reduce right after dX and computes dW while it runs (``ColumnParallelLinear``'s default,
-``runtime.tp_layers._ColumnParallelMatmul``); the peer is the same layers with
+``runtime.tensor.layers._ColumnParallelMatmul``); the peer is the same layers with
 ``overlap_input_grad = False``: the all-reduce after the local backward (``copy_to_region``, as
 DTensor's ``ColwiseParallel`` and Megatron's synchronous mode do). Same numbers on both sides
 (checked: equal losses and gradients).
 
-Two gloo ranks on two emulated hosts (``runtime.network_emulation``): every local matmul is a
-compute segment padded to its modeled time (``runtime.emulation``), every tensor-parallel
+Two gloo ranks on two emulated hosts (``runtime.emulation.network``): every local matmul is a
+compute segment padded to its modeled time (``runtime.emulation.compute``), every tensor-parallel
 collective to its ring time on the link between the hosts, the asynchronous one from the latest
 member's launch. Sizes are chosen so one matmul and one all-reduce of the activations take
 comparable modeled time (tens of ms), the regime where the overlap shows; the forward's
@@ -31,10 +31,10 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.network import NetworkModel  # noqa: E402
-from runtime.emulation import Emulator  # noqa: E402
-from runtime.network_emulation import NetworkEmulator, price_group  # noqa: E402
-from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from planner.devices.network import NetworkModel  # noqa: E402
+from runtime.emulation.compute import Emulator  # noqa: E402
+from runtime.emulation.network import NetworkEmulator, price_group  # noqa: E402
+from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 

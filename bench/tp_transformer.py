@@ -16,7 +16,7 @@ sees its own number of heads) and is what an unsharded model computes too.
 
 Fair emulation (docs/ARCHITECTURE.md section 4), the same as ``bench/tp_vs_dtensor.py``: both sides pad
 every local matmul of the six Linears, forward and backward, to its modeled time on the emulated
-device with the same :class:`runtime.emulation.Emulator` settings (FLOPs of the local shard).
+device with the same :class:`runtime.emulation.compute.Emulator` settings (FLOPs of the local shard).
 whalelike does it in its parallel layers; DTensor's modules get the hooks of
 ``tp_vs_dtensor.emulate_dtensor_linear``, placed so that no segment spans a collective. The rest
 (attention core, LayerNorm, GELU, the collectives) runs at the machine's real speed on both sides.
@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.emulation import EmulationStats, Emulator  # noqa: E402
+from runtime.emulation.compute import EmulationStats, Emulator  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 from tp_vs_dtensor import emulate_dtensor_linear  # noqa: E402
@@ -137,8 +137,8 @@ def build_dtensor(model, emulator: Emulator):
 
 def worker(rank: int, init_file: str, args, results) -> None:
     roles = _Roles()
-    logging.getLogger("runtime.tensor_parallel").addHandler(roles)
-    logging.getLogger("runtime.tensor_parallel").setLevel(logging.INFO)
+    logging.getLogger("runtime.tensor.shard_pass").addHandler(roles)
+    logging.getLogger("runtime.tensor.shard_pass").setLevel(logging.INFO)
     with process_group(rank, init_file, WORLD):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(args.batch, args.seq, args.dim, generator=g)

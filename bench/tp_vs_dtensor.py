@@ -6,12 +6,12 @@ over 2 gloo ranks on CPU, its input requiring grad as inside a real network, SGD
 * peer: ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` on fc1 and
   ``RowwiseParallel`` on fc2 over ``DeviceMesh("cpu")``. DTensor can only split the 4d hidden
   dimension in equal halves.
-* whalelike: :class:`runtime.tp_layers.ColumnParallelLinear` + :class:`RowParallelLinear` with the
+* whalelike: :class:`runtime.tensor.layers.ColumnParallelLinear` + :class:`RowParallelLinear` with the
   hidden dimension split proportionally to the device speeds (largest remainder).
 
 Fair emulation (docs/ARCHITECTURE.md section 4). Both sides run the real computation and each rank pads every
 local matmul, forward and backward, to its modeled time on the emulated device with the same
-:class:`runtime.emulation.Emulator` (FLOPs of the *local* shard: ``2 * rows * in_local * out_local``
+:class:`runtime.emulation.compute.Emulator` (FLOPs of the *local* shard: ``2 * rows * in_local * out_local``
 forward, twice that backward). whalelike does it inside its local-matmul autograd function. For
 DTensor the same pads are attached to the parallelized modules with hooks placed so that no
 segment spans a collective:
@@ -42,8 +42,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.emulation import EmulationStats, Emulator  # noqa: E402
-from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from runtime.emulation.compute import EmulationStats, Emulator  # noqa: E402
+from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 

@@ -168,7 +168,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     if pending is not None:
         pending.wait()
     if args.run_timeline and name == "whalelike":
-        from runtime.run_timeline import gather_run, write_run_png, write_run_trace
+        from runtime.balance.run_timeline import gather_run, write_run_png, write_run_trace
 
         record = gather_run(engine)
         if record is not None:

@@ -1,11 +1,11 @@
 """whalelike's planner: maps TaskGraphs onto a heterogeneous Cluster and returns a Plan."""
-from .api import naive_plan, plan
-from .network import NetworkError, NetworkModel
-from .plan import BoundaryPlan, Plan, PlanError, Prediction, StagePlan, Worker
-from .resharding import (ReshardingError, ReshardPlan, ScheduledTransfer, ShardingSpec, UnitTask, boundary_resharding,
+from planner.api import naive_plan, plan
+from planner.devices.network import NetworkError, NetworkModel
+from planner.plan import BoundaryPlan, Plan, PlanError, Prediction, StagePlan, Worker
+from planner.resharding.reshard import (ReshardingError, ReshardPlan, ScheduledTransfer, ShardingSpec, UnitTask, boundary_resharding,
                          plan_resharding)
-from .resharding_spec import stage_output_spec
-from .simulator import SimResult, simulate
+from planner.resharding.spec import stage_output_spec
+from planner.schedule.simulator import SimResult, simulate
 
 __all__ = [
     "plan", "naive_plan", "simulate", "SimResult",

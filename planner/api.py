@@ -4,22 +4,22 @@ The planner is a chain of pure steps (Whale's parallel planner, with Poplar's ba
 
 1. virtual devices: each TaskGraph becomes a pipeline stage on a group of devices, larger-memory
    devices on early stages (or the fastest devices on the stages with the most work per device:
-   both are tried), replicated pipelines when the cluster has room (:mod:`planner.virtual_devices`);
+   both are tried), replicated pipelines when the cluster has room (:mod:`planner.devices.placement`);
    afterwards two stages may exchange devices when the simulator predicts a gain (``_swap_search``);
 2. stage layers: by default each stage runs its own TaskGraph's layers; between two adjacent
    stages that are both plain ``replicate`` the planner may move boundary layers so that the
-   slowest stage is as fast as possible (the pipeline partitioner, :mod:`planner.partition`).
+   slowest stage is as fast as possible (the pipeline partitioner, :mod:`planner.partition.solve`).
    Stages under ``split`` keep their layers: their operators were chosen for sharding;
 3. shard layout of every ``split`` stage, proportional to speed within memory
-   (:mod:`planner.tensor_parallel`);
+   (:mod:`planner.shares.shard_sizes`);
 4. batch shares: every micro-batch is split over the pipeline replicas by throughput, then inside
    each stage over its data-parallel groups by speed, with Whale's memory balancing
-   (:mod:`planner.data_parallel`). When a micro-batch still does not fit, a pipeline gets more
+   (:mod:`planner.shares.batch_shares`). When a micro-batch still does not fit, a pipeline gets more
    micro-batches (the next divisor of the global batch), and a single stage switches to Poplar's
    per-device gradient accumulation (own micro-batch size and last batch size per device); either
    way at most ``MAX_MICRO_BATCHES`` per step, so the planner's work is bounded by that count and
    never by the number of samples (a global batch of 10**12 is an error in milliseconds, not a hang);
-5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.simulator`).
+5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.schedule.simulator`).
 
 The naive plan uses the same devices with equal shares, equal shards and equal layer counts per
 movable stage: what a capacity-blind system would do, as the baseline of the predicted speed-up.
@@ -36,18 +36,18 @@ from dataclasses import dataclass
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.display import human_bytes
-from whalelike.shard_groups import WHAT_SPLIT_SHARDS
-from whalelike.taskgraph import TaskGraphs
+from whalelike.sharding.groups import WHAT_SPLIT_SHARDS
+from whalelike.graphs.taskgraph import TaskGraphs
 
-from .assemble import Decisions, build_plan, predict, with_predictions
-from .batchnorm import log_batchnorm_warnings
-from .cost_model import GIB, StageCost, device_tflops
-from .data_parallel import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
-from .plan import Plan, PlanError, Prediction
-from .schedule import build_schedule, gradient_accumulation, max_in_flight
-from .stages import equal_stage_layers, movable_runs, partition_stage_layers
-from .tensor_parallel import ShardLayout, even_layout, groups_of, shard_layout
-from .virtual_devices import PLACEMENTS, Layout, build_layout
+from planner.assemble import Decisions, build_plan, predict, with_predictions
+from planner.shares.batchnorm_statistics import log_batchnorm_warnings
+from planner.devices.cost_model import GIB, StageCost, device_tflops
+from planner.shares.batch_shares import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
+from planner.plan import Plan, PlanError, Prediction
+from planner.schedule.actions import build_schedule, gradient_accumulation, max_in_flight
+from planner.partition.stage_layers import equal_stage_layers, movable_runs, partition_stage_layers
+from planner.shares.shard_sizes import ShardLayout, even_layout, groups_of, shard_layout
+from planner.devices.placement import PLACEMENTS, Layout, build_layout
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                     sizes: list | None = None, counts: list[int] | None = None) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of the module docstring.
 
-    A re-plan of a running job (:mod:`planner.rebalance`) passes what it keeps of the plan in force:
+    A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
     ``stage_layers`` instead of the partitioner's (the decisions then say solver ``"greedy"``, gap
     None: the caller knows where they came from), ``shards`` (per stage a ShardLayout, or None to
     shard by speed), ``sizes`` (``Decisions.sizes``) instead of balanced batch shares, and

@@ -2,7 +2,7 @@
 
 The decisions (which devices run which stage, each stage's layers and shard layout, each
 tensor-parallel group's micro-batch sizes) come from :mod:`planner.api`, for the hardware-aware
-plan and for the naive one alike; this module prices them with :mod:`planner.cost_model`, fills in
+plan and for the naive one alike; this module prices them with :mod:`planner.devices.cost_model`, fills in
 every timing field the simulator reads, and asks the simulator for the step-time prediction.
 
 Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
@@ -11,13 +11,13 @@ that Megatron-style sharding costs (it runs inside the segment, so it is part of
 ``allreduce_ms`` is the ring all-reduce of the worker's gradient shard (``gradient_bytes``) over
 every worker holding the same shard, in one bucket; ``BoundaryPlan.transfer_ms`` is the predicted
 time of the boundary's forward resharding of that micro-batch, every sender ready at once
-(:mod:`planner.boundary_traffic`: the plan :func:`planner.resharding.boundary_resharding` makes
+(:mod:`planner.schedule.boundary_traffic`: the plan :func:`planner.resharding.reshard.boundary_resharding` makes
 under ``Plan.resharding``, whose transfers share the host network interfaces).
 
 Predictions: :func:`predict` simulates on the cluster's network (:func:`planner.simulate` with
 ``network``), as the runtime runs: DDP's buckets overlapped with the backward, the boundary
 transfers queued on devices and host interfaces. All links are priced by
-:class:`planner.network.NetworkModel`.
+:class:`planner.devices.network.NetworkModel`.
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ from typing import Optional
 
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
-from whalelike.taskgraph import TaskGraphs
+from whalelike.graphs.taskgraph import TaskGraphs
 
-from .cost_model import GIB, CommModel, StageCost, compute_ms
-from .batchnorm import stage_batchnorms
-from .boundary_traffic import FORWARD, plan_traffic
-from .network import NetworkModel
-from .plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
-from .simulator import simulate
-from .tensor_parallel import ShardLayout
-from .virtual_devices import Layout
+from planner.devices.cost_model import GIB, CommModel, StageCost, compute_ms
+from planner.shares.batchnorm_statistics import stage_batchnorms
+from planner.schedule.boundary_traffic import FORWARD, plan_traffic
+from planner.devices.network import NetworkModel
+from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
+from planner.schedule.simulator import simulate
+from planner.shares.shard_sizes import ShardLayout
+from planner.devices.placement import Layout
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
 
 
 def predict(plan: Plan, cluster: Optional[Cluster] = None) -> Prediction:
-    """Simulate one step of ``plan`` (see :mod:`planner.simulator`) on ``cluster``'s network, the
+    """Simulate one step of ``plan`` (see :mod:`planner.schedule.simulator`) on ``cluster``'s network, the
     cluster it was made for; without it, the plan's own timing fields alone (no DDP buckets, one
     ``transfer_ms`` per sending group)."""
     return simulate(plan, record_events=False, network=cluster).prediction

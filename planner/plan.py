@@ -33,8 +33,8 @@ from whalelike.errors import SpecError
 from whalelike.files import write_atomic
 from whalelike.spec import Reader, load_yaml, rule, validate
 
-from .resharding_cost import STRATEGIES as RESHARDING_STRATEGIES
-from .schedule import SCHEDULES
+from planner.resharding.cost import STRATEGIES as RESHARDING_STRATEGIES
+from planner.schedule.actions import SCHEDULES
 
 SCHEMA_VERSION = 1
 SOLVERS = ("ilp", "greedy")
@@ -85,7 +85,7 @@ class StagePlan:
     # module path -> size of its split dimension per tp_index
     shard_sizes: dict[str, list[int]] = rule(int, "elements of the split dimension on each tp_index", ge=1,
                                              default_factory=dict)
-    batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.batchnorm)
+    batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.graphs.batchnorm_layers)
 
 
 @dataclass
@@ -119,12 +119,12 @@ class Plan:
     naive_prediction: Prediction
     optimality_gap: Optional[float] = rule(float, "the ILP's bound on how far the plan is from optimal", ge=0,
                                            default=None)
-    # runtime.batchnorm
+    # runtime.parallel.sync_batchnorm
     sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group", default=False)
-    # runtime.boundaries: how values cross stage boundaries (planner.resharding's strategies, or the best)
+    # runtime.parallel.boundaries: how values cross stage boundaries (planner.resharding.reshard's strategies, or the best)
     resharding: str = rule(str, "strategy of the cross-mesh resharding at stage boundaries",
                            choices=("auto", *RESHARDING_STRATEGIES), default="auto")
-    # runtime.split_backward: a backward computes the input gradients, sends them, then the weight gradients
+    # runtime.parallel.split_backward: a backward computes the input gradients, sends them, then the weight gradients
     delay_weight_gradients: bool = rule(bool, "send a backward's input gradients before computing its weight "
                                         "gradients", default=False)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
@@ -190,7 +190,7 @@ class Plan:
     def summary(self, cluster=None) -> str:
         """Aligned per-device table plus the predicted step time against the naive plan; with the
         ``cluster`` (its link figures), also the resharding chosen for each stage boundary."""
-        from .summary import plan_summary
+        from planner.summary import plan_summary
 
         return plan_summary(self, cluster)
 
@@ -218,6 +218,6 @@ def fingerprint_of(graphs) -> str:
 
 def _checks():
     """planner.plan_checks, imported when first needed (it imports this module)."""
-    from . import plan_checks
+    from planner import plan_checks
 
     return plan_checks

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 from whalelike.spec import check_rules
 
-from .plan import SCHEMA_VERSION, Plan, PlanError, fingerprint_of
+from planner.plan import SCHEMA_VERSION, Plan, PlanError, fingerprint_of
 
 # the planner's memory estimate is compared with the capacity in floating point (bytes / 2**30)
 MEMORY_TOLERANCE = 1e-9

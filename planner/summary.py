@@ -10,14 +10,14 @@ from itertools import groupby
 
 from whalelike.display import format_table
 
-from .batchnorm import batchnorm_warnings
-from .plan import Plan, Worker
-from .resharding import boundary_resharding, byte_size
+from planner.shares.batchnorm_statistics import batchnorm_warnings
+from planner.plan import Plan, Worker
+from planner.resharding.reshard import boundary_resharding, byte_size
 
 
 def plan_summary(plan: Plan, cluster=None) -> str:
     """The summary; with ``cluster`` (the :class:`whalelike.cluster.Cluster` the plan was made for,
-    or a :class:`planner.network.NetworkModel` of it) also :func:`resharding_lines`."""
+    or a :class:`planner.devices.network.NetworkModel` of it) also :func:`resharding_lines`."""
     headers = ["rank", "device", "host", "stage", "dp", "tp", "samples", "shard", "memory GiB", "compute ms"]
     rows = [
         [
@@ -59,10 +59,10 @@ def plan_summary(plan: Plan, cluster=None) -> str:
 
 def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
     """One line per pipeline boundary: the resharding of micro-batch ``micro_batch``
-    (:func:`planner.resharding.boundary_resharding`): bytes, strategy, unit tasks, predicted time,
+    (:func:`planner.resharding.reshard.boundary_resharding`): bytes, strategy, unit tasks, predicted time,
     lower bound, what plain send/recv would take, and the plan's own ``BoundaryPlan.transfer_ms``
     (the simulator's figure) for comparison."""
-    lines = [f"resharding at each boundary (micro-batch {micro_batch}, predicted by planner.resharding):"]
+    lines = [f"resharding at each boundary (micro-batch {micro_batch}, predicted by planner.resharding.reshard):"]
     for boundary, reshard in zip(plan.boundaries, boundary_resharding(plan, cluster, micro_batch)):
         head = f"  boundary stage {boundary.src_stage} -> {boundary.dst_stage}"
         if reshard is None:

@@ -1,17 +1,17 @@
 """whalelike's runtime: executes a Plan under torchrun.
 
 ``Engine`` is the entry point (see :mod:`runtime.engine`), ``BalanceConfig`` its dynamic balancing
-(:mod:`runtime.rebalance`); ``UnevenLoader``/``UnevenSampler`` give
+(:mod:`runtime.balance.rebalance`); ``UnevenLoader``/``UnevenSampler`` give
 each rank its uneven share of a dataset; ``calibrate`` sizes the emulated devices' base rate;
 :mod:`runtime.checkpoint` saves and resumes an Engine (onto any plan); ``NonFiniteLossError`` and
 ``BatchMismatchError`` are the step guards' errors (:mod:`runtime.guards`).
 """
 from runtime.data import Share, UnevenLoader, UnevenSampler
 from runtime.distributed import DistributedStepError
-from runtime.emulation import Calibration, Emulator, calibrate
+from runtime.emulation.compute import Calibration, Emulator, calibrate
 from runtime.engine import Engine, ExecutorContext, StepExecutor, StepStats, register_executor
 from runtime.guards import BatchMismatchError, NonFiniteLossError
-from runtime.rebalance import BalanceConfig, ReplanEvent
+from runtime.balance.rebalance import BalanceConfig, ReplanEvent
 from runtime import checkpoint
 
 __all__ = [

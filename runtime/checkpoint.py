@@ -13,13 +13,13 @@ Why ``torch.distributed.checkpoint`` (DCP) and not our own format: DCP already w
 pieces in parallel, keeps a global metadata file of the chunks, and reads overlapping chunks into
 differently shaped destinations (its resharding). What DCP does not know is our uneven and fused
 (q, k, v) shards, which are neither DTensors nor ShardedTensors. So each rank's holding of a
-tensor is described the way live re-planning describes it (:class:`planner.state_moves.Slab`, from
-the executor's ``named_state()``, :mod:`runtime.state_transfer`), and :class:`_Pieces` presents
+tensor is described the way live re-planning describes it (:class:`planner.balance.state_moves.Slab`, from
+the executor's ``named_state()``, :mod:`runtime.balance.state_transfer`), and :class:`_Pieces` presents
 those pieces to DCP through its ``_Checkpointable`` protocol (``__create_write_items__``,
 ``__create_chunk_list__``); the two planners below only look those pieces up. One description of
 what a rank holds serves both moving state between plans live and through storage.
 
-Who writes what: the same decision as a live re-plan, :func:`planner.state_moves.plan_moves`, with
+Who writes what: the same decision as a live re-plan, :func:`planner.balance.state_moves.plan_moves`, with
 the storage as the one destination that holds everything whole. Each piece is written once, by the
 holder that has written the least so far (data-parallel copies share the writing), never twice and
 never overlapping (DCP rejects overlapping chunks, which replicas with different tensor-parallel
@@ -63,8 +63,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from planner.plan import Plan
-from planner.state_moves import Move, Slab, plan_moves
-from runtime.state_transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
+from planner.balance.state_moves import Move, Slab, plan_moves
+from runtime.balance.state_transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
 from whalelike.errors import WhaleError
 from whalelike.files import flush_to_disk, write_atomic
 

@@ -3,7 +3,7 @@
 torch's ``DistributedSampler`` gives every rank the same number of samples (padding or dropping to
 get there); a whalelike Plan gives rank ``i`` a share ``n_i`` proportional to its device's speed.
 :class:`UnevenSampler` cuts each epoch's permutation into global batches of ``sum(n_i)`` samples
-and hands rank ``i`` its slice of each, as :class:`planner.layout.SampleLayout` lays it out (the
+and hands rank ``i`` its slice of each, as :class:`planner.shares.layout.SampleLayout` lays it out (the
 layout the data-parallel executor uses for a whole global batch): a contiguous
 ``[offset_i, offset_i + n_i)``, and for the last, short global batch a slice in proportion to the
 shares. So over an epoch every sample is read by exactly one rank: nothing dropped, nothing
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
-from planner.layout import SampleLayout, proportional_split, slice_of
+from planner.shares.layout import SampleLayout, proportional_split, slice_of
 from planner.plan import Plan
 
 __all__ = ["Share", "slice_batch", "proportional_split", "dp_shares", "UnevenSampler", "UnevenLoader"]
@@ -50,7 +50,7 @@ def slice_batch(inputs: Any, targets: torch.Tensor, lo: int, hi: int) -> tuple[t
 
 def dp_shares(plan: Plan, rank: int) -> tuple[list[int], int]:
     """The batch shares of ``rank``'s data-parallel group in layout order, and ``rank``'s position
-    (:meth:`planner.layout.SampleLayout.dp_shares`)."""
+    (:meth:`planner.shares.layout.SampleLayout.dp_shares`)."""
     return SampleLayout.of(plan).dp_shares(rank)
 
 
@@ -58,7 +58,7 @@ class UnevenSampler(Sampler[list[int]]):
     """A batch sampler: per step, the dataset indices of this rank's share (see the module docstring).
 
     ``shares``: the data-parallel group's shares in layout order, ``index``: this rank's position
-    (:meth:`from_plan` takes both from :class:`planner.layout.SampleLayout`). Call :meth:`set_epoch`
+    (:meth:`from_plan` takes both from :class:`planner.shares.layout.SampleLayout`). Call :meth:`set_epoch`
     before each epoch, as with ``DistributedSampler``.
     """
 

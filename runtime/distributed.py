@@ -12,7 +12,7 @@ so when a collective fails the survivors can name the culprit:
   small ``set`` per collective, none of its own): a rank that never reached the step, or that
   began it but never entered the collective the others wait in, is named;
 * a heartbeat: a daemon thread per rank writes a timestamp, the PID and the seconds spent inside
-  the current compute segment (:meth:`runtime.emulation.Emulator.busy_for`) every
+  the current compute segment (:meth:`runtime.emulation.compute.Emulator.busy_for`) every
   ``timeout_s / 12`` seconds (0.1 to 5): no collective, a few hundred bytes. A rank whose
   heartbeat is older than ``min(timeout_s / 2, 6 beats)`` is stopped (SIGSTOP), dead, or hung in
   native code; a rank with a fresh heartbeat that has been inside one compute segment that long

@@ -9,9 +9,9 @@ parallelism itself lives in a *step executor*, chosen by the plan's shape:
 ===================  =========================================  ==================================
 plan                 executor                                   module
 ===================  =========================================  ==================================
-1 stage, no split    :class:`DataParallelExecutor`              :mod:`runtime.data_parallel`
-several stages       ``PipelineExecutor``                       :mod:`runtime.pipeline`
-any ``split``        ``PipelineExecutor`` with sharded stages   :mod:`runtime.tensor_parallel`
+1 stage, no split    :class:`DataParallelExecutor`              :mod:`runtime.parallel.data_parallel`
+several stages       ``PipelineExecutor``                       :mod:`runtime.parallel.pipeline`
+any ``split``        ``PipelineExecutor`` with sharded stages   :mod:`runtime.tensor.shard_pass`
 ===================  =========================================  ==================================
 
 A plan with ``split`` runs as a pipeline (of one stage or more) whose tensor-parallel stages have
@@ -27,11 +27,11 @@ The step-executor protocol (:class:`StepExecutor`), all collective on the ranks 
 * ``full_state_dict() -> dict``: the whole model's state, unsharded, on every rank.
 * optional ``eval_step(inputs, targets) -> loss``, ``load_full_state_dict(state)`` and
   ``train_share(share: runtime.data.Share) -> loss`` (a rank-local batch from ``UnevenLoader``);
-* for dynamic balancing (:mod:`runtime.rebalance`): ``set_plan(plan)`` when a new plan of the same
+* for dynamic balancing (:mod:`runtime.balance.rebalance`): ``set_plan(plan)`` when a new plan of the same
   workers needs no state moved (data-parallel shares), else ``named_state()`` and ``close()`` so
-  :func:`runtime.state_transfer.switch_executor` can build the new plan's executor and move the
+  :func:`runtime.balance.state_transfer.switch_executor` can build the new plan's executor and move the
   parameters and optimizer state that change hands; and a ``passenger`` slot: when the Engine puts
-  a :class:`runtime.straggler_monitor.Passenger` there, the executor fills it right before the
+  a :class:`runtime.balance.straggler_monitor.Passenger` there, the executor fills it right before the
   collective that ends the step, sums it in that collective and calls ``arrived`` (an executor
   without the slot costs the Engine one small all-reduce per exchange).
 
@@ -44,7 +44,7 @@ stopped rank is named by its peers' :class:`DistributedStepError` (:class:`runti
 
 Dynamic balancing (``Engine(balance=...)``, default policy ``"exact"``): after every step the
 rank's measured compute speed is recorded and shared; a sustained change re-plans at the step
-boundary (:mod:`runtime.rebalance`). ``Engine.plan`` is always the plan in force and
+boundary (:mod:`runtime.balance.rebalance`). ``Engine.plan`` is always the plan in force and
 ``Engine.replans`` the history of re-plans.
 
 A builder ``(ExecutorContext) -> StepExecutor`` makes one; :func:`register_executor` adds or
@@ -64,13 +64,13 @@ import torch.nn as nn
 from planner.plan import Plan, PlanError, Worker
 from runtime import distributed, guards
 from runtime.data import Share
-from runtime.data_parallel import DataParallelExecutor
-from runtime.emulation import EmulationStats, Emulator
+from runtime.parallel.data_parallel import DataParallelExecutor
+from runtime.emulation.compute import EmulationStats, Emulator
 from runtime.groups import PlanGroups, build_groups
-from runtime.rebalance import BalanceConfig, Rebalancer, ReplanEvent
+from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
 from whalelike.cluster import Cluster
 from whalelike.errors import WhaleError
-from whalelike.taskgraph import TaskGraphs
+from whalelike.graphs.taskgraph import TaskGraphs
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ExecutorContext:
     loss_fn: Callable
     emulator: Emulator
     device: torch.device
-    cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.boundaries)
+    cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.parallel.boundaries)
 
 
 def plan_kind(plan: Plan) -> str:
@@ -112,10 +112,10 @@ def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
 
 
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
-    from planner.network import NetworkModel
-    from runtime.pipeline import PipelineExecutor
-    from runtime.stages import node_stages_from_plan, stage_flops_from_plan
-    from runtime.tensor_parallel import StageSharding
+    from planner.devices.network import NetworkModel
+    from runtime.parallel.pipeline import PipelineExecutor
+    from runtime.parallel.stage_split import node_stages_from_plan, stage_flops_from_plan
+    from runtime.tensor.shard_pass import StageSharding
 
     return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
@@ -152,7 +152,7 @@ class StepStats:
     segments: int
     overruns: int
     flops: float = 0.0              # FLOPs of the step's compute segments (what the monitor divides by time)
-    approximate: bool = False       # the step ran with ZERO-resizing (runtime.rebalance policies semi/resize)
+    approximate: bool = False       # the step ran with ZERO-resizing (runtime.balance.rebalance policies semi/resize)
     plan_version: int = 0           # how many re-plans were in force before this step
     skipped: bool = False           # the loss was NaN or inf and on_nonfinite="skip" dropped the update
 
@@ -167,7 +167,7 @@ class Engine:
     model with now; without them the first batch is used. ``timeout_s`` (seconds, positive and
     finite) bounds every collective of the groups the Engine builds, and of the default group when
     the Engine initialises it. ``balance``: dynamic balancing, a policy name (``"exact"``, the
-    default; ``"semi"``, ``"resize"``, ``"off"``) or a :class:`runtime.rebalance.BalanceConfig`.
+    default; ``"semi"``, ``"resize"``, ``"off"``) or a :class:`runtime.balance.rebalance.BalanceConfig`.
 
     ``on_nonfinite``: ``"raise"`` (default) stops at a NaN or inf loss with
     :class:`runtime.guards.NonFiniteLossError` naming the step and the rank, before the optimizer
@@ -274,16 +274,16 @@ class Engine:
 
     @property
     def replans(self) -> list[ReplanEvent]:
-        """Every re-plan so far (:class:`runtime.rebalance.ReplanEvent`), oldest first."""
+        """Every re-plan so far (:class:`runtime.balance.rebalance.ReplanEvent`), oldest first."""
         return self.rebalancer.history
 
     def apply_plan(self, plan: Plan):
         """Switch to ``plan``, a plan of the same workers (rank, device, stage, groups) with other
         amounts of work, at a step boundary (collective: every rank calls it with the same plan).
         Shares change in place; moved layers and re-sized shards move their parameters and
-        optimizer state P2P (:mod:`runtime.state_transfer`). Returns the transfer report, or None
+        optimizer state P2P (:mod:`runtime.balance.state_transfer`). Returns the transfer report, or None
         when nothing had to move."""
-        from runtime.state_transfer import switch_executor
+        from runtime.balance.state_transfer import switch_executor
 
         _check_same_workers(self.plan, plan)
         plan.validate(graphs=self.graphs, cluster=self.cluster)
@@ -306,8 +306,8 @@ class Engine:
     def start_migration(self, compute_plan: Plan) -> None:
         """Run the next steps with ``compute_plan``'s layout (same workers, other shard sizes or
         shares) while the plan in force keeps the parameters and optimizer state
-        (:mod:`runtime.migration`); collective. Replaces a migration already running."""
-        from runtime.migration import MigratingExecutor
+        (:mod:`runtime.balance.migration`); collective. Replaces a migration already running."""
+        from runtime.balance.migration import MigratingExecutor
 
         _check_same_workers(self.plan, compute_plan)
         compute_plan.validate(graphs=self.graphs, cluster=self.cluster)
@@ -319,7 +319,7 @@ class Engine:
 
     def stop_migration(self) -> bool:
         """End a migration (the owners' parameters are current; nothing moves). False if none ran."""
-        from runtime.migration import MigratingExecutor
+        from runtime.balance.migration import MigratingExecutor
 
         if not isinstance(self.executor, MigratingExecutor):
             return False
@@ -364,7 +364,7 @@ class Engine:
         """Capture the model, check the plan was made for it, and build the executor (once)."""
         if self.executor is not None:
             return
-        from whalelike.capture import capture
+        from whalelike.graphs.capture import capture
 
         graphs = capture(self.model, example_inputs)
         self.plan.validate(graphs=graphs, cluster=self.cluster)
@@ -426,7 +426,7 @@ class Engine:
             self._warned_overrun = True
             log.warning("rank %d, step %d: %d of %d compute segments took longer than modeled (worst %.1fx); "
                         "the emulated speeds are distorted: lower emulation.base_gflops by at least that "
-                        "factor (runtime.emulation.calibrate)", self.rank, self.step, stats.overruns,
+                        "factor (runtime.emulation.compute.calibrate)", self.rank, self.step, stats.overruns,
                         stats.segments, em.worst_overrun)
         return stats
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from whalelike.cluster import Cluster, Device, Network
 from whalelike.strategy import Strategy, replicate
-from whalelike.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 
 FP32 = 4
 

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 import planner
 import whalelike as wl
 from planner.api import MAX_MICRO_BATCHES, divisors
-from planner.cost_model import UNBOUNDED_SAMPLES, StageCost
-from planner.data_parallel import DoesNotFit, Slot, balance_memory, balanced_shares, proportional_shares
-from planner.partition import PartitionProblem, partition
-from planner.partition import Slot as StageSlot
-from planner.partition_ilp import cbc_path
+from planner.devices.cost_model import UNBOUNDED_SAMPLES, StageCost
+from planner.shares.batch_shares import DoesNotFit, Slot, balance_memory, balanced_shares, proportional_shares
+from planner.partition.solve import PartitionProblem, partition
+from planner.partition.solve import Slot as StageSlot
+from planner.partition.ilp import cbc_path
 from planner.plan import PlanError
-from planner.tensor_parallel import split_dimension
+from planner.shares.shard_sizes import split_dimension
 from whalelike import AnnotationError, CaptureError, Cluster, Config, Device, Network
 from whalelike.cli import main
 
@@ -269,7 +269,7 @@ def test_annotate_replace_is_the_explicit_override():
 
 # -- 6. PuLP's deprecated PULP_CBC_CMD -------------------------------------------------------------
 def test_ilp_partitioner_raises_no_deprecation_warning():
-    from planner.partition import LayerCost, Link
+    from planner.partition.solve import LayerCost, Link
 
     layers = [LayerCost(f"l{i}", 1e9 * (1 + i % 3), 2e9, 1e8, 3e8, 1e6, 1e5) for i in range(8)]
     slots = [StageSlot.data_parallel("fast", [100e12], [16 * 2**30]),
@@ -287,7 +287,7 @@ def test_ilp_without_any_cbc_binary_is_a_clear_error(monkeypatch):
     import pulp
 
     monkeypatch.setitem(sys.modules, "cbcbox", None)   # `import cbcbox` raises ImportError
-    monkeypatch.setattr("planner.partition_ilp.shutil.which", lambda name: None)
+    monkeypatch.setattr("planner.partition.ilp.shutil.which", lambda name: None)
     monkeypatch.setattr(pulp.apis.coin_api, "pulp_cbc_path", "/nonexistent/cbc", raising=False)
     with pytest.raises(PlanError, match=r"the ILP partitioner needs the CBC solver .*`pip install 'pulp\[cbc\]'`, "
                                         r"or use solver='greedy'"):

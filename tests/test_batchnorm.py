@@ -1,5 +1,5 @@
 """BatchNorm under ``replicate``: the plan-time warning, and synchronised statistics exact against
-a single-process reference (``runtime.batchnorm``).
+a single-process reference (``runtime.parallel.sync_batchnorm``).
 
 In-process: capture records the BatchNorms a layer runs in training mode (fx leaves and the
 ``aten.batch_norm`` of an export capture), the plan keeps them per stage, and ``Plan.summary()``
@@ -38,7 +38,7 @@ from dist_utils import run_ranks
 from planner.plan import Plan
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.cluster import Cluster
-from whalelike.taskgraph import TaskGraphs
+from whalelike.graphs.taskgraph import TaskGraphs
 
 GLOBAL_BATCH, STEPS, CLASSES = 16, 3, 10
 RESNET = "resnet"
@@ -117,7 +117,7 @@ def test_capture_records_training_batchnorms_per_layer():
 
 
 def test_batchnorm_warning_text(caplog, tmp_path):
-    with caplog.at_level(logging.WARNING, logger="planner.batchnorm"):
+    with caplog.at_level(logging.WARNING, logger="planner.shares.batchnorm_statistics"):
         plan = _plan("cnn", sync=False)
     [first, second] = [s for s in plan.stages]
     assert first.batchnorm == ["bn1"] and second.batchnorm == ["bn2"]
@@ -129,7 +129,7 @@ def test_batchnorm_warning_text(caplog, tmp_path):
     assert expected in caplog.messages and len(caplog.messages) == 2
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="planner.batchnorm"):
+    with caplog.at_level(logging.WARNING, logger="planner.shares.batchnorm_statistics"):
         synced = _plan("cnn", sync=True)
     assert synced.sync_batchnorm and not caplog.messages and "warning" not in synced.summary()
     micro = _plan("cnn", sync=True, num_micro_batch=2)
@@ -155,7 +155,7 @@ def test_batchnorm_warning_text(caplog, tmp_path):
 def _check_sync_function(rank: int) -> None:
     """sync_batch_norm on uneven per-rank batches (one empty) equals F.batch_norm on their union, called
     directly and as the ``aten.batch_norm`` of an exported BatchNorm1d that synchronise_batchnorm swapped."""
-    from runtime.batchnorm import BatchNormOp, sync_batch_norm, synchronise_batchnorm
+    from runtime.parallel.sync_batchnorm import BatchNormOp, sync_batch_norm, synchronise_batchnorm
 
     sizes = [5, 3, 0, 2]
     g = torch.Generator().manual_seed(3)

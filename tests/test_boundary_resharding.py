@@ -1,4 +1,4 @@
-"""Stage boundaries as cross-mesh reshardings (runtime.boundaries), exact against one process.
+"""Stage boundaries as cross-mesh reshardings (runtime.parallel.boundaries), exact against one process.
 
 Four ranks on two hosts (ranks 0-1 on host ``a``, 2-3 on ``b``), trained through ``runtime.Engine``
 for 3 steps against the single-process reference (same weights, same data, float64 losses and

@@ -30,7 +30,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, train_reference
-from whalelike.capture import capture
+from whalelike.graphs.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
 
 WIDTH, BATCH, STEPS, SAVE_AT, RESAVE_AT, VOCAB = 16, 12, 8, 3, 6, 20

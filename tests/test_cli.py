@@ -186,7 +186,7 @@ def scoped_model(tmp_path_factory) -> str:
 
 
 def test_inspect_prints_the_table_or_json(capsys, scoped_model):
-    from whalelike.capture import capture
+    from whalelike.graphs.capture import capture
 
     wl = load_workload(scoped_model)
     graphs = capture(wl.model, wl.example_args, optimizer="sgd")

@@ -76,7 +76,7 @@ def test_required_presets_exist_with_the_papers_device_counts():
 def test_emulated_presets_spec_sheets_predict_the_emulated_speed(name, speeds, memories):
     """The planner reads only the spec sheet (peak TFLOPS at its default efficiency); for the
     emulated presets that must come out as the speed the emulator really models."""
-    from planner.cost_model import device_tflops
+    from planner.devices.cost_model import device_tflops
 
     cluster = Cluster.preset(name)
     assert [d.emulated_speed for d in cluster.devices] == speeds

@@ -28,8 +28,8 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
-from runtime.rebalance import BalanceConfig
-from whalelike.capture import capture
+from runtime.balance.rebalance import BalanceConfig
+from whalelike.graphs.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler
 from whalelike.errors import SpecError
 

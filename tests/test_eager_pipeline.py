@@ -23,9 +23,9 @@ from torch.testing import assert_close
 
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, train_reference
-from runtime.emulation import Emulator
+from runtime.emulation.compute import Emulator
 from runtime.groups import group_ranks
-from runtime.pipeline import PipelineExecutor
+from runtime.parallel.pipeline import PipelineExecutor
 from test_pipeline import CLASSES, DIN, THREE_STAGES, TWO_STAGES, SkipNet, _cut, _plan
 from whalelike.cluster import Emulation
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from runtime.emulation import EmulationStats, Emulator, calibrate
+from runtime.emulation.compute import EmulationStats, Emulator, calibrate
 from whalelike.cluster import Emulation, Straggler
 
 

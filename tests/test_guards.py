@@ -34,7 +34,7 @@ from reference import train_reference
 from runtime import Engine, Share
 from runtime.guards import BatchMismatchError, NonFiniteLossError, fingerprint
 from test_runtime_dp import CLASSES, Net, batches, make_cluster, make_plan
-from whalelike.capture import capture
+from whalelike.graphs.capture import capture
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
 

@@ -1,4 +1,4 @@
-"""planner.layout.SampleLayout: the one owner of which rank processes which samples.
+"""planner.shares.layout.SampleLayout: the one owner of which rank processes which samples.
 
 In process: the layout of hand-made plans (uneven shares with per-rank accumulation, replicas
 listed out of rank order, a straddling pipeline, tensor-parallel slots, a hybrid) and of
@@ -29,12 +29,12 @@ from torch.testing import assert_close
 
 import planner
 from dist_utils import run_ranks
-from planner.layout import SampleLayout, proportional_split
+from planner.shares.layout import SampleLayout, proportional_split
 from planner.plan import Plan, PlanError, Prediction, StagePlan, Worker
 from reference import OPTIMIZERS, train_reference
 from runtime.data import UnevenSampler
 from runtime.groups import group_ranks
-from runtime.pipeline import sample_ranges
+from runtime.parallel.pipeline import sample_ranges
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Config, replicate, split
 from whalelike.strategy import Strategy
@@ -253,7 +253,7 @@ class Net(nn.Module):
 
 
 def _dp_plan(model: nn.Module, micro_batch_sizes: list[list[int]]) -> Plan:
-    from whalelike.capture import capture
+    from whalelike.graphs.capture import capture
 
     graphs = capture(model, (torch.randn(2, DIN, dtype=torch.float64),))
     return Plan(model_fingerprint=graphs.fingerprint, cluster="layout-2", global_batch_size=8,

@@ -1,4 +1,4 @@
-"""Network emulation (runtime.network_emulation): transfers padded to their modeled time, NICs shared.
+"""Network emulation (runtime.emulation.network): transfers padded to their modeled time, NICs shared.
 
 One spawn of 4 gloo ranks on an emulated cluster of three hosts: A holds ranks 0 and 1, B rank 2,
 C rank 3. Modeled times are ~50-200 ms, so scheduling noise is small next to them; each padded
@@ -19,18 +19,18 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
-from planner.network import NetworkError, NetworkModel
+from planner.devices.network import NetworkError, NetworkModel
 from whalelike.cluster import Emulation
 import torch.fx as fx
 import torch.nn.functional as F
 
 import test_pipeline as pipeline_case
-from runtime.data_parallel import wrap_ddp
+from runtime.parallel.data_parallel import wrap_ddp
 from runtime.groups import group_ranks
-from runtime.pipeline import PipelineExecutor
-from runtime.emulation import Emulator
-from runtime.network_emulation import LEDGER_ENV, NetworkEmulationError, NetworkEmulator, price_group
-from runtime.tp_layers import reduce_from_region
+from runtime.parallel.pipeline import PipelineExecutor
+from runtime.emulation.compute import Emulator
+from runtime.emulation.network import LEDGER_ENV, NetworkEmulationError, NetworkEmulator, price_group
+from runtime.tensor.layers import reduce_from_region
 
 MB = 1_000_000                       # bytes per message: 125,000 float64
 INTER_GBPS, INTRA_GBPS, LATENCY_US = 0.01, 0.02, 1000.0   # 1 MB: 101 ms between hosts, 51 ms inside one
@@ -144,7 +144,7 @@ def _pipeline(rank: int, ledger_root: str) -> dict:
 
 
 def _tensor_parallel(network: NetworkEmulator, rank: int) -> dict:
-    """A tensor-parallel all-reduce (runtime.tp_layers' region op) between hosts A and B (ranks 0
+    """A tensor-parallel all-reduce (runtime.tensor.layers' region op) between hosts A and B (ranks 0
     and 2) on a priced group: the real sum, padded to the ring's modeled time."""
     group = dist.new_group([0, 2])   # every rank creates every group
     if rank not in (0, 2):

@@ -1,11 +1,11 @@
-"""planner.network against closed-form link, queueing and ring-collective times."""
+"""planner.devices.network against closed-form link, queueing and ring-collective times."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from planner.network import (INTER_HOST, INTRA_HOST, SAME_DEVICE, NetworkError, NetworkModel, Transfer)
+from planner.devices.network import (INTER_HOST, INTRA_HOST, SAME_DEVICE, NetworkError, NetworkModel, Transfer)
 from whalelike.cluster import Cluster
 from whalelike.errors import SpecError
 
@@ -122,7 +122,7 @@ def test_an_interleaved_ring_shares_each_nic_between_its_hops():
 
 
 def test_of_cluster_agrees_with_the_cost_model_on_a_preset():
-    from planner.cost_model import CommModel
+    from planner.devices.cost_model import CommModel
 
     cluster = Cluster.preset("whale-v100-p100")
     net = NetworkModel.of_cluster(cluster)

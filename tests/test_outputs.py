@@ -243,7 +243,7 @@ def test_simulate_checks_extensions_before_simulating(capsys, plan_file, tmp_pat
 
 
 def test_writers_check_their_extension(tmp_path):
-    from planner.timeline import write_chrome_trace, write_png
+    from planner.schedule.timeline import write_chrome_trace, write_png
     from test_simulator import chain_plan
 
     plan = chain_plan([(1.0, 2.0)], 2)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost_model import StageCost
-from planner.partition import (
+from planner.devices.cost_model import StageCost
+from planner.partition.solve import (
     DeviceMemory, LayerCost, Link, Partition, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition,
 )
 from planner.plan import PlanError

@@ -21,16 +21,16 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
-from planner.layout import SampleLayout
+from planner.shares.layout import SampleLayout
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.resharding import plan_resharding
-from planner.resharding_spec import stage_output_spec
-from runtime.boundaries import default_network
-from runtime.emulation import Emulator
+from planner.resharding.reshard import plan_resharding
+from planner.resharding.spec import stage_output_spec
+from runtime.parallel.boundaries import default_network
+from runtime.emulation.compute import Emulator
 from runtime.groups import group_ranks
-from runtime.pipeline import PipelineExecutor, sample_ranges
-from runtime.stages import ModelInput, StageSplitError, split_stages
-from runtime.tied import find_ties
+from runtime.parallel.pipeline import PipelineExecutor, sample_ranges
+from runtime.parallel.stage_split import ModelInput, StageSplitError, split_stages
+from runtime.parallel.tied_weights import find_ties
 from whalelike.cluster import Emulation
 
 DIN, HIDDEN, CLASSES = 8, 16, 4
@@ -243,7 +243,7 @@ def test_sample_layout_and_boundary_transfers():
     plan = _plan("1f1b", SCENARIOS["straddling-2x2"][2])
     ranges = sample_ranges(plan)
     assert ranges == {0: [(0, 1), (4, 7)], 1: [(1, 4), (7, 8)], 2: [(0, 2), (4, 6)], 3: [(2, 4), (6, 8)]}
-    # micro-batch 0 crossing from stage 0 (ranks 0, 1) to stage 1 (ranks 2, 3), as runtime.boundaries plans it:
+    # micro-batch 0 crossing from stage 0 (ranks 0, 1) to stage 1 (ranks 2, 3), as runtime.parallel.boundaries plans it:
     # rank 2 needs [0, 2): [0, 1) from rank 0 and [1, 2) from rank 1; rank 3 needs [2, 4): all from rank 1
     layout = SampleLayout.of(plan)
     src, dst = (stage_output_spec(plan, layout, stage, 0, (4,)) for stage in (0, 1))

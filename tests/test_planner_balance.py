@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.data_parallel import (
+from planner.shares.batch_shares import (
     DoesNotFit, Slot, accumulation_sizes, balance_memory, balanced_shares, proportional_shares,
 )
-from planner.tensor_parallel import even_layout, granularity, shard_layout, split_dimension
+from planner.shares.shard_sizes import even_layout, granularity, shard_layout, split_dimension
 
 speeds_st = st.lists(st.floats(min_value=0.1, max_value=100.0), min_size=1, max_size=12)
 

@@ -164,7 +164,7 @@ def test_stages_exchange_devices_when_that_is_faster():
     leave the head on the slowest device once the partitioner has moved the middle stage's layers
     forward; the swap search gives it a faster one, and never predicts worse than either rule."""
     from planner.api import _aware_plan
-    from planner.virtual_devices import PLACEMENTS, build_layout
+    from planner.devices.placement import PLACEMENTS, build_layout
 
     graphs = synthetic_model(7, [replicate(), replicate(), split(1)], layers_per_graph=[3, 3, 1], hidden=256, seq=32)
     cluster = synthetic_cluster([(2, 10.0, 16), (1, 5.0, 16), (1, 2.5, 16)], per_host=4)
@@ -180,10 +180,10 @@ def test_stages_exchange_devices_when_that_is_faster():
 
 def test_summary_shows_the_resharding_of_each_boundary():
     """Given the cluster, the summary prints each boundary's resharding (strategy, unit tasks,
-    predicted time, lower bound, send/recv) as planner.resharding.boundary_resharding plans it."""
+    predicted time, lower bound, send/recv) as planner.resharding.reshard.boundary_resharding plans it."""
     import re
 
-    from planner.resharding import boundary_resharding
+    from planner.resharding.reshard import boundary_resharding
     from planner.summary import plan_summary
 
     graphs = synthetic_model(6, [replicate(), split(), replicate()], hidden=256, seq=32)
@@ -212,7 +212,7 @@ def test_summary_shows_the_resharding_of_each_boundary():
 def test_the_plans_resharding_strategy_prices_its_boundaries(strategy):
     """Config.resharding reaches the plan, its summary and its boundary times: the boundary is
     planned under that strategy only."""
-    from planner.resharding import boundary_resharding
+    from planner.resharding.reshard import boundary_resharding
 
     graphs = synthetic_model(6, [replicate(), split(), replicate()], hidden=256, seq=32)
     cluster = synthetic_cluster([(4, 20.0, 32), (4, 10.0, 32)], per_host=4)

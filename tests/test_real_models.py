@@ -118,7 +118,7 @@ def test_a_model_returning_its_key_value_cache_gets_the_fix_named():
 def test_a_stage_holding_a_tied_copy_counts_its_memory():
     """GPT-2's lm_head owns no parameter (it reads transformer.wte.weight), but the stage that
     holds it holds a copy of that matrix, its gradient and its optimizer state."""
-    from planner.cost_model import StageCost
+    from planner.devices.cost_model import StageCost
 
     real = build("gpt2")
     inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))

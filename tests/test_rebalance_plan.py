@@ -1,4 +1,4 @@
-"""Re-planning from measured speeds (planner.rebalance): shares, layer moves and shard sizes follow
+"""Re-planning from measured speeds (planner.balance.replan): shares, layer moves and shard sizes follow
 the speeds, the device mapping never changes, bad input is a clear error, memory limits keep the
 plan in force's values. Single process, pure."""
 import dataclasses
@@ -7,17 +7,17 @@ import math
 import pytest
 
 import planner
-import planner.rebalance as rebalance_module
+import planner.balance.replan as rebalance_module
 from planner import PlanError
-from planner.cost_model import GIB, StageCost
-from planner.data_parallel import proportional_shares
-from planner.rebalance import (
+from planner.devices.cost_model import GIB, StageCost
+from planner.shares.batch_shares import proportional_shares
+from planner.balance.replan import (
     MAPPING, LayerMove, PlanChanges, measured_cluster, plan_changes, plan_layout, rebalance, replan,
 )
 from whalelike import Config, replicate, split
 from whalelike.strategy import Strategy
-from whalelike.shard_groups import ShardGroup, ShardMember
-from whalelike.taskgraph import TaskGraphs
+from whalelike.sharding.groups import ShardGroup, ShardMember
+from whalelike.graphs.taskgraph import TaskGraphs
 
 from synthetic import bert_large, synthetic_cluster, synthetic_model
 

@@ -1,4 +1,4 @@
-"""planner.resharding: cross-mesh resharding plans (seed paper 001, sections 2.2-3), in process.
+"""planner.resharding.reshard: cross-mesh resharding plans (seed paper 001, sections 2.2-3), in process.
 
 Invariants on every plan (hand-made cases and hypothesis over random meshes and specs, uneven and
 padded): every destination device ends up with exactly its box (each entry once, from a device
@@ -16,16 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.layout import SampleLayout
+from planner.shares.layout import SampleLayout
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.network import NetworkError, NetworkModel
+from planner.devices.network import NetworkError, NetworkModel
 from planner.plan import BoundaryPlan
-from planner.resharding import (BOUNDARY_MAX_NODES, STRATEGIES, ReshardingError, ShardingSpec, boundary_resharding,
+from planner.resharding.reshard import (BOUNDARY_MAX_NODES, STRATEGIES, ReshardingError, ShardingSpec, boundary_resharding,
                                 plan_resharding)
-from planner.resharding_cost import transfers
-from planner.resharding_schedule import best_schedule
-from planner.resharding_spec import box_size, padded_sizes, stage_output_spec
-from planner.resharding_tasks import unit_tasks
+from planner.resharding.cost import transfers
+from planner.resharding.order import best_schedule
+from planner.resharding.spec import box_size, padded_sizes, stage_output_spec
+from planner.resharding.tasks import unit_tasks
 from whalelike.cluster import Cluster, Device, Network
 
 HOSTS = ("h0", "h1", "h2", "h3")

@@ -1,4 +1,4 @@
-"""runtime.resharding: cross-mesh resharding plans executed on gloo ranks, exact.
+"""runtime.parallel.resharding: cross-mesh resharding plans executed on gloo ranks, exact.
 
 The paper's microbenchmark cases (seed paper 001) on meshes of 2 emulated hosts x 2 devices: one
 sender host feeding a replicated destination on two hosts, both sender hosts usable, sharded to
@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from planner.layout import SampleLayout
-from planner.network import NetworkModel
+from planner.shares.layout import SampleLayout
+from planner.devices.network import NetworkModel
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.resharding import ShardingSpec, plan_resharding
-from planner.resharding_spec import padded_sizes, stage_output_spec
-from runtime.network_emulation import NetworkEmulator
-from runtime.resharding import ReshardingRuntimeError, byte_rows, compile_resharding, device_ranks
+from planner.resharding.reshard import ShardingSpec, plan_resharding
+from planner.resharding.spec import padded_sizes, stage_output_spec
+from runtime.emulation.network import NetworkEmulator
+from runtime.parallel.resharding import ReshardingRuntimeError, byte_rows, compile_resharding, device_ranks
 
 SHAPE = (8, 6, 10)   # 480 float64 entries: small, but cut unevenly into parts and chunks
 HOSTS = ("a", "b", "c", "d", "h0", "h1")
@@ -92,7 +92,7 @@ def cases():
             for s in ("auto", "broadcast", "allgather", "send_recv")]
     out.append(_case("shared devices, one host -> replicated, broadcast", shared_one_host, shared_replicated,
                      "broadcast", 0))
-    # the form planner.resharding.boundary_resharding plans: rows of bytes (itemsize 1); the
+    # the form planner.resharding.reshard.boundary_resharding plans: rows of bytes (itemsize 1); the
     # runtime moves the float64 tensors through uint8 views of their rows
     row_bytes = prod(SHAPE[1:]) * 8
     out.append(_case("byte rows, uneven -> replicated, auto",

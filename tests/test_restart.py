@@ -26,7 +26,7 @@ import torch
 
 import planner
 import whalelike as wl
-from whalelike.capture import capture
+from whalelike.graphs.capture import capture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

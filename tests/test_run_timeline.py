@@ -1,13 +1,13 @@
-"""Pictures of a run (runtime/run_timeline.py): step times per rank and the re-plan events, drawn
+"""Pictures of a run (runtime/balance/run_timeline.py): step times per rank and the re-plan events, drawn
 from real StepStats and ReplanEvents, as a PNG and a Chrome trace (in one process)."""
 from __future__ import annotations
 
 import json
 
 from runtime.engine import StepStats
-from runtime.rebalance import ReplanEvent
-from runtime.run_timeline import RunRecord, write_run_png, write_run_trace
-from runtime.straggler_monitor import SpeedChange
+from runtime.balance.rebalance import ReplanEvent
+from runtime.balance.run_timeline import RunRecord, write_run_png, write_run_trace
+from runtime.balance.straggler_monitor import SpeedChange
 
 
 def _record() -> RunRecord:

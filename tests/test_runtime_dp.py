@@ -27,7 +27,7 @@ from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from runtime import Engine, UnevenLoader, UnevenSampler
 from runtime.data import proportional_split
-from whalelike.capture import capture
+from whalelike.graphs.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
 
 WORLD = 4

@@ -32,7 +32,7 @@ import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
-from whalelike.capture import capture
+from whalelike.graphs.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
 
 WORLD = 4
@@ -198,7 +198,7 @@ def test_split_through_the_engine_matches_single_process():
 def test_tensor_parallel_slots_share_their_samples():
     """Every member of a tensor-parallel group covers the same samples; the slots of a stage cover
     each micro-batch exactly once, in the same order for every stage."""
-    from runtime.pipeline import sample_ranges
+    from runtime.parallel.pipeline import sample_ranges
 
     for name in ("split-in-replicate", "hybrid-1f1b", "split-first"):
         make_model, schedule, stages, workers, _ = SCENARIOS[name]

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.schedule import SCHEDULES, Action, build_schedule, gradient_accumulation, max_in_flight
-from planner.validate import DeadlockError, ScheduleError, Wait, validate, validate_schedule
+from planner.schedule.actions import SCHEDULES, Action, build_schedule, gradient_accumulation, max_in_flight
+from planner.schedule.deadlock import DeadlockError, ScheduleError, Wait, validate, validate_schedule
 
 
 def parse(text: str) -> list[list[Action]]:

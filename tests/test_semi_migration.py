@@ -1,10 +1,10 @@
-"""FlexTP's decisions (planner/semi_migration.py) on worked examples computed by hand in each test:
+"""FlexTP's decisions (planner/balance/semi_migration.py) on worked examples computed by hand in each test:
 Eq. (1) against T_avg and T_min, Eq. (2)'s beta, Eq. (3)'s f(x) and Algorithm 2's branches."""
 from __future__ import annotations
 
 import pytest
 
-from planner.semi_migration import (LinearCost, PiecewiseLinearCost, SemiCosts, migration_gain, pruning_ratio,
+from planner.balance.semi_migration import (LinearCost, PiecewiseLinearCost, SemiCosts, migration_gain, pruning_ratio,
                                     pruning_ratios, resize_decision, semi_decision, solve_beta, unresized)
 from whalelike.errors import WhaleError
 

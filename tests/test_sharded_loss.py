@@ -1,4 +1,4 @@
-"""The class-sharded head under the cross-entropy users actually write (``runtime.sharded_loss``).
+"""The class-sharded head under the cross-entropy users actually write (``runtime.tensor.sharded_loss``).
 
 Unit tests (one process): the loss analysis recognises ``F.cross_entropy`` inside lambdas and
 functions, on reshaped or shifted (``logits[:, :-1]``) logits and on a leaf of a ``ModelOutput``/dict/tuple, with its
@@ -29,7 +29,7 @@ import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
-from runtime.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
+from runtime.tensor.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
                                   recognise_cross_entropy)
 from whalelike.cluster import Cluster, Device, Network
 
@@ -240,7 +240,7 @@ def test_the_head_is_the_leaf_the_loss_reads(caplog):
     lm = choose_classifier(gm, heads, lambda out, y: F.cross_entropy(out["logits"].flatten(0, 1), y.flatten()))
     aux = choose_classifier(gm, heads, lambda out, y: F.cross_entropy(out["aux"], y))
     assert (lm.node.target, aux.node.target) == ("head", "aux")
-    with caplog.at_level(logging.INFO, logger="runtime.sharded_loss"):
+    with caplog.at_level(logging.INFO, logger="runtime.tensor.sharded_loss"):
         smoothed = lambda out, y: F.cross_entropy(out["aux"], y, label_smoothing=0.2)  # noqa: E731
         assert choose_classifier(gm, heads, smoothed, path=lambda n: n.target) is None
     assert "split head 'head', 'aux' gathers its logits" in caplog.text and "label smoothing" in caplog.text

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.gradient_buckets import fill_buckets, gradient_buckets
+from planner.schedule.gradient_buckets import fill_buckets, gradient_buckets
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
-from planner.schedule import SCHEDULES
-from planner.simulator import GradientBucket, simulate
-from planner.validate import ScheduleError
+from planner.schedule.actions import SCHEDULES
+from planner.schedule.simulator import GradientBucket, simulate
+from planner.schedule.deadlock import ScheduleError
 
 
 def worker(rank, stage, fwd, bwd, *, replica=0, dp=0, tp=0, tp_size=1, allreduce=0.0) -> Worker:
@@ -343,12 +343,12 @@ def test_fill_buckets_follows_ddp_caps_and_keeps_every_byte():
 
 def test_gradient_buckets_of_a_planned_model_carry_its_gradients_and_shorten_the_step():
     """Data parallel over two hosts of a synthetic cluster: the buckets carry every gradient byte,
-    in reverse layer order, each priced as a ring all-reduce by planner.network; overlapping them
+    in reverse layer order, each priced as a ring all-reduce by planner.devices.network; overlapping them
     with the backward makes the step shorter than all-reducing after it, and no shorter than the
     compute or the all-reduces alone."""
     from planner import plan as make
-    from planner.cost_model import StageCost
-    from planner.network import NetworkModel
+    from planner.devices.cost_model import StageCost
+    from planner.devices.network import NetworkModel
     from synthetic import synthetic_cluster, synthetic_model
     from whalelike import Config, replicate
 
@@ -373,7 +373,7 @@ def test_gradient_buckets_of_a_split_stage_carry_each_shard():
     """replicate(2) of split(2): each tensor-parallel index all-reduces its own shard of the gradients
     with its data-parallel peer in the other replica."""
     from planner import plan as make
-    from planner.cost_model import StageCost
+    from planner.devices.cost_model import StageCost
     from synthetic import synthetic_cluster, synthetic_model
     from whalelike import Config, split
 

@@ -7,15 +7,15 @@ import pytest
 
 import planner
 from planner.assemble import predict
-from planner.boundary_traffic import BACKWARD, FORWARD, plan_traffic
-from planner.cost_model import CommModel
-from planner.gradient_buckets import MIB, gradient_buckets, plan_buckets
-from planner.network import NetworkModel
+from planner.schedule.boundary_traffic import BACKWARD, FORWARD, plan_traffic
+from planner.devices.cost_model import CommModel
+from planner.schedule.gradient_buckets import MIB, gradient_buckets, plan_buckets
+from planner.devices.network import NetworkModel
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
-from planner.resharding import boundary_resharding, plan_resharding
-from planner.layout import SampleLayout
-from planner.resharding_spec import stage_output_spec
-from planner.simulator import simulate
+from planner.resharding.reshard import boundary_resharding, plan_resharding
+from planner.shares.layout import SampleLayout
+from planner.resharding.spec import stage_output_spec
+from planner.schedule.simulator import simulate
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Config, replicate
 from whalelike.cluster import Device, Network
@@ -105,7 +105,7 @@ def test_delayed_weight_gradients_send_after_the_input_half():
 
 def test_ddp_buckets_are_ready_at_their_byte_share_as_the_runtime_models_them():
     """51 MiB of gradients: DDP's buckets of 1, 25 and 25 MiB, ready after 1/51, 26/51 and all of
-    the backward (runtime.data_parallel._emulate_overlap), each a ring all-reduce."""
+    the backward (runtime.parallel.data_parallel._emulate_overlap), each a ring all-reduce."""
     workers = [worker(r, f"a{r}", "AB"[r], 0, [1], dp=r) for r in range(2)]
     for w in workers:
         w.gradient_bytes = 51 * MIB

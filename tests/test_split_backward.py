@@ -1,4 +1,4 @@
-"""runtime.split_backward: the input half then the weight half equal one plain backward (float64).
+"""runtime.parallel.split_backward: the input half then the weight half equal one plain backward (float64).
 
 Each case builds a stage-like computation (received tensors -> roots), runs plain
 ``torch.autograd.backward`` on one copy and the split backward on an identical copy, and compares
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.testing import assert_close
 
-from runtime.split_backward import backward_inputs
+from runtime.parallel.split_backward import backward_inputs
 
 
 

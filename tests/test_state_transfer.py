@@ -1,5 +1,5 @@
-"""Moving training state between the executors of two plans (``planner.state_moves``,
-``runtime.state_transfer``).
+"""Moving training state between the executors of two plans (``planner.balance.state_moves``,
+``runtime.balance.state_transfer``).
 
 Pure: :func:`plan_moves` keeps what a rank holds local, moves exactly the missing pieces (uneven
 and fused q/k/v shards), spreads the sending over holders, and names the tensor and piece that no
@@ -38,7 +38,7 @@ import whalelike as wl
 from blocks import FxBlock
 from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.state_moves import Move, Slab, StateMoveError, plan_moves
+from planner.balance.state_moves import Move, Slab, StateMoveError, plan_moves
 from reference import OPTIMIZERS, train_reference
 from whalelike.cluster import Cluster
 
@@ -114,8 +114,8 @@ def test_plan_errors_name_the_tensor_the_piece_and_the_fix():
 
 
 def test_slabs_of_parallel_layers_come_from_their_own_slicing():
-    from runtime.state_transfer import parallel_slab
-    from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+    from runtime.balance.state_transfer import parallel_slab
+    from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     fused = ColumnParallelLinear(nn.Linear(5, 12), [9, 3], 0, gather_output=False, pieces=3)
     assert parallel_slab(fused, "weight") == Slab((12, 5), 0, [(0, 3), (4, 7), (8, 11)])
@@ -263,8 +263,8 @@ def _hooks(model: nn.Module) -> int:
 def _switch(rank: int, name: str, opt: str) -> dict:
     from runtime import Engine, register_executor
     from runtime.engine import _BUILDERS, plan_kind
-    from runtime.state_transfer import switch_executor
-    from runtime.tp_layers import _ParallelLinear
+    from runtime.balance.state_transfer import switch_executor
+    from runtime.tensor.layers import _ParallelLinear
 
     model, before, after, moved, loss_fn = _scenario(name)
     data = _data(model)

@@ -11,8 +11,8 @@ import pytest
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
-from runtime.emulation import Emulator
-from runtime.straggler_monitor import Measured, SpeedChange, StragglerMonitor
+from runtime.emulation.compute import Emulator
+from runtime.balance.straggler_monitor import Measured, SpeedChange, StragglerMonitor
 from whalelike.cluster import Emulation, Straggler, round_robin_stragglers
 from whalelike.errors import SpecError
 
@@ -108,7 +108,7 @@ def test_passenger_vectors_summed_over_ranks_give_every_rank_all_figures():
     all-reduce computes) read back on any rank is the same Measured an all-gather would give."""
     import torch
 
-    from runtime.straggler_monitor import Passenger
+    from runtime.balance.straggler_monitor import Passenger
 
     monitors = [StragglerMonitor(r, 3, window=1) for r in range(3)]
     for r, m in enumerate(monitors):

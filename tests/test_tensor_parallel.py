@@ -20,11 +20,11 @@ from dist_utils import run_ranks
 from torch.testing import assert_close
 
 import whalelike as wl
-from runtime.emulation import Emulator
-from runtime.stages import split_stages
-from runtime.tensor_parallel import (full_state_dict, load_full_state_dict, original_module_paths,
+from runtime.emulation.compute import Emulator
+from runtime.parallel.stage_split import split_stages
+from runtime.tensor.shard_pass import (full_state_dict, load_full_state_dict, original_module_paths,
                                      pad_plain_linears, shard_module, split_taskgraphs)
-from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
+from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
 
@@ -98,7 +98,7 @@ def _check_lone(rank, group, emulator, make_opt):
 
 
 def _check_classifier(rank, group, emulator, make_opt):
-    from runtime.tensor_parallel import ShardedLoss
+    from runtime.tensor.shard_pass import ShardedLoss
 
     torch.manual_seed(5)
     ref = nn.Sequential(nn.Linear(DIN, 16), nn.ReLU(), nn.Linear(16, 11))

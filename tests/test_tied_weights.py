@@ -1,4 +1,4 @@
-"""Tied weights across pipeline stages (``runtime.tied``) against a single-process reference.
+"""Tied weights across pipeline stages (``runtime.parallel.tied_weights``) against a single-process reference.
 
 One 4-rank gloo spawn. A small language model whose output projection *is* its input embedding
 (``lm_head.weight = wte.weight``, as GPT-2 ties them) is planned by ``planner.plan`` onto
@@ -32,9 +32,9 @@ from dist_utils import run_ranks
 from planner.plan import Plan, Prediction, StagePlan, Worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime import Engine
-from runtime.pipeline import PipelineExecutor
-from runtime.stages import node_stages_from_plan
-from runtime.tied import TiedParameterError
+from runtime.parallel.pipeline import PipelineExecutor
+from runtime.parallel.stage_split import node_stages_from_plan
+from runtime.parallel.tied_weights import TiedParameterError
 from whalelike.cluster import Cluster
 
 VOCAB, DIM, POSITIONS = 32, 16, 6

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from planner.simulator import simulate
-from planner.timeline import busiest_workers, write_chrome_trace, write_png
+from planner.schedule.simulator import simulate
+from planner.schedule.timeline import busiest_workers, write_chrome_trace, write_png
 from test_simulator import chain_plan, make_plan, worker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,7 +64,7 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
         f.write('{"traceEvents": [')
         raise OSError("disk full")
 
-    monkeypatch.setattr("planner.timeline.json.dump", dump_half)
+    monkeypatch.setattr("planner.schedule.timeline.json.dump", dump_half)
     with pytest.raises(OSError, match="disk full"):
         write_chrome_trace(plan, tmp_path / "x.json")
     assert list(tmp_path.iterdir()) == []

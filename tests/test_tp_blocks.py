@@ -20,10 +20,10 @@ from blocks import FxBlock
 from hf_models import TRANSFORMERS
 from planner.plan import PlanError
 from planner.plan_checks import check_plan
-from planner.tensor_parallel import shard_layout
-from whalelike.regions import ATTACHED_META
-from whalelike.shard_groups import ShardGroup, ShardMember
-from whalelike.taskgraph import TaskGraphs
+from planner.shares.shard_sizes import shard_layout
+from whalelike.graphs.regions import ATTACHED_META
+from whalelike.sharding.groups import ShardGroup, ShardMember
+from whalelike.graphs.taskgraph import TaskGraphs
 
 
 def _split_graph(model: nn.Module, pattern: str, example):
@@ -94,7 +94,7 @@ def test_export_graphs_shard_attention_by_heads_and_mlps_by_features(hf_splits):
 
 def test_multi_query_attention_shards_query_heads_and_keeps_key_value_whole():
     from transformers import LlamaConfig, LlamaForCausalLM
-    from whalelike.sharding import analyse_blocks, shard_groups_of
+    from whalelike.sharding.analysis import analyse_blocks, shard_groups_of
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                                          num_key_value_heads=1, intermediate_size=128, vocab_size=256,
@@ -125,7 +125,7 @@ def test_multi_query_attention_shards_query_heads_and_keeps_key_value_whole():
 
 
 def test_grouped_query_attention_with_cuttable_key_value_heads_replicates_nothing(hf_splits):
-    from whalelike.sharding import analyse_blocks
+    from whalelike.sharding.analysis import analyse_blocks
     graphs, split = hf_splits["llama"]
     assert analyse_blocks(graphs.graph_module, _region(graphs, split)).replicated_projections == []
 

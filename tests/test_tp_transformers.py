@@ -23,9 +23,9 @@ import whalelike as wl
 from dist_utils import run_ranks
 from hf_models import TRANSFORMERS, RealModel, lm_loss
 from planner.plan import Plan, Prediction, StagePlan, Worker
-from planner.tensor_parallel import shard_layout
+from planner.shares.shard_sizes import shard_layout
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
-from runtime.tp_layers import _ParallelLinear
+from runtime.tensor.layers import _ParallelLinear
 from whalelike.cluster import Cluster, Device, Network
 
 SPEEDS = [3.0, 1.0]

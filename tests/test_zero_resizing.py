@@ -1,4 +1,4 @@
-"""ZERO-resizing (runtime/zero_resizing.py): dual pruning forward and backward against the masked
+"""ZERO-resizing (runtime/balance/flextp_resizing.py): dual pruning forward and backward against the masked
 dense computation, zero imputation through the lineage, priority selection from weight-change
 statistics, differentiated ratios with alpha, emulated FLOPs; and one 2-rank tensor-parallel MLP
 (column + row, float64, gloo) where rank 1 is resized at gamma = 0.5 for 3 steps with SGD and
@@ -12,9 +12,9 @@ import pytest
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
-from runtime.emulation import Emulator
-from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
-from runtime.zero_resizing import LineageEntry, ZeroResizer, dual_pruned_linear, spread_columns
+from runtime.emulation.compute import Emulator
+from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from runtime.balance.flextp_resizing import LineageEntry, ZeroResizer, dual_pruned_linear, spread_columns
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
 

@@ -3,15 +3,15 @@
 Public face (docs/ARCHITECTURE.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
 ``Cluster``, ``Config``.
 """
-from .annotate import annotate
-from .capture import capture
-from .config import Config
-from .cluster import Cluster, Device, Network
-from .errors import AnnotationError, CaptureError, SpecError, WhaleError
-from .losses import token_cross_entropy
-from .strategy import Strategy, replicate, set_default_strategy, split
-from .workload import Workload
-from .taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+from whalelike.annotate import annotate
+from whalelike.graphs.capture import capture
+from whalelike.config import Config
+from whalelike.cluster import Cluster, Device, Network
+from whalelike.errors import AnnotationError, CaptureError, SpecError, WhaleError
+from whalelike.losses import token_cross_entropy
+from whalelike.strategy import Strategy, replicate, set_default_strategy, split
+from whalelike.workload import Workload
+from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 
 __all__ = [
     "Config", "Cluster", "Device", "Network",

@@ -33,8 +33,8 @@ from typing import Mapping
 
 import torch.nn as nn
 
-from .errors import AnnotationError
-from .strategy import Strategy, _nest, _scope_ids
+from whalelike.errors import AnnotationError
+from whalelike.strategy import Strategy, _nest, _scope_ids
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from .cluster import Cluster
-from .config import OPTIMIZERS, RESHARDING, SCHEDULES, Config
-from .errors import WhaleError, one_line
-from .files import Outputs, check_output_paths
-from .spec import validate
+from whalelike.cluster import Cluster
+from whalelike.config import OPTIMIZERS, RESHARDING, SCHEDULES, Config
+from whalelike.errors import WhaleError, one_line
+from whalelike.files import Outputs, check_output_paths
+from whalelike.spec import validate
 
 log = logging.getLogger("whalelike")
 
@@ -66,7 +66,7 @@ def load_workload(spec: str):
     The file's directory goes on ``sys.path`` first, as when Python runs the file as a script, so
     it may import its neighbours.
     """
-    from .workload import as_workload
+    from whalelike.workload import as_workload
 
     path_text, sep, factory_name = spec.rpartition(":")
     if not sep or not path_text or not factory_name:
@@ -114,7 +114,7 @@ def load_workload(spec: str):
 def capture_workload(args: argparse.Namespace):
     """The TaskGraphs of the command's MODEL, costed for its optimizer."""
     wl = load_workload(args.model)
-    from .capture import capture  # after the factory's checks: they fail fast, capture imports more
+    from whalelike.graphs.capture import capture  # after the factory's checks: they fail fast, capture imports more
 
     with _status(f"capturing {args.model}"):
         graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer)
@@ -168,7 +168,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
     if args.cluster is not None:
         print(Cluster.load(args.cluster).summary())
         return
-    from .display import format_table
+    from whalelike.display import format_table
 
     rows = [[name, Cluster.preset(name).inventory()] for name in Cluster.preset_names()]
     print(format_table(["preset", "devices"], rows, title="built-in clusters (whalelike cluster NAME for details):"))
@@ -178,15 +178,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
     model_file = args.model.rpartition(":")[0] or None
     outputs = _check_outputs(args, PLAN_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster})
     import planner  # after the checks: importing torch takes seconds
-    import planner.timeline
+    import planner.schedule.timeline
 
     cluster = Cluster.load(args.cluster)
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
-               "--timeline": lambda plan, path: planner.timeline.write_png(plan, path, network=cluster),
-               "--trace": lambda plan, path: planner.timeline.write_chrome_trace(plan, path, network=cluster)}
+               "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
+               "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         graphs = capture_workload(args)
@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_simulate(args: argparse.Namespace) -> None:
     outputs = _check_outputs(args, SIMULATE_OUTPUTS, inputs={"PLAN": args.plan, "--cluster": args.cluster})
     import planner  # after the checks: importing torch takes seconds
-    import planner.timeline
+    import planner.schedule.timeline
 
     if not os.path.isfile(args.plan):
         raise WhaleError(f"{args.plan}: no such plan file; make one with `whalelike plan ... -o {args.plan}`")
@@ -215,7 +215,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         if str(e).startswith(args.plan):
             raise
         raise WhaleError(f"{args.plan}: {e}") from e
-    writers = {"--timeline": planner.timeline.write_png, "--trace": planner.timeline.write_chrome_trace}
+    writers = {"--timeline": planner.schedule.timeline.write_png, "--trace": planner.schedule.timeline.write_chrome_trace}
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         result = planner.simulate(plan, network=cluster)   # without a cluster: the plan's timing fields alone

@@ -38,9 +38,9 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Any, Optional, Sequence
 
-from .display import format_table
-from .errors import SpecError
-from .spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
+from whalelike.display import format_table
+from whalelike.errors import SpecError
+from whalelike.spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
 
 PRESET_PACKAGE = "whalelike.presets"
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import SpecError
-from .spec import check_fields, rule
+from whalelike.errors import SpecError
+from whalelike.spec import check_fields, rule
 
 Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
-RESHARDING = ("auto", "broadcast", "allgather", "send_recv")   # planner.resharding_cost.STRATEGIES and "auto"
+RESHARDING = ("auto", "broadcast", "allgather", "send_recv")   # planner.resharding.cost.STRATEGIES and "auto"
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,12 @@ class Config:
     sync_batchnorm:    BatchNorm in training mode takes its batch statistics over each stage's
                        data-parallel group instead of each worker's own samples (the default, as
                        DDP does); exact against one device when ``num_micro_batch == 1``
-                       (``runtime.batchnorm``).
-    resharding:        how values cross stage boundaries (``runtime.boundaries``): ``"auto"`` (the
+                       (``runtime.parallel.sync_batchnorm``).
+    resharding:        how values cross stage boundaries (``runtime.parallel.boundaries``): ``"auto"`` (the
                        planner's fastest per boundary), or always ``"broadcast"``, ``"allgather"`` or
                        ``"send_recv"`` (seed paper 001's strategies).
     delay_weight_gradients: each backward computes its input gradients, sends them, and only then
-                       its weight gradients, so the send overlaps compute (``runtime.split_backward``).
+                       its weight gradients, so the send overlaps compute (``runtime.parallel.split_backward``).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")

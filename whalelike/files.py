@@ -43,7 +43,7 @@ import stat
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from .errors import WhaleError
+from whalelike.errors import WhaleError
 
 PathLike = Union[str, "os.PathLike[str]"]
 

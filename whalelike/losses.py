@@ -3,7 +3,7 @@
 To whalelike a loss is a ``loss_fn(outputs, targets)``. Where a ``split`` Linear's logits are the
 model output, or one leaf of it (``.logits`` of a ModelOutput, a tuple or dict item), and the loss
 is a plain softmax cross-entropy of them, the runtime computes it from each rank's class shard and
-never gathers the full logits (Whale's 100k-class head). ``runtime.sharded_loss`` finds that out by
+never gathers the full logits (Whale's 100k-class head). ``runtime.tensor.sharded_loss`` finds that out by
 tracing ``loss_fn``: ``F.cross_entropy`` or ``nn.CrossEntropyLoss`` (no weights, no label
 smoothing, mean reduction) called in a lambda or function on logits that are only reshaped
 (``view(-1, V)``, ``reshape``, ``flatten(0, 1)``) are all recognised. :func:`token_cross_entropy`

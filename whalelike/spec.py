@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from .errors import SpecError
+from whalelike.errors import SpecError
 
 
 # -- rules -----------------------------------------------------------------------------------------

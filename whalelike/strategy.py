@@ -6,7 +6,7 @@ are recorded in two ways:
 
 * construction time: every ``nn.Module`` created under a scope is tagged (``_wl_scope``) when its
   ``__init__`` finishes, through a patch installed only while a scope is open;
-* forward time: while tracing, :mod:`whalelike.capture` reads the stack at each traced operation.
+* forward time: while tracing, :mod:`whalelike.graphs.capture` reads the stack at each traced operation.
 
 Nesting rule (Whale): ``split`` inside ``replicate`` means tensor parallel inside each replica.
 Every other nesting is an error.
@@ -20,7 +20,7 @@ from typing import Literal, Optional
 
 import torch.nn as nn
 
-from .errors import AnnotationError
+from whalelike.errors import AnnotationError
 
 Kind = Literal["replicate", "split"]
 _scope_ids = itertools.count()
@@ -155,7 +155,7 @@ def set_default_strategy(strategy: Optional[Strategy]) -> None:
     """Set the strategy that un-annotated code gets.
 
     Without it (or after ``set_default_strategy(None)``), un-annotated code with parameters joins a
-    neighbouring annotated TaskGraph (see :mod:`whalelike.regions`), and a model with no annotation
+    neighbouring annotated TaskGraph (see :mod:`whalelike.graphs.regions`), and a model with no annotation
     at all is one ``replicate()`` over all devices. With it, un-annotated code with parameters forms
     TaskGraphs of this strategy.
     """

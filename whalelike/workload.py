@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from .errors import WhaleError
+from whalelike.errors import WhaleError
 
 
 @dataclass

@@ -1,0 +1,359 @@
+"""Re-plan a running job from measured device speeds, keeping every rank where it is.
+
+Why: a plan is made once from the cluster spec's nominal speeds, but devices slow down while a job
+runs (thermal throttling, a noisy neighbour, a shared machine), and one slow rank sets the pace of
+all. :func:`rebalance` takes the speeds the ranks measured (:mod:`runtime.balance.straggler_monitor`) and
+re-runs the hardware-aware planner's own decisions on them, at a step boundary.
+
+Invariants:
+
+* **The device mapping is kept.** Every :class:`~planner.plan.Worker` keeps its rank, device,
+  host, replica, stage, data-parallel index, tensor-parallel index and group size, so every process
+  group of the plan in force stays valid. New process groups would cost seconds on NCCL (and a
+  collective agreement of every rank on them); what moves instead are amounts of work: batch
+  shares (no data moves), layers between adjacent movable stages (their parameters and optimizer
+  state move point to point, :mod:`runtime.balance.state_transfer`) and the shard sizes of ``split``
+  stages (whole heads or feature granules, with their state). The device placement and the stage
+  shapes are what :func:`planner.plan` chose; only :func:`planner.plan` changes them.
+* **Exact re-plans only.** The new plan does the same work as the old one, split differently, so
+  training computes the same losses and gradients. Approximate remedies (ZERO-resizing,
+  SEMI-migration) are decided in :mod:`planner.balance.semi_migration`.
+* **The planner's own decisions.** The plan's :class:`~planner.devices.placement.Layout` is rebuilt
+  from its workers (same order, checked: rank ``r`` maps back to worker ``r``) on Devices whose
+  ``measured_tflops`` are the measured speeds, and :func:`planner.api.aware_decisions` and
+  :func:`planner.assemble.build_plan` run on it: the pipeline partitioner moves layers
+  (``move_layers``), speed-proportional shards within memory (``reshard``), batch shares within
+  memory (Whale's Algorithm 1; Poplar's accumulation for a single stage), timings, memory and
+  predictions. ``global_batch_size``, ``num_micro_batch``, ``schedule``, the solver family and
+  ``sync_batchnorm`` stay.
+* **Speed scale.** Measurements come in any absolute scale (an emulator's FLOP/s at its base rate,
+  real GPUs' achieved FLOP/s). Only their ratios are taken from the measurement; the total is the
+  plan's: ``measured_tflops[r] = speeds[r] / sum(speeds) * sum(assumed TFLOPS of the plan's
+  devices)``. So compute keeps the spec's scale against communication, which is priced from the
+  spec's network: an emulator running a thousand times slower than the spec would otherwise make
+  every all-reduce look free and every layer move look worthwhile.
+* **Deterministic.** A pure function of its inputs: every rank, given the same (all-gathered)
+  speeds, computes the same plan without communicating.
+* **Never fails the run over memory.** A part whose new value does not fit keeps the plan's value
+  (layers, then shard sizes, then batch shares); :attr:`Replan.kept` says which and why.
+
+:func:`plan_changes` says what differs between two plans of one mapping (shares, layers, shards):
+what the runtime must move, and what the events log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+from whalelike.cluster import Cluster, Device
+from whalelike.config import Config
+from whalelike.graphs.taskgraph import TaskGraphs
+
+from planner.api import aware_decisions, naive_decisions
+from planner.assemble import Decisions, build_plan, predict
+from planner.devices.cost_model import StageCost, device_tflops
+from planner.plan import Plan, PlanError, Prediction
+from planner.partition.stage_layers import movable_runs, partition_stage_layers
+from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
+from planner.devices.placement import Layout, StageShape
+
+log = logging.getLogger(__name__)
+
+MAPPING = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
+KINDS = ("shares", "layers", "shards")
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A re-plan: the new ``plan``; ``in_force``, the plan in force's prediction at the measured
+    speeds (what not re-planning costs); ``kept``, one line per part that kept the plan in force's
+    value because its new value did not fit in memory."""
+
+    plan: Plan
+    in_force: Prediction
+    kept: tuple[str, ...] = ()
+
+
+def rebalance(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[float], *,
+              move_layers: bool = True, reshard: bool = True) -> Plan:
+    """The plan for measured ``speeds`` (FLOP/s per rank, any scale) on the mapping of ``plan``.
+
+    See the module docstring; :func:`replan` also returns what was kept and the plan in force's
+    prediction. Parts kept because they do not fit are logged as warnings.
+    Raises :class:`PlanError` for speeds of the wrong length, non-positive or non-finite speeds, or
+    a ``cluster`` / ``graphs`` the plan was not made for.
+    """
+    result = replan(plan, graphs, cluster, speeds, move_layers=move_layers, reshard=reshard)
+    for line in result.kept:
+        log.warning("rebalance: %s", line)
+    return result.plan
+
+
+def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[float], *,
+           move_layers: bool = True, reshard: bool = True) -> Replan:
+    """:func:`rebalance` with its :class:`Replan` record."""
+    _check_inputs(plan, cluster, speeds)
+    plan.validate(graphs=graphs, cluster=cluster)
+    measured = measured_cluster(plan, cluster, speeds)
+    layout = plan_layout(plan, graphs, measured)
+    config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
+                    sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
+                    delay_weight_gradients=plan.delay_weight_gradients)
+    network = measured.network
+    old_layers = [list(st.layers) for st in plan.stages]
+    old_shards = _plan_shards(plan, graphs)
+    kept: list[str] = []
+
+    new_layers, solver, gap = old_layers, plan.solver, plan.optimality_gap
+    if move_layers and layout.num_stages > 1 and movable_runs(graphs):
+        layers, part_solver, part_gap = partition_stage_layers(graphs, layout, config, network, in_force=old_layers)
+        if part_gap is None:   # infeasible: the layers in force stay (see partition_stage_layers)
+            kept.append("stage layers: the pipeline partition for the measured speeds does not fit in memory")
+        else:
+            new_layers, solver, gap = layers, part_solver, part_gap
+    layers_moved = new_layers != old_layers
+    reshard = reshard and any(w.tp_size > 1 for w in plan.workers)   # a single device's shard is the whole
+
+    decisions, first_error = None, None
+    for use_layers, use_shards in _candidates(layers_moved, reshard):
+        try:
+            decisions = aware_decisions(
+                graphs, config, layout, network,
+                stage_layers=new_layers if use_layers else old_layers,
+                shards=None if use_shards else old_shards, counts=[config.num_micro_batch])
+        except PlanError as e:
+            first_error = first_error or e
+            continue
+        if layers_moved and not use_layers:
+            kept.append(f"stage layers: the moved layers do not fit in memory ({first_error})")
+        if reshard and not use_shards:
+            kept.append(f"shard sizes: the new shard sizes do not fit in memory ({first_error})")
+        break
+    if decisions is None:
+        kept.append(f"batch shares: the new shares do not fit in memory ({first_error})")
+        decisions = aware_decisions(graphs, config, layout, network, stage_layers=old_layers,
+                                    shards=old_shards, sizes=_plan_sizes(plan, layout))
+    if decisions.stage_layers == old_layers:
+        solver, gap = plan.solver, plan.optimality_gap
+    new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
+    _check_mapping(plan, new, cluster)
+    in_force = _in_force(plan, graphs, measured, config, layout, old_layers, old_shards)
+    naive = predict(build_plan(graphs, measured, config, naive_decisions(graphs, config, layout)), measured)
+    return Replan(dataclasses.replace(new, naive_prediction=naive), in_force, tuple(kept))
+
+
+def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:
+    """``cluster`` with each plan device's ``measured_tflops`` set from ``speeds`` (per rank),
+    normalised so that they sum to the TFLOPS the plan assumed for those devices (see the module
+    docstring). Devices the plan does not use are unchanged."""
+    _check_inputs(plan, cluster, speeds)
+    by_name = {d.name: d for d in cluster.devices}
+    assumed = math.fsum(device_tflops(by_name[w.device]) for w in plan.workers)
+    total = math.fsum(float(v) for v in speeds)
+    tflops = {w.device: float(v) / total * assumed for w, v in zip(plan.workers, speeds)}
+    devices = tuple(dataclasses.replace(d, measured_tflops=tflops[d.name]) if d.name in tflops else d
+                    for d in cluster.devices)
+    return dataclasses.replace(cluster, devices=devices)
+
+
+def plan_layout(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Layout:
+    """The :class:`Layout` the plan's workers form, on ``cluster``'s Devices: ``groups[r][s][d]``
+    holds the devices of replica ``r``, stage ``s``, data-parallel index ``d`` in tensor-parallel order."""
+    by_name = {d.name: d for d in cluster.devices}
+    slots: dict[tuple[int, int, int], dict[int, Device]] = defaultdict(dict)
+    for w in plan.workers:
+        slots[(w.replica, w.stage, w.dp_index)][w.tp_index] = by_name[w.device]
+    shapes = []
+    for s, st in enumerate(plan.stages):
+        first = plan.stage_workers(s, replica=0)
+        shape = StageShape(graphs[s].index, graphs[s].strategy, 1 + max(w.dp_index for w in first), first[0].tp_size)
+        if shape.label != st.strategy:
+            raise PlanError(f"plan.stages[{s}].strategy is {st.strategy!r} but TaskGraph {s} ({graphs[s].strategy}) "
+                            f"on its workers makes {shape.label!r}; re-plan with planner.plan for this model")
+        shapes.append(shape)
+    groups = tuple(
+        tuple(tuple(tuple(slots[(r, s, d)][t] for t in range(sh.tp)) for d in range(sh.dp))
+              for s, sh in enumerate(shapes))
+        for r in range(plan.num_replicas))
+    used = {w.device for w in plan.workers}
+    return Layout(tuple(shapes), groups, tuple(d for d in cluster.devices if d.name not in used))
+
+
+# -- plan changes ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShareChange:
+    """Rank ``rank``'s micro-batch sizes went from ``old`` to ``new``."""
+
+    rank: int
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+
+    def describe(self) -> str:
+        line = f"rank {self.rank}: batch share {sum(self.old)} -> {sum(self.new)}"
+        if len(self.old) == len(self.new) and len(set(self.old)) == len(set(self.new)) == 1:
+            return line + f" ({self.old[0]} -> {self.new[0]} per micro-batch)"
+        return line + f" (micro-batches {list(self.old)} -> {list(self.new)})"
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    """``layers`` (contiguous indices) moved from stage ``src`` to stage ``dst``."""
+
+    layers: tuple[int, ...]
+    src: int
+    dst: int
+
+    def describe(self) -> str:
+        span = f"{self.layers[0]}" if len(self.layers) == 1 else f"{self.layers[0]}-{self.layers[-1]}"
+        return f"layer{'s' if len(self.layers) > 1 else ''} {span}: stage {self.src} -> stage {self.dst}"
+
+
+@dataclass(frozen=True)
+class ShardChange:
+    """Module ``path`` of stage ``stage`` is cut into ``new`` instead of ``old`` (size per tp_index)."""
+
+    stage: int
+    path: str
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"stage {self.stage} {self.path}: shards {list(self.old)} -> {list(self.new)}"
+
+
+@dataclass(frozen=True)
+class PlanChanges:
+    """What differs between two plans of one mapping (see :func:`plan_changes`)."""
+
+    shares: tuple[ShareChange, ...] = ()
+    layers: tuple[LayerMove, ...] = ()
+    shards: tuple[ShardChange, ...] = ()
+    num_micro_batch: tuple[int, int] | None = None   # (old, new) when it changed
+
+    @property
+    def kinds(self) -> set[str]:
+        return {kind for kind in KINDS if getattr(self, kind)}
+
+    @property
+    def empty(self) -> bool:
+        return not self.kinds
+
+    def describe(self) -> str:
+        """One readable line per change ("no changes" when there is none)."""
+        lines = [] if self.num_micro_batch is None else [
+            f"num_micro_batch: {self.num_micro_batch[0]} -> {self.num_micro_batch[1]}"]
+        lines += [c.describe() for c in (*self.layers, *self.shards, *self.shares)]
+        return "\n".join(lines) or "no changes"
+
+
+def plan_changes(old: Plan, new: Plan) -> PlanChanges:
+    """Shares, layer moves and shard sizes that differ from ``old`` to ``new``, two plans of one
+    job with the same workers (as :func:`rebalance` makes them). Raises PlanError otherwise."""
+    if len(old.workers) != len(new.workers) or any(
+            [getattr(a, f) for f in MAPPING] != [getattr(b, f) for f in MAPPING]
+            for a, b in zip(old.workers, new.workers)) or len(old.stages) != len(new.stages):
+        raise PlanError("plan_changes compares re-plans of one job: the two plans have different workers or "
+                        "stages (rank, device, replica, stage, dp/tp index); compare a plan with rebalance() of it")
+    shares = tuple(ShareChange(a.rank, tuple(a.micro_batch_sizes), tuple(b.micro_batch_sizes))
+                   for a, b in zip(old.workers, new.workers) if a.micro_batch_sizes != b.micro_batch_sizes)
+    owner_old = {i: st.index for st in old.stages for i in st.layers}
+    owner_new = {i: st.index for st in new.stages for i in st.layers}
+    moves: list[LayerMove] = []
+    for i in sorted(owner_old):
+        src, dst = owner_old[i], owner_new.get(i, owner_old[i])
+        if src == dst:
+            continue
+        if moves and (moves[-1].src, moves[-1].dst) == (src, dst) and moves[-1].layers[-1] == i - 1:
+            moves[-1] = LayerMove(moves[-1].layers + (i,), src, dst)
+        else:
+            moves.append(LayerMove((i,), src, dst))
+    shards = tuple(
+        ShardChange(a.index, path, tuple(a.shard_sizes.get(path, ())), tuple(b.shard_sizes.get(path, ())))
+        for a, b in zip(old.stages, new.stages)
+        for path in sorted(set(a.shard_sizes) | set(b.shard_sizes))
+        if a.shard_sizes.get(path) != b.shard_sizes.get(path))
+    counts = None if old.num_micro_batch == new.num_micro_batch else (old.num_micro_batch, new.num_micro_batch)
+    return PlanChanges(shares, tuple(moves), shards, counts)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _micro_batch_count(plan: Plan) -> int:
+    """The micro-batch count to re-plan with. A pipeline keeps its count (the schedule depends on
+    it). A single stage on Poplar's per-device accumulation (lists of different lengths) gets 1:
+    the planner then accumulates again, each device in as few micro-batches as its memory allows,
+    instead of cutting the batch into the old plan's longest list of equal micro-batches (which
+    gives a slowed device micro-batches of one sample)."""
+    lengths = {len(w.micro_batch_sizes) for w in plan.workers}
+    if len(plan.stages) == 1 and len(lengths) > 1:
+        return 1
+    return plan.num_micro_batch
+
+
+def _check_inputs(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> None:
+    if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__len__"):
+        raise PlanError(f"rebalance: speeds must be a list of measured FLOP/s, one per rank, got {speeds!r}")
+    if len(speeds) != plan.world_size:
+        raise PlanError(f"rebalance: speeds has {len(speeds)} entries but the plan has {plan.world_size} ranks; "
+                        "pass one measured FLOP/s per rank, in rank order")
+    for w, v in zip(plan.workers, speeds):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise PlanError(f"rebalance: speeds[{w.rank}] (device {w.device!r}) is {v!r}; every speed must be a "
+                            "finite FLOP/s > 0: wait for a full measurement window before re-planning")
+    missing = [w.device for w in plan.workers if w.device not in cluster.positions]
+    if missing:
+        raise PlanError(f"rebalance: cluster {cluster.name!r} has no device(s) {missing} that the plan runs on; "
+                        f"pass the cluster the plan was made for (plan.cluster is {plan.cluster!r})")
+
+
+def _candidates(layers_moved: bool, reshard: bool) -> list[tuple[bool, bool]]:
+    """(new layers?, new shards?) to try in order: everything new first, then keeping the shards,
+    then keeping the layers, then both (each only when it differs from an earlier candidate)."""
+    return [(layers, shards) for layers in (True, False) for shards in (True, False)
+            if (layers or layers_moved) and (reshard or not shards)]
+
+
+def _plan_shards(plan: Plan, graphs: TaskGraphs) -> list[ShardLayout]:
+    """The plan's shard layout of each stage, priced as the planner prices its own."""
+    out = []
+    for st in plan.stages:
+        owners = [graphs[t] for t in sorted({graphs.layers[i].taskgraph for i in st.layers})]
+        shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
+        groups = tuple(g for tg in owners for g in tg.shard_groups)
+        flops = StageCost.of_layers(graphs, st.layers).flops_per_sample
+        out.append(layout_of_sizes(shardable, st.shard_sizes, plan.stage_workers(st.index)[0].tp_size, groups, flops))
+    return out
+
+
+def _plan_sizes(plan: Plan, layout: Layout) -> list:
+    """``Decisions.sizes`` of the plan in force: ``[r][s][d]`` micro-batch sizes."""
+    sizes = [[[None] * sh.dp for sh in layout.shapes] for _ in range(layout.num_replicas)]
+    for w in plan.workers:
+        if w.tp_index == 0:
+            sizes[w.replica][w.stage][w.dp_index] = list(w.micro_batch_sizes)
+    return sizes
+
+
+def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Decisions) -> Plan:
+    plan = build_plan(graphs, cluster, config, decisions)
+    return dataclasses.replace(plan, prediction=predict(plan, cluster))
+
+
+def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) -> Prediction:
+    """The plan in force re-priced at the measured speeds."""
+    kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
+                           shards=old_shards, sizes=_plan_sizes(plan, layout))
+    return predict(build_plan(graphs, measured, config, kept), measured)
+
+
+def _check_mapping(old: Plan, new: Plan, cluster: Cluster) -> None:
+    for a, b in zip(old.workers, new.workers):
+        if [getattr(a, f) for f in MAPPING] != [getattr(b, f) for f in MAPPING]:
+            raise PlanError(
+                f"rebalance: rank {a.rank} would move from {a.device!r} (replica {a.replica}, stage {a.stage}, "
+                f"dp {a.dp_index}, tp {a.tp_index}) to {b.device!r} (replica {b.replica}, stage {b.stage}, "
+                f"dp {b.dp_index}, tp {b.tp_index}): the plan's ranks do not follow cluster {cluster.name!r}'s "
+                "device order; re-plan with planner.plan on this cluster")

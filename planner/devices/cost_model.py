@@ -1,0 +1,170 @@
+"""The planner's cost model: how long compute and communication take, and how much memory a
+worker needs. Analytic on purpose: the planner must run in one process, in milliseconds, for
+clusters the planning machine cannot see, so it prices work from the cluster spec's nominal figures.
+
+Compute. A device runs ``measured_tflops`` when the spec has it (from profiling, like Poplar's
+online profiling), else ``peak_tflops * DEFAULT_EFFICIENCY``. The efficiency factor is the share of
+peak that dense training reaches in practice (0.4: typical model-FLOPs utilisation of transformer
+training on V100/A100-class GPUs); it scales all devices alike, so it changes how compute compares
+to communication, never which device gets more work. The planner never reads
+``Device.emulated_speed`` or ``Cluster.emulation``: those are the emulator's hidden truth
+(docs/ARCHITECTURE.md section 4).
+
+Communication. Priced by :class:`planner.devices.network.NetworkModel`, the one link model the simulator
+and the runtime's network emulation share: ``latency + bytes / bandwidth`` per message, intra-host
+or inter-host link, ring collectives whose slowest hop (NIC sharing included) sets the pace.
+:class:`CommModel` is its device-record front end for the planner's assembly.
+
+Memory. A worker holds its shard of the parameters, gradients (same size as the parameters) and
+optimizer state, plus, per micro-batch in flight under the pipeline schedule, the activations saved
+for backward and the boundary buffers (the received input and the output it sends).
+Under ``split`` every term scales with the worker's shard fraction
+(:class:`~planner.shares.shard_sizes.ShardLayout`): its share of the sharded work (Megatron-style
+sharding shards the weights and the activations of a block's projections and of the attention
+between them) plus, whole, the part of the stage nothing shards (layer norms, embeddings,
+residual adds), measured by FLOPs, so unsharded work is never predicted to speed up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from whalelike.cluster import Device, Network
+from whalelike.graphs.taskgraph import TaskGraphs
+
+from planner.devices.network import NetworkModel, Ring
+
+DEFAULT_EFFICIENCY = 0.4
+GIB = float(2**30)
+UNBOUNDED_SAMPLES = 2**62   # "any number of samples fits": far above any batch, still an exact integer
+
+
+def device_tflops(device: Device) -> float:
+    """Sustained training TFLOPS the planner assumes for ``device``."""
+    if device.measured_tflops is not None:
+        return device.measured_tflops
+    return device.peak_tflops * DEFAULT_EFFICIENCY
+
+
+def compute_ms(flops: float, device: Device) -> float:
+    """Milliseconds ``device`` needs for ``flops`` floating-point operations."""
+    return flops / (device_tflops(device) * 1e9)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Communication times (ms) on one cluster network, for :class:`~whalelike.cluster.Device`
+    records: each call prices its devices with :class:`planner.devices.network.NetworkModel` (rings in the
+    order given, which the planner passes in rank order, as the runtime's process groups run)."""
+
+    network: Network
+
+    def _model(self, devices: Sequence[Device]) -> NetworkModel:
+        net = self.network
+        return NetworkModel(net.intra_host_gbps, net.inter_host_gbps, net.latency_us,
+                            {d.name: d.host for d in devices})
+
+    def _ring(self, devices: Sequence[Device]) -> Ring:
+        return self._model(devices).ring([d.name for d in devices])
+
+    def p2p_ms(self, nbytes: float, src: Device, dst: Device) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self._model((src, dst)).transfer_ms(nbytes, src.name, dst.name)
+
+    def allreduce_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
+        if len(devices) <= 1 or nbytes <= 0:
+            return 0.0
+        return self._ring(devices).allreduce_ms(nbytes)
+
+    def allreduce_each_ms(self, nbytes: Sequence[float], scale: float, devices: Sequence[Device]) -> float:
+        """Total time of one all-reduce per entry of ``nbytes``, each scaled by ``scale`` (the
+        per-layer all-reduces of a tensor-parallel stage), in closed form (a ring's time is
+        linear in the bytes plus a latency per step): it runs per worker and micro-batch on plans
+        of thousands of devices."""
+        live = [b for b in nbytes if b > 0]
+        if len(devices) <= 1 or scale <= 0 or not live:
+            return 0.0
+        ring = self._ring(devices)
+        steps = 2 * (ring.size - 1)
+        return steps * (ring.latency_ms * len(live) + scale * sum(live) / ring.size * ring.ms_per_byte)
+
+    def allgather_ms(self, nbytes: float, devices: Sequence[Device]) -> float:
+        """All-gather of a tensor of ``nbytes`` in total (each device holds ``nbytes / n``)."""
+        if len(devices) <= 1 or nbytes <= 0:
+            return 0.0
+        return self._ring(devices).allgather_ms(nbytes)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-sample compute and memory of a contiguous range of layers (one pipeline stage).
+
+    ``static_bytes`` (parameters + gradients + optimizer state) is per whole stage;
+    ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in flight.
+    """
+
+    forward_flops: float
+    backward_flops: float
+    param_bytes: float
+    static_bytes: float
+    activation_bytes: float
+    boundary_bytes: float
+    layer_output_bytes: tuple[float, ...]   # per layer: bytes per sample of its output (TP all-reduce)
+
+    @classmethod
+    def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int]) -> "StageCost":
+        """Costs of ``layers`` (contiguous indices into ``graphs.layers``).
+
+        Optimizer state is recorded per TaskGraph; a layer carries the share of it that matches
+        its share of the TaskGraph's parameter bytes. A tied parameter whose owning layer is in
+        another stage is a copy held here too (``Layer.borrowed_params``), counted once, with its
+        gradient and optimizer state.
+        """
+        if not layers:
+            raise ValueError("a stage needs at least one layer")
+        chosen = [graphs.layers[i] for i in layers]
+        inside = set(layers)
+        copies = {name: (owner, size) for l in chosen for owner, name, size in l.borrowed_params if owner not in inside}
+        opt = 0.0
+        for layer, size in [(l, l.param_bytes) for l in chosen] + [(graphs.layers[o], s) for o, s in copies.values()]:
+            tg = graphs.graphs[layer.taskgraph]
+            if tg.param_bytes > 0:
+                opt += tg.optimizer_state_bytes * size / tg.param_bytes
+        params = float(sum(l.param_bytes for l in chosen) + sum(size for _, size in copies.values()))
+        first, last = layers[0], layers[-1]
+        received = graphs.layers[first - 1].cut_bytes_per_sample if first > 0 else 0.0
+        sent = chosen[-1].cut_bytes_per_sample if last < len(graphs.layers) - 1 else 0.0
+        return cls(
+            forward_flops=sum(l.forward_flops for l in chosen),
+            backward_flops=sum(l.backward_flops for l in chosen),
+            param_bytes=params,
+            static_bytes=2 * params + opt,
+            activation_bytes=sum(l.activation_bytes_per_sample for l in chosen),
+            boundary_bytes=received + sent,
+            layer_output_bytes=tuple(l.cut_bytes_per_sample for l in chosen),
+        )
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.forward_flops + self.backward_flops
+
+    def bytes_per_sample(self, in_flight: int) -> float:
+        return (self.activation_bytes + self.boundary_bytes) * in_flight
+
+    def memory_bytes(self, micro_batch: int, in_flight: int, shard: float = 1.0) -> float:
+        """Peak bytes of a worker holding ``shard`` of the stage with ``micro_batch`` samples per
+        micro-batch and ``in_flight`` micro-batches alive at once."""
+        return shard * (self.static_bytes + micro_batch * self.bytes_per_sample(in_flight))
+
+    def max_micro_batch(self, capacity_bytes: float, in_flight: int, shard: float = 1.0) -> int:
+        """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit),
+        at most :data:`UNBOUNDED_SAMPLES` (a device of 1e300 GiB holds any batch, not infinitely many)."""
+        free = capacity_bytes / shard - self.static_bytes
+        if free < 0:
+            return -1
+        per_sample = self.bytes_per_sample(in_flight)
+        if per_sample <= 0 or free / per_sample >= UNBOUNDED_SAMPLES:
+            return UNBOUNDED_SAMPLES
+        return math.floor(free / per_sample)

@@ -1,0 +1,260 @@
+"""Virtual devices (Whale): which physical devices run which pipeline stage.
+
+Each TaskGraph is one pipeline stage; its strategy fixes how many devices one copy of the
+pipeline gives it: ``replicate(n)`` -> ``n`` data-parallel workers, ``split(m)`` -> one
+tensor-parallel group of ``m``, ``replicate(n)+split(m)`` -> ``n`` groups of ``m`` (``n*m``
+devices). A ``None`` count takes an even share of the devices the fixed counts leave over. When
+every count is fixed and the cluster has room for several copies of the pipeline, the pipeline is
+replicated (data parallel across pipelines), as Whale does.
+
+Placement follows Whale's rules:
+
+* Larger-memory devices take the early stages: under 1F1B stage ``s`` of ``S`` keeps ``S - s``
+  micro-batches of activations alive, so memory demand falls along the pipeline. Devices are
+  ranked by (memory, speed) and dealt out stage by stage, which fixes the *class* of device
+  (kind, memory, speed) every worker gets.
+* Then physical devices of that class are chosen for locality: a tensor-parallel group (which
+  all-reduces every layer) on one host whenever one host has room for it, preferably the host of
+  the same replica's previous stage (pipeline neighbours exchange activations every micro-batch),
+  else the host that fits it most tightly, to keep whole hosts free for later groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from whalelike.cluster import Cluster, Device
+from whalelike.strategy import Strategy
+from whalelike.graphs.taskgraph import TaskGraphs
+
+from planner.devices.cost_model import device_tflops
+from planner.plan import PlanError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """How one copy of the pipeline runs a stage: ``dp`` groups of ``tp`` devices."""
+
+    taskgraph: int
+    strategy: Strategy
+    dp: int
+    tp: int
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def label(self) -> str:
+        if self.tp == 1:
+            return f"replicate({self.dp})"
+        if self.strategy.kind == "split":
+            return f"split({self.tp})"
+        return f"replicate({self.dp})+split({self.tp})"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``groups[r][s][d]`` is the tensor-parallel group (a tuple of ``tp`` devices) of
+    data-parallel index ``d`` of stage ``s`` in pipeline replica ``r``."""
+
+    shapes: tuple[StageShape, ...]
+    groups: tuple[tuple[tuple[tuple[Device, ...], ...], ...], ...]
+    unused: tuple[Device, ...]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.shapes)
+
+    def stage_groups(self, stage: int) -> list[tuple[Device, ...]]:
+        """Every tensor-parallel group of ``stage``, over all replicas (replica-major)."""
+        return [g for replica in self.groups for g in replica[stage]]
+
+    def can_swap(self, a: int, b: int) -> bool:
+        """Whether stages ``a`` and ``b`` can exchange devices and would run on different ones:
+        equal shapes, different device classes."""
+        same_shape = (self.shapes[a].dp, self.shapes[a].tp) == (self.shapes[b].dp, self.shapes[b].tp)
+        classes = [sorted(_device_class(d) for g in self.stage_groups(s) for d in g) for s in (a, b)]
+        return same_shape and classes[0] != classes[1]
+
+    def swapped(self, a: int, b: int) -> "Layout":
+        """The layout with the device groups of stages ``a`` and ``b`` exchanged in every replica."""
+        def swap(replica):
+            stages = list(replica)
+            stages[a], stages[b] = stages[b], stages[a]
+            return tuple(stages)
+
+        return dataclasses.replace(self, groups=tuple(swap(r) for r in self.groups))
+
+
+def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape], int]:
+    """Each stage's (dp, tp) and the number of pipeline replicas. Devices the fixed counts leave
+    over go to the automatic stages, at least one each and the rest in proportion to their FLOPs
+    (largest remainder), so no device idles because the counts did not divide."""
+    fixed = [_fixed_degrees(tg.strategy) for tg in graphs]
+    auto = [i for i, f in enumerate(fixed) if f is None]
+    requested = sum(dp * tp for f in fixed if f is not None for dp, tp in [f])
+    what = ", ".join(f"TaskGraph {tg.index}: {tg.strategy}" for tg in graphs)
+    if requested + len(auto) > num_devices:
+        raise PlanError(
+            f"the TaskGraphs request {requested} devices"
+            + (f" plus at least {len(auto)} for automatic counts" if auto else "")
+            + f" ({what}) but the cluster has {num_devices}; lower the device_count of a scope "
+            "or use a larger cluster"
+        )
+    budgets = _auto_budgets([graphs[i] for i in auto], num_devices - requested)
+    shapes: list[StageShape] = []
+    for tg, f in zip(graphs, fixed):
+        dp, tp = f if f is not None else _auto_degrees(tg.strategy, budgets[tg.index], tg.index)
+        shapes.append(StageShape(tg.index, tg.strategy, dp, tp))
+    replicas = 1 if auto else num_devices // requested
+    return shapes, replicas
+
+
+def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
+    """Devices per automatic stage: one each, the rest proportional to FLOPs per sample."""
+    if not auto_graphs:
+        return {}
+    work = [max(tg.forward_flops + tg.backward_flops, 1.0) for tg in auto_graphs]
+    extra = spare - len(auto_graphs)
+    ideal = [extra * w / sum(work) for w in work]
+    counts = [int(x) for x in ideal]
+    by_remainder = sorted(range(len(work)), key=lambda i: (counts[i] - ideal[i], -work[i], i))
+    for i in by_remainder[: extra - sum(counts)]:
+        counts[i] += 1
+    return {tg.index: 1 + c for tg, c in zip(auto_graphs, counts)}
+
+
+def _fixed_degrees(strategy: Strategy):
+    inner = strategy.inner
+    if strategy.kind == "split":
+        return None if strategy.device_count is None else (1, strategy.device_count)
+    if strategy.device_count is None or (inner is not None and inner.device_count is None):
+        return None
+    return strategy.device_count, (inner.device_count if inner is not None else 1)
+
+
+def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int]:
+    if strategy.kind == "split":
+        return 1, budget
+    if strategy.inner is None:
+        return budget, 1
+    dp, tp = strategy.device_count, strategy.inner.device_count
+    if dp is None and tp is None:
+        return 1, budget
+    if dp is None:
+        dp = budget // tp
+    else:
+        tp = budget // dp
+    if dp < 1 or tp < 1:
+        raise PlanError(
+            f"TaskGraph {index} ({strategy}) gets {budget} devices, too few for its fixed degree; "
+            "lower its device_count or add devices"
+        )
+    return dp, tp
+
+
+PLACEMENTS = ("memory", "speed")
+
+
+def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory") -> Layout:
+    """Place every stage of every pipeline replica on physical devices (see module docstring).
+
+    ``placement="memory"`` is Whale's rule: devices ranked by memory (then speed) are dealt out in
+    stage order. ``"speed"`` deals devices ranked by speed (then memory) to the stages with the
+    most FLOPs per device first: better when a late stage (a wide classifier) dominates compute.
+    The planner tries both and keeps the faster plan that fits.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    shapes, replicas = stage_shapes(graphs, len(cluster.devices))
+    if placement == "memory":
+        key = lambda p: (-p[1].memory_gib, -device_tflops(p[1]), p[0])  # noqa: E731
+        stage_order = list(range(len(shapes)))
+    else:
+        key = lambda p: (-device_tflops(p[1]), -p[1].memory_gib, p[0])  # noqa: E731
+        work = [(graphs[sh.taskgraph].forward_flops + graphs[sh.taskgraph].backward_flops) / sh.devices
+                for sh in shapes]
+        stage_order = sorted(range(len(shapes)), key=lambda s: (-work[s], s))
+    ranked = sorted(enumerate(cluster.devices), key=key)
+    wanted: list[list[list[tuple]]] = [[[] for _ in shapes] for _ in range(replicas)]
+    pos = 0
+    for s in stage_order:
+        shape = shapes[s]
+        for r in range(replicas):
+            chunk = ranked[pos:pos + shape.devices]
+            pos += shape.devices
+            wanted[r][s] = [
+                [_device_class(d) for _, d in chunk[g * shape.tp:(g + 1) * shape.tp]] for g in range(shape.dp)
+            ]
+    pool = _Pool(cluster)
+    groups = []
+    for r in range(replicas):
+        stages, previous_hosts = [], []
+        for s in range(len(shapes)):
+            stage_groups = []
+            for classes in wanted[r][s]:
+                group = pool.take(classes, previous_hosts)
+                stage_groups.append(group)
+            previous_hosts = list(dict.fromkeys(d.host for g in stage_groups for d in g))
+            stages.append(tuple(stage_groups))
+        groups.append(tuple(stages))
+    unused = tuple(d for _, d in ranked[pos:])
+    if unused:
+        log.warning(
+            "%d of %d devices stay idle: %d pipeline replica(s) of %d devices fill the rest (%s)",
+            len(unused), len(cluster.devices), replicas, pos // replicas, ", ".join(d.name for d in unused),
+        )
+    return Layout(tuple(shapes), tuple(groups), unused)
+
+
+def _device_class(device: Device) -> tuple:
+    """Devices of one class are interchangeable for the planner."""
+    return (device.kind, device.memory_gib, device_tflops(device))
+
+
+class _Pool:
+    """Free devices by host and class; hands out groups with host locality."""
+
+    def __init__(self, cluster: Cluster):
+        self.host_order = {h: i for i, h in enumerate(cluster.hosts)}
+        self.position = cluster.positions
+        self.last: str | None = None
+        self.free: dict[str, dict[tuple, list[Device]]] = defaultdict(lambda: defaultdict(list))
+        for d in cluster.devices:
+            self.free[d.host][_device_class(d)].append(d)
+
+    def _room(self, host: str, need: Counter) -> bool:
+        return all(len(self.free[host][c]) >= n for c, n in need.items())
+
+    def _size(self, host: str) -> int:
+        return sum(len(v) for v in self.free[host].values())
+
+    def take(self, classes: list[tuple], preferred_hosts: list[str]) -> tuple[Device, ...]:
+        need = Counter(classes)
+        # the previous stage's hosts, then the host the last group came from (consecutive groups
+        # fill one host), then the tightest host that fits, then several hosts
+        candidates = [h for h in (*preferred_hosts, self.last) if h is not None and self._room(h, need)]
+        if candidates:
+            hosts = candidates[:1]
+        else:
+            fitting = [h for h in self.free if self._room(h, need)]
+            if fitting:
+                hosts = [min(fitting, key=lambda h: (self._size(h), self.host_order[h]))]
+            else:
+                hosts = preferred_hosts + sorted(self.free, key=lambda h: (-self._size(h), self.host_order[h]))
+        group = []
+        for c in classes:
+            host = next(h for h in hosts if self.free[h][c])
+            group.append(self.free[host][c].pop(0))
+        self.last = group[-1].host
+        # in cluster order: tensor-parallel ranks grow with the global rank (see planner.assemble)
+        return tuple(sorted(group, key=lambda d: self.position[d.name]))

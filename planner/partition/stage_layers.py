@@ -1,0 +1,124 @@
+"""Which layers each pipeline stage runs.
+
+Stages start as the user's TaskGraphs, in order. The planner may move the boundary between two
+adjacent stages only when both are plain ``replicate`` (data parallel, no ``split``): their layers
+run unchanged on any device, while a ``split`` stage's operators were chosen for sharding and must
+stay together. Each maximal run of adjacent movable stages is re-partitioned by the pipeline
+partitioner (:mod:`planner.partition.solve`) so that its slowest stage, on its device group, is as fast
+as possible within memory; the naive plan instead gives the stages of a run equal layer counts.
+"""
+from __future__ import annotations
+
+import logging
+
+from whalelike.cluster import Network
+from whalelike.config import Config
+from whalelike.graphs.taskgraph import TaskGraphs
+
+from planner.devices.cost_model import GIB, device_tflops
+from planner.devices.network import BYTES_PER_MS_PER_GBPS, NetworkModel
+from planner.partition.solve import DeviceMemory, Link, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition
+from planner.devices.placement import Layout
+
+log = logging.getLogger(__name__)
+
+
+def taskgraph_layers(graphs: TaskGraphs) -> list[list[int]]:
+    return [sorted(tg.layers) for tg in graphs]
+
+
+def movable_runs(graphs: TaskGraphs) -> list[list[int]]:
+    """Maximal runs of adjacent stage indices whose boundaries may move (all plain replicate)."""
+    runs: list[list[int]] = []
+    for tg in graphs:
+        plain = tg.strategy.kind == "replicate" and tg.strategy.inner is None
+        if plain and runs and runs[-1][-1] == tg.index - 1 and _plain(graphs[tg.index - 1]):
+            runs[-1].append(tg.index)
+        else:
+            runs.append([tg.index])
+    return [r for r in runs if len(r) > 1]
+
+
+def _plain(tg) -> bool:
+    return tg.strategy.kind == "replicate" and tg.strategy.inner is None
+
+
+def equal_stage_layers(graphs: TaskGraphs, layout: Layout) -> list[list[int]]:
+    """The naive split: equal layer counts (extra layers to the earliest stages) within each run."""
+    layers = taskgraph_layers(graphs)
+    for run in movable_runs(graphs):
+        pool = [i for s in run for i in layers[s]]
+        base, extra = divmod(len(pool), len(run))
+        start = 0
+        for k, s in enumerate(run):
+            n = base + (1 if k < extra else 0)
+            layers[s] = pool[start:start + n]
+            start += n
+    return layers
+
+
+def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
+                           in_force: list[list[int]] | None = None) -> tuple[list[list[int]], str, float | None]:
+    """The hardware-aware split: ``(layers per stage, solver, optimality gap)``.
+
+    The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
+    stage ``k``; every replica has devices of the same classes), with the layers of stages that
+    may not move pinned to their stage, and the first and last layer of every run pinned to keep
+    them out of a neighbouring fixed stage. When the partition is infeasible at this micro-batch
+    size, the user's boundaries stand (or ``in_force``, a re-plan's layers in force) with gap None, and
+    the memory balancer reports what does not fit.
+    """
+    layers = taskgraph_layers(graphs)
+    if layout.num_stages == 1 or not movable_runs(graphs):
+        return layers, "greedy", 0.0
+    movable = {s for run in movable_runs(graphs) for s in run}
+    pinned: dict[int, int] = {}
+    for s, stage_layers in enumerate(layers):
+        if s not in movable:
+            keep = stage_layers
+        else:  # a run's outer layers stay, so no layer crosses into a fixed stage
+            keep = ([stage_layers[0]] if s - 1 not in movable else []) + (
+                [stage_layers[-1]] if s + 1 not in movable else [])
+        pinned.update({i: s for i in keep})
+    order = [i for stage_layers in layers for i in stage_layers]
+    slots = [_slot(layout, s) for s in range(layout.num_stages)]
+    links = [_link(layout, s, network) for s in range(layout.num_stages - 1)]
+    micro_batch = config.global_batch_size / (config.num_micro_batch * layout.num_replicas)
+    problem = PartitionProblem.for_schedule(
+        layer_costs(graphs, order), slots, links, micro_batch, config.num_micro_batch, config.schedule,
+        pinned={order.index(i): s for i, s in pinned.items()},
+    )
+    try:
+        result = partition(problem)
+    except PartitionInfeasible as e:
+        log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s",
+                    micro_batch, e, "TaskGraph boundaries" if in_force is None else "layers in force")
+        return (layers if in_force is None else in_force), "greedy", None
+    return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
+
+
+def _slot(layout: Layout, stage: int) -> Slot:
+    """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
+    batch share proportional to its speed, every device of a tensor-parallel group a shard
+    proportional to its own speed, of the weights and of the group's activations (as
+    :meth:`StageCost.memory_bytes` prices a shard)."""
+    groups = layout.groups[0][stage]
+    speeds = [[device_tflops(d) * 1e12 for d in g] for g in groups]
+    total = sum(map(sum, speeds))
+    devices = tuple(
+        DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=v / total, name=d.name)
+        for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
+    )
+    return Slot(f"stage {stage}", total, devices)
+
+
+def _link(layout: Layout, stage: int, network: Network) -> Link:
+    """The link the partitioner prices stage ``stage``'s activations on: the slowest link between
+    a host of replica 0's stage ``stage`` and one of stage ``stage + 1``
+    (:meth:`planner.devices.network.NetworkModel.host_link`: intra-host when they share a host)."""
+    senders = {d.host for g in layout.groups[0][stage] for d in g}
+    receivers = {d.host for g in layout.groups[0][stage + 1] for d in g}
+    model = NetworkModel.of_hosts(network.intra_host_gbps, network.inter_host_gbps, network.latency_us,
+                                  sorted(senders | receivers))
+    slowest = min((model.host_link(a, b) for a in sorted(senders) for b in sorted(receivers)), key=lambda l: l.gbps)
+    return Link(slowest.gbps * BYTES_PER_MS_PER_GBPS * 1e3, slowest.latency_ms * 1e-3)

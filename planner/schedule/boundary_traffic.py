@@ -1,0 +1,193 @@
+"""The transfers a plan's stage boundaries make, per micro-batch and direction, as the runtime makes them.
+
+Why: the runtime moves a boundary's activations (forward) and gradients (backward) with the
+cross-mesh resharding :func:`planner.resharding.reshard.boundary_resharding` plans under
+``Plan.resharding`` (unit tasks, strategy, order), over host network interfaces that serialize
+(:mod:`planner.devices.network`). The simulator must price the same transfers, on the same interfaces, or
+its predicted boundary times are not the runtime's. This module turns each boundary's resharding
+into :class:`BoundarySend` records (sender, receivers, planned start offset, duration, the device
+and interface resources it holds) that :mod:`planner.schedule.simulator` places on a timeline.
+
+Speed: a 1024-device plan has dozens of boundaries and many micro-batches, and one resharding plan
+costs milliseconds to tens of milliseconds. Boundaries and micro-batches that look alike share a
+plan: the specs are put in a canonical form before planning (devices and hosts renamed in their
+sorted order, so every name comparison the planner makes comes out the same; the micro-batch's
+rows renumbered from 0 without the other micro-batches' rows between the replicas' blocks, which
+nobody holds or needs) and the plan of each canonical form is computed once and mapped back.
+
+Invariant: every :class:`BoundarySend` is a transfer of the :class:`~planner.resharding.reshard.ReshardPlan`
+that :func:`~planner.resharding.reshard.boundary_resharding` gives for the same micro-batch and strategy,
+up to that renaming (the same tasks, strategy, durations and start offsets); a receiver's input is
+complete when every send naming it has arrived.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from planner.devices.network import NetworkModel
+from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
+from planner.resharding.spec import ShardingSpec
+
+FORWARD, BACKWARD = "forward", "backward"
+Resource = tuple[str, str]   # ("dev", device) | ("out", host) | ("in", host), as planner.resharding.cost
+
+
+class BoundarySend(NamedTuple):
+    """One transfer of a boundary's resharding: ``sender`` (a device) delivers a slice of
+    ``nbytes`` to ``receivers`` by ``strategy`` (``chunks`` pipelined pieces for a broadcast),
+    ``offset_ms`` after the sender's value is ready at the earliest (its planned start), holding
+    ``resources`` for ``duration_ms``."""
+
+    sender: str
+    receivers: tuple[str, ...]
+    offset_ms: float
+    duration_ms: float
+    resources: tuple[Resource, ...]
+    strategy: str
+    task: int
+    chunks: int
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class BoundaryTraffic:
+    """Boundary ``boundary`` (index into ``Plan.boundaries``) in one ``direction`` for one
+    micro-batch: stage ``sender_stage`` sends to ``receiver_stage`` (the backward reverses the
+    boundary); the winning ``strategy``, the number of ``unit_tasks``, the plan's predicted time
+    with every sender ready at once, its lower bound, and the sends."""
+
+    boundary: int
+    direction: str
+    sender_stage: int
+    receiver_stage: int
+    strategy: str
+    unit_tasks: int
+    predicted_ms: float
+    lower_bound_ms: float
+    nbytes: float
+    sends: tuple[BoundarySend, ...]
+
+    def describe(self) -> str:
+        return (f"stage {self.sender_stage} -> {self.receiver_stage} ({self.direction}): {self.strategy}, "
+                f"{self.unit_tasks} unit task(s), {len(self.sends)} transfer(s), predicted {self.predicted_ms:.3g} ms")
+
+
+def plan_traffic(plan, network: NetworkModel, strategy: Optional[str] = None,
+                 max_nodes: int = BOUNDARY_MAX_NODES) -> dict[tuple[int, str], list[Optional[BoundaryTraffic]]]:
+    """``(boundary index, direction) -> [traffic of micro-batch m]`` for every boundary of ``plan``
+    (None where the boundary carries no bytes), under ``strategy`` (default ``Plan.resharding``).
+    The boundary tensor is the one :func:`~planner.resharding.reshard.boundary_resharding` plans: a
+    ``(global_batch_size, bytes_per_sample)`` byte tensor, each worker holding (needing) its rows of
+    the micro-batch (:func:`planner.resharding.spec.stage_output_spec`)."""
+    strategy = getattr(plan, "resharding", "auto") if strategy is None else strategy
+    by_stage: dict[int, list] = {}
+    for w in plan.workers:
+        by_stage.setdefault(w.stage, []).append(w)
+    out: dict[tuple[int, str], list[Optional[BoundaryTraffic]]] = {}
+    for index, boundary in enumerate(plan.boundaries):
+        row_bytes = int(round(boundary.bytes_per_sample))
+        if row_bytes < 1:
+            out[index, FORWARD] = out[index, BACKWARD] = [None] * plan.num_micro_batch
+            continue
+        mesh = _Mesh(by_stage[boundary.src_stage], by_stage[boundary.dst_stage], network)
+        for direction, senders, receivers in ((FORWARD, boundary.src_stage, boundary.dst_stage),
+                                              (BACKWARD, boundary.dst_stage, boundary.src_stage)):
+            seen: dict[tuple, BoundaryTraffic] = {}   # micro-batches that look alike share one
+            per_micro_batch = []
+            for m in range(plan.num_micro_batch):
+                key = mesh.key(m)
+                key = key[::-1] if direction == BACKWARD else key
+                if key not in seen:
+                    reshard = _planned(key, row_bytes, mesh.network, strategy, max_nodes)
+                    seen[key] = BoundaryTraffic(index, direction, senders, receivers, reshard.strategy,
+                                                len(reshard.tasks), reshard.predicted_ms, reshard.lower_bound_ms,
+                                                float(sum(t.elements for t in reshard.tasks) * reshard.itemsize),
+                                                _sends(reshard, mesh.names, mesh.hosts))
+                per_micro_batch.append(seen[key])
+            out[index, direction] = per_micro_batch
+    return out
+
+
+class _Mesh:
+    """The two stages of a boundary in canonical form (module docstring): devices and hosts
+    renamed in sorted order, the network on the renamed hosts, and each micro-batch's rows
+    renumbered without gaps. The rows follow from the sizes: in a pipeline plan micro-batch ``m``
+    is one block per replica (replicas in order), cut among a stage's slots in ``dp_index`` order,
+    every member of a tensor-parallel group holding its slot's piece (:mod:`planner.shares.layout`, whose
+    :func:`~planner.resharding.spec.stage_output_spec` boundary_resharding plans from: the tests
+    check that both give the same plans)."""
+
+    def __init__(self, src_workers, dst_workers, network: NetworkModel):
+        workers = [*src_workers, *dst_workers]
+        devices = sorted({w.device for w in workers})
+        hosts = sorted({w.host for w in workers})
+        device_name = {d: f"d{i:06d}" for i, d in enumerate(devices)}
+        host_name = {h: f"h{i:06d}" for i, h in enumerate(hosts)}
+        self.sides = []
+        for side in (src_workers, dst_workers):
+            slots = sorted({(w.replica, w.dp_index): w.micro_batch_sizes for w in side}.items())
+            slot_index = {slot: k for k, (slot, _) in enumerate(slots)}
+            self.sides.append(([sizes for _, sizes in slots],
+                               [(device_name[w.device], host_name[w.host], slot_index[w.replica, w.dp_index])
+                                for w in side]))
+        self._keys: dict[tuple, tuple] = {}   # slot sizes of a micro-batch -> its key
+        self.names = {v: k for k, v in device_name.items()}
+        self.hosts = {w.device: w.host for w in workers}
+        nic = {host_name[h]: network.nic_gbps[h] for h in hosts if network.nic_gbps[h] != network.inter_host_gbps}
+        self.network = NetworkModel.of_hosts(network.intra_host_gbps, network.inter_host_gbps,
+                                             network.latency_ms * 1e3, list(host_name.values()), nic)
+
+    def key(self, m: int) -> tuple:
+        """The canonical (source, destination) holdings of micro-batch ``m``'s rows."""
+        sizes = tuple(tuple(s[m] for s in slot_sizes) for slot_sizes, _ in self.sides)
+        if sizes not in self._keys:
+            self._keys[sizes] = self._key(m)
+        return self._keys[sizes]
+
+    def _key(self, m: int) -> tuple:
+        out = []
+        for slot_sizes, members in self.sides:
+            pieces, cursor = [], 0
+            for sizes in slot_sizes:
+                pieces.append((cursor, cursor + sizes[m]))
+                cursor += sizes[m]
+            out.append(tuple((device, host, *pieces[slot]) for device, host, slot in members))
+        return tuple(out)
+
+
+def _planned(key: tuple, row_bytes: int, network: NetworkModel, strategy: str, max_nodes: int) -> ReshardPlan:
+    """The resharding of a canonical key, planned once per key, network and strategy."""
+    cache_key = (key, row_bytes, network.key(), strategy, max_nodes)
+    reshard = _CACHE.get(cache_key)
+    if reshard is None:
+        src, dst = key
+        rows = max(1, max(hi for *_, hi in src + dst))
+        specs = [ShardingSpec.of_boxes((rows, row_bytes), [((device, host), ((lo, hi), (0, row_bytes)))
+                                                           for device, host, lo, hi in side]) for side in (src, dst)]
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        reshard = _CACHE[cache_key] = plan_resharding(*specs, network, itemsize=1, strategy=strategy,
+                                                      max_nodes=max_nodes)
+    return reshard
+
+
+def _sends(reshard: ReshardPlan, names: dict[str, str], hosts: dict[str, str]) -> tuple[BoundarySend, ...]:
+    out = []
+    for t in reshard.transfers:
+        if not t.hops:   # a receiver that holds the slice keeps it
+            continue
+        resources = {("dev", names[t.sender])} | {("dev", names[d]) for d in t.receivers}
+        for hop in t.hops:
+            src, dst = names[hop.src], names[hop.dst]
+            resources |= {("dev", src), ("dev", dst)}
+            if hop.cross_host:
+                resources |= {("out", hosts[src]), ("in", hosts[dst])}
+        out.append(BoundarySend(names[t.sender], tuple(names[d] for d in t.receivers), t.start_ms,
+                                t.end_ms - t.start_ms, tuple(sorted(resources)), t.strategy, t.task, t.chunks,
+                                t.nbytes))
+    return tuple(out)
+
+
+_CACHE: dict = {}
+_CACHE_SIZE = 1024

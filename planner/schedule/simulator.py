@@ -1,0 +1,492 @@
+"""Simulate one training step of a :class:`~planner.plan.Plan`: step time, bubbles, a timeline.
+
+The planner predicts a plan's speed with this simulator, and the CLI draws its timeline, so the
+model of execution is the runtime's:
+
+* Every worker runs its stage's action list (:mod:`planner.schedule.actions`) in order; a single-stage
+  plan is gradient accumulation over each worker's own micro-batches.
+* The workers of one tensor-parallel group (same replica, stage and ``dp_index``) move in
+  lockstep: an action starts when the whole group may start it and ends when its slowest member
+  ends (their collectives inside the segment wait for it).
+* Forward ``m`` of a stage needs micro-batch ``m``'s activations from the stages feeding it;
+  backward ``m`` needs the gradients from the stages it feeds. Sends do not block compute
+  (``isend``). With ``network`` (what :func:`planner.assemble.predict` and the CLI pass: the
+  cluster's network) a boundary is the cross-mesh resharding the runtime runs under
+  ``Plan.resharding`` (:mod:`planner.schedule.boundary_traffic`; backward: the same boundary reversed):
+  each of its transfers leaves its sender's group when the action ends, no earlier than its
+  planned start after that (the runtime posts it so), and takes the first gap at or after that
+  in which its devices and the host network interfaces it crosses are all free (interfaces are
+  serial, :mod:`planner.devices.network`); a receiving group's input is complete when every transfer to
+  one of its members has arrived. Without ``network`` (or on a boundary that carries no bytes),
+  a group sends once per boundary and micro-batch, through its first member, to every group of
+  the peer stage in its replica; one worker's sends in one direction share its link and go one
+  after another, each taking ``BoundaryPlan.transfer_ms`` (free when the plan left it empty).
+* ``Plan.delay_weight_gradients``: a backward's input gradients leave after its first half (the
+  input-gradient half, as the runtime splits it) and the group stays busy for the second (the
+  weight-gradient half, in which DDP's buckets fill).
+* Each data-parallel group of a stage (every worker with that stage and ``tp_index``, over groups
+  and replicas) all-reduces its gradients once per step. Without ``buckets`` the all-reduce starts
+  when all members have finished their last backward and takes the largest ``Worker.allreduce_ms``
+  among them. With ``buckets`` (:class:`GradientBucket`, built from the model by
+  :func:`planner.schedule.gradient_buckets.gradient_buckets`: DDP's buckets in reverse layer order), it
+  overlaps with the last backward bucket by bucket, as DDP's does: bucket ``k`` is ready when
+  every member has run ``ready_fraction`` of its last backward (the layers it covers), its
+  all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one process group runs them
+  in order), and the group's step ends when the last bucket's ends. A worker's ``allreduce_ms`` in
+  the result is then the exposed part, after its own compute; ``hidden_allreduce_ms`` the rest.
+  With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
+  (:func:`planner.schedule.gradient_buckets.plan_buckets`), as the runtime overlaps them.
+  Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
+  network interface, all-reduce traffic slowing concurrent boundary sends, and a broadcast's
+  forwarding receivers being busy with compute (the runtime forwards when the rank gets to it).
+
+Processing order does not change the times without a network: every resource (a group's device
+time, a worker's link) is used in program order, so each action's start is the maximum of known
+finish times. With one, transfers of different groups meet on host interfaces in the order the
+simulator reaches them; first-fit placement keeps an early transfer from waiting behind a later
+one, but two transfers competing for one gap go in processing order.
+A group whose next action lacks an input parks on that input's channel and is woken when every
+sender has sent; the work is linear in the number of actions, which keeps 1024-device plans fast.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Mapping, NamedTuple, Optional, Sequence
+
+from whalelike.display import format_table
+
+from planner.plan import Plan, Prediction, Worker
+from planner.schedule.actions import Action, build_schedule, gradient_accumulation, max_in_flight
+from planner.schedule.deadlock import ScheduleError, validate_plan
+
+GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces
+
+log = logging.getLogger(__name__)
+
+
+class SimEvent(NamedTuple):
+    """One timed slice of the step on worker ``rank``: compute (``F``/``B``), a ``send`` to
+    ``peer_stage``, or the gradient ``allreduce`` (``micro_batch`` is None). A named tuple: a
+    1024-device step has ~10^5 of them."""
+
+    rank: int
+    stage: int
+    kind: str
+    micro_batch: Optional[int]
+    start_ms: float
+    end_ms: float
+    peer_stage: Optional[int] = None
+    detail: str = ""               # a resharding send's strategy, unit task and receivers
+    nics: tuple[str, ...] = ()     # the host interfaces a resharding send holds: "host out", "host in"
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def label(self) -> str:
+        if self.kind == "allreduce":
+            return "all-reduce"
+        if self.kind == "send":
+            return f"send {self.micro_batch} -> stage {self.peer_stage}" + (f" ({self.detail})" if self.detail else "")
+        return f"{self.kind}{self.micro_batch}"
+
+
+class GradientBucket(NamedTuple):
+    """One gradient bucket of a data-parallel group: ready once every member has run
+    ``ready_fraction`` (0..1) of its last backward; its all-reduce takes ``allreduce_ms``;
+    ``nbytes`` is what it carries (for display)."""
+
+    ready_fraction: float
+    allreduce_ms: float
+    nbytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerTime:
+    """Where one worker's step went. ``idle_ms`` is waiting: for inputs (pipeline bubbles), for a
+    slower tensor-parallel peer, or for slower data-parallel peers before the all-reduce.
+    ``allreduce_ms`` is the gradient all-reduce time after the worker's own compute ended (all of
+    it without overlap), ``hidden_allreduce_ms`` the part overlapped with its backward."""
+
+    rank: int
+    device: str
+    replica: int
+    stage: int
+    compute_ms: float
+    allreduce_ms: float
+    idle_ms: float
+    peak_in_flight: int
+    hidden_allreduce_ms: float = 0.0
+
+    @property
+    def busy_ms(self) -> float:
+        return self.compute_ms + self.allreduce_ms
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One simulated step: its time, where each worker's time went, and every timed slice."""
+
+    schedule: str                  # the plan's, or "gradient accumulation" for a single stage
+    num_micro_batch: int
+    global_batch_size: int
+    step_time_ms: float
+    bubble_fraction: float         # idle share of all workers' device time during the step
+    workers: list[WorkerTime]
+    events: list[SimEvent]
+    # with a network: each boundary's resharding of micro-batch 0, forward and backward
+    # (planner.schedule.boundary_traffic.BoundaryTraffic)
+    reshardings: tuple = ()
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.global_batch_size / self.step_time_ms * 1e3 if self.step_time_ms > 0 else 0.0
+
+    @property
+    def prediction(self) -> Prediction:
+        return Prediction(self.step_time_ms, self.bubble_fraction, self.throughput)
+
+    def summary(self) -> str:
+        rows = [
+            [w.rank, w.device, w.replica, w.stage, f"{w.compute_ms:.2f}", f"{w.allreduce_ms:.2f}",
+             f"{w.idle_ms:.2f}", f"{100 * w.idle_ms / self.step_time_ms if self.step_time_ms else 0:.1f}%",
+             w.peak_in_flight]
+            for w in self.workers
+        ]
+        return format_table(
+            ["rank", "device", "replica", "stage", "compute ms", "all-reduce ms", "idle ms", "idle", "in flight"],
+            rows,
+            title=(f"simulated step ({self.schedule}, {self.num_micro_batch} micro-batch(es)): "
+                   f"{self.step_time_ms:.2f} ms, bubble {100 * self.bubble_fraction:.1f}%, "
+                   f"{self.throughput:.1f} samples/s"),
+        )
+
+
+@dataclass
+class _Group:
+    """A tensor-parallel group: the unit that executes actions. ``inputs[kind]`` lists the
+    channels an action of that kind receives on, with the number of arrivals that complete each
+    per micro-batch; ``outputs[kind]`` the channels it sends on without a network (peer stage,
+    per-micro-batch times, number of sending groups), ``traffic[kind]`` the boundaries
+    ``(index, direction, peer stage)`` whose resharding sends it makes with one."""
+
+    index: int
+    replica: int
+    stage: int
+    members: list[Worker]          # sorted by tp_index; members[0] sends
+    actions: list[Action]
+    inputs: dict[str, list[tuple[tuple, Sequence[int]]]]
+    outputs: dict[str, list[tuple[tuple, int, list[float], int]]]
+    traffic: dict[str, list[tuple[int, str, int]]] = field(default_factory=lambda: {"F": [], "B": []})
+    pc: int = 0
+    free_ms: float = 0.0
+
+
+class _Resources:
+    """Busy intervals of each device and host interface; a send takes the earliest gap, at or after
+    its ready time, in which all of its resources are free (first fit: the order in which the
+    simulator happens to place sends does not make an early one wait behind a later one)."""
+
+    def __init__(self):
+        self.busy: dict[tuple, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+
+    def place(self, resources: Sequence[tuple], ready: float, duration: float) -> float:
+        if duration <= 0:
+            return ready
+        busy = self.busy
+        start, moved = ready, True
+        while moved:
+            moved = False
+            for resource in resources:
+                starts, ends = busy[resource]
+                if not ends or ends[-1] <= start:   # the common case: free from here on
+                    continue
+                k = bisect_right(ends, start)
+                if starts[k] < start + duration:
+                    start, moved = ends[k], True
+        end = start + duration
+        for resource in resources:
+            starts, ends = busy[resource]
+            if not starts or starts[-1] <= start:
+                starts.append(start)
+                ends.append(end)
+            else:
+                k = bisect_right(starts, start)
+                starts.insert(k, start)
+                ends.insert(k, end)
+        return start
+
+
+def simulate(plan: Plan, record_events: bool = True,
+             buckets: Optional[Mapping[GroupKey, Sequence[GradientBucket]]] = None,
+             network=None) -> SimResult:
+    """Simulate one step of ``plan``; raises :class:`~planner.schedule.deadlock.ScheduleError` if it cannot run.
+
+    ``record_events=False`` keeps only the times (``SimResult.events`` stays empty): the planner's
+    predictions need no timeline, and on thousands of workers the events dominate the cost.
+    ``buckets`` maps a data-parallel group ``(stage, tp_index)`` to its gradient buckets in
+    all-reduce order; their all-reduces overlap with the last backward (module docstring). A group
+    left out all-reduces after its backward, taking ``Worker.allreduce_ms``.
+    ``network`` (a :class:`planner.devices.network.NetworkModel` or the :class:`whalelike.cluster.Cluster`
+    the plan was made for) prices the step as the runtime runs it on that network: boundary
+    transfers are the resharding ``Plan.resharding`` chooses, queued on devices and host
+    interfaces, and, unless ``buckets`` says otherwise, every group with ``Worker.gradient_bytes``
+    all-reduces in DDP's buckets overlapped with its backward.
+    """
+    validate_plan(plan)
+    _check_buckets(plan, buckets)
+    traffic: dict = {}
+    if network is not None:
+        from planner.schedule.boundary_traffic import plan_traffic   # imports the resharding planner: only when asked
+        from planner.schedule.gradient_buckets import plan_buckets   # imports this module
+        from planner.devices.network import NetworkModel
+
+        network = network if isinstance(network, NetworkModel) else NetworkModel.of_cluster(network)
+        traffic = plan_traffic(plan, network)
+        if buckets is None:
+            buckets = plan_buckets(plan, network)
+    groups = _groups(plan, traffic)
+    group_of_device = {w.device: g.index for g in groups for w in g.members}
+    rank_of_device = {w.device: w.rank for w in plan.workers}
+    routes = _routes(traffic, group_of_device)
+    events: list[SimEvent] = []
+    compute: dict[int, float] = defaultdict(float)
+    # (channel, micro_batch) -> [arrivals, latest arrival ms]
+    arrivals: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    waiting: dict[tuple, list[_Group]] = defaultdict(list)
+    link_free: dict[tuple[int, str], float] = defaultdict(float)
+    resources = _Resources()
+    last_backward: dict[int, tuple[float, float]] = {}
+    delay_weights = getattr(plan, "delay_weight_gradients", False)
+    ready = deque(groups)
+
+    def arrive(channel: tuple, m: int, done: float, expected: int) -> None:
+        arrived = arrivals[channel, m]
+        arrived[0] += 1
+        arrived[1] = max(arrived[1], done)
+        if arrived[0] == expected:  # complete: wake the groups waiting for it
+            ready.extend(waiting.pop((channel, m), ()))
+
+    def run(g: _Group, a: Action) -> bool:
+        """Run ``a`` on ``g`` if its inputs have all arrived, else park ``g`` on the first missing one."""
+        m = a.micro_batch
+        start = g.free_ms
+        for channel, expected in g.inputs[a.kind]:
+            arrived = arrivals[channel, m]
+            if arrived[0] < expected[m]:
+                waiting[channel, m].append(g)
+                return False
+            start = max(start, arrived[1])
+        end = start
+        for w in g.members:
+            took = (w.forward_ms if a.kind == "F" else w.backward_ms)[m]
+            compute[w.rank] += took
+            if a.kind == "B":
+                # delayed weight gradients: the weight half (where DDP's buckets fill) comes second
+                last_backward[w.rank] = (start + took / 2 if delay_weights else start, start + took)
+            if record_events:
+                events.append(SimEvent(w.rank, g.stage, a.kind, m, start, start + took))
+            end = max(end, start + took)
+        g.free_ms = end
+        # the input gradients leave after the input-gradient half of a backward when weights wait
+        sent = start + (end - start) / 2 if a.kind == "B" and delay_weights else end
+        sender = g.members[0].rank
+        for channel, peer, transfer_ms, senders in g.outputs[a.kind]:
+            begin = max(sent, link_free[sender, a.kind])
+            done = begin + (transfer_ms[m] if transfer_ms else 0.0)
+            link_free[sender, a.kind] = done
+            if record_events:
+                events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
+            arrive(channel, m, done, senders)
+        for index, direction, peer in g.traffic[a.kind]:
+            own, counts = routes[index, direction, m]
+            for send, receivers in own.get(g.index, ()):
+                begin = resources.place(send.resources, sent + send.offset_ms, send.duration_ms)
+                done = begin + send.duration_ms
+                if record_events:
+                    events.append(SimEvent(rank_of_device[send.sender], g.stage, "send", m, begin, done, peer,
+                                           _send_detail(send), _nics(send)))
+                for receiver in receivers:
+                    arrive(("reshard", index, direction, receiver), m, done, counts[receiver])
+        return True
+
+    while ready:
+        g = ready.popleft()
+        while g.pc < len(g.actions) and run(g, g.actions[g.pc]):
+            g.pc += 1
+
+    stalled = [g for g in groups if g.pc < len(g.actions)]
+    if stalled:  # validate_plan proves this cannot happen; guard against a plan it misjudges
+        raise ScheduleError("simulation stalled: " + "; ".join(
+            f"replica {g.replica} stage {g.stage} at {g.actions[g.pc]}" for g in stalled))
+
+    finish = {w.rank: g.free_ms for g in groups for w in g.members}
+    allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
+    step_ms = max(finish.values())
+    reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
+    return _result(plan, groups, events, compute, allreduce, step_ms, reshardings)
+
+
+def _send_detail(send) -> str:
+    chunks = f", {send.chunks} chunks" if send.chunks > 1 else ""
+    return f"{send.strategy} task {send.task}{chunks} -> {','.join(send.receivers)}"
+
+
+def _nics(send) -> tuple[str, ...]:
+    """``("A out", "B in")``: the host interfaces a send holds, outgoing ones first."""
+    return tuple(f"{host} {way}" for way in ("out", "in") for kind, host in send.resources if kind == way)
+
+
+def _routes(traffic: dict, group_of_device: dict[str, int]) -> dict[tuple[int, str, int], tuple[dict, dict]]:
+    """``(boundary, direction, micro-batch) -> (sending group -> [(send, receiving groups)],
+    receiving group -> number of sends it waits for)``."""
+    out = {}
+    shared: dict[int, tuple[dict, dict]] = {}   # micro-batches that look alike share one traffic object
+    for (index, direction), per_micro_batch in traffic.items():
+        for m, boundary in enumerate(per_micro_batch):
+            if boundary is None:
+                continue
+            if id(boundary) not in shared:
+                own: dict[int, list] = defaultdict(list)
+                counts: dict[int, int] = defaultdict(int)
+                for send in boundary.sends:
+                    receivers = sorted({group_of_device[d] for d in send.receivers})
+                    own[group_of_device[send.sender]].append((send, receivers))
+                    for receiver in receivers:
+                        counts[receiver] += 1
+                shared[id(boundary)] = (dict(own), dict(counts))
+            out[index, direction, m] = shared[id(boundary)]
+    return out
+
+
+def _groups(plan: Plan, traffic: dict) -> list[_Group]:
+    """The tensor-parallel groups of ``plan`` with their action lists and channels. Without a
+    network (or for a boundary that carries nothing) a channel is one direction of one boundary in
+    one replica: forwards of the boundary's source stage send on it, forwards of its destination
+    receive; backwards the other way round. With one, a receiving group has a channel per boundary
+    and direction, completed by the resharding sends that name one of its members."""
+    members = defaultdict(list)
+    for w in plan.workers:
+        members[w.replica, w.stage, w.dp_index].append(w)
+    num_groups = defaultdict(int)
+    for replica, stage, _ in members:
+        num_groups[replica, stage] += 1
+    num_stages = len(plan.stages)
+    num_micro_batch = plan.num_micro_batch
+    stage_lists = (build_schedule(plan.schedule, num_stages, num_micro_batch) if num_stages > 1 else None)
+    shipped_boundaries = {i for (i, direction), per_micro_batch in traffic.items()
+                          if direction == "forward" and all(t is not None for t in per_micro_batch)}
+    out = []
+    for index, ((replica, stage, _), ws) in enumerate(sorted(members.items())):
+        ws.sort(key=lambda w: w.tp_index)
+        actions = stage_lists[stage] if stage_lists else gradient_accumulation(len(ws[0].forward_ms))
+        inputs: dict[str, list] = {"F": [], "B": []}
+        outputs: dict[str, list] = {"F": [], "B": []}
+        sends: dict[str, list] = {"F": [], "B": []}
+        for i, b in enumerate(plan.boundaries):
+            forward = ("plain", replica, i, "forward")
+            backward = ("plain", replica, i, "backward")
+            src_groups, dst_groups = num_groups[replica, b.src_stage], num_groups[replica, b.dst_stage]
+            shipped = i in shipped_boundaries
+            if b.dst_stage == stage:
+                if shipped:
+                    inputs["F"].append((("reshard", i, "forward", index), _expected(traffic[i, "forward"], ws)))
+                    sends["B"].append((i, "backward", b.src_stage))
+                else:
+                    inputs["F"].append((forward, [src_groups] * num_micro_batch))
+                    outputs["B"].append((backward, b.src_stage, b.transfer_ms, dst_groups))
+            if b.src_stage == stage:
+                if shipped:
+                    inputs["B"].append((("reshard", i, "backward", index), _expected(traffic[i, "backward"], ws)))
+                    sends["F"].append((i, "forward", b.dst_stage))
+                else:
+                    outputs["F"].append((forward, b.dst_stage, b.transfer_ms, src_groups))
+                    inputs["B"].append((backward, [dst_groups] * num_micro_batch))
+        out.append(_Group(index, replica, stage, ws, actions, inputs, outputs, sends))
+    return out
+
+
+def _expected(per_micro_batch: list, members: list[Worker]) -> list[int]:
+    """How many resharding sends name one of ``members`` as a receiver, per micro-batch."""
+    devices = {w.device for w in members}
+    counted: dict[int, int] = {}
+    for t in per_micro_batch:
+        if id(t) not in counted:
+            counted[id(t)] = sum(1 for send in t.sends if devices.intersection(send.receivers))
+    return [counted[id(t)] for t in per_micro_batch]
+
+
+def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tuple[float, float]],
+               buckets: Mapping[GroupKey, Sequence[GradientBucket]],
+               events: Optional[list[SimEvent]]) -> dict[int, tuple[float, float]]:
+    """Run each data-parallel group's gradient all-reduce, bucket by bucket (one bucket after the
+    backward when ``buckets`` has none for the group); updates ``finish``, returns per rank the
+    (exposed, hidden) all-reduce time."""
+    peers = defaultdict(list)
+    for w in plan.workers:
+        peers[w.stage, w.tp_index].append(w)
+    took = {}
+    for key, ws in peers.items():
+        own = buckets.get(key)
+        if own is None:
+            own = [GradientBucket(1.0, max(w.allreduce_ms for w in ws))]
+        spans = []
+        previous_end = 0.0
+        for bucket in own:
+            ready = max(start + bucket.ready_fraction * (end - start)
+                        for start, end in (last_backward[w.rank] for w in ws))
+            start = max(ready, previous_end)
+            previous_end = start + bucket.allreduce_ms
+            if bucket.allreduce_ms > 0:
+                spans.append((start, previous_end))
+        for w in ws:
+            compute_end = finish[w.rank]
+            exposed = sum(end - max(start, compute_end) for start, end in spans if end > compute_end)
+            took[w.rank] = (exposed, sum(end - start for start, end in spans) - exposed)
+            if spans:
+                if events is not None:
+                    events.extend(SimEvent(w.rank, w.stage, "allreduce", None, start, end) for start, end in spans)
+                finish[w.rank] = max(compute_end, spans[-1][1])
+    return took
+
+
+def _check_buckets(plan: Plan, buckets: Optional[Mapping[GroupKey, Sequence[GradientBucket]]]) -> None:
+    """Every bucket belongs to a data-parallel group of the plan and has usable figures."""
+    if not buckets:
+        return
+    groups = {(w.stage, w.tp_index) for w in plan.workers}
+    for key, own in buckets.items():
+        if key not in groups:
+            raise ScheduleError(f"buckets: no data-parallel group (stage, tp_index) = {key!r} in the plan; groups: "
+                                f"{sorted(groups)}; build the buckets for this plan (planner.schedule.gradient_buckets)")
+        for k, bucket in enumerate(own):
+            fraction, ms = bucket.ready_fraction, bucket.allreduce_ms
+            if not (isinstance(fraction, (int, float)) and 0.0 <= fraction <= 1.0):
+                raise ScheduleError(f"buckets[{key!r}][{k}].ready_fraction must be in [0, 1] (the share of the "
+                                    f"last backward run before the bucket is ready), got {fraction!r}")
+            if not (isinstance(ms, (int, float)) and 0.0 <= ms < float("inf")):
+                raise ScheduleError(f"buckets[{key!r}][{k}].allreduce_ms must be a finite number >= 0, got {ms!r}")
+
+
+def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], compute: dict[int, float],
+            allreduce: dict[int, float], step_ms: float, reshardings: tuple = ()) -> SimResult:
+    in_flight = {w.rank: max_in_flight(g.actions) for g in groups for w in g.members}
+    workers = [
+        WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank][0],
+                   max(step_ms - compute[w.rank] - allreduce[w.rank][0], 0.0), in_flight[w.rank],
+                   allreduce[w.rank][1])
+        for w in plan.workers
+    ]
+    total = step_ms * len(workers)
+    bubble = sum(w.idle_ms for w in workers) / total if total > 0 else 0.0
+    events.sort(key=attrgetter("start_ms", "rank"))
+    log.debug("simulated %d workers: %.3f ms, bubble %.3f", len(workers), step_ms, bubble)
+    schedule = plan.schedule if len(plan.stages) > 1 else "gradient accumulation"
+    return SimResult(schedule, plan.num_micro_batch, plan.global_batch_size, step_ms, bubble, workers, events,
+                     reshardings)

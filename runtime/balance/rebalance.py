@@ -1,0 +1,415 @@
+"""Dynamic balancing: from measured speeds to a re-plan at a step boundary, and the record of it.
+
+Why: a plan is made from the cluster spec's nominal speeds, but on mixed, shared or throttling
+clusters device speeds change while a job runs, and one slow rank sets the pace of all. Whale and
+Poplar balance once; FlexTP (paper 000) rebalances tensor parallelism only, approximately; here
+every kind of parallelism the runtime executes is rebalanced, exactly where it can be, and
+approximately only where the policy allows it, and every re-plan says which it was.
+
+The loop, after every optimizer step (all of it collective and identical on every rank):
+
+1. :class:`~runtime.balance.straggler_monitor.StragglerMonitor` records this rank's *compute* time and FLOPs
+   (waiting excluded: DDP makes every rank's wall time equal); every ``exchange_every`` steps the
+   smoothed speeds ride in the all-reduce that ends a step anyway (DDP's last gradient bucket, the
+   pipeline's loss), so sharing them costs no collective of its own;
+2. if some rank's speed relative to the others changed by more than ``threshold`` since the plan in
+   force was made, :func:`planner.balance.replan.rebalance` (pure, deterministic, the planner's own
+   functions) computes the plan for the measured speeds, keeping every worker's device, stage and
+   groups: only amounts of work move;
+3. the change is applied by the Engine (:meth:`runtime.engine.Engine.apply_plan`):
+
+   ================================  ============================================  ========
+   what changed                      how it is applied                             exact?
+   ================================  ============================================  ========
+   data-parallel shares              new micro-batch sizes, no data moves          yes
+   pipeline layers                   parameters + optimizer state moved P2P        yes
+   tensor-parallel, while new        migration (runtime.balance.migration): the plan in    yes
+                                     force keeps parameters and optimizer state,
+                                     the measured-speed layout computes
+   tensor-parallel, once persistent  re-shard: columns/heads + optimizer state     yes
+                                     moved P2P (after ``persist_steps``)
+   ZERO-resizing (semi, resize)      a straggler drops a fraction of its matmuls'  no
+                                     inner dimension (runtime.balance.flextp_resizing)
+   ================================  ============================================  ========
+
+4. a :class:`ReplanEvent` is appended to the history (``Engine.replans``) and logged once, on rank
+   0: which ranks changed, old and new speed, the action, its cost in ms, exact or approximate.
+
+Policies (:class:`BalanceConfig`): ``"exact"`` (default) re-plans shares, layers and shards, never
+approximates; ``"semi"`` is FlexTP's SEMI-migration for tensor-parallel stages (the worst stragglers
+get their work moved, mild ones are resized, Eq. 2/3, Algorithm 2; see planner.balance.semi_migration),
+exact re-planning elsewhere; ``"resize"`` is ZERO-resizing alone for tensor-parallel stages
+(Eq. 1); ``"off"`` measures and logs, and changes nothing. Steps run with resizing are marked
+approximate in ``Engine.stats`` and in the log.
+
+Invariant: every decision is a function of values that are identical on every rank after the
+exchange (the gathered speeds, the plan, the step number), so every rank makes the same decision
+at the same step and no decision needs a second round of communication.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from whalelike.errors import SpecError
+
+if TYPE_CHECKING:
+    from runtime.balance.straggler_monitor import Measured, SpeedChange
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("exact", "semi", "resize", "off")
+TP_LOSSLESS = ("auto", "migrate", "reshard")
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    """How the Engine reacts to measured speed changes (see the module docstring).
+
+    policy:         ``"exact"`` (default), ``"semi"``, ``"resize"`` or ``"off"``.
+    threshold:      relative change of a rank's share of the total speed that triggers a re-plan
+                    (0.10: a 10% change); in (0, 1).
+    window:         steps the median of measured speeds is taken over (a one-step spike is ignored;
+                    a sustained change is seen after ``ceil(window / 2)`` steps).
+    exchange_every: steps between speed exchanges (each rides in the all-reduce that ends a step).
+    warmup_steps:   first steps not measured (allocations, DDP's bucket set-up).
+    max_gamma:      largest pruning ratio ZERO-resizing may use (policies semi and resize).
+    tp_lossless:    how the exact policy rebalances tensor-parallel stages: ``"auto"`` (default)
+                    migrates work while a change is new and re-shards for good once it has lasted
+                    ``persist_steps``; ``"migrate"`` only migrates; ``"reshard"`` re-shards at once.
+    persist_steps:  steps a migration lasts before ``"auto"`` makes it a permanent re-shard.
+    """
+
+    policy: str = "exact"
+    threshold: float = 0.10
+    window: int = 3
+    exchange_every: int = 1
+    warmup_steps: int = 2
+    max_gamma: float = 0.9
+    tp_lossless: str = "auto"
+    persist_steps: int = 20
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise SpecError(f"BalanceConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}; "
+                            "'exact' re-plans without approximation, 'off' only measures")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not 0.0 < self.threshold < 1.0 or math.isnan(self.threshold):
+            raise SpecError(f"BalanceConfig.threshold must be a fraction in (0, 1) (0.10 = a 10% speed change), "
+                            f"got {self.threshold!r}")
+        if self.tp_lossless not in TP_LOSSLESS:
+            raise SpecError(f"BalanceConfig.tp_lossless must be one of {', '.join(TP_LOSSLESS)}, got "
+                            f"{self.tp_lossless!r}")
+        for name, minimum in (("window", 1), ("exchange_every", 1), ("warmup_steps", 0), ("persist_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise SpecError(f"BalanceConfig.{name} must be an integer >= {minimum}, got {value!r}")
+        if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, (int, float)) \
+                or not 0.0 < self.max_gamma < 1.0:
+            raise SpecError(f"BalanceConfig.max_gamma must be in (0, 1), got {self.max_gamma!r}")
+
+    @classmethod
+    def of(cls, value: Union["BalanceConfig", str, None]) -> "BalanceConfig":
+        """A config from what ``Engine(balance=...)`` accepts: a BalanceConfig, a policy name, or
+        None (the default, policy ``"exact"``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(policy=value)
+        raise SpecError(f"Engine(balance=...) takes a policy name ({', '.join(POLICIES)}) or a "
+                        f"runtime.balance.rebalance.BalanceConfig, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class ReplanEvent:
+    """One reaction to a measured speed change. ``action`` is ``"none"`` (policy off, or nothing to
+    change), ``"shares"``, ``"layers"``, ``"reshard"``, ``"resize"`` or a ``+``-joined mix;
+    ``cost_ms`` is the time this rank spent planning and applying it; ``exact`` is False when steps
+    from here on are approximate (ZERO-resizing)."""
+
+    step: int
+    changes: tuple["SpeedChange", ...]
+    action: str
+    detail: str
+    cost_ms: float
+    exact: bool
+    plan_version: int
+
+    def line(self) -> str:
+        who = ", ".join(f"rank {c.rank} {_rate(c.old_speed)} -> {_rate(c.new_speed)} ({c.ratio:.2f}x)"
+                        for c in self.changes)
+        kind = "exact" if self.exact else "APPROXIMATE"
+        return (f"step {self.step}: speed change: {who}; action: {self.action} ({kind}, {self.cost_ms:.1f} ms)"
+                + (f": {self.detail}" if self.detail else ""))
+
+
+def _rate(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e9:.3g} GFLOP/s"
+
+
+@dataclass
+class Rebalancer:
+    """The per-Engine state of dynamic balancing: the monitor, the speeds the plan in force was
+    made for, the history. ``engine`` is the :class:`runtime.engine.Engine` it re-plans."""
+
+    engine: object
+    config: BalanceConfig
+    history: list[ReplanEvent] = field(default_factory=list)
+    reference: Optional[list[float]] = None   # speeds the plan in force was made for
+    plan_version: int = 0
+    migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
+    resized: dict = field(default_factory=dict)  # rank -> pruning ratio of ZERO-resizing in force
+
+    def __post_init__(self):
+        from runtime.balance.straggler_monitor import StragglerMonitor
+
+        e = self.engine
+        self.monitor = StragglerMonitor(e.rank, e.plan.world_size, None, window=self.config.window,
+                                        threshold=self.config.threshold, exchange_every=self.config.exchange_every)
+        self._resizer = None
+        self._fresh = False   # the next step is the first of a rebuilt executor
+        self._measured_step: Optional[int] = None
+
+    # -- the step boundary --------------------------------------------------------------------------
+    def passenger(self, step: int, stats_so_far):
+        """A :class:`~runtime.balance.straggler_monitor.Passenger` for ``step``'s last collective when an
+        exchange is due, else None. Filled when that collective is about to run (the step's compute
+        is done then: ``stats_so_far()`` gives its emulation figures), so this step's figures
+        travel. The same decision on every rank: it depends on the step and the sample count only."""
+        from runtime.balance.straggler_monitor import Passenger
+
+        if (step < self.config.warmup_steps or self._fresh or step % self.config.exchange_every
+                or len(self.monitor.samples) + 1 < self.config.window):
+            return None
+
+        def fill():
+            stats = stats_so_far()
+            self._measure(step, stats.flops, stats.padded_s, stats.matmul_s)
+            return self.monitor.outgoing()
+
+        return Passenger(3 * self.engine.plan.world_size, fill)
+
+    def _measure(self, step: int, flops: float, compute_s: float, matmul_s: float) -> None:
+        flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
+        self.monitor.record(step, flops, compute_s, matmul_s)
+        self._measured_step = step
+
+    def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float,
+                   carried=None) -> Optional[ReplanEvent]:
+        """Record this step's measurement (unless its passenger already did); when ``carried`` (this
+        step's passenger vector, summed over the ranks) is given, compare and maybe re-plan
+        (collective)."""
+        if step < self.config.warmup_steps:
+            return None
+        if self._fresh:
+            # the first step of a rebuilt executor pays one-time costs (shape propagation,
+            # allocations): its speed is not the device's, and must not start a re-plan
+            self._fresh = False
+            return None
+        if self._measured_step != step:
+            self._measure(step, flops, compute_s, matmul_s)
+        event = self._persisted(step)
+        if event is not None or carried is None:
+            return event
+        measured = self.monitor.received(step, carried)
+        if self.reference is None:
+            self.reference = list(measured.speeds)
+            return None
+        changes = self.monitor.changed(measured, self.reference)
+        if not changes:
+            return None
+        start, version = time.perf_counter(), self.plan_version
+        action, detail, exact = self._react(measured)
+        self.reference = list(measured.speeds)
+        self.monitor.reset()   # samples from before the change must not outvote the new plan's
+        self._fresh = self.plan_version != version
+        return self._record(step, self._culprits(changes), action, detail, exact, start)
+
+    def _culprits(self, changes) -> tuple:
+        """The ranks whose own speed changed: when one rank slows, every other rank's *share* of
+        the total grows too (that is what triggers), but the event names the one that slowed."""
+        own = [c for c in changes if c.old_speed > 0 and abs(c.new_speed / c.old_speed - 1) > self.config.threshold]
+        return tuple(own or changes)
+
+    def _record(self, step, changes, action, detail, exact, start) -> ReplanEvent:
+        event = ReplanEvent(step, changes, action, detail, (time.perf_counter() - start) * 1e3, exact,
+                            self.plan_version)
+        self.history.append(event)
+        if self.engine.rank == 0:
+            (log.info if exact else log.warning)("re-plan %s", event.line())
+        return event
+
+    def _unresized(self, flops: float, compute_s: float, matmul_s: float) -> tuple[float, float, float]:
+        """What this step would have measured without ZERO-resizing (planner.balance.semi_migration.unresized):
+        a resized straggler must keep looking as slow as it is, or Eq. (1) would switch it off again."""
+        from planner.balance.semi_migration import unresized
+
+        if self._resizer is None or not self._resizer.active or matmul_s <= 0:
+            return flops, compute_s, matmul_s
+        pruned = self._resizer.pruned_work
+        (compute,), (matmul,) = unresized([compute_s], [matmul_s], [pruned])
+        return flops / (1.0 - pruned), compute, matmul
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def _react(self, measured: "Measured") -> tuple[str, str, bool]:
+        policy = self.config.policy
+        if policy == "off":
+            return "none", "policy off: measured only", True
+        if not self._tensor_parallel:
+            return self._apply(measured.speeds)
+        if policy in ("semi", "resize"):
+            return self._approximate(measured)
+        self._stop_resizing()
+        if self.config.tp_lossless == "reshard":
+            return self._apply(measured.speeds)
+        return self._migrate(measured.speeds)
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        return any(w.tp_size > 1 for w in self.engine.plan.workers)
+
+    def _new_plan(self, speeds: Sequence[float]):
+        from planner.balance.replan import plan_changes, rebalance
+
+        engine = self.engine
+        new = rebalance(engine.plan, engine.graphs, engine.cluster, list(speeds))
+        return new, plan_changes(engine.plan, new)
+
+    def _apply(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
+        """The exact re-plan: shares in place, layers and shards moved with their optimizer state."""
+        new, changes = self._new_plan(speeds)
+        self._end_migration()
+        if changes.empty:
+            return "none", "the plan for the measured speeds is the plan in force", True
+        report = self.engine.apply_plan(new)
+        self.plan_version += 1
+        moved = f"; {report.describe()}" if report is not None else ""
+        return _action(changes.kinds), changes.describe().replace("\n", "; ") + moved, True
+
+    def _migrate(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
+        """Lossless migration (runtime.balance.migration): the plan for the measured speeds computes, the
+        plan in force keeps the parameters and optimizer state; none at all when they agree."""
+        new, changes = self._new_plan(speeds)
+        if changes.empty:
+            ended = self._end_migration()
+            return ("end migration" if ended else "none"), "the plan in force fits the measured speeds", True
+        self.engine.start_migration(new)
+        self.migration_started = self.engine.step   # the step just run; the layout computes from the next
+        self.plan_version += 1
+        return "migrate", changes.describe().replace("\n", "; "), True
+
+    def _persisted(self, step: int) -> Optional[ReplanEvent]:
+        """Under ``tp_lossless="auto"`` a migration that lasted ``persist_steps`` becomes the plan."""
+        if (self.migration_started is None or self.config.tp_lossless != "auto"
+                or step - self.migration_started < self.config.persist_steps):
+            return None
+        start = time.perf_counter()
+        plan = self.engine.compute_plan
+        self.migration_started = None
+        report = self.engine.apply_plan(plan)
+        self.plan_version += 1
+        self.monitor.reset()
+        self._fresh = True
+        detail = f"migration lasted {self.config.persist_steps} steps; " + (report.describe() if report else "")
+        return self._record(step, (), "reshard", detail, True, start)
+
+    def _end_migration(self) -> bool:
+        self.migration_started = None
+        return self.engine.stop_migration()
+
+    def _approximate(self, measured: "Measured") -> tuple[str, str, bool]:
+        """FlexTP for tensor-parallel groups: ZERO-resizing alone (policy resize, Eq. 1 against the
+        group's mean) or SEMI-migration (policy semi, Algorithm 2: the slowest stragglers migrate
+        their work exactly, the others are resized by Eq. 1 against the group's fastest). Each
+        tensor-parallel group decides on its own ranks' times; ranks outside them (a hybrid plan's
+        data-parallel or pipeline stages) are re-planned exactly, at the speeds resizing leaves."""
+        from planner.balance.semi_migration import resize_decision, semi_decision
+
+        migrate: dict[int, float] = {}
+        resize: dict[int, float] = {}
+        groups = _tensor_parallel_groups(self.engine.plan)
+        for ranks in groups:
+            times = [measured.compute_s[r] for r in ranks]
+            matmul = [measured.matmul_s[r] for r in ranks]
+            decide = resize_decision if self.config.policy == "resize" else semi_decision
+            # a straggler is slower than the reference by more than the trigger threshold: equal
+            # ranks' measured times differ in their last bits, and must not count as stragglers
+            decision = decide(times, matmul, max_gamma=self.config.max_gamma, tolerance=self.config.threshold)
+            migrate.update((ranks[i], f) for i, f in decision.migrate.items())
+            resize.update((ranks[i], g) for i, g in decision.resize.items())
+        # the layout to compute with: migrating ranks give up their migrated fraction, resized ranks
+        # keep their work (resizing brings them back to pace), everyone else runs at measured speed
+        speeds = list(measured.speeds)
+        # policy resize is ZERO-resizing alone: tensor-parallel work never moves
+        kept = [r for ranks in groups for r in ranks] if self.config.policy == "resize" else list(resize)
+        for r in kept:
+            speeds[r] = self.reference[r]
+        for r, fraction in migrate.items():
+            speeds[r] = self.reference[r] * (1.0 - fraction)
+        action, detail, _ = self._migrate(speeds)
+        actions = [] if action == "none" else [action]
+        details = [detail] if action != "none" else []
+        self._set_resizing(resize.get(self.engine.rank, 0.0))
+        self.resized = resize
+        if resize:
+            actions.append("resize")
+            details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(resize.items())))
+        return ("+".join(actions) or "none"), "; ".join(details), not resize
+
+    def _set_resizing(self, gamma: float) -> None:
+        resizer = self._resizer_of_module()
+        if resizer is not None:
+            resizer.set_ratio(gamma)
+
+    def _resizer_of_module(self):
+        """The ZERO-resizer of the module this rank computes with (a new one after a migration or a
+        re-shard rebuilt it), or None where it holds no tensor-parallel Linear."""
+        from runtime.tensor.layers import _ParallelLinear
+        from runtime.balance.flextp_resizing import ZeroResizer
+
+        module = self.engine.executor_module()
+        if self._resizer is not None and self._resizer.module is module:
+            return self._resizer
+        if self._resizer is not None:
+            self._resizer.set_ratio(0.0)
+        has_linear = any(isinstance(m, _ParallelLinear) for m in module.modules())
+        self._resizer = ZeroResizer(module, max_gamma=self.config.max_gamma) if has_linear else None
+        return self._resizer
+
+    def _stop_resizing(self) -> None:
+        if self._resizer is not None:
+            self._resizer.set_ratio(0.0)
+        self.resized = {}
+
+    def after_optimizer_step(self) -> None:
+        """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update, on
+        every rank, so a rank that becomes a straggler prunes its least-changing columns at once."""
+        if self.config.policy in ("semi", "resize") and self._tensor_parallel and self.engine.executor is not None:
+            resizer = self._resizer_of_module()
+            if resizer is not None:
+                resizer.observe_weights()
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the next step is approximate: some rank (not necessarily this one) runs it with
+        ZERO-resizing, so the global loss and every gradient sum are approximate everywhere."""
+        return bool(self.resized)
+
+
+def _tensor_parallel_groups(plan) -> list[list[int]]:
+    """The ranks of every tensor-parallel group (same replica, stage and dp_index), by tp_index."""
+    groups: dict[tuple, list] = {}
+    for w in plan.workers:
+        if w.tp_size > 1:
+            groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
+    return [[w.rank for w in sorted(g, key=lambda w: w.tp_index)] for g in groups.values()]
+
+
+def _action(kinds) -> str:
+    names = {"shares": "shares", "layers": "layers", "shards": "reshard"}
+    return "+".join(names[k] for k in ("shares", "layers", "shards") if k in kinds) or "none"

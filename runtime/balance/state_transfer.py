@@ -1,0 +1,323 @@
+"""Switch a running executor to a new plan of the same ranks, moving exactly the state that moves.
+
+Re-planning at a step boundary (pipeline layers moving between stages, tensor-parallel shard sizes
+changing for good) leaves most of the model where it is: a layer moving from stage 0 to stage 1
+is a few tensors out of many, a 3:1 -> 1:3 re-shard moves half a projection. So the state goes
+point to point, and only what moves: every rank describes what it holds of each named tensor under
+the old and the new executor (a :class:`planner.balance.state_moves.Slab`, small metadata shared with one
+``all_gather_object``), :func:`planner.balance.state_moves.plan_moves` decides the pieces, and one
+``batch_isend_irecv`` carries them; what a rank already holds is copied locally.
+
+Why not an all-gather of the model (``full_state_dict`` then ``load_full_state_dict``): every rank
+would receive every parameter and every optimizer moment, several times the model per re-plan for
+a move of one layer. Why not ``torch.distributed.checkpoint`` resharding: it goes through storage
+(a write and a read of the whole state), and it does not know our uneven or fused (q, k, v) shards.
+
+What moves: parameters, persistent buffers, and the optimizer state of each parameter: every
+state tensor shaped like its parameter is sliced like it (Adam's moments, SGD's momentum), a 0-dim
+one (Adam's ``step``) is copied whole from any holder, other values ride in the metadata. The
+optimizer object stays the same (learning-rate schedulers hold it): a throwaway optimizer built by
+``make_optimizer`` on the new parameters gives the param-group assignment, the new parameters go
+into the existing ``param_groups`` (hyperparameters kept) and the state is set per new parameter.
+
+Invariant: after :func:`switch_executor`, every rank holds exactly the values (parameters, buffers,
+optimizer state) the old plan had for what the new plan gives it, so training continues bit for
+bit as if the new plan had run from the start. The sources are snapshots of the old parameters and
+buffers taken *before* the new executor is built: its construction may write them (DDP broadcasts
+from its group's first rank, tied parameters from their first holder, and the old and new executor
+share the model's tensors), and that rank may be one that did not hold them under the old plan.
+The old gradients are dropped first (the next step starts from zero), so the snapshot costs no
+memory beyond what the gradients held.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.balance.state_moves import Move, Slab, plan_moves
+from runtime.tensor.layers import _ParallelLinear
+from whalelike.errors import WhaleError
+
+log = logging.getLogger(__name__)
+
+NamedState = dict[str, tuple[torch.Tensor, Slab]]
+
+
+class StateTransferError(WhaleError):
+    """An executor switch cannot keep the training state exact."""
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """One switch, the same on every rank except ``seconds``: ``moved_tensors`` named tensors
+    (parameters, buffers, optimizer state entries) had at least one piece cross ranks,
+    ``moved_bytes`` crossed in all, ``seconds`` this rank's wall time of the whole switch."""
+
+    moved_tensors: int
+    moved_bytes: int
+    seconds: float
+
+    def describe(self) -> str:
+        return f"moved {self.moved_tensors} tensors, {self.moved_bytes / 2**20:.2f} MiB, in {self.seconds * 1e3:.1f} ms"
+
+
+# -- what an executor holds ------------------------------------------------------------------------
+def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
+    """``module``'s parameters and persistent buffers under the model's names, with what each
+    holds: tensor-parallel weights their shard (:func:`parallel_slab`), all else whole.
+
+    ``names`` maps ``module``'s state-dict keys to the model's names of the same tensor (first
+    one canonical, as ``PipelineExecutor._state_names`` does); default: the keys are the model's
+    names, and a tensor under several keys (tied weights) is named by its first. A tied parameter
+    held twice by one tensor-parallel stage (an embedding whole, a sharded head's slice of it) is
+    two tensors: the first under the model's name, the other under ``"<name>@<key>"``; every copy
+    holds the same values, so each moves like a tensor of its own.
+    """
+    slabs: dict[int, Slab] = {}
+    for layer in module.modules():
+        if isinstance(layer, _ParallelLinear):
+            for param in ("weight", "bias"):
+                if getattr(layer, param) is not None:
+                    slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
+    seen: set[int] = set()
+    out: NamedState = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        name = names[key][0] if names is not None else key
+        slab = slabs.get(id(tensor), Slab(tuple(tensor.shape)))
+        out[f"{name}@{key}" if name in out else name] = (tensor, slab)
+    return out
+
+
+def parallel_slab(layer: _ParallelLinear, param: str) -> Slab:
+    """What ``layer``'s ``param`` holds of the full tensor, from the layer's own slicing
+    (``shard_of`` of the positions along the sharded dimension): one range, or one per part of a
+    fused projection."""
+    local = getattr(layer, param)
+    dim = layer.sharded_dim(param)
+    if dim is None:
+        return Slab(tuple(local.shape))
+    full = sum(layer.shard_sizes)
+    shape = tuple(full if d == dim else n for d, n in enumerate(local.shape))
+    positions = layer.shard_of(param, torch.arange(full).view([-1 if d == dim else 1 for d in range(local.dim())]))
+    ranges: list[list[int]] = []
+    for p in positions.reshape(-1).tolist():
+        if ranges and ranges[-1][1] == p:
+            ranges[-1][1] = p + 1
+        else:
+            ranges.append([p, p + 1])
+    return Slab(shape, dim, tuple((a, b) for a, b in ranges))
+
+
+def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
+    """Take ``ddp``'s hooks off its module's parameters (the reducer's autograd hooks, the
+    post-accumulate hooks of the Python reducer) so another executor can own them; returns the module."""
+    ddp._remove_autograd_hooks()
+    for handle in getattr(ddp, "_accum_grad_hooks", []):
+        handle.remove()
+    return ddp.module
+
+
+# -- the switch ------------------------------------------------------------------------------------
+def state_name(param: str, key: str) -> str:
+    return f"{param}[{key}]"
+
+
+def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Optimizer,
+                    make_optimizer: Callable, group: Optional[dist.ProcessGroup] = None):
+    """Replace executor ``old`` by ``build_new()`` on every rank of ``group`` (a collective, at a
+    step boundary), moving parameters, buffers and ``optimizer``'s state to where the new executor
+    holds them, and rebinding ``optimizer`` to the new parameters; closes ``old``.
+
+    ``old`` and the new executor provide ``named_state()`` (model name -> tensor and
+    :class:`~planner.balance.state_moves.Slab`) and ``close()``. ``make_optimizer`` is the factory that
+    built ``optimizer`` (same class; it only assigns the new parameters to param groups). Plan rank
+    ``r`` is rank ``r`` of ``group`` (default: the world). Returns ``(new_executor, TransferReport)``.
+    """
+    start = time.perf_counter()
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held = old.named_state()
+    for tensor, _ in held.values():
+        if isinstance(tensor, nn.Parameter):
+            tensor.grad = None
+    # sources: snapshots of parameters and buffers (see the module docstring), optimizer state as it is
+    sources: NamedState = {name: (t.detach().clone(), slab) for name, (t, slab) in held.items()}
+    kept_state, state_meta = optimizer_state(optimizer, held)
+    sources.update((state_name(p, k), (v, held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
+                   for k, v in entries.items())
+    new = build_new()
+    target = new.named_state()
+    mine = {"old": {n: s for n, (_, s) in sources.items()}, "new": {n: s for n, (_, s) in target.items()},
+            "dtype": {n: str(t.dtype).removeprefix("torch.") for n, (t, _) in sources.items()},
+            "state": state_meta}
+    described: list[dict] = [None] * world
+    dist.all_gather_object(described, mine, group=group)
+    keys = state_keys(described)
+    wanted = [{**d["new"], **{state_name(p, k): (d["new"][p] if meta[0] == "param" else Slab(()))
+                              for p in d["new"] if p in keys for k, meta in keys[p].items() if meta[0] != "value"}}
+              for d in described]
+    moves = plan_moves({r: d["old"] for r, d in enumerate(described)}, dict(enumerate(wanted)))
+    destinations = dict(target)
+    new_state = allocate_state(target, keys, sources, described[rank]["old"], wanted[rank])
+    destinations.update(new_state)
+    execute_moves(moves, rank, group, sources, destinations)
+    _rebind(optimizer, make_optimizer, new, target, new_state, keys)
+    old.close()
+    dtypes = {n: getattr(torch, t) for d in described for n, t in d["dtype"].items()}
+    crossing = [m for m in moves if not m.local]
+    report = TransferReport(len({m.name for m in crossing}),
+                            sum(m.elements * dtypes[m.name].itemsize for m in crossing),
+                            time.perf_counter() - start)
+    log.info("rank %d: switched executor, %s (%d pieces)", rank, report.describe(), len(crossing))
+    return new, report
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, held: NamedState):
+    """This rank's optimizer state by parameter name: tensors (to move) and, per entry, its kind:
+    ``("param", ...)`` shaped like the parameter, ``("scalar", dtype, on_cpu)`` 0-dim, or
+    ``("value", v)`` a non-tensor value."""
+    names = {id(t): n for n, (t, _) in held.items()}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    meta: dict[str, dict[str, tuple]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise StateTransferError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that the "
+                                         "executor does not name (named_state); build the optimizer from "
+                                         "executor.parameters()")
+            name = names[id(p)]
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    meta.setdefault(name, {})[key] = ("value", value)
+                elif value.shape == p.shape:
+                    tensors.setdefault(name, {})[key] = value
+                    meta.setdefault(name, {})[key] = ("param", str(value.dtype).removeprefix("torch."))
+                elif value.dim() == 0:
+                    tensors.setdefault(name, {})[key] = value
+                    meta.setdefault(name, {})[key] = ("scalar", str(value.dtype).removeprefix("torch."),
+                                                      value.device.type == "cpu")
+                else:
+                    raise StateTransferError(
+                        f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither the "
+                        f"parameter's {tuple(p.shape)} nor a scalar; it cannot be sliced with its parameter "
+                        f"({type(optimizer).__name__} is not supported by a plan switch)")
+    return tensors, meta
+
+
+def state_keys(described: list[dict]) -> dict[str, dict[str, tuple]]:
+    """Parameter name -> state key -> its kind, over every rank's old optimizer."""
+    keys: dict[str, dict[str, tuple]] = {}
+    for d in described:
+        for name, entries in d["state"].items():
+            for key, meta in entries.items():
+                keys.setdefault(name, {}).setdefault(key, meta)
+    return keys
+
+
+def allocate_state(target: NamedState, keys, sources: NamedState, had: Mapping[str, Slab],
+                    wanted: Mapping[str, Slab]) -> NamedState:
+    """The new optimizer state tensors of this rank: the old tensor itself where this rank held the
+    same slab (nothing to copy), else an empty one to be filled by the moves."""
+    out: NamedState = {}
+    for name, entries in keys.items():
+        if name not in target:
+            continue
+        param = target[name][0]
+        for key, meta in entries.items():
+            if meta[0] == "value":
+                continue
+            state = state_name(name, key)
+            slab = wanted[state]
+            if had.get(state) == slab:
+                out[state] = (sources[state][0], slab)
+            elif meta[0] == "param":
+                out[state] = (torch.empty(slab.local_shape, dtype=getattr(torch, meta[1]), device=param.device), slab)
+            else:
+                device = torch.device("cpu") if meta[2] else param.device
+                out[state] = (torch.empty((), dtype=getattr(torch, meta[1]), device=device), slab)
+    return out
+
+
+def _region(tensor: torch.Tensor, slab: Slab, move: Move) -> torch.Tensor:
+    """The part of a local ``tensor`` (holding ``slab``) that ``move`` covers, as a view."""
+    if move.dim is None:
+        return tensor.reshape(1)
+    return tensor.narrow(move.dim, slab.local_offset(move.dim, move.lo), move.hi - move.lo)
+
+
+@torch.no_grad()
+def execute_moves(moves: list[Move], rank: int, group: Optional[dist.ProcessGroup], sources: NamedState,
+                  destinations: NamedState) -> None:
+    """Carry out ``moves`` (the same list on every rank of ``group``; plan rank = group rank, default
+    group: the world) on rank ``rank``: pieces are read from ``sources`` and written into
+    ``destinations`` (name -> local tensor and the :class:`~planner.balance.state_moves.Slab` it holds).
+    Local copies first, then every send and receive of this rank in one ``batch_isend_irecv`` (tag:
+    the move's index in the list, the same on both ends); returns once this rank's pieces arrived."""
+    group = group if group is not None else dist.group.WORLD
+    wire = _wire_device(group)
+    ops, landing = [], []
+    for index, move in enumerate(moves):
+        if move.dst == rank:
+            tensor, slab = destinations[move.name]
+            into = _region(tensor, slab, move)
+            if move.src == rank:
+                src_tensor, src_slab = sources[move.name]
+                if src_tensor is not tensor:
+                    into.copy_(_region(src_tensor, src_slab, move))
+                continue
+            buffer = torch.empty(into.shape, dtype=into.dtype, device=wire or into.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, move.src), group, tag=index))
+            landing.append((into, buffer))
+        elif move.src == rank:
+            src_tensor, src_slab = sources[move.name]
+            payload = _region(src_tensor, src_slab, move).contiguous()
+            payload = payload.to(wire) if wire is not None else payload
+            ops.append(dist.P2POp(dist.isend, payload, dist.get_global_rank(group, move.dst), group, tag=index))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    for into, buffer in landing:
+        into.copy_(buffer)
+
+
+def _wire_device(group) -> Optional[torch.device]:
+    """NCCL moves only CUDA tensors: CPU state (Adam's ``step``) travels through the current device."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _rebind(optimizer: torch.optim.Optimizer, make_optimizer: Callable, new, target: NamedState,
+            new_state: NamedState, keys) -> None:
+    """Put the new executor's parameters into ``optimizer``'s param groups (the assignment a fresh
+    ``make_optimizer`` makes, the hyperparameters the running one has) and their moved state."""
+    params = list(new.parameters())
+    fresh = make_optimizer(params)
+    if type(fresh) is not type(optimizer) or len(fresh.param_groups) != len(optimizer.param_groups):
+        raise StateTransferError(
+            f"make_optimizer built a {type(fresh).__name__} with {len(fresh.param_groups)} param groups for the new "
+            f"executor, the running optimizer is a {type(optimizer).__name__} with {len(optimizer.param_groups)}; "
+            "pass the factory that built the running optimizer")
+    for group, assigned in zip(optimizer.param_groups, fresh.param_groups):
+        group["params"] = list(assigned["params"])
+    names = {id(t): n for n, (t, _) in target.items()}
+    optimizer.state.clear()
+    for p in params:
+        name = names.get(id(p))
+        if name is None:
+            raise StateTransferError(f"the new executor's parameter of shape {tuple(p.shape)} has no name in its "
+                                     "named_state(); every parameter must be named to receive its state")
+        entries = {}
+        for key, meta in keys.get(name, {}).items():
+            entries[key] = meta[1] if meta[0] == "value" else new_state[state_name(name, key)][0]
+        if entries:
+            optimizer.state[p] = entries

@@ -1,0 +1,302 @@
+"""Heterogeneity emulation: make a homogeneous CPU machine behave like an unequal cluster.
+
+docs/ARCHITECTURE.md section 4. Each compute segment (a forward or backward of a stage for one micro-batch)
+takes ``max(real time, modeled time)``: the real computation runs (results stay exact), then the
+rank sleeps for the rest of the modeled time. Modeled time comes from the segment's FLOPs and the
+emulated device's speed, never from measured wall time, so waiting on other ranks can never feed
+back into it. Segments whose real time overran the model are counted and reported; a segment with
+no modeled work (no FLOPs, or no samples: a FLOP-free stage, a rank with an empty share) has no
+model to overrun and is never counted as an overrun, else such a rank would warn on every run.
+
+Collectives must stay outside segments. Where a collective is launched from inside a computation
+(DDP's gradient all-reduce fires during backward), call :meth:`Emulator.begin` before the
+computation and :meth:`Emulator.wait_deadline` right before the collective is launched.
+:meth:`Emulator.pad_forward` pads a module's own forward with hooks, so whatever a wrapper does
+around it (DDP's pre-forward bucket rebuild, a collective) stays outside the segment.
+
+Segments have a kind: ``"stage"`` (a whole stage's forward or backward, or any other compute) or
+``"matmul"`` (one matrix multiplication, as the tensor-parallel layers pad them). A straggler with
+``ops="matmul"`` (the FlexTP paper's chi) slows only the latter. The stats keep the FLOPs of the
+recorded segments and the time spent in matmul segments, so the straggler monitor can measure a
+rank's speed (FLOPs / compute time) and the time its matmuls take, as on real hardware.
+
+Calibration (:func:`calibrate`): ``base_gflops`` must be low enough that the real computation fits
+inside the modeled time of the *fastest* emulated device even while every rank competes for the
+machine's cores; otherwise real time leaks into the measurement and the emulated speeds flatten.
+:func:`calibrate` times a forward+backward alone, scales it by ranks per core, and returns the
+largest safe ``base_gflops``; at run time every overrun is counted (``EmulationStats.overruns``)
+and the worst ratio of real to modeled time is kept, so a bad calibration is visible.
+
+Network: on an emulated cluster each emulator also carries a
+:class:`runtime.emulation.network.NetworkEmulator` (``Emulator.network``), which pads transfers
+between emulated hosts and the overlapped gradient all-reduce (:meth:`Emulator.wait_communication`)
+to their modeled time; segment times are ``time.monotonic()``, the clock it shares across processes.
+
+:meth:`Emulator.busy_for` says how long the rank has been inside its current compute segment (read
+by the heartbeat of :mod:`runtime.distributed`, so a peer's error can tell a rank stuck in its
+compute from one waiting in a collective). Segments run whether or not emulation is enabled, so it
+works on real devices too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from runtime.emulation.network import NetworkEmulator
+from whalelike.cluster import Cluster, Emulation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EmulationStats:
+    """Cumulative over an emulator's life; subtract two snapshots for one step's figures.
+
+    ``real_s`` is compute actually done, ``modeled_s`` what the emulated device would take,
+    ``padded_s`` the time the segments occupied (``max(real, modeled)`` each); ``worst_overrun``
+    is the largest real/modeled ratio among overrunning segments (0 when none overran); ``flops``
+    the FLOPs of the recorded segments, ``matmul_s`` the padded time of the segments of kind
+    ``"matmul"`` (part of ``padded_s``).
+    """
+
+    segments: int = 0
+    overruns: int = 0
+    modeled_s: float = 0.0
+    real_s: float = 0.0
+    padded_s: float = 0.0
+    worst_overrun: float = 0.0
+    flops: float = 0.0
+    matmul_s: float = 0.0
+
+    def snapshot(self) -> "EmulationStats":
+        return dataclasses.replace(self)
+
+    def since(self, earlier: "EmulationStats") -> "EmulationStats":
+        """The figures accumulated after ``earlier`` (a :meth:`snapshot`); ``worst_overrun`` is
+        the running maximum, kept as is."""
+        return EmulationStats(
+            segments=self.segments - earlier.segments, overruns=self.overruns - earlier.overruns,
+            modeled_s=self.modeled_s - earlier.modeled_s, real_s=self.real_s - earlier.real_s,
+            padded_s=self.padded_s - earlier.padded_s, worst_overrun=self.worst_overrun,
+            flops=self.flops - earlier.flops, matmul_s=self.matmul_s - earlier.matmul_s,
+        )
+
+
+class Emulator:
+    """Pads compute segments of one rank to their modeled duration on the emulated device.
+
+    A disabled emulator (no ``emulation`` block, or a device without ``emulated_speed``) runs
+    segments as they are.
+    """
+
+    def __init__(self, speed: Optional[float], emulation: Optional[Emulation], rank: int = 0,
+                 network: Optional[NetworkEmulator] = None):
+        self.enabled = emulation is not None and speed is not None
+        self.network = network   # the emulated network (runtime.emulation.network), None when off
+        self.speed = speed
+        self.emulation = emulation
+        self.rank = rank
+        self.step = 0
+        self.stats = EmulationStats()
+        self._deadline: Optional[float] = None
+        self._begun_at = 0.0
+        self._modeled = 0.0
+        self._flops = 0.0
+        self._kind = "stage"
+        self._busy_since: Optional[float] = None   # monotonic time at the current segment's start
+
+    @classmethod
+    def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
+        device = cluster.device(device_name)
+        network = NetworkEmulator.of_cluster(cluster, device_name) if device.emulated_speed is not None else None
+        emulator = cls(device.emulated_speed, cluster.emulation, rank, network)
+        if emulator.enabled:
+            log.info("rank %d: emulating device %s at speed %.3g (testing feature)", rank, device.name, device.emulated_speed)
+        return emulator
+
+    @classmethod
+    def disabled(cls) -> "Emulator":
+        return cls(None, None)
+
+    def straggle_factor(self, kind: str = "stage") -> float:
+        """Product of the factors of the stragglers slowing a segment of ``kind`` on this rank now."""
+        factor = 1.0
+        for s in self.emulation.stragglers if self.emulation else ():
+            if s.applies(self.rank, self.step, kind):
+                factor *= s.factor
+        return factor
+
+    def modeled_seconds(self, flops: float, samples: int, kind: str = "stage") -> float:
+        """Modeled duration of a segment of ``flops`` on ``samples`` samples on this device."""
+        _check_kind(kind)
+        if not self.enabled or flops <= 0 or samples <= 0:   # no work: nothing to model
+            return 0.0
+        em = self.emulation
+        efficiency = 1.0
+        if em.half_efficiency_batch:
+            efficiency = samples / (samples + em.half_efficiency_batch)
+        return flops / (self.speed * em.base_gflops * 1e9 * efficiency) * self.straggle_factor(kind)
+
+    # -- deadline API (for computations that launch collectives from inside) ----------------
+    def begin(self, flops: float, samples: int, kind: str = "stage") -> None:
+        """Start a segment of ``kind`` (see :data:`SEGMENT_KINDS`) now; it may not end before its
+        modeled duration has passed."""
+        self._modeled = self.modeled_seconds(flops, samples, kind)
+        self._flops = float(flops)
+        self._kind = kind
+        self._begun_at = time.monotonic()
+        self._deadline = self._begun_at + self._modeled
+        self._busy_since = self._begun_at
+
+    def wait_deadline(self) -> None:
+        """Sleep until the current segment's modeled end (no-op once reached). Records the segment."""
+        if self._deadline is None:
+            return
+        now = time.monotonic()
+        real = now - self._begun_at
+        modeled = self._modeled
+        self.stats.segments += 1
+        self.stats.real_s += real
+        self.stats.modeled_s += modeled
+        self.stats.padded_s += max(real, modeled)
+        self.stats.flops += self._flops
+        if self._kind == "matmul":
+            self.stats.matmul_s += max(real, modeled)
+        if self.enabled and modeled > 0:   # a segment without modeled work cannot overrun it
+            if now > self._deadline:
+                self.stats.overruns += 1
+                self.stats.worst_overrun = max(self.stats.worst_overrun, real / modeled)
+            else:
+                time.sleep(self._deadline - now)
+        self._deadline = None
+        self._busy_since = None
+
+    def wait_communication(self) -> None:
+        """After a backward whose gradient all-reduce overlapped it (DDP's comm hook under network
+        emulation): sleep until the last bucket's modeled end. No-op without network emulation or
+        when no bucket was all-reduced. Not part of any compute segment."""
+        if self.network is not None:
+            self.network.wait_allreduces()
+
+    def segment_ready(self, fraction: float) -> Optional[float]:
+        """Monotonic time at which ``fraction`` of the open segment's modeled time has passed
+        (when a gradient bucket of the backward is modeled to be ready), or None outside segments."""
+        if self._deadline is None:
+            return None
+        return self._begun_at + min(max(fraction, 0.0), 1.0) * self._modeled
+
+    def busy_for(self) -> Optional[float]:
+        """Seconds spent so far in the current compute segment (its padding included), or None
+        outside segments. Safe to call from another thread (it reads one attribute)."""
+        since = self._busy_since
+        return None if since is None else time.monotonic() - since
+
+    @contextmanager
+    def segment(self, flops: float, samples: int, kind: str = "stage"):
+        """Run the enclosed computation as one compute segment of ``kind`` (no collectives inside)."""
+        self.begin(flops, samples, kind)
+        try:
+            yield
+        finally:
+            self.wait_deadline()
+
+    def pad_forward(self, module: nn.Module, flops_per_sample: float) -> Callable[[], None]:
+        """Make every forward of ``module`` one compute segment of ``flops_per_sample`` x batch
+        (dimension 0 of its first tensor argument). Returns a function that removes the padding.
+
+        Hooks on the module itself, not on a wrapper around it: DDP's pre-forward may communicate
+        (bucket rebuild on the second iteration), and that must stay outside the segment.
+        """
+
+        def begin(_module, args, kwargs):
+            samples = _batch_size(args, kwargs)
+            self.begin(flops_per_sample * samples, samples, "stage")
+
+        def end(_module, _args, _kwargs, _output):
+            self.wait_deadline()
+
+        handles = [module.register_forward_pre_hook(begin, with_kwargs=True),
+                   module.register_forward_hook(end, with_kwargs=True, always_call=True)]
+
+        def remove() -> None:
+            for h in handles:
+                h.remove()
+
+        return remove
+
+
+SEGMENT_KINDS = ("stage", "matmul")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in SEGMENT_KINDS:
+        allowed = ", ".join(map(repr, SEGMENT_KINDS))
+        raise ValueError(f"emulator segment kind must be one of {allowed} ('matmul' for one matrix "
+                         f"multiplication, 'stage' for anything else), got {kind!r}")
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("pad_forward: the module was called without a batched tensor argument")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The result of :func:`calibrate`: the largest safe ``base_gflops`` and how it was derived."""
+
+    base_gflops: float
+    flops: float          # FLOPs of the timed forward+backward
+    real_s: float         # its median real time, alone
+    contention: float     # ranks per core: how much slower it gets when every rank computes at once
+    margin: float
+
+    def __str__(self) -> str:
+        return (f"base_gflops <= {self.base_gflops:.3g} (forward+backward of {self.flops / 1e9:.3g} GFLOP takes "
+                f"{self.real_s * 1e3:.3g} ms alone, x{self.contention:.3g} for ranks per core, margin {self.margin:g})")
+
+
+def calibrate(model: nn.Module, inputs: tuple, targets: torch.Tensor, loss_fn: Callable, speeds: Sequence[float],
+              ranks: int, cores: Optional[int] = None, margin: float = 1.5, repeats: int = 5) -> Calibration:
+    """Largest ``base_gflops`` for which a forward+backward of ``model`` fits inside its modeled time.
+
+    Run it on the *smallest* micro-batch any rank will process (small batches do the least work
+    per second, so they overrun first). ``speeds`` are the emulated speeds; the fastest device has
+    the shortest modeled time and binds. ``ranks`` processes share ``cores`` cores (default: this
+    machine's), so real time is scaled by ``max(1, ranks / cores)``; ``margin`` adds headroom for
+    noise. FLOPs come from torch's ``FlopCounterMode``. The model's gradients are left dirty.
+    """
+    if not speeds or min(speeds) <= 0:
+        raise ValueError(f"calibrate: speeds must be positive, got {list(speeds)}")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(*inputs), targets).backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = float(counter.get_total_flops())
+    if flops <= 0:
+        raise ValueError("calibrate: FlopCounterMode counted no FLOPs in the model's forward+backward")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    real = statistics.median(times)
+    contention = max(1.0, ranks / (cores or os.cpu_count() or 1))
+    base = flops / (max(speeds) * margin * real * contention) / 1e9
+    result = Calibration(base_gflops=base, flops=flops, real_s=real, contention=contention, margin=margin)
+    log.info("emulation calibration: %s", result)
+    return result

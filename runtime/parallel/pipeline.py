@@ -1,0 +1,504 @@
+"""Pipeline execution of a multi-stage Plan: one stage per rank, the Plan's schedule, exact gradients.
+
+Why not ``torch.distributed.pipelining``: its stages exchange whole micro-batches between exactly
+one rank per stage and every micro-batch has the same size. A whalelike Plan gives each worker of
+a stage its own, uneven, share of every micro-batch (faster devices take more samples), and stages
+sit on device groups of different sizes (stage 0 on two devices feeding stage 1 on one). So each
+worker of a stage covers a contiguous sample range of micro-batch ``m``, and what crosses a stage
+boundary, forward (values) and back (gradients), is a cross-mesh resharding between the two stage
+groups' layouts, planned and run by :mod:`runtime.parallel.boundaries` (seed paper 001: each unique slice
+crosses into a host once, by broadcast or all-gather among its receivers, senders balanced;
+``Plan.resharding`` picks the strategy). What is reused from torch: stage splitting by
+``split_module`` (:mod:`runtime.parallel.stage_split`), the P2P ops (``isend``/``irecv``), DDP for the gradient
+sync within a stage group, and pipelining's way of driving DDP: ``no_sync`` for every micro-batch
+but the last backward, which first calls ``reducer.prepare_for_backward`` on the stage outputs.
+
+Sample layout of the global batch (every rank holds all of it, so model inputs and targets are
+sliced locally and never sent): :class:`planner.shares.layout.SampleLayout`, replica-major, then
+micro-batch, then ``dp_index``; the members of a tensor-parallel slot share their samples.
+
+Exactness: the last stage weights ``loss_fn(outputs, targets)`` (a per-slice mean) by
+``samples / global_batch_size``, and gradients are *summed* over each stage's data-parallel group
+(all its workers in all replicas), so every parameter gradient is the global-batch mean gradient
+and the returned loss is the global-mean loss on every rank.
+
+Ordering: each rank runs ``planner.schedule.actions.build_schedule(plan.schedule, ...)[stage]`` exactly
+(a single stage: ``gradient_accumulation`` of its own micro-batches; what is simulated is what
+runs). Receives block before an action, sends are posted after it and waited at the end of the
+step, which :mod:`planner.schedule.deadlock` proves deadlock-free for GPipe, 1F1B and eager-1F1B; the
+forwarding a resharding does inside a receiving stage happens at the same action on each of its
+workers. Every crossing (value, consumer stage, direction, micro-batch) has its own tag range and
+both sides post their messages in one global order (:mod:`runtime.parallel.boundaries`), so gloo (matches
+by peer and tag) and NCCL (by order) agree.
+
+Emulation: each F and each B of a micro-batch is one compute segment of the rank's
+:class:`~runtime.emulation.compute.Emulator` (stage FLOPs per sample times samples), outside every
+send and receive; the DDP all-reduce of the last backward overlaps it bucket by bucket
+(:mod:`runtime.parallel.data_parallel`). On an emulated network, sends and receives carry their modeled
+arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
+time (:mod:`runtime.emulation.network`).
+
+Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
+half of backward covering the backward's sends): each B computes the received values' gradients,
+posts their sends, then the parameters' gradients (:mod:`runtime.parallel.split_backward`; the last B arms
+DDP's reducer before both halves and its all-reduce fires in the weight half). Emulated as two
+segments that split the stage's backward FLOPs (``_input_share``: half each, none for the input
+half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
+stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
+which the weight half would run again).
+
+Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
+(replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
+stage's Linears are swapped for uneven parallel ones (:class:`runtime.tensor.shard_pass.StageSharding`)
+and, on the last stage, a class-sharded classifier feeds the sharded cross-entropy. Boundary values
+and their gradients are full on every member, so any member may send them (the resharding plan
+picks, balancing sender hosts) and every member receives them; only ``tp_index`` 0 adds to the
+reported loss, and DDP syncs each shard over the workers
+holding the same shard. Emulation pads such a stage matmul by matmul (segments must not span the
+tensor-parallel collectives); its other operators run unpadded.
+
+Tied parameters (one ``nn.Parameter`` used by several stages, GPT-2's embedding and head): after the
+backward and DDP's all-reduce, :class:`runtime.parallel.tied_weights.TiedParameters` sums the stages' gradients over
+every rank holding a copy, so the copies stay identical (see that module).
+
+BatchNorm: by default each worker normalises with its own samples' statistics (DDP's behaviour,
+which the planner warns about); with ``Plan.sync_batchnorm`` the stage's BatchNorms take them over
+its data-parallel group (:mod:`runtime.parallel.sync_batchnorm`). Those syncs are collectives inside the forward
+and backward, so under emulation they fall inside the stage's compute segments.
+
+Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
+model inputs and targets are tensors batched along dimension 0; ``split`` shards projections
+(``nn.Linear``, GPT-2's ``Conv1D``) and the attention between them, nothing else
+(:mod:`runtime.tensor.shard_pass`).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+
+from planner.shares.layout import SampleLayout
+from planner.devices.network import NetworkModel
+from planner.plan import Plan
+from planner.schedule.actions import Action, build_schedule, gradient_accumulation
+from planner.balance.state_moves import Slab
+from runtime.parallel.boundaries import BoundaryExchange
+from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
+from runtime.parallel.data_parallel import wrap_ddp
+from runtime.emulation.compute import Emulator
+from runtime.emulation.network import price_group
+from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
+from runtime.tensor.sharded_loss import OutputLayout
+from runtime.parallel.split_backward import backward_inputs
+from runtime.balance.state_transfer import module_state, release_ddp
+from runtime.tensor.shard_pass import (StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict,
+                                     outputs_leaving_sharded)
+from runtime.parallel.tied_weights import TiedParameters
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed; the message names rank, stage, schedule step and micro-batch."""
+
+
+def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
+    """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes
+    (:meth:`planner.shares.layout.SampleLayout.all_ranges`, the one owner of the layout)."""
+    return SampleLayout.of(plan).all_ranges()
+
+
+class PipelineExecutor:
+    """Runs this rank's stage of a multi-stage Plan; follows :class:`runtime.engine.StepExecutor`.
+
+    ``graph_module``/``node_stage``: the captured model and each node's stage (see
+    :func:`runtime.parallel.stage_split.node_stages_from_plan`). ``stage_flops``: per stage, forward and
+    backward FLOPs per sample, for the emulator (:func:`runtime.parallel.stage_split.stage_flops_from_plan`).
+    ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is rank
+    ``r`` of ``group``. ``dp_group``: the process group of every worker of this rank's stage in
+    every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
+    ``names``: the module whose parameter and buffer names :meth:`full_state_dict` uses (default
+    ``graph_module``; pass the user's model if the capture renamed them). It must share its
+    tensors with ``graph_module``, as :func:`whalelike.graphs.capture` does. ``network``: the link
+    figures the boundary reshardings are planned with (the Engine passes the cluster's; on an
+    emulated network the emulator's; default :func:`runtime.parallel.boundaries.default_network`).
+    """
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        node_stage: dict[str, int],
+        plan: Plan,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        *,
+        emulator: Optional[Emulator] = None,
+        stage_flops: Optional[Sequence[tuple[float, float]]] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
+        names: Optional[nn.Module] = None,
+        sharding: Optional[StageSharding] = None,
+        network: Optional[NetworkModel] = None,
+    ):
+        plan.validate()
+        self.plan = plan
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        if plan.world_size != dist.get_world_size(self.group):
+            raise PipelineError(f"the plan has {plan.world_size} workers, the process group has "
+                                f"{dist.get_world_size(self.group)} ranks; launch one process per plan worker")
+        self.worker = plan.worker(self.rank)
+        self.split: PipelineSplit = split_stages(graph_module, node_stage)
+        if self.split.num_stages != len(plan.stages):
+            raise PipelineError(f"node_stage defines {self.split.num_stages} stages, the plan has {len(plan.stages)}")
+        self.stage = self.split.stages[self.worker.stage]
+        self.is_last = self.stage.index == self.split.num_stages - 1
+        self.emulator = emulator or Emulator.disabled()
+        self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
+        self._all_ranges = sample_ranges(plan)
+        self._ranges = self._all_ranges[self.rank]
+        # one stage alone accumulates gradients micro-batch by micro-batch, as planner.schedule.simulator runs it
+        self.schedule: list[Action] = (
+            gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
+            else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
+        self._state_names = self._model_names(names if names is not None else graph_module)
+        # before sharding: creates the tied parameters' groups and makes their copies equal
+        self.tied = TiedParameters(self.split, plan, self.rank, self.group, names if names is not None else graph_module)
+        # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
+        self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
+                                torch.get_default_dtype())
+        # a tensor-parallel stage is emulated per parallel Linear: a stage-wide segment would span
+        # its collectives (see runtime.tensor.layers)
+        self._segments_per_stage = self.worker.tp_size == 1
+        # before sharding (from the unsharded graphs): every rank derives the same layouts
+        feature_shards = self._outputs_leaving_sharded(sharding, graph_module)
+        self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
+        keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
+        self.tied.attach(self.stage.module)
+        # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
+        self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
+                                           feature_shards=feature_shards)
+        self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
+        # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's loss all-reduce
+        self.passenger = None
+        if plan.sync_batchnorm:
+            self._synchronise_batchnorm(dp_group)
+        self.module = self._wrap_ddp(dp_group)
+        log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d, tp_index %d of %d), samples per "
+                 "micro-batch %s, schedule %s: %s", self.rank, self.stage.index, self.split.num_stages,
+                 self.worker.replica, self.worker.dp_index, self.worker.tp_index, self.worker.tp_size,
+                 self.worker.micro_batch_sizes, plan.schedule,
+                 " ".join(map(str, self.schedule)))
+
+    # -- the step-executor protocol ---------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.stage.module.parameters()
+
+    def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch of the global batch under the plan's schedule;
+        adds the global-mean gradient to this stage's ``.grad`` (synchronised over the stage's
+        data-parallel group) and returns the global-mean loss, the same on every rank."""
+        loss = self._run(self.schedule, inputs, targets, train=True)
+        self.tied.sum_gradients()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """The global-mean loss of a global batch: the forwards of the schedule, in order, with the
+        stage in eval mode (BatchNorm uses its running statistics, dropout is off)."""
+        forwards = [Action("F", m) for m in range(len(self._ranges))]
+        was_training = self.stage.module.training
+        self.stage.module.eval()
+        try:
+            return self._run(forwards, inputs, targets, train=False)
+        finally:
+            self.stage.module.train(was_training)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, on every rank (a collective over the plan's
+        ranks: the first slot of each stage gathers its tensor-parallel shards, its
+        ``tp_index`` 0 contributes the stage)."""
+        mine = {}
+        if self.worker.replica == 0 and self.worker.dp_index == 0:
+            local = full_state_dict(self.stage.module)
+            if self.worker.tp_index == 0:
+                mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
+        gathered: list[dict] = [None] * self.plan.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return {k: v for part in gathered for k, v in part.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this stage's parameters and buffers (its shards of them) out of a full state dict."""
+        missing = sorted(ns[0] for ns in self._state_names.values() if not any(n in state for n in ns))
+        if missing:
+            raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
+        load_full_state_dict(self.stage.module,
+                             {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
+
+    def named_state(self) -> dict[str, tuple[torch.Tensor, Slab]]:
+        """This stage's parameters and buffers under the model's names, with the part of each it
+        holds (tensor-parallel shards); for :func:`runtime.balance.state_transfer.switch_executor`."""
+        return module_state(self.stage.module, self._state_names)
+
+    def close(self) -> None:
+        """Leave no hook behind (DDP's reducer on this stage's parameters, which the model shares),
+        so an executor of another plan can take them over; this one is not used again."""
+        if isinstance(self.module, DistributedDataParallel):
+            release_ddp(self.module)
+        self.module = self.stage.module
+
+    # -- one pass over a list of actions --------------------------------------------------------------
+    def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        for i, x in enumerate((*inputs, targets)):
+            if x.shape[0] != self.plan.global_batch_size:
+                raise PipelineError(f"rank {self.rank}: {'targets' if i == len(inputs) else f'input {i}'} has batch "
+                                    f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
+        specs = self._value_specs(inputs)
+        state = _StepState(self._device, self._loss_dtype)
+        for step, action in enumerate(actions):
+            try:
+                if action.kind == "F":
+                    self._forward(action.micro_batch, inputs, targets, specs, state, train)
+                else:
+                    self._backward(action.micro_batch, specs, state, last=step == len(actions) - 1)
+            except Exception as e:
+                raise PipelineError(
+                    f"rank {self.rank}, stage {self.stage.index}, schedule step {step} ({action}), "
+                    f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
+        for posted in state.sends:
+            posted.wait()
+        passenger, self.passenger = (self.passenger, None) if train else (None, self.passenger)
+        if passenger is None:
+            dist.all_reduce(state.loss, group=self.group)
+            return state.loss
+        # the Engine's passenger (the straggler monitor's figures) rides in the loss all-reduce,
+        # written now that every compute segment of the step is done
+        extra = passenger.fill().to(state.loss.device, state.loss.dtype)
+        carrier = torch.cat([state.loss.reshape(1), extra])
+        dist.all_reduce(carrier, group=self.group)
+        passenger.arrived(carrier[1:])
+        return carrier[0].clone()
+
+    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
+        start, stop = self._ranges[m]
+        n = stop - start
+        received = {v: self._buffer(v, specs[v], n) for v in self.stage.received}
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination"):
+            state.sends.append(self.boundaries.receive(crossing, received[crossing.value], specs))
+        for v, t in received.items():
+            t.requires_grad_(train and specs[v].requires_grad)
+        args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
+                for src in self.stage.inputs]
+        with self._stage_segment(self.flops[0] * n, n):
+            with self._no_sync():
+                outputs = self.stage.unpack(self.module(*args))
+            if self.is_last:
+                prediction = self.split.model_output(outputs)
+                loss = self.loss_fn(prediction, targets[start:stop]) * (n / self.plan.global_batch_size)
+                if self.worker.tp_index == 0:   # the members of a tensor-parallel group share one loss
+                    state.loss += loss.detach()
+                outputs = {None: loss}
+        if train:
+            state.saved[m] = (received, outputs)
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "source"):
+            state.sends.append(self.boundaries.send(crossing, outputs[crossing.value], specs))
+
+    def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
+        start, stop = self._ranges[m]
+        n = stop - start
+        received, outputs = state.saved.pop(m)
+        if self.is_last:
+            roots, grads = [outputs[None]], [None]
+        else:
+            incoming = self._receive_grads(m, n, specs, state)
+            roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
+            grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
+        arm_ddp = isinstance(self.module, DistributedDataParallel) and last
+        if arm_ddp:
+            # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
+            self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
+        if self._splits_backward():
+            self._split_backward(m, n, roots, grads, received, specs, state, arm_ddp)
+            return
+        if self._segments_per_stage:
+            self.emulator.begin(self.flops[1] * n, n)
+        if arm_ddp:
+            torch.autograd.backward(roots, grads)
+        elif roots:
+            with self._no_sync():
+                torch.autograd.backward(roots, grads)
+        self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
+        self.emulator.wait_communication()   # the overlapped gradient all-reduce's modeled end, if any
+        self._send_input_grads(m, {v: t.grad for v, t in received.items()}, received, specs, state)
+
+    def _split_backward(self, m: int, n: int, roots, grads, received, specs, state: "_StepState",
+                        arm_ddp: bool) -> None:
+        """``delay_weight_gradients``: input gradients, their sends posted, then weight gradients
+        (:mod:`runtime.parallel.split_backward`); DDP's all-reduce fires in the weight half. Emulated as two
+        compute segments splitting the stage's backward FLOPs by :meth:`_input_share`."""
+        share = self._input_share(specs)
+        values = list(received)
+        with self._no_sync() if not arm_ddp else nullcontext():
+            self.emulator.begin(self.flops[1] * n * share, n)
+            input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
+                                                   self.stage.module.parameters())
+            self.emulator.wait_deadline()
+            self._send_input_grads(m, dict(zip(values, input_grads)), received, specs, state)
+            self.emulator.begin(self.flops[1] * n * (1.0 - share), n)
+            weights.run()
+            self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
+        self.emulator.wait_communication()
+
+    def _splits_backward(self) -> bool:
+        """Whether backwards are split (:mod:`runtime.parallel.split_backward`): the plan asks for it and the
+        stage's backward has no custom autograd functions with collectives inside (tensor-parallel
+        layers, synchronised BatchNorm), which the weight half would run a second time."""
+        return self.plan.delay_weight_gradients and self._segments_per_stage and not self.plan.sync_batchnorm
+
+    def _input_share(self, specs) -> float:
+        """The input half's share of the stage's backward FLOPs: none without received values that
+        carry gradients (the first stage), all without parameters, else half: a Linear's dX and dW
+        are matmuls of the same size (2 * samples * fan_in * fan_out FLOPs each), and parameter-free
+        operators (activations, attention's matmuls) are small or, for attention, only on the input
+        side, so half slightly under-states the input half of attention stages."""
+        if not any(specs[v].requires_grad for v in self.stage.received):
+            return 0.0
+        if not any(p.requires_grad for p in self.stage.module.parameters()):
+            return 1.0
+        return 0.5
+
+    def _send_input_grads(self, m: int, input_grads: dict, received: dict, specs, state: "_StepState") -> None:
+        """Post the sends of the received values' gradients (zeros where one got none)."""
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "source"):
+            if specs[crossing.value].requires_grad:
+                grad = input_grads[crossing.value]
+                grad = grad if grad is not None else torch.zeros_like(received[crossing.value])
+                state.sends.append(self.boundaries.send(crossing, grad, specs))
+
+    # -- communication ----------------------------------------------------------------------------
+    def _receive_grads(self, m: int, n: int, specs, state: "_StepState") -> dict[ValueId, torch.Tensor]:
+        """Gradient of each sent value that carries one, summed over its consumer stages (each
+        covers all of this rank's samples once)."""
+        total: dict[ValueId, torch.Tensor] = {}
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination"):
+            if specs[crossing.value].requires_grad:
+                grad = self._buffer(crossing.value, specs[crossing.value], n)
+                state.sends.append(self.boundaries.receive(crossing, grad, specs))
+                v = crossing.value
+                total[v] = grad if v not in total else total[v] + grad
+        return total
+
+    def _buffer(self, value: ValueId, spec: ValueSpec, n: int) -> torch.Tensor:
+        """Room for ``n`` samples of ``value`` (or its gradient) as this rank holds it: whole, or
+        its features of a value that leaves this stage sharded."""
+        shape = self.boundaries.local_shape(value, spec, self.stage.index, self.worker.tp_index)
+        return torch.empty((n, *shape), dtype=spec.dtype, device=self._device)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
+        """Every tensor-parallel stage's outputs that leave as feature shards, without a gather
+        (:func:`runtime.tensor.shard_pass.outputs_leaving_sharded`), computed on every rank."""
+        tp_stages = [s for s in range(len(self.plan.stages)) if self.plan.stage_workers(s)[0].tp_size > 1]
+        if not tp_stages or len(self.plan.stages) == 1:
+            return {}
+        if sharding is None:
+            raise PipelineError(f"rank {self.rank}: stages {tp_stages} are tensor parallel and their boundary layouts "
+                                "depend on their sharding; pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        leaving = {}
+        for s in tp_stages:
+            stage = self.split.stages[s]
+            crossing = [v for v in stage.outputs if self.split.consumers(v)]   # not the model's output
+            leaving.update(outputs_leaving_sharded(stage.module, crossing, graph_module, sharding.node_taskgraph,
+                                                   sharding.split_taskgraphs, self.plan.stages[s].shard_sizes))
+        return leaving
+
+    def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
+        """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
+        use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
+        if sharding is None:
+            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
+                                f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        if self.emulator.network is not None:   # its collectives cross the emulated links too
+            slot = [w for w in self.plan.stage_workers(self.stage.index, self.worker.replica)
+                    if w.dp_index == self.worker.dp_index]
+            price_group(sharding.group, self.emulator.network, [w.device for w in sorted(slot, key=lambda w: w.tp_index)])
+        layout = OutputLayout.of_stage(self.split, self.stage) if self.is_last else None
+        sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
+                                 self.worker.tp_index, loss_fn if self.is_last else None, self.emulator, layout)
+        return sharded.sharded_loss or loss_fn
+
+    def _stage_segment(self, flops: float, samples: int):
+        return self.emulator.segment(flops, samples) if self._segments_per_stage else nullcontext()
+
+    def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
+        key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
+        if key not in self._specs:
+            self._specs[key] = self.split.value_specs(inputs)
+        return self._specs[key]
+
+    def _wrap_ddp(self, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:
+        """DDP over the workers holding the same parameters as this one: the stage's workers of the
+        same ``tp_index`` in every replica (SUM: losses carry the global weights)."""
+        module = self.stage.module
+        workers = sum(w.tp_index == self.worker.tp_index for w in self.plan.stage_workers(self.stage.index))
+        if workers == 1 or not any(p.requires_grad for p in module.parameters()):
+            return module
+        if dp_group is None:
+            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} runs on {workers} workers; pass their "
+                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        devices = [w.device for w in sorted(self.plan.stage_workers(self.stage.index), key=lambda w: w.rank)
+                   if w.tp_index == self.worker.tp_index]
+        return wrap_ddp(module, dp_group, self.emulator, devices=devices)
+
+    def _synchronise_batchnorm(self, dp_group: Optional[dist.ProcessGroup]) -> None:
+        """BatchNorm statistics over the workers holding this stage's parameters (runtime.parallel.sync_batchnorm)."""
+        peers = [w for w in self.plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
+        if len(peers) == 1:
+            return
+        if dp_group is None:
+            raise PipelineError(f"rank {self.rank}: sync_batchnorm on stage {self.stage.index} needs its workers' "
+                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        check_equal_micro_batches([len(self._all_ranges[w.rank]) for w in peers], [w.rank for w in peers])
+        synchronise_batchnorm(self.stage.module, dp_group)
+
+    def _no_sync(self):
+        return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
+
+    def _model_names(self, source: nn.Module) -> dict[str, tuple[str, ...]]:
+        """This stage's state-dict keys -> the model's names for the same tensors (taken before
+        sharding, which keeps the keys but replaces the tensors). A tied parameter has several, and
+        the model's state dict holds it under each, so the full state dict does too."""
+        names: dict[int, tuple[str, ...]] = {}
+        for n, t in source.state_dict(keep_vars=True).items():
+            names[id(t)] = names.get(id(t), ()) + (n,)
+        for n, t in [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), (n,))
+        out = {}
+        for key, t in self.stage.module.state_dict(keep_vars=True).items():
+            if id(t) not in names:
+                raise PipelineError(f"rank {self.rank}: stage {self.stage.index}'s {key!r} has no name in the "
+                                    f"names module; pass the module the graph was captured from")
+            out[key] = names[id(t)]
+        return out
+
+    @property
+    def _device(self) -> torch.device:
+        p = next(self.stage.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+
+class _StepState:
+    """What one step keeps between actions: activations per micro-batch, posted sends, the loss."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.loss = torch.zeros((), device=device, dtype=dtype)
+        self.saved: dict[int, tuple] = {}
+        self.sends: list = []   # runtime.parallel.resharding.Posted: sends (and forwarded ranges) to wait for

@@ -1,0 +1,391 @@
+"""Split a captured fx graph into pipeline stages and describe the values that cross them.
+
+``torch.fx.passes.split_module`` does the cutting (one submodule per stage, as
+``torch.distributed.pipelining``'s ``pipe_split`` front end does). On top of it this module:
+
+* moves tensor attributes that ``split_module`` leaves on the root (``get_attr`` of a bare
+  ``nn.Parameter`` or buffer) into the stage that uses them, so every stage module owns its
+  parameters (the same idea as ``pipelining._IR``'s ``move_param_to_callee``);
+* records, per stage, where each input comes from: a model input (every rank holds the global
+  batch, so these are read locally and never sent) or an output of an earlier stage, which need not
+  be the previous one (skip connections send directly from producer stage to consumer stage);
+* lets stages share a parameter (tied embeddings across the pipeline): each stage module holds the
+  same ``nn.Parameter``, and :mod:`runtime.parallel.tied_weights` keeps the ranks' copies in sync. A buffer used by
+  several stages is copied to each (buffers carry no gradient);
+* infers each boundary value's per-sample shape, dtype and whether it carries a gradient back, by
+  running the split graph on fake tensors (no real compute), so receivers can allocate buffers.
+
+The stage modules share their parameters with the model they were split from (no copies).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_aggregate, map_arg
+from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+
+class StageSplitError(ValueError):
+    """A graph cannot be split into the requested pipeline stages."""
+
+
+@dataclass(frozen=True)
+class ValueId:
+    """Output ``index`` of stage ``stage``; ``name`` is its node name in the captured graph."""
+
+    stage: int
+    index: int
+    name: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.name!r} (stage {self.stage} output {self.index})"
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Positional model input ``index`` (batched along dim 0, read locally on every rank)."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """Per-sample shape (batch dimension 0 removed), dtype, and whether a gradient flows back."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: ``module(*args)`` with args in ``inputs`` order returns its values in
+    ``outputs`` order (see :meth:`unpack`)."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: tuple[ValueId | ModelInput, ...]
+    outputs: tuple[ValueId, ...]
+    returns_single: bool
+
+    def unpack(self, returned: Any) -> dict[ValueId, Any]:
+        """The values of one call of ``module`` (or a wrapper of it, e.g. DDP), by output."""
+        return dict(zip(self.outputs, (returned,) if self.returns_single else tuple(returned)))
+
+    @property
+    def received(self) -> tuple[ValueId, ...]:
+        """Inputs produced by other stages (in argument order)."""
+        return tuple(v for v in self.inputs if isinstance(v, ValueId))
+
+
+@dataclass
+class PipelineSplit:
+    """A model cut into stages, with the data flow between them."""
+
+    stages: list[Stage]
+    root: fx.GraphModule        # the split graph: calling it runs every stage in one process
+    output_structure: Any       # the model's output with ValueIds at its leaves
+    output_spec: Optional[TreeSpec] = None   # export graphs return flat outputs; this rebuilds the model's
+    source: Optional[fx.GraphModule] = None  # the captured graph the stages were cut from
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def consumers(self, value: ValueId) -> list[int]:
+        """Stages that take ``value`` as an input, ascending."""
+        return [s.index for s in self.stages if value in s.inputs]
+
+    def model_output(self, values: Mapping[ValueId, Any]) -> Any:
+        """Rebuild the model's output structure from the last stage's values."""
+        output = map_aggregate(self.output_structure, lambda x: values[x] if isinstance(x, ValueId) else x)
+        return output if self.output_spec is None else tree_unflatten(list(output), self.output_spec)
+
+    def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
+        """Shape, dtype and gradient flag of every value sent between stages, for model inputs
+        shaped like ``inputs`` (the batch size is free). Runs the graph on fake tensors twice,
+        with two batch sizes, to tell the batch dimension apart.
+
+        The fake values of every node of the captured graph are kept on it (per input shapes), so
+        a re-planned split of the same graph (layers moved to another stage, :mod:`runtime.balance.rebalance`)
+        finds its new boundary values there without running anything again."""
+        known = _fake_node_values(self.source, inputs) if self.source is not None else None
+        runs = None
+        specs = {}
+        for stage in self.stages:
+            for value in stage.received:
+                if known is not None and all(value.name in k for k in known):
+                    a, b = (k[value.name] for k in known)
+                else:
+                    runs = runs or [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
+                    a, b = runs[0][value], runs[1][value]
+                if not isinstance(a, torch.Tensor):
+                    raise StageSplitError(
+                        f"value {value} is used by stage {stage.index} but is a {type(a).__name__}, not a "
+                        f"tensor; only tensors can cross pipeline stages: move the code computing it into "
+                        f"stage {stage.index}"
+                    )
+                if a.dim() == 0 or a.shape[0] != 2 or b.shape[0] != 3 or a.shape[1:] != b.shape[1:]:
+                    raise StageSplitError(
+                        f"value {value} (shape {tuple(a.shape)} for a batch of 2) has no batch dimension 0; "
+                        f"only batched tensors can cross pipeline stages: move the code computing it into "
+                        f"stage {stage.index}"
+                    )
+                specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
+        return specs
+
+
+def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineSplit:
+    """Cut ``gm`` into stages 0..S-1: ``node_stage`` maps every computing node's name to its stage.
+
+    Placeholders, ``get_attr`` and the output node need no entry. A node must not use a value
+    computed in a later stage.
+    """
+    num_stages = 1 + max(node_stage.values(), default=-1)
+    # torch.export's module returns a flat output list and unflattens it in generated code
+    output_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+    original, (gm, node_stage) = gm, _localize_input_sizes(gm, node_stage)
+
+    def stage_of(node: fx.Node) -> int:
+        try:
+            return node_stage[node.name]
+        except KeyError:
+            raise StageSplitError(
+                f"node {node.name!r} ({node.op} {node.target}) has no stage in node_stage; "
+                f"assign every call node of the graph to a stage"
+            ) from None
+
+    for node in gm.graph.nodes:
+        for used in node.all_input_nodes:
+            if used.op not in ("placeholder", "get_attr") and node.op != "output" and stage_of(used) > stage_of(node):
+                raise StageSplitError(
+                    f"node {node.name!r} in stage {stage_of(node)} uses {used.name!r} from later stage "
+                    f"{stage_of(used)}; stages must follow the graph's data flow"
+                )
+
+    root = split_module(gm, gm, stage_of, keep_original_order=True)
+    # the root also holds whatever its get_attr nodes reach (export graphs read nested parameters)
+    present = {int(name.removeprefix("submod_")) for name, _ in root.named_children() if name.startswith("submod_")}
+    missing = sorted(set(range(num_stages)) - present)
+    if missing:
+        raise StageSplitError(f"stage(s) {missing} have no nodes; every stage 0..{num_stages - 1} needs at least one")
+    _sink_attributes(root)
+    _match_buffer_persistence(root, original)
+    split = _describe(root, num_stages)
+    split.output_spec = output_spec
+    split.source = original
+    for stage in split.stages:
+        log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
+                  [str(v) for v in stage.outputs])
+    return split
+
+
+def node_stages_from_plan(graphs, plan) -> dict[str, int]:
+    """Node name -> stage from a Plan's ``StagePlan.layers`` and the captured ``Layer.nodes``."""
+    layer_stage = {layer: sp.index for sp in plan.stages for layer in sp.layers}
+    out = {}
+    for layer in graphs.layers:
+        if layer.index not in layer_stage:
+            raise StageSplitError(f"layer {layer.index} ({layer.name}) is in no stage of the plan")
+        out.update(dict.fromkeys(layer.nodes, layer_stage[layer.index]))
+    return out
+
+
+def stage_flops_from_plan(graphs, plan) -> list[tuple[float, float]]:
+    """Per stage: (forward, backward) FLOPs per sample, summed over the stage's layers."""
+    by_index = {layer.index: layer for layer in graphs.layers}
+    return [
+        (sum(by_index[i].forward_flops for i in sp.layers), sum(by_index[i].backward_flops for i in sp.layers))
+        for sp in sorted(plan.stages, key=lambda sp: sp.index)
+    ]
+
+
+# -- internals ------------------------------------------------------------------------------------
+def _is_input_size(node: fx.Node) -> bool:
+    """``x.size(...)`` of a model input: torch.export's dynamic batch size (``aten.sym_size.int``)."""
+    reads_size = ((node.op == "call_function" and node.target is torch.ops.aten.sym_size.int)
+                  or (node.op == "call_method" and node.target == "size"))
+    return reads_size and all(a.op == "placeholder" for a in node.all_input_nodes)
+
+
+def _localize_input_sizes(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> tuple[fx.GraphModule, dict]:
+    """Give every stage its own copy of each size read from a model input.
+
+    An exported graph reads the dynamic batch size once (``sym_size_int = aten.sym_size.int(mask, 0)``)
+    and every later reshape uses it, but only tensors cross stages. Model inputs are sliced locally
+    on every rank, so each consuming stage can read the size itself. Works on a copy of the graph
+    (sharing ``gm``'s modules); returns it with ``node_stage`` extended by the copies.
+    """
+    if not any(_is_input_size(n) for n in gm.graph.nodes):
+        return gm, dict(node_stage)
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    stages = dict(node_stage)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if _is_input_size(n)]:
+        by_stage: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user.op != "output" and stages.get(user.name, stages.get(node.name)) != stages.get(node.name):
+                by_stage.setdefault(stages[user.name], []).append(user)
+        for stage, users in by_stage.items():
+            with gm.graph.inserting_before(min(users, key=order.__getitem__)):
+                local = gm.graph.node_copy(node)
+            stages[local.name] = stage
+            for user in users:
+                user.replace_input_with(node, local)
+    gm.recompile()
+    return gm, stages
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output)
+    return new
+
+
+def _sink_attributes(root: fx.GraphModule) -> None:
+    """Turn every root-level ``get_attr`` of a tensor into an attribute of the stage using it."""
+    for attr in [n for n in root.graph.nodes if n.op == "get_attr"]:
+        tensor = root.get_parameter(attr.target) if _is_parameter(root, attr.target) else root.get_buffer(attr.target)
+        for call in list(attr.users):
+            sub: fx.GraphModule = root.get_submodule(call.target)
+            position = call.args.index(attr)
+            placeholder = [n for n in sub.graph.nodes if n.op == "placeholder"][position]
+            local = "_" + attr.target.replace(".", "_")
+            if isinstance(tensor, nn.Parameter):
+                sub.register_parameter(local, tensor)
+            else:
+                sub.register_buffer(local, tensor)
+            first_op = next(n for n in sub.graph.nodes if n.op != "placeholder")
+            with sub.graph.inserting_before(first_op):
+                placeholder.replace_all_uses_with(sub.graph.get_attr(local))
+            sub.graph.erase_node(placeholder)
+            sub.recompile()
+            call.args = call.args[:position] + call.args[position + 1:]
+        root.graph.erase_node(attr)
+    root.recompile()
+    root.delete_all_unused_submodules()
+
+
+def _match_buffer_persistence(root: fx.GraphModule, original: nn.Module) -> None:
+    """Keep buffers that are non-persistent in ``original`` (e.g. ``position_ids``) out of the stages'
+    state dicts: ``split_module`` and attribute sinking re-register every buffer as persistent."""
+    persistent = {id(t) for t in original.state_dict(keep_vars=True).values()}
+    for module in root.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if id(buffer) not in persistent:
+                module._non_persistent_buffers_set.add(name)
+
+
+def _is_parameter(module: nn.Module, target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    return name in module.get_submodule(owner)._parameters
+
+
+def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
+    placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
+    source: dict[fx.Node, ValueId | ModelInput] = {n: ModelInput(i, n.name) for i, n in enumerate(placeholders)}
+    calls: dict[int, fx.Node] = {}
+    outputs: dict[int, tuple[ValueId, ...]] = {}
+    single: dict[int, bool] = {}
+    result = None
+    for node in root.graph.nodes:
+        if node.op == "call_module":
+            s = int(node.target.removeprefix("submod_"))
+            calls[s] = node
+            (ret,) = [n for n in root.get_submodule(node.target).graph.nodes if n.op == "output"]
+            returned = ret.args[0]
+            single[s] = not isinstance(returned, (tuple, list))
+            names = [returned] if single[s] else list(returned)
+            outputs[s] = tuple(ValueId(s, i, getattr(r, "name", str(r))) for i, r in enumerate(names))
+            if single[s]:
+                source[node] = outputs[s][0]
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, index = node.args
+            source[node] = outputs[int(producer.target.removeprefix("submod_"))][index]
+        elif node.op == "output":
+            result = map_arg(node.args[0], lambda n: source[n])
+    stages = [
+        Stage(s, root.get_submodule(calls[s].target), tuple(source[a] for a in calls[s].args), outputs[s], single[s])
+        for s in range(num_stages)
+    ]
+    early = []
+    map_aggregate(result, lambda x: early.append(x) if isinstance(x, ValueId) and x.stage != num_stages - 1 else x)
+    if early:
+        raise StageSplitError(
+            f"model output(s) {', '.join(map(str, early))} are computed before the last stage "
+            f"{num_stages - 1}; every model output must come from the last stage (the one computing the loss)"
+        )
+    return PipelineSplit(stages, root, result)
+
+
+def _fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
+    computed once per input shapes and kept on ``source`` (fake tensors hold no storage)."""
+    key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
+    cache = source.__dict__.setdefault("_whalelike_fake_values", {})
+    if key not in cache:
+        cache[key] = tuple(_fake_run(source, inputs, batch, _NodeRecorder) for batch in (2, 3))
+    return cache[key]
+
+
+def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:
+    """Run the split graph on fake inputs of batch size ``batch``; return every stage output."""
+    return _fake_run(root, inputs, batch, _Recorder)
+
+
+def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) -> dict:
+    """Run ``root`` under ``recorder_type`` (an fx Interpreter with ``values``) on fake inputs of
+    batch size ``batch``.
+
+    Buffers are restored afterwards: an in-place update of a real buffer from real operands alone
+    (BatchNorm's ``num_batches_tracked.add_(1)``) runs for real even under ``FakeTensorMode``."""
+    saved = [(b, b.detach().clone()) for b in root.buffers()]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
+            fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
+            recorder = recorder_type(root)
+            recorder.run(*fake)
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    return recorder.values
+
+
+class _NodeRecorder(fx.Interpreter):
+    """Records the value of every node by name."""
+
+    def __init__(self, root: fx.GraphModule):
+        super().__init__(root)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, root: fx.GraphModule):
+        super().__init__(root)
+        self.values: dict[ValueId, Any] = {}
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        s = int(target.removeprefix("submod_"))
+        (ret,) = [n for n in self.module.get_submodule(target).graph.nodes if n.op == "output"]
+        values = tuple(out) if isinstance(ret.args[0], (tuple, list)) else (out,)
+        self.values.update((ValueId(s, i), v) for i, v in enumerate(values))
+        return out

@@ -1,0 +1,1 @@
+"""Capture: a model and example inputs in, costed TaskGraphs out."""

@@ -1,0 +1,205 @@
+"""``wl.capture``: a model and example inputs in, costed :class:`~whalelike.graphs.taskgraph.TaskGraphs` out.
+
+The pipeline, one module per step:
+
+1. :mod:`whalelike.graphs.tracing` turns the model into one flat ``fx.GraphModule`` (torch.fx, else
+   torch.export) whose nodes know their module path and forward-time scope;
+2. :mod:`whalelike.graphs.regions` assigns every node a TaskGraph and a Layer, and
+   :mod:`whalelike.graphs.constant_copies` copies values derived only from constants (position ids, masks,
+   rotary tables) into each TaskGraph that uses them;
+3. :mod:`whalelike.graphs.costs` measures FLOPs, saved activations and value shapes on meta tensors;
+4. this module sums those per Layer and per TaskGraph, attributes parameters (each shared parameter
+   once, to the first Layer that uses it), and finds the tensors crossing TaskGraph boundaries.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from whalelike.graphs.batchnorm_layers import training_batchnorms
+from whalelike.config import OPTIMIZERS
+from whalelike.graphs.costs import NodeCosts, measure
+from whalelike.errors import CaptureError
+from whalelike.graphs.nodes import attribute
+from whalelike.graphs.constant_copies import recompute_constants
+from whalelike.graphs.regions import Regions, assign_regions
+from whalelike.sharding.analysis import shardable_fields
+from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+from whalelike.graphs.tracing import placeholder_values, trace
+
+log = logging.getLogger(__name__)
+
+# Optimizer state kept per trainable parameter, in multiples of the parameter's own bytes.
+OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+assert set(OPTIMIZER_STATE_FACTOR) == set(OPTIMIZERS)
+
+
+def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None,
+            optimizer: str = "adamw") -> TaskGraphs:
+    """Capture ``model(*example_args, **example_kwargs)`` into costed TaskGraphs.
+
+    ``example_args``: a tensor or tuple of inputs whose first dimension is the batch; costs are
+    reported per sample (totals over this batch divided by its size). ``optimizer`` is one of
+    ``sgd``, ``sgd_momentum``, ``adam``, ``adamw`` and sets the optimizer-state bytes. The model is
+    not modified; the returned ``graph_module`` shares its parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise CaptureError(f"capture: optimizer must be one of {', '.join(OPTIMIZER_STATE_FACTOR)}, got {optimizer!r}")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    batch = _batch_size(args, kwargs)
+
+    gm, method = trace(model, args, kwargs)
+    regions = assign_regions(gm, model)
+    recompute_constants(gm, regions)
+    costs = measure(gm, placeholder_values(gm, method, model, args, kwargs), regions.node_taskgraph)
+    unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
+    if unattributed:
+        log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
+    return _assemble(gm, model, method, regions, costs, batch, optimizer)
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """The example batch size: every cost is reported per sample, as a total over it divided by it."""
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            if t.shape[0] == 0:
+                raise CaptureError(
+                    f"capture: the example batch is empty (an input of shape {tuple(t.shape)}): costs are "
+                    "measured per sample, so it needs at least one; give example inputs with a batch of "
+                    "1 or more, e.g. torch.randn(8, ...)"
+                )
+            return int(t.shape[0])
+    raise CaptureError("capture: example_args must contain a tensor whose first dimension is the batch")
+
+
+def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Regions, costs: NodeCosts,
+              batch: int, optimizer: str) -> TaskGraphs:
+    layer_nodes: dict[int, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.name in regions.node_layer:
+            layer_nodes[regions.node_layer[node.name]].append(node)
+    params, borrowed = _parameter_owners(gm, regions)
+    batchnorms = training_batchnorms(gm)
+    cuts = _cut_bytes(gm, regions, costs, batch)
+    factor = OPTIMIZER_STATE_FACTOR[optimizer]
+
+    layers = []
+    for i, name in enumerate(regions.layer_names):
+        nodes = layer_nodes[i]
+        owned = params.get(i, [])
+        layers.append(Layer(
+            index=i, name=name, taskgraph=regions.layer_taskgraph[i],
+            forward_flops=sum(costs.forward_flops.get(n.name, 0) for n in nodes) / batch,
+            backward_flops=sum(costs.backward_flops.get(n.name, 0) for n in nodes) / batch,
+            param_bytes=sum(p.numel() * p.element_size() for p in owned),
+            param_count=sum(p.numel() for p in owned),
+            activation_bytes_per_sample=sum(costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
+            cut_bytes_per_sample=cuts[i],
+            nodes=tuple(n.name for n in nodes),
+            batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
+            borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
+        ))
+
+    graphs = []
+    for t, strategy in enumerate(regions.strategies):
+        mine = [l for l in layers if l.taskgraph == t]
+        trainable = sum(p.numel() * p.element_size() for l in mine for p in params.get(l.index, []) if p.requires_grad)
+        graphs.append(TaskGraph(
+            index=t, strategy=strategy,
+            module_paths=tuple(dict.fromkeys(l.name for l in mine)),
+            layers=tuple(l.index for l in mine),
+            forward_flops=sum(l.forward_flops for l in mine),
+            backward_flops=sum(l.backward_flops for l in mine),
+            param_bytes=sum(l.param_bytes for l in mine),
+            param_count=sum(l.param_count for l in mine),
+            optimizer_state_bytes=factor * trainable,
+            activation_bytes_per_sample=sum(l.activation_bytes_per_sample for l in mine),
+            **shardable_fields(gm, regions.node_taskgraph, t, strategy, costs, batch),
+        ))
+    return TaskGraphs(
+        graphs=graphs, layers=layers, boundaries=_boundaries(gm, regions, costs, batch), optimizer=optimizer,
+        example_batch_size=batch, method=method, graph_module=gm, node_taskgraph=dict(regions.node_taskgraph),
+    )
+
+
+def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, list[nn.Parameter]], dict[int, dict]]:
+    """Layer index -> the parameters it owns: each parameter once, in the first layer that uses it;
+    and layer index -> ``{name: (owner layer, bytes)}`` of the parameters it uses that an earlier
+    layer owns (tied weights: GPT-2's ``lm_head`` reads ``transformer.wte.weight``)."""
+    names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=True)}
+    owner_of: dict[int, int] = {}
+    owners: dict[int, list[nn.Parameter]] = defaultdict(list)
+    borrowed: dict[int, dict] = defaultdict(dict)
+    for node in gm.graph.nodes:
+        if node.name not in regions.node_layer:
+            continue
+        layer = regions.node_layer[node.name]
+        if node.op == "call_module":
+            used = list(gm.get_submodule(node.target).parameters())
+        elif node.op in ("call_function", "call_method"):
+            used = [value for value in (attribute(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr")
+                    if isinstance(value, nn.Parameter)]
+        else:
+            continue
+        for p in used:
+            if id(p) not in owner_of:
+                owner_of[id(p)] = layer
+                owners[layer].append(p)
+            elif owner_of[id(p)] != layer:
+                borrowed[layer][names[id(p)]] = (owner_of[id(p)], p.numel() * p.element_size())
+    seen = set(owner_of)
+    unused = [n for n, p in gm.named_parameters() if id(p) not in seen]
+    if unused:
+        log.warning("capture: parameters never used by forward are in no TaskGraph: %s", ", ".join(unused))
+    return owners, borrowed
+
+
+def _tensor_bytes(spec) -> int:
+    return TensorSpec("", spec.shape, spec.dtype, batched=False).bytes_per_sample
+
+
+def _value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Nodes whose values can cross a cut: computed values (not inputs, parameters or buffers)."""
+    return [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+
+
+def _cut_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> list[float]:
+    """Per layer: bytes per sample of every value produced at or before it and used after it."""
+    count = len(regions.layer_names)
+    delta = [0.0] * (count + 1)
+    for node in _value_nodes(gm):
+        produced = regions.node_layer[node.name]
+        consumers = [regions.node_layer.get(u.name, count - 1) for u in node.users]  # output -> last layer
+        last = max(consumers, default=produced)
+        if last > produced:
+            size = sum(_tensor_bytes(s) for s in costs.outputs.get(node.name, ())) / batch
+            delta[produced] += size
+            delta[last] -= size
+    cuts, running = [], 0.0
+    for i in range(count):
+        running += delta[i]
+        cuts.append(running)
+    return cuts
+
+
+def _boundaries(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> list[Boundary]:
+    crossing: dict[tuple[int, int], list[TensorSpec]] = defaultdict(list)
+    for node in _value_nodes(gm):
+        src = regions.node_taskgraph[node.name]
+        dsts = sorted({regions.node_taskgraph[u.name] for u in node.users if u.name in regions.node_taskgraph} - {src})
+        specs = costs.outputs.get(node.name, ())
+        for dst in dsts:
+            for k, s in enumerate(specs):
+                name = node.name if len(specs) == 1 else f"{node.name}.{k}"
+                batched = len(s.shape) > 0 and s.shape[0] == batch
+                crossing[(src, dst)].append(TensorSpec(name, s.shape[1:] if batched else s.shape, s.dtype, batched))
+    return [Boundary(src, dst, tuple(specs)) for (src, dst), specs in sorted(crossing.items())]
