@@ -31,6 +31,7 @@ import yaml
 
 from whalelike.errors import SpecError
 from whalelike.files import write_atomic
+from whalelike.config import REPLICA_SYNCS
 from whalelike.spec import Reader, load_yaml, rule, validate
 
 from planner.resharding.cost import STRATEGIES as RESHARDING_STRATEGIES
@@ -86,6 +87,9 @@ class StagePlan:
     shard_sizes: dict[str, list[int]] = rule(int, "elements of the split dimension on each tp_index", ge=1,
                                              default_factory=dict)
     batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.graphs.batchnorm_layers)
+    # runtime.parallel.replica_sync: how the workers holding the same parameters keep them in step
+    replica_sync: str = rule(str, "how the stage's data-parallel replicas stay in step", choices=REPLICA_SYNCS,
+                             default="ddp")
 
 
 @dataclass

@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import planner
+import plans
 from dist_utils import run_ranks
 from planner.shares.layout import SampleLayout, proportional_split
-from planner.plan import Plan, PlanError, Prediction, StagePlan, Worker
+from planner.plan import Plan, PlanError, StagePlan
 from reference import OPTIMIZERS, train_reference
 from runtime.data import UnevenSampler
 from runtime.groups import group_ranks
@@ -42,14 +43,9 @@ from whalelike.strategy import Strategy
 
 def make_plan(workers: list[tuple[int, int, int, int, int, list[int]]], num_stages: int = 1) -> Plan:
     """Workers as ``(replica, stage, dp_index, tp_index, tp_size, micro_batch_sizes)``, rank = position."""
-    ws = [Worker(rank, f"dev-{rank}", "host", r, s, i, t, n, micro_batch_sizes=list(m))
+    ws = [plans.worker(rank, s, i, t, n, sizes=m, replica=r, device=f"dev-{rank}", host="host")
           for rank, (r, s, i, t, n, m) in enumerate(workers)]
-    heads = [w for w in ws if w.stage == 0 and w.tp_index == 0]
-    plan = Plan(model_fingerprint="layout-test", cluster="layout-test",
-                global_batch_size=sum(w.batch_share for w in heads),
-                num_micro_batch=max(len(w.micro_batch_sizes) for w in ws), schedule="1f1b", solver="greedy",
-                stages=[StagePlan(s, [0], [s], "replicate") for s in range(num_stages)], workers=ws,
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = plans.make_plan([StagePlan(s, [0], [s], "replicate") for s in range(num_stages)], ws)
     plan.validate()
     return plan
 
@@ -256,12 +252,9 @@ def _dp_plan(model: nn.Module, micro_batch_sizes: list[list[int]]) -> Plan:
     from whalelike.graphs.capture import capture
 
     graphs = capture(model, (torch.randn(2, DIN, dtype=torch.float64),))
-    return Plan(model_fingerprint=graphs.fingerprint, cluster="layout-2", global_batch_size=8,
-                num_micro_batch=max(map(len, micro_batch_sizes)), schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], list(range(len(graphs.layers))), "replicate(2)")],
-                workers=[Worker(r, f"emu-{r}", "localhost", 0, 0, r, micro_batch_sizes=m)
-                         for r, m in enumerate(micro_batch_sizes)],
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    return plans.make_plan([StagePlan(0, [0], list(range(len(graphs.layers))), "replicate(2)")],
+                           [plans.worker(r, 0, r, sizes=m) for r, m in enumerate(micro_batch_sizes)],
+                           model_fingerprint=graphs.fingerprint, cluster="layout-2", global_batch_size=8)
 
 
 def _cluster():
@@ -292,9 +285,9 @@ def _rebalanced_run(rank: int, world_size: int) -> dict:
                         cluster=_cluster(), timeout_s=60)
         for step, batch in enumerate(batches):
             if step == 2:
-                ddp = engine.executor.ddp
+                ddp = engine.executor.sync
                 engine.executor.set_plan(after)
-                assert engine.executor.ddp is ddp and engine.executor.shares == [2, 6]
+                assert engine.executor.sync is ddp and engine.executor.shares == [2, 6]
                 assert engine.executor.micro_batch_sizes == AFTER[rank]
             assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"{opt_name}: loss {step}: {m}")
         state = engine.state_dict()

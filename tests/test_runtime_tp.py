@@ -28,9 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+import plans
 import whalelike as wl
 from dist_utils import run_ranks
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.graphs.capture import capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
@@ -128,14 +129,9 @@ def make_plan(model: nn.Module, schedule: str, stages, workers) -> Plan:
     stage_plans = [StagePlan(s, tgs, [layer.index for layer in graphs.layers if layer.taskgraph in tgs], strategy,
                              {path: list(sizes) for path, sizes in shards.items()})
                    for s, (tgs, strategy, shards) in enumerate(stages)]
-    return Plan(
-        model_fingerprint=graphs.fingerprint, cluster="test-4",
-        global_batch_size=sum(sum(w[4]) for w in workers if w[0] == 0 and w[2] == 0),
-        num_micro_batch=max(len(w[4]) for w in workers), schedule=schedule, solver="greedy", stages=stage_plans,
-        workers=[Worker(r, f"emu-{r}", "localhost", 0, stage, dp, tp, tp_size, micro_batch_sizes=list(mbs))
-                 for r, (stage, dp, tp, tp_size, mbs) in enumerate(workers)],
-        boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0),
-    )
+    return plans.make_plan(stage_plans, [plans.worker(r, stage, dp, tp, tp_size, sizes=mbs)
+                                         for r, (stage, dp, tp, tp_size, mbs) in enumerate(workers)],
+                           model_fingerprint=graphs.fingerprint, cluster="test-4", schedule=schedule)
 
 
 def batches(model: nn.Module, n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:
@@ -169,7 +165,7 @@ def _check(name: str, opt: str) -> dict:
         assert_close(value, model.state_dict()[key], msg=f"{name}/{opt}: loaded {key}")
     sharded = {n: tuple(p.shape) for n, p in engine.executor.stage.module.named_parameters()}
     return {"sharded": sharded, "segments": sum(s.segments for s in engine.stats),
-            "sharded_loss": engine.executor.loss_fn is not loss_fn}
+            "sharded_loss": engine.executor.stage_worker.loss_fn is not loss_fn}
 
 
 def _ranks(rank: int, world_size: int) -> dict:

@@ -27,7 +27,8 @@ from transformers.modeling_outputs import CausalLMOutput
 
 import whalelike as wl
 from dist_utils import run_ranks
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
+from plans import make_plan, worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime.tensor.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
                                   recognise_cross_entropy)
@@ -260,11 +261,9 @@ def _plan(graphs, head: str, classes: int) -> Plan:
                         shards) for s, strategy, shards in
               ((0, "replicate(1)", {}), (1, "split(2)", {head: HEAD_SHARDS[classes]}))]
     workers = [(0, 0, 1), (1, 0, 2), (1, 1, 2)]
-    return Plan(model_fingerprint=graphs.fingerprint, cluster="test-3", global_batch_size=GLOBAL_BATCH,
-                num_micro_batch=2, schedule="1f1b", solver="greedy", stages=stages,
-                workers=[Worker(r, f"emu-{r}", "localhost", 0, stage, 0, tp, size, micro_batch_sizes=[3, 3])
-                         for r, (stage, tp, size) in enumerate(workers)],
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    return make_plan(stages, [worker(r, stage, 0, tp, size, sizes=[3, 3])
+                              for r, (stage, tp, size) in enumerate(workers)],
+                     model_fingerprint=graphs.fingerprint, cluster="test-3", global_batch_size=GLOBAL_BATCH)
 
 
 def _cluster() -> Cluster:
@@ -285,7 +284,7 @@ def _run_case(rank: int, name: str) -> dict:
         params = dict(engine.executor.stage.module.named_parameters())
         result[opt] = {"head_rows": next((tuple(p.shape)[0] for n, p in params.items()
                                           if n.endswith(f"{head.replace('.', '_')}.weight")), None),
-                       "sharded_loss": isinstance(engine.executor.loss_fn, ShardedLoss)}
+                       "sharded_loss": isinstance(engine.executor.stage_worker.loss_fn, ShardedLoss)}
     return result
 
 

@@ -11,11 +11,12 @@ from planner.schedule.boundary_traffic import BACKWARD, FORWARD, plan_traffic
 from planner.devices.cost_model import CommModel
 from planner.schedule.gradient_buckets import MIB, gradient_buckets, plan_buckets
 from planner.devices.network import NetworkModel
-from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
+from planner.plan import BoundaryPlan, Plan, Worker
 from planner.resharding.reshard import boundary_resharding, plan_resharding
 from planner.shares.layout import SampleLayout
 from planner.resharding.spec import stage_output_spec
 from planner.schedule.simulator import simulate
+from plans import make_plan
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Config, replicate
 from whalelike.cluster import Device, Network
@@ -31,13 +32,8 @@ def worker(rank, device, host, stage, sizes, *, fwd=1.0, bwd=1.0, dp=0, tp=0, tp
 
 
 def two_stage_plan(workers, bytes_per_sample=MB, resharding="auto", num_micro_batch=1, **fields) -> Plan:
-    zero = Prediction(0.0, 0.0, 0.0)
-    return Plan(model_fingerprint="test", cluster="test",
-                global_batch_size=sum(w.batch_share for w in workers if w.stage == 0 and w.tp_index == 0),
-                num_micro_batch=num_micro_batch, schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], [0], "replicate"), StagePlan(1, [1], [1], "replicate")],
-                workers=workers, boundaries=[BoundaryPlan(0, 1, ["x"], bytes_per_sample, [])],
-                prediction=zero, naive_prediction=zero, resharding=resharding, **fields)
+    return make_plan(2, workers, num_micro_batch=num_micro_batch,
+                     boundaries=[BoundaryPlan(0, 1, ["x"], bytes_per_sample, [])], resharding=resharding, **fields)
 
 
 def network_of(plan: Plan, latency_us=0.0) -> NetworkModel:
@@ -105,13 +101,11 @@ def test_delayed_weight_gradients_send_after_the_input_half():
 
 def test_ddp_buckets_are_ready_at_their_byte_share_as_the_runtime_models_them():
     """51 MiB of gradients: DDP's buckets of 1, 25 and 25 MiB, ready after 1/51, 26/51 and all of
-    the backward (runtime.parallel.data_parallel._emulate_overlap), each a ring all-reduce."""
+    the backward (runtime.parallel.ddp_sync._emulate_overlap), each a ring all-reduce."""
     workers = [worker(r, f"a{r}", "AB"[r], 0, [1], dp=r) for r in range(2)]
     for w in workers:
         w.gradient_bytes = 51 * MIB
-    plan = Plan(model_fingerprint="test", cluster="test", global_batch_size=2, num_micro_batch=1, schedule="1f1b",
-                solver="greedy", stages=[StagePlan(0, [0], [0], "replicate")], workers=workers, boundaries=[],
-                prediction=Prediction(0, 0, 0), naive_prediction=Prediction(0, 0, 0))
+    plan = make_plan(1, workers)
     network = network_of(plan)
     buckets = plan_buckets(plan, network)[0, 0]
     assert [b.nbytes for b in buckets] == [MIB, 25 * MIB, 25 * MIB]

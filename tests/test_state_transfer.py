@@ -37,8 +37,9 @@ import planner
 import whalelike as wl
 from blocks import FxBlock
 from dist_utils import run_ranks
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
 from planner.balance.state_moves import Move, Slab, StateMoveError, plan_moves
+from plans import make_plan, worker
 from reference import OPTIMIZERS, train_reference
 from whalelike.cluster import Cluster
 
@@ -114,7 +115,7 @@ def test_plan_errors_name_the_tensor_the_piece_and_the_fix():
 
 
 def test_slabs_of_parallel_layers_come_from_their_own_slicing():
-    from runtime.balance.state_transfer import parallel_slab
+    from runtime.parallel.held_state import parallel_slab
     from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     fused = ColumnParallelLinear(nn.Linear(5, 12), [9, 3], 0, gather_output=False, pieces=3)
@@ -181,11 +182,9 @@ def _cluster() -> Cluster:
 
 def _plan(graphs, stages: list[StagePlan], micro_batches: list[list[int]], stage_of: list[int]) -> Plan:
     devices = _cluster().devices
-    return Plan(model_fingerprint=graphs.fingerprint, cluster="emulated-2", global_batch_size=BATCH,
-                num_micro_batch=max(len(m) for m in micro_batches), schedule="1f1b", solver="greedy", stages=stages,
-                workers=[Worker(r, d.name, d.host, 0, stage_of[r], 0 if len(stages) > 1 else r,
-                                micro_batch_sizes=mbs) for r, (d, mbs) in enumerate(zip(devices, micro_batches))],
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    return make_plan(stages, [worker(r, stage_of[r], 0 if len(stages) > 1 else r, sizes=mbs, device=d.name,
+                                     host=d.host) for r, (d, mbs) in enumerate(zip(devices, micro_batches))],
+                     model_fingerprint=graphs.fingerprint, cluster="emulated-2", global_batch_size=BATCH)
 
 
 def _data(model: nn.Module) -> list[tuple[tuple, torch.Tensor]]:

@@ -29,7 +29,8 @@ import torch.nn as nn
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
+from plans import make_plan, worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime import Engine
 from runtime.parallel.pipeline import PipelineExecutor
@@ -121,7 +122,7 @@ def _cluster() -> Cluster:
 def _check_copies_identical(engine: Engine, label: str) -> None:
     """Every rank's copy (whole or a slice) of every tied parameter has the same bits."""
     mine = {tie.name: [(index, p.detach().clone()) for index, p in copies]
-            for tie, copies in engine.executor.tied.held()}
+            for tie, copies in engine.executor.stage_worker.tied.held()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     names = {name for part in gathered for name in part}
@@ -144,11 +145,8 @@ def _check_subgroup_plan_is_refused(rank: int) -> None:
     graphs = wl.capture(model, _batches(2)[0][0])
     layers = [layer.index for layer in graphs.layers]
     half = len(layers) // 2
-    plan = Plan(model_fingerprint=graphs.fingerprint, cluster="test", global_batch_size=4, num_micro_batch=1,
-                schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], layers[:half], "replicate"), StagePlan(1, [1], layers[half:], "replicate")],
-                workers=[Worker(r, f"cpu{r}", "host", 0, r, 0, micro_batch_sizes=[4]) for r in range(2)],
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = make_plan([StagePlan(0, [0], layers[:half], "replicate"), StagePlan(1, [1], layers[half:], "replicate")],
+                     [worker(r, r, sizes=[4]) for r in range(2)], model_fingerprint=graphs.fingerprint)
     with pytest.raises(TiedParameterError, match=r"parameter 'wte.weight, lm_head.weight' is used by stages \[0, 1\]"
                                                  r".*run it on the whole world \(group=None\), or untie"):
         PipelineExecutor(graphs.graph_module, node_stages_from_plan(graphs, plan), plan, loss_fn, group=sub)

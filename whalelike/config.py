@@ -16,6 +16,9 @@ Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 RESHARDING = ("auto", "broadcast", "allgather", "send_recv")   # planner.resharding.cost.STRATEGIES and "auto"
+# how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.parallel.replica_sync
+# builds each): DDP today
+REPLICA_SYNCS = ("ddp",)
 
 
 @dataclass(frozen=True)

@@ -39,16 +39,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from planner.balance.state_moves import Move, Slab, plan_moves
-from runtime.tensor.layers import _ParallelLinear
+from runtime.parallel.held_state import NamedState
 from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
-
-NamedState = dict[str, tuple[torch.Tensor, Slab]]
-
 
 class StateTransferError(WhaleError):
     """An executor switch cannot keep the training state exact."""
@@ -66,65 +62,6 @@ class TransferReport:
 
     def describe(self) -> str:
         return f"moved {self.moved_tensors} tensors, {self.moved_bytes / 2**20:.2f} MiB, in {self.seconds * 1e3:.1f} ms"
-
-
-# -- what an executor holds ------------------------------------------------------------------------
-def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
-    """``module``'s parameters and persistent buffers under the model's names, with what each
-    holds: tensor-parallel weights their shard (:func:`parallel_slab`), all else whole.
-
-    ``names`` maps ``module``'s state-dict keys to the model's names of the same tensor (first
-    one canonical, as ``PipelineExecutor._state_names`` does); default: the keys are the model's
-    names, and a tensor under several keys (tied weights) is named by its first. A tied parameter
-    held twice by one tensor-parallel stage (an embedding whole, a sharded head's slice of it) is
-    two tensors: the first under the model's name, the other under ``"<name>@<key>"``; every copy
-    holds the same values, so each moves like a tensor of its own.
-    """
-    slabs: dict[int, Slab] = {}
-    for layer in module.modules():
-        if isinstance(layer, _ParallelLinear):
-            for param in ("weight", "bias"):
-                if getattr(layer, param) is not None:
-                    slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
-    seen: set[int] = set()
-    out: NamedState = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        name = names[key][0] if names is not None else key
-        slab = slabs.get(id(tensor), Slab(tuple(tensor.shape)))
-        out[f"{name}@{key}" if name in out else name] = (tensor, slab)
-    return out
-
-
-def parallel_slab(layer: _ParallelLinear, param: str) -> Slab:
-    """What ``layer``'s ``param`` holds of the full tensor, from the layer's own slicing
-    (``shard_of`` of the positions along the sharded dimension): one range, or one per part of a
-    fused projection."""
-    local = getattr(layer, param)
-    dim = layer.sharded_dim(param)
-    if dim is None:
-        return Slab(tuple(local.shape))
-    full = sum(layer.shard_sizes)
-    shape = tuple(full if d == dim else n for d, n in enumerate(local.shape))
-    positions = layer.shard_of(param, torch.arange(full).view([-1 if d == dim else 1 for d in range(local.dim())]))
-    ranges: list[list[int]] = []
-    for p in positions.reshape(-1).tolist():
-        if ranges and ranges[-1][1] == p:
-            ranges[-1][1] = p + 1
-        else:
-            ranges.append([p, p + 1])
-    return Slab(shape, dim, tuple((a, b) for a, b in ranges))
-
-
-def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
-    """Take ``ddp``'s hooks off its module's parameters (the reducer's autograd hooks, the
-    post-accumulate hooks of the Python reducer) so another executor can own them; returns the module."""
-    ddp._remove_autograd_hooks()
-    for handle in getattr(ddp, "_accum_grad_hooks", []):
-        handle.remove()
-    return ddp.module
 
 
 # -- the switch ------------------------------------------------------------------------------------

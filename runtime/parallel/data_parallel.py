@@ -1,199 +1,50 @@
-"""Data parallelism with uneven batch shares, on torch DDP.
+"""Data parallelism with uneven batch shares: the single-stage executor.
 
-What torch does and we reuse: DDP (parameter broadcast at construction, bucketed gradient
-all-reduce overlapped with backward, ``no_sync`` for gradient accumulation). What it cannot do:
-DDP averages gradients over ranks, which is the global-batch mean only when every rank holds the
-same number of samples. Here rank ``i`` holds ``n_i`` of the ``B`` samples of a step, so its loss is
-weighted by ``n_i / B`` and the comm hook *sums* (:func:`wrap_ddp`): the summed gradient is then
-exactly the gradient of the global-batch mean loss, whatever the shares (Whale's load balancing,
-Poplar's per-device micro-batch sizes).
+Rank ``i`` holds ``n_i`` of the ``B`` samples of a step, so its loss is weighted by ``n_i / B`` and
+the replica sync *sums* gradients (:mod:`runtime.parallel.replica_sync`; DDP by default,
+:mod:`runtime.parallel.ddp_sync`): the summed gradient is then exactly the gradient of the
+global-batch mean loss, whatever the shares (Whale's load balancing, Poplar's per-device
+micro-batch sizes). This executor owns the samples (which micro-batches, which weights); the sync
+owns the collective and how it is emulated.
 
 Layout of a global batch (every rank holds all of it and slices locally): whatever
-:class:`planner.shares.layout.SampleLayout` says, the one owner of it: rank ``i`` in the data-parallel
-group's Plan order takes a contiguous share and runs its micro-batches inside it. Ranks may have
-different numbers of micro-batches (Poplar: each device its own micro-batch size and last batch
-size); ``no_sync`` holds back every backward but the rank's last, so each rank's single all-reduce
-carries its whole accumulated gradient.
+:class:`planner.shares.layout.SampleLayout` says, the one owner of it: rank ``i`` in the
+data-parallel group's Plan order takes a contiguous share and runs its micro-batches inside it.
+Ranks may have different numbers of micro-batches (Poplar: each device its own micro-batch size
+and last batch size); ``no_sync`` holds back every backward but the rank's last, so each rank's
+single sync carries its whole accumulated gradient.
 
 Re-planned shares (:meth:`DataParallelExecutor.set_plan`): the shares and micro-batch sizes are
 only a slicing of the batch, so a plan of the same workers with other shares is adopted at a step
-boundary by swapping the layout: no parameter moves, DDP (its buckets, its hook) stays.
+boundary by swapping the layout: no parameter moves, the sync (its buckets, its hook) stays.
 
-The step's global loss is summed in the same all-reduce as the gradients (appended to the last
-bucket, :func:`sum_with_gradients`), so a step costs one collective, as plain DDP's does.
+The step's global loss and the Engine's passenger ride in the sync's collective
+(:meth:`ReplicaSync.carry`), so a step costs one collective, as plain DDP's does.
 
-Emulation: the forward of each micro-batch is padded by hooks on the wrapped module (DDP's own
-pre-forward stays outside), the backward is a segment begun before ``loss.backward()``. Without an
-emulated network the comm hook waits for its deadline before communicating, so modeled time never
-includes waiting on peers. With one, the all-reduce overlaps the backward bucket by bucket in
-modeled time (:func:`_emulate_overlap`); only the last bucket waits for the deadline.
+Emulation: the forward of each micro-batch is padded by hooks on the stage module (a wrapper's own
+pre-forward stays outside), the backward is a segment begun before ``loss.backward()``; the sync
+pads its own communication.
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from planner.shares.layout import SampleLayout
 from planner.plan import Plan, PlanError
-from planner.balance.state_moves import Slab
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
+from runtime.parallel.held_state import NamedState
+from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
-from runtime.balance.state_transfer import module_state, release_ddp
 
 log = logging.getLogger(__name__)
-
-# torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
-_NO_FORWARD_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
-                           inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
-
-
-@dataclass
-class _HookState:
-    emulator: Emulator
-    group: Optional[dist.ProcessGroup]
-    average: bool
-    passenger: Optional[torch.Tensor] = None
-    fill: Optional[Callable[[torch.Tensor], None]] = None   # writes the passenger right before it is sent
-    # network emulation: the group's devices in rank order (the ring), the gradient bytes of a
-    # backward, and the bytes of this backward's buckets so far
-    devices: Optional[tuple[str, ...]] = None
-    total_bytes: int = 0
-    launched_bytes: int = 0
-
-
-def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
-    """All-reduce the bucket (SUM, or AVG if asked), with the passenger of
-    :func:`sum_with_gradients` appended to the last bucket. Under emulation without a network, wait
-    out the backward's modeled time first; with one, overlap (:func:`_emulate_overlap`)."""
-    network = state.emulator.network if state.devices is not None else None
-    if network is None:
-        state.emulator.wait_deadline()
-    tensor = bucket.buffer()
-    if state.average:
-        tensor.div_(dist.get_world_size(state.group))
-    passenger = state.passenger if bucket.is_last() else None
-    if passenger is None:
-        if network is not None:
-            _emulate_overlap(state, bucket, tensor)
-        work = dist.all_reduce(tensor, group=state.group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    state.passenger = None
-    if state.fill is not None:
-        state.fill, fill = None, state.fill
-        fill(passenger)
-    joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
-    if network is not None:
-        _emulate_overlap(state, bucket, joint)
-    work = dist.all_reduce(joint, group=state.group, async_op=True)
-
-    def unpack(fut):
-        out = fut.value()[0]
-        passenger.copy_(out[tensor.numel():].view_as(passenger))
-        return out[: tensor.numel()]
-
-    return work.get_future().then(unpack)
-
-
-def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
-    """Under network emulation, record the bucket's modeled all-reduce before it is launched.
-
-    DDP fills and launches buckets in index order as their gradients become ready (reverse layer
-    order), so bucket ``k`` is modeled ready when the backward's modeled time has run the share of
-    the gradient bytes of buckets ``0..k``; the last bucket closes the backward's compute segment
-    first (at its modeled end), so no real waiting on peers falls inside it. Earlier buckets are
-    launched for real at once (results stay exact); :meth:`Emulator.wait_communication` pads to the
-    modeled end after the backward.
-    """
-    if bucket.index() == 0:
-        state.launched_bytes = 0
-    nbytes = sent.numel() * sent.element_size()
-    state.launched_bytes += nbytes
-    emulator = state.emulator
-    if bucket.is_last():
-        emulator.wait_deadline()
-        ready = None
-    else:
-        ready = emulator.segment_ready(state.launched_bytes / max(state.total_bytes, 1))
-    emulator.network.allreduce_launched(time.monotonic() if ready is None else ready, nbytes, state.devices,
-                                        state.group, sent.device)
-
-
-def sum_with_gradients(ddp: DistributedDataParallel, tensor: torch.Tensor,
-                       fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-    """Sum ``tensor`` (in place) over the group in the gradient all-reduce of ``ddp``'s next
-    synchronising backward, instead of in a collective of its own. Call it right before that
-    backward; if no bucket carried it (nothing to sync), it is all-reduced on its own. ``fill``,
-    if given, writes ``tensor``'s content right before it is sent: after the backward's compute
-    (the straggler monitor sends this step's compute time)."""
-    state: _HookState = ddp._whalelike_hook_state
-    state.passenger, state.fill = tensor, fill
-
-
-def _flush_passenger(ddp: DistributedDataParallel) -> None:
-    state: _HookState = ddp._whalelike_hook_state
-    if state.passenger is not None:
-        passenger, state.passenger = state.passenger, None
-        if state.fill is not None:
-            state.fill, fill = None, state.fill
-            fill(passenger)
-        dist.all_reduce(passenger, group=state.group)
-
-
-def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
-             *, average: bool = False, devices: Optional[Sequence[str]] = None,
-             bucket_cap_mb: Optional[float] = None) -> DistributedDataParallel:
-    """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
-
-    Gradients are summed (``average=False``): weight each rank's loss by its share of the global
-    batch. ``average=True`` gives stock DDP semantics (equal shares), for peers in benchmarks.
-
-    No buffer sync in forward (buffers are synced once, at construction): buffer broadcast is a collective inside every forward, which would
-    fall inside the forward's compute segment (and a per-rank buffer such as BatchNorm statistics is
-    computed from the rank's own share anyway, unless ``Plan.sync_batchnorm`` synchronises it:
-    :mod:`runtime.parallel.sync_batchnorm`). Under emulation without a network, all gradients go in one
-    bucket: the backward is one modeled segment, and a bucket fired early would either wait for
-    the whole segment (then do the rest of the backward unpadded) or communicate inside it.
-
-    With network emulation (``emulator.network``) and ``devices`` (the group's devices, in rank
-    order), buckets keep DDP's sizes (``bucket_cap_mb``, default DDP's) and each all-reduce
-    overlaps the rest of the backward in modeled time: bucket ``k`` is ready at its share of the
-    backward (:func:`_emulate_overlap`), ends ``max(latest member's ready, bucket k-1's end) + ring
-    cost`` (:class:`runtime.emulation.network.NetworkEmulator`); call
-    ``emulator.wait_communication()`` after the backward to pad to the last end. Early buckets
-    are launched for real at once (no real waiting inside the segment); only their modeled times
-    overlap. ``bucket_cap_mb`` is DDP's (ignored under emulation without a network).
-    """
-    emulator = emulator or Emulator.disabled()
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
-    kwargs: dict[str, Any] = dict(process_group=process_group)
-    kwargs[_NO_FORWARD_BUFFER_SYNC] = False
-    total_bytes = sum(p.numel() * p.element_size() for p in params)
-    overlap = emulator.enabled and emulator.network is not None and devices is not None
-    if emulator.enabled and not overlap:
-        kwargs["bucket_cap_mb"] = total_bytes / 2**20 + 1.0
-    elif bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = bucket_cap_mb
-    if params[0].device.type == "cuda":
-        kwargs["device_ids"] = [params[0].device]
-    ddp = DistributedDataParallel(module, **kwargs)
-    ddp._whalelike_hook_state = _HookState(emulator, process_group, average,
-                                           devices=tuple(devices) if overlap else None, total_bytes=total_bytes)
-    ddp.register_comm_hook(ddp._whalelike_hook_state, _deadline_allreduce)
-    return ddp
-
 
 class DataParallelExecutor:
     """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring).
@@ -213,8 +64,9 @@ class DataParallelExecutor:
         self._adopt(plan)
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
-        self.ddp = wrap_ddp(module, group.group, self.emulator,
-                            devices=[plan.worker(r).device for r in sorted(group.ranks)])
+        self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
+                                                    emulator=self.emulator,
+                                                    devices=[plan.worker(r).device for r in sorted(group.ranks)])
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
@@ -294,19 +146,19 @@ class DataParallelExecutor:
             inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
             lo += size
             last = m == len(sizes) - 1
-            with nullcontext() if last else self.ddp.no_sync():
+            with nullcontext() if last else self.sync.no_sync():
                 loss = self._weighted_loss(inputs, targets, share.global_size)
                 total += loss.detach()
                 if last:  # the global loss rides in the gradient all-reduce: one collective per step
                     if passenger is not None:   # and so does the Engine's passenger, written at send time
                         carrier = torch.cat([total.reshape(1), total.new_zeros(passenger.vector.numel())])
                         fill = lambda c: c[1:].copy_(passenger.fill())  # noqa: E731
-                    sum_with_gradients(self.ddp, carrier, fill)
+                    self.sync.carry(carrier, fill)
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
                 self.emulator.wait_communication()   # the overlapped all-reduce's modeled end, if any
-        _flush_passenger(self.ddp)
+        self.sync.flush()
         if passenger is not None:
             passenger.arrived(carrier[1:])
             return carrier[0].clone()
@@ -333,22 +185,22 @@ class DataParallelExecutor:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)
 
-    def named_state(self) -> dict[str, tuple[torch.Tensor, Slab]]:
-        """Every parameter and buffer, whole (for :func:`runtime.balance.state_transfer.switch_executor`)."""
-        return module_state(self.module)
+    def named_state(self) -> NamedState:
+        """What this rank holds of every parameter and buffer, as its replica sync keeps them (DDP:
+        whole); for :func:`runtime.balance.state_transfer.switch_executor` and checkpoints."""
+        return self.sync.named_state()
 
     def close(self) -> None:
-        """Take this executor's hooks off the model (emulation padding, DDP's reducer), so an
+        """Take this executor's hooks off the model (emulation padding, the replica sync's), so an
         executor of another plan can wrap it; this one is not used again."""
         self._unpad()
-        release_ddp(self.ddp)
-        self.ddp = None   # its buckets (a copy of the gradients) go with it
+        self.sync.release()
 
     def _weighted_loss(self, inputs: tuple, targets: torch.Tensor, global_size: int) -> torch.Tensor:
         """This slice's mean loss times its fraction of the global batch. An empty slice (a rank
         with no samples in a short last batch) still runs forward and backward so DDP's all-reduce
         happens, with a zero loss."""
-        outputs = self.ddp(*inputs)
+        outputs = self.sync.module(*inputs)
         n = targets.shape[0]
         if n == 0:
             return sum(t.sum() for t in _tensors(outputs)) * 0.0

@@ -74,33 +74,23 @@ model inputs and targets are tensors batched along dimension 0; ``split`` shards
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _find_tensors
 
-from planner.shares.layout import SampleLayout
 from planner.devices.network import NetworkModel
 from planner.plan import Plan
 from planner.schedule.actions import Action, build_schedule, gradient_accumulation
-from planner.balance.state_moves import Slab
-from runtime.parallel.boundaries import BoundaryExchange
-from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
-from runtime.parallel.data_parallel import wrap_ddp
+from planner.shares.layout import SampleLayout
 from runtime.emulation.compute import Emulator
-from runtime.emulation.network import price_group
+from runtime.parallel.boundaries import BoundaryExchange
+from runtime.parallel.held_state import NamedState
 from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
-from runtime.tensor.sharded_loss import OutputLayout
-from runtime.parallel.split_backward import backward_inputs
-from runtime.balance.state_transfer import module_state, release_ddp
-from runtime.tensor.shard_pass import (StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict,
-                                     outputs_leaving_sharded)
-from runtime.parallel.tied_weights import TiedParameters
+from runtime.parallel.stage_worker import StageWorker
+from runtime.tensor.shard_pass import StageSharding, outputs_leaving_sharded
 
 log = logging.getLogger(__name__)
 
@@ -160,36 +150,27 @@ class PipelineExecutor:
         self.stage = self.split.stages[self.worker.stage]
         self.is_last = self.stage.index == self.split.num_stages - 1
         self.emulator = emulator or Emulator.disabled()
-        self.flops = stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0)
         self._all_ranges = sample_ranges(plan)
         self._ranges = self._all_ranges[self.rank]
         # one stage alone accumulates gradients micro-batch by micro-batch, as planner.schedule.simulator runs it
         self.schedule: list[Action] = (
             gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
             else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
-        self._state_names = self._model_names(names if names is not None else graph_module)
-        # before sharding: creates the tied parameters' groups and makes their copies equal
-        self.tied = TiedParameters(self.split, plan, self.rank, self.group, names if names is not None else graph_module)
-        # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
-        self._loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
-                                torch.get_default_dtype())
-        # a tensor-parallel stage is emulated per parallel Linear: a stage-wide segment would span
-        # its collectives (see runtime.tensor.layers)
-        self._segments_per_stage = self.worker.tp_size == 1
-        # before sharding (from the unsharded graphs): every rank derives the same layouts
+        # before sharding (from the unsharded graphs): every rank derives the same boundary layouts
         feature_shards = self._outputs_leaving_sharded(sharding, graph_module)
-        self.loss_fn = loss_fn if self._segments_per_stage else self._shard(sharding, graph_module, loss_fn)
-        keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
-        self.tied.attach(self.stage.module)
+        # what this rank runs of its stage: module, sharding, replica sync, tied weights, BatchNorm sync
+        self.stage_worker = StageWorker(
+            self.split, plan, self.rank, self.group, graph_module, names if names is not None else graph_module,
+            loss_fn, emulator=self.emulator,
+            flops=stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0),
+            sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
+            micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()})
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's loss all-reduce
         self.passenger = None
-        if plan.sync_batchnorm:
-            self._synchronise_batchnorm(dp_group)
-        self.module = self._wrap_ddp(dp_group)
         log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d, tp_index %d of %d), samples per "
                  "micro-batch %s, schedule %s: %s", self.rank, self.stage.index, self.split.num_stages,
                  self.worker.replica, self.worker.dp_index, self.worker.tp_index, self.worker.tp_size,
@@ -198,14 +179,14 @@ class PipelineExecutor:
 
     # -- the step-executor protocol ---------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.stage.module.parameters()
+        return self.stage_worker.parameters()
 
     def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch of the global batch under the plan's schedule;
         adds the global-mean gradient to this stage's ``.grad`` (synchronised over the stage's
         data-parallel group) and returns the global-mean loss, the same on every rank."""
         loss = self._run(self.schedule, inputs, targets, train=True)
-        self.tied.sum_gradients()
+        self.stage_worker.finish_step()
         return loss
 
     @torch.no_grad()
@@ -221,38 +202,21 @@ class PipelineExecutor:
             self.stage.module.train(was_training)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and buffers, on every rank (a collective over the plan's
-        ranks: the first slot of each stage gathers its tensor-parallel shards, its
-        ``tp_index`` 0 contributes the stage)."""
-        mine = {}
-        if self.worker.replica == 0 and self.worker.dp_index == 0:
-            local = full_state_dict(self.stage.module)
-            if self.worker.tp_index == 0:
-                mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
-        gathered: list[dict] = [None] * self.plan.world_size
-        dist.all_gather_object(gathered, mine, group=self.group)
-        return {k: v for part in gathered for k, v in part.items()}
+        """The whole model's parameters and buffers, on every rank (a collective over the plan's ranks)."""
+        return self.stage_worker.full_state_dict()
 
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this stage's parameters and buffers (its shards of them) out of a full state dict."""
-        missing = sorted(ns[0] for ns in self._state_names.values() if not any(n in state for n in ns))
-        if missing:
-            raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
-        load_full_state_dict(self.stage.module,
-                             {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
+        self.stage_worker.load_full_state_dict(state)
 
-    def named_state(self) -> dict[str, tuple[torch.Tensor, Slab]]:
-        """This stage's parameters and buffers under the model's names, with the part of each it
-        holds (tensor-parallel shards); for :func:`runtime.balance.state_transfer.switch_executor`."""
-        return module_state(self.stage.module, self._state_names)
+    def named_state(self) -> NamedState:
+        """This stage's state under the model's names, with the part of each this rank holds."""
+        return self.stage_worker.named_state()
 
     def close(self) -> None:
-        """Leave no hook behind (DDP's reducer on this stage's parameters, which the model shares),
-        so an executor of another plan can take them over; this one is not used again."""
-        if isinstance(self.module, DistributedDataParallel):
-            release_ddp(self.module)
-        self.module = self.stage.module
+        """Leave no hook behind, so an executor of another plan can take the parameters over; this
+        one is not used again."""
+        self.stage_worker.close()
 
     # -- one pass over a list of actions --------------------------------------------------------------
     def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
@@ -262,7 +226,7 @@ class PipelineExecutor:
                 raise PipelineError(f"rank {self.rank}: {'targets' if i == len(inputs) else f'input {i}'} has batch "
                                     f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
         specs = self._value_specs(inputs)
-        state = _StepState(self._device, self._loss_dtype)
+        state = _StepState(self.stage_worker.device, self.stage_worker.loss_dtype)
         for step, action in enumerate(actions):
             try:
                 if action.kind == "F":
@@ -297,15 +261,9 @@ class PipelineExecutor:
             t.requires_grad_(train and specs[v].requires_grad)
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
                 for src in self.stage.inputs]
-        with self._stage_segment(self.flops[0] * n, n):
-            with self._no_sync():
-                outputs = self.stage.unpack(self.module(*args))
-            if self.is_last:
-                prediction = self.split.model_output(outputs)
-                loss = self.loss_fn(prediction, targets[start:stop]) * (n / self.plan.global_batch_size)
-                if self.worker.tp_index == 0:   # the members of a tensor-parallel group share one loss
-                    state.loss += loss.detach()
-                outputs = {None: loss}
+        outputs, reported = self.stage_worker.forward(args, n, targets[start:stop] if self.is_last else None)
+        if reported is not None:
+            state.loss += reported
         if train:
             state.saved[m] = (received, outputs)
         for crossing in self.boundaries.crossings(self.stage.index, m, "F", "source"):
@@ -321,47 +279,9 @@ class PipelineExecutor:
             incoming = self._receive_grads(m, n, specs, state)
             roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
             grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
-        arm_ddp = isinstance(self.module, DistributedDataParallel) and last
-        if arm_ddp:
-            # forwards ran under no_sync, so arm DDP's reducer by hand (as pipelining's stage does)
-            self.module.reducer.prepare_for_backward(list(_find_tensors(roots)))
-        if self._splits_backward():
-            self._split_backward(m, n, roots, grads, received, specs, state, arm_ddp)
-            return
-        if self._segments_per_stage:
-            self.emulator.begin(self.flops[1] * n, n)
-        if arm_ddp:
-            torch.autograd.backward(roots, grads)
-        elif roots:
-            with self._no_sync():
-                torch.autograd.backward(roots, grads)
-        self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
-        self.emulator.wait_communication()   # the overlapped gradient all-reduce's modeled end, if any
-        self._send_input_grads(m, {v: t.grad for v, t in received.items()}, received, specs, state)
-
-    def _split_backward(self, m: int, n: int, roots, grads, received, specs, state: "_StepState",
-                        arm_ddp: bool) -> None:
-        """``delay_weight_gradients``: input gradients, their sends posted, then weight gradients
-        (:mod:`runtime.parallel.split_backward`); DDP's all-reduce fires in the weight half. Emulated as two
-        compute segments splitting the stage's backward FLOPs by :meth:`_input_share`."""
-        share = self._input_share(specs)
-        values = list(received)
-        with self._no_sync() if not arm_ddp else nullcontext():
-            self.emulator.begin(self.flops[1] * n * share, n)
-            input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
-                                                   self.stage.module.parameters())
-            self.emulator.wait_deadline()
-            self._send_input_grads(m, dict(zip(values, input_grads)), received, specs, state)
-            self.emulator.begin(self.flops[1] * n * (1.0 - share), n)
-            weights.run()
-            self.emulator.wait_deadline()   # no-op if DDP's comm hook already waited
-        self.emulator.wait_communication()
-
-    def _splits_backward(self) -> bool:
-        """Whether backwards are split (:mod:`runtime.parallel.split_backward`): the plan asks for it and the
-        stage's backward has no custom autograd functions with collectives inside (tensor-parallel
-        layers, synchronised BatchNorm), which the weight half would run a second time."""
-        return self.plan.delay_weight_gradients and self._segments_per_stage and not self.plan.sync_batchnorm
+        self.stage_worker.backward(
+            roots, grads, n, last=last, received=received, input_share=self._input_share(specs),
+            send_input_grads=lambda input_grads: self._send_input_grads(m, input_grads, received, specs, state))
 
     def _input_share(self, specs) -> float:
         """The input half's share of the stage's backward FLOPs: none without received values that
@@ -371,7 +291,7 @@ class PipelineExecutor:
         side, so half slightly under-states the input half of attention stages."""
         if not any(specs[v].requires_grad for v in self.stage.received):
             return 0.0
-        if not any(p.requires_grad for p in self.stage.module.parameters()):
+        if not self.stage_worker.has_parameters():
             return 1.0
         return 0.5
 
@@ -400,7 +320,7 @@ class PipelineExecutor:
         """Room for ``n`` samples of ``value`` (or its gradient) as this rank holds it: whole, or
         its features of a value that leaves this stage sharded."""
         shape = self.boundaries.local_shape(value, spec, self.stage.index, self.worker.tp_index)
-        return torch.empty((n, *shape), dtype=spec.dtype, device=self._device)
+        return torch.empty((n, *shape), dtype=spec.dtype, device=self.stage_worker.device)
 
     # -- set-up -----------------------------------------------------------------------------------
     def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
@@ -420,79 +340,11 @@ class PipelineExecutor:
                                                    sharding.split_taskgraphs, self.plan.stages[s].shard_sizes))
         return leaving
 
-    def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
-        """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
-        use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
-        if sharding is None:
-            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
-                                f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
-        if self.emulator.network is not None:   # its collectives cross the emulated links too
-            slot = [w for w in self.plan.stage_workers(self.stage.index, self.worker.replica)
-                    if w.dp_index == self.worker.dp_index]
-            price_group(sharding.group, self.emulator.network, [w.device for w in sorted(slot, key=lambda w: w.tp_index)])
-        layout = OutputLayout.of_stage(self.split, self.stage) if self.is_last else None
-        sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
-                                 self.worker.tp_index, loss_fn if self.is_last else None, self.emulator, layout)
-        return sharded.sharded_loss or loss_fn
-
-    def _stage_segment(self, flops: float, samples: int):
-        return self.emulator.segment(flops, samples) if self._segments_per_stage else nullcontext()
-
     def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
         if key not in self._specs:
             self._specs[key] = self.split.value_specs(inputs)
         return self._specs[key]
-
-    def _wrap_ddp(self, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:
-        """DDP over the workers holding the same parameters as this one: the stage's workers of the
-        same ``tp_index`` in every replica (SUM: losses carry the global weights)."""
-        module = self.stage.module
-        workers = sum(w.tp_index == self.worker.tp_index for w in self.plan.stage_workers(self.stage.index))
-        if workers == 1 or not any(p.requires_grad for p in module.parameters()):
-            return module
-        if dp_group is None:
-            raise PipelineError(f"rank {self.rank}: stage {self.stage.index} runs on {workers} workers; pass their "
-                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
-        devices = [w.device for w in sorted(self.plan.stage_workers(self.stage.index), key=lambda w: w.rank)
-                   if w.tp_index == self.worker.tp_index]
-        return wrap_ddp(module, dp_group, self.emulator, devices=devices)
-
-    def _synchronise_batchnorm(self, dp_group: Optional[dist.ProcessGroup]) -> None:
-        """BatchNorm statistics over the workers holding this stage's parameters (runtime.parallel.sync_batchnorm)."""
-        peers = [w for w in self.plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
-        if len(peers) == 1:
-            return
-        if dp_group is None:
-            raise PipelineError(f"rank {self.rank}: sync_batchnorm on stage {self.stage.index} needs its workers' "
-                                f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
-        check_equal_micro_batches([len(self._all_ranges[w.rank]) for w in peers], [w.rank for w in peers])
-        synchronise_batchnorm(self.stage.module, dp_group)
-
-    def _no_sync(self):
-        return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else nullcontext()
-
-    def _model_names(self, source: nn.Module) -> dict[str, tuple[str, ...]]:
-        """This stage's state-dict keys -> the model's names for the same tensors (taken before
-        sharding, which keeps the keys but replaces the tensors). A tied parameter has several, and
-        the model's state dict holds it under each, so the full state dict does too."""
-        names: dict[int, tuple[str, ...]] = {}
-        for n, t in source.state_dict(keep_vars=True).items():
-            names[id(t)] = names.get(id(t), ()) + (n,)
-        for n, t in [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]:
-            names.setdefault(id(t), (n,))
-        out = {}
-        for key, t in self.stage.module.state_dict(keep_vars=True).items():
-            if id(t) not in names:
-                raise PipelineError(f"rank {self.rank}: stage {self.stage.index}'s {key!r} has no name in the "
-                                    f"names module; pass the module the graph was captured from")
-            out[key] = names[id(t)]
-        return out
-
-    @property
-    def _device(self) -> torch.device:
-        p = next(self.stage.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
 
 
 class _StepState:

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from runtime.tensor.block_sharding import group_layout, shard_groups
 from runtime.emulation.compute import Emulator
+from runtime.emulation.network import price_group
 from runtime.tensor.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
 from runtime.tensor.layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, _ParallelLinear
 from whalelike.errors import WhaleError
@@ -198,13 +199,21 @@ class StageSharding:
 
     def apply(self, stage: fx.GraphModule, captured: fx.GraphModule, shard_sizes: Mapping[str, Sequence[int]],
               tp_index: int, loss_fn: Optional[Callable], emulator: Optional[Emulator],
-              output_layout: Optional[OutputLayout] = None) -> ShardedModule:
+              output_layout: Optional[OutputLayout] = None, *, devices: Optional[Sequence[str]] = None
+              ) -> ShardedModule:
         """Shard ``stage`` (a submodule ``split_module`` cut from ``captured``) in place.
 
         Every plan entry must find its Linear: a ``split`` region the runtime cannot shard would
         silently run unsharded on every rank of the group. With emulation on, the stage's other
-        Linears are padded matmul by matmul (a stage-wide segment would span the collectives).
+        Linears are padded matmul by matmul (a stage-wide segment would span the collectives), and
+        on an emulated network the group's collectives take their ring time over ``devices`` (the
+        group's devices in ``tp_index`` order; :func:`runtime.emulation.network.price_group`).
         """
+        if emulator is not None and emulator.network is not None:
+            if devices is None:
+                raise WhaleError("StageSharding.apply: the network is emulated; pass devices (the tensor-parallel "
+                                 "group's devices in tp_index order) so its collectives are priced")
+            price_group(self.group, emulator.network, devices)
         sharded = shard_module(stage, self.node_taskgraph, self.split_taskgraphs, shard_sizes, tp_index, self.group,
                                loss_fn, emulator, original_module_paths(captured, stage), output_layout)
         missing = sorted(set(shard_sizes) - set(sharded.roles))

@@ -1,0 +1,231 @@
+"""The ``ddp`` replica sync: torch DDP with uneven shares, summed gradients and an emulated network.
+
+What torch does and we reuse: DDP (parameter broadcast at construction, bucketed gradient
+all-reduce overlapped with backward, ``no_sync`` for gradient accumulation, the reducer that a
+pipeline arms by hand for its last backward). What it cannot do: DDP averages gradients over ranks,
+which is the global-batch mean only when every rank holds the same number of samples. Here rank
+``i`` holds ``n_i`` of the ``B`` samples of a step, so the executors weight its loss by ``n_i / B``
+and the comm hook *sums*: the summed gradient is then exactly the gradient of the global-batch mean
+loss, whatever the shares (Whale's load balancing, Poplar's per-device micro-batch sizes).
+
+The passenger (:meth:`DDPSync.carry`): a small tensor (the step's loss, the straggler monitor's
+figures) summed in the same all-reduce as the gradients, appended to the last bucket, so a step
+costs one collective, as plain DDP's does.
+
+Emulation enters here, at the seam, not in the executors: without an emulated network the comm
+hook waits for the backward's modeled end before communicating, so modeled time never includes
+waiting on peers (and all gradients go in one bucket: the backward is one modeled segment). With
+one, each bucket's all-reduce overlaps the rest of the backward in modeled time
+(:func:`_emulate_overlap`); only the last bucket waits for the deadline.
+
+Invariant: the hook state is per wrapped module; :meth:`DDPSync.release` leaves no hook on the
+parameters, so another executor (or another sync) can take them over.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+
+from runtime.parallel.held_state import NamedState, module_state
+from runtime.emulation.compute import Emulator
+
+# torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
+_NO_FORWARD_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+                           inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+
+
+@dataclass
+class _HookState:
+    emulator: Emulator
+    group: Optional[dist.ProcessGroup]
+    average: bool
+    passenger: Optional[torch.Tensor] = None
+    fill: Optional[Callable[[torch.Tensor], None]] = None   # writes the passenger right before it is sent
+    # network emulation: the group's devices in rank order (the ring), the gradient bytes of a
+    # backward, and the bytes of this backward's buckets so far
+    devices: Optional[tuple[str, ...]] = None
+    total_bytes: int = 0
+    launched_bytes: int = 0
+
+
+def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
+    """All-reduce the bucket (SUM, or AVG if asked), with the passenger appended to the last
+    bucket. Under emulation without a network, wait out the backward's modeled time first; with
+    one, overlap (:func:`_emulate_overlap`)."""
+    network = state.emulator.network if state.devices is not None else None
+    if network is None:
+        state.emulator.wait_deadline()
+    tensor = bucket.buffer()
+    if state.average:
+        tensor.div_(dist.get_world_size(state.group))
+    passenger = state.passenger if bucket.is_last() else None
+    if passenger is None:
+        if network is not None:
+            _emulate_overlap(state, bucket, tensor)
+        work = dist.all_reduce(tensor, group=state.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    state.passenger = None
+    if state.fill is not None:
+        state.fill, fill = None, state.fill
+        fill(passenger)
+    joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
+    if network is not None:
+        _emulate_overlap(state, bucket, joint)
+    work = dist.all_reduce(joint, group=state.group, async_op=True)
+
+    def unpack(fut):
+        out = fut.value()[0]
+        passenger.copy_(out[tensor.numel():].view_as(passenger))
+        return out[: tensor.numel()]
+
+    return work.get_future().then(unpack)
+
+
+def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
+    """Under network emulation, record the bucket's modeled all-reduce before it is launched.
+
+    DDP fills and launches buckets in index order as their gradients become ready (reverse layer
+    order), so bucket ``k`` is modeled ready when the backward's modeled time has run the share of
+    the gradient bytes of buckets ``0..k``; the last bucket closes the backward's compute segment
+    first (at its modeled end), so no real waiting on peers falls inside it. Earlier buckets are
+    launched for real at once (results stay exact); :meth:`Emulator.wait_communication` pads to the
+    modeled end after the backward.
+    """
+    if bucket.index() == 0:
+        state.launched_bytes = 0
+    nbytes = sent.numel() * sent.element_size()
+    state.launched_bytes += nbytes
+    emulator = state.emulator
+    if bucket.is_last():
+        emulator.wait_deadline()
+        ready = None
+    else:
+        ready = emulator.segment_ready(state.launched_bytes / max(state.total_bytes, 1))
+    emulator.network.allreduce_launched(time.monotonic() if ready is None else ready, nbytes, state.devices,
+                                        state.group, sent.device)
+
+
+def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
+             *, average: bool = False, devices: Optional[Sequence[str]] = None,
+             bucket_cap_mb: Optional[float] = None) -> DistributedDataParallel:
+    """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
+
+    Gradients are summed (``average=False``): weight each rank's loss by its share of the global
+    batch. ``average=True`` gives stock DDP semantics (equal shares), for peers in benchmarks.
+
+    No buffer sync in forward (buffers are synced once, at construction): buffer broadcast is a
+    collective inside every forward, which would fall inside the forward's compute segment (and a
+    per-rank buffer such as BatchNorm statistics is computed from the rank's own share anyway,
+    unless ``Plan.sync_batchnorm`` synchronises it: :mod:`runtime.parallel.sync_batchnorm`). Under
+    emulation without a network, all gradients go in one bucket: the backward is one modeled
+    segment, and a bucket fired early would either wait for the whole segment (then do the rest of
+    the backward unpadded) or communicate inside it.
+
+    With network emulation (``emulator.network``) and ``devices`` (the group's devices, in rank
+    order), buckets keep DDP's sizes (``bucket_cap_mb``, default DDP's) and each all-reduce
+    overlaps the rest of the backward in modeled time: bucket ``k`` is ready at its share of the
+    backward (:func:`_emulate_overlap`), ends ``max(latest member's ready, bucket k-1's end) + ring
+    cost`` (:class:`runtime.emulation.network.NetworkEmulator`); call
+    ``emulator.wait_communication()`` after the backward to pad to the last end. Early buckets
+    are launched for real at once (no real waiting inside the segment); only their modeled times
+    overlap. ``bucket_cap_mb`` is DDP's (ignored under emulation without a network).
+    """
+    emulator = emulator or Emulator.disabled()
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
+    kwargs: dict[str, Any] = dict(process_group=process_group)
+    kwargs[_NO_FORWARD_BUFFER_SYNC] = False
+    total_bytes = sum(p.numel() * p.element_size() for p in params)
+    overlap = emulator.enabled and emulator.network is not None and devices is not None
+    if emulator.enabled and not overlap:
+        kwargs["bucket_cap_mb"] = total_bytes / 2**20 + 1.0
+    elif bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    if params[0].device.type == "cuda":
+        kwargs["device_ids"] = [params[0].device]
+    ddp = DistributedDataParallel(module, **kwargs)
+    ddp._whalelike_hook_state = _HookState(emulator, process_group, average,
+                                           devices=tuple(devices) if overlap else None, total_bytes=total_bytes)
+    ddp.register_comm_hook(ddp._whalelike_hook_state, _deadline_allreduce)
+    return ddp
+
+
+def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
+    """Take ``ddp``'s hooks off its module's parameters (the reducer's autograd hooks, the
+    post-accumulate hooks of the Python reducer) so another executor can own them; returns the module."""
+    ddp._remove_autograd_hooks()
+    for handle in getattr(ddp, "_accum_grad_hooks", []):
+        handle.remove()
+    return ddp.module
+
+
+class DDPSync:
+    """:class:`runtime.parallel.replica_sync.ReplicaSync` on DDP (see the module docstring).
+
+    ``module``: the stage module of this rank; ``group``: the ranks holding the same parameters
+    (the stage's workers of this ``tp_index`` in every replica); ``devices``: their devices in
+    rank order (the emulated network's ring); ``emulator``: this rank's.
+    """
+
+    name = "ddp"
+    syncs = True
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, emulator: Optional[Emulator] = None,
+                 devices: Optional[Sequence[str]] = None, average: bool = False,
+                 bucket_cap_mb: Optional[float] = None):
+        self.inner = module
+        self.group = group
+        self.ddp: Optional[DistributedDataParallel] = wrap_ddp(module, group, emulator, average=average,
+                                                               devices=devices, bucket_cap_mb=bucket_cap_mb)
+
+    @property
+    def module(self) -> nn.Module:
+        """What forwards run through: the DDP wrapper (its forward prepares the reducer)."""
+        return self.ddp
+
+    def no_sync(self) -> AbstractContextManager:
+        return self.ddp.no_sync()
+
+    def arm(self, roots: Sequence[torch.Tensor]) -> None:
+        """The next backward from ``roots`` syncs, though its forward ran under :meth:`no_sync`
+        (as ``torch.distributed.pipelining``'s stage arms DDP's reducer by hand)."""
+        self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(roots))))
+
+    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """Sum ``tensor`` (in place) over the group in the gradient all-reduce of the next syncing
+        backward, appended to its last bucket. Call it right before that backward; ``fill``, if
+        given, writes ``tensor``'s content right before it is sent (after the backward's compute:
+        the straggler monitor sends this step's compute time). :meth:`flush` after the backward."""
+        state: _HookState = self.ddp._whalelike_hook_state
+        state.passenger, state.fill = tensor, fill
+
+    def flush(self) -> None:
+        """If no bucket carried the passenger (nothing to sync), all-reduce it on its own."""
+        state: _HookState = self.ddp._whalelike_hook_state
+        if state.passenger is not None:
+            passenger, state.passenger = state.passenger, None
+            if state.fill is not None:
+                state.fill, fill = None, state.fill
+                fill(passenger)
+            dist.all_reduce(passenger, group=state.group)
+
+    def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
+        """Every replica holds the stage's state whole (its tensor-parallel shards, if any)."""
+        return module_state(self.inner, names)
+
+    def release(self) -> nn.Module:
+        """Take DDP's hooks off the parameters; this sync is not used again."""
+        if self.ddp is not None:
+            release_ddp(self.ddp)
+            self.ddp = None   # its buckets (a copy of the gradients) go with it
+        return self.inner

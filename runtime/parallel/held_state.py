@@ -1,0 +1,72 @@
+"""What state a rank holds: each parameter and buffer under the model's name, with the part of it held.
+
+One description serves every consumer of "who holds what": live re-plans move exactly the pieces
+:func:`planner.balance.state_moves.plan_moves` computes from every rank's description
+(:mod:`runtime.balance.state_transfer`), and checkpoints write and read the same pieces in
+full-tensor coordinates (:mod:`runtime.checkpoint`). The replica sync of a stage
+(:mod:`runtime.parallel.replica_sync`) gives it, because the sync decides what a replica keeps
+(DDP: everything whole; a sharded data parallel: its shard).
+
+Invariant: the :class:`~planner.balance.state_moves.Slab` of each tensor is derived from the
+layer's own slicing (a tensor-parallel layer's ``shard_of``), never restated.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from planner.balance.state_moves import Slab
+from runtime.tensor.layers import _ParallelLinear
+
+NamedState = dict[str, tuple[torch.Tensor, Slab]]
+
+
+def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
+    """``module``'s parameters and persistent buffers under the model's names, with what each
+    holds: tensor-parallel weights their shard (:func:`parallel_slab`), all else whole.
+
+    ``names`` maps ``module``'s state-dict keys to the model's names of the same tensor (first
+    one canonical, as ``StageWorker._state_names`` does); default: the keys are the model's
+    names, and a tensor under several keys (tied weights) is named by its first. A tied parameter
+    held twice by one tensor-parallel stage (an embedding whole, a sharded head's slice of it) is
+    two tensors: the first under the model's name, the other under ``"<name>@<key>"``; every copy
+    holds the same values, so each moves like a tensor of its own.
+    """
+    slabs: dict[int, Slab] = {}
+    for layer in module.modules():
+        if isinstance(layer, _ParallelLinear):
+            for param in ("weight", "bias"):
+                if getattr(layer, param) is not None:
+                    slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
+    seen: set[int] = set()
+    out: NamedState = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        name = names[key][0] if names is not None else key
+        slab = slabs.get(id(tensor), Slab(tuple(tensor.shape)))
+        out[f"{name}@{key}" if name in out else name] = (tensor, slab)
+    return out
+
+
+def parallel_slab(layer: _ParallelLinear, param: str) -> Slab:
+    """What ``layer``'s ``param`` holds of the full tensor, from the layer's own slicing
+    (``shard_of`` of the positions along the sharded dimension): one range, or one per part of a
+    fused projection."""
+    local = getattr(layer, param)
+    dim = layer.sharded_dim(param)
+    if dim is None:
+        return Slab(tuple(local.shape))
+    full = sum(layer.shard_sizes)
+    shape = tuple(full if d == dim else n for d, n in enumerate(local.shape))
+    positions = layer.shard_of(param, torch.arange(full).view([-1 if d == dim else 1 for d in range(local.dim())]))
+    ranges: list[list[int]] = []
+    for p in positions.reshape(-1).tolist():
+        if ranges and ranges[-1][1] == p:
+            ranges[-1][1] = p + 1
+        else:
+            ranges.append([p, p + 1])
+    return Slab(shape, dim, tuple((a, b) for a, b in ranges))

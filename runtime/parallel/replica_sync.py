@@ -1,0 +1,126 @@
+"""The replica-sync seam: how a data-parallel group keeps its replicas of a stage module in step.
+
+Every executor that runs a stage on several workers holding the same parameters (the stage's
+workers of one ``tp_index`` in every replica) needs the same six things from whatever keeps those
+replicas in step, and nothing else:
+
+* ``module``: what the forward runs through (a wrapper may prepare its sync there);
+* ``no_sync()``: accumulate gradients without syncing (every micro-batch but the last);
+* ``arm(roots)``: make the next backward from ``roots`` sync although its forward ran under
+  ``no_sync`` (a pipeline's last backward, whose forward ran long before);
+* ``carry(tensor, fill)`` then ``flush()``: sum a small passenger (the step's loss, the straggler
+  monitor's figures) in the collective that ends the step, not in one of its own;
+* ``release()``: take every hook off the module, for a state move or another executor;
+* ``named_state(names)``: what state this rank holds (:mod:`runtime.parallel.held_state`), for
+  live re-plans and checkpoints.
+
+Implementations, named by ``StagePlan.replica_sync`` (the names are
+:data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.parallel.ddp_sync`, torch DDP with
+summed gradients). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
+the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce), so
+the executors never branch on it. The next implementation (sharded data parallel) registers here
+and no executor changes.
+
+Why a protocol of our own and not torch's: DDP, FSDP2's ``fully_shard`` and a partial all-reduce
+have no common interface in torch (``no_sync`` vs ``set_requires_gradient_sync``, a reducer armed by
+hand vs ``unshard``/``reshard``), and the executors must not know which one runs.
+
+Invariant: every worker of a data-parallel group builds the same implementation from the same plan
+(the name is plan data, checked by :mod:`planner.plan_checks`), so their collectives match.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from runtime.emulation.compute import Emulator
+from runtime.parallel.ddp_sync import DDPSync
+from runtime.parallel.held_state import NamedState, module_state
+from whalelike.config import REPLICA_SYNCS
+from whalelike.errors import WhaleError
+
+
+class ReplicaSync(Protocol):
+    """What an executor needs from the sync of one stage's replicas (see the module docstring)."""
+
+    name: str
+    syncs: bool          # whether a collective keeps replicas in step (False: the worker is alone)
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def no_sync(self) -> AbstractContextManager: ...
+
+    def arm(self, roots: Sequence[torch.Tensor]) -> None: ...
+
+    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState: ...
+
+    def release(self) -> nn.Module: ...
+
+
+class AloneSync:
+    """No replicas to keep in step (one worker holds these parameters, or there are none to train):
+    the module runs as is. A passenger is still summed over ``group`` if one is given."""
+
+    name = "alone"
+    syncs = False
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None):
+        self.inner = module
+        self.group = group
+        self._passenger: Optional[tuple[torch.Tensor, Optional[Callable]]] = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.inner
+
+    def no_sync(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def arm(self, roots: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        self._passenger = (tensor, fill)
+
+    def flush(self) -> None:
+        if self._passenger is not None:
+            (tensor, fill), self._passenger = self._passenger, None
+            if fill is not None:
+                fill(tensor)
+            dist.all_reduce(tensor, group=self.group)
+
+    def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
+        return module_state(self.inner, names)
+
+    def release(self) -> nn.Module:
+        return self.inner
+
+
+_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": DDPSync}
+assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SYNCS names every implementation"
+
+
+def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.ProcessGroup], *,
+                       emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
+                       alone: bool = False) -> ReplicaSync:
+    """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
+
+    ``devices``: the group's devices in rank order (an emulated network prices its collectives on
+    them). ``alone``: no other worker holds these parameters, or none is trainable: an
+    :class:`AloneSync`, whatever ``kind`` says.
+    """
+    if kind not in _IMPLEMENTATIONS:
+        raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
+                         f"(make the plan with this version of whalelike)")
+    if alone or not any(p.requires_grad for p in module.parameters()):
+        return AloneSync(module, group)
+    return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices)

@@ -1,0 +1,255 @@
+"""One rank's part of one pipeline stage: its module and everything that keeps it in step with its peers.
+
+The pipeline executor (:mod:`runtime.parallel.pipeline`) owns what is about the *pipeline*: the
+schedule, the micro-batches and their samples, the boundaries between stage groups, the step's
+loss. A :class:`StageWorker` owns what is about *this stage on this rank*, so each concern has one
+room and each analysis runs once, here, at construction:
+
+* its module, cut from the captured graph (:mod:`runtime.parallel.stage_split`), with the model's
+  names of its state (taken before sharding, which keeps keys but replaces tensors);
+* its tensor-parallel sharding (:mod:`runtime.tensor.shard_pass`; the group's collectives are
+  priced there when the network is emulated) and, on the last stage, the sharded loss;
+* its replica sync over the workers holding the same parameters
+  (:mod:`runtime.parallel.replica_sync`: DDP today), tied parameters shared with other stages
+  (:mod:`runtime.parallel.tied_weights`) and BatchNorm statistics over its data-parallel group
+  (:mod:`runtime.parallel.sync_batchnorm`);
+* its compute segments for the emulator: one per forward and backward of a micro-batch, or, on a
+  tensor-parallel stage, none here (its layers pad matmul by matmul, since a stage-wide segment
+  would span their collectives);
+* its backward, whole or in the two halves of delayed weight gradients
+  (:mod:`runtime.parallel.split_backward`).
+
+Invariant: every collective a stage worker runs (the sync, the tensor-parallel ones, tied sums,
+BatchNorm syncs) is over groups built from the plan in one order on every rank
+(:mod:`runtime.groups`), and each worker of a group calls them in the same order because every
+worker of a stage runs the same action list.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from planner.plan import Plan
+from runtime.emulation.compute import Emulator
+from runtime.parallel.held_state import NamedState
+from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
+from runtime.parallel.split_backward import backward_inputs
+from runtime.parallel.stage_split import PipelineSplit
+from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
+from runtime.parallel.tied_weights import TiedParameters
+from runtime.tensor.shard_pass import StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict
+from runtime.tensor.sharded_loss import OutputLayout
+
+log = logging.getLogger(__name__)
+
+
+class StageError(RuntimeError):
+    """A stage cannot be set up on this rank; the message names the rank, the stage and the fix."""
+
+
+class StageWorker:
+    """This rank's worker of stage ``plan.worker(rank).stage`` (see the module docstring).
+
+    ``split``: the captured model cut into stages; ``names``: the module whose parameter and buffer
+    names the state uses (shares its tensors with ``graph_module``); ``feature_shards``: the
+    boundary values that leave their (tensor-parallel) stage as feature shards, from the unsharded
+    graphs; ``dp_group``: every worker of this stage in every replica; ``micro_batches``: rank ->
+    its number of micro-batches (the BatchNorm sync needs equal counts).
+    """
+
+    def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: dist.ProcessGroup,
+                 graph_module: fx.GraphModule, names: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
+                 dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int]):
+        self.plan, self.rank, self.group, self.split = plan, rank, group, split
+        self.worker = plan.worker(rank)
+        self.stage = split.stages[self.worker.stage]
+        self.is_last = self.stage.index == split.num_stages - 1
+        self.emulator, self.flops = emulator, flops
+        self._state_names = self._model_names(names)
+        # before sharding: creates the tied parameters' groups and makes their copies equal
+        self.tied = TiedParameters(split, plan, rank, group, names)
+        # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
+        self.loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
+                               torch.get_default_dtype())
+        # a tensor-parallel stage is emulated per parallel Linear (runtime.tensor.layers)
+        self.segments_per_stage = self.worker.tp_size == 1
+        self.loss_fn = loss_fn if self.segments_per_stage else self._shard(sharding, graph_module, loss_fn)
+        keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
+        self.tied.attach(self.stage.module)
+        peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
+        if plan.sync_batchnorm:
+            self._synchronise_batchnorm(peers, dp_group, micro_batches)
+        self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
+
+    # -- compute ----------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """What forwards run through (the replica sync's wrapper, if it has one)."""
+        return self.sync.module
+
+    def forward(self, args: list, n: int, targets: Optional[torch.Tensor]) -> tuple[dict, Optional[torch.Tensor]]:
+        """The stage's outputs on ``n`` samples (one compute segment); on the last stage, the loss
+        weighted by ``n / global_batch_size`` under the key ``None``, and what this worker adds to
+        the reported loss (the members of a tensor-parallel group share one)."""
+        with self._segment(self.flops[0] * n, n):
+            with self.sync.no_sync():
+                outputs = self.stage.unpack(self.module(*args))
+            if not self.is_last:
+                return outputs, None
+            prediction = self.split.model_output(outputs)
+            loss = self.loss_fn(prediction, targets) * (n / self.plan.global_batch_size)
+        return {None: loss}, loss.detach() if self.worker.tp_index == 0 else None
+
+    def backward(self, roots: list, grads: list, n: int, *, last: bool, received: dict,
+                 send_input_grads: Callable[[dict], None], input_share: float) -> None:
+        """Backward of one micro-batch from ``roots`` (outputs) with ``grads``, then
+        ``send_input_grads({value: gradient})`` for the ``received`` values. ``last``: the step's
+        last backward, which the replica sync arms (forwards ran under ``no_sync``). With delayed
+        weight gradients the input gradients are sent between the two halves; ``input_share`` is
+        the input half's share of the backward FLOPs (:meth:`PipelineExecutor._input_share`)."""
+        arm = self.sync.syncs and last
+        if arm:
+            self.sync.arm(roots)
+        if self.splits_backward():
+            values = list(received)
+            with self.sync.no_sync() if not arm else nullcontext():
+                self.emulator.begin(self.flops[1] * n * input_share, n)
+                input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
+                                                       self.stage.module.parameters())
+                self.emulator.wait_deadline()
+                send_input_grads(dict(zip(values, input_grads)))
+                self.emulator.begin(self.flops[1] * n * (1.0 - input_share), n)
+                weights.run()
+                self.emulator.wait_deadline()   # no-op if the sync's hook already waited
+            self.emulator.wait_communication()
+            return
+        if self.segments_per_stage:
+            self.emulator.begin(self.flops[1] * n, n)
+        if arm:
+            torch.autograd.backward(roots, grads)
+        elif roots:
+            with self.sync.no_sync():
+                torch.autograd.backward(roots, grads)
+        self.emulator.wait_deadline()   # no-op if the sync's hook already waited
+        self.emulator.wait_communication()   # the overlapped gradient sync's modeled end, if any
+        send_input_grads({v: t.grad for v, t in received.items()})
+
+    def splits_backward(self) -> bool:
+        """Whether backwards are split (:mod:`runtime.parallel.split_backward`): the plan asks for it
+        and the stage's backward has no custom autograd functions with collectives inside
+        (tensor-parallel layers, synchronised BatchNorm), which the weight half would run again."""
+        return self.plan.delay_weight_gradients and self.segments_per_stage and not self.plan.sync_batchnorm
+
+    def has_parameters(self) -> bool:
+        return any(p.requires_grad for p in self.stage.module.parameters())
+
+    def finish_step(self) -> None:
+        """After the step's last backward: sum tied parameters' gradients over their holders."""
+        self.tied.sum_gradients()
+
+    # -- state ------------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.stage.module.parameters()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, on every rank (a collective over the plan's
+        ranks: the first slot of each stage gathers its tensor-parallel shards, its ``tp_index`` 0
+        contributes the stage)."""
+        mine = {}
+        if self.worker.replica == 0 and self.worker.dp_index == 0:
+            local = full_state_dict(self.stage.module)
+            if self.worker.tp_index == 0:
+                mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
+        gathered: list[dict] = [None] * self.plan.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return {k: v for part in gathered for k, v in part.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this stage's parameters and buffers (its shards of them) out of a full state dict."""
+        missing = sorted(ns[0] for ns in self._state_names.values() if not any(n in state for n in ns))
+        if missing:
+            raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
+        load_full_state_dict(self.stage.module,
+                             {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
+
+    def named_state(self) -> NamedState:
+        """This stage's parameters and buffers under the model's names, with the part of each it
+        holds, as the replica sync keeps them; for :func:`runtime.balance.state_transfer.switch_executor`
+        and checkpoints."""
+        return self.sync.named_state(self._state_names)
+
+    def close(self) -> None:
+        """Leave no hook behind (the replica sync's on this stage's parameters, which the model
+        shares), so an executor of another plan can take them over."""
+        self.sync.release()
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.stage.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def _shard(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule, loss_fn: Callable) -> Callable:
+        """Shard this stage's ``split`` regions over its tensor-parallel group; returns the loss to
+        use (the sharded cross-entropy when the last stage keeps its logits class-sharded)."""
+        if sharding is None:
+            raise StageError(f"rank {self.rank}: stage {self.stage.index} is tensor parallel (tp_size "
+                             f"{self.worker.tp_size}); pass sharding=StageSharding.from_graphs(graphs, tp_group)")
+        slot = [w for w in self.plan.stage_workers(self.stage.index, self.worker.replica)
+                if w.dp_index == self.worker.dp_index]
+        layout = OutputLayout.of_stage(self.split, self.stage) if self.is_last else None
+        sharded = sharding.apply(self.stage.module, graph_module, self.plan.stages[self.stage.index].shard_sizes,
+                                 self.worker.tp_index, loss_fn if self.is_last else None, self.emulator, layout,
+                                 devices=[w.device for w in sorted(slot, key=lambda w: w.tp_index)])
+        return sharded.sharded_loss or loss_fn
+
+    def _replica_sync(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup]) -> ReplicaSync:
+        """The plan's replica sync over the workers holding the same parameters as this one: the
+        stage's workers of the same ``tp_index`` in every replica (SUM: losses carry the global weights)."""
+        kind = self.plan.stages[self.stage.index].replica_sync
+        alone = len(peers) == 1 or not self.has_parameters()
+        if not alone and dp_group is None:
+            raise StageError(f"rank {self.rank}: stage {self.stage.index} runs on {len(peers)} workers; pass their "
+                             f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
+        return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
+                                  alone=alone)
+
+    def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
+                               micro_batches: dict[int, int]) -> None:
+        """BatchNorm statistics over the workers holding this stage's parameters (runtime.parallel.sync_batchnorm)."""
+        if len(peers) == 1:
+            return
+        if dp_group is None:
+            raise StageError(f"rank {self.rank}: sync_batchnorm on stage {self.stage.index} needs its workers' "
+                             f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
+        check_equal_micro_batches([micro_batches[w.rank] for w in peers], [w.rank for w in peers])
+        synchronise_batchnorm(self.stage.module, dp_group)
+
+    def _model_names(self, source: nn.Module) -> dict[str, tuple[str, ...]]:
+        """This stage's state-dict keys -> the model's names for the same tensors (taken before
+        sharding, which keeps the keys but replaces the tensors). A tied parameter has several, and
+        the model's state dict holds it under each, so the full state dict does too."""
+        names: dict[int, tuple[str, ...]] = {}
+        for n, t in source.state_dict(keep_vars=True).items():
+            names[id(t)] = names.get(id(t), ()) + (n,)
+        for n, t in [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), (n,))
+        out = {}
+        for key, t in self.stage.module.state_dict(keep_vars=True).items():
+            if id(t) not in names:
+                raise StageError(f"rank {self.rank}: stage {self.stage.index}'s {key!r} has no name in the "
+                                 f"names module; pass the module the graph was captured from")
+            out[key] = names[id(t)]
+        return out
+
+    def _segment(self, flops: float, samples: int):
+        return self.emulator.segment(flops, samples) if self.segments_per_stage else nullcontext()
