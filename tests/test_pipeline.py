@@ -22,9 +22,10 @@ from torch.testing import assert_close
 
 from dist_utils import run_ranks
 from planner.shares.layout import SampleLayout
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan
 from planner.resharding.reshard import plan_resharding
 from planner.resharding.spec import stage_output_spec
+from plans import make_plan, worker
 from runtime.parallel.boundaries import default_network
 from runtime.emulation.compute import Emulator
 from runtime.groups import group_ranks
@@ -70,15 +71,8 @@ def _cut(gm: fx.GraphModule, first_nodes: tuple[str, ...]) -> dict[str, int]:
 def _plan(schedule: str, workers: list[tuple[int, int, int, list[int]]]) -> Plan:
     """``workers``: (replica, stage, dp_index, micro_batch_sizes) in rank order."""
     num_stages = 1 + max(w[1] for w in workers)
-    return Plan(
-        model_fingerprint="test", cluster="test",
-        global_batch_size=sum(sum(w[3]) for w in workers if w[1] == 0),
-        num_micro_batch=len(workers[0][3]), schedule=schedule, solver="greedy",
-        stages=[StagePlan(s, [s], [s], "replicate") for s in range(num_stages)],
-        workers=[Worker(rank, f"cpu{rank}", "host", r, s, dp, micro_batch_sizes=list(mbs))
-                 for rank, (r, s, dp, mbs) in enumerate(workers)],
-        boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0),
-    )
+    return make_plan(num_stages, [worker(rank, s, dp, sizes=mbs, replica=r, device=f"cpu{rank}", host="host")
+                                  for rank, (r, s, dp, mbs) in enumerate(workers)], schedule=schedule)
 
 
 TWO_STAGES = ("l2",)

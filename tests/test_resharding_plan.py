@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.shares.layout import SampleLayout
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import StagePlan, Worker
 from planner.devices.network import NetworkError, NetworkModel
 from planner.plan import BoundaryPlan
 from planner.resharding.reshard import (BOUNDARY_MAX_NODES, STRATEGIES, ReshardingError, ShardingSpec, boundary_resharding,
@@ -26,6 +26,7 @@ from planner.resharding.cost import transfers
 from planner.resharding.order import best_schedule
 from planner.resharding.spec import box_size, padded_sizes, stage_output_spec
 from planner.resharding.tasks import unit_tasks
+from plans import make_plan
 from whalelike.cluster import Cluster, Device, Network
 
 HOSTS = ("h0", "h1", "h2", "h3")
@@ -115,11 +116,7 @@ def test_padded_sizes_and_spec_from_a_plan():
                Worker(1, "a1", "h0", 0, 0, 1, micro_batch_sizes=[1, 2]),
                Worker(2, "b0", "h1", 0, 1, 0, 0, 2, micro_batch_sizes=[4, 4]),
                Worker(3, "b1", "h1", 0, 1, 0, 1, 2, micro_batch_sizes=[4, 4])]
-    plan = Plan(model_fingerprint="reshard-test", cluster="reshard-test", global_batch_size=8, num_micro_batch=2,
-                schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "split(2)")],
-                workers=workers, boundaries=[], prediction=Prediction(0.0, 0.0, 0.0),
-                naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = make_plan([StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "split(2)")], workers)
     plan.validate()
     layout = SampleLayout.of(plan)
     src = stage_output_spec(plan, layout, 0, 1, (6,))
@@ -140,12 +137,9 @@ def test_boundary_resharding_of_a_plan():
                Worker(1, "a1", "h0", 0, 0, 1, micro_batch_sizes=[1, 2]),
                Worker(2, "b0", "h1", 0, 1, 0, micro_batch_sizes=[2, 2]),
                Worker(3, "b1", "h1", 0, 1, 1, micro_batch_sizes=[2, 2])]
-    plan = Plan(model_fingerprint="reshard-test", cluster="reshard-test", global_batch_size=8, num_micro_batch=2,
-                schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "replicate(2)")],
-                workers=workers, boundaries=[BoundaryPlan(0, 1, ["hidden"], 24.0, [0.1, 0.1]),
-                                             BoundaryPlan(0, 1, [], 0.0, [0.0, 0.0])],
-                prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = make_plan([StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "replicate(2)")], workers,
+                     boundaries=[BoundaryPlan(0, 1, ["hidden"], 24.0, [0.1, 0.1]),
+                                 BoundaryPlan(0, 1, [], 0.0, [0.0, 0.0])])
     network = NetworkModel.of_hosts(100.0, 1.25, 5.0, ("h0", "h1"))
     wide, empty = boundary_resharding(plan, network)
     assert empty is None

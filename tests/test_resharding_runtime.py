@@ -28,9 +28,10 @@ import torch
 from dist_utils import run_ranks
 from planner.shares.layout import SampleLayout
 from planner.devices.network import NetworkModel
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import StagePlan, Worker
 from planner.resharding.reshard import ShardingSpec, plan_resharding
 from planner.resharding.spec import padded_sizes, stage_output_spec
+from plans import make_plan
 from runtime.emulation.network import NetworkEmulator
 from runtime.parallel.resharding import ReshardingRuntimeError, byte_rows, compile_resharding, device_ranks
 
@@ -107,11 +108,7 @@ def stage_cases():
     shares = {0: [3, 2], 1: [1, 2]}
     workers = [Worker(r, f"w{r}", "h0", 0, 0, r, micro_batch_sizes=shares[r]) for r in (0, 1)]
     workers += [Worker(r, f"w{r}", "h1", 0, 1, 0, r - 2, 2, micro_batch_sizes=[4, 4]) for r in (2, 3)]
-    plan = Plan(model_fingerprint="reshard-runtime", cluster="reshard-runtime", global_batch_size=8,
-                num_micro_batch=2, schedule="1f1b", solver="greedy",
-                stages=[StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "split(2)")],
-                workers=workers, boundaries=[], prediction=Prediction(0.0, 0.0, 0.0),
-                naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = make_plan([StagePlan(0, [0], [0], "replicate(2)"), StagePlan(1, [0], [1], "split(2)")], workers)
     plan.validate()
     layout = SampleLayout.of(plan)
     rows = stage_output_spec(plan, layout, 0, 1, SHAPE[1:])

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
+import plans
 from dist_utils import run_ranks
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
 from runtime import Engine, UnevenLoader, UnevenSampler
 from runtime.data import proportional_split
 from whalelike.graphs.capture import capture
@@ -63,15 +64,9 @@ def make_cluster(emulation: Emulation | None) -> Cluster:
 
 def make_plan(model: nn.Module, micro_batch_sizes: list[list[int]]) -> Plan:
     graphs = capture(model, (torch.randn(2, DIN), torch.randn(2, CLASSES)))
-    return Plan(
-        model_fingerprint=graphs.fingerprint, cluster="test-4",
-        global_batch_size=sum(map(sum, micro_batch_sizes)),
-        num_micro_batch=max(map(len, micro_batch_sizes)), schedule="1f1b", solver="greedy",
-        stages=[StagePlan(0, [0], list(range(len(graphs.layers))), f"replicate({WORLD})")],
-        workers=[Worker(r, f"emu-{r}", "localhost", 0, 0, r, micro_batch_sizes=m)
-                 for r, m in enumerate(micro_batch_sizes)],
-        boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0),
-    )
+    return plans.make_plan([StagePlan(0, [0], list(range(len(graphs.layers))), f"replicate({WORLD})")],
+                           [plans.worker(r, 0, r, sizes=m) for r, m in enumerate(micro_batch_sizes)],
+                           model_fingerprint=graphs.fingerprint, cluster="test-4")
 
 
 def batches(n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from dist_utils import spawn_ranks
-from planner.plan import PlanError, Worker
+from planner.plan import PlanError
+from plans import worker
 from runtime import DistributedStepError, Engine
 from test_runtime_dp import Net, batches, make_cluster, make_plan
 from whalelike.errors import WhaleError
@@ -57,7 +58,7 @@ def _bad_input_then_missing_rank(rank: int, world_size: int) -> str:
     plan = make_plan(model, SHARES)
     data = batches(plan.global_batch_size, seed=0)
 
-    four = dataclasses.replace(plan, workers=plan.workers + [Worker(3, "emu-3", "localhost", 0, 0, 3, micro_batch_sizes=[1])],
+    four = dataclasses.replace(plan, workers=plan.workers + [worker(3, 0, 3, sizes=[1])],
                                global_batch_size=plan.global_batch_size + 1)
     with pytest.raises(PlanError, match=r"the plan has 4 workers .* this run has 3 ranks; launch `torchrun --nproc_per_node 4"):
         _engine(model, four)

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import plans
 from planner.schedule.gradient_buckets import fill_buckets, gradient_buckets
-from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker
+from planner.plan import BoundaryPlan, Plan, Prediction, Worker
 from planner.schedule.actions import SCHEDULES
 from planner.schedule.simulator import GradientBucket, simulate
 from planner.schedule.deadlock import ScheduleError
@@ -21,16 +22,10 @@ def worker(rank, stage, fwd, bwd, *, replica=0, dp=0, tp=0, tp_size=1, allreduce
 
 def make_plan(workers, num_micro_batch, schedule="gpipe", transfer_ms=0.0, global_batch_size=None) -> Plan:
     num_stages = 1 + max(w.stage for w in workers)
-    zero = Prediction(0.0, 0.0, 0.0)
-    return Plan(
-        model_fingerprint="test", cluster="test",
-        global_batch_size=global_batch_size or sum(w.batch_share for w in workers if w.stage == 0 and w.tp_index == 0),
-        num_micro_batch=num_micro_batch, schedule=schedule, solver="greedy",
-        stages=[StagePlan(s, [s], [s], "replicate(1)") for s in range(num_stages)],
-        workers=workers,
+    return plans.make_plan(
+        plans.chain_stages(num_stages, "replicate(1)"), workers, num_micro_batch=num_micro_batch, schedule=schedule,
         boundaries=[BoundaryPlan(s, s + 1, ["x"], 4.0, [transfer_ms] * num_micro_batch) for s in range(num_stages - 1)],
-        prediction=zero, naive_prediction=zero,
-    )
+        global_batch_size=global_batch_size or None)
 
 
 def chain_plan(stage_times, num_micro_batch, schedule="gpipe", transfer_ms=0.0) -> Plan:

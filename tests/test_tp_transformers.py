@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import plans
 import whalelike as wl
 from dist_utils import run_ranks
 from hf_models import TRANSFORMERS, RealModel, lm_loss
-from planner.plan import Plan, Prediction, StagePlan, Worker
+from planner.plan import Plan, StagePlan
 from planner.shares.shard_sizes import shard_layout
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from runtime.tensor.layers import _ParallelLinear
@@ -95,10 +96,8 @@ def make_plan(real: RealModel) -> Plan:
     layout = shard_layout(split.shardable, SPEEDS, [1.0, 1.0], split.shard_groups)
     stage = StagePlan(0, [tg.index for tg in graphs], [layer.index for layer in graphs.layers], "split(2)",
                       layout.shard_sizes)
-    plan = Plan(model_fingerprint=graphs.fingerprint, cluster="test-2", global_batch_size=BATCH, num_micro_batch=1,
-                schedule="1f1b", solver="greedy", stages=[stage],
-                workers=[Worker(r, f"emu-{r}", "localhost", 0, 0, 0, r, 2, micro_batch_sizes=[BATCH]) for r in range(2)],
-                boundaries=[], prediction=Prediction(0.0, 0.0, 0.0), naive_prediction=Prediction(0.0, 0.0, 0.0))
+    plan = plans.make_plan([stage], [plans.worker(r, 0, 0, r, 2, sizes=[BATCH]) for r in range(2)],
+                           model_fingerprint=graphs.fingerprint, cluster="test-2", global_batch_size=BATCH)
     return plan
 
 
