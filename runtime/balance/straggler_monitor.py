@@ -74,6 +74,18 @@ class Passenger:
         self.vector.copy_(summed.detach().to("cpu", torch.float64))
         self.carried = True
 
+    def load(self, loss: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
+        """The step's one summed vector, ``[loss, figures...]`` in the loss's dtype and device, and
+        the function that writes the figures into it (call it right before the collective, after
+        the step's compute). Every executor carries the loss and the figures this way."""
+        carrier = torch.cat([loss.reshape(1), loss.new_zeros(self.vector.numel())])
+        return carrier, lambda c: c[1:].copy_(self.fill())
+
+    def unload(self, carrier: torch.Tensor) -> torch.Tensor:
+        """After the collective summed ``carrier`` (from :meth:`load`): keep the figures, return the loss."""
+        self.arrived(carrier[1:])
+        return carrier[0].clone()
+
 
 @dataclass(frozen=True)
 class Sample:

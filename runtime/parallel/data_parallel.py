@@ -151,18 +151,14 @@ class DataParallelExecutor:
                 total += loss.detach()
                 if last:  # the global loss rides in the gradient all-reduce: one collective per step
                     if passenger is not None:   # and so does the Engine's passenger, written at send time
-                        carrier = torch.cat([total.reshape(1), total.new_zeros(passenger.vector.numel())])
-                        fill = lambda c: c[1:].copy_(passenger.fill())  # noqa: E731
+                        carrier, fill = passenger.load(total)
                     self.sync.carry(carrier, fill)
                 self.emulator.begin(self.backward_flops * size, size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
                 self.emulator.wait_communication()   # the overlapped all-reduce's modeled end, if any
         self.sync.flush()
-        if passenger is not None:
-            passenger.arrived(carrier[1:])
-            return carrier[0].clone()
-        return total
+        return passenger.unload(carrier) if passenger is not None else total
 
     @torch.no_grad()
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:

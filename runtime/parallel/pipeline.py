@@ -245,11 +245,10 @@ class PipelineExecutor:
             return state.loss
         # the Engine's passenger (the straggler monitor's figures) rides in the loss all-reduce,
         # written now that every compute segment of the step is done
-        extra = passenger.fill().to(state.loss.device, state.loss.dtype)
-        carrier = torch.cat([state.loss.reshape(1), extra])
+        carrier, fill = passenger.load(state.loss)
+        fill(carrier)
         dist.all_reduce(carrier, group=self.group)
-        passenger.arrived(carrier[1:])
-        return carrier[0].clone()
+        return passenger.unload(carrier)
 
     def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
         start, stop = self._ranges[m]
@@ -337,7 +336,8 @@ class PipelineExecutor:
             stage = self.split.stages[s]
             crossing = [v for v in stage.outputs if self.split.consumers(v)]   # not the model's output
             leaving.update(outputs_leaving_sharded(stage.module, crossing, graph_module, sharding.node_taskgraph,
-                                                   sharding.split_taskgraphs, self.plan.stages[s].shard_sizes))
+                                                   sharding.split_taskgraphs, self.plan.stages[s].shard_sizes,
+                                                   analysis=sharding.analysis(stage.module)))
         return leaving
 
     def _value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:

@@ -78,7 +78,7 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
                  shard_sizes: Mapping[str, Sequence[int]], tp_index: int, group: ProcessGroup = None,
                  loss_fn: Optional[Callable] = None, emulator: Optional[Emulator] = None,
                  module_paths: Optional[Mapping[str, str]] = None,
-                 output_layout: Optional[OutputLayout] = None) -> ShardedModule:
+                 output_layout: Optional[OutputLayout] = None, analysis=None) -> ShardedModule:
     """Replace the Linears of the ``split`` TaskGraphs of ``gm`` by uneven tensor-parallel ones, in place.
 
     ``node_taskgraph`` maps node names to TaskGraph indices (``TaskGraphs.node_taskgraph``),
@@ -93,6 +93,8 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
     ``module_paths`` maps a ``call_module`` target to the model's module path that keys
     ``shard_sizes`` and ``roles``, for graphs whose targets were renamed (``split_module`` turns
     ``mlp.fc1`` into ``mlp_fc1`` inside a stage); by default a target is its own path.
+    ``analysis``: :func:`whalelike.sharding.analysis.analyse_blocks` of ``gm``'s region, if the
+    caller has it already (:meth:`StageSharding.analysis`), so it runs once per stage.
     Only the graph's own (leaf) Linear modules are replaced; the user's model is not modified.
     """
     splits = set(split_taskgraphs)
@@ -111,7 +113,7 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
             f"split region calls a Linear more than once ({sorted(p for p in set(paths) if paths.count(p) > 1)}); "
             "weight sharing inside a split region is not supported, move the shared module out of the split scope"
         )
-    analysis = analyse_blocks(gm, region)
+    analysis = analysis if analysis is not None else analyse_blocks(gm, region)
     layouts = {i: group_layout(g, shard_sizes, path_of, gm) for i, g in enumerate(analysis.groups)}
     classifier = choose_classifier(gm, analysis.lone, loss_fn, output_layout, path_of)
 
@@ -146,19 +148,22 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
 
 def outputs_leaving_sharded(stage: fx.GraphModule, outputs: Iterable, captured: fx.GraphModule,
                             node_taskgraph: Mapping[str, int], split_taskgraphs: Iterable[int],
-                            shard_sizes: Mapping[str, Sequence[int]]) -> dict:
+                            shard_sizes: Mapping[str, Sequence[int]], analysis=None) -> dict:
     """The ``outputs`` (:class:`runtime.parallel.stage_split.ValueId`) of pipeline stage ``stage`` that leave it as
     feature shards: each is a lone projection's output in a ``split`` region (a ``column+gather``
     of :func:`shard_module`) used by nothing in the stage, so its gather would only feed the
     boundary, which reshards it anyway (seed paper 001; :mod:`runtime.parallel.boundaries`). Value -> the
     projection's shard sizes along the last dimension. Pure, from the unsharded stage graph: every
-    rank computes it for every stage, so both ends of a boundary agree on its layout."""
+    rank computes it for every stage, so both ends of a boundary agree on its layout. ``analysis``:
+    the stage region's block analysis if the caller has it (:meth:`StageSharding.analysis`)."""
     splits = set(split_taskgraphs)
     paths = original_module_paths(captured, stage)
     nodes = {n.name: n for n in stage.graph.nodes}
     region = {n.name for n in stage.graph.nodes
               if taskgraph_of(n, node_taskgraph) in splits and not n.meta.get(ATTACHED_META)}
-    lone = {n.name for n in analyse_blocks(stage, region).lone} if region else set()   # as shard_module decides
+    if analysis is None and region:
+        analysis = analyse_blocks(stage, region)
+    lone = {n.name for n in analysis.lone} if region else set()   # as shard_module decides
     leaving = {}
     for value in outputs:
         node = nodes.get(value.name)
@@ -192,10 +197,22 @@ class StageSharding:
     node_taskgraph: Mapping[str, int]
     split_taskgraphs: frozenset[int]
     group: ProcessGroup = field(default=None, compare=False)
+    # stage module -> its region's block analysis, taken once on the unsharded graph (both the
+    # boundary layouts and the sharding read it)
+    _analyses: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_graphs(cls, graphs: TaskGraphs, group: ProcessGroup) -> "StageSharding":
         return cls(dict(graphs.node_taskgraph), frozenset(split_taskgraphs(graphs)), group)
+
+    def analysis(self, stage: fx.GraphModule):
+        """:func:`whalelike.sharding.analysis.analyse_blocks` of ``stage``'s ``split`` region, computed
+        once per stage module; call it before the stage is sharded."""
+        if id(stage) not in self._analyses:
+            region = {n.name for n in stage.graph.nodes
+                      if taskgraph_of(n, self.node_taskgraph) in self.split_taskgraphs and not n.meta.get(ATTACHED_META)}
+            self._analyses[id(stage)] = (stage, analyse_blocks(stage, region))
+        return self._analyses[id(stage)][1]
 
     def apply(self, stage: fx.GraphModule, captured: fx.GraphModule, shard_sizes: Mapping[str, Sequence[int]],
               tp_index: int, loss_fn: Optional[Callable], emulator: Optional[Emulator],
@@ -215,7 +232,8 @@ class StageSharding:
                                  "group's devices in tp_index order) so its collectives are priced")
             price_group(self.group, emulator.network, devices)
         sharded = shard_module(stage, self.node_taskgraph, self.split_taskgraphs, shard_sizes, tp_index, self.group,
-                               loss_fn, emulator, original_module_paths(captured, stage), output_layout)
+                               loss_fn, emulator, original_module_paths(captured, stage), output_layout,
+                               analysis=self.analysis(stage))
         missing = sorted(set(shard_sizes) - set(sharded.roles))
         if missing:
             raise WhaleError(
