@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 
 from planner.devices.cost_model import GIB, device_tflops  # noqa: E402
 from planner.partition.solve import (  # noqa: E402
-    DeviceMemory, LayerCost, Link, PartitionInfeasible, PartitionProblem, Slot, partition,
+    DeviceMemory, LayerCost, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, partition,
 )
 from whalelike.cluster import Cluster, Device, Network  # noqa: E402
 from whalelike.display import format_table  # noqa: E402
@@ -79,7 +79,7 @@ def cluster_of(size: int) -> Cluster:
     return Cluster(f"mixed-{size}", tuple(devices), NETWORK)
 
 
-def stage_slots(cluster: Cluster, stages: int) -> list[Slot]:
+def stage_slots(cluster: Cluster, stages: int) -> list[StageSlot]:
     """Whole hosts per stage, given in cluster order (the partitioner searches the order)."""
     hosts = [[d for d in cluster.devices if d.host == h] for h in cluster.hosts]
     per_stage = len(hosts) // stages
@@ -87,7 +87,7 @@ def stage_slots(cluster: Cluster, stages: int) -> list[Slot]:
     for s in range(stages):
         devices = [d for h in hosts[s * per_stage:(s + 1) * per_stage] for d in h]
         dp = len(devices) // TP
-        slots.append(Slot(
+        slots.append(StageSlot(
             f"stage-hosts-{s}({devices[0].kind} x{len(devices)})",
             sum(device_tflops(d) * 1e12 for d in devices),
             tuple(DeviceMemory(d.memory_gib * GIB, 1.0 / TP, 1.0 / (TP * dp), d.name) for d in devices),
@@ -104,7 +104,7 @@ def partition_rows(sizes: list[int], repeats: int) -> list[list[str]]:
         slots = stage_slots(cluster, stages)
         dp = len(cluster.devices) // (stages * TP)
         problem = PartitionProblem.for_schedule(
-            layers, slots, [Link(NETWORK.inter_host_gbps * 1e9, NETWORK.latency_us * 1e-6)] * (stages - 1),
+            layers, slots, [StageLink(NETWORK.inter_host_gbps * 1e9, NETWORK.latency_us * 1e-6)] * (stages - 1),
             micro_batch=dp, num_micro_batch=2 * stages, schedule="1f1b", order="search")
         times = []
         for _ in range(repeats):
@@ -160,7 +160,7 @@ def plan_rows(sizes: list[int]) -> list[list[str]]:
         _, stages = CLUSTERS[size]
         dp = len(cluster.devices) // (stages * TP)
         problem = PartitionProblem.for_schedule(
-            gpt3_layers(), stage_slots(cluster, stages), [Link(NETWORK.inter_host_gbps * 1e9, 5e-6)] * (stages - 1),
+            gpt3_layers(), stage_slots(cluster, stages), [StageLink(NETWORK.inter_host_gbps * 1e9, 5e-6)] * (stages - 1),
             micro_batch=dp, num_micro_batch=2 * stages, schedule="1f1b")
         graphs = gpt3_taskgraphs(partition(problem).stage_layers(), Strategy("replicate", dp, split(TP)))
         config = Config(global_batch_size=2 * stages * dp, num_micro_batch=2 * stages, schedule="1f1b")
@@ -189,9 +189,9 @@ def random_problem(rng: random.Random, order: str) -> PartitionProblem:
         kind = rng.choice(list(KINDS))
         peak, mem = KINDS[kind]
         n = rng.randint(1, 2)
-        slots.append(Slot.data_parallel(f"{kind}x{n}", [peak * 0.4e12] * n, [mem * GIB] * n))
+        slots.append(StageSlot.data_parallel(f"{kind}x{n}", [peak * 0.4e12] * n, [mem * GIB] * n))
     bw = rng.choice([1e9, 12.5e9, 150e9])
-    return PartitionProblem.for_schedule(layers, slots, [Link(bw, 5e-6)] * (S - 1), micro_batch=rng.randint(1, 8),
+    return PartitionProblem.for_schedule(layers, slots, [StageLink(bw, 5e-6)] * (S - 1), micro_batch=rng.randint(1, 8),
                                          num_micro_batch=rng.randint(1, 8), schedule=rng.choice(["1f1b", "gpipe"]),
                                          order=order)
 

@@ -23,8 +23,7 @@ import whalelike as wl
 from planner.api import MAX_MICRO_BATCHES, divisors
 from planner.devices.cost_model import UNBOUNDED_SAMPLES, StageCost
 from planner.shares.batch_shares import DoesNotFit, Slot, balance_memory, balanced_shares, proportional_shares
-from planner.partition.solve import PartitionProblem, partition
-from planner.partition.solve import Slot as StageSlot
+from planner.partition.solve import PartitionProblem, StageSlot, partition
 from planner.partition.ilp import cbc_path
 from planner.plan import PlanError
 from planner.shares.shard_sizes import split_dimension
@@ -269,12 +268,12 @@ def test_annotate_replace_is_the_explicit_override():
 
 # -- 6. PuLP's deprecated PULP_CBC_CMD -------------------------------------------------------------
 def test_ilp_partitioner_raises_no_deprecation_warning():
-    from planner.partition.solve import LayerCost, Link
+    from planner.partition.solve import LayerCost, StageLink
 
     layers = [LayerCost(f"l{i}", 1e9 * (1 + i % 3), 2e9, 1e8, 3e8, 1e6, 1e5) for i in range(8)]
     slots = [StageSlot.data_parallel("fast", [100e12], [16 * 2**30]),
              StageSlot.data_parallel("slow", [25e12], [32 * 2**30])]
-    problem = PartitionProblem.for_schedule(layers, slots, [Link(10e9, 5e-6)], micro_batch=4, num_micro_batch=4,
+    problem = PartitionProblem.for_schedule(layers, slots, [StageLink(10e9, 5e-6)], micro_batch=4, num_micro_batch=4,
                                             schedule="1f1b", order="search")
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from planner.devices.cost_model import StageCost
 from planner.partition.solve import (
-    DeviceMemory, LayerCost, Link, Partition, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition,
+    DeviceMemory, LayerCost, Partition, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, layer_costs,
+    partition,
 )
 from planner.plan import PlanError
 
@@ -23,8 +24,8 @@ def uniform_layers(n: int, static_gib: float = 1.0, act_gib: float = 0.05, cut_g
             for i in range(n)]
 
 
-def links(n: int, gbps: float = 10.0) -> list[Link]:
-    return [Link(gbps * 1e9, 5e-6)] * n
+def links(n: int, gbps: float = 10.0) -> list[StageLink]:
+    return [StageLink(gbps * 1e9, 5e-6)] * n
 
 
 # -- independent checks (recomputed from the definitions, not through the partitioner) -------------
@@ -81,10 +82,10 @@ def small_problems(draw, order=st.sampled_from(["fixed", "search"])):
         n = draw(st.integers(1, 3))
         speeds = [draw(st.sampled_from([8e12, 15e12, 30e12, 60e12])) for _ in range(n)]
         mems = [draw(st.sampled_from([8, 16, 32, 80])) * GIB for _ in range(n)]
-        slots.append(Slot.data_parallel(f"g{g}", speeds, mems))
+        slots.append(StageSlot.data_parallel(f"g{g}", speeds, mems))
     m = draw(st.integers(1, 6))
     return PartitionProblem.for_schedule(
-        layers, slots, [Link(draw(st.sampled_from([1e9, 10e9, 100e9])), 1e-5) for _ in range(S - 1)],
+        layers, slots, [StageLink(draw(st.sampled_from([1e9, 10e9, 100e9])), 1e-5) for _ in range(S - 1)],
         micro_batch=draw(st.integers(1, 8)), num_micro_batch=m, schedule=draw(st.sampled_from(["1f1b", "gpipe"])),
         order=draw(order))
 
@@ -128,8 +129,8 @@ def test_dynamic_program_matches_brute_force():
     import itertools
     layers = [LayerCost(f"l{i}", (i % 3 + 1) * 1e9, (i % 2 + 1) * 2e9, 0.1 * GIB, 0.3 * GIB, 0.02 * GIB, (7 - i) * 1e6)
               for i in range(7)]
-    slots = [Slot.data_parallel("a", [20e12], [16 * GIB]), Slot.data_parallel("b", [10e12, 10e12], [8 * GIB] * 2),
-             Slot.data_parallel("c", [5e12], [4 * GIB])]
+    slots = [StageSlot.data_parallel("a", [20e12], [16 * GIB]), StageSlot.data_parallel("b", [10e12, 10e12], [8 * GIB] * 2),
+             StageSlot.data_parallel("c", [5e12], [4 * GIB])]
     p = PartitionProblem.for_schedule(layers, slots, links(2, 1.0), micro_batch=4, num_micro_batch=4)
     best = math.inf
     for a, b in itertools.combinations(range(1, 7), 2):
@@ -147,7 +148,7 @@ def test_dynamic_program_matches_brute_force():
 @pytest.mark.parametrize("solver", ["greedy", "ilp"])
 def test_faster_groups_get_more_uniform_layers(solver):
     speeds = [40e12, 10e12, 20e12, 10e12]
-    slots = [Slot.data_parallel(f"g{g}", [s], [80 * GIB]) for g, s in enumerate(speeds)]
+    slots = [StageSlot.data_parallel(f"g{g}", [s], [80 * GIB]) for g, s in enumerate(speeds)]
     p = PartitionProblem.for_schedule(uniform_layers(16), slots, links(3, 100.0), micro_batch=2, num_micro_batch=8)
     result = partition(p, solver=solver)
     check_valid(p, result)
@@ -161,7 +162,7 @@ def test_faster_groups_get_more_uniform_layers(solver):
 
 def test_memory_limits_a_fast_small_device():
     """A fast device with little memory takes fewer layers than its speed alone would give it."""
-    slots = [Slot.data_parallel("big-slow", [10e12], [80 * GIB]), Slot.data_parallel("small-fast", [40e12], [4 * GIB])]
+    slots = [StageSlot.data_parallel("big-slow", [10e12], [80 * GIB]), StageSlot.data_parallel("small-fast", [40e12], [4 * GIB])]
     p = PartitionProblem.for_schedule(uniform_layers(10), slots, links(1), micro_batch=1, num_micro_batch=4)
     result = partition(p)
     check_valid(p, result)
@@ -172,7 +173,7 @@ def test_memory_limits_a_fast_small_device():
 @pytest.mark.parametrize("solver", ["greedy", "ilp"])
 def test_order_search_puts_large_memory_first(solver):
     """Equal speeds: the activation-heavy first stage (4 micro-batches in flight) needs the 80 GB group."""
-    slots = [Slot.data_parallel("small", [20e12], [8 * GIB]), Slot.data_parallel("large", [20e12], [80 * GIB])]
+    slots = [StageSlot.data_parallel("small", [20e12], [8 * GIB]), StageSlot.data_parallel("large", [20e12], [80 * GIB])]
     layers = uniform_layers(8, static_gib=0.5, act_gib=0.5)
     fixed = PartitionProblem.for_schedule(layers, slots, links(1), micro_batch=2, num_micro_batch=8, schedule="gpipe")
     searched = PartitionProblem.for_schedule(layers, slots, links(1), micro_batch=2, num_micro_batch=8,
@@ -186,7 +187,7 @@ def test_order_search_puts_large_memory_first(solver):
 
 
 def test_auto_uses_ilp_only_where_it_can_improve():
-    slots = [Slot.data_parallel("a", [20e12], [16 * GIB]), Slot.data_parallel("b", [10e12], [16 * GIB])]
+    slots = [StageSlot.data_parallel("a", [20e12], [16 * GIB]), StageSlot.data_parallel("b", [10e12], [16 * GIB])]
     layers = uniform_layers(6)
     fixed = PartitionProblem.for_schedule(layers, slots, links(1), micro_batch=1, num_micro_batch=2)
     searched = PartitionProblem.for_schedule(layers, slots, links(1), micro_batch=1, num_micro_batch=2, order="search")
@@ -197,7 +198,7 @@ def test_auto_uses_ilp_only_where_it_can_improve():
 
 def test_pins_and_kept_positions_hold():
     speeds = [10e12, 40e12, 20e12]
-    slots = [Slot.data_parallel(f"g{g}", [s], [80 * GIB]) for g, s in enumerate(speeds)]
+    slots = [StageSlot.data_parallel(f"g{g}", [s], [80 * GIB]) for g, s in enumerate(speeds)]
     p = PartitionProblem.for_schedule(uniform_layers(12), slots, links(2), micro_batch=1, num_micro_batch=4,
                                       pinned={0: 0, 1: 0, 2: 0, 3: 0, 11: 2}, order="search", keep_position={2})
     for solver in ("greedy", "ilp"):
@@ -208,8 +209,8 @@ def test_pins_and_kept_positions_hold():
 
 def test_tensor_parallel_slot_shards_weights():
     """A split(2) slot holds half the weights per device, so it takes twice the layers memory-wise."""
-    halves = Slot("tp2", 20e12, (DeviceMemory(4 * GIB, 0.5, 0.5, "t0"), DeviceMemory(4 * GIB, 0.5, 0.5, "t1")))
-    whole = Slot.data_parallel("dp1", [1000e12], [4 * GIB])
+    halves = StageSlot("tp2", 20e12, (DeviceMemory(4 * GIB, 0.5, 0.5, "t0"), DeviceMemory(4 * GIB, 0.5, 0.5, "t1")))
+    whole = StageSlot.data_parallel("dp1", [1000e12], [4 * GIB])
     p = PartitionProblem.for_schedule(uniform_layers(12, act_gib=0.0), [whole, halves], links(1), micro_batch=1,
                                       num_micro_batch=1)
     result = partition(p)
@@ -230,8 +231,8 @@ def test_layer_costs_price_like_stage_cost():
 # -- errors ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("solver", ["greedy", "ilp"])
 def test_infeasible_names_stage_layers_and_shortfall(solver):
-    slots = [Slot.data_parallel("v100", [15e12], [32 * GIB], ["v100-0"]),
-             Slot.data_parallel("t4", [8e12], [16 * GIB], ["t4-0"])]
+    slots = [StageSlot.data_parallel("v100", [15e12], [32 * GIB], ["v100-0"]),
+             StageSlot.data_parallel("t4", [8e12], [16 * GIB], ["t4-0"])]
     p = PartitionProblem.for_schedule(uniform_layers(50), slots, links(1), micro_batch=1, num_micro_batch=2)
     with pytest.raises(PartitionInfeasible) as err:
         partition(p, solver=solver)
@@ -244,7 +245,7 @@ def test_infeasible_names_stage_layers_and_shortfall(solver):
 
 
 def test_bad_inputs_name_the_field():
-    slot = Slot.data_parallel("a", [1e12], [GIB])
+    slot = StageSlot.data_parallel("a", [1e12], [GIB])
     with pytest.raises(ValueError, match="forward_flops"):
         LayerCost("x", -1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="links"):

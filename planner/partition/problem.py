@@ -1,8 +1,8 @@
 """The pipeline partitioner's data: what it is given and what it returns.
 
 In: :class:`LayerCost` per movable layer (:func:`layer_costs` prices captured layers), one
-:class:`Slot` per stage position (a device group: its speed and, per :class:`DeviceMemory`, which
-share of the stage's weights and batch each device holds), a :class:`Link` between neighbouring
+:class:`StageSlot` per stage position (a device group: its speed and, per :class:`DeviceMemory`, which
+share of the stage's weights and batch each device holds), a :class:`StageLink` between neighbouring
 positions, and the :class:`PartitionProblem` tying them to a micro-batch size, the micro-batches
 in flight per position and the constraints (pinned layers, order search). Out: a
 :class:`Partition` of :class:`StageAssignment` s. Every value is validated when it is built, so a
@@ -87,7 +87,7 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
-class Slot:
+class StageSlot:
     """A device group that can run one pipeline stage: its aggregate speed (FLOP/s; the sum of its
     data-parallel devices' speeds) and its devices' memory."""
 
@@ -103,7 +103,7 @@ class Slot:
 
     @classmethod
     def data_parallel(cls, name: str, speeds: Sequence[float], capacities: Sequence[float],
-                      device_names: Sequence[str] = ()) -> "Slot":
+                      device_names: Sequence[str] = ()) -> "StageSlot":
         """A ``replicate`` group: every device holds all weights and a speed-proportional share of
         each micro-batch (``speeds`` in FLOP/s, ``capacities`` in bytes)."""
         if len(speeds) != len(capacities) or not speeds:
@@ -135,8 +135,10 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Link:
-    """The connection between two neighbouring stage positions."""
+class StageLink:
+    """The connection between two neighbouring stage positions, as the partitioner prices it (in
+    bytes/s and seconds; :mod:`planner.partition.stage_layers` takes the slowest
+    :class:`planner.devices.network.Link` between the two stages' hosts)."""
 
     bandwidth_bytes_per_s: float = _number("bytes per second", positive=True)
     latency_s: float = _number("seconds per message", default=0.0)
@@ -147,7 +149,7 @@ class Link:
 
 @dataclass(frozen=True)
 class PartitionProblem:
-    """What to partition: ``layers`` in order, one :class:`Slot` per stage (in the given order
+    """What to partition: ``layers`` in order, one :class:`StageSlot` per stage (in the given order
     ``slots[k]`` runs position ``k``), ``links[k]`` between positions ``k`` and ``k+1``, samples per
     micro-batch, micro-batches in flight per position, and constraints:
 
@@ -157,8 +159,8 @@ class PartitionProblem:
     """
 
     layers: tuple[LayerCost, ...]
-    slots: tuple[Slot, ...]
-    links: tuple[Link, ...]
+    slots: tuple[StageSlot, ...]
+    links: tuple[StageLink, ...]
     micro_batch: float = _number("samples per micro-batch", positive=True)
     in_flight: tuple[int, ...]
     pinned: Mapping[int, int] = field(default_factory=dict)
@@ -172,12 +174,12 @@ class PartitionProblem:
         object.__setattr__(self, "keep_position", frozenset(self.keep_position))
         L, S = len(self.layers), len(self.slots)
         if S < 1:
-            raise ValueError("PartitionProblem.slots must list at least one Slot")
+            raise ValueError("PartitionProblem.slots must list at least one StageSlot")
         if L < S:
             raise PartitionInfeasible(f"{L} layers cannot fill {S} pipeline stages: every stage needs a layer; "
                                       f"use at most {L} stages or split the model into finer layers")
         if len(self.links) != S - 1:
-            raise ValueError(f"PartitionProblem.links must have one Link per boundary ({S - 1}), got {len(self.links)}")
+            raise ValueError(f"PartitionProblem.links must have one StageLink per boundary ({S - 1}), got {len(self.links)}")
         if len(self.in_flight) != S or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.in_flight):
             raise ValueError(f"PartitionProblem.in_flight must be {S} integers >= 1 (one per stage), got {self.in_flight!r}")
         check_fields(self, "PartitionProblem.", error=ValueError)
@@ -207,7 +209,7 @@ class PartitionProblem:
             previous = (layer, stage)
 
     @classmethod
-    def for_schedule(cls, layers: Sequence[LayerCost], slots: Sequence[Slot], links: Sequence[Link],
+    def for_schedule(cls, layers: Sequence[LayerCost], slots: Sequence[StageSlot], links: Sequence[StageLink],
                      micro_batch: float, num_micro_batch: int, schedule: str = "1f1b", **kw) -> "PartitionProblem":
         """A problem whose in-flight micro-batches per stage come from ``schedule`` (1F1B: at most
         ``S - k`` on stage ``k``; GPipe: all of them), counted on the schedule itself."""

@@ -1,7 +1,7 @@
 """Pipeline partitioning: contiguous runs of layers onto device groups of unequal speed and memory.
 
 A pipeline of ``S`` stages runs the model's layers in ``S`` contiguous ranges; stage position ``k``
-runs on one device group (a :class:`Slot`: a data-parallel and/or tensor-parallel group). The
+runs on one device group (a :class:`StageSlot`: a data-parallel and/or tensor-parallel group). The
 partitioner picks the ranges, and optionally which group takes which position, so that the slowest
 stage is as fast as possible while every device of every stage holds what it must. Pure and
 process-free; torch's ``pipelining`` splits a model where it is told to and never chooses where.
@@ -19,7 +19,7 @@ stage receives/sends, the buffers :class:`~planner.devices.cost_model.StageCost`
 checked per device, not per group: the binding device depends on the layers (a small-memory device
 with a small batch share binds on weights, a large one with a large share on activations), so a
 single "binding device" per slot would be wrong for some ranges. The fractions are the caller's:
-:meth:`Slot.data_parallel` gives every device the whole stage's weights and a batch share
+:meth:`StageSlot.data_parallel` gives every device the whole stage's weights and a batch share
 proportional to its speed, the shares the time model assumes; a ``split`` group gives each device
 its shard fraction of both. Data-parallel gradient all-reduce happens once per step, not per
 micro-batch, and is left to the plan's simulator.
@@ -51,14 +51,14 @@ Solvers (both return a :class:`Partition`, exact evaluation by the same model):
 
 Example::
 
-    from planner.partition.solve import LayerCost, Link, PartitionProblem, Slot, partition
+    from planner.partition.solve import LayerCost, PartitionProblem, StageLink, StageSlot, partition
 
     layer = LayerCost("block", forward_flops=2e9, backward_flops=4e9, param_bytes=5e7,
                       state_bytes=1.5e8, activation_bytes=3e6, cut_bytes=5e5)
-    slots = [Slot.data_parallel("a100x2", [125e12] * 2, [80 * 2**30] * 2),
-             Slot.data_parallel("t4", [26e12], [16 * 2**30])]
+    slots = [StageSlot.data_parallel("a100x2", [125e12] * 2, [80 * 2**30] * 2),
+             StageSlot.data_parallel("t4", [26e12], [16 * 2**30])]
     problem = PartitionProblem.for_schedule(
-        [layer] * 24, slots, [Link(12.5e9, 5e-6)], micro_batch=8, num_micro_batch=8,
+        [layer] * 24, slots, [StageLink(12.5e9, 5e-6)], micro_batch=8, num_micro_batch=8,
         schedule="1f1b", order="search")
     result = partition(problem)            # -> Partition
     result.stage_layers()                  # [[0, ..., 21], [22, 23]]: the A100s first
@@ -83,7 +83,7 @@ from planner.devices.cost_model import GIB
 from planner.partition.order import order_is_free, search_order
 from planner.partition.pricing import TOLERANCE, Pricing, assemble, solve_order
 from planner.partition.problem import (
-    DeviceMemory, LayerCost, Link, Partition, PartitionInfeasible, PartitionProblem, Slot, StageAssignment,
+    DeviceMemory, LayerCost, Partition, PartitionInfeasible, PartitionProblem, StageAssignment, StageLink, StageSlot,
     layer_costs,
 )
 
@@ -95,8 +95,8 @@ ILP_MAX_STAGES = 5       # each searched position adds S assignment binaries; 6 
 Solver = Literal["auto", "ilp", "greedy"]
 
 # the data types live in planner.partition.problem; callers import them from here, with partition()
-__all__ = ["DeviceMemory", "LayerCost", "Link", "Partition", "PartitionInfeasible", "PartitionProblem", "Slot",
-           "StageAssignment", "Solver", "layer_costs", "partition", "ILP_MAX_CELLS", "ILP_MAX_STAGES"]
+__all__ = ["DeviceMemory", "LayerCost", "Partition", "PartitionInfeasible", "PartitionProblem", "StageAssignment",
+           "StageLink", "StageSlot", "Solver", "layer_costs", "partition", "ILP_MAX_CELLS", "ILP_MAX_STAGES"]
 
 
 # -- entry point -----------------------------------------------------------------------------------

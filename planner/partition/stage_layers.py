@@ -17,7 +17,9 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import GIB, device_tflops
 from planner.devices.network import BYTES_PER_MS_PER_GBPS, NetworkModel
-from planner.partition.solve import DeviceMemory, Link, PartitionInfeasible, PartitionProblem, Slot, layer_costs, partition
+from planner.partition.solve import (
+    DeviceMemory, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, layer_costs, partition,
+)
 from planner.devices.placement import Layout
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
 
 
-def _slot(layout: Layout, stage: int) -> Slot:
+def _slot(layout: Layout, stage: int) -> StageSlot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
     batch share proportional to its speed, every device of a tensor-parallel group a shard
     proportional to its own speed, of the weights and of the group's activations (as
@@ -109,10 +111,10 @@ def _slot(layout: Layout, stage: int) -> Slot:
         DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=v / total, name=d.name)
         for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
     )
-    return Slot(f"stage {stage}", total, devices)
+    return StageSlot(f"stage {stage}", total, devices)
 
 
-def _link(layout: Layout, stage: int, network: Network) -> Link:
+def _link(layout: Layout, stage: int, network: Network) -> StageLink:
     """The link the partitioner prices stage ``stage``'s activations on: the slowest link between
     a host of replica 0's stage ``stage`` and one of stage ``stage + 1``
     (:meth:`planner.devices.network.NetworkModel.host_link`: intra-host when they share a host)."""
@@ -121,4 +123,4 @@ def _link(layout: Layout, stage: int, network: Network) -> Link:
     model = NetworkModel.of_hosts(network.intra_host_gbps, network.inter_host_gbps, network.latency_us,
                                   sorted(senders | receivers))
     slowest = min((model.host_link(a, b) for a in sorted(senders) for b in sorted(receivers)), key=lambda l: l.gbps)
-    return Link(slowest.gbps * BYTES_PER_MS_PER_GBPS * 1e3, slowest.latency_ms * 1e-3)
+    return StageLink(slowest.gbps * BYTES_PER_MS_PER_GBPS * 1e3, slowest.latency_ms * 1e-3)

@@ -76,9 +76,11 @@ class Route:
 
 
 @dataclass(frozen=True)
-class Transfer:
+class SliceTransfer:
     """A schedulable piece of unit task ``task`` under ``strategy``: deliver the slice to
-    ``receivers`` (in ring order for a broadcast) by one of ``routes`` (one per candidate sender)."""
+    ``receivers`` (in ring order for a broadcast) by one of ``routes`` (one per candidate sender).
+    Not a :class:`planner.devices.network.Transfer` (one message between two devices): a route may
+    make several copies (:class:`Hop`)."""
 
     task: int
     strategy: str
@@ -88,20 +90,20 @@ class Transfer:
 
 
 def transfers(task: UnitTask, strategy: str, src_hosts: Mapping[str, str], dst_hosts: Mapping[str, str],
-              network: NetworkModel, itemsize: int) -> list[Transfer]:
+              network: NetworkModel, itemsize: int) -> list[SliceTransfer]:
     """The transfers of ``task`` under ``strategy`` (see the module docstring)."""
     if strategy not in STRATEGIES:
         raise ReshardingError(f"resharding: unknown strategy {strategy!r}; use one of {STRATEGIES} or 'auto'")
     nbytes = float(task.elements * itemsize)
     holder_hosts = {src_hosts[d] for d in task.holders}
-    out: list[Transfer] = []
+    out: list[SliceTransfer] = []
     remote: list[str] = []
     local_by_host: dict[str, list[str]] = {}
     for device in task.needers:
         host = dst_hosts[device]
         if device in task.holders:
             route = Route(device, host, 0.0, frozenset(), ())
-            out.append(Transfer(task.index, "local", (device,), nbytes, (route,)))
+            out.append(SliceTransfer(task.index, "local", (device,), nbytes, (route,)))
         elif host in holder_hosts:
             local_by_host.setdefault(host, []).append(device)
         else:
@@ -124,7 +126,7 @@ def transfers(task: UnitTask, strategy: str, src_hosts: Mapping[str, str], dst_h
     for receivers, senders in groups:
         routes = tuple(_route(strategy, sender, src_hosts[sender], receivers, dst_hosts, nbytes, network, itemsize)
                        for sender in senders)
-        out.append(Transfer(task.index, strategy, tuple(receivers), nbytes, routes))
+        out.append(SliceTransfer(task.index, strategy, tuple(receivers), nbytes, routes))
     return out
 
 

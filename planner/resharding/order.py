@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from planner.resharding.cost import Transfer
+from planner.resharding.cost import SliceTransfer
 
 Step = tuple[int, int]   # (transfer index, route index)
 
@@ -50,7 +50,7 @@ class Schedule:
     makespan_ms: float
 
 
-def evaluate(transfers: Sequence[Transfer], order: Sequence[Step], algorithm: str) -> Schedule:
+def evaluate(transfers: Sequence[SliceTransfer], order: Sequence[Step], algorithm: str) -> Schedule:
     """List-schedule ``order``: each transfer starts when all of its route's resources are free."""
     free: dict = {}
     starts, makespan = [], 0.0
@@ -65,7 +65,7 @@ def evaluate(transfers: Sequence[Transfer], order: Sequence[Step], algorithm: st
     return Schedule(algorithm, tuple(order), tuple(starts), makespan)
 
 
-def greedy(transfers: Sequence[Transfer]) -> Schedule:
+def greedy(transfers: Sequence[SliceTransfer]) -> Schedule:
     free: dict = {}
     load: dict = {}
     order = []
@@ -85,7 +85,7 @@ def greedy(transfers: Sequence[Transfer]) -> Schedule:
     return evaluate(transfers, order, "greedy")
 
 
-def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, tries: int = 8,
+def randomized(transfers: Sequence[SliceTransfer], seed: int, restarts: int = 4, tries: int = 8,
                max_nodes: Optional[int] = None) -> Schedule:
     """Up to ``restarts`` seeded restarts of ``tries`` random orders per round. With ``max_nodes``,
     once the transfers looked at (``tries`` per remaining transfer per round) reach it, rounds
@@ -143,7 +143,7 @@ def randomized(transfers: Sequence[Transfer], seed: int, restarts: int = 4, trie
 MAX_DFS_DEPTH = 400   # transfers the recursive DFS descends through: well inside Python's recursion limit
 
 
-def dfs(transfers: Sequence[Transfer], incumbent: Schedule, max_nodes: int = 20_000,
+def dfs(transfers: Sequence[SliceTransfer], incumbent: Schedule, max_nodes: int = 20_000,
         time_budget_s: Optional[float] = None) -> Schedule:
     """Depth-first search started from ``incumbent``'s makespan; returns a better schedule or it.
     Past :data:`MAX_DFS_DEPTH` transfers it returns ``incumbent`` (one level per transfer would
@@ -209,7 +209,7 @@ def dfs(transfers: Sequence[Transfer], incumbent: Schedule, max_nodes: int = 20_
     return evaluate(transfers, best_order[0], "dfs")
 
 
-def best_schedule(transfers: Sequence[Transfer], seed: int = 0, max_nodes: int = 20_000,
+def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: int = 20_000,
                   time_budget_s: Optional[float] = None) -> tuple[Schedule, dict[str, float]]:
     """The best of greedy, randomized greedy and DFS (ties to the earlier), and every makespan.
     ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
@@ -227,5 +227,5 @@ def best_schedule(transfers: Sequence[Transfer], seed: int = 0, max_nodes: int =
     return best, makespans
 
 
-def _shortest(transfer: Transfer) -> float:
+def _shortest(transfer: SliceTransfer) -> float:
     return min(route.duration_ms for route in transfer.routes)

@@ -30,7 +30,7 @@ from typing import Optional
 
 from planner.shares.layout import SampleLayout
 from planner.devices.network import NetworkError, NetworkModel
-from planner.resharding.cost import STRATEGIES, Hop, Transfer, lower_bound_ms, transfers
+from planner.resharding.cost import STRATEGIES, Hop, SliceTransfer, lower_bound_ms, transfers
 from planner.resharding.order import Schedule, best_schedule
 from planner.resharding.spec import Box, ReshardingError, ShardingSpec, box_text, stage_output_spec
 from planner.resharding.tasks import UnitTask, unit_tasks
@@ -128,7 +128,7 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel,
     candidates = {name: per_strategy[name] for name in names}
     if strategy == "auto":
         candidates["mixed"] = _cheapest_per_task(tasks, per_strategy)
-    results: dict[str, tuple[Schedule, list[Transfer]]] = {}
+    results: dict[str, tuple[Schedule, list[SliceTransfer]]] = {}
     for name, pieces in candidates.items():
         schedule, _ = best_schedule(pieces, seed=seed, max_nodes=max_nodes, time_budget_s=time_budget_s)
         results[name] = (schedule, pieces)
@@ -193,9 +193,9 @@ def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, ma
     return _CACHE[key]
 
 
-def _cheapest_per_task(tasks, per_strategy: dict[str, list[Transfer]]) -> list[Transfer]:
+def _cheapest_per_task(tasks, per_strategy: dict[str, list[SliceTransfer]]) -> list[SliceTransfer]:
     """Each task under the strategy whose transfers take the least time in total when run alone."""
-    out: list[Transfer] = []
+    out: list[SliceTransfer] = []
     for task in tasks:
         options = [[t for t in per_strategy[name] if t.task == task.index] for name in STRATEGIES]
         out += min(options, key=lambda pieces: sum(min(r.duration_ms for r in t.routes) for t in pieces))

@@ -26,7 +26,8 @@ from typing import Sequence
 @dataclass(frozen=True)
 class Slot:
     """One data-parallel participant as the balancer sees it: relative speed (samples per unit
-    time) and the most samples it can hold (``cap``; -1 when not even its weights fit)."""
+    time) and the most samples it can hold (``cap``; -1 when not even its weights fit). The
+    partitioner's device group for a pipeline stage is :class:`planner.partition.problem.StageSlot`."""
 
     speed: float
     cap: int

@@ -69,8 +69,10 @@ ATTENTION_FLOP_FORMULAS = {
 
 
 @dataclass(frozen=True)
-class ValueSpec:
-    """Shape and dtype of one tensor a node produces (the whole example batch)."""
+class NodeOutputSpec:
+    """Shape and dtype of one tensor a node produces (the whole example batch, batch dimension
+    included); :class:`runtime.parallel.stage_split.ValueSpec` is the runtime's per-sample spec of
+    a value crossing a pipeline stage boundary."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -83,7 +85,7 @@ class NodeCosts:
     forward_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     backward_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     saved_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    outputs: dict[str, tuple[ValueSpec, ...]] = field(default_factory=dict)
+    outputs: dict[str, tuple[NodeOutputSpec, ...]] = field(default_factory=dict)
     total_forward_flops: float = 0.0
     total_backward_flops: float = 0.0
 
@@ -170,7 +172,8 @@ class _Recorder(fx.Interpreter):
         self.current = n.name if n.op not in ("placeholder", "output") else None
         result = super().run_node(n)
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-        self.costs.outputs[n.name] = tuple(ValueSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
+        self.costs.outputs[n.name] = tuple(NodeOutputSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                           for t in tensors)
         seqs = [t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None]
         if seqs and self.current is not None and (not self.seq_bounds or max(seqs) > self.seq_bounds[-1]):
             self.seq_bounds.append(max(seqs))

@@ -85,8 +85,8 @@ class BlockAnalysis:
 
 
 def stamp_nodes(gm: fx.GraphModule, outputs: Mapping[str, Iterable], node_taskgraph: Mapping[str, int]) -> None:
-    """Record each node's full output shapes (``NodeCosts.outputs``: ``ValueSpec`` per tensor) and
-    TaskGraph in ``node.meta``, where the analysis and the runtime find them again on the stage
+    """Record each node's full output shapes (``NodeCosts.outputs``: a ``NodeOutputSpec`` per tensor)
+    and TaskGraph in ``node.meta``, where the analysis and the runtime find them again on the stage
     graphs cut from ``gm`` (which copy the meta but may rename the nodes)."""
     for node in gm.graph.nodes:
         specs = outputs.get(node.name)
