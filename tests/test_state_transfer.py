@@ -263,7 +263,7 @@ def _switch(rank: int, name: str, opt: str) -> dict:
     from runtime import Engine, register_executor
     from runtime.engine import _BUILDERS, plan_kind
     from runtime.balance.state_transfer import switch_executor
-    from runtime.tensor.layers import _ParallelLinear
+    from runtime.tensor.layers import ParallelLinear
 
     model, before, after, moved, loss_fn = _scenario(name)
     data = _data(model)
@@ -283,7 +283,7 @@ def _switch(rank: int, name: str, opt: str) -> dict:
         engine.executor, engine.plan, engine.worker = new, after, after.worker(rank)
         assert engine.optimizer is optimizer and scheduler.optimizer is optimizer
         # building an executor twice from one capture: sharding and the tied attach leave the capture alone
-        assert not any(isinstance(m, _ParallelLinear) for m in context.graphs.graph_module.modules())
+        assert not any(isinstance(m, ParallelLinear) for m in context.graphs.graph_module.modules())
         got += [engine.train_step(batch) for batch in data[SWITCH_AT:]]
         scheduler.step()
     finally:

@@ -24,7 +24,7 @@ from runtime.emulation.compute import Emulator
 from runtime.parallel.stage_split import split_stages
 from runtime.tensor.shard_pass import (full_state_dict, load_full_state_dict, original_module_paths,
                                      pad_plain_linears, shard_module, split_taskgraphs)
-from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, all_gather_uneven
+from runtime.tensor.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, all_gather_uneven
 from whalelike.cluster import Emulation
 from whalelike.errors import WhaleError
 
@@ -42,7 +42,7 @@ OPTIMIZERS = {
 def _grad_slice(tp: nn.Module, name: str, ref_grad: torch.Tensor) -> torch.Tensor:
     path, _, leaf = name.rpartition(".")
     owner = tp.get_submodule(path)
-    return owner.shard_of(leaf, ref_grad) if isinstance(owner, _ParallelLinear) else ref_grad
+    return owner.shard_of(leaf, ref_grad) if isinstance(owner, ParallelLinear) else ref_grad
 
 
 def _train_and_compare(ref, tp, ref_loss, tp_loss, batches, make_opt, check_output=None, ref_name=lambda n: n):

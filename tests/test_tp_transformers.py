@@ -26,7 +26,7 @@ from hf_models import TRANSFORMERS, RealModel, lm_loss
 from planner.plan import Plan, StagePlan
 from planner.shares.shard_sizes import shard_layout
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
-from runtime.tensor.layers import _ParallelLinear
+from runtime.tensor.layers import ParallelLinear
 from whalelike.cluster import Cluster, Device, Network
 
 SPEEDS = [3.0, 1.0]
@@ -112,7 +112,7 @@ def _check(name: str, opt: str, plan: Plan) -> dict:
                                                        f"{name}/{opt}")
     stage = engine.executor.stage.module
     layers = {path: (type(m).__name__, tuple(m.weight.shape), m.pieces)
-              for path, m in stage.named_modules() if isinstance(m, _ParallelLinear)}
+              for path, m in stage.named_modules() if isinstance(m, ParallelLinear)}
     # projections left whole in the split blocks (multi-query attention's k/v), as plain (or padded) Linears
     layers.update({path: ("whole", tuple(m.weight.shape), 1) for path, m in stage.named_modules()
                    if isinstance(m, torch.nn.Linear) and any(f"layers_{i}_self_attn" in path for i in (1, 2))})

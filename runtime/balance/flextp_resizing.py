@@ -4,7 +4,7 @@ dimension of its local matmuls so it keeps pace, at the price of an approximate 
 
 Why not torch's pruning (``torch.nn.utils.prune``): that masks weights permanently and still does
 the full matmul. Here nothing is removed from the model: for the steps a straggler is resized,
-its :class:`~runtime.tensor.layers._ParallelLinear` multiplies ``x[..., keep] @ W[:, keep]^T`` (the
+its :class:`~runtime.tensor.layers.ParallelLinear` multiplies ``x[..., keep] @ W[:, keep]^T`` (the
 matmul is smaller, and under emulation its segment counts only the FLOPs done, so the rank is
 modeled faster), and backward restores full-sized gradients.
 
@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from runtime.emulation.compute import Emulator
-from runtime.tensor.layers import _ParallelLinear, local_linear
+from runtime.tensor.layers import ParallelLinear, local_linear
 from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
@@ -128,11 +128,11 @@ def dual_pruned_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 class _LayerPruning:
-    """The per-layer state of one resized :class:`_ParallelLinear`: its statistics (``delta`` per
+    """The per-layer state of one resized :class:`ParallelLinear`: its statistics (``delta`` per
     column of the inner dimension, the weights of the last period) and its current pruned set.
     Installed as the layer's ``zero_resizing`` hook while it prunes something."""
 
-    def __init__(self, name: str, module: _ParallelLinear):
+    def __init__(self, name: str, module: ParallelLinear):
         self.name = name
         self.module = module
         self.reset()
@@ -202,7 +202,7 @@ def spread_columns(columns: int, count: int) -> tuple[int, ...]:
 
 
 class ZeroResizer:
-    """ZERO-resizing for every :class:`~runtime.tensor.layers._ParallelLinear` in ``module``.
+    """ZERO-resizing for every :class:`~runtime.tensor.layers.ParallelLinear` in ``module``.
 
     ``set_ratio(gamma)`` with this rank's uniform ratio of Eq. (1) turns pruning on (0 turns it
     off); call ``observe_weights()`` after every optimizer step, on every rank (statistics are
@@ -225,7 +225,7 @@ class ZeroResizer:
         self.alpha, self.theta_iter, self.stats_every, self.max_gamma = alpha, theta_iter, int(stats_every), max_gamma
         self.module = module
         self.layers = [_LayerPruning(name, sub) for name, sub in module.named_modules()
-                       if isinstance(sub, _ParallelLinear)]
+                       if isinstance(sub, ParallelLinear)]
         if not self.layers:
             raise WhaleError(f"ZeroResizer: {type(module).__name__} has no tensor-parallel Linear to resize; "
                              "attach it to the module holding the ColumnParallelLinear/RowParallelLinear layers")

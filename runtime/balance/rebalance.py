@@ -369,7 +369,7 @@ class Rebalancer:
     def _resizer_of_module(self):
         """The ZERO-resizer of the module this rank computes with (a new one after a migration or a
         re-shard rebuilt it), or None where it holds no tensor-parallel Linear."""
-        from runtime.tensor.layers import _ParallelLinear
+        from runtime.tensor.layers import ParallelLinear
         from runtime.balance.flextp_resizing import ZeroResizer
 
         module = self.engine.executor_module()
@@ -377,7 +377,7 @@ class Rebalancer:
             return self._resizer
         if self._resizer is not None:
             self._resizer.set_ratio(0.0)
-        has_linear = any(isinstance(m, _ParallelLinear) for m in module.modules())
+        has_linear = any(isinstance(m, ParallelLinear) for m in module.modules())
         self._resizer = ZeroResizer(module, max_gamma=self.config.max_gamma) if has_linear else None
         return self._resizer
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from planner.balance.state_moves import Slab
-from runtime.tensor.layers import _ParallelLinear
+from runtime.tensor.layers import ParallelLinear
 
 NamedState = dict[str, tuple[torch.Tensor, Slab]]
 
@@ -36,7 +36,7 @@ def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]]
     """
     slabs: dict[int, Slab] = {}
     for layer in module.modules():
-        if isinstance(layer, _ParallelLinear):
+        if isinstance(layer, ParallelLinear):
             for param in ("weight", "bias"):
                 if getattr(layer, param) is not None:
                     slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
@@ -52,7 +52,7 @@ def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]]
     return out
 
 
-def parallel_slab(layer: _ParallelLinear, param: str) -> Slab:
+def parallel_slab(layer: ParallelLinear, param: str) -> Slab:
     """What ``layer``'s ``param`` holds of the full tensor, from the layer's own slicing
     (``shard_of`` of the positions along the sharded dimension): one range, or one per part of a
     fused projection."""

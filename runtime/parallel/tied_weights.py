@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from planner.plan import Plan, Worker
 from runtime.parallel.stage_split import PipelineSplit
-from runtime.tensor.layers import _ParallelLinear
+from runtime.tensor.layers import ParallelLinear
 from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def _copies_of(tie: Tie, original: nn.Parameter, places: list[tuple[str, str]], 
         p = module._parameters.get(attr)
         if p is original:
             copies[id(p)] = _Copy(p)
-        elif isinstance(module, _ParallelLinear) and isinstance(p, nn.Parameter):
+        elif isinstance(module, ParallelLinear) and isinstance(p, nn.Parameter):
             # where each local entry sits in the full tensor: the layer's own slicing of the positions
             positions = torch.arange(original.numel(), device=original.device).view_as(original)
             index = module.shard_of(attr, positions)

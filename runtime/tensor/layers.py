@@ -278,7 +278,7 @@ def _check_shards(what: str, shard_sizes: Sequence[int], full: int, tp_index: in
     return sizes
 
 
-class _ParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
     """What column and row parallel projections share: the shard layout, the group and the emulator.
 
     The projection is an ``nn.Linear`` (``weight`` is ``[out, in]``) or GPT-2's ``Conv1D``
@@ -373,7 +373,7 @@ class _ParallelLinear(nn.Module):
                 f"shard_sizes={self.shard_sizes}, tp_index={self.tp_index}{fused}")
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """Output features sharded: ``y_i = x W_i^T + b_i`` with ``W_i`` rows ``shard_range(sizes, i)``.
 
     The input is replicated (its gradient is all-reduced backward). ``gather_output=True`` returns
@@ -404,7 +404,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return gather_from_region(y, self.shard_sizes, self.tp_index, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """Input features sharded: ``y = sum_i x_i W_i^T + b``; the input is the sharded output of a
     :class:`ColumnParallelLinear` with the same ``shard_sizes``. One all-reduce forward; the
     replicated bias is added once, after it."""

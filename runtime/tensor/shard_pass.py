@@ -36,7 +36,7 @@ from runtime.tensor.block_sharding import group_layout, shard_groups
 from runtime.emulation.compute import Emulator
 from runtime.emulation.network import price_group
 from runtime.tensor.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
-from runtime.tensor.layers import ColumnParallelLinear, PaddedLinear, ProcessGroup, _ParallelLinear
+from runtime.tensor.layers import ColumnParallelLinear, PaddedLinear, ParallelLinear, ProcessGroup
 from whalelike.errors import WhaleError
 from whalelike.graphs.regions import ATTACHED_META
 from whalelike.sharding.analysis import analyse_blocks, projection_dims, taskgraph_of
@@ -266,7 +266,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for prefix, layer in module.named_modules():
-        if isinstance(layer, _ParallelLinear):
+        if isinstance(layer, ParallelLinear):
             for param, value in layer.full_tensors().items():
                 state[f"{prefix}.{param}" if prefix else param] = value
     return state
@@ -276,7 +276,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     """Load an unsharded state dict into a module whose Linears may be tensor-parallel (each takes its slice)."""
     local = dict(state_dict)
     for prefix, layer in module.named_modules():
-        if isinstance(layer, _ParallelLinear):
+        if isinstance(layer, ParallelLinear):
             for param in ("weight", "bias"):
                 key = f"{prefix}.{param}" if prefix else param
                 if key in local:
