@@ -1,9 +1,10 @@
 """Turn the planner's decisions into a :class:`~planner.plan.Plan` with predicted timings.
 
 The decisions (which devices run which stage, each stage's layers and shard layout, each
-tensor-parallel group's micro-batch sizes) come from :mod:`planner.api`, for the hardware-aware
-plan and for the naive one alike; this module prices them with :mod:`planner.devices.cost_model`, fills in
-every timing field the simulator reads, and asks the simulator for the step-time prediction.
+tensor-parallel group's micro-batch sizes: :class:`planner.decisions.Decisions`) come from
+:mod:`planner.decisions`, for the hardware-aware plan and for the naive one alike; this module
+prices them with :mod:`planner.devices.cost_model`, fills in every timing field the simulator
+reads, and asks the simulator for the step-time prediction.
 
 Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
 the worker's shard of its samples plus, under ``split``, the one all-reduce per layer and direction
@@ -22,37 +23,20 @@ transfers queued on devices and host interfaces. All links are priced by
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.cost_model import GIB, CommModel, StageCost, compute_ms
+from planner.decisions import Decisions
+from planner.devices.cost_model import GIB, CommModel, compute_ms
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
 from planner.devices.network import NetworkModel
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
 from planner.schedule.simulator import simulate
-from planner.shares.shard_sizes import ShardLayout
 from planner.devices.placement import Layout
-
-
-@dataclass(frozen=True)
-class Decisions:
-    """Everything the planner chose. ``sizes[r][s][d]`` are the micro-batch sizes of the
-    tensor-parallel group ``d`` of stage ``s`` in replica ``r``."""
-
-    layout: Layout
-    stage_layers: list[list[int]]
-    costs: list[StageCost]
-    in_flight: list[int]
-    shards: list[ShardLayout]
-    sizes: list[list[list[list[int]]]]
-    num_micro_batch: int
-    solver: str
-    optimality_gap: float | None = None
 
 
 def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisions) -> Plan:

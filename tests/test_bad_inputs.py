@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import planner
 import whalelike as wl
-from planner.api import MAX_MICRO_BATCHES, divisors
+from planner.shares.batch_fit import MAX_MICRO_BATCHES, divisors
 from planner.devices.cost_model import UNBOUNDED_SAMPLES, StageCost
 from planner.shares.batch_shares import DoesNotFit, Slot, balance_memory, balanced_shares, proportional_shares
 from planner.partition.solve import PartitionProblem, StageSlot, partition

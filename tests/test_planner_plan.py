@@ -163,7 +163,7 @@ def test_stages_exchange_devices_when_that_is_faster():
     """GPT-like: two movable replicate stages and a fixed ``split(1)`` head. Both placement rules
     leave the head on the slowest device once the partitioner has moved the middle stage's layers
     forward; the swap search gives it a faster one, and never predicts worse than either rule."""
-    from planner.api import _aware_plan
+    from planner.devices.placement_search import aware_plan as _aware_plan
     from planner.devices.placement import PLACEMENTS, build_layout
 
     graphs = synthetic_model(7, [replicate(), replicate(), split(1)], layers_per_graph=[3, 3, 1], hidden=256, seq=32)

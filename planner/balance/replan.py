@@ -20,7 +20,7 @@ Invariants:
   SEMI-migration) are decided in :mod:`planner.balance.semi_migration`.
 * **The planner's own decisions.** The plan's :class:`~planner.devices.placement.Layout` is rebuilt
   from its workers (same order, checked: rank ``r`` maps back to worker ``r``) on Devices whose
-  ``measured_tflops`` are the measured speeds, and :func:`planner.api.aware_decisions` and
+  ``measured_tflops`` are the measured speeds, and :func:`planner.decisions.aware_decisions` and
   :func:`planner.assemble.build_plan` run on it: the pipeline partitioner moves layers
   (``move_layers``), speed-proportional shards within memory (``reshard``), batch shares within
   memory (Whale's Algorithm 1; Poplar's accumulation for a single stage), timings, memory and
@@ -53,12 +53,13 @@ from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.api import aware_decisions, naive_decisions
-from planner.assemble import Decisions, build_plan, predict
+from planner.assemble import build_plan, predict
+from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
 from planner.plan import Plan, PlanError, Prediction
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
 from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
+from planner.shares.stage_shards import stage_shardable
 from planner.devices.placement import Layout, StageShape
 
 log = logging.getLogger(__name__)
@@ -320,9 +321,7 @@ def _plan_shards(plan: Plan, graphs: TaskGraphs) -> list[ShardLayout]:
     """The plan's shard layout of each stage, priced as the planner prices its own."""
     out = []
     for st in plan.stages:
-        owners = [graphs[t] for t in sorted({graphs.layers[i].taskgraph for i in st.layers})]
-        shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
-        groups = tuple(g for tg in owners for g in tg.shard_groups)
+        _, shardable, groups = stage_shardable(graphs, st.layers)
         flops = StageCost.of_layers(graphs, st.layers).flops_per_sample
         out.append(layout_of_sizes(shardable, st.shard_sizes, plan.stage_workers(st.index)[0].tp_size, groups, flops))
     return out

@@ -8,6 +8,7 @@ proves a set of lists free of deadlocks and mismatched sends/receives under thes
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,3 +90,27 @@ def max_in_flight(actions: list[Action]) -> int:
         live += 1 if a.kind == "F" else -1
         peak = max(peak, live)
     return peak
+
+
+def in_flight_per_stage(schedule: str, num_stages: int, count: int) -> tuple[int, ...]:
+    """Micro-batches in flight per stage under ``schedule`` with ``count`` micro-batches (one
+    stage: gradient accumulation, one at a time).
+
+    Every schedule warms up with a number of forwards that depends on the stage only, so in flight
+    stops growing with the count past it (GPipe's, all forwards first, never does). When a schedule
+    of ``2 * num_stages + 2`` micro-batches and one of one more agree, that is the answer for any
+    larger count: the batch-size search prices up to
+    :data:`planner.shares.batch_fit.MAX_MICRO_BATCHES` micro-batches without building their
+    action lists."""
+    probe = 2 * num_stages + 2
+    if count > probe:
+        short = _in_flight_of_schedule(schedule, num_stages, probe)
+        if short == _in_flight_of_schedule(schedule, num_stages, probe + 1):
+            return short
+    return _in_flight_of_schedule(schedule, num_stages, count)
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight_of_schedule(schedule: str, num_stages: int, count: int) -> tuple[int, ...]:
+    actions = build_schedule(schedule, num_stages, count) if num_stages > 1 else [gradient_accumulation(count)]
+    return tuple(max_in_flight(stage) for stage in actions)

@@ -1,0 +1,294 @@
+"""Batch fitting: the micro-batch sizes of every data-parallel group, within memory (step 4 of
+:mod:`planner.api`).
+
+Every micro-batch is split over the pipeline replicas by throughput, then inside each stage over
+its data-parallel groups by speed, with Whale's memory balancing (:mod:`planner.shares.batch_shares`).
+When a micro-batch still does not fit, a pipeline gets more micro-batches (the next divisor of the
+global batch: :func:`micro_batch_counts`, tried in order by
+:func:`planner.decisions.aware_decisions`), and a single stage switches to Poplar's per-device
+gradient accumulation (own micro-batch size and last batch size per device); either way at most
+:data:`MAX_MICRO_BATCHES` per step, so the planner's work is bounded by that count and never by the
+number of samples (a global batch of 10**12 is an error in milliseconds, not a hang).
+
+The results are ``Decisions.sizes`` (:class:`planner.decisions.Decisions`): ``sizes[r][s][d]`` are
+the micro-batch sizes of the tensor-parallel group ``d`` of stage ``s`` in replica ``r``. Errors
+(:class:`~planner.plan.PlanError`) say what does not fit, by how much, and what would.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from whalelike.cluster import Device
+from whalelike.config import Config
+from whalelike.display import human_bytes
+
+from planner.devices.cost_model import GIB, StageCost, device_tflops
+from planner.devices.memory import stage_memory
+from planner.devices.placement import Layout
+from planner.plan import PlanError
+from planner.shares.batch_shares import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
+from planner.shares.shard_sizes import ShardLayout
+
+log = logging.getLogger(__name__)
+
+# Most micro-batches per step a plan may have. Schedules, batch shares and the simulator are all
+# linear in the count (about 0.15 ms per micro-batch to plan), so the count, never the batch size,
+# bounds the planner's work: a global batch of 10**12 is planned as fast as one of 64.
+MAX_MICRO_BATCHES = 16384
+
+
+# -- the request against the layout ----------------------------------------------------------------
+def divisors(n: int, low: int, high: int) -> list[int]:
+    """The divisors of ``n`` in ``[low, high]``, ascending, by trial division over that range only:
+    O(high - low), never O(n), so callers bound ``high`` (by :data:`MAX_MICRO_BATCHES`)."""
+    return [d for d in range(max(low, 1), min(high, n) + 1) if n % d == 0]
+
+
+def most_groups(layout: Layout) -> int:
+    """The most data-parallel groups any stage has (over all replicas): each needs a sample."""
+    return max(len(layout.stage_groups(s)) for s in range(layout.num_stages))
+
+
+def check_batch(config: Config, layout: Layout) -> None:
+    """``config``'s global batch and micro-batch count can be planned on ``layout``: every
+    data-parallel group gets a sample of every micro-batch, a pipeline's micro-batches are equal,
+    and there are at most :data:`MAX_MICRO_BATCHES` of them. Raises PlanError naming the fix."""
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    groups = most_groups(layout)
+    if gbs < groups:
+        raise PlanError(
+            f"global_batch_size {gbs} is smaller than the {groups} data-parallel groups of the plan: "
+            f"every group needs at least one sample; use global_batch_size >= {groups}"
+        )
+    if m > MAX_MICRO_BATCHES:
+        raise PlanError(
+            f"num_micro_batch {m} exceeds the {MAX_MICRO_BATCHES} micro-batches per step the planner "
+            f"schedules and simulates; use num_micro_batch <= {MAX_MICRO_BATCHES} (larger micro-batches)"
+        )
+    if layout.num_stages > 1 and gbs % m:
+        options = divisors(gbs, 1, min(gbs // groups, MAX_MICRO_BATCHES))
+        near = sorted(options, key=lambda d: abs(d - m))[:3]
+        raise PlanError(
+            f"num_micro_batch {m} does not divide global_batch_size {gbs}: a pipeline needs equal "
+            f"micro-batches; use num_micro_batch in {sorted(near)}"
+        )
+    if gbs // m < groups:
+        raise PlanError(
+            f"a micro-batch of {gbs} // {m} = {gbs // m} samples is smaller than the {groups} data-parallel "
+            f"groups of the plan; use num_micro_batch <= {gbs // groups}"
+        )
+
+
+def micro_batch_counts(gbs: int, m: int, layout: Layout) -> list[int]:
+    """``m`` and every larger divisor of ``gbs`` that still gives each group a sample, up to
+    :data:`MAX_MICRO_BATCHES` (what can be tried: each count is a schedule to price)."""
+    return divisors(gbs, m, min(gbs // most_groups(layout), MAX_MICRO_BATCHES))
+
+
+def equal_batches(gbs: int, m: int) -> list[int]:
+    """``m`` near-equal micro-batches of ``gbs`` samples (the first ``gbs % m`` one larger)."""
+    return [gbs // m + (1 if i < gbs % m else 0) for i in range(m)]
+
+
+def single_stage_sizes(layout: Layout, per_group: Sequence[list[int]]) -> list:
+    """``Decisions.sizes`` of a single-stage ``layout`` from each group's micro-batch sizes, groups
+    in :meth:`~planner.devices.placement.Layout.stage_groups` order (replica-major)."""
+    sizes, i = [], 0
+    for replica in layout.groups:
+        n = len(replica[0])
+        sizes.append([list(per_group[i:i + n])])
+        i += n
+    return sizes
+
+
+def _by_group(per_batch: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``per_batch[i][g]`` (group ``g``'s samples of micro-batch ``i``) as each group's list."""
+    return [list(column) for column in zip(*per_batch)]
+
+
+# -- one stage as the balancers see it -------------------------------------------------------------
+@dataclass(frozen=True)
+class PricedStage:
+    """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards
+    (built by :func:`planner.decisions.priced_stages`)."""
+
+    index: int
+    cost: StageCost
+    in_flight: int
+    shards: ShardLayout
+
+    def group_speed(self, group: tuple[Device, ...]) -> float:
+        """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
+        FlopCounterMode counts no FLOPs for (an embedding lookup) still shares by device speed."""
+        flops = max(self.cost.flops_per_sample, 1.0)
+        return min(device_tflops(d) * 1e9 / (flops * f)
+                   for d, f in zip(group, self.shards.fractions))
+
+    def group_cap(self, group: tuple[Device, ...]) -> int:
+        """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
+        return min(stage_memory(self.cost, self.in_flight, f).max_samples(d.memory_gib * GIB)
+                   for d, f in zip(group, self.shards.fractions))
+
+    def group_util(self, group: tuple[Device, ...], samples: int) -> float:
+        """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
+        return max(stage_memory(self.cost, self.in_flight, f).total(samples) / (d.memory_gib * GIB)
+                   for d, f in zip(group, self.shards.fractions))
+
+
+class StageDoesNotFit(Exception):
+    """A micro-batch of ``micro_batch`` samples leaves ``shortfall`` samples of ``stage`` without
+    room; its devices hold ``capacity`` (:func:`shortfall_error` explains it to the user)."""
+
+    def __init__(self, stage: PricedStage, shortfall: int, capacity: int, micro_batch: int):
+        self.stage, self.shortfall, self.capacity, self.micro_batch = stage, shortfall, capacity, micro_batch
+
+
+# -- hardware-aware sizes --------------------------------------------------------------------------
+def fit_pipeline(layout: Layout, stages: list[PricedStage], micro_batch: int, count: int) -> list:
+    """``Decisions.sizes``: per replica, stage and group, ``count`` equal micro-batches of
+    ``micro_batch`` samples split by throughput. Raises :class:`StageDoesNotFit`."""
+    for st in stages:
+        check_fit(layout, st, samples=0)
+        caps = [st.group_cap(g) for g in layout.stage_groups(st.index)]
+        if min(caps) < 1:
+            raise StageDoesNotFit(st, micro_batch - sum(caps), sum(caps), micro_batch)
+    # a replica is as fast as its slowest stage and holds what its tightest stage can
+    replica_slots = []
+    for replica in layout.groups:
+        speed = min(sum(st.group_speed(g) for g in replica[st.index]) for st in stages)
+        caps = [sum(st.group_cap(g) for g in replica[st.index]) for st in stages]
+        replica_slots.append(Slot(speed, min(caps)))
+    minimum = max(len(replica[s]) for replica in layout.groups for s in range(len(stages)))
+    try:
+        per_replica = balanced_shares(micro_batch, replica_slots, lambda i, n: n / max(replica_slots[i].cap, 1), minimum)
+    except DoesNotFit as e:
+        tightest = min(stages, key=lambda st: min(sum(st.group_cap(g) for g in r[st.index]) for r in layout.groups))
+        raise StageDoesNotFit(tightest, e.shortfall, e.capacity, micro_batch) from None
+    sizes = []
+    for r, replica in enumerate(layout.groups):
+        per_stage = []
+        for st in stages:
+            groups = replica[st.index]
+            shares = group_shares(st, groups, per_replica[r], micro_batch)
+            per_stage.append([[n] * count for n in shares])
+        sizes.append(per_stage)
+    return sizes
+
+
+def group_shares(st: PricedStage, groups, samples: int, micro_batch: int) -> list[int]:
+    """``samples`` over ``groups`` of stage ``st`` by speed, memory-balanced (Whale's Algorithm 1).
+    Raises :class:`StageDoesNotFit` (for a micro-batch of ``micro_batch`` samples)."""
+    slots = [Slot(st.group_speed(g), st.group_cap(g)) for g in groups]
+    try:
+        return balanced_shares(samples, slots, lambda i, n: st.group_util(groups[i], n))
+    except DoesNotFit as e:
+        raise StageDoesNotFit(st, e.shortfall, e.capacity, micro_batch) from None
+
+
+def fit_single_stage(layout: Layout, st: PricedStage, gbs: int, m: int) -> tuple[list, int]:
+    """``(Decisions.sizes, micro-batch count)`` of a single stage: shares of each of ``m``
+    near-equal micro-batches; if they do not fit, Poplar's per-device gradient accumulation over
+    the whole batch."""
+    check_fit(layout, st, samples=1)
+    groups = layout.stage_groups(0)
+    try:
+        per_group = _by_group([group_shares(st, groups, n, n) for n in equal_batches(gbs, m)])
+        count = m
+    except StageDoesNotFit:
+        speeds = [st.group_speed(g) for g in groups]
+        totals = proportional_shares(gbs, speeds, minimum=1)
+        check_accumulation(layout, st, totals, groups, gbs)
+        per_group = [accumulation_sizes(n, st.group_cap(g)) for n, g in zip(totals, groups)]
+        count = max(len(f) for f in per_group)
+        log.warning("the global batch does not fit in %d micro-batch(es); per-device gradient accumulation "
+                    "(Poplar): up to %d micro-batches", m, count)
+    return single_stage_sizes(layout, per_group), count
+
+
+def check_accumulation(layout: Layout, st: PricedStage, totals: list[int], groups, gbs: int) -> None:
+    """Per-device gradient accumulation must stay within :data:`MAX_MICRO_BATCHES` micro-batches."""
+    count, group = max(((math.ceil(n / max(st.group_cap(g), 1)), g) for n, g in zip(totals, groups)),
+                       key=lambda pair: pair[0])
+    if count > MAX_MICRO_BATCHES:
+        fits = sum(max(st.group_cap(g), 0) for g in groups)
+        raise PlanError(
+            f"global_batch_size {gbs} does not fit TaskGraph {layout.shapes[st.index].taskgraph}: device "
+            f"{group[0].name!r} would accumulate gradients over {count} micro-batches, more than the "
+            f"{MAX_MICRO_BATCHES} the planner schedules per step (its devices hold {fits} samples at once in "
+            f"all, so no global batch above {fits * MAX_MICRO_BATCHES} can fit); use a smaller "
+            "global_batch_size or add devices"
+        )
+
+
+# -- capacity-blind sizes --------------------------------------------------------------------------
+def equal_sizes(layout: Layout, gbs: int, m: int) -> list:
+    """``Decisions.sizes`` of the naive plan: equal shares of every micro-batch, whatever fits."""
+    if layout.num_stages == 1:
+        groups = layout.stage_groups(0)
+        per_batch = [proportional_shares(n, [1.0] * len(groups), minimum=1) for n in equal_batches(gbs, m)]
+        return single_stage_sizes(layout, _by_group(per_batch))
+    per_replica = proportional_shares(gbs // m, [1.0] * layout.num_replicas, minimum=1)
+    return [
+        [[[n] * m for n in proportional_shares(per_replica[r], [1.0] * len(replica[s]), minimum=1)]
+         for s in range(layout.num_stages)]
+        for r, replica in enumerate(layout.groups)
+    ]
+
+
+# -- memory errors ---------------------------------------------------------------------------------
+def check_fit(layout: Layout, st: PricedStage, samples: int) -> None:
+    """Every device must hold its share of the weights, gradients and optimizer state, plus
+    ``samples`` samples per micro-batch."""
+    for group in layout.stage_groups(st.index):
+        if st.group_cap(group) < samples:
+            raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples)
+
+
+def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None,
+                 samples: int) -> PlanError:
+    """Why stage ``s`` does not fit on the tightest device of ``groups`` with ``samples`` samples
+    per micro-batch (its shard of ``shards``, or an even one): what it needs and what it lacks."""
+    worst = None
+    for group in groups:
+        for t, d in enumerate(group):
+            f = shards.fractions[t] if shards else 1.0 / len(group)
+            need = stage_memory(cost, in_flight, f).total(samples)
+            short = need - d.memory_gib * GIB
+            if worst is None or short > worst[0]:
+                worst = (short, need, d)
+    short, need, device = worst
+    what = "weights, gradients and optimizer state" + (" with one sample in flight" if samples else "")
+    return PlanError(
+        f"TaskGraph {layout.shapes[s].taskgraph} (stage {s}, {layout.shapes[s].label}) does not fit on device "
+        f"{device.name!r} ({device.kind}, {device.memory_gib:.1f} GiB): its {what} need {need / GIB:.2f} GiB, "
+        f"short by {max(short, 0) / GIB:.2f} GiB; shard it with split(n) over more devices, or use devices "
+        "with more memory"
+    )
+
+
+def shortfall_error(layout: Layout, err: StageDoesNotFit, m: int, gbs: int, tried: int) -> PlanError:
+    """Why the first micro-batch count tried (``m``) does not fit; ``tried``: the largest count tried."""
+    st = err.stage
+    per_sample = stage_memory(st.cost, st.in_flight).activations(1)   # the whole stage's, per sample
+    groups = layout.stage_groups(st.index)
+    best = max(groups, key=lambda g: st.group_cap(g))
+    fits = sum(max(st.group_cap(g), 0) for g in groups)
+    more = math.ceil(err.shortfall / max(st.group_cap(best), 1))
+    needed = math.ceil(gbs / max(fits, 1))
+    if needed > MAX_MICRO_BATCHES:
+        limit = (f"; it would take at least {needed} micro-batches, more than the {MAX_MICRO_BATCHES} the planner "
+                 "schedules per step")
+    elif tried > m:
+        limit = f"; neither does any num_micro_batch up to {tried} that divides global_batch_size {gbs}"
+    else:
+        limit = ""
+    return PlanError(
+        f"TaskGraph {layout.shapes[st.index].taskgraph} (stage {st.index}) does not fit: a micro-batch of "
+        f"{err.micro_batch} samples needs {human_bytes(err.shortfall * per_sample)} more activation memory than "
+        f"its devices have (short by {err.shortfall * per_sample / GIB:.2f} GiB){limit}; at most {fits} samples "
+        f"per micro-batch fit (global_batch_size <= {fits * m} with num_micro_batch={m}), or add {more} more "
+        f"{best[0].kind} device(s) to the stage"
+    )
