@@ -31,6 +31,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions
 from planner.devices.cost_model import GIB, CommModel, compute_ms
+from planner.devices.memory import stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
 from planner.devices.network import NetworkModel
@@ -105,7 +106,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
         tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),
-        memory_gib=cost.memory_bytes(max(sizes), dec.in_flight[s], fraction) / GIB,
+        memory_gib=stage_memory(cost, dec.in_flight[s], fraction).total(max(sizes)) / GIB,
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
     )

@@ -13,10 +13,10 @@ from collections import defaultdict
 
 from whalelike.spec import check_rules
 
+# memory_gib (planner.devices.memory's estimate) is compared with the capacity by the model's fit
+# rule: in floating point (bytes / 2**30), so within its relative tolerance
+from planner.devices.memory import fits
 from planner.plan import SCHEMA_VERSION, Plan, PlanError, fingerprint_of
-
-# the planner's memory estimate is compared with the capacity in floating point (bytes / 2**30)
-MEMORY_TOLERANCE = 1e-9
 
 
 def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
@@ -82,7 +82,7 @@ def _check_workers(plan: Plan) -> None:
             raise PlanError(f"{where}.stage is {w.stage}, the plan has stages 0..{num_stages - 1}")
         if not 0 <= w.tp_index < w.tp_size:
             raise PlanError(f"{where}.tp_index is {w.tp_index}, must be in 0..{w.tp_size - 1} (tp_size {w.tp_size})")
-        if w.capacity_gib > 0 and w.memory_gib > w.capacity_gib * (1 + MEMORY_TOLERANCE):
+        if w.capacity_gib > 0 and not fits(w.memory_gib, w.capacity_gib):
             raise PlanError(f"{where}.memory_gib is {w.memory_gib:g} GiB, above its capacity_gib {w.capacity_gib:g}; "
                             "the worker would run out of memory: re-create the plan with `whalelike plan`")
     devices = defaultdict(list)
@@ -262,7 +262,7 @@ def check_cluster(plan: Plan, cluster) -> None:
             )
         if device.host != w.host:
             raise PlanError(f"plan.workers[{w.rank}].host is {w.host!r}, device {w.device!r} is on host {device.host!r}")
-        if w.memory_gib > device.memory_gib * (1 + MEMORY_TOLERANCE):
+        if not fits(w.memory_gib, device.memory_gib):
             raise PlanError(
                 f"plan.workers[{w.rank}].memory_gib is {w.memory_gib:g} GiB, more than device {w.device!r} has "
                 f"({device.memory_gib:g} GiB in cluster {cluster.name!r}); re-plan for this cluster with `whalelike plan`"

@@ -15,9 +15,10 @@ and the runtime's network emulation share: ``latency + bytes / bandwidth`` per m
 or inter-host link, ring collectives whose slowest hop (NIC sharing included) sets the pace.
 :class:`CommModel` is its device-record front end for the planner's assembly.
 
-Memory. A worker holds its shard of the parameters, gradients (same size as the parameters) and
-optimizer state, plus, per micro-batch in flight under the pipeline schedule, the activations saved
-for backward and the boundary buffers (the received input and the output it sends).
+Memory. :class:`StageCost` records a stage's bytes: parameters, optimizer state (gradients are as
+large as the parameters) and, per sample of a micro-batch, the activations saved for backward and
+the boundary buffers (the received input and the output it sends). What a worker holds of them is
+:mod:`planner.devices.memory`, the planner's one memory model: each term with its own fraction.
 Under ``split`` every term scales with the worker's shard fraction
 (:class:`~planner.shares.shard_sizes.ShardLayout`): its share of the sharded work (Megatron-style
 sharding shards the weights and the activations of a block's projections and of the attention
@@ -26,18 +27,17 @@ residual adds), measured by FLOPs, so unsharded work is never predicted to speed
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from whalelike.cluster import Device, Network
 from whalelike.graphs.taskgraph import TaskGraphs
 
+from planner.devices.memory import UNBOUNDED_SAMPLES, stage_memory  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
 from planner.devices.network import NetworkModel, Ring
 
 DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
-UNBOUNDED_SAMPLES = 2**62   # "any number of samples fits": far above any batch, still an exact integer
 
 
 def device_tflops(device: Device) -> float:
@@ -101,8 +101,9 @@ class CommModel:
 class StageCost:
     """Per-sample compute and memory of a contiguous range of layers (one pipeline stage).
 
-    ``static_bytes`` (parameters + gradients + optimizer state) is per whole stage;
-    ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in flight.
+    ``static_bytes`` (parameters + gradients + optimizer state) and ``optimizer_bytes`` are per
+    whole stage; ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in
+    flight. A worker's share of them: :func:`planner.devices.memory.stage_memory`.
     """
 
     forward_flops: float
@@ -112,6 +113,11 @@ class StageCost:
     activation_bytes: float
     boundary_bytes: float
     layer_output_bytes: tuple[float, ...]   # per layer: bytes per sample of its output (TP all-reduce)
+    optimizer_bytes: Optional[float] = None  # None: static_bytes less parameters and gradients
+
+    def __post_init__(self):
+        if self.optimizer_bytes is None:
+            object.__setattr__(self, "optimizer_bytes", self.static_bytes - 2 * self.param_bytes)
 
     @classmethod
     def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int]) -> "StageCost":
@@ -144,6 +150,7 @@ class StageCost:
             activation_bytes=sum(l.activation_bytes_per_sample for l in chosen),
             boundary_bytes=received + sent,
             layer_output_bytes=tuple(l.cut_bytes_per_sample for l in chosen),
+            optimizer_bytes=opt,
         )
 
     @property
@@ -155,16 +162,12 @@ class StageCost:
 
     def memory_bytes(self, micro_batch: int, in_flight: int, shard: float = 1.0) -> float:
         """Peak bytes of a worker holding ``shard`` of the stage with ``micro_batch`` samples per
-        micro-batch and ``in_flight`` micro-batches alive at once."""
-        return shard * (self.static_bytes + micro_batch * self.bytes_per_sample(in_flight))
+        micro-batch and ``in_flight`` micro-batches alive at once: shorthand for
+        ``stage_memory(self, in_flight, shard).total(micro_batch)`` (:mod:`planner.devices.memory`)."""
+        return stage_memory(self, in_flight, shard).total(micro_batch)
 
     def max_micro_batch(self, capacity_bytes: float, in_flight: int, shard: float = 1.0) -> int:
         """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit),
-        at most :data:`UNBOUNDED_SAMPLES` (a device of 1e300 GiB holds any batch, not infinitely many)."""
-        free = capacity_bytes / shard - self.static_bytes
-        if free < 0:
-            return -1
-        per_sample = self.bytes_per_sample(in_flight)
-        if per_sample <= 0 or free / per_sample >= UNBOUNDED_SAMPLES:
-            return UNBOUNDED_SAMPLES
-        return math.floor(free / per_sample)
+        at most :data:`UNBOUNDED_SAMPLES`: shorthand for
+        ``stage_memory(self, in_flight, shard).max_samples(capacity_bytes)``."""
+        return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)

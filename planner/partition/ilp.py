@@ -9,12 +9,14 @@ Same model as :mod:`planner.partition.solve` (read its docstring first), written
   ``sum_l cut_l (b[l+1, k+1] - b[l, k+1])``, and receives are linear too: no product terms.
 * ``p[g, k]`` (binary, only for slots whose position is searched): slot ``g`` runs position
   ``k``; a permutation. A stage's time and memory are products of what it holds (a function of
-  ``b``) and which slot holds it (``p``). Each such quantity ``Q_k`` (FLOPs, weight bytes, bytes
-  per sample) is *disaggregated* over slots: ``Q_k = sum_g q[g, k]`` with
-  ``0 <= q[g, k] <= max(Q) p[g, k]`` (in units of ``max(Q)``), so ``q[g, k]`` is ``Q_k`` on the chosen slot and 0 elsewhere,
-  and ``T >= micro_batch * sum_g flops[g, k] / speed_g + comm_k`` and
-  ``memory(g, k, device) <= capacity * p[g, k]`` are linear. Its LP relaxation mixes slot speeds
-  per position instead of dropping the rows as a big-M form would, which keeps CBC's bound useful.
+  ``b``) and which slot holds it (``p``). Each such quantity ``Q_k`` (FLOPs, bytes of weights,
+  gradients and optimizer state, bytes per sample) is *disaggregated* over slots:
+  ``Q_k = sum_g q[g, k]`` with ``0 <= q[g, k] <= max(Q) p[g, k]`` (in units of ``max(Q)``), so
+  ``q[g, k]`` is ``Q_k`` on the chosen slot and 0 elsewhere, and
+  ``T >= micro_batch * sum_g flops[g, k] / speed_g + comm_k`` and
+  ``memory(g, k, device) <= capacity * p[g, k]`` are linear (the memory model,
+  :class:`~planner.devices.memory.MemoryTerms`, is linear in its bytes). Its LP relaxation mixes
+  slot speeds per position instead of dropping the rows as a big-M form would, which keeps CBC's bound useful.
   Interchangeable slots keep their given relative order, which removes symmetric copies.
 * Objective: minimise ``T``, bounded above by the warm start. Times are scaled by the warm start's
   bottleneck and memory rows by the device capacity, so CBC works on numbers near 1.
@@ -91,7 +93,9 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     # what each position holds and sends; FLOPs and bytes as fractions of their largest possible
     # value, so that no row mixes coefficients of 1e12 and 1e-12 (CBC's tolerances are absolute)
     max_cut = max(l.cut_bytes for l in p.layers)
-    bounds = {"flops": sum(l.flops for l in p.layers), "static": sum(l.static_bytes for l in p.layers),
+    held = {"weights": "param_bytes", "gradients": "gradient_bytes", "optimizer": "optimizer_bytes"}
+    bounds = {"flops": sum(l.flops for l in p.layers),
+              **{name: sum(getattr(l, field) for l in p.layers) for name, field in held.items()},
               "per_sample": sum(l.activation_bytes for l in p.layers) + 2 * max_cut}
     bounds = {name: value if value > 0 else 1.0 for name, value in bounds.items()}
     sent = [pulp.lpSum(p.layers[l].cut_bytes * (B(l + 1, k + 1) - B(l, k + 1)) for l in range(L - 1))
@@ -99,7 +103,8 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     received = [sent[k - 1] if k > 0 else 0 for k in range(S)]
     totals = {
         "flops": [pulp.lpSum(p.layers[l].flops / bounds["flops"] * x[l, k] for l in range(L)) for k in range(S)],
-        "static": [pulp.lpSum(p.layers[l].static_bytes / bounds["static"] * x[l, k] for l in range(L)) for k in range(S)],
+        **{name: [pulp.lpSum(getattr(p.layers[l], field) / bounds[name] * x[l, k] for l in range(L)) for k in range(S)]
+           for name, field in held.items()},
         "per_sample": [(pulp.lpSum(p.layers[l].activation_bytes * x[l, k] for l in range(L)) + received[k] + sent[k])
                        / bounds["per_sample"] for k in range(S)],
     }
@@ -146,11 +151,13 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
         for g in slots:
             on = pv[g, k] if len(slots) > 1 else 1
             for d in p.slots[g].memory_classes:
-                weights = d.weight_fraction * bounds["static"] / d.capacity_bytes
-                samples = d.batch_fraction * mb * p.in_flight[k] * bounds["per_sample"] / d.capacity_bytes
-                if weights + samples <= 1:
+                most = d.terms(bounds["weights"], bounds["gradients"], bounds["optimizer"], bounds["per_sample"],
+                               p.in_flight[k])
+                if most.total(mb) <= d.capacity_bytes:
                     continue  # fits whatever the stage holds
-                prob += weights * parts[g]["static"] + samples * parts[g]["per_sample"] <= on
+                held_here = d.terms(*(parts[g][name] * bounds[name] for name in ("weights", "gradients", "optimizer",
+                                                                                 "per_sample")), p.in_flight[k])
+                prob += held_here.total(mb) / d.capacity_bytes <= on
 
     if warm is not None:
         for (l, k), var in b.items():

@@ -15,9 +15,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from planner.devices.memory import FIT_TOLERANCE
 from planner.partition.problem import DeviceMemory, Partition, PartitionProblem, StageAssignment
 
-TOLERANCE = 1e-9   # relative memory overflow still counted as fitting
+TOLERANCE = FIT_TOLERANCE   # relative memory overflow still counted as fitting (the memory model's)
 
 
 class Pricing:
@@ -29,7 +30,9 @@ class Pricing:
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=float))))
         self.flops = prefix([l.flops for l in p.layers])
-        self.static = prefix([l.static_bytes for l in p.layers])
+        self.params = prefix([l.param_bytes for l in p.layers])
+        self.gradients = prefix([l.gradient_bytes for l in p.layers])
+        self.optimizer = prefix([l.optimizer_bytes for l in p.layers])
         self.act = prefix([l.activation_bytes for l in p.layers])
         cut = np.array([l.cut_bytes for l in p.layers], dtype=float)
         self.cut_in = np.concatenate(([0.0], cut[:-1]))   # received by a stage starting at i
@@ -64,10 +67,13 @@ class Pricing:
         return t
 
     def need(self, k: int, d: DeviceMemory) -> np.ndarray:
-        """Bytes device ``d`` needs at position ``k`` for every range."""
+        """Bytes device ``d`` needs at position ``k`` for every range (the memory model,
+        :class:`~planner.devices.memory.MemoryTerms`, over every range at once)."""
         cin, cout = self._cuts(k)
         per_sample = self._range(self.act) + cin + cout
-        return d.weight_fraction * self._range(self.static) + d.batch_fraction * self.p.micro_batch * self.p.in_flight[k] * per_sample
+        terms = d.terms(self._range(self.params), self._range(self.gradients), self._range(self.optimizer),
+                        per_sample, self.p.in_flight[k])
+        return terms.total(self.p.micro_batch)
 
     def overflow(self, k: int, g: int) -> np.ndarray:
         """Worst relative overflow over the slot's devices (need / capacity - 1; <= 0 fits)."""

@@ -18,6 +18,7 @@ from whalelike.spec import check_fields, rule
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
+from planner.devices.memory import MemoryTerms, worker_fractions
 from planner.plan import PlanError
 from planner.schedule.actions import build_schedule, max_in_flight
 
@@ -35,7 +36,8 @@ def _number(doc: str, *, positive: bool = False, **bounds):
 @dataclass(frozen=True)
 class LayerCost:
     """One movable layer. FLOPs and activation/cut bytes are per sample; ``param_bytes`` and
-    ``state_bytes`` (gradients + optimizer state) are for the whole layer."""
+    ``state_bytes`` (gradients + optimizer state, of which ``optimizer_bytes`` is optimizer state)
+    are for the whole layer."""
 
     name: str
     forward_flops: float = _number("FLOPs of the forward pass per sample")
@@ -44,9 +46,14 @@ class LayerCost:
     state_bytes: float = _number("bytes of its gradients and optimizer state")
     activation_bytes: float = _number("activation bytes per sample kept for the backward pass")
     cut_bytes: float = _number("bytes per sample sent when a stage boundary follows this layer")
+    optimizer_bytes: float = _number("bytes of its optimizer state, part of state_bytes (the rest is gradients)",
+                                     default=0.0)
 
     def __post_init__(self):
         check_fields(self, f"layer {self.name!r}: ", error=ValueError)
+        if self.optimizer_bytes > self.state_bytes:
+            raise ValueError(f"layer {self.name!r}: optimizer_bytes {self.optimizer_bytes!r} exceeds state_bytes "
+                             f"{self.state_bytes!r} (gradients and optimizer state)")
 
     @property
     def flops(self) -> float:
@@ -55,6 +62,10 @@ class LayerCost:
     @property
     def static_bytes(self) -> float:
         return self.param_bytes + self.state_bytes
+
+    @property
+    def gradient_bytes(self) -> float:
+        return self.state_bytes - self.optimizer_bytes
 
 
 def layer_costs(graphs: TaskGraphs, layers: Optional[Sequence[int]] = None) -> tuple[LayerCost, ...]:
@@ -67,23 +78,53 @@ def layer_costs(graphs: TaskGraphs, layers: Optional[Sequence[int]] = None) -> t
         out.append(LayerCost(
             layer.name, cost.forward_flops, cost.backward_flops, cost.param_bytes,
             cost.static_bytes - cost.param_bytes, cost.activation_bytes, layer.cut_bytes_per_sample,
+            optimizer_bytes=cost.optimizer_bytes,
         ))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """One device of a slot as the memory check sees it: it holds ``weight_fraction`` of the
-    stage's parameters, gradients and optimizer state and ``batch_fraction`` of each micro-batch's
-    activations."""
+    """One device of a slot as the memory check sees it: its capacity and the fraction of each
+    term of :class:`~planner.devices.memory.MemoryTerms` it holds: ``weight_fraction`` of the
+    stage's parameters (and, unless given apart, of its gradients and optimizer state) and
+    ``batch_fraction`` of each micro-batch's activations."""
 
     capacity_bytes: float = _number("device memory in bytes", positive=True)
     weight_fraction: float = _number("share of the stage's weights", le=1, default=1.0)
     batch_fraction: float = _number("share of each micro-batch", le=1, default=1.0)
     name: str = ""
+    gradient_fraction: Optional[float] = _number("share of the stage's gradients (default: weight_fraction)",
+                                                 le=1, default=None)
+    optimizer_fraction: Optional[float] = _number("share of the stage's optimizer state (default: weight_fraction)",
+                                                  le=1, default=None)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ", error=ValueError)
+        for name in ("gradient_fraction", "optimizer_fraction"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.weight_fraction)
+
+    @classmethod
+    def of_worker(cls, capacity_bytes: float, shard: float, batch_share: float, name: str = "") -> "DeviceMemory":
+        """A worker holding ``shard`` of the stage (its tensor-parallel fraction) whose group takes
+        ``batch_share`` of each micro-batch: the fractions of
+        :func:`planner.devices.memory.worker_fractions`, the planner's one rule of who holds what."""
+        f = worker_fractions(shard, batch_share)
+        return cls(capacity_bytes, f["weight_fraction"], f["activation_fraction"], name,
+                   f["gradient_fraction"], f["optimizer_fraction"])
+
+    @property
+    def fractions(self) -> tuple[float, float, float, float]:
+        """(weights, gradients, optimizer state, activations): what it holds of each term."""
+        return (self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction)
+
+    def terms(self, weights, gradients, optimizer, activations_per_sample, in_flight: int) -> MemoryTerms:
+        """This device's :class:`~planner.devices.memory.MemoryTerms` for a stage of these whole-stage
+        bytes (numbers, arrays over layer ranges or ILP expressions); its ``total`` takes the
+        pipeline's micro-batch size."""
+        return MemoryTerms(weights, gradients, optimizer, activations_per_sample, in_flight,
+                           self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction)
 
 
 @dataclass(frozen=True)
@@ -111,18 +152,19 @@ class StageSlot:
                              f"got {len(speeds)} and {len(capacities)}")
         total = float(sum(speeds))
         names = list(device_names) or [f"{name}[{i}]" for i in range(len(speeds))]
-        return cls(name, total, tuple(DeviceMemory(c, 1.0, s / total, n) for s, c, n in zip(speeds, capacities, names)))
+        return cls(name, total, tuple(DeviceMemory.of_worker(c, 1.0, s / total, n)
+                                      for s, c, n in zip(speeds, capacities, names)))
 
     @property
     def memory_classes(self) -> tuple[DeviceMemory, ...]:
         """The devices that can bind: one per (capacity, fractions), without those another device
         dominates (no more room, no less load)."""
-        unique = {(d.capacity_bytes, d.weight_fraction, d.batch_fraction): d for d in self.devices}
+        unique = {(d.capacity_bytes, *d.fractions): d for d in self.devices}
         keep = []
         for d in unique.values():
             dominated = any(
-                o is not d and o.capacity_bytes <= d.capacity_bytes and o.weight_fraction >= d.weight_fraction
-                and o.batch_fraction >= d.batch_fraction for o in unique.values()
+                o is not d and o.capacity_bytes <= d.capacity_bytes
+                and all(mine >= theirs for mine, theirs in zip(o.fractions, d.fractions)) for o in unique.values()
             )
             if not dominated:
                 keep.append(d)
@@ -131,7 +173,7 @@ class StageSlot:
     @property
     def signature(self) -> tuple:
         """Slots with equal signatures are interchangeable."""
-        return (self.flops_per_s, tuple((d.capacity_bytes, d.weight_fraction, d.batch_fraction) for d in self.memory_classes))
+        return (self.flops_per_s, tuple((d.capacity_bytes, *d.fractions) for d in self.memory_classes))
 
 
 @dataclass(frozen=True)

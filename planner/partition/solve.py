@@ -11,11 +11,14 @@ Model (per micro-batch of ``micro_batch`` samples, SI units: FLOP/s, bytes, seco
     time(k)   = micro_batch * (fwd + bwd FLOPs of its layers) / slot.flops_per_s
               + [k < S-1] (latency_k   + micro_batch * cut_out / bandwidth_k)    # activations forward
               + [k > 0]   (latency_k-1 + micro_batch * cut_in  / bandwidth_k-1)  # gradients backward
-    memory(d) = d.weight_fraction * (params + gradients + optimizer state of its layers)
+    memory(d) = d.weight_fraction * params + d.gradient_fraction * gradients
+              + d.optimizer_fraction * optimizer state                        # of its layers
               + d.batch_fraction * micro_batch * in_flight[k] * (activations + cut_in + cut_out)
 
 for every device ``d`` of the slot (``cut_in``/``cut_out``: bytes per sample of the boundary the
-stage receives/sends, the buffers :class:`~planner.devices.cost_model.StageCost` also counts). Memory is
+stage receives/sends, the buffers :class:`~planner.devices.cost_model.StageCost` also counts): the
+planner's one memory model, :class:`~planner.devices.memory.MemoryTerms`, over every layer range
+at once. Gradients and optimizer state take the weight fraction unless a device says otherwise. Memory is
 checked per device, not per group: the binding device depends on the layers (a small-memory device
 with a small batch share binds on weights, a large one with a large share on activations), so a
 single "binding device" per slot would be wrong for some ranges. The fractions are the caller's:
@@ -80,8 +83,9 @@ import logging
 from typing import Literal, Optional, Sequence
 
 from planner.devices.cost_model import GIB
+from planner.devices.memory import fits
 from planner.partition.order import order_is_free, search_order
-from planner.partition.pricing import TOLERANCE, Pricing, assemble, solve_order
+from planner.partition.pricing import Pricing, assemble, solve_order
 from planner.partition.problem import (
     DeviceMemory, LayerCost, Partition, PartitionInfeasible, PartitionProblem, StageAssignment, StageLink, StageSlot,
     layer_costs,
@@ -159,7 +163,7 @@ def _infeasible(pricing: Pricing, order: Sequence[int]) -> PartitionInfeasible:
     for k, (g, i, j) in enumerate(zip(order, starts, ends)):
         for d in p.slots[g].memory_classes:
             need = float(pricing.need(k, d)[i, j])
-            if need > d.capacity_bytes * (1 + TOLERANCE):
+            if not fits(need, d.capacity_bytes):
                 lines.append(
                     f"stage {k} (slot {p.slots[g].name!r}, layers {i}-{j} "
                     f"[{p.layers[i].name}..{p.layers[j].name}], {p.in_flight[k]} micro-batch(es) in flight) "

@@ -102,13 +102,13 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
 def _slot(layout: Layout, stage: int) -> StageSlot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
     batch share proportional to its speed, every device of a tensor-parallel group a shard
-    proportional to its own speed, of the weights and of the group's activations (as
-    :meth:`StageCost.memory_bytes` prices a shard)."""
+    proportional to its own speed, of every memory term and of the group's activations
+    (:meth:`DeviceMemory.of_worker`: the memory model's rule, as the batch fitting prices a shard)."""
     groups = layout.groups[0][stage]
     speeds = [[device_tflops(d) * 1e12 for d in g] for g in groups]
     total = sum(map(sum, speeds))
     devices = tuple(
-        DeviceMemory(d.memory_gib * GIB, weight_fraction=v / sum(gs), batch_fraction=v / total, name=d.name)
+        DeviceMemory.of_worker(d.memory_gib * GIB, shard=v / sum(gs), batch_share=sum(gs) / total, name=d.name)
         for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
     )
     return StageSlot(f"stage {stage}", total, devices)

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from whalelike.sharding.groups import ShardGroup, ShardMember
 
-from planner.devices.cost_model import UNBOUNDED_SAMPLES
+from planner.devices.memory import UNBOUNDED_SAMPLES
 from planner.shares.batch_shares import DoesNotFit, Slot, balanced_shares
 from planner.plan import PlanError
 
@@ -90,7 +90,8 @@ def shard_layout(shardable: dict[str, int], speeds: Sequence[float], max_fractio
                  groups: Sequence[ShardGroup] = (), stage_flops: float = 0.0) -> ShardLayout:
     """Uneven shards of every group (or every dimension in ``shardable``) over devices of relative ``speeds``.
 
-    ``max_fractions[i]`` is the largest share of the stage device ``i`` can hold in memory. Every
+    ``max_fractions[i]`` is the largest share of the stage device ``i`` can hold in memory
+    (:func:`planner.devices.memory.max_shard`: every memory term scales with the shard). Every
     member of a group gets the same units per device (whole heads for q/k/v/o). ``stage_flops``:
     the stage's FLOPs per sample; the part of it no group shards (``ShardGroup.flops_per_sample``)
     runs whole on every device, so it counts fully in every device's fraction. Without group FLOPs

@@ -1,0 +1,158 @@
+"""The planner's one memory model: what a device holds for its pipeline stage, term by term.
+
+Why. A worker's peak memory is four different things: the parameters, their gradients, the
+optimizer state (all three per whole stage) and, per sample of every micro-batch in flight under
+the pipeline schedule, the activations saved for the backward pass with the boundary buffers (the
+input received, the output sent). Each has its own reason to be split: tensor parallelism
+(``split``) shards all four today, a device holds its batch share of the activations, and the
+features to come change one term each: ZeRO shards the optimizer state (stage 1), then the
+gradients (stage 2), then the parameters (stage 3) over a data-parallel group; activation
+checkpointing shrinks the activations. So every term carries its own fraction, and everything
+that asks how much memory a device needs (the pipeline partitioner, Whale's Algorithm 1 and the
+batch fitting, the shard-size caps, the plan's ``memory_gib`` the plan checks compare with the
+device's capacity) asks :class:`MemoryTerms`, so that such a feature changes one fraction in one
+place (:func:`stage_memory`, or the partitioner's
+:class:`~planner.partition.problem.DeviceMemory`).
+
+Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
++ optimizer_fraction * optimizer_bytes + activation_fraction * samples * in_flight *
+activation_bytes_per_sample``: each term scales with its own fraction and nothing else. Terms that
+share a fraction are added before they are scaled, so when all four fractions are one shard
+fraction ``f`` (every plan today) the total is ``f * (static + samples * per-sample bytes)`` to the
+last bit, as the planner has always priced a shard, and :meth:`MemoryTerms.max_samples` is the
+largest sample count whose total fits (the inverse, computed the same way).
+
+The byte fields may be numbers, numpy arrays (the partitioner prices every layer range at once) or
+PuLP expressions (the partitioner's ILP states its memory rows with the same model).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planner.devices.cost_model import StageCost
+
+UNBOUNDED_SAMPLES = 2**62   # "any number of samples fits": far above any batch, still an exact integer
+FIT_TOLERANCE = 1e-9        # relative overflow still counted as fitting (estimates are floating point)
+
+TERMS = ("weight", "gradient", "optimizer", "activation")
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """One device's memory for one pipeline stage: whole-stage bytes per term, and the fraction of
+    each term the device holds.
+
+    ``weight_bytes``, ``gradient_bytes`` and ``optimizer_bytes`` are the whole stage's parameters,
+    gradients and optimizer state; ``activation_bytes_per_sample`` the whole stage's saved
+    activations and boundary buffers per sample of one micro-batch, held for each of the
+    ``in_flight`` micro-batches alive at once. ``activation_fraction`` is the device's share of
+    the activations of the samples :meth:`total` is given (its tensor-parallel shard of them, times
+    its share of the micro-batch when the samples are the whole pipeline's).
+    """
+
+    weight_bytes: Any
+    gradient_bytes: Any
+    optimizer_bytes: Any
+    activation_bytes_per_sample: Any
+    in_flight: int = 1
+    weight_fraction: float = 1.0
+    gradient_fraction: float = 1.0
+    optimizer_fraction: float = 1.0
+    activation_fraction: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:
+            raise ValueError(f"MemoryTerms.in_flight must be an integer >= 1, got {self.in_flight!r}")
+        for term in TERMS:
+            f = getattr(self, f"{term}_fraction")
+            if not (isinstance(f, (int, float)) and math.isfinite(f) and f >= 0):
+                raise ValueError(f"MemoryTerms.{term}_fraction must be a finite number >= 0, got {f!r}")
+
+    def _static(self) -> list[tuple[float, Any]]:
+        return [(self.weight_fraction, self.weight_bytes), (self.gradient_fraction, self.gradient_bytes),
+                (self.optimizer_fraction, self.optimizer_bytes)]
+
+    def _per_sample(self) -> Any:
+        """Whole-stage bytes one sample of a micro-batch keeps alive over the micro-batches in flight."""
+        return self.activation_bytes_per_sample * self.in_flight
+
+    def total(self, samples: Any = 0) -> Any:
+        """Peak bytes with ``samples`` samples per micro-batch (see the module's invariant)."""
+        groups: dict[float, Any] = {}
+        for f, nbytes in self._static() + [(self.activation_fraction, samples * self._per_sample())]:
+            groups[f] = groups[f] + nbytes if f in groups else nbytes
+        return sum(f * nbytes for f, nbytes in groups.items())
+
+    def static(self) -> Any:
+        """Bytes held whatever the batch: this device's parameters, gradients and optimizer state."""
+        return self.total(0)
+
+    def activations(self, samples: Any = 1) -> Any:
+        """This device's activation and boundary bytes for ``samples`` samples per micro-batch."""
+        return self.activation_fraction * (samples * self._per_sample())
+
+    def term_bytes(self, samples: Any = 0) -> dict[str, Any]:
+        """Each term's bytes on this device (for reports; :meth:`total` is their sum)."""
+        static = {term: f * nbytes for term, (f, nbytes) in zip(TERMS, self._static())}
+        return {**static, "activation": self.activations(samples)}
+
+    def max_samples(self, capacity_bytes: float) -> int:
+        """Most samples per micro-batch whose :meth:`total` fits in ``capacity_bytes`` (-1: not even
+        the static terms fit), at most :data:`UNBOUNDED_SAMPLES` (a device of 1e300 GiB holds any
+        batch, not infinitely many)."""
+        a, per_sample = self.activation_fraction, self._per_sample()
+        if a <= 0:   # the samples cost this device nothing
+            return UNBOUNDED_SAMPLES if self.static() <= capacity_bytes else -1
+        # the activation term's group (static terms of the same fraction) against what the others leave
+        same = other = 0.0   # adding to 0.0 is exact: equal fractions give today's bytes bit for bit
+        for f, nbytes in self._static():
+            if f == a:
+                same = same + nbytes
+            else:
+                other = other + f * nbytes
+        free = (capacity_bytes - other) / a - same
+        if free < 0:
+            return -1
+        if per_sample <= 0 or free / per_sample >= UNBOUNDED_SAMPLES:
+            return UNBOUNDED_SAMPLES
+        return math.floor(free / per_sample)
+
+
+def fits(need_bytes: float, capacity_bytes: float) -> bool:
+    """Whether an estimate fits a capacity (any unit), within :data:`FIT_TOLERANCE`."""
+    return need_bytes <= capacity_bytes * (1 + FIT_TOLERANCE)
+
+
+def worker_fractions(shard: float = 1.0, batch_share: float = 1.0) -> dict[str, float]:
+    """The fraction of each term a worker holds: its tensor-parallel ``shard`` of the stage (its
+    :class:`~planner.shares.shard_sizes.ShardLayout` fraction) of every term, and of the
+    activations only its ``batch_share`` of the samples priced. The one rule of who holds what: a
+    ZeRO stage or activation checkpointing changes one entry here."""
+    return {"weight_fraction": shard, "gradient_fraction": shard, "optimizer_fraction": shard,
+            "activation_fraction": shard * batch_share}
+
+
+def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0) -> MemoryTerms:
+    """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
+    alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
+    are its own group's). Gradients are as large as the parameters; the boundary buffers count
+    with the activations (:class:`~planner.devices.cost_model.StageCost`)."""
+    return MemoryTerms(
+        weight_bytes=cost.param_bytes,
+        gradient_bytes=cost.param_bytes,
+        optimizer_bytes=cost.optimizer_bytes,
+        activation_bytes_per_sample=cost.activation_bytes + cost.boundary_bytes,
+        in_flight=in_flight,
+        **worker_fractions(shard, batch_share),
+    )
+
+
+def max_shard(cost: "StageCost", in_flight: int, samples: int, capacity_bytes: float) -> float:
+    """The largest tensor-parallel fraction of stage ``cost`` a device of ``capacity_bytes`` holds
+    with ``samples`` samples per micro-batch: every term scales with the shard
+    (:func:`worker_fractions`), so it is the capacity over the whole stage's need (at least one
+    byte: a stage that needs nothing fits any share)."""
+    return capacity_bytes / max(stage_memory(cost, in_flight).total(samples), 1.0)

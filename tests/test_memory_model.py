@@ -1,0 +1,244 @@
+"""The planner's one memory model (planner.devices.memory): each term scales with its own fraction,
+and on real plans it gives the bytes the partitioner, Whale's Algorithm 1, the shard caps and the
+plan checks computed before it existed (the old formulas are written out here, independently)."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import planner
+import whalelike as wl
+from planner.devices.cost_model import GIB, StageCost
+from planner.devices.memory import (
+    FIT_TOLERANCE, TERMS, UNBOUNDED_SAMPLES, MemoryTerms, fits, max_shard, stage_memory, worker_fractions,
+)
+from planner.partition.pricing import Pricing
+from planner.partition.solve import (
+    DeviceMemory, LayerCost, PartitionProblem, StageLink, StageSlot, layer_costs, partition,
+)
+from planner.schedule.actions import build_schedule, gradient_accumulation, max_in_flight
+from planner.shares.shard_sizes import layout_of_sizes
+from whalelike import Cluster, Config, replicate
+
+from synthetic import bert_large, synthetic_cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import hybrid_classifier  # noqa: E402
+
+FRACTIONS = {"weight": 0.5, "gradient": 0.25, "optimizer": 0.125, "activation": 0.75}
+
+
+def terms(**fractions) -> MemoryTerms:
+    f = {**FRACTIONS, **fractions}
+    return MemoryTerms(3.0 * GIB, 5.0 * GIB, 7.0 * GIB, 11.0 * 2**20, in_flight=2,
+                       **{f"{t}_fraction": f[t] for t in TERMS})
+
+
+# -- the model alone -------------------------------------------------------------------------------
+@pytest.mark.parametrize("term", TERMS)
+def test_each_term_scales_with_its_own_fraction_only(term):
+    base, doubled = terms(), terms(**{term: 2 * FRACTIONS[term]})
+    before, after = base.term_bytes(samples=8), doubled.term_bytes(samples=8)
+    for other in TERMS:
+        assert after[other] == (2 * before[other] if other == term else before[other]), other
+    assert doubled.total(8) - base.total(8) == pytest.approx(before[term], rel=1e-15)
+    assert base.total(8) == pytest.approx(sum(before.values()), rel=1e-15)
+
+
+def test_only_activations_scale_with_samples_and_in_flight():
+    m = terms()
+    static = m.static()
+    assert static == 0.5 * 3 * GIB + 0.25 * 5 * GIB + 0.125 * 7 * GIB
+    assert m.total(8) - static == pytest.approx(0.75 * 8 * 2 * 11 * 2**20, rel=1e-15)
+    assert m.activations(8) == 2 * m.activations(4) == 0.75 * 8 * 2 * 11 * 2**20
+    alive = MemoryTerms(3.0 * GIB, 5.0 * GIB, 7.0 * GIB, 11.0 * 2**20, in_flight=4,
+                        **{f"{t}_fraction": FRACTIONS[t] for t in TERMS})
+    assert alive.static() == static and alive.activations(8) == 2 * m.activations(8)
+
+
+def test_equal_fractions_price_a_shard_as_before_bit_for_bit():
+    """One shard fraction for every term gives ``f * (static + n * per-sample bytes)``, the formula
+    StageCost used, to the last bit (terms that share a fraction are added before scaling)."""
+    graphs = bert_large([replicate()])
+    cost = StageCost.of_layers(graphs, range(5))
+    for f in (1.0, 0.5, 0.37, 1 / 3):
+        for n, in_flight in ((0, 1), (1, 1), (7, 3), (104, 1)):
+            old = f * (cost.static_bytes + n * ((cost.activation_bytes + cost.boundary_bytes) * in_flight))
+            assert stage_memory(cost, in_flight, f).total(n) == old
+            assert cost.memory_bytes(n, in_flight, f) == old
+
+
+def test_the_worker_rule_and_the_batch_share():
+    assert worker_fractions(0.4) == {f"{t}_fraction": 0.4 for t in TERMS}
+    cost = StageCost(1.0, 2.0, 4.0, 12.0, 1.0, 0.5, ())
+    assert cost.optimizer_bytes == 4.0   # a hand-made cost: static less parameters and gradients
+    whole, share = stage_memory(cost, 2, 0.5), stage_memory(cost, 2, 0.5, batch_share=0.25)
+    assert share.static() == whole.static() == 6.0
+    assert share.activations(8) == 0.25 * whole.activations(8) == 0.5 * 0.25 * 8 * 2 * 1.5
+
+
+@pytest.mark.parametrize("fractions", [{}, {t: 0.5 for t in TERMS}, {"weight": 1.0, "gradient": 0.75}])
+def test_max_samples_is_the_inverse_of_total(fractions):
+    m = terms(**fractions)
+    for capacity in np.linspace(m.static() + 2**20, m.static() + 3 * GIB, 37):
+        n = m.max_samples(capacity)
+        assert m.total(n) <= capacity < m.total(n + 1), (capacity, n)
+    assert m.max_samples(m.static() * (1 - 1e-9)) == -1
+    assert m.max_samples(math.inf) == m.max_samples(1e300 * GIB) == UNBOUNDED_SAMPLES
+    free = terms(activation=0.0)
+    assert free.max_samples(free.static()) == UNBOUNDED_SAMPLES and free.max_samples(free.static() / 2) == -1
+
+
+def test_max_samples_matches_the_old_cap_bit_for_bit():
+    graphs = bert_large([replicate()])
+    cost = StageCost.of_layers(graphs, range(25))
+    for f in (1.0, 0.5, 0.3):
+        for in_flight in (1, 4):
+            per_sample = (cost.activation_bytes + cost.boundary_bytes) * in_flight
+            for capacity in [16 * GIB, 32 * GIB, 5.3 * GIB] + [f * (cost.static_bytes + k * per_sample)
+                                                               for k in (0, 1, 17)]:
+                free = capacity / f - cost.static_bytes
+                old = -1 if free < 0 else math.floor(free / per_sample)
+                assert stage_memory(cost, in_flight, f).max_samples(capacity) == old
+                assert cost.max_micro_batch(capacity, in_flight, f) == old
+
+
+def test_numbers_arrays_and_fit_rule():
+    arrays = MemoryTerms(np.array([1.0, 2.0]), np.array([3.0, 4.0]), np.array([0.0, 8.0]), np.array([0.5, 0.25]),
+                         in_flight=3, weight_fraction=0.5, activation_fraction=0.25)
+    singles = [MemoryTerms(w, g, o, a, 3, 0.5, 1.0, 1.0, 0.25) for w, g, o, a in [(1.0, 3.0, 0.0, 0.5), (2.0, 4.0, 8.0, 0.25)]]
+    assert list(arrays.total(4)) == [s.total(4) for s in singles]
+    assert fits(1.0 + FIT_TOLERANCE / 2, 1.0) and not fits(1.0 + 2 * FIT_TOLERANCE, 1.0)
+    with pytest.raises(ValueError, match="in_flight"):
+        MemoryTerms(1.0, 1.0, 1.0, 1.0, in_flight=0)
+    with pytest.raises(ValueError, match="gradient_fraction"):
+        MemoryTerms(1.0, 1.0, 1.0, 1.0, gradient_fraction=-0.5)
+
+
+# -- real plans: the totals equal what the planner computed before ---------------------------------
+@pytest.fixture(scope="module")
+def hybrid():
+    workload = hybrid_classifier.build()
+    return wl.capture(workload.model, workload.example_args)
+
+
+def _in_flight(plan) -> list[int]:
+    if len(plan.stages) == 1:
+        return [max_in_flight(gradient_accumulation(plan.num_micro_batch))]
+    return [max_in_flight(a) for a in build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)]
+
+
+def _stage(graphs, st):
+    """The stage's cost and its shard fraction per tensor-parallel index, as the plan priced them."""
+    cost = StageCost.of_layers(graphs, st.layers)
+    owners = [graphs[t] for t in st.taskgraphs]
+    shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
+    groups = tuple(g for tg in owners for g in tg.shard_groups)
+    tp = len(next(iter(st.shard_sizes.values()))) if st.shard_sizes else 1
+    return cost, layout_of_sizes(shardable, st.shard_sizes, tp, groups, cost.flops_per_sample).fractions
+
+
+def _plans(hybrid):
+    yield hybrid, Cluster.preset("emulated-4"), Config(global_batch_size=16, num_micro_batch=2)
+    yield hybrid, Cluster.preset("emulated-4"), Config(global_batch_size=64, num_micro_batch=4)
+    yield (bert_large([replicate()] * 3), synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16), (2, 30, 16)]),
+           Config(global_batch_size=96, num_micro_batch=8))
+    yield bert_large([replicate()]), synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16)]), Config(1000, 1)
+
+
+def test_real_plans_memory_equals_the_old_formulas(hybrid):
+    """Per worker: the plan's memory_gib (what summary shows and plan checks compare) is the old
+    ``shard * (static + micro-batch * per-sample bytes)``; Algorithm 1's cap on each device is the
+    old ``floor((capacity / shard - static) / per-sample bytes)``; the shard cap is capacity over
+    the whole stage's need; and the plan passes the plan checks against its cluster."""
+    seen_tp = seen_pipeline = seen_accumulation = False
+    for graphs, cluster, config in _plans(hybrid):
+        plan = planner.plan(graphs, cluster, config)
+        plan.validate(graphs=graphs, cluster=cluster)
+        in_flight = _in_flight(plan)
+        stages = [_stage(graphs, st) for st in plan.stages]
+        capacity = {d.name: d.memory_gib * GIB for d in cluster.devices}
+        for w in plan.workers:
+            (cost, fractions), n = stages[w.stage], max(w.micro_batch_sizes)
+            f, alive = fractions[w.tp_index], in_flight[w.stage]
+            per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive
+            model = stage_memory(cost, alive, f)
+            assert model.total(n) / GIB == f * (cost.static_bytes + n * per_sample) / GIB == w.memory_gib, w
+            free = capacity[w.device] / f - cost.static_bytes
+            assert model.max_samples(capacity[w.device]) == math.floor(free / per_sample) >= n, w
+            need = max(cost.static_bytes + n * per_sample, 1.0)
+            assert max_shard(cost, alive, n, capacity[w.device]) == capacity[w.device] / need
+            assert fits(w.memory_gib, w.capacity_gib)
+            seen_tp |= w.tp_size > 1 and f < 1
+        seen_pipeline |= len(plan.stages) > 2
+        seen_accumulation |= len({len(w.micro_batch_sizes) for w in plan.workers}) > 1
+    assert seen_tp and seen_pipeline and seen_accumulation
+
+
+# -- the partitioner -------------------------------------------------------------------------------
+def _old_need(p: PartitionProblem, k: int, d: DeviceMemory, first: int, last: int) -> float:
+    """The partitioner's formula before the model: one weight fraction for parameters, gradients
+    and optimizer state, one batch fraction for the activations and boundary buffers."""
+    chosen = p.layers[first:last + 1]
+    per_sample = sum(l.activation_bytes for l in chosen)
+    per_sample += p.layers[first - 1].cut_bytes if k > 0 else 0.0
+    per_sample += p.layers[last].cut_bytes if k < len(p.slots) - 1 else 0.0
+    static = sum(l.param_bytes + l.state_bytes for l in chosen)
+    return d.weight_fraction * static + d.batch_fraction * p.micro_batch * p.in_flight[k] * per_sample
+
+
+def test_partitioner_prices_real_layers_as_before():
+    """bert_large's captured layer costs over a data-parallel, a tensor-parallel (shards 0.6 / 0.4)
+    and a single-device slot: every range's need on every device, and the chosen split's memory
+    utilisation, equal the old formula (to rounding: the old one summed in another order)."""
+    layers = layer_costs(bert_large([replicate()]))
+    assert all(0 < l.optimizer_bytes < l.state_bytes for l in layers if l.param_bytes)
+    tp = StageSlot("tp2", 25e12, (DeviceMemory.of_worker(16 * GIB, 0.6, 1.0, "t0"),
+                                  DeviceMemory.of_worker(12 * GIB, 0.4, 1.0, "t1")))
+    slots = [StageSlot.data_parallel("dp2", [15e12, 9e12], [32 * GIB, 16 * GIB]), tp,
+             StageSlot.data_parallel("one", [30e12], [24 * GIB])]
+    p = PartitionProblem.for_schedule(layers, slots, [StageLink(12.5e9, 5e-6)] * 2, micro_batch=6,
+                                      num_micro_batch=8, order="search")
+    pricing, L = Pricing(p), len(layers)
+    for k in range(3):
+        for slot in p.slots:
+            for d in slot.devices:
+                need = pricing.need(k, d)
+                for i in range(k, L):   # every range position k can run (the stages around it need a layer)
+                    for j in range(i, L - 2 + k):
+                        assert need[i, j] == pytest.approx(_old_need(p, k, d, i, j), rel=1e-13, abs=0)
+    for solver in ("greedy", "ilp"):
+        result = partition(p, solver=solver)
+        for s in result.stages:
+            old = max(_old_need(p, s.position, d, s.first, s.last) / d.capacity_bytes for d in p.slots[s.slot].devices)
+            assert s.memory_utilization == pytest.approx(old, rel=1e-13)
+
+
+def test_partitioner_holds_each_term_in_its_own_fraction():
+    """A device that holds a quarter of the optimizer state (ZeRO-1 over four) takes more layers,
+    in the dynamic program and the ILP alike, and each split fits by the model."""
+    layers = [LayerCost(f"l{i}", 1e9, 2e9, 0.25 * GIB, 0.75 * GIB, 0.0, 0.0, optimizer_bytes=0.5 * GIB)
+              for i in range(12)]
+    assert layers[0].gradient_bytes == 0.25 * GIB
+    with pytest.raises(ValueError, match="optimizer_bytes"):
+        LayerCost("x", 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, optimizer_bytes=2.0)
+
+    def split(optimizer_fraction):
+        small = StageSlot("small", 1000e12, (DeviceMemory(4 * GIB, 1.0, 1.0, "s", optimizer_fraction=optimizer_fraction),))
+        big = StageSlot.data_parallel("big", [1e12], [80 * GIB])
+        p = PartitionProblem.for_schedule(layers, [small, big], [StageLink(12.5e9, 5e-6)], micro_batch=1,
+                                          num_micro_batch=1)
+        results = [partition(p, solver=solver) for solver in ("greedy", "ilp")]
+        assert results[0].stage_layers() == results[1].stage_layers()
+        for s in results[0].stages:
+            d = p.slots[s.slot].devices[0]
+            assert fits(Pricing(p).need(s.position, d)[s.first, s.last], d.capacity_bytes)
+        return [len(s.layers) for s in results[0].stages]
+
+    assert DeviceMemory(GIB, 0.5, 0.25).fractions == (0.5, 0.5, 0.5, 0.25)
+    assert split(1.0) == [4, 8]       # 1 GiB per layer
+    assert split(0.25) == [6, 6]      # 0.25 + 0.25 + 0.125 GiB per layer: 6 fit
