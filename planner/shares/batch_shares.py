@@ -77,7 +77,9 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0) -
 
 def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) -> list[int]:
     """Whale Algorithm 1: move samples off devices over their memory cap onto the least utilised
-    devices with room. ``memory_util(i, samples)`` is device ``i``'s memory use / capacity.
+    devices with room. ``memory_util(i, samples)`` is device ``i``'s memory use / capacity (the
+    planner's come from :mod:`planner.devices.memory`: ``MemoryTerms.total`` over the capacity,
+    with ``MemoryTerms.max_samples`` as the slots' caps).
 
     Every peak ends at its cap; each moved sample goes to the valley that would finish it soonest
     (``(share + 1) / speed``, then memory utilisation), so the valleys receive the moved samples
