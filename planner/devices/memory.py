@@ -11,8 +11,9 @@ checkpointing shrinks the activations. So every term carries its own fraction, a
 that asks how much memory a device needs (the pipeline partitioner, Whale's Algorithm 1 and the
 batch fitting, the shard-size caps, the plan's ``memory_gib`` the plan checks compare with the
 device's capacity) asks :class:`MemoryTerms`, so that such a feature changes one fraction in one
-place (:func:`stage_memory`, or the partitioner's
-:class:`~planner.partition.problem.DeviceMemory`).
+place: :func:`worker_fractions`, the rule both :func:`stage_memory` (batch fitting, shard caps,
+``memory_gib``) and the partitioner's :meth:`~planner.partition.problem.DeviceMemory.of_worker`
+read.
 
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * in_flight *
