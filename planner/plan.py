@@ -21,32 +21,28 @@ fails on load with the path of the bad field. Validating again costs a digest of
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
-from whalelike.errors import SpecError
 from whalelike.files import write_atomic
 from whalelike.config import REPLICA_SYNCS
 from whalelike.spec import Reader, load_yaml, rule, validate
 
+from planner import plan_checks
+from planner.errors import PlanError
+from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (fingerprint_of: re-exported)
 from planner.resharding.cost import STRATEGIES as RESHARDING_STRATEGIES
 from planner.schedule.actions import SCHEDULES
+from planner.summary import plan_summary
 
-SCHEMA_VERSION = 1
 SOLVERS = ("ilp", "greedy")
 # A plan takes about 570 bytes per worker with 8 micro-batches: 16 MiB holds 16,384 workers (the most a
 # cluster spec may list) with room to spare. Larger files are refused before parsing (see whalelike.cluster).
 MAX_FILE_BYTES = 16 << 20
 MAX_FILE_WHY = "room for 16,384 workers; YAML this large takes minutes and GiBs to parse"
-
-
-class PlanError(SpecError):
-    """A plan cannot be made, or a plan (file) is inconsistent or made for another model/cluster."""
 
 
 MS = "ms, predicted"
@@ -133,13 +129,14 @@ class Plan:
                                         "gradients", default=False)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
-    # whalelike.spec.validate: field rules under "plan", then planner.plan_checks
+    # whalelike.spec.validate: field rules under "plan", then planner.plan_checks (looked up at each
+    # call, so the checks may be wrapped)
     spec_path = "plan"
     spec_error = PlanError
     spec_checks = {
-        "self": lambda plan: _checks().check_alone(plan),
-        "graphs": lambda plan, graphs: _checks().check_model(plan, graphs),
-        "cluster": lambda plan, cluster: _checks().check_cluster(plan, cluster),
+        "self": lambda plan: plan_checks.check_alone(plan),
+        "graphs": lambda plan, graphs: plan_checks.check_model(plan, graphs),
+        "cluster": lambda plan, cluster: plan_checks.check_cluster(plan, cluster),
     }
 
     @property
@@ -193,35 +190,6 @@ class Plan:
 
     def summary(self, cluster=None) -> str:
         """Aligned per-device table plus the predicted step time against the naive plan; with the
-        ``cluster`` (its link figures), also the resharding chosen for each stage boundary."""
-        from planner.summary import plan_summary
-
+        ``cluster`` (its link figures), also the resharding chosen for each stage boundary
+        (:func:`planner.summary.plan_summary`)."""
         return plan_summary(self, cluster)
-
-
-def fingerprint_of(graphs) -> str:
-    """A stable hash of what the plan depends on in a model's TaskGraphs (structure and costs)."""
-    own = getattr(graphs, "fingerprint", None)
-    if own is not None:
-        return own
-    payload = {
-        "graphs": [
-            [tg.index, str(tg.strategy), list(tg.layers), tg.forward_flops, tg.backward_flops, tg.param_bytes,
-             tg.optimizer_state_bytes, tg.activation_bytes_per_sample, sorted(tg.shardable.items())]
-            for tg in graphs.graphs
-        ],
-        "layers": [
-            [l.index, l.name, l.taskgraph, l.forward_flops, l.backward_flops, l.param_bytes,
-             l.activation_bytes_per_sample, l.cut_bytes_per_sample]
-            for l in graphs.layers
-        ],
-        "boundaries": [[b.src, b.dst, [[t.name, list(t.shape), t.dtype] for t in b.tensors]] for b in graphs.boundaries],
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def _checks():
-    """planner.plan_checks, imported when first needed (it imports this module)."""
-    from planner import plan_checks
-
-    return plan_checks

@@ -10,13 +10,18 @@ here relate fields to each other, to a model and to a cluster. They are reached 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from whalelike.spec import check_rules
 
 # memory_gib (planner.devices.memory's estimate) is compared with the capacity by the model's fit
 # rule: in floating point (bytes / 2**30), so within its relative tolerance
 from planner.devices.memory import fits
-from planner.plan import SCHEMA_VERSION, Plan, PlanError, fingerprint_of
+from planner.errors import PlanError
+from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
+
+if TYPE_CHECKING:   # the type alone: planner.plan imports this module (Plan.validate runs these checks)
+    from planner.plan import Plan
 
 
 def check_plan(plan: Plan, graphs=None, cluster=None) -> None:

@@ -7,12 +7,15 @@ boundary's bytes per sample, but not the link figures (bandwidths, latency) that
 from __future__ import annotations
 
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 from whalelike.display import format_table
 
 from planner.shares.batchnorm_statistics import batchnorm_warnings
-from planner.plan import Plan, Worker
 from planner.resharding.reshard import boundary_resharding, byte_size
+
+if TYPE_CHECKING:   # the types alone: planner.plan imports this module (Plan.summary)
+    from planner.plan import Plan, Worker
 
 
 def plan_summary(plan: Plan, cluster=None) -> str:

@@ -29,7 +29,7 @@ order of ready fraction, each fraction in [0, 1], the last 1.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from whalelike.cluster import Cluster
 from whalelike.graphs.taskgraph import TaskGraphs
@@ -37,12 +37,25 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.devices.cost_model import StageCost
 from planner.devices.network import NetworkModel, Ring
 from planner.plan import Plan, StagePlan
-from planner.schedule.simulator import GradientBucket, GroupKey
 from planner.shares.shard_sizes import layout_of_sizes
+from planner.shares.stage_shards import stage_shardable
+
+GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces
 
 MIB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MIB    # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * MIB         # DistributedDataParallel's default bucket_cap_mb
+
+
+class GradientBucket(NamedTuple):
+    """One gradient bucket of a data-parallel group: ready once every member has run
+    ``ready_fraction`` (0..1) of its last backward; its all-reduce takes ``allreduce_ms``;
+    ``nbytes`` is what it carries (for display). :func:`planner.simulate` takes them per
+    :data:`GroupKey` (``buckets=``)."""
+
+    ready_fraction: float
+    allreduce_ms: float
+    nbytes: float = 0.0
 
 
 def layer_gradient_bytes(graphs: TaskGraphs, layers: Sequence[int]) -> list[float]:
@@ -135,8 +148,6 @@ def _shard_fractions(graphs: TaskGraphs, stage: StagePlan, tp_size: int) -> list
     layers = list(stage.layers)
     if tp_size == 1:
         return [1.0]
-    owners = [graphs[t] for t in sorted({graphs.layers[i].taskgraph for i in layers})]
-    shardable = {path: dim for tg in owners for path, dim in tg.shardable.items()}
-    groups = tuple(group for tg in owners for group in tg.shard_groups)
+    _, shardable, groups = stage_shardable(graphs, layers)
     flops = StageCost.of_layers(graphs, layers).flops_per_sample
     return layout_of_sizes(shardable, stage.shard_sizes, tp_size, groups, flops).fractions

@@ -27,13 +27,14 @@ model of execution is the runtime's:
 * Each data-parallel group of a stage (every worker with that stage and ``tp_index``, over groups
   and replicas) all-reduces its gradients once per step. Without ``buckets`` the all-reduce starts
   when all members have finished their last backward and takes the largest ``Worker.allreduce_ms``
-  among them. With ``buckets`` (:class:`GradientBucket`, built from the model by
-  :func:`planner.schedule.gradient_buckets.gradient_buckets`: DDP's buckets in reverse layer order), it
-  overlaps with the last backward bucket by bucket, as DDP's does: bucket ``k`` is ready when
-  every member has run ``ready_fraction`` of its last backward (the layers it covers), its
-  all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one process group runs them
-  in order), and the group's step ends when the last bucket's ends. A worker's ``allreduce_ms`` in
-  the result is then the exposed part, after its own compute; ``hidden_allreduce_ms`` the rest.
+  among them. With ``buckets`` (:class:`~planner.schedule.gradient_buckets.GradientBucket`, built
+  from the model by :func:`planner.schedule.gradient_buckets.gradient_buckets`: DDP's buckets in
+  reverse layer order), it overlaps with the last backward bucket by bucket, as DDP's does:
+  bucket ``k`` is ready when every member has run ``ready_fraction`` of its last backward (the
+  layers it covers), its all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one
+  process group runs them in order), and the group's step ends when the last bucket's ends. A
+  worker's ``allreduce_ms`` in the result is then the exposed part, after its own compute;
+  ``hidden_allreduce_ms`` the rest.
   With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
   (:func:`planner.schedule.gradient_buckets.plan_buckets`), as the runtime overlaps them.
   Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
@@ -59,11 +60,12 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 
 from whalelike.display import format_table
 
+from planner.devices.network import NetworkModel
 from planner.plan import Plan, Prediction, Worker
 from planner.schedule.actions import Action, build_schedule, gradient_accumulation, max_in_flight
+from planner.schedule.boundary_traffic import plan_traffic
 from planner.schedule.deadlock import ScheduleError, validate_plan
-
-GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces
+from planner.schedule.gradient_buckets import GradientBucket, GroupKey, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +96,6 @@ class SimEvent(NamedTuple):
         if self.kind == "send":
             return f"send {self.micro_batch} -> stage {self.peer_stage}" + (f" ({self.detail})" if self.detail else "")
         return f"{self.kind}{self.micro_batch}"
-
-
-class GradientBucket(NamedTuple):
-    """One gradient bucket of a data-parallel group: ready once every member has run
-    ``ready_fraction`` (0..1) of its last backward; its all-reduce takes ``allreduce_ms``;
-    ``nbytes`` is what it carries (for display)."""
-
-    ready_fraction: float
-    allreduce_ms: float
-    nbytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -243,10 +235,6 @@ def simulate(plan: Plan, record_events: bool = True,
     _check_buckets(plan, buckets)
     traffic: dict = {}
     if network is not None:
-        from planner.schedule.boundary_traffic import plan_traffic   # imports the resharding planner: only when asked
-        from planner.schedule.gradient_buckets import plan_buckets   # imports this module
-        from planner.devices.network import NetworkModel
-
         network = network if isinstance(network, NetworkModel) else NetworkModel.of_cluster(network)
         traffic = plan_traffic(plan, network)
         if buckets is None:

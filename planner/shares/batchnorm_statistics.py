@@ -11,11 +11,12 @@ from the plan alone (``Plan.summary`` prints it, :func:`log_batchnorm_warnings` 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from whalelike.graphs.taskgraph import TaskGraphs, abbreviate_paths
 
-from planner.plan import Plan
+if TYPE_CHECKING:   # the type alone: planner.plan imports this module through planner.summary (Plan.summary)
+    from planner.plan import Plan
 
 log = logging.getLogger(__name__)
 

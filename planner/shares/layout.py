@@ -39,9 +39,12 @@ comments, and a re-planned Plan (new shares at run time) yields its new layout i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from planner.plan import Plan, PlanError, Worker
+from planner.errors import PlanError
+
+if TYPE_CHECKING:   # the types alone: planner.plan imports this module through planner.summary (Plan.summary)
+    from planner.plan import Plan, Worker
 
 Range = tuple[int, int]
 
