@@ -31,6 +31,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import device_tflops
 from planner.plan import PlanError
+from planner.shares.batch_shares import LARGEST_REMAINDER, proportional_shares
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +121,13 @@ def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape]
 
 
 def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
-    """Devices per automatic stage: one each, the rest proportional to FLOPs per sample."""
+    """Devices per automatic stage: one each, the rest proportional to FLOPs per sample (largest
+    remainder, ties to the stage with more work)."""
     if not auto_graphs:
         return {}
     work = [max(tg.forward_flops + tg.backward_flops, 1.0) for tg in auto_graphs]
-    extra = spare - len(auto_graphs)
-    ideal = [extra * w / sum(work) for w in work]
-    counts = [int(x) for x in ideal]
-    by_remainder = sorted(range(len(work)), key=lambda i: (counts[i] - ideal[i], -work[i], i))
-    for i in by_remainder[: extra - sum(counts)]:
-        counts[i] += 1
+    counts = proportional_shares(spare - len(auto_graphs), work, leftover=LARGEST_REMAINDER,
+                                 ties=[(-w, i) for i, w in enumerate(work)])
     return {tg.index: 1 + c for tg, c in zip(auto_graphs, counts)}
 
 

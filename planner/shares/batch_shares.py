@@ -2,11 +2,14 @@
 
 Three pure functions over integer sample counts:
 
-* :func:`proportional_shares`: shares proportional to speed that sum exactly to the total. Each
-  device first gets the floor of its ideal share; every leftover sample then goes to the least
-  utilised device, the one that would finish it soonest (``(share + 1) / speed`` smallest, Poplar's
-  rule for the remainder). This is the makespan-optimal integer split and is monotone: a faster
-  device never gets fewer samples than a slower one.
+* :func:`proportional_shares`: shares proportional to speed that sum exactly to the total, the
+  one integer split in proportion of the planner (the sample layout's short batches and the
+  placement's device budgets call it too). Each device first gets the floor of its ideal share;
+  every leftover sample then goes to the least utilised device, the one that would finish it
+  soonest (``(share + 1) / speed`` smallest, Poplar's rule for the remainder). This is the
+  makespan-optimal integer split and is monotone: a faster device never gets fewer samples than a
+  slower one. ``leftover="largest_remainder"`` gives leftovers to the largest remainders instead
+  (every share within one of its ideal, zero weights allowed).
 * :func:`balance_memory`: Whale's Algorithm 1, "memory-constraint load balancing". Devices whose
   share does not fit in memory are *peaks*, those with room are *valleys*; load moves, one sample at
   a time, from the peak with the highest memory utilisation to the valley with the lowest
@@ -20,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,37 @@ class DoesNotFit(Exception):
         self.capacity = capacity
 
 
-def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0) -> list[int]:
-    """Integers proportional to ``speeds``, each >= ``minimum``, summing exactly to ``total``."""
+SOONEST, LARGEST_REMAINDER = "soonest", "largest_remainder"
+LEFTOVER_RULES = (SOONEST, LARGEST_REMAINDER)
+
+
+def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *, leftover: str = SOONEST,
+                        ties: Optional[Sequence] = None) -> list[int]:
+    """Integers proportional to ``speeds``, each >= ``minimum``, summing exactly to ``total``.
+
+    Each first gets the floor of its ideal share ``total * speed / sum(speeds)`` (at least
+    ``minimum``); the leftovers then go one at a time by ``leftover``:
+
+    * ``"soonest"`` (the default): to the one that would finish it soonest, ``(share + 1) / speed``
+      smallest (Poplar's rule: makespan-optimal and monotone). Every speed must be > 0.
+    * ``"largest_remainder"``: to the largest ``ideal - share`` (Hamilton's method: every share is
+      within one of its ideal). Speeds are weights >= 0, one of them positive; a zero gets nothing
+      beyond ``minimum``.
+
+    Ties go to the lower index, or to the smaller ``ties[i]`` when given. Exact for any total
+    (beyond 2**53 the floors are corrected until they sum right).
+    """
     n = len(speeds)
     if n == 0:
         raise ValueError("proportional_shares needs at least one device")
-    if any(not s > 0 for s in speeds):
-        raise ValueError(f"speeds must be > 0, got {list(speeds)}")
+    if leftover == SOONEST:
+        if any(not s > 0 for s in speeds):
+            raise ValueError(f"speeds must be > 0, got {list(speeds)}")
+    elif leftover == LARGEST_REMAINDER:
+        if any(not s >= 0 for s in speeds) or not any(s > 0 for s in speeds):
+            raise ValueError(f"weights must be >= 0 with a positive one, got {list(speeds)}")
+    else:
+        raise ValueError(f"leftover must be one of {LEFTOVER_RULES}, got {leftover!r}")
     if total < minimum * n:
         raise ValueError(f"cannot give {n} devices at least {minimum} of {total}")
     weight = sum(speeds)
@@ -66,12 +93,18 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0) -
     while sum(shares) > total:
         i = max((i for i in range(n) if shares[i] > minimum), key=lambda i: (shares[i] / speeds[i], -i))
         shares[i] -= 1
-    heap = [((shares[i] + 1) / speeds[i], i) for i in range(n)]
+    tie = range(n) if ties is None else ties
+    if leftover == SOONEST:
+        key = lambda i: ((shares[i] + 1) / speeds[i], tie[i])  # noqa: E731
+    else:
+        ideal = [total * s / weight for s in speeds]
+        key = lambda i: (shares[i] - ideal[i], tie[i])  # noqa: E731
+    heap = [(*key(i), i) for i in range(n)]
     heapq.heapify(heap)
     for _ in range(total - sum(shares)):
-        _, i = heapq.heappop(heap)
+        i = heapq.heappop(heap)[-1]
         shares[i] += 1
-        heapq.heappush(heap, ((shares[i] + 1) / speeds[i], i))
+        heapq.heappush(heap, (*key(i), i))
     return shares
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from planner.errors import PlanError
+from planner.shares.batch_shares import LARGEST_REMAINDER, proportional_shares
 
 if TYPE_CHECKING:   # the types alone: planner.plan imports this module through planner.summary (Plan.summary)
     from planner.plan import Plan, Worker
@@ -50,7 +51,8 @@ Range = tuple[int, int]
 
 
 def proportional_split(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` as integers in proportion to ``weights`` (largest remainder, ties to the lower index).
+    """``n`` as integers in proportion to ``weights`` (largest remainder, ties to the lower index:
+    :func:`planner.shares.batch_shares.proportional_shares`).
 
     Every positive weight gets at least one item while items last (so no rank is idle in a short
     batch that could feed it); zero weights get nothing.
@@ -58,11 +60,7 @@ def proportional_split(n: int, weights: Sequence[float]) -> list[int]:
     if n < 0 or any(w < 0 for w in weights) or not any(w > 0 for w in weights):
         raise ValueError(f"proportional_split: need n >= 0 and non-negative weights with a positive one, "
                          f"got n={n}, weights={list(weights)}")
-    total = sum(weights)
-    exact = [n * w / total for w in weights]
-    out = [int(e) for e in exact]
-    for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))[: n - sum(out)]:
-        out[i] += 1
+    out = proportional_shares(n, weights, leftover=LARGEST_REMAINDER)
     idle = sorted((i for i, w in enumerate(weights) if w > 0 and out[i] == 0), key=lambda i: (-weights[i], i))
     for i in idle:
         donor = max(range(len(out)), key=lambda j: (out[j], j))
