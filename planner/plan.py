@@ -28,14 +28,12 @@ from typing import Any, Optional
 import yaml
 
 from whalelike.files import write_atomic
-from whalelike.config import REPLICA_SYNCS
+from whalelike.config import REPLICA_SYNCS, RESHARDING, SCHEDULES
 from whalelike.spec import Reader, load_yaml, rule, validate
 
 from planner import plan_checks
 from planner.errors import PlanError
 from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (fingerprint_of: re-exported)
-from planner.resharding.cost import STRATEGIES as RESHARDING_STRATEGIES
-from planner.schedule.actions import SCHEDULES
 from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
@@ -110,7 +108,7 @@ class Plan:
     cluster: str = rule(str, "name of the cluster the plan was made for")
     global_batch_size: int = rule(int, "samples per optimizer step", ge=1)
     num_micro_batch: int = rule(int, "micro-batches per step", ge=1)
-    schedule: str = rule(str, "pipeline schedule", choices=tuple(SCHEDULES))
+    schedule: str = rule(str, "pipeline schedule", choices=SCHEDULES)
     solver: str = rule(str, "partitioner that made the plan", choices=SOLVERS)
     stages: list[StagePlan]
     workers: list[Worker]
@@ -123,7 +121,7 @@ class Plan:
     sync_batchnorm: bool = rule(bool, "BatchNorm statistics over each stage's data-parallel group", default=False)
     # runtime.parallel.boundaries: how values cross stage boundaries (planner.resharding.reshard's strategies, or the best)
     resharding: str = rule(str, "strategy of the cross-mesh resharding at stage boundaries",
-                           choices=("auto", *RESHARDING_STRATEGIES), default="auto")
+                           choices=RESHARDING, default="auto")
     # runtime.parallel.split_backward: a backward computes the input gradients, sends them, then the weight gradients
     delay_weight_gradients: bool = rule(bool, "send a backward's input gradients before computing its weight "
                                         "gradients", default=False)

@@ -6,16 +6,20 @@ cross-field rule (a micro-batch needs a sample), and :func:`whalelike.spec.valid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from whalelike.errors import SpecError
 from whalelike.spec import check_fields, rule
 
+# The names a Config (and a Plan) may use, listed here once: whalelike/ imports nothing of planner/, so
+# the planner takes its lists from here (planner.schedule.actions.SCHEDULES builds each schedule,
+# planner.resharding.cost.STRATEGIES prices each strategy) and the CLI offers them.
 Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULES = get_args(Schedule)
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
-RESHARDING = ("auto", "broadcast", "allgather", "send_recv")   # planner.resharding.cost.STRATEGIES and "auto"
+RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
+RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.parallel.replica_sync
 # builds each): DDP today
 REPLICA_SYNCS = ("ddp",)

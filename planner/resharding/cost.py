@@ -43,11 +43,13 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from whalelike.config import RESHARDING_STRATEGIES
+
 from planner.devices.network import NetworkModel
 from planner.resharding.spec import ReshardingError
 from planner.resharding.tasks import UnitTask
 
-STRATEGIES = ("broadcast", "allgather", "send_recv")
+STRATEGIES = RESHARDING_STRATEGIES   # whalelike.config lists them once (a Config names one, or "auto")
 MAX_CHUNKS = 1024   # chunks of one broadcast: enough to hide the ring's fill on 8-hop rings to < 1%
 
 Resource = tuple[str, str]   # ("dev", device) | ("out", host) | ("in", host)

@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
+from whalelike.config import SCHEDULES as SCHEDULE_NAMES
+
 
 @dataclass(frozen=True)
 class Action:
@@ -73,7 +75,10 @@ def gradient_accumulation(num_micro_batch: int) -> list[Action]:
     return _warmup_then_alternate(0, num_micro_batch)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_one_f_one_b}
+_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_one_f_one_b}
+# the configurable schedules (whalelike.config.SCHEDULES, their one list) with their builders: a name
+# added there without a builder here fails at import, naming it
+SCHEDULES = {name: _BUILDERS[name] for name in SCHEDULE_NAMES}
 
 
 def build_schedule(kind: str, num_stages: int, num_micro_batch: int) -> list[list[Action]]:
