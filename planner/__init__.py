@@ -1,4 +1,12 @@
-"""whalelike's planner: maps TaskGraphs onto a heterogeneous Cluster and returns a Plan."""
+"""whalelike's planner: maps TaskGraphs onto a heterogeneous Cluster and returns a Plan.
+
+``api`` is the façade (``plan``, ``naive_plan``) over the floors that own each decision: ``devices/``
+(cost, memory and network models, placement), ``partition/`` (stage layers), ``shares/`` (batch
+shares, shard sizes, the sample layout), ``schedule/`` (action lists, their proof, the simulator),
+``resharding/`` (boundary transfers) and ``balance/`` (re-plans and state moves); ``decisions``,
+``assemble``, ``plan`` and ``plan_checks`` turn them into a checked, printable Plan. Invariant: pure
+and process-free, no import of ``runtime``, no import cycle (tests/test_import_graph.py).
+"""
 from planner.api import naive_plan, plan
 from planner.devices.network import NetworkError, NetworkModel
 from planner.plan import BoundaryPlan, Plan, PlanError, Prediction, StagePlan, Worker

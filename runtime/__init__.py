@@ -5,6 +5,11 @@
 each rank its uneven share of a dataset; ``calibrate`` sizes the emulated devices' base rate;
 :mod:`runtime.checkpoint` saves and resumes an Engine (onto any plan); ``NonFiniteLossError`` and
 ``BatchMismatchError`` are the step guards' errors (:mod:`runtime.guards`).
+
+Floors: ``parallel/`` (the executors, the stage worker, the replica-sync seam, boundaries),
+``tensor/`` (tensor parallelism), ``balance/`` (dynamic balancing), ``emulation/`` (unequal hardware
+on a CPU machine). Invariant: every rank derives the same groups, layouts and decisions from the
+same Plan without communicating, and checks that can fail run before the rendezvous.
 """
 from runtime.data import Share, UnevenLoader, UnevenSampler
 from runtime.distributed import DistributedStepError

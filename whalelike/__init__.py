@@ -1,7 +1,11 @@
 """whalelike: train one PyTorch model across unequal accelerators.
 
 Public face (docs/ARCHITECTURE.md section 2): ``replicate``/``split`` scopes, ``annotate``, ``capture``,
-``Cluster``, ``Config``.
+``Cluster``, ``Config``. This floor is what a user touches: scopes, annotation, specs, validation,
+output files and the CLI; ``graphs/`` captures a model into TaskGraphs and ``sharding/`` proves what
+a ``split`` region can shard. Invariant: ``whalelike`` imports neither ``planner`` nor ``runtime``
+(except the CLI, inside the commands that need the planner), and every user error is a
+``WhaleError`` naming the thing, the bad value and the fix.
 """
 from whalelike.annotate import annotate
 from whalelike.graphs.capture import capture
