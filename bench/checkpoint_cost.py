@@ -21,6 +21,7 @@ step. Sizes are the bytes on disk.
 Run (spawns 4 ranks itself, under a minute)::
 
     .venv/bin/python bench/checkpoint_cost.py [--repeats 5]
+    .venv/bin/python bench/checkpoint_cost.py --smoke   # a small demo model, seconds: checks that it runs
 
 The last line states the headline: whalelike's save, asynchronous stall and load time against the
 peer's, and the stall in steps of training.
@@ -48,11 +49,23 @@ import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine, checkpoint  # noqa: E402
 from whalelike.cli import load_workload  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "hybrid_classifier.py") + ":build"
 GLOBAL_BATCH, MICRO_BATCHES = 64, 4
+SMOKE_DEMO = dict(num_classes=1000, width=4, image_size=8, feature_dim=32)   # --smoke: build()'s sizes
+
+
+def demo_workload(sizes: dict):
+    """The demo model's workload, loaded as ``whalelike`` loads a MODEL (``path.py:build``); with
+    ``sizes`` (a smoke run), the same example's ``build(**sizes)``: a small demo model."""
+    if not sizes:
+        return load_workload(MODEL)
+    sys.path.insert(0, os.path.dirname(MODEL.rpartition(":")[0]))
+    from hybrid_classifier import build
+    return build(**sizes)
 
 
 def timed(fn) -> float:
@@ -69,7 +82,7 @@ def size_of(path: str) -> int:
 
 def worker(rank: int, init_file: str, args, results) -> None:
     with process_group(rank, init_file, WORLD):
-        workload = load_workload(MODEL)
+        workload = demo_workload(args.demo_sizes)
         cluster = wl.Cluster.preset("emulated-4")
         graphs = wl.capture(workload.model, workload.example_args)
         plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=GLOBAL_BATCH, num_micro_batch=MICRO_BATCHES))
@@ -145,7 +158,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(repeats=1, demo_sizes=SMOKE_DEMO), normal=dict(demo_sizes={}))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     r = spawn_ranks(worker, args, WORLD)
     med = {k: statistics.median(r[k]) * 1e3

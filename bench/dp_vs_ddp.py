@@ -6,7 +6,7 @@ forward per micro-batch (hooks on the module) and the backward, and the same emu
 (:mod:`runtime.emulation.network`) pads each DDP bucket's all-reduce to its ring time on the
 cluster's :class:`planner.devices.network.NetworkModel`, overlapped with the backward bucket by bucket.
 The peer is stock ``DistributedDataParallel`` with equal shares (``global_batch / 4`` each, DDP's
-own averaging) wrapped by :func:`runtime.parallel.data_parallel.wrap_ddp`, so its comm hook pads exactly as
+own averaging) wrapped by :func:`runtime.parallel.ddp_sync.wrap_ddp`, so its comm hook pads exactly as
 whalelike's does; whalelike runs ``runtime.Engine`` with the plan ``planner.plan`` makes for the
 cluster (the planner reads nominal ``peak_tflops``, never the emulated speeds). Both keep DDP's
 default buckets.
@@ -29,6 +29,7 @@ Run (spawns 4 ranks itself)::
 
     .venv/bin/python bench/dp_vs_ddp.py [--base-gflops 1] [--cases two-hosts]
     # or: .venv/bin/torchrun --nproc_per_node 4 bench/dp_vs_ddp.py
+    .venv/bin/python bench/dp_vs_ddp.py --smoke   # tiny sizes, seconds: checks that it runs
 
 What is not emulated (the optimizer step, the loss, Python, the real all-reduces and the sleeps'
 wake-up) costs both sides a fixed time per step on a 2-core machine (printed as "unmodeled":
@@ -63,10 +64,12 @@ sys.path.insert(0, ROOT)
 import planner  # noqa: E402
 from planner.schedule.gradient_buckets import gradient_buckets  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.parallel.data_parallel import wrap_ddp  # noqa: E402
+from runtime.parallel.ddp_sync import wrap_ddp  # noqa: E402
 from runtime.emulation.compute import Emulator, calibrate  # noqa: E402
 from whalelike import Cluster, Config  # noqa: E402
 from whalelike.graphs.capture import capture  # noqa: E402
+from smoke import parse_args  # noqa: E402
+from timing import free_port, start_method  # noqa: E402
 
 WORLD = 4
 
@@ -278,14 +281,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
                         help="which comparisons to run (default: all)")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(width=32, batch=44, steps=1, rounds=1, base_gflops=0.1))
     if "RANK" in os.environ:  # under torchrun
         run(int(os.environ["RANK"]), args)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))   # not a fixed port: two runs may overlap
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_spawned, args=(args,), nprocs=WORLD, join=True)
+    mp.start_processes(_spawned, args=(args,), nprocs=WORLD, join=True, start_method=start_method())
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ loop, eager-1F1B hides them all but the first forward's and the last backward's 
 Run (spawns its 4 ranks itself; about 2 minutes on 2 cores)::
 
     .venv/bin/python bench/pipeline_comm.py [--rounds 3 --steps 2 --batch 256 --micro-batches 32 --width 4096]
+    .venv/bin/python bench/pipeline_comm.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ import whalelike as wl  # noqa: E402
 from planner.schedule.simulator import simulate  # noqa: E402
 from runtime import Engine  # noqa: E402
 from whalelike.cluster import Cluster  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 4
@@ -189,7 +191,7 @@ def main() -> None:
     parser.add_argument("--bottleneck", type=int, default=64, help="stage 0's bottleneck features (its compute)")
     parser.add_argument("--mlp", type=int, default=48, help="stage 1's MLP features, split over its 2 devices")
     parser.add_argument("--inputs", type=int, default=64)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(rounds=1, steps=1, warmup=1, batch=8, micro_batches=4, width=256))
     # one run id for the ranks' emulated NIC ledger (runtime.emulation.network.default_run_id)
     os.environ["TORCHELASTIC_RUN_ID"] = f"pipeline-comm-{os.getpid()}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -18,7 +18,8 @@ on 64 to 1024 mixed devices, and how far the greedy partitioner lands from the I
     solved by both solvers with the order searched: relative gap ``greedy / ilp - 1``. With a
     fixed order the greedy dynamic program is exact; the second table checks that on another 100.
 
-Run: ``.venv/bin/python bench/plan_scale.py``
+Run: ``.venv/bin/python bench/plan_scale.py`` (``--smoke``: the 64-device cluster and 3 instances,
+seconds: checks that it runs)
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from planner.partition.solve import (  # noqa: E402
 )
 from whalelike.cluster import Cluster, Device, Network  # noqa: E402
 from whalelike.display import format_table  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 KINDS = {  # kind: (peak bf16/fp16 TFLOPS, memory GiB)
     "A100-80GB": (312.0, 80.0),
@@ -230,7 +232,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ilp-time-limit", type=float, default=20.0)
     parser.add_argument("--skip-plan", action="store_true", help="time only the partition step")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(sizes=[64], instances=3, ilp_time_limit=5.0))
     logging.basicConfig(level=logging.ERROR)
 
     print(format_table(

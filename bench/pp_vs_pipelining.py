@@ -20,6 +20,7 @@ side. The two sides alternate in rounds; the median step time per side is report
 
     .venv/bin/python bench/pp_vs_pipelining.py [--steps 5 --rounds 3 --blocks 12 --dim 256 --batch 64
                                                 --micro-batches 8 --base-gflops 0.5]
+    .venv/bin/python bench/pp_vs_pipelining.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from runtime.emulation.compute import Emulator  # noqa: E402
 from runtime.parallel.pipeline import PipelineExecutor  # noqa: E402
 from runtime.parallel.stage_split import node_stages_from_plan, stage_flops_from_plan  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
@@ -196,7 +198,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--base-gflops", type=float, default=0.5, help="emulated GFLOP/s of a speed-1 device")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(steps=1, rounds=1, blocks=4, dim=32, batch=16, micro_batches=4,
+                                         base_gflops=0.005))
     results = spawn_ranks(worker, args, WORLD)
     print(f"pipeline, 2 stages, 1F1B, {args.micro_batches} micro-batches of a global batch of {args.batch}, "
           f"{args.blocks} Linear({args.dim}) blocks + head, gloo CPU, emulated base {args.base_gflops} GFLOP/s")

@@ -15,7 +15,7 @@ would run. It may choose another device mapping, so its predicted step time show
 mapping costs. The last line states the median speed-up of ``rebalance()`` over it.
 Single process, CPU only.
 
-Run: ``.venv/bin/python bench/replan_speed.py``
+Run: ``.venv/bin/python bench/replan_speed.py`` (``--smoke``: few repeats, seconds: checks that it runs)
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from synthetic import synthetic_cluster, synthetic_model  # noqa: E402
 from whalelike import Config, replicate  # noqa: E402
 from whalelike.display import format_table  # noqa: E402
 from whalelike.strategy import Strategy  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 MODELS = {  # name: (decoder layers, d_model, heads)
     "gpt2-small": (12, 768, 12),
@@ -54,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15, help="timed runs per case")
     parser.add_argument("--peer-repeat", type=int, default=3, help="timed runs of planner.plan() per case")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(repeat=2, peer_repeat=1))
     logging.basicConfig(level=logging.ERROR)
     cluster = synthetic_cluster([(4, 125.0, 80), (4, 65.0, 40)], per_host=4, name="mixed-8")
     rows, medians, ratios = [], [], []

@@ -30,6 +30,7 @@ broadcast's measured time over the lower bound (target within 1.1x).
 Run (spawns its 10 ranks itself; ~1 minute on 2 cores)::
 
     .venv/bin/python bench/resharding.py [--rounds 5]
+    .venv/bin/python bench/resharding.py --smoke   # a 64x64 tensor, 1 round: checks that it runs
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 from planner.devices.network import NetworkModel  # noqa: E402
@@ -52,6 +54,7 @@ from runtime.emulation.network import NetworkEmulator  # noqa: E402
 from runtime.parallel.resharding import compile_resharding  # noqa: E402
 
 SHAPE = (1024, 1024)          # float32: 4 MiB
+SMOKE_SHAPE = (64, 64)        # --smoke: 16 KiB
 ITEMSIZE = 4
 INTRA_GBPS, INTER_GBPS, LATENCY_US = 2.0, 0.02, 50.0
 STRATEGIES = ("broadcast", "send_recv", "allgather")
@@ -62,20 +65,24 @@ def mesh(*hosts: str, tag: str, per_host: int = 2) -> list[tuple[str, str]]:
     return [(f"{host}-{tag}{i}", host) for host in hosts for i in range(per_host)]
 
 
-def cases() -> list[tuple[str, ShardingSpec, ShardingSpec]]:
-    """(name, source spec, destination spec); source hosts a, b; destination hosts c, d."""
-    replicated = ShardingSpec.replicated(SHAPE, mesh("c", "d", tag="r"))
-    grid = ShardingSpec.grid(SHAPE, [mesh("a", tag="s"), mesh("b", tag="s")], row=(0, [512, 512]),
-                             col=(1, [512, 512]))
+def cases(shape: tuple[int, int] = SHAPE) -> list[tuple[str, ShardingSpec, ShardingSpec]]:
+    """(name, source spec, destination spec); source hosts a, b; destination hosts c, d. ``shape``'s
+    sides are multiples of 8 (halves, and eighths for the uneven rows)."""
+    rows, cols = shape
+    row_halves, col_halves = [rows // 2, rows - rows // 2], [cols // 2, cols - cols // 2]
+    replicated = ShardingSpec.replicated(shape, mesh("c", "d", tag="r"))
+    grid = ShardingSpec.grid(shape, [mesh("a", tag="s"), mesh("b", tag="s")], row=(0, row_halves),
+                             col=(1, col_halves))
     return [
-        ("a: one sender host -> replicated", ShardingSpec.replicated(SHAPE, mesh("a", tag="s")), replicated),
-        ("b: both sender hosts -> replicated", ShardingSpec.replicated(SHAPE, mesh("a", "b", tag="s")), replicated),
+        ("a: one sender host -> replicated", ShardingSpec.replicated(shape, mesh("a", tag="s")), replicated),
+        ("b: both sender hosts -> replicated", ShardingSpec.replicated(shape, mesh("a", "b", tag="s")), replicated),
         ("c: 2x2 grid -> column halves per host", grid,
-         ShardingSpec.grid(SHAPE, [mesh("c", tag="r"), mesh("d", tag="r")], row=(1, [512, 512]))),
+         ShardingSpec.grid(shape, [mesh("c", tag="r"), mesh("d", tag="r")], row=(1, col_halves))),
         ("d: uneven rows 3:1:2:2 -> replicated",
-         ShardingSpec.split(SHAPE, mesh("a", "b", tag="s"), dim=0, sizes=[384, 128, 256, 256]), replicated),
-        ("a8: one sender host -> 8 receivers", ShardingSpec.replicated(SHAPE, mesh("a", tag="s")),
-         ShardingSpec.replicated(SHAPE, mesh("c", "d", tag="r", per_host=4))),
+         ShardingSpec.split(shape, mesh("a", "b", tag="s"), dim=0, sizes=[3 * rows // 8, rows // 8, rows // 4, rows // 4]),
+         replicated),
+        ("a8: one sender host -> 8 receivers", ShardingSpec.replicated(shape, mesh("a", tag="s")),
+         ShardingSpec.replicated(shape, mesh("c", "d", tag="r", per_host=4))),
     ]
 
 
@@ -97,10 +104,10 @@ def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
-    rounds, run_id = args
-    all_cases = cases()
+    rounds, run_id, shape = args
+    all_cases = cases(shape)
     model = network_model(all_cases)
-    full = torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE)   # exact in float32
+    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)   # exact in float32
     runs = []   # (case, strategy, program, source, destination device box)
     for name, src, dst in all_cases:
         for strategy in STRATEGIES:
@@ -150,13 +157,14 @@ def worker(rank: int, init_file: str, args, results) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported")
-    args = parser.parse_args()
-    all_cases = cases()
-    print(f"cross-mesh resharding of a {SHAPE[0]}x{SHAPE[1]} float32 tensor ({SHAPE[0] * SHAPE[1] * ITEMSIZE / 2**20:.0f} "
+    args = parse_args(parser, smoke=dict(rounds=1, shape=SMOKE_SHAPE), normal=dict(shape=SHAPE))
+    shape = args.shape
+    all_cases = cases(shape)
+    print(f"cross-mesh resharding of a {shape[0]}x{shape[1]} float32 tensor ({shape[0] * shape[1] * ITEMSIZE / 2**20:.0f} "
           f"MiB) on an emulated network: {INTER_GBPS} GB/s between hosts, {INTRA_GBPS} GB/s inside one, "
           f"{LATENCY_US:.0f} us latency; {WORLD} gloo ranks (one per plan device), median of {args.rounds} rounds")
     start = time.perf_counter()
-    results = spawn_ranks(worker, (args.rounds, f"reshard-bench-{os.getpid()}"), WORLD)
+    results = spawn_ranks(worker, (args.rounds, f"reshard-bench-{os.getpid()}", shape), WORLD)
     if results["wrong"]:
         raise SystemExit(f"EXACTNESS FAILED: destination tensors differ from their boxes: {results['wrong'][:10]}")
     print(f"exactness: every destination tensor equals its box of the full tensor in every run "

@@ -29,6 +29,7 @@ per-rank modeled compute. The run's ideal is the sum over all steps; "of ideal" 
 Run (spawns 4 ranks itself, about a minute)::
 
     .venv/bin/python bench/straggler_dp.py [--steps 60 --onset 15 --recovery 45 --factor 4 --base-gflops 0.5]
+    .venv/bin/python bench/straggler_dp.py --smoke   # tiny sizes, seconds: checks that it runs
 
 The last line states the headline figures against the targets of issue 9: adaptive >= 90% of the
 ideal, detection within 3 steps of the onset, identical losses.
@@ -52,6 +53,7 @@ from runtime import Engine  # noqa: E402
 from runtime.emulation.compute import calibrate  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 import side_by_side  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
@@ -180,7 +182,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=416, help="global batch (416 = 32 x 13: exact shares 4:1:4:4)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--base-gflops", type=float, default=0.5, help="emulated GFLOP/s of a speed-1 device")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(steps=14, onset=5, recovery=10, width=32, batch=52, base_gflops=0.02))
     if len(args.speeds) != WORLD:
         parser.error(f"--speeds needs {WORLD} values, got {args.speeds}")
     if not 4 <= args.onset < args.recovery <= args.steps:

@@ -27,6 +27,7 @@ Run (spawns 2 ranks itself, about a minute)::
 
     .venv/bin/python bench/straggler_pp.py [--steps 50 --onset 10 --factor 2 --blocks 12 --dim 256
                                            --batch 64 --micro-batches 8 --base-gflops 0.5]
+    .venv/bin/python bench/straggler_pp.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 import side_by_side  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 POLICIES = ("off", "exact")   # static, adaptive
@@ -196,7 +198,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--base-gflops", type=float, default=0.5, help="emulated GFLOP/s of a speed-1 device")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(steps=12, onset=5, blocks=4, dim=32, batch=16, micro_batches=4,
+                                         base_gflops=0.004))
     if not 5 <= args.onset < args.steps:
         parser.error("need 5 <= --onset < --steps (the first exchange of speeds is after step 4)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

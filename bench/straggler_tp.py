@@ -68,6 +68,7 @@ fell in: 0 except in the first step after a re-plan, whose new executor pays the
 Run (spawns 4 ranks itself, about 5 minutes)::
 
     .venv/bin/python bench/straggler_tp.py [--chis 2,4,8 --steps 32 --onset 6 --base-gflops 0.5]
+    .venv/bin/python bench/straggler_tp.py --smoke   # tiny sizes, seconds: checks that it runs
 
 The last line states the headline ratios at chi 8 against the targets of issue 9: the best lossless
 method >= 3.5x over static and >= 80% of the ideal; SEMI's final loss within 0.5% of the exact run.
@@ -95,6 +96,7 @@ from runtime import Engine  # noqa: E402
 from runtime.balance.rebalance import BalanceConfig  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler, round_robin_stragglers  # noqa: E402
 from whalelike.files import check_output_paths, write_atomic  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
@@ -328,7 +330,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--base-gflops", type=float, default=0.5, help="emulated GFLOP/s of a speed-1 device")
     parser.add_argument("--json", help="also write every run's per-step figures to this file")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(chis=[8.0], rr_period=2, rr_steps=8, steps=10, onset=5, dim=32, hidden=128,
+                                         blocks=1, batch=16, eval=64, base_gflops=0.05))
     if not 5 <= args.onset < args.steps:
         parser.error("need 5 <= --onset < --steps (speeds in force are measured over steps 2-4)")
     check_output_paths({"--json": args.json}, kinds={"--json": "json"})   # before minutes of runs

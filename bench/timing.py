@@ -2,11 +2,21 @@
 
 A barrier before and after the timed steps means the slowest rank decides, as it does for a real
 training job; imported by the benchmark scripts, which Python runs with ``bench/`` on its path.
+Ranks meet through a fresh file (``file://`` rendezvous), so no port is chosen; a bench whose ranks
+meet as under torchrun (``env://``, ``MASTER_PORT``) takes :func:`free_port`, so two benches (or
+a bench and the test suite) can run at once.
+
+Ranks are started with ``spawn`` (a fresh interpreter each, which imports torch and the library
+again: ~3 s of CPU per rank on this machine). A smoke run (``--smoke``, bench/smoke.py) forks them
+from the bench process instead, where those imports are done and no torch op has run yet, so a
+10-rank bench starts in a fraction of a second; what the ranks then run is the same
+(:func:`start_method`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -16,14 +26,37 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import smoke
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; the race window is tiny), as
+    ``tests/dist_utils.py`` picks them."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_method() -> str:
+    """How bench ranks start: ``spawn``, or ``fork`` in a smoke run (see the module doc). Before a
+    fork, the modules a capture (``wl.capture``, the Engine) imports on first use are imported here
+    once (~0.6 s of CPU), so the ranks inherit them instead of each importing them again; importing
+    runs no torch op, so the forked ranks start as clean as spawned ones."""
+    if not smoke.active():
+        return "spawn"
+    import torch._dynamo  # noqa: F401
+    import torch.fx  # noqa: F401
+    return "fork"
+
 
 def spawn_ranks(worker: Callable, args: Any, world: int) -> dict:
-    """Run ``worker(rank, init_file, args, results)`` on ``world`` spawned ranks (``init_file`` is a
+    """Run ``worker(rank, init_file, args, results)`` on ``world`` new ranks (``init_file`` is a
     fresh file for ``init_process_group``'s ``file://`` rendezvous); returns what they put in the
     shared ``results`` dict."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=world, join=True)
+        mp.start_processes(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=world, join=True,
+                           start_method=start_method())
         return dict(results)
 
 

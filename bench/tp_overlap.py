@@ -17,6 +17,7 @@ row-parallel all-reduce cannot overlap anything in this block and stays on both 
 alternate in rounds; medians are reported, with the modeled expectation of each side.
 
     .venv/bin/python bench/tp_overlap.py [--blocks 2 --tokens 256 --d 512 --steps 3 --rounds 3]
+    .venv/bin/python bench/tp_overlap.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from runtime.emulation.compute import Emulator  # noqa: E402
 from runtime.emulation.network import NetworkEmulator, price_group  # noqa: E402
 from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
@@ -122,7 +124,7 @@ def main() -> None:
     parser.add_argument("--inter-gbps", type=float, default=0.01, help="GB/s between the two hosts")
     parser.add_argument("--intra-gbps", type=float, default=1.0)
     parser.add_argument("--latency-us", type=float, default=50.0)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(blocks=1, tokens=16, d=32, steps=1, rounds=1, base_gflops=0.02))
     model = modeled_ms(args)
     print(f"tensor parallel over 2 emulated hosts: {args.blocks} column/row MLP blocks d {args.d} -> {4 * args.d}, "
           f"{args.tokens} tokens, even shards; one local matmul {model['matmul']:.1f} ms modeled, one activation "

@@ -31,6 +31,7 @@ dominates the unemulated operators, as it does for a real block on a real accele
 ratios (targets: >= 1.4x at speeds 1/0.5, ideal 1.5x; >= 0.95x at equal speeds).
 
     .venv/bin/python bench/tp_transformer.py [--steps 4 --rounds 3 --batch 2 --seq 64 --base-gflops 2]
+    .venv/bin/python bench/tp_transformer.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.emulation.compute import EmulationStats, Emulator  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 from tp_vs_dtensor import emulate_dtensor_linear  # noqa: E402
 
@@ -175,7 +177,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--mlp", type=int, default=3072)
     parser.add_argument("--base-gflops", type=float, default=2.0, help="emulated GFLOP/s of a speed-1 device")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(steps=1, rounds=1, batch=1, seq=8, dim=64, heads=4, mlp=256,
+                                         base_gflops=0.02))
 
     results = spawn_ranks(worker, args, WORLD)
 

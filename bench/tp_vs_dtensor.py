@@ -30,6 +30,7 @@ modeled time; with the hooks above they stay at zero on a quiet machine. The two
 rounds and the median step time per side is reported, to share the machine's noise fairly.
 
     .venv/bin/python bench/tp_vs_dtensor.py [--steps 10 --rounds 3 --dim 512 --batch 32 --base-gflops 1]
+    .venv/bin/python bench/tp_vs_dtensor.py --smoke   # tiny sizes, seconds: checks that it runs
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.emulation.compute import EmulationStats, Emulator  # noqa: E402
 from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from whalelike.cluster import Emulation  # noqa: E402
+from smoke import parse_args  # noqa: E402
 from timing import process_group, seconds_per_step, spawn_ranks  # noqa: E402
 
 WORLD = 2
@@ -152,7 +154,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512, help="model dimension d (hidden 4d)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--base-gflops", type=float, default=1.0, help="emulated GFLOP/s of a speed-1 device")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke=dict(steps=2, rounds=1, dim=64, batch=8, base_gflops=0.02))
 
     results = spawn_ranks(worker, args, WORLD)
 

@@ -13,10 +13,12 @@ without the network model:
 * pipeline: two ``replicate(8)`` TaskGraphs (stage 0 lands on the 32 GB devices); layers moved
   toward the faster stage by the partitioner vs equal layer counts.
 
-Run: ``.venv/bin/python bench/whale_setting.py``
+Run: ``.venv/bin/python bench/whale_setting.py`` (planner only, seconds; ``--smoke`` runs the same,
+there is nothing to shrink)
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -26,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 import planner  # noqa: E402
 from synthetic import bert_large  # noqa: E402
 from whalelike import Cluster, Config, replicate  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 
 def compare(name: str, graphs, cluster: Cluster, config: Config) -> float:
@@ -43,6 +46,7 @@ def compare(name: str, graphs, cluster: Cluster, config: Config) -> float:
 
 
 def main() -> None:
+    parse_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), smoke={})
     cluster = Cluster.preset("whale-v100-p100")
     print(f"cluster {cluster.name}: " + ", ".join(
         f"{sum(d.kind == k for d in cluster.devices)} x {k}" for k in dict.fromkeys(d.kind for d in cluster.devices)))
