@@ -13,7 +13,9 @@ costs milliseconds to tens of milliseconds. Boundaries and micro-batches that lo
 plan: the specs are put in a canonical form before planning (devices and hosts renamed in their
 sorted order, so every name comparison the planner makes comes out the same; the micro-batch's
 rows renumbered from 0 without the other micro-batches' rows between the replicas' blocks, which
-nobody holds or needs) and the plan of each canonical form is computed once and mapped back.
+nobody holds or needs: :meth:`planner.shares.layout.SampleLayout.micro_batch_rows`, the layout
+being the one owner of which rank holds which samples) and the plan of each canonical form is
+computed once and mapped back.
 
 Invariant: every :class:`BoundarySend` is a transfer of the :class:`~planner.resharding.reshard.ReshardPlan`
 that :func:`~planner.resharding.reshard.boundary_resharding` gives for the same micro-batch and strategy,
@@ -28,6 +30,7 @@ from typing import NamedTuple, Optional
 from planner.devices.network import NetworkModel
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
 from planner.resharding.spec import ShardingSpec
+from planner.shares.layout import SampleLayout
 
 FORWARD, BACKWARD = "forward", "backward"
 Resource = tuple[str, str]   # ("dev", device) | ("out", host) | ("in", host), as planner.resharding.cost
@@ -84,13 +87,14 @@ def plan_traffic(plan, network: NetworkModel, strategy: Optional[str] = None,
     by_stage: dict[int, list] = {}
     for w in plan.workers:
         by_stage.setdefault(w.stage, []).append(w)
+    rows = _Rows(plan)
     out: dict[tuple[int, str], list[Optional[BoundaryTraffic]]] = {}
     for index, boundary in enumerate(plan.boundaries):
         row_bytes = int(round(boundary.bytes_per_sample))
         if row_bytes < 1:
             out[index, FORWARD] = out[index, BACKWARD] = [None] * plan.num_micro_batch
             continue
-        mesh = _Mesh(by_stage[boundary.src_stage], by_stage[boundary.dst_stage], network)
+        mesh = _Mesh(by_stage[boundary.src_stage], by_stage[boundary.dst_stage], network, rows)
         for direction, senders, receivers in ((FORWARD, boundary.src_stage, boundary.dst_stage),
                                               (BACKWARD, boundary.dst_stage, boundary.src_stage)):
             seen: dict[tuple, BoundaryTraffic] = {}   # micro-batches that look alike share one
@@ -109,16 +113,33 @@ def plan_traffic(plan, network: NetworkModel, strategy: Optional[str] = None,
     return out
 
 
+class _Rows:
+    """Each micro-batch's rows per rank, renumbered without gaps, as the plan's
+    :class:`~planner.shares.layout.SampleLayout` (the one owner of which rank holds which samples,
+    which :func:`~planner.resharding.spec.stage_output_spec` reads too) gives them
+    (:meth:`~planner.shares.layout.SampleLayout.micro_batch_rows`): the layout is built when a
+    boundary first needs it, each micro-batch's rows when first asked for."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self._layout: Optional[SampleLayout] = None
+        self._rows: dict[int, dict[int, tuple[int, int]]] = {}
+
+    def __call__(self, m: int) -> dict[int, tuple[int, int]]:
+        if m not in self._rows:
+            if self._layout is None:
+                self._layout = SampleLayout.of(self.plan)
+            self._rows[m] = self._layout.micro_batch_rows(m)[1]
+        return self._rows[m]
+
+
 class _Mesh:
     """The two stages of a boundary in canonical form (module docstring): devices and hosts
     renamed in sorted order, the network on the renamed hosts, and each micro-batch's rows
-    renumbered without gaps. The rows follow from the sizes: in a pipeline plan micro-batch ``m``
-    is one block per replica (replicas in order), cut among a stage's slots in ``dp_index`` order,
-    every member of a tensor-parallel group holding its slot's piece (:mod:`planner.shares.layout`, whose
-    :func:`~planner.resharding.spec.stage_output_spec` boundary_resharding plans from: the tests
-    check that both give the same plans)."""
+    renumbered without gaps (``rows``, from the plan's sample layout). Micro-batches whose slots
+    have the same sizes on both sides hold the same rows, so a key is computed once per such sizes."""
 
-    def __init__(self, src_workers, dst_workers, network: NetworkModel):
+    def __init__(self, src_workers, dst_workers, network: NetworkModel, rows: _Rows):
         workers = [*src_workers, *dst_workers]
         devices = sorted({w.device for w in workers})
         hosts = sorted({w.host for w in workers})
@@ -127,10 +148,9 @@ class _Mesh:
         self.sides = []
         for side in (src_workers, dst_workers):
             slots = sorted({(w.replica, w.dp_index): w.micro_batch_sizes for w in side}.items())
-            slot_index = {slot: k for k, (slot, _) in enumerate(slots)}
             self.sides.append(([sizes for _, sizes in slots],
-                               [(device_name[w.device], host_name[w.host], slot_index[w.replica, w.dp_index])
-                                for w in side]))
+                               [(device_name[w.device], host_name[w.host], w.rank) for w in side]))
+        self.rows = rows
         self._keys: dict[tuple, tuple] = {}   # slot sizes of a micro-batch -> its key
         self.names = {v: k for k, v in device_name.items()}
         self.hosts = {w.device: w.host for w in workers}
@@ -146,14 +166,9 @@ class _Mesh:
         return self._keys[sizes]
 
     def _key(self, m: int) -> tuple:
-        out = []
-        for slot_sizes, members in self.sides:
-            pieces, cursor = [], 0
-            for sizes in slot_sizes:
-                pieces.append((cursor, cursor + sizes[m]))
-                cursor += sizes[m]
-            out.append(tuple((device, host, *pieces[slot]) for device, host, slot in members))
-        return tuple(out)
+        rows = self.rows(m)
+        return tuple(tuple((device, host, *rows[rank]) for device, host, rank in members)
+                     for _, members in self.sides)
 
 
 def _planned(key: tuple, row_bytes: int, network: NetworkModel, strategy: str, max_nodes: int) -> ReshardPlan:
