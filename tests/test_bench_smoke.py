@@ -1,0 +1,82 @@
+"""Every bench in ``bench/`` runs end to end in its smoke mode and ends with its headline.
+
+``bench/X.py --smoke`` (bench/smoke.py) runs the bench's own code path, peer and whalelike sides
+and checks included, at tiny sizes in seconds; here each runs as a user would start it: a
+subprocess of this interpreter, from the repository root, with this environment. Its figures
+mean nothing, so the test asserts only that it exits 0, that its last line is its headline (the
+line that states the ratio, in the bench's own words), and that no correctness check it prints
+failed (equal losses, exact tensors, equal padded work). The benches that start ranks pick no
+fixed port (``file://`` rendezvous, or ``bench/timing.py``'s ``free_port``), so two of these
+tests can run at once under pytest-xdist.
+
+A new bench (a ``bench/*.py`` with a ``__main__`` block) needs its headline pattern below:
+:func:`test_every_bench_has_a_smoke_test` fails until it has one.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TIMEOUT_S = 300   # a smoke run takes seconds; the rest is headroom for a machine busy with other tests
+
+_X = r"\d+\.\d\dx"   # a ratio as the benches print it: 1.49x
+HEADLINES = {        # bench: its last line (re.fullmatch)
+    "checkpoint_cost": rf"checkpoint cost: whalelike save .* ms = {_X} DDP\+DCP's, async stall .* = {_X} "
+                       rf"dcp\.async_save's \(.* steps\), load {_X}",
+    "dp_vs_ddp": rf"headline: emulated-4 {_X} = .* of the ideal {_X}; emulated-4-equal {_X} = .*; "
+                 rf"two-hosts {_X} = .* of the ideal {_X}",
+    "pipeline_comm": rf"headline: eager-1F1B \+ resharding auto is {_X} faster than 1F1B \+ send/recv .*; "
+                     r"exact: yes",
+    "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
+    "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
+    "replan_speed": r"rebalance\(\) on 8 devices, .*: median \d+\.\d ms .*takes \d+\.\dx as long \(median\)",
+    "resharding": rf"headline: broadcast is {_X} faster than send/recv .*, {_X} with 8 receivers .*",
+    "straggler_dp": rf"straggler_dp: adaptive \d+\.\d\d of ideal .*, {_X} over static, .*, losses identical",
+    "straggler_pp": rf"straggler_pp: adaptive {_X} over static .*, losses identical",
+    "straggler_tp": rf"straggler_tp chi=8: best lossless \((migrate|reshard)\) {_X} over static .*; lossless "
+                    r"runs' final losses within .* of exact",
+    "tp_overlap": rf"headline: overlapping the column-parallel input-gradient all-reduce is {_X} faster .*; "
+                  r"exact: yes",
+    "tp_transformer": rf"whalelike / DTensor speed-up: speeds 1/0\.5 {_X} .*; equal speeds {_X} .*",
+    "tp_vs_dtensor": rf"speeds 1, 0\.5 +\d+\.\d +\d+\.\d +\[\d+, \d+\] +{_X} +\d+/\d+",
+    "whale_setting": rf"headline: predicted speed-up .*: DP {_X} at 25 Gb/s, {_X} at 100 Gb/s .*, "
+                     rf"pipeline {_X} .*",
+}
+# what the benches print when a check of correctness fails (anywhere in the output)
+FAILED_CHECKS = ("LOSSES DIFFER", "losses DIFFER", "NOT every side", "exact: NO", "exact: no",
+                 "EXACTNESS FAILED", "NOTE: the sides padded different", "gradients on both sides: NO")
+# a bench starts its own ranks: rendezvous variables inherited from a launcher would make
+# dp_vs_ddp.py believe it runs under torchrun, and benches share one emulated-network ledger
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def bench_scripts() -> list[str]:
+    """The bench scripts: ``bench/*.py`` meant to be run (helpers such as timing.py are imported)."""
+    return sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+def test_every_bench_has_a_smoke_test():
+    assert bench_scripts() == sorted(HEADLINES)
+
+
+@pytest.mark.parametrize("name", sorted(HEADLINES))
+def test_bench_smoke_run_ends_with_its_headline(name):
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    run = subprocess.run([sys.executable, f"bench/{name}.py", "--smoke"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    story = f"\n--- stdout (end):\n{run.stdout[-4000:]}\n--- stderr (end):\n{run.stderr[-6000:]}"
+    assert run.returncode == 0, f"bench/{name}.py --smoke exited with {run.returncode}{story}"
+    lines = run.stdout.rstrip("\n").splitlines()
+    assert lines and lines[-1].strip(), f"bench/{name}.py --smoke printed no headline{story}"
+    assert re.fullmatch(HEADLINES[name], lines[-1]), \
+        f"bench/{name}.py --smoke: the last line is not its headline:\n{lines[-1]}{story}"
+    failed = [marker for marker in FAILED_CHECKS if marker in run.stdout]
+    assert not failed, f"bench/{name}.py --smoke: a check failed ({failed}){story}"
