@@ -8,8 +8,9 @@ re-runs the hardware-aware planner's own decisions on them, at a step boundary.
 Invariants:
 
 * **The device mapping is kept.** Every :class:`~planner.plan.Worker` keeps its rank, device,
-  host, replica, stage, data-parallel index, tensor-parallel index and group size, so every process
-  group of the plan in force stays valid. New process groups would cost seconds on NCCL (and a
+  host, replica, stage, data-parallel index, tensor-parallel index and group size (checked by
+  :func:`planner.plan.check_same_workers`, as the runtime checks a plan it is given), so every
+  process group of the plan in force stays valid. New process groups would cost seconds on NCCL (and a
   collective agreement of every rank on them); what moves instead are amounts of work: batch
   shares (no data moves), layers between adjacent movable stages (their parameters and optimizer
   state move point to point, :mod:`runtime.balance.state_transfer`) and the shard sizes of ``split``
@@ -56,7 +57,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.assemble import build_plan, predict
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
-from planner.plan import Plan, PlanError, Prediction
+from planner.plan import WORKER_MAPPING, Plan, PlanError, Prediction, check_same_workers
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
 from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
 from planner.shares.stage_shards import stage_shardable
@@ -64,7 +65,7 @@ from planner.devices.placement import Layout, StageShape
 
 log = logging.getLogger(__name__)
 
-MAPPING = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
+MAPPING = WORKER_MAPPING   # what a re-plan keeps of every worker (planner.plan.check_same_workers)
 KINDS = ("shares", "layers", "shards")
 
 
@@ -141,7 +142,11 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     if decisions.stage_layers == old_layers:
         solver, gap = plan.solver, plan.optimality_gap
     new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
-    _check_mapping(plan, new, cluster)
+    try:
+        check_same_workers(plan, new, "rebalance")
+    except PlanError as e:
+        raise PlanError(f"{e}; here the plan's ranks do not follow cluster {cluster.name!r}'s device order: re-plan "
+                        "with planner.plan on this cluster") from None
     in_force = _in_force(plan, graphs, measured, config, layout, old_layers, old_shards)
     naive = predict(build_plan(graphs, measured, config, naive_decisions(graphs, config, layout)), measured)
     return Replan(dataclasses.replace(new, naive_prediction=naive), in_force, tuple(kept))
@@ -254,11 +259,7 @@ class PlanChanges:
 def plan_changes(old: Plan, new: Plan) -> PlanChanges:
     """Shares, layer moves and shard sizes that differ from ``old`` to ``new``, two plans of one
     job with the same workers (as :func:`rebalance` makes them). Raises PlanError otherwise."""
-    if len(old.workers) != len(new.workers) or any(
-            [getattr(a, f) for f in MAPPING] != [getattr(b, f) for f in MAPPING]
-            for a, b in zip(old.workers, new.workers)) or len(old.stages) != len(new.stages):
-        raise PlanError("plan_changes compares re-plans of one job: the two plans have different workers or "
-                        "stages (rank, device, replica, stage, dp/tp index); compare a plan with rebalance() of it")
+    check_same_workers(old, new, "plan_changes compares re-plans of one job (compare a plan with rebalance() of it)")
     shares = tuple(ShareChange(a.rank, tuple(a.micro_batch_sizes), tuple(b.micro_batch_sizes))
                    for a, b in zip(old.workers, new.workers) if a.micro_batch_sizes != b.micro_batch_sizes)
     owner_old = {i: st.index for st in old.stages for i in st.layers}
@@ -346,13 +347,3 @@ def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) ->
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
                            shards=old_shards, sizes=_plan_sizes(plan, layout))
     return predict(build_plan(graphs, measured, config, kept), measured)
-
-
-def _check_mapping(old: Plan, new: Plan, cluster: Cluster) -> None:
-    for a, b in zip(old.workers, new.workers):
-        if [getattr(a, f) for f in MAPPING] != [getattr(b, f) for f in MAPPING]:
-            raise PlanError(
-                f"rebalance: rank {a.rank} would move from {a.device!r} (replica {a.replica}, stage {a.stage}, "
-                f"dp {a.dp_index}, tp {a.tp_index}) to {b.device!r} (replica {b.replica}, stage {b.stage}, "
-                f"dp {b.dp_index}, tp {b.tp_index}): the plan's ranks do not follow cluster {cluster.name!r}'s "
-                "device order; re-plan with planner.plan on this cluster")
