@@ -3,11 +3,18 @@
 :class:`PlanError` is a :class:`whalelike.errors.SpecError` (a user-facing error the CLI prints as
 one line): a plan cannot be made, or a plan (file) is inconsistent or made for another model or
 cluster. ``planner.PlanError`` and ``planner.plan.PlanError`` are this class.
+:class:`GlobalBatchError` is a batch handed to a whole-global-batch step that is not a global batch
+of the plan (:func:`planner.shares.layout.check_global_batch`).
 """
 from __future__ import annotations
 
-from whalelike.errors import SpecError
+from whalelike.errors import SpecError, WhaleError
 
 
 class PlanError(SpecError):
     """A plan cannot be made, or a plan (file) is inconsistent or made for another model/cluster."""
+
+
+class GlobalBatchError(WhaleError, ValueError):
+    """A batch's sample count is not the plan's ``global_batch_size`` (a user-facing error, and a
+    ValueError: the batch is a bad argument)."""

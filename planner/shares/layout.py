@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from planner.errors import PlanError
+from planner.errors import GlobalBatchError, PlanError
 from planner.shares.batch_shares import LARGEST_REMAINDER, proportional_shares
 
 if TYPE_CHECKING:   # the types alone: planner.plan imports this module through planner.summary (Plan.summary)
@@ -69,6 +69,21 @@ def proportional_split(n: int, weights: Sequence[float]) -> list[int]:
         out[donor] -= 1
         out[i] += 1
     return out
+
+
+def check_global_batch(plan: Plan, n: int, where: str, what: str = "the batch") -> None:
+    """A step that takes whole global batches needs ``plan.global_batch_size`` samples: every rank
+    holds all of them and takes its part by this layout. Raises :class:`~planner.errors.GlobalBatchError`
+    starting with ``where`` (e.g. ``"rank 1, step 3"``) and naming ``what`` (``"the batch"``,
+    ``"input 0"``, ``"targets"``) with its size, the plan's shares and the fix."""
+    gbs = plan.global_batch_size
+    if n == gbs:
+        return
+    shares = [w.batch_share for w in plan.workers if w.stage == 0 and w.tp_index == 0]
+    raise GlobalBatchError(
+        f"{where}: {what} has {n} samples but the plan's shares {shares} need global_batch_size={gbs}; pass "
+        f"whole global batches (DataLoader(batch_size={gbs}, drop_last=True)) or use runtime.data.UnevenLoader"
+    )
 
 
 def batch_split(n: int, shares: Sequence[int]) -> list[int]:
