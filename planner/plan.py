@@ -44,8 +44,6 @@ MAX_FILE_WHY = "room for 16,384 workers; YAML this large takes minutes and GiBs 
 
 
 MS = "ms, predicted"
-# What a re-plan never changes about a worker (check_same_workers): its process, device and groups
-WORKER_MAPPING = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
 
 
 @dataclass
@@ -193,23 +191,3 @@ class Plan:
         ``cluster`` (its link figures), also the resharding chosen for each stage boundary
         (:func:`planner.summary.plan_summary`)."""
         return plan_summary(self, cluster)
-
-
-def check_same_workers(old: Plan, new: Plan, who: str) -> None:
-    """A re-plan keeps every worker where it is: ``new`` has ``old``'s workers and stages, and each
-    worker its rank, device, host, replica, stage, ``dp_index``, ``tp_index`` and ``tp_size``
-    (:data:`WORKER_MAPPING`), so every process group stays valid; only amounts of work change.
-
-    Raises :class:`PlanError` starting with ``who`` (the caller, e.g. ``"Engine.apply_plan"``) and
-    naming the first worker and field that differ with both values (``old``'s is "the running one").
-    """
-    if len(old.workers) != len(new.workers) or len(old.stages) != len(new.stages):
-        raise PlanError(f"{who}: the new plan has {len(new.workers)} workers in {len(new.stages)} stages, the running "
-                        f"one {len(old.workers)} in {len(old.stages)}; a re-plan keeps the workers (restart the job "
-                        "with the new plan to change them)")
-    for a, b in zip(old.workers, new.workers):
-        for name in WORKER_MAPPING:
-            if getattr(a, name) != getattr(b, name):
-                raise PlanError(f"{who}: plan.workers[{a.rank}].{name} is {getattr(b, name)!r} in the new plan, "
-                                f"{getattr(a, name)!r} in the running one; a re-plan keeps every worker's device, "
-                                "stage and groups (restart the job with the new plan to change them)")

@@ -1,4 +1,5 @@
-"""Consistency checks of a :class:`~planner.plan.Plan`, alone and against a model and a cluster.
+"""Consistency checks of a :class:`~planner.plan.Plan`, alone and against a model and a cluster, and
+of a re-plan against the plan in force (:func:`check_same_workers`).
 
 A plan file may be edited by hand or come from another run; every rule the runtime relies on is
 checked here, before any process starts, and the first broken one is reported with the path of the
@@ -22,6 +23,9 @@ from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
 
 if TYPE_CHECKING:   # the type alone: planner.plan imports this module (Plan.validate runs these checks)
     from planner.plan import Plan
+
+# What a re-plan never changes about a worker (check_same_workers): its process, device and groups
+WORKER_MAPPING = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
 
 
 def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
@@ -279,6 +283,26 @@ def check_cluster(plan: Plan, cluster) -> None:
                 f"{before.device!r} in cluster {cluster.name!r}; ranks must follow the cluster's device order "
                 "(torchrun numbers processes host by host, each on its local device LOCAL_RANK)"
             )
+
+
+def check_same_workers(old: Plan, new: Plan, who: str) -> None:
+    """A re-plan keeps every worker where it is: ``new`` has ``old``'s workers and stages, and each
+    worker its rank, device, host, replica, stage, ``dp_index``, ``tp_index`` and ``tp_size``
+    (:data:`WORKER_MAPPING`), so every process group stays valid; only amounts of work change.
+
+    Raises :class:`PlanError` starting with ``who`` (the caller, e.g. ``"Engine.apply_plan"``) and
+    naming the first worker and field that differ with both values (``old``'s is "the running one").
+    """
+    if len(old.workers) != len(new.workers) or len(old.stages) != len(new.stages):
+        raise PlanError(f"{who}: the new plan has {len(new.workers)} workers in {len(new.stages)} stages, the running "
+                        f"one {len(old.workers)} in {len(old.stages)}; a re-plan keeps the workers (restart the job "
+                        "with the new plan to change them)")
+    for a, b in zip(old.workers, new.workers):
+        for name in WORKER_MAPPING:
+            if getattr(a, name) != getattr(b, name):
+                raise PlanError(f"{who}: plan.workers[{a.rank}].{name} is {getattr(b, name)!r} in the new plan, "
+                                f"{getattr(a, name)!r} in the running one; a re-plan keeps every worker's device, "
+                                "stage and groups (restart the job with the new plan to change them)")
 
 
 def _some(names: list[str], shown: int = 8) -> str:

@@ -9,7 +9,7 @@ Invariants:
 
 * **The device mapping is kept.** Every :class:`~planner.plan.Worker` keeps its rank, device,
   host, replica, stage, data-parallel index, tensor-parallel index and group size (checked by
-  :func:`planner.plan.check_same_workers`, as the runtime checks a plan it is given), so every
+  :func:`planner.plan_checks.check_same_workers`, as the runtime checks a plan it is given), so every
   process group of the plan in force stays valid. New process groups would cost seconds on NCCL (and a
   collective agreement of every rank on them); what moves instead are amounts of work: batch
   shares (no data moves), layers between adjacent movable stages (their parameters and optimizer
@@ -57,7 +57,8 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.assemble import build_plan, predict
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
-from planner.plan import WORKER_MAPPING, Plan, PlanError, Prediction, check_same_workers
+from planner.plan import Plan, PlanError, Prediction
+from planner.plan_checks import WORKER_MAPPING, check_same_workers
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
 from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
 from planner.shares.stage_shards import stage_shardable
@@ -65,7 +66,7 @@ from planner.devices.placement import Layout, StageShape
 
 log = logging.getLogger(__name__)
 
-MAPPING = WORKER_MAPPING   # what a re-plan keeps of every worker (planner.plan.check_same_workers)
+MAPPING = WORKER_MAPPING   # what a re-plan keeps of every worker (planner.plan_checks.check_same_workers)
 KINDS = ("shares", "layers", "shards")
 
 
