@@ -62,6 +62,8 @@ import torch
 import torch.nn as nn
 
 from planner.plan import Plan, PlanError, Worker
+from planner.plan_checks import check_same_workers
+from planner.shares.layout import check_global_batch
 from runtime import distributed, guards
 from runtime.data import Share
 from runtime.parallel.data_parallel import DataParallelExecutor
@@ -285,7 +287,7 @@ class Engine:
         when nothing had to move."""
         from runtime.balance.state_transfer import switch_executor
 
-        _check_same_workers(self.plan, plan)
+        check_same_workers(self.plan, plan, "Engine.apply_plan")
         plan.validate(graphs=self.graphs, cluster=self.cluster)
         if self.executor is None:
             self.plan, self.worker = plan, plan.worker(self.rank)
@@ -309,7 +311,7 @@ class Engine:
         (:mod:`runtime.balance.migration`); collective. Replaces a migration already running."""
         from runtime.balance.migration import MigratingExecutor
 
-        _check_same_workers(self.plan, compute_plan)
+        check_same_workers(self.plan, compute_plan, "Engine.start_migration")
         compute_plan.validate(graphs=self.graphs, cluster=self.cluster)
         self.stop_migration()
         context = dataclasses.replace(self._context, plan=compute_plan, worker=compute_plan.worker(self.rank))
@@ -395,14 +397,7 @@ class Engine:
         return tuple(move(x) for x in inputs), move(targets)
 
     def _check_batch(self, targets: torch.Tensor) -> None:
-        n = targets.shape[0] if targets.dim() > 0 else 0
-        if n != self.plan.global_batch_size:
-            shares = [w.batch_share for w in self.plan.workers]
-            raise WhaleError(
-                f"rank {self.rank}, step {self.step}: the batch has {n} samples but the plan's shares "
-                f"{shares} need global_batch_size={self.plan.global_batch_size}; pass whole global batches "
-                f"(DataLoader(batch_size={self.plan.global_batch_size}, drop_last=True)) or use runtime.data.UnevenLoader"
-            )
+        check_global_batch(self.plan, targets.shape[0] if targets.dim() > 0 else 0, f"rank {self.rank}, step {self.step}")
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` after recording that this rank entered one more collective of this step
@@ -441,21 +436,6 @@ def _sum_alone(vector: torch.Tensor) -> None:
         vector.copy_(moved.cpu())
     else:
         dist.all_reduce(vector)
-
-
-def _check_same_workers(old: Plan, new: Plan) -> None:
-    """A re-plan may change amounts of work, never who runs what (no process group changes)."""
-    fields = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
-    if len(old.workers) != len(new.workers) or len(old.stages) != len(new.stages):
-        raise PlanError(f"Engine.apply_plan: the new plan has {len(new.workers)} workers in {len(new.stages)} stages, "
-                        f"the plan in force {len(old.workers)} in {len(old.stages)}; a re-plan keeps the workers "
-                        "(restart the job with the new plan to change them)")
-    for a, b in zip(old.workers, new.workers):
-        for f in fields:
-            if getattr(a, f) != getattr(b, f):
-                raise PlanError(f"Engine.apply_plan: worker {a.rank}'s {f} is {getattr(a, f)!r} in the plan in force "
-                                f"but {getattr(b, f)!r} in the new plan; a re-plan keeps every worker's device, stage "
-                                "and groups (restart the job with the new plan to change them)")
 
 
 def _preset(plan: Plan) -> Cluster:

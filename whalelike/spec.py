@@ -294,9 +294,14 @@ class Reader:
         self.values_left = MAX_VALUES
 
     def spend(self, path: str, count: int = 1) -> None:
+        """Count ``count`` values read at ``path``; past :data:`MAX_VALUES`, fail naming the
+        outermost list element being read (``plan.workers[108]``, not a field inside it: where the
+        budget runs out inside an element depends only on how many fields a record has, while the
+        element is where a repeated alias sits)."""
         self.values_left -= count
         if self.values_left < 0:
-            raise self.fail(f"{path}: the data holds more than {MAX_VALUES:,} values, more than any spec needs; "
+            element = path[:path.index("]") + 1] if "]" in path else path
+            raise self.fail(f"{element}: the data holds more than {MAX_VALUES:,} values, more than any spec needs; "
                             "YAML aliases (*name) repeat what an anchor (&name) marks, check where they are used")
 
     def fail(self, message: str) -> Exception:

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from planner.shares.layout import SampleLayout
+from planner.shares.layout import SampleLayout, check_global_batch
 from planner.plan import Plan, PlanError
+from planner.plan_checks import check_same_workers
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
@@ -89,7 +90,7 @@ class DataParallelExecutor:
         groups) whose micro-batch sizes, hence shares, may differ. Pure bookkeeping (no data moves,
         DDP is kept); every rank of the group must adopt the same plan at the same step boundary.
         Raises :class:`planner.plan.PlanError` naming what differs for any other plan."""
-        _check_same_workers(self.plan, plan)
+        check_same_workers(self.plan, plan, "set_plan")
         if plan.sync_batchnorm != self.plan.sync_batchnorm:
             raise PlanError(f"set_plan: sync_batchnorm is {plan.sync_batchnorm} in the new plan, "
                             f"{self.plan.sync_batchnorm} in the running one; that needs a new executor")
@@ -123,10 +124,7 @@ class DataParallelExecutor:
         """Forward and backward of this rank's share of the global batch (gradients summed over the
         group, scaled to the global-batch mean); returns the global-mean loss, equal on every rank."""
         n = targets.shape[0]
-        if n != self.global_batch_size:
-            raise ValueError(f"rank {self.rank}: the batch has {n} samples but the plan's shares sum to "
-                             f"global_batch_size={self.global_batch_size} ({self.shares}); pass whole global "
-                             f"batches (DataLoader(drop_last=True)) or a runtime.data.Share from UnevenLoader")
+        check_global_batch(self.plan, n, f"rank {self.rank}")
         lo, hi = self.layout.split(n, self.rank)
         return self.train_share(Share(*slice_batch(inputs, targets, lo, hi), global_size=n))
 
@@ -201,22 +199,6 @@ class DataParallelExecutor:
         if n == 0:
             return sum(t.sum() for t in _tensors(outputs)) * 0.0
         return self.loss_fn(outputs, targets) * (n / global_size)
-
-
-_WORKER_FIELDS = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
-
-
-def _check_same_workers(old: Plan, new: Plan) -> None:
-    """Raise :class:`PlanError` naming the first worker field that differs between the plans."""
-    if new.world_size != old.world_size:
-        raise PlanError(f"set_plan: the new plan has {new.world_size} workers, the running one {old.world_size}; "
-                        f"a plan of other workers needs a new executor")
-    for a, b in zip(old.workers, new.workers):
-        for name in _WORKER_FIELDS:
-            if getattr(a, name) != getattr(b, name):
-                raise PlanError(f"set_plan: plan.workers[{a.rank}].{name} is {getattr(b, name)!r} in the new plan, "
-                                f"{getattr(a, name)!r} in the running one; only micro_batch_sizes may change "
-                                f"(a plan of other workers or groups needs a new executor)")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

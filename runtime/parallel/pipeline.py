@@ -84,7 +84,7 @@ import torch.nn as nn
 from planner.devices.network import NetworkModel
 from planner.plan import Plan
 from planner.schedule.actions import Action, build_schedule, gradient_accumulation
-from planner.shares.layout import SampleLayout
+from planner.shares.layout import SampleLayout, check_global_batch
 from runtime.emulation.compute import Emulator
 from runtime.parallel.boundaries import BoundaryExchange
 from runtime.parallel.held_state import NamedState
@@ -222,9 +222,7 @@ class PipelineExecutor:
     def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         for i, x in enumerate((*inputs, targets)):
-            if x.shape[0] != self.plan.global_batch_size:
-                raise PipelineError(f"rank {self.rank}: {'targets' if i == len(inputs) else f'input {i}'} has batch "
-                                    f"{x.shape[0]}, the plan's global_batch_size is {self.plan.global_batch_size}")
+            check_global_batch(self.plan, x.shape[0], f"rank {self.rank}", "targets" if i == len(inputs) else f"input {i}")
         specs = self._value_specs(inputs)
         state = _StepState(self.stage_worker.device, self.stage_worker.loss_dtype)
         for step, action in enumerate(actions):
