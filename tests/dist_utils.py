@@ -12,7 +12,7 @@ Usage (from a test module in ``tests/``; pytest puts this directory on ``sys.pat
         results = run_ranks(_check, 4, args=(0.1,))   # list indexed by rank; raises if any rank failed
         assert_close(results[0]["loss"], results[3]["loss"])
 
-Each rank is a fresh ``spawn`` process with the environment ``torchrun`` would give it
+Each rank is a fresh process with the environment ``torchrun`` would give it
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a
 free port), so code that initialises the process group itself (``runtime.Engine``) runs exactly as
 under torchrun: pass ``init_process_group=False`` for that. Otherwise the harness initialises the
@@ -24,6 +24,14 @@ others time out with a clear message). Here every rank runs to completion or to 
 :func:`spawn_ranks` returns one :class:`RankOutcome` per rank (value, error, exit code) so a test can
 assert on each; :func:`run_ranks` is the strict form that raises :class:`RanksFailed` listing every
 failed rank's traceback.
+
+Why a forkserver and not ``spawn``: a spawned rank imports torch, transformers and the library
+anew, seconds of CPU each, and the suite starts over a hundred ranks. The forkserver (one per test
+process, started on first use) imports them once (:data:`PRELOAD`) and never runs a tensor op or a
+collective, so every rank is still a fresh process with no torch thread pools, no process group
+and no state from other tests; it only starts with the modules imported. Each rank takes exactly
+its launcher's environment at launch (the server's own, from its start, is replaced), as a spawned
+process would.
 
 Results travel back as ``torch.save`` bytes rather than as tensors through a torch queue, so a
 rank may exit right after returning without invalidating shared-memory handles.
@@ -43,6 +51,23 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+# imported once by the forkserver, so ranks start with them loaded (a module missing here is skipped
+# by the server and imported by the rank as usual)
+PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoint", "torch.nn.parallel",
+           "transformers", "whalelike", "planner", "runtime", "runtime.engine", "runtime.parallel.pipeline",
+           "runtime.checkpoint", "dist_utils", "reference"]
+
+
+def _context():
+    """The forkserver context, its server started (with :data:`PRELOAD`) before any environment
+    change of a launch, so the server's environment is the test process's own."""
+    from multiprocessing import forkserver
+
+    ctx = std_mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    return ctx
 
 
 @dataclass
@@ -104,7 +129,7 @@ def spawn_ranks(
     ``env`` adds environment variables to every rank; ``OMP_NUM_THREADS`` defaults to 1 (several
     ranks share few cores).
     """
-    ctx = std_mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     base_env = {
         "MASTER_ADDR": "127.0.0.1",
@@ -114,22 +139,17 @@ def spawn_ranks(
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
+    environment = {**os.environ, **base_env}   # each rank's, exactly (see _rank_main)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, args, init_process_group, backend, pg_timeout_s, queue),
+            args=(fn, rank, world_size, args, init_process_group, backend, pg_timeout_s, queue, environment),
             daemon=False,
         )
         for rank in range(world_size)
     ]
-    saved = dict(os.environ)
-    try:  # a spawned child copies the parent's environment at start, before it imports torch
-        os.environ.update(base_env)
-        for p in procs:
-            p.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    for p in procs:
+        p.start()
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
     reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
@@ -167,8 +187,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), **kwarg
     return [o.value for o in outcomes]
 
 
-def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue, environment) -> None:
+    # the launcher's environment at launch, not the forkserver's from its start
+    os.environ.clear()
+    os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():   # torch is imported already: apply it here
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         if init_pg:
             if backend == "nccl":
