@@ -88,7 +88,7 @@ class DataParallelExecutor:
     def set_plan(self, plan: Plan) -> None:
         """Adopt ``plan`` from the next step on: a plan of the same workers (ranks, devices, hosts,
         groups) whose micro-batch sizes, hence shares, may differ. Pure bookkeeping (no data moves,
-        DDP is kept); every rank of the group must adopt the same plan at the same step boundary.
+        the replica sync is kept); every rank of the group must adopt the same plan at the same step boundary.
         Raises :class:`planner.plan.PlanError` naming what differs for any other plan."""
         check_same_workers(self.plan, plan, "set_plan")
         if plan.sync_batchnorm != self.plan.sync_batchnorm:

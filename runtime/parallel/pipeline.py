@@ -1,5 +1,10 @@
 """Pipeline execution of a multi-stage Plan: one stage per rank, the Plan's schedule, exact gradients.
 
+This executor owns the pipeline (the schedule, the micro-batches and their samples, the boundary
+exchanges, the step's loss); what this rank runs of its stage (module, sharding, replica sync,
+tied weights, BatchNorm sync, compute segments, backward) is a
+:class:`runtime.parallel.stage_worker.StageWorker`.
+
 Why not ``torch.distributed.pipelining``: its stages exchange whole micro-batches between exactly
 one rank per stage and every micro-batch has the same size. A whalelike Plan gives each worker of
 a stage its own, uneven, share of every micro-batch (faster devices take more samples), and stages
@@ -33,15 +38,15 @@ by peer and tag) and NCCL (by order) agree.
 
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.compute.Emulator` (stage FLOPs per sample times samples), outside every
-send and receive; the DDP all-reduce of the last backward overlaps it bucket by bucket
-(:mod:`runtime.parallel.data_parallel`). On an emulated network, sends and receives carry their modeled
+send and receive (:class:`runtime.parallel.stage_worker.StageWorker` opens them); the replica
+sync's all-reduce of the last backward overlaps it bucket by bucket (:mod:`runtime.parallel.ddp_sync`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
 time (:mod:`runtime.emulation.network`).
 
 Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
 half of backward covering the backward's sends): each B computes the received values' gradients,
 posts their sends, then the parameters' gradients (:mod:`runtime.parallel.split_backward`; the last B arms
-DDP's reducer before both halves and its all-reduce fires in the weight half). Emulated as two
+the replica sync before both halves, and DDP's all-reduce fires in the weight half). Emulated as two
 segments that split the stage's backward FLOPs (``_input_share``: half each, none for the input
 half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
 stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
@@ -53,8 +58,8 @@ stage's Linears are swapped for uneven parallel ones (:class:`runtime.tensor.sha
 and, on the last stage, a class-sharded classifier feeds the sharded cross-entropy. Boundary values
 and their gradients are full on every member, so any member may send them (the resharding plan
 picks, balancing sender hosts) and every member receives them; only ``tp_index`` 0 adds to the
-reported loss, and DDP syncs each shard over the workers
-holding the same shard. Emulation pads such a stage matmul by matmul (segments must not span the
+reported loss, and the replica sync keeps each shard in step over the workers holding the same
+shard. Emulation pads such a stage matmul by matmul (segments must not span the
 tensor-parallel collectives); its other operators run unpadded.
 
 Tied parameters (one ``nn.Parameter`` used by several stages, GPT-2's embedding and head): after the

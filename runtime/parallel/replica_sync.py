@@ -86,7 +86,7 @@ class AloneSync:
         return nullcontext()
 
     def arm(self, roots: Sequence[torch.Tensor]) -> None:
-        pass
+        """Nothing to arm: no collective follows this worker's backward."""
 
     def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self._passenger = (tensor, fill)
