@@ -23,6 +23,9 @@ RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest 
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.parallel.replica_sync
 # builds each): DDP today
 REPLICA_SYNCS = ("ddp",)
+# training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or
+# autocast to bfloat16 / float16 with float32 master weights and optimizer state (fp16 with a loss scaler)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
