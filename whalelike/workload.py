@@ -3,11 +3,18 @@
 The CLI's ``MODEL`` argument is ``path/to/file.py:factory``; ``factory()`` takes no arguments and
 returns a :class:`Workload` (or a ``(model, example_args)`` tuple, enough for ``inspect`` and
 ``plan``). ``example_args`` is a tuple of tensors whose first dimension is the batch.
+
+A language model that takes one tensor of token ids and predicts the next token at every position
+may say so with ``vocab_size`` (and ``seq_len``, the window length it was built and planned for):
+then ``examples/train.py --data FILE`` can train it on a text file (``runtime.text_data``), byte by
+byte (token ids 0-255, so ``vocab_size`` must be at least 256) or through ``tokenizer`` (a callable
+from the file's text to a sequence of token ids below ``vocab_size``). Other workloads leave the
+three fields ``None``; nothing else reads them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,6 +31,11 @@ class Workload:
     loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
     # make_batch(num_samples, generator) -> (inputs tuple, targets) for training and benchmarks
     make_batch: Optional[Callable[[int, torch.Generator], tuple[tuple, torch.Tensor]]] = None
+    # a next-token language model on token ids (see the module docstring): its vocabulary, the
+    # sequence length it was built for, and optionally text -> token ids (default: the bytes)
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    tokenizer: Optional[Callable[[str], Sequence[int]]] = None
 
 
 def as_workload(obj: Any, origin: str) -> Workload:
@@ -42,4 +54,12 @@ def as_workload(obj: Any, origin: str) -> Workload:
         raise WhaleError(f"{origin}: Workload.model must be an nn.Module, got {type(workload.model).__name__}")
     if not isinstance(workload.example_args, tuple):
         workload.example_args = (workload.example_args,)
+    for name in ("vocab_size", "seq_len"):
+        value = getattr(workload, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise WhaleError(f"{origin}: Workload.{name} must be a positive int (or None: not a language model), "
+                             f"got {value!r}")
+    if workload.tokenizer is not None and not callable(workload.tokenizer):
+        raise WhaleError(f"{origin}: Workload.tokenizer must be a callable from text to token ids, "
+                         f"got {type(workload.tokenizer).__name__}")
     return workload
