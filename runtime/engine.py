@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
@@ -70,6 +71,10 @@ from runtime.parallel.data_parallel import DataParallelExecutor
 from runtime.emulation.compute import EmulationStats, Emulator
 from runtime.groups import PlanGroups, build_groups
 from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
+from runtime.training.clipping import GlobalGradNorm, check_max_norm
+from runtime.training.memory_meter import MemoryMeter
+from runtime.training.precision import PlanLossScaler, Precision
+from runtime.training.schedules import build_scheduler
 from whalelike.cluster import Cluster
 from whalelike.errors import WhaleError
 from whalelike.graphs.taskgraph import TaskGraphs
@@ -100,6 +105,7 @@ class ExecutorContext:
     emulator: Emulator
     device: torch.device
     cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.parallel.boundaries)
+    scaler: Optional[PlanLossScaler] = None   # fp16's loss scale, applied where the executors weight the loss
 
 
 def plan_kind(plan: Plan) -> str:
@@ -110,7 +116,8 @@ def plan_kind(plan: Plan) -> str:
 
 def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
     flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
-    return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops)
+    return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
+                                scaler=ctx.scaler)
 
 
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
@@ -122,7 +129,8 @@ def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
     return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
-                            network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None)
+                            network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
+                            scaler=ctx.scaler)
 
 
 _BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
@@ -156,7 +164,12 @@ class StepStats:
     flops: float = 0.0              # FLOPs of the step's compute segments (what the monitor divides by time)
     approximate: bool = False       # the step ran with ZERO-resizing (runtime.balance.rebalance policies semi/resize)
     plan_version: int = 0           # how many re-plans were in force before this step
-    skipped: bool = False           # the loss was NaN or inf and on_nonfinite="skip" dropped the update
+    skipped: bool = False           # no update: a NaN or inf loss or gradient norm (on_nonfinite="skip"), or an fp16 overflow
+    overflow: bool = False          # fp16: some rank's gradients overflowed; every rank skipped and halved the scale
+    grad_norm: Optional[float] = None   # the whole model's gradient norm before clipping (with clip_grad_norm)
+    loss_scale: Optional[float] = None  # fp16: the scale the step's backward used
+    lr: Optional[float] = None      # the first param group's learning rate the step used
+    peak_memory_bytes: Optional[int] = None   # this rank's measured peak (runtime.training.memory_meter)
 
 
 class Engine:
@@ -177,18 +190,40 @@ class Engine:
     the step, ``StepStats.skipped`` and :attr:`skipped_steps`). ``batch_check_every``: compare the
     ranks' whole-global batches at the first step and every that many steps (0: never), raising
     :class:`runtime.guards.BatchMismatchError` when a rank's batch differs from rank 0's.
+
+    The training recipe (:mod:`runtime.training`): ``precision`` ``"fp32"``, ``"bf16"`` or
+    ``"fp16"`` (default: the plan's; autocast with float32 master state, fp16 with a loss scaler
+    whose overflow decision is one for every rank, :mod:`runtime.training.precision`);
+    ``clip_grad_norm``: clip the whole model's gradient to this global norm before each optimizer
+    step (:mod:`runtime.training.clipping`; the norm is in ``StepStats.grad_norm``); ``scheduler``:
+    a factory ``optimizer -> LR scheduler``, stepped after every optimizer step that happened and
+    saved in checkpoints (:mod:`runtime.training.schedules`); ``measure_memory``: record each
+    step's peak memory in ``StepStats.peak_memory_bytes`` (default: on GPUs; on CPU it costs a
+    dispatch-mode tracker, :mod:`runtime.training.memory_meter`).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
                  loss_fn: Optional[Callable] = None, cluster: Optional[Cluster] = None,
                  example_args: Any = None, timeout_s: float = 300.0,
                  balance: "BalanceConfig | str | None" = None, on_nonfinite: str = "raise",
-                 batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY):
+                 batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY, precision: Optional[str] = None,
+                 clip_grad_norm: Optional[float] = None, scheduler: Optional[Callable] = None,
+                 measure_memory: Optional[bool] = None):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
         timeout_s = guards.check_timeout(timeout_s)
         guards.check_options(on_nonfinite, batch_check_every)
+        self.precision = Precision(plan.precision if precision is None else precision)
+        if self.precision.name != plan.precision:
+            log.warning("runtime.Engine(precision=%r) runs a plan made for %s: its shares and memory were priced "
+                        "at %s rates (plan with --precision %s to price it for what runs)", self.precision.name,
+                        plan.precision, plan.precision, self.precision.name)
+        self.clip_grad_norm = check_max_norm(clip_grad_norm)
+        if scheduler is not None and not callable(scheduler):
+            raise WhaleError(f"runtime.Engine(scheduler=...) must be a factory optimizer -> LR scheduler, got "
+                             f"{scheduler!r}")
+        self._make_scheduler = scheduler
         self.on_nonfinite, self.batch_check_every = on_nonfinite, batch_check_every
         self.skipped_steps: list[int] = []     # steps whose update on_nonfinite="skip" dropped
         balance = BalanceConfig.of(balance)
@@ -201,7 +236,12 @@ class Engine:
         self.worker = plan.worker(self.rank)
         self.emulator = Emulator.for_device(self.cluster, self.worker.device, self.rank)
         self.device = distributed.device()
+        self.precision.check_device(self.device)
         self.model.to(self.device)
+        self.meter = MemoryMeter(self.device, measure_memory)
+        self.scaler = PlanLossScaler(self.device) if self.precision.scales_loss else None
+        self.scheduler = None
+        self._clipper: Optional[tuple[Any, GlobalGradNorm]] = None   # (the executor it was built for, it)
         self.groups = build_groups(plan, self.rank, timeout_s)
         self.progress = distributed.Progress(self.rank, plan.world_size, timeout_s, self.emulator.busy_for)
         self._make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -237,42 +277,88 @@ class Engine:
         self.emulator.step = self.step
         before = self.emulator.stats.snapshot()
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        # the straggler monitor's figures ride in the all-reduce that ends the step (executors with
-        # a ``passenger`` slot sum it there); a step without one sums it on its own
-        passenger = self.rebalancer.passenger(self.step, lambda: self.emulator.stats.since(before))
-        carries = hasattr(self.executor, "passenger")
-        if carries:
-            self.executor.passenger = passenger
-        loss = self._collective(
-            lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
-            else self.executor.train_step(inputs, targets))
-        if carries:
-            self.executor.passenger = None
-        if passenger is not None and not passenger.carried:
-            passenger.fill()
-            self._collective(lambda: _sum_alone(passenger.vector))
-        # the loss is the global mean, equal on every rank: every rank decides alike, no collective
-        skipped = not guards.is_finite(loss)
-        if skipped and self.on_nonfinite == "raise":
-            raise guards.nonfinite_error(loss, self.step, self.rank)
-        if skipped:
+        with self.meter.step([self.executor_module()], self.optimizer):
             self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps.append(self.step)
-            log.warning("rank %d, step %d: the loss is %s; skipped the step on every rank (no optimizer step, "
-                        "gradients dropped; on_nonfinite='skip'), %d skipped so far", self.rank, self.step,
-                        guards.loss_text(loss), len(self.skipped_steps))
-        else:
-            self.optimizer.step()
-            self.rebalancer.after_optimizer_step()
+            # the straggler monitor's figures ride in the all-reduce that ends the step (executors with
+            # a ``passenger`` slot sum it there); a step without one sums it on its own
+            passenger = self.rebalancer.passenger(self.step, lambda: self.emulator.stats.since(before))
+            carries = hasattr(self.executor, "passenger")
+            if carries:
+                self.executor.passenger = passenger
+            scale = self.scaler.current() if self.scaler is not None else None
+            with self.precision.autocast(self.device):
+                loss = self._collective(
+                    lambda: self.executor.train_share(Share(inputs, targets, share.global_size)) if share is not None
+                    else self.executor.train_step(inputs, targets))
+            if carries:
+                self.executor.passenger = None
+            if passenger is not None and not passenger.carried:
+                passenger.fill()
+                self._collective(lambda: _sum_alone(passenger.vector))
+            outcome = self._optimizer_step(loss)
         em = self.emulator.stats.since(before)
-        self._record(time.perf_counter() - start, em, skipped)
+        self._record(time.perf_counter() - start, em, outcome, scale)
         # the step boundary: the plan may change (collective, part of this step: a rank that never
         # starts the next one must not be reported as having begun it)
         carried = passenger.vector if passenger is not None else None
         self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
         self.step += 1
         return loss
+
+    def _optimizer_step(self, loss: torch.Tensor) -> "_Outcome":
+        """Unscale (fp16), clip, step the optimizer and the schedule, or skip the update on every rank
+        alike: the loss is the global mean and the overflow flag and gradient norm come from one
+        collective each, so every rank takes the same decision."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not guards.is_finite(loss):
+            return self._skip(guards.nonfinite_error(loss, self.step, self.rank), f"the loss is {guards.loss_text(loss)}",
+                              lr=lr)
+        if self.scaler is not None:
+            self._collective(lambda: self.scaler.unscale_(self.optimizer))
+            if self.scaler.overflowed:
+                before = self.scaler.current()
+                self.scaler.step(self.optimizer)      # skips the step: the overflow was found
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                log.info("rank %d, step %d: fp16 gradients overflowed on some rank; every rank skipped the step, "
+                         "loss scale %g -> %g", self.rank, self.step, before, self.scaler.current())
+                return _Outcome(skipped=True, overflow=True, lr=lr)
+        norm = None
+        if self.clip_grad_norm is not None:
+            total = self._collective(lambda: self._clipping().clip_(self.clip_grad_norm))
+            norm = float(total)
+            if not math.isfinite(norm):
+                return self._skip(guards.NonFiniteLossError(
+                    f"rank {self.rank}, step {self.step}: the global gradient norm is {norm:g} (the loss is finite); "
+                    f"the optimizer did not step. Lower the learning rate, or pass runtime.Engine(on_nonfinite='skip') "
+                    f"to drop such steps on every rank"), f"the gradient norm is {norm:g}", norm=norm, lr=lr)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.rebalancer.after_optimizer_step()
+        return _Outcome(norm=norm, lr=lr)
+
+    def _skip(self, error: Exception, why: str, norm: Optional[float] = None, lr: Optional[float] = None) -> "_Outcome":
+        if self.on_nonfinite == "raise":
+            raise error
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps.append(self.step)
+        log.warning("rank %d, step %d: %s; skipped the step on every rank (no optimizer step, gradients dropped; "
+                    "on_nonfinite='skip'), %d skipped so far", self.rank, self.step, why, len(self.skipped_steps))
+        return _Outcome(skipped=True, norm=norm, lr=lr)
+
+    def _clipping(self) -> GlobalGradNorm:
+        """The global-norm clipper of the executor in force (rebuilt, collectively, after a re-plan)."""
+        if self._clipper is None or self._clipper[0] is not self.executor:
+            if not hasattr(self.executor, "named_state"):
+                raise WhaleError(f"{type(self.executor).__name__} does not describe what it holds (named_state), so "
+                                 "clip_grad_norm cannot count the model's gradient once; run without clipping")
+            self._clipper = (self.executor, GlobalGradNorm(self.executor.named_state()))
+        return self._clipper[1]
 
     @property
     def replans(self) -> list[ReplanEvent]:
@@ -340,7 +426,8 @@ class Engine:
         self._build(inputs)
         if not hasattr(self.executor, "eval_step"):
             raise WhaleError(f"{type(self.executor).__name__} has no eval_step")
-        return self._collective(lambda: self.executor.eval_step(inputs, targets))
+        with self.precision.autocast(self.device):
+            return self._collective(lambda: self.executor.eval_step(inputs, targets))
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.executor.parameters() if self.executor is not None else self.model.parameters()
@@ -376,10 +463,12 @@ class Engine:
                              f"(runtime.engine.register_executor); this plan has strategies "
                              f"{[s.strategy for s in self.plan.stages]}")
         ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
-                              self.emulator, self.device, self.cluster)
+                              self.emulator, self.device, self.cluster, self.scaler)
         self.graphs, self._context = graphs, ctx
         self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
         self.optimizer = self._make_optimizer(list(self.executor.parameters()))
+        if self._make_scheduler is not None:
+            self.scheduler = build_scheduler(self._make_scheduler, self.optimizer)
         log.info("rank %d: %s executor, device %s, share %d samples in micro-batches %s", self.rank, kind,
                  self.worker.device, self.worker.batch_share, self.worker.micro_batch_sizes)
 
@@ -410,11 +499,13 @@ class Engine:
                 raise self.progress.failure(self.step, self.timeout_s, e) from e
             raise
 
-    def _record(self, wall: float, em: EmulationStats, skipped: bool = False) -> StepStats:
+    def _record(self, wall: float, em: EmulationStats, outcome: "_Outcome", scale: Optional[float]) -> StepStats:
         stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
                           padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
                           overruns=em.overruns, flops=em.flops, approximate=self.rebalancer.approximate,
-                          plan_version=self.rebalancer.plan_version, skipped=skipped)
+                          plan_version=self.rebalancer.plan_version, skipped=outcome.skipped,
+                          overflow=outcome.overflow, grad_norm=outcome.norm, loss_scale=scale, lr=outcome.lr,
+                          peak_memory_bytes=self.meter.peak_bytes)
         self.stats.append(stats)
         # from the second step on: the first pays one-time costs (allocations, DDP's bucket set-up)
         if stats.overruns and self.emulator.enabled and self.step > 0 and not self._warned_overrun:
@@ -424,6 +515,16 @@ class Engine:
                         "factor (runtime.emulation.compute.calibrate)", self.rank, self.step, stats.overruns,
                         stats.segments, em.worst_overrun)
         return stats
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the optimizer step of one step did (for StepStats)."""
+
+    skipped: bool = False
+    overflow: bool = False
+    norm: Optional[float] = None
+    lr: Optional[float] = None
 
 
 def _sum_alone(vector: torch.Tensor) -> None:

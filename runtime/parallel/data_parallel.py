@@ -44,6 +44,7 @@ from runtime.emulation.compute import Emulator
 from runtime.parallel.held_state import NamedState
 from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
+from runtime.training.precision import PlanLossScaler, weighted_loss
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,10 @@ class DataParallelExecutor:
     """
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
-                 emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0)):
+                 emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0),
+                 scaler: Optional[PlanLossScaler] = None):
         self.rank = rank
+        self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.group = group
         self.loss_fn = loss_fn
         self.emulator = emulator or Emulator.disabled()
@@ -198,7 +201,7 @@ class DataParallelExecutor:
         n = targets.shape[0]
         if n == 0:
             return sum(t.sum() for t in _tensors(outputs)) * 0.0
-        return self.loss_fn(outputs, targets) * (n / global_size)
+        return weighted_loss(self.loss_fn(outputs, targets), n, global_size, self.scaler)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -96,6 +96,7 @@ from runtime.parallel.held_state import NamedState
 from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.parallel.stage_worker import StageWorker
 from runtime.tensor.shard_pass import StageSharding, outputs_leaving_sharded
+from runtime.training.precision import PlanLossScaler
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class PipelineExecutor:
         names: Optional[nn.Module] = None,
         sharding: Optional[StageSharding] = None,
         network: Optional[NetworkModel] = None,
+        scaler: Optional[PlanLossScaler] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -169,7 +171,7 @@ class PipelineExecutor:
             loss_fn, emulator=self.emulator,
             flops=stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0),
             sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
-            micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()})
+            micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler)
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)

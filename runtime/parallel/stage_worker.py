@@ -45,6 +45,7 @@ from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchroni
 from runtime.parallel.tied_weights import TiedParameters
 from runtime.tensor.shard_pass import StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict
 from runtime.tensor.sharded_loss import OutputLayout
+from runtime.training.precision import PlanLossScaler, weighted_loss
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ class StageWorker:
     def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: dist.ProcessGroup,
                  graph_module: fx.GraphModule, names: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
-                 dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int]):
+                 dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int],
+                 scaler: Optional[PlanLossScaler] = None):
         self.plan, self.rank, self.group, self.split = plan, rank, group, split
+        self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.worker = plan.worker(rank)
         self.stage = split.stages[self.worker.stage]
         self.is_last = self.stage.index == split.num_stages - 1
@@ -104,7 +107,7 @@ class StageWorker:
             if not self.is_last:
                 return outputs, None
             prediction = self.split.model_output(outputs)
-            loss = self.loss_fn(prediction, targets) * (n / self.plan.global_batch_size)
+            loss = weighted_loss(self.loss_fn(prediction, targets), n, self.plan.global_batch_size, self.scaler)
         return {None: loss}, loss.detach() if self.worker.tp_index == 0 else None
 
     def backward(self, roots: list, grads: list, n: int, *, last: bool, received: dict,
