@@ -214,11 +214,12 @@ class Engine:
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
         timeout_s = guards.check_timeout(timeout_s)
         guards.check_options(on_nonfinite, batch_check_every)
-        self.precision = Precision(plan.precision if precision is None else precision)
-        if self.precision.name != plan.precision:
+        planned = getattr(plan, "precision", "fp32")
+        self.precision = Precision(planned if precision is None else precision)
+        if self.precision.name != planned:
             log.warning("runtime.Engine(precision=%r) runs a plan made for %s: its shares and memory were priced "
                         "at %s rates (plan with --precision %s to price it for what runs)", self.precision.name,
-                        plan.precision, plan.precision, self.precision.name)
+                        planned, planned, self.precision.name)
         self.clip_grad_norm = check_max_norm(clip_grad_norm)
         if scheduler is not None and not callable(scheduler):
             raise WhaleError(f"runtime.Engine(scheduler=...) must be a factory optimizer -> LR scheduler, got "
