@@ -27,6 +27,20 @@ cluster, other ranks): the state is resharded on load. Under ``torchrun --max-re
 that dies makes the others fail within ``--timeout`` seconds; torchrun restarts them all and they
 resume from the newest checkpoint. ``--no-resume`` starts from step 0 even if checkpoints exist.
 
+Real data (``--data FILE``, with ``--seq-len N``, default the workload's ``seq_len``): a language
+model (a workload that sets ``vocab_size``, e.g. ``examples/hf_llama.py:build``) trains on a plain
+text file instead of synthetic batches, byte by byte (or through the workload's ``tokenizer``), in
+non-overlapping next-token windows (``runtime.text_data.ByteTextDataset``, the file's first 90%:
+the last 10% is its validation split). On a single-stage data-parallel plan each rank reads only
+its share of every global batch (``runtime.UnevenLoader``) and follows re-planned shares; on
+pipeline and tensor-parallel plans every rank reads the whole global batch (the same seeded
+permutation on every rank, ``plan.global_batch_size`` windows per step, an epoch's last short batch
+dropped). Epochs roll over with a new permutation (seeded by ``--seed`` + the epoch). The data
+position (epoch, windows of the epoch read, seed) is in every checkpoint; it is counted in windows,
+so a resumed run reads exactly the windows the uninterrupted run would have read next, also onto a
+plan with other shares or of another kind (a different global batch size regroups the windows
+that follow). A shipped text: ``examples/data/tinyshakespeare.txt`` (see ``examples/data/README.md``).
+
 Errors in the command line or its inputs (a missing plan file, a bad argument) are one line on
 stderr from rank 0 and exit status 2 on every rank, before any process group is made; a failure
 while training is one line per rank (which rank, which step, why) and exit status 1.
@@ -46,6 +60,7 @@ import planner
 import runtime
 import whalelike as wl
 from runtime import checkpoint
+from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from whalelike.cli import load_workload
 from whalelike.display import format_table
 from whalelike.errors import WhaleError, one_line
@@ -82,7 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic batches, or of each epoch's permutation with --data (default 0)")
+    p.add_argument("--data", metavar="FILE", help="train a language model on this text file (byte-level, or the "
+                   "workload's tokenizer) instead of synthetic batches: each rank reads its share on a data-parallel "
+                   "plan, every rank the whole global batch on a pipeline or tensor-parallel plan")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per window with --data (default: the workload's seq_len, what the plan was made for)")
     p.add_argument("--compare-naive", action="store_true", help="also train under the capacity-blind plan")
     p.add_argument("--balance", default="exact", choices=["exact", "semi", "resize", "off"],
                    help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
@@ -110,6 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.batch_check_every < 0:
         p.error(f"--batch-check-every must be 0 (off) or a number of steps, got {args.batch_check_every}")
+    if args.seq_len is not None and args.data is None:
+        p.error("--seq-len applies to --data only; give --data FILE or drop --seq-len")
+    if args.seq_len is not None and args.seq_len < 1:
+        p.error(f"--seq-len must be at least 1, got {args.seq_len}")
     if args.compare_naive and args.checkpoint_dir:
         p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
                 "a job to resume; drop one")
@@ -117,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.Plan, cluster: wl.Cluster,
-          args, resume: "checkpoint.CheckpointInfo | None" = None) -> dict:
+          args, resume: "checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
     """Train a fresh copy of the model under ``plan`` (continuing ``resume`` if given); return its
     losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
     model = copy.deepcopy(workload.model)
@@ -127,24 +152,25 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             balance=args.balance if name == "whalelike" else "off",
                             example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
                             batch_check_every=args.batch_check_every)
-    generator = torch.Generator().manual_seed(args.seed)
+    batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
+        TextBatches(dataset, engine, args.seed)
     losses, step_times, save_times = [], [], []
     show = dist.get_rank() == 0
     if resume is not None:
         extra = checkpoint.load(engine, resume)
-        generator.set_state(extra["generator"])
+        batches.restore(extra, resume.path)
         losses = list(extra["losses"])
         if show:
             moved = "" if resume.world_size == plan.world_size and _same_plan(resume, plan) else \
                 f", resharded from the {resume.world_size}-rank plan it was saved with"
             print(f"\n[{name}] resumed at step {engine.step} from {resume.path}{moved}", flush=True)
     elif show:
-        print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks",
-              flush=True)
+        print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks"
+              f"{batches.describe()}", flush=True)
     saving = args.checkpoint_dir is not None and name == "whalelike"
     pending = None
     for step in range(engine.step, args.steps):
-        batch = workload.make_batch(plan.global_batch_size, generator)
+        batch = batches.next()
         start = time.perf_counter()
         loss = engine.train_step(batch)
         elapsed = time.perf_counter() - start
@@ -162,8 +188,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             if pending is not None:
                 pending.wait()
             pending = checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
-                                            extra={"generator": generator.get_state(), "losses": list(losses),
-                                                   "seed": args.seed})
+                                            extra={**batches.state(), "losses": list(losses), "seed": args.seed})
             save_times.append(time.perf_counter() - start)
     if pending is not None:
         pending.wait()
@@ -181,6 +206,79 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
             "save_ms": [t * 1e3 for t in save_times]}
+
+
+class SyntheticBatches:
+    """The workload's ``make_batch`` from a generator seeded with ``--seed``: every rank draws the same
+    whole global batch; the position is the generator's state."""
+
+    def __init__(self, workload: wl.Workload, plan: planner.Plan, seed: int):
+        self.make_batch, self.size = workload.make_batch, plan.global_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def describe(self) -> str:
+        return ""
+
+    def restore(self, extra: dict, where: str) -> None:
+        if "generator" not in extra:
+            raise WhaleError(f"{where} was trained on --data {extra.get('data_file', '?')}; resume with the same "
+                             "--data, or start afresh with --no-resume")
+        self.generator.set_state(extra["generator"])
+
+    def next(self):
+        return self.make_batch(self.size, self.generator)
+
+    def state(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+
+class TextBatches:
+    """``--data``: the batches of ``runtime.text_data.PlanBatches`` under the engine's plan (shares on a
+    data-parallel plan, following re-plans; whole global batches otherwise); the position is a
+    ``DataPosition``, counted in windows (see the module docstring)."""
+
+    def __init__(self, dataset: ByteTextDataset, engine: runtime.Engine, seed: int):
+        self.dataset, self.engine = dataset, engine
+        self.position = DataPosition(seed=seed, num_samples=len(dataset))
+        self._stream = None
+
+    def describe(self) -> str:
+        return f", reading {self.dataset}"
+
+    def restore(self, extra: dict, where: str) -> None:
+        if "data" not in extra:
+            raise WhaleError(f"{where} was trained on synthetic batches, not --data; drop --data to resume it, or "
+                             "start afresh with --no-resume")
+        self.position = DataPosition.from_dict(extra["data"])
+
+    def next(self):
+        if self._stream is None:   # after restore: the stream starts at the position
+            self._stream = PlanBatches(self.dataset, self.engine.plan, self.engine.rank, position=self.position,
+                                       engine=self.engine)
+            self._iter = iter(self._stream)
+        batch = next(self._iter)
+        self.position = self._stream.position
+        return batch
+
+    def state(self) -> dict:
+        return {"data": self.position.to_dict(), "data_file": os.path.basename(self.dataset.path)}
+
+
+def text_dataset(args, workload: wl.Workload) -> "ByteTextDataset | None":
+    """``--data``'s training windows, checked before training (every rank reads the same file, so
+    every rank fails alike); None without ``--data``."""
+    if args.data is None:
+        return None
+    if workload.vocab_size is None:
+        raise WhaleError(f"--data trains a language model on token ids, and {args.model} does not say it is one: "
+                         "its Workload must set vocab_size (and seq_len), as examples/hf_llama.py:build does")
+    seq_len = args.seq_len if args.seq_len is not None else workload.seq_len
+    if seq_len is None:
+        raise WhaleError(f"--seq-len is required: {args.model}'s Workload sets no seq_len")
+    try:
+        return ByteTextDataset(args.data, seq_len, tokenizer=workload.tokenizer, vocab_size=workload.vocab_size)
+    except TextDataError as e:
+        raise WhaleError(f"--data {e}") from None
 
 
 def _trace_path(png: str) -> str:
@@ -207,6 +305,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         workload, plan, cluster, resume = inputs(args)
+        dataset = text_dataset(args, workload)
     except (WhaleError, OSError) as e:
         # the same inputs on every rank, checked before any process group exists: one line per job
         _say_once(f"train.py: error: {one_line(e)}")
@@ -223,8 +322,8 @@ def main(argv=None) -> int:
             config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
                                schedule=plan.schedule)
             runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
-        results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None)
-                   for name, p in runs]
+        results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None,
+                         dataset=dataset) for name, p in runs]
         if dist.get_rank() == 0:
             report(results, args.steps)
     except (WhaleError, RuntimeError, OSError) as e:

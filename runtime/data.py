@@ -16,8 +16,14 @@ the last one read). A step's batch is read lazily, when the iterator is advanced
 *after* applying the re-plan that applies to that step (every rank the same way), never ahead.
 
 This is the data-parallel layout (single-stage plans). Pipeline and tensor-parallel plans take the
-whole global batch on every rank: use a plain ``DataLoader(batch_size=plan.global_batch_size,
-drop_last=True)`` there.
+whole global batch on every rank: :class:`WholeBatchSampler` (as a ``DataLoader``'s
+``batch_sampler``) hands every rank the same global batches, cut from the same permutation
+(:func:`epoch_order`, the one both samplers use), and drops an epoch's last short batch (those
+executors take exactly ``plan.global_batch_size`` samples per step).
+
+Resuming mid-epoch: ``set_epoch(epoch, start)`` on either sampler takes the epoch's first ``start``
+samples of its permutation as read; the next batch starts at sample ``start``. A position counted
+in samples holds across plans: the same samples follow whatever the shares or the global batch.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from torch.utils.data import Dataset, Sampler, default_collate
 from planner.shares.layout import SampleLayout, proportional_split, slice_of
 from planner.plan import Plan
 
-__all__ = ["Share", "slice_batch", "proportional_split", "dp_shares", "UnevenSampler", "UnevenLoader"]
+__all__ = ["Share", "slice_batch", "proportional_split", "dp_shares", "epoch_order", "UnevenSampler", "UnevenLoader",
+           "WholeBatchSampler"]
 
 
 class Share(NamedTuple):
@@ -54,12 +61,27 @@ def dp_shares(plan: Plan, rank: int) -> tuple[list[int], int]:
     return SampleLayout.of(plan).dp_shares(rank)
 
 
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The order in which epoch ``epoch`` reads the samples: a permutation seeded by ``seed + epoch``
+    (the same on every rank, with no communication), or ``0..n-1`` without ``shuffle``."""
+    if not shuffle:
+        return list(range(num_samples))
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def _checked_start(start: int, num_samples: int, who: str) -> int:
+    if not 0 <= start <= num_samples:
+        raise ValueError(f"{who}.set_epoch: start must be a sample position in [0, {num_samples}] (the samples "
+                         f"of the epoch already read), got {start}")
+    return start
+
+
 class UnevenSampler(Sampler[list[int]]):
     """A batch sampler: per step, the dataset indices of this rank's share (see the module docstring).
 
     ``shares``: the data-parallel group's shares in layout order, ``index``: this rank's position
     (:meth:`from_plan` takes both from :class:`planner.shares.layout.SampleLayout`). Call :meth:`set_epoch`
-    before each epoch, as with ``DistributedSampler``.
+    before each epoch, as with ``DistributedSampler`` (``start``: resume inside it).
     """
 
     def __init__(self, num_samples: int, shares: Sequence[int], index: int, seed: int = 0, shuffle: bool = True):
@@ -67,15 +89,16 @@ class UnevenSampler(Sampler[list[int]]):
             raise ValueError(f"UnevenSampler: index must be in [0, {len(shares)}), got {index}")
         self.num_samples, self.index = num_samples, index
         self.shares = self._checked(shares)
-        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+        self.seed, self.shuffle, self.epoch, self.start = seed, shuffle, 0, 0
 
     @classmethod
     def from_plan(cls, plan: Plan, rank: int, num_samples: int, seed: int = 0, shuffle: bool = True) -> "UnevenSampler":
         shares, index = SampleLayout.of(plan).dp_shares(rank)
         return cls(num_samples, shares, index, seed, shuffle)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Read epoch ``epoch`` from sample ``start`` of its permutation on (0: the whole epoch)."""
+        self.epoch, self.start = epoch, _checked_start(start, self.num_samples, "UnevenSampler")
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """Use ``shares`` (same group, same length) from the next step on, also in an epoch under way."""
@@ -85,18 +108,14 @@ class UnevenSampler(Sampler[list[int]]):
         self.shares = self._checked(shares)
 
     def __len__(self) -> int:
-        """Steps per epoch under the current shares."""
+        """Steps per whole epoch under the current shares."""
         return -(-self.num_samples // sum(self.shares))
 
     def steps(self) -> Iterator[tuple[list[int], int]]:
         """Per step: this rank's indices and the step's global batch size. Each step reads the
         shares in force when it is drawn (:meth:`set_shares`)."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
-        start = 0
+        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        start = self.start
         while start < self.num_samples:
             chunk = order[start:start + sum(self.shares)]
             lo, hi = slice_of(len(chunk), self.shares, self.index)
@@ -127,8 +146,8 @@ class UnevenLoader:
         self.sampler = UnevenSampler(len(dataset), *layout.dp_shares(rank), seed, shuffle)
         self.collate = collate_fn or default_collate
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start)
 
     def set_plan(self, plan: Plan) -> None:
         """Read this rank's shares of ``plan`` from the next step on; its data-parallel group must
@@ -163,3 +182,29 @@ class UnevenLoader:
             if engine is not None and engine.plan is not self._plan:
                 self._plan = engine.plan
                 self.set_plan(self._plan)
+
+
+class WholeBatchSampler(Sampler[list[int]]):
+    """A batch sampler for plans that take the whole global batch on every rank (pipeline and
+    tensor-parallel plans): per step ``batch_size`` indices of the epoch's permutation
+    (:func:`epoch_order`, the same on every rank), in order; the last short batch of an epoch is
+    dropped. Call :meth:`set_epoch` before each epoch (``start``: resume inside it)."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"WholeBatchSampler: batch_size must be at least 1, got {batch_size}")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.seed, self.shuffle, self.epoch, self.start = seed, shuffle, 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Read epoch ``epoch`` from sample ``start`` of its permutation on (0: the whole epoch)."""
+        self.epoch, self.start = epoch, _checked_start(start, self.num_samples, "WholeBatchSampler")
+
+    def __len__(self) -> int:
+        """Whole batches left in the epoch from the current start."""
+        return (self.num_samples - self.start) // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        for lo in range(self.start, self.num_samples - self.batch_size + 1, self.batch_size):
+            yield order[lo:lo + self.batch_size]
