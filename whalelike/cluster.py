@@ -16,6 +16,15 @@ A spec file looks like this (units: TFLOPS, GiB, GB/s, microseconds)::
         devices:
           - {kind: P100-16GB, count: 8, peak_tflops: 9.3, memory_gib: 16, measured_tflops: 6.1}
 
+``peak_tflops`` is the FP32 peak as a bare number, or a mapping of data type to peak TFLOPS over
+``fp32, tf32, bf16, fp16`` (fp32 required), e.g. ``{fp32: 15.7, fp16: 125}`` for a V100: a data
+type a mapping leaves out cannot run on the device, except that a GPU whalelike knows
+(:mod:`whalelike.hardware`: P100, V100, T4, A100, A10, A40, L4, RTX 3090/4090, H100, ...) gets its
+missing figures from its spec sheet, and a bare number of an unknown kind runs every data type at
+that rate. ``measured_tflops`` likewise (a bare number is measured at FP32; a mapping may list any
+data types the device runs), and ``emulated_speed`` too (the same data types as ``peak_tflops``).
+The planner prices a plan at its precision (``Device.tflops``) and refuses one a device cannot run.
+
 Devices get ranks in the order they are listed (hosts in order; torchrun numbers ranks host by
 host) and readable unique names: ``v100-0`` ... ``p100-7`` (the full kind, ``a100-80gb-0``, when
 two kinds share a short name). An optional ``emulation`` block turns the cluster into emulated
@@ -34,12 +43,14 @@ import difflib
 import functools
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any, Optional, Sequence
 
+from whalelike.config import PRECISIONS
 from whalelike.display import format_table
 from whalelike.errors import SpecError
+from whalelike.hardware import DTYPES, fill_rates, known_gpu, lacks_reason
 from whalelike.spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
 
 PRESET_PACKAGE = "whalelike.presets"
@@ -67,23 +78,190 @@ MAX_FILE_WHY = "a real spec is a few KiB, and YAML this large takes minutes and 
 
 
 # -- the records -----------------------------------------------------------------------------------
+_TFLOPS_RULE = dict(gt=0, le=MAX_TFLOPS, le_why=MAX_TFLOPS_WHY)
+
+
 @dataclass(frozen=True)
 class Device:
+    """One device. ``peak_tflops``, ``measured_tflops`` and ``emulated_speed`` are the FP32 figures
+    (what most code reads); the per-dtype figures beside them (data types of
+    :data:`whalelike.hardware.DTYPES`) are what a spec gives as a mapping, fp32 left out (it is the
+    scalar field, so ``dataclasses.replace`` of a scalar never contradicts a table):
+
+    * ``dtype_tflops``: the peak mapping's other entries; None when ``peak_tflops`` was a bare
+      number. :attr:`rates` completes it (:func:`whalelike.hardware.fill_rates`: a known GPU's
+      spec-sheet ratios; an unknown kind given a bare number runs every dtype at ``peak_tflops``);
+      a dtype absent from :attr:`rates` cannot run on the device (:meth:`runs`, :meth:`tflops`);
+    * ``measured_dtype_tflops``: achieved TFLOPS measured at other dtypes (:meth:`measured`);
+    * ``emulated_dtype_speed``: the emulator's hidden truth at other dtypes; None when
+      ``emulated_speed`` was a bare number (every dtype the device runs at that speed). Given, it
+      rates exactly the dtypes of :attr:`rates` (:attr:`emulated_rates`).
+
+    A mapping given from Python may include ``fp32`` when it equals the scalar field (it is then
+    dropped). The dict fields are left out of the hash (the hash reads a subset of what equality
+    compares, so equal devices hash equal).
+    """
+
     name: str = rule(str, "unique device name, e.g. 'v100-0'")
     kind: str = rule(str, "device model, e.g. 'V100-32GB'")
     host: str = rule(str, "host name")
-    peak_tflops: float = rule(float, "nominal peak TFLOPS from the spec sheet, e.g. 15.7", gt=0,
-                              le=MAX_TFLOPS, le_why=MAX_TFLOPS_WHY)
+    peak_tflops: float = rule(float, "nominal FP32 peak TFLOPS from the spec sheet, e.g. 15.7", **_TFLOPS_RULE)
     memory_gib: float = rule(float, "device memory in GiB, e.g. 32", gt=0, le=MAX_MEMORY_GIB, le_why=MAX_MEMORY_WHY)
     # achieved TFLOPS from profiling, preferred by the planner
-    measured_tflops: Optional[float] = rule(float, "achieved TFLOPS from profiling", gt=0, le=MAX_TFLOPS,
-                                            le_why=MAX_TFLOPS_WHY, default=None)
+    measured_tflops: Optional[float] = rule(float, "achieved FP32 TFLOPS from profiling", **_TFLOPS_RULE,
+                                            default=None)
     # relative speed of an emulated device (runtime only)
-    emulated_speed: Optional[float] = rule(float, "relative speed of the emulated device, e.g. 0.5",
+    emulated_speed: Optional[float] = rule(float, "relative FP32 speed of the emulated device, e.g. 0.5",
                                            gt=0, default=None)
+    dtype_tflops: Optional[dict[str, float]] = field(default=None, hash=False)
+    measured_dtype_tflops: dict[str, float] = field(default_factory=dict, hash=False)
+    emulated_dtype_speed: Optional[dict[str, float]] = field(default=None, hash=False)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ")
+        _check_rates(self)
+
+    @functools.cached_property
+    def rates(self) -> dict[str, float]:
+        """Nominal peak TFLOPS of every dtype the device runs, in :data:`~whalelike.hardware.DTYPES` order."""
+        given = None if self.dtype_tflops is None else {"fp32": self.peak_tflops, **self.dtype_tflops}
+        return fill_rates(self.kind, self.peak_tflops, given)[0]
+
+    @functools.cached_property
+    def emulated_rates(self) -> dict[str, float]:
+        """The emulated speed of every dtype the device runs ({} when not emulated)."""
+        if self.emulated_speed is None:
+            return {}
+        if self.emulated_dtype_speed is None:
+            return {dtype: self.emulated_speed for dtype in self.rates}
+        given = {"fp32": self.emulated_speed, **self.emulated_dtype_speed}
+        return {dtype: given[dtype] for dtype in DTYPES if dtype in given}
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The training precisions (:data:`whalelike.config.PRECISIONS`) this device runs."""
+        return tuple(p for p in PRECISIONS if p in self.rates)
+
+    def runs(self, precision: str) -> bool:
+        """Whether the device runs ``precision`` (a dtype of :data:`whalelike.hardware.DTYPES`)."""
+        return precision in self.rates
+
+    def tflops(self, precision: str = "fp32") -> float:
+        """Nominal peak TFLOPS at ``precision``; a SpecError naming the device, its kind and the
+        precisions it runs when it cannot run it."""
+        if precision not in self.rates:
+            raise SpecError(cannot_run_message([self], precision, self.precisions))
+        return self.rates[precision]
+
+    def measured(self, precision: str = "fp32") -> Optional[float]:
+        """Achieved TFLOPS at ``precision``: measured there, else measured at another dtype (fp32
+        first) scaled by the ratio of the two peaks, else None (nothing measured)."""
+        rate = self.tflops(precision)
+        measured = {} if self.measured_tflops is None else {"fp32": self.measured_tflops}
+        measured.update(self.measured_dtype_tflops)
+        if precision in measured:
+            return measured[precision]
+        for dtype, value in measured.items():
+            return value * rate / self.rates[dtype]
+        return None
+
+    def emulated(self, precision: str = "fp32") -> Optional[float]:
+        """The emulated speed at ``precision`` (None: not emulated); a SpecError when the device
+        cannot run it."""
+        self.tflops(precision)   # the error for a precision the device cannot run
+        return self.emulated_rates.get(precision)
+
+    def with_measured(self, precision: str, tflops: float) -> "Device":
+        """This device with ``tflops`` measured at ``precision``, the only measurement kept (one
+        taken at another precision, at another time, would disagree with it)."""
+        self.tflops(precision)
+        if precision == "fp32":
+            return dataclasses.replace(self, measured_tflops=tflops, measured_dtype_tflops={})
+        return dataclasses.replace(self, measured_tflops=None, measured_dtype_tflops={precision: tflops})
+
+
+def _check_table(prefix: str, table: Any, field_name: str, value_rule: Rule) -> dict[str, float]:
+    """``table`` as a dict of dtype -> float in DTYPES order, or a SpecError naming the field, the
+    bad key or value and the fix."""
+    if not isinstance(table, dict):
+        raise SpecError(f"{prefix}{field_name} must be a dict of data type -> number, got {table!r}")
+    for key, value in table.items():
+        if key not in DTYPES:
+            close = difflib.get_close_matches(str(key), DTYPES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SpecError(f"{prefix}{field_name} has unknown data type {key!r}; {hint}the data types are "
+                            f"{', '.join(DTYPES)}")
+        problem = value_rule.problem(value)
+        if problem:
+            raise SpecError(f"{prefix}{field_name}[{key!r}] {problem}")
+    return {d: float(table[d]) for d in DTYPES if d in table}
+
+
+_RATE_RULE = Rule(float, "TFLOPS", **_TFLOPS_RULE)
+_SPEED_RULE = Rule(float, "relative speed", gt=0)
+
+
+def _without_fp32(d: "Device", prefix: str, table: dict[str, float], field_name: str, scalar: str) -> dict:
+    """``table`` less its fp32 entry, which must equal the scalar field ``scalar`` (set from it when
+    the scalar is None)."""
+    if "fp32" in table:
+        value = getattr(d, scalar)
+        if value is None:
+            object.__setattr__(d, scalar, table["fp32"])
+        elif table["fp32"] != value:
+            raise SpecError(f"{prefix}{field_name}['fp32'] is {table['fp32']:g} but {scalar} is {value:g}; they are "
+                            "the same figure, give one value")
+    return {k: v for k, v in table.items() if k != "fp32"}
+
+
+def _check_rates(d: "Device") -> None:
+    """Check a device's per-dtype figures (see :class:`Device`) and store them without fp32;
+    SpecErrors name the device, the field, the bad value and the fix."""
+    prefix = f"device {d.name!r}: "
+    if d.dtype_tflops is not None:
+        given = _without_fp32(d, prefix, _check_table(prefix, d.dtype_tflops, "dtype_tflops", _RATE_RULE),
+                              "dtype_tflops", "peak_tflops")
+        object.__setattr__(d, "dtype_tflops", given)
+        lacking = fill_rates(d.kind, d.peak_tflops, {"fp32": d.peak_tflops, **given})[1]
+        if lacking is not None:
+            raise SpecError(f"{prefix}peak_tflops rates {lacking}, which a {d.kind} cannot run "
+                            f"({lacks_reason(d.kind, lacking)}, by its spec sheet in whalelike.hardware); remove "
+                            f"{lacking} from the mapping")
+    measured = _without_fp32(d, prefix, _check_table(prefix, d.measured_dtype_tflops, "measured_dtype_tflops",
+                                                     _RATE_RULE), "measured_dtype_tflops", "measured_tflops")
+    object.__setattr__(d, "measured_dtype_tflops", measured)
+    for dtype in measured:
+        if dtype not in d.rates:
+            raise SpecError(f"{prefix}measured_tflops rates {dtype}, which the device cannot run (its peak_tflops "
+                            f"rates {', '.join(d.rates)}); remove {dtype} or add its peak to peak_tflops")
+    if d.emulated_dtype_speed is None:
+        return
+    speeds = _without_fp32(d, prefix, _check_table(prefix, d.emulated_dtype_speed, "emulated_dtype_speed",
+                                                   _SPEED_RULE), "emulated_dtype_speed", "emulated_speed")
+    object.__setattr__(d, "emulated_dtype_speed", speeds)
+    if d.emulated_speed is None:
+        raise SpecError(f"{prefix}emulated_speed rates {', '.join(speeds) or 'nothing'} but not fp32; add fp32 (the "
+                        "emulated FP32 speed) to the mapping")
+    if {"fp32", *speeds} != set(d.rates):
+        raise SpecError(f"{prefix}emulated_speed rates {', '.join(['fp32', *speeds])} but peak_tflops rates "
+                        f"{', '.join(d.rates)}; the emulated truth and the spec sheet must agree on what the device "
+                        "runs: give both as mappings over the same data types")
+
+
+def cannot_run_message(devices: Sequence["Device"], precision: str, runnable: Sequence[str]) -> str:
+    """'V100-16GB cannot run bf16 (no bf16 support): devices v100-0, v100-1; plan with precision fp16
+    or fp32 (--precision, Config.precision)': the devices, by kind, that cannot run ``precision``,
+    and the precisions ``runnable`` that every device in question runs."""
+    kinds: dict[str, list[str]] = {}
+    for d in devices:
+        kinds.setdefault(d.kind, []).append(d.name)
+    parts = []
+    for kind, names in kinds.items():
+        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        parts.append(f"{kind} cannot run {precision} ({lacks_reason(kind, precision)}): "
+                     f"device{'s' if len(names) > 1 else ''} {listed}")
+    others = sorted((p for p in runnable if p != precision), key=lambda p: p == "fp32") or ["fp32"]
+    return f"{'; '.join(parts)}; plan with precision {' or '.join(others)} (--precision, Config.precision)"
 
 
 @dataclass(frozen=True)
@@ -208,10 +386,27 @@ class Cluster:
                 return d
         raise KeyError(name)
 
+    def precisions(self, names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
+        """The training precisions every device (of ``names``, default all) runs; fp32 always."""
+        chosen = self.devices if names is None else [self.device(n) for n in names]
+        return tuple(p for p in PRECISIONS if all(d.runs(p) for d in chosen))
+
+    def check_precision(self, precision: str, names: Optional[Sequence[str]] = None) -> None:
+        """A SpecError naming, by kind, every device (of ``names``, default all) that cannot run
+        ``precision``, and the precisions they all run: ``V100-16GB cannot run bf16 (no bf16
+        support): devices v100-0, v100-1; plan with precision fp16 or fp32 (...)``."""
+        if precision not in PRECISIONS:
+            raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        chosen = self.devices if names is None else [self.device(n) for n in names]
+        lacking = [d for d in chosen if not d.runs(precision)]
+        if lacking:
+            raise SpecError(f"cluster {self.name!r}: " + cannot_run_message(
+                lacking, precision, self.precisions([d.name for d in chosen])))
+
     def without_emulation(self) -> "Cluster":
         """The same cluster with emulation off: every device runs at the machine's real speed
         (for exactness tests and for profiling the real hardware)."""
-        devices = tuple(dataclasses.replace(d, emulated_speed=None) for d in self.devices)
+        devices = tuple(dataclasses.replace(d, emulated_speed=None, emulated_dtype_speed=None) for d in self.devices)
         return dataclasses.replace(self, devices=devices, emulation=None)
 
     # -- loading ---------------------------------------------------------------------------------
@@ -254,6 +449,7 @@ class Cluster:
     def to_dict(self) -> dict:
         """The file schema; ``Cluster.from_dict(c.to_dict()) == c`` for every loaded cluster.
 
+        A figure given per dtype is written as a mapping, one given as a number as a number.
         Consecutive identical devices on one host collapse into one entry with a ``count``. Device
         names are not stored: loading regenerates them from the kinds.
         """
@@ -262,6 +458,10 @@ class Cluster:
             if not hosts or hosts[-1]["name"] != d.host:
                 hosts.append({"name": d.host, "devices": []})
             entry = {k: v for k, v in _record_dict(d).items() if k not in _GENERATED}
+            for key, table_field in _PER_DTYPE.items():
+                table = getattr(d, table_field)
+                if table is not None and (table or key != "measured_tflops"):
+                    entry[key] = {**({"fp32": entry[key]} if key in entry else {}), **table}
             entries = hosts[-1]["devices"]
             if entries and {k: v for k, v in entries[-1].items() if k != "count"} == entry:
                 entries[-1]["count"] += 1
@@ -289,18 +489,27 @@ class Cluster:
     def summary(self) -> str:
         """An aligned per-device table plus the network and, if any, the emulation settings."""
         emulated = self.emulation is not None
-        headers = ["rank", "device", "kind", "host", "peak TFLOPS", "memory", "measured TFLOPS"]
+        headers = ["rank", "device", "kind", "host", *(f"peak {dtype}" for dtype in DTYPES), "memory",
+                   "measured TFLOPS"]
         headers += ["emulated speed"] if emulated else []
         rows = []
         for rank, d in enumerate(self.devices):
-            row = [rank, d.name, d.kind, d.host, f"{d.peak_tflops:g}", f"{d.memory_gib:g} GiB",
-                   "-" if d.measured_tflops is None else f"{d.measured_tflops:g}"]
-            rows.append(row + ([f"{d.emulated_speed:g}x"] if emulated else []))
+            measured = {**({} if d.measured_tflops is None else {"fp32": d.measured_tflops}), **d.measured_dtype_tflops}
+            row = [rank, d.name, d.kind, d.host, *(f"{d.rates[t]:.4g}" if t in d.rates else "-" for t in DTYPES),
+                   f"{d.memory_gib:g} GiB",
+                   "-" if not measured else (f"{d.measured_tflops:g}" if list(measured) == ["fp32"]
+                                             else ", ".join(f"{t} {v:g}" for t, v in measured.items()))]
+            if emulated:
+                row.append(f"{d.emulated_speed:g}x" if d.emulated_dtype_speed is None
+                           else ", ".join(f"{t} {v:g}x" for t, v in d.emulated_rates.items()))
+            rows.append(row)
         total_tflops = sum(d.peak_tflops for d in self.devices)
         total_gib = sum(d.memory_gib for d in self.devices)
         title = f"cluster {self.name}: {self.inventory()}, {total_tflops:.4g} peak TFLOPS, {total_gib:g} GiB"
         net = self.network
         lines = [format_table(headers, rows, title=title),
+                 "peak TFLOPS per data type ('-': the device cannot run it; a known GPU's unlisted figures from its "
+                 "spec sheet, whalelike.hardware)",
                  f"network: {net.intra_host_gbps:g} GB/s within a host, {net.inter_host_gbps:g} GB/s "
                  f"between hosts, {net.latency_us:g} us latency"]
         if emulated:
@@ -377,9 +586,46 @@ def _check_cluster(c: Cluster) -> None:
 _TOP_RULES = {"name": Rule(str, "cluster name"), "network": None, "hosts": None, "emulation": None}
 _HOST_RULES = {"name": Rule(str, "host name"), "devices": None}
 _GENERATED = ("name", "host")  # device fields a file does not set: from the kind and the enclosing host
-_DEVICE_RULES = {**{k: v for k, v in rules(Device).items() if k not in _GENERATED},
+# file key (a number: the FP32 figure, or a mapping of dtype -> figure) -> the Device field of the other dtypes
+_PER_DTYPE = {"peak_tflops": "dtype_tflops", "measured_tflops": "measured_dtype_tflops",
+              "emulated_speed": "emulated_dtype_speed"}
+_DEVICE_RULES = {**{k: v for k, v in rules(Device).items() if k not in _GENERATED and k not in _PER_DTYPE.values()},
                  "count": Rule(int, "number of identical devices", gt=0, le=MAX_DEVICES, le_why=MAX_DEVICES_WHY)}
 _DEVICE_REQUIRED = required(Device) - set(_GENERATED)
+# what a mapping's entries must be: a peak's and a measurement's fp32 required in a peak mapping (the
+# figure the rest of the code reads), optional in a measurement (taken at any precision)
+_DTYPE_KEYS = {
+    "peak_tflops": ({d: Rule(float, f"{d} peak TFLOPS", **_TFLOPS_RULE) for d in DTYPES}, {"fp32"}),
+    "measured_tflops": ({d: Rule(float, f"achieved {d} TFLOPS", **_TFLOPS_RULE) for d in DTYPES}, set()),
+    "emulated_speed": ({d: Rule(float, f"relative {d} speed", gt=0) for d in DTYPES}, {"fp32"}),
+}
+
+
+def _read_rates(r: Reader, entry: dict, path: str) -> dict:
+    """A device entry's figures as Device fields: each of ``peak_tflops``, ``measured_tflops`` and
+    ``emulated_speed`` a number (FP32) or a mapping of dtype -> number (the fp32 entry to the scalar
+    field, the rest to the per-dtype field); errors name the file, the path and the fix."""
+    out = dict(entry)
+    for key, table_field in _PER_DTYPE.items():
+        value = entry.get(key)
+        where = f"{path}.{key}"
+        scalar_rule = _DEVICE_RULES[key]
+        if value is None and key not in _DEVICE_REQUIRED:
+            continue
+        if not isinstance(value, dict):
+            out[key] = r.scalar(value, scalar_rule, where)
+            continue
+        keys, needed = _DTYPE_KEYS[key]
+        if not value:
+            raise r.fail(f"{where} is an empty mapping; give a number (the FP32 figure) or a mapping of "
+                         f"{', '.join(DTYPES)} to figures")
+        if needed - value.keys():
+            raise r.fail(f"{where}: a mapping of rates needs fp32 (the FP32 figure the rest of whalelike reads, "
+                         f"e.g. {{fp32: 19.5, bf16: 312}}); add fp32, or give a bare number for FP32 alone")
+        table = r.mapping(value, where, keys, needed)
+        out[key] = table.pop("fp32", None)
+        out[table_field] = table
+    return out
 
 
 def _parse_cluster(data: Any, origin: str) -> Cluster:
@@ -398,23 +644,28 @@ def _parse_cluster(data: Any, origin: str) -> Cluster:
                          "host names must be unique, list all devices of a host under one entry")
         host_index[host["name"]] = h
         for i, dev in enumerate(r.sequence(host["devices"], f"{path}.devices", "devices ({kind, count, ...})")):
-            entry = r.mapping(dev, f"{path}.devices[{i}]", _DEVICE_RULES, _DEVICE_REQUIRED)
+            where = f"{path}.devices[{i}]"
+            entry = r.mapping(dev, where, _DEVICE_RULES, _DEVICE_REQUIRED, check_values=False)
+            for key, item in entry.items():
+                if key not in _PER_DTYPE and (item is not None or key in _DEVICE_REQUIRED):
+                    entry[key] = r.scalar(item, _DEVICE_RULES[key], f"{where}.{key}")
+            entry = _read_rates(r, entry, where)
             total += entry.get("count", 1)
             if total > MAX_DEVICES:
-                raise r.fail(f"{path}.devices[{i}]: the cluster has more than {MAX_DEVICES:,} devices up to here, "
+                raise r.fail(f"{where}: the cluster has more than {MAX_DEVICES:,} devices up to here, "
                              f"the most a spec may list ({MAX_DEVICES_WHY}); check the counts")
-            entries.append((host["name"], entry))
+            entries.append((host["name"], where, entry))
 
-    kinds = {dev["kind"] for _, dev in entries}
+    kinds = {dev["kind"] for _, _, dev in entries}
     counters: dict[str, int] = {}
     devices = []
-    for host_name, dev in entries:
+    for host_name, where, dev in entries:
         base = _device_stem(dev["kind"], kinds)
-        spec = {k: v for k, v in dev.items() if k != "count"}
+        spec = {k: v for k, v in dev.items() if k != "count" and v is not None}
         for _ in range(dev.get("count", 1)):
             index = counters.get(base, 0)
             counters[base] = index + 1
-            devices.append(Device(name=f"{base}-{index}", host=host_name, **spec))
+            devices.append(r.build(Device, {"name": f"{base}-{index}", "host": host_name, **spec}, where))
 
     emulation = None
     if top.get("emulation") is not None:
