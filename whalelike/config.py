@@ -47,6 +47,9 @@ class Config:
                        ``"send_recv"`` (seed paper 001's strategies).
     delay_weight_gradients: each backward computes its input gradients, sends them, and only then
                        its weight gradients, so the send overlaps compute (``runtime.parallel.split_backward``).
+    precision:         ``"fp32"``, or ``"bf16"``/``"fp16"``: autocast with float32 master weights and
+                       optimizer state; the planner prices each device at its rate for it and refuses a
+                       device that cannot run it (``planner.devices.cost_model``).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -56,6 +59,7 @@ class Config:
     sync_batchnorm: bool = rule(bool, default=False)
     resharding: str = rule(str, choices=RESHARDING, says=f"one of {', '.join(RESHARDING)}", default="auto")
     delay_weight_gradients: bool = rule(bool, default=False)
+    precision: str = rule(str, choices=PRECISIONS, says=f"one of {', '.join(PRECISIONS)}", default="fp32")
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}
