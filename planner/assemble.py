@@ -8,7 +8,10 @@ reads, and asks the simulator for the step-time prediction.
 
 Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
 the worker's shard of its samples plus, under ``split``, the one all-reduce per layer and direction
-that Megatron-style sharding costs (it runs inside the segment, so it is part of it);
+that Megatron-style sharding costs (it runs inside the segment, so it is part of it); a stage that
+recomputes its activations (``StagePlan.recompute``) runs its forward again inside its backward
+(:func:`planner.devices.cost_model.backward_flops`), and its ``memory_gib`` is priced so
+(:func:`planner.devices.memory.stage_memory` with ``recompute``);
 ``allreduce_ms`` is the ring all-reduce of the worker's gradient shard (``gradient_bytes``) over
 every worker holding the same shard, in one bucket; ``BoundaryPlan.transfer_ms`` is the predicted
 time of the boundary's forward resharding of that micro-batch, every sender ready at once
@@ -30,7 +33,7 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions
-from planner.devices.cost_model import GIB, CommModel, compute_ms
+from planner.devices.cost_model import ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms
 from planner.devices.memory import stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
@@ -52,6 +55,8 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             strategy=layout.shapes[s].label,
             shard_sizes={p: list(v) for p, v in dec.shards[s].shard_sizes.items()},
             batchnorm=stage_batchnorms(graphs, layers),
+            recompute=dec.recomputes(s),
+            recompute_reason=(dec.recompute[s] if dec.recompute else "") or "none",
         )
         for s, layers in enumerate(dec.stage_layers)
     ]
@@ -79,6 +84,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         sync_batchnorm=config.sync_batchnorm,
         resharding=config.resharding,
         delay_weight_gradients=config.delay_weight_gradients,
+        precision=config.precision,
     )
     _fill_transfers(plan, cluster)
     return plan
@@ -96,17 +102,19 @@ def with_predictions(plan: Plan, naive: Plan, cluster: Optional[Cluster] = None)
 
 
 def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommModel) -> Worker:
-    cost, fraction = dec.costs[s], dec.shards[s].fractions[t]
+    cost, fraction, again = dec.costs[s], dec.shards[s].fractions[t], dec.recomputes(s)
     sizes = dec.sizes[r][s][d]
     # priced once per distinct micro-batch size (a 1024-device plan has ~10^5 micro-batch slots)
     tp_comm = {b: comm.allreduce_each_ms(cost.layer_output_bytes, b, group) for b in set(sizes)}
-    forward_of = {b: compute_ms(cost.forward_flops * b * fraction, device) + c for b, c in tp_comm.items()}
-    backward_of = {b: compute_ms(cost.backward_flops * b * fraction, device) + c for b, c in tp_comm.items()}
+    forward_of = {b: compute_ms(cost.forward_flops * b * fraction, device, cost.precision) + c for b, c in tp_comm.items()}
+    # a recomputing stage also re-runs the forward's tensor-parallel all-reduces in its backward
+    backward_of = {b: compute_ms(backward_flops(cost, again) * b * fraction, device, cost.precision) + c * (2 if again else 1)
+                   for b, c in tp_comm.items()}
     forward, backward = [forward_of[b] for b in sizes], [backward_of[b] for b in sizes]
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
         tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),
-        memory_gib=stage_memory(cost, dec.in_flight[s], fraction).total(max(sizes)) / GIB,
+        memory_gib=stage_memory(cost, dec.in_flight[s], fraction, recompute=again).total(max(sizes)) / GIB,
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
     )
@@ -132,7 +140,8 @@ def _boundaries(graphs: TaskGraphs, dec: Decisions) -> list[BoundaryPlan]:
     out = []
     for s in range(dec.layout.num_stages - 1):
         cut = dec.stage_layers[s][-1]
-        per_sample = graphs.layers[cut].cut_bytes_per_sample
+        # at the training precision's bytes per element, as StageCost counts the boundary buffers
+        per_sample = graphs.layers[cut].cut_bytes_per_sample * ACTIVATION_BYTES[dec.costs[s].precision] / CAPTURED_BYTES
         out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), []))
     return out
 

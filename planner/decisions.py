@@ -13,8 +13,16 @@ tensor-parallel group's micro-batch sizes. :mod:`planner.assemble` turns it into
   movable stage, the baseline of the predicted speed-up.
 
 Every stage is priced for the micro-batch count tried (:func:`priced_stages`): its costs, the
-micro-batches in flight under the schedule (:func:`planner.schedule.actions.in_flight_per_stage`)
-and its shards.
+micro-batches in flight under the schedule (:func:`planner.schedule.actions.in_flight_per_stage`),
+its shards and whether it recomputes its activations.
+
+Activation checkpointing (``Decisions.recompute``, one reason per stage): a stage recomputes when
+one of its TaskGraphs asks (``"asked"``: ``replicate(recompute=True)``), or when the planner
+chooses it (``"fit"``) as the last resort: only after every micro-batch count tried leaves the stage
+short of memory, only on a stage the memory model says it helps (more than one micro-batch in
+flight: :mod:`planner.devices.memory`) and without training-mode BatchNorm (whose running
+statistics the recompute would update twice). It is turned on one stage at a time, the stage that
+did not fit first; a re-plan keeps the plan's choices.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from planner.schedule.actions import in_flight_per_stage
 from planner.shares.batch_fit import (
     PricedStage, StageDoesNotFit, equal_sizes, fit_pipeline, fit_single_stage, micro_batch_counts, shortfall_error,
 )
+from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.shard_sizes import ShardLayout, even_layout
 from planner.shares.stage_shards import aware_shards, check_shardable, stage_shardable
 
@@ -41,7 +50,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Decisions:
     """Everything the planner chose. ``sizes[r][s][d]`` are the micro-batch sizes of the
-    tensor-parallel group ``d`` of stage ``s`` in replica ``r``."""
+    tensor-parallel group ``d`` of stage ``s`` in replica ``r``; ``recompute[s]`` why stage ``s``
+    recomputes its activations (``"asked"``, ``"fit"``) or ``""`` (empty: none does)."""
 
     layout: Layout
     stage_layers: list[list[int]]
@@ -52,6 +62,27 @@ class Decisions:
     num_micro_batch: int
     solver: str
     optimality_gap: float | None = None
+    recompute: tuple[str, ...] = ()
+
+    def recomputes(self, s: int) -> bool:
+        return bool(self.recompute) and bool(self.recompute[s])
+
+
+def asked_recompute(graphs: TaskGraphs, stage_layers: list[list[int]]) -> list[str]:
+    """Per stage ``"asked"`` when a TaskGraph it runs a layer of asks for activation
+    checkpointing (``Strategy.recompute``), else ``""``."""
+    return ["asked" if any(graphs[graphs.layers[i].taskgraph].strategy.asks_recompute for i in layers) else ""
+            for layers in stage_layers]
+
+
+def _recompute_helps(graphs: TaskGraphs, st: PricedStage, layers: list[int]) -> str:
+    """Why recomputing stage ``st`` cannot make it fit (empty when it may)."""
+    if st.in_flight <= 1:
+        return ("with one micro-batch in flight the stage would still hold that micro-batch's activations, "
+                "so recomputing them saves nothing")
+    if stage_batchnorms(graphs, layers):
+        return "the stage runs BatchNorm in training mode, whose running statistics the recompute would update twice"
+    return ""
 
 
 def check_trainable(graphs: TaskGraphs) -> None:
@@ -66,15 +97,17 @@ def check_trainable(graphs: TaskGraphs) -> None:
 
 
 def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]],
-                  num_micro_batch: int, aware: bool, kept_shards: list[ShardLayout | None] | None = None
-                  ) -> list[PricedStage]:
+                  num_micro_batch: int, aware: bool, kept_shards: list[ShardLayout | None] | None = None,
+                  recompute: list[str] | None = None) -> list[PricedStage]:
     """Every stage priced for ``num_micro_batch``; ``kept_shards[s]``, when given and not None,
-    is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one."""
+    is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one;
+    ``recompute[s]`` (a reason, empty for none): stage ``s`` recomputes its activations."""
     in_flight_per = in_flight_per_stage(config.schedule, layout.num_stages, num_micro_batch)
     out = []
     for s, layers in enumerate(stage_layers):
-        cost = StageCost.of_layers(graphs, layers)
+        cost = StageCost.of_layers(graphs, layers, config.precision)
         in_flight = in_flight_per[s]
+        again = bool(recompute and recompute[s])
         owners, shardable, groups = stage_shardable(graphs, layers)
         tp = layout.shapes[s].tp
         check_shardable(layout, s, owners, shardable, groups)
@@ -84,14 +117,15 @@ def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_laye
             shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
-            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected)
-        out.append(PricedStage(s, cost, in_flight, shards))
+            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again)
+        out.append(PricedStage(s, cost, in_flight, shards, again))
     return out
 
 
 def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network, *,
                     stage_layers: list[list[int]] | None = None, shards: list[ShardLayout | None] | None = None,
-                    sizes: list | None = None, counts: list[int] | None = None) -> Decisions:
+                    sizes: list | None = None, counts: list[int] | None = None,
+                    recompute: list[str] | None = None) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of :mod:`planner.api`.
 
     A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
@@ -99,46 +133,71 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     None: the caller knows where they came from), ``shards`` (per stage a ShardLayout, or None to
     shard by speed), ``sizes`` (``Decisions.sizes``) instead of balanced batch shares, and
     ``counts``, the micro-batch counts a pipeline may use (default: ``num_micro_batch``, then
-    every larger divisor of the global batch). Raises PlanError when the stages do not fit.
+    every larger divisor of the global batch), ``recompute`` (per stage the reason it recomputes,
+    empty for none) instead of choosing (every stage whose TaskGraph asks recomputes anyway).
+    Raises PlanError when the stages do not fit.
     """
     if stage_layers is None:
         stage_layers, solver, gap = partition_stage_layers(graphs, layout, config, network)
     else:
         solver, gap = "greedy", None
     gbs, m = config.global_batch_size, config.num_micro_batch
+    asked = asked_recompute(graphs, stage_layers)
+    reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
     if sizes is not None:
         count = max(len(n) for replica in sizes for stage in replica for n in stage)
-        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards)
-        return _decided(layout, stage_layers, stages, sizes, count, solver, gap)
+        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons)
+        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
     if layout.num_stages == 1:
-        stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards)
-        sizes, m = fit_single_stage(layout, stages[0], gbs, m)
-        return _decided(layout, stage_layers, stages, sizes, m, solver, gap)
-    first_error, tried = None, m
-    for count in micro_batch_counts(gbs, m, layout) if counts is None else counts:
-        tried = count
-        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards)
+        stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons)
         try:
-            sizes = fit_pipeline(layout, stages, gbs // count, count)
-        except StageDoesNotFit as e:
-            first_error = first_error or e
-            continue
-        if count != m:
-            log.warning("micro-batches of %d samples do not fit; using num_micro_batch=%d (%d samples each)",
-                        gbs // m, count, gbs // count)
-        return _decided(layout, stage_layers, stages, sizes, count, solver, gap)
-    raise shortfall_error(layout, first_error, m, gbs, tried)
+            sizes, m = fit_single_stage(layout, stages[0], gbs, m)
+        except PlanError as e:
+            why = _recompute_helps(graphs, stages[0], stage_layers[0])
+            raise PlanError(f"{e} (activation checkpointing was considered: {why})") from None
+        return _decided(layout, stage_layers, stages, sizes, m, solver, gap, reasons)
+    while True:
+        errors, tried = [], m
+        for count in micro_batch_counts(gbs, m, layout) if counts is None else counts:
+            tried = count
+            stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons)
+            try:
+                sizes = fit_pipeline(layout, stages, gbs // count, count)
+            except StageDoesNotFit as e:
+                errors.append(e)
+                continue
+            if count != m:
+                log.warning("micro-batches of %d samples do not fit; using num_micro_batch=%d (%d samples each)",
+                            gbs // m, count, gbs // count)
+            return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
+        # the last resort: recompute the first stage that did not fit and may (one stage at a time)
+        chosen = next((e.stage for e in errors if not e.stage.recompute
+                       and not _recompute_helps(graphs, e.stage, stage_layers[e.stage.index])), None)
+        if chosen is None or recompute is not None:
+            first = errors[0]
+            note = ""
+            if not first.stage.recompute:
+                why = _recompute_helps(graphs, first.stage, stage_layers[first.stage.index]) or \
+                    "a re-plan keeps the recompute choices of the plan in force"
+                note = f" (activation checkpointing was considered: {why})"
+            err = shortfall_error(layout, first, m, gbs, tried)
+            raise PlanError(f"{err}{note}") from None
+        reasons[chosen.index] = "fit"
+        log.warning("stage %d does not fit its devices at any micro-batch count tried; it recomputes its "
+                    "activations in the backward (activation checkpointing)", chosen.index)
 
 
 def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
     """The capacity-blind decisions on ``layout``: equal shares, shards and layer counts."""
     gbs, m = config.global_batch_size, config.num_micro_batch
     stage_layers = equal_stage_layers(graphs, layout)
-    stages = priced_stages(graphs, config, layout, stage_layers, m, aware=False)
-    return _decided(layout, stage_layers, stages, equal_sizes(layout, gbs, m), m, "greedy")
+    asked = asked_recompute(graphs, stage_layers)
+    stages = priced_stages(graphs, config, layout, stage_layers, m, aware=False, recompute=asked)
+    return _decided(layout, stage_layers, stages, equal_sizes(layout, gbs, m), m, "greedy", None, asked)
 
 
 def _decided(layout: Layout, stage_layers, stages: list[PricedStage], sizes, count: int, solver: str,
-             gap: float | None = None) -> Decisions:
+             gap: float | None = None, recompute: list[str] | None = None) -> Decisions:
     return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
-                     [s.shards for s in stages], sizes, count, solver, gap)
+                     [s.shards for s in stages], sizes, count, solver, gap,
+                     tuple(recompute) if recompute is not None else ("",) * len(stages))

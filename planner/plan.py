@@ -28,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from whalelike.files import write_atomic
-from whalelike.config import REPLICA_SYNCS, RESHARDING, SCHEDULES
+from whalelike.config import PRECISIONS, REPLICA_SYNCS, RESHARDING, SCHEDULES
 from whalelike.spec import Reader, load_yaml, rule, validate
 
 from planner import plan_checks
@@ -37,6 +37,7 @@ from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (
 from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
+RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
 # A plan takes about 570 bytes per worker with 8 micro-batches: 16 MiB holds 16,384 workers (the most a
 # cluster spec may list) with room to spare. Larger files are refused before parsing (see whalelike.cluster).
 MAX_FILE_BYTES = 16 << 20
@@ -84,6 +85,12 @@ class StagePlan:
     # runtime.parallel.replica_sync: how the workers holding the same parameters keep them in step
     replica_sync: str = rule(str, "how the stage's data-parallel replicas stay in step", choices=REPLICA_SYNCS,
                              default="ddp")
+    # runtime.training.recompute: activation checkpointing of the stage's forward (planner.devices.memory)
+    recompute: bool = rule(bool, "recompute the stage's activations in the backward (activation checkpointing)",
+                           default=False)
+    recompute_reason: str = rule(str, "why the stage recomputes: 'asked' (a TaskGraph's recompute=True), 'fit' "
+                                 "(chosen by the planner because the stage does not fit otherwise), 'none' (it does not)",
+                                 choices=RECOMPUTE_REASONS, default="none")
 
 
 @dataclass
@@ -125,6 +132,9 @@ class Plan:
     # runtime.parallel.split_backward: a backward computes the input gradients, sends them, then the weight gradients
     delay_weight_gradients: bool = rule(bool, "send a backward's input gradients before computing its weight "
                                         "gradients", default=False)
+    # runtime.training.precision: autocast dtype (float32 master weights); planner.devices.cost_model prices it
+    precision: str = rule(str, "training precision: fp32, or autocast to bf16/fp16 with float32 master weights",
+                          choices=PRECISIONS, default="fp32")
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks (looked up at each

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from whalelike.errors import SpecError
 from whalelike.spec import check_rules
 
 # memory_gib (planner.devices.memory's estimate) is compared with the capacity by the model's fit
@@ -79,6 +80,23 @@ def _check_stages(plan: Plan) -> None:
                 f"{_span(expected)}, got {_span(st.layers)}"
             )
         next_layer += len(st.layers)
+        _check_recompute(st, where)
+
+
+def _check_recompute(st, where: str) -> None:
+    """``recompute`` and its reason agree; a recomputing stage has no training-mode BatchNorm (the
+    recompute would run it again and update its running statistics twice, so training would no
+    longer match the model's)."""
+    if st.recompute != (st.recompute_reason != "none"):
+        want = "'asked' or 'fit'" if st.recompute else "'none'"
+        raise PlanError(f"{where}.recompute_reason is {st.recompute_reason!r} with recompute {st.recompute}; "
+                        f"it must be {want}: re-create the plan with `whalelike plan`")
+    if st.recompute and st.batchnorm:
+        raise PlanError(
+            f"{where}.recompute is true but the stage runs BatchNorm in training mode ({', '.join(st.batchnorm)}): "
+            "recomputing its forward would update the running statistics twice; remove recompute=True from "
+            "the region, or put the BatchNorm layers in a region that does not recompute"
+        )
 
 
 def _check_workers(plan: Plan) -> None:
@@ -232,6 +250,12 @@ def check_model(plan: Plan, graphs) -> None:
                 )
         for group in (g for t in st.taskgraphs for g in graphs[t].shard_groups):
             _check_group(st, group)
+        asking = [t for t in st.taskgraphs if graphs[t].strategy.asks_recompute]
+        if asking and not st.recompute:
+            raise PlanError(
+                f"plan.stages[{st.index}].recompute is false but TaskGraph(s) {asking} of this stage ask for "
+                "recompute=True (activation checkpointing); re-plan for this model with `whalelike plan`"
+            )
 
 
 def _check_group(st, group) -> None:
@@ -259,8 +283,20 @@ def _check_group(st, group) -> None:
         agreed = agreed or (member.path, units)
 
 
+def check_precision(cluster, precision: str, devices=None, what: str = "precision") -> None:
+    """Every device of ``cluster`` (or of the names ``devices``) runs ``precision``; else a PlanError
+    naming the devices by kind, why they cannot, and the precisions they all run
+    (:meth:`whalelike.cluster.Cluster.check_precision`). Where the cluster meets a precision:
+    :func:`planner.plan` and :func:`check_cluster`."""
+    try:
+        cluster.check_precision(precision, devices)
+    except SpecError as e:
+        raise PlanError(f"{what} is {precision!r}, but in {e}") from None
+
+
 def check_cluster(plan: Plan, cluster) -> None:
-    """Every worker's device exists in ``cluster``, on its host, in rank order, with room for it."""
+    """Every worker's device exists in ``cluster``, on its host, in rank order, with room for it,
+    and runs the plan's precision."""
     known = {d.name: d for d in cluster.devices}
     for w in plan.workers:
         device = known.get(w.device)
@@ -276,6 +312,7 @@ def check_cluster(plan: Plan, cluster) -> None:
                 f"plan.workers[{w.rank}].memory_gib is {w.memory_gib:g} GiB, more than device {w.device!r} has "
                 f"({device.memory_gib:g} GiB in cluster {cluster.name!r}); re-plan for this cluster with `whalelike plan`"
             )
+    check_precision(cluster, plan.precision, [w.device for w in plan.workers], what="plan.precision")
     for before, w in zip(plan.workers, plan.workers[1:]):
         if cluster.positions[w.device] <= cluster.positions[before.device]:
             raise PlanError(

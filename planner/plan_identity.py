@@ -21,7 +21,7 @@ def fingerprint_of(graphs) -> str:
         return own
     payload = {
         "graphs": [
-            [tg.index, str(tg.strategy), list(tg.layers), tg.forward_flops, tg.backward_flops, tg.param_bytes,
+            [tg.index, tg.strategy.structure, list(tg.layers), tg.forward_flops, tg.backward_flops, tg.param_bytes,
              tg.optimizer_state_bytes, tg.activation_bytes_per_sample, sorted(tg.shardable.items())]
             for tg in graphs.graphs
         ],

@@ -39,7 +39,7 @@ def plan_summary(plan: Plan, cluster=None) -> str:
     )
     stages = [
         f"  stage {st.index}: {st.strategy}, layers {st.layers[0]}..{st.layers[-1]} (TaskGraph(s) "
-        f"{', '.join(map(str, st.taskgraphs))})"
+        f"{', '.join(map(str, st.taskgraphs))}){_recompute(st)}"
         for st in plan.stages
     ]
     p, n = plan.prediction, plan.naive_prediction
@@ -80,6 +80,14 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
                      + (f"; the plan's transfer_ms {boundary.transfer_ms[micro_batch]:.3g} ms"
                         if micro_batch < len(boundary.transfer_ms) else ""))
     return lines
+
+
+def _recompute(st) -> str:
+    """', recomputes activations (asked)' or '(chosen to fit)': activation checkpointing and why."""
+    if not st.recompute:
+        return ""
+    why = {"asked": "asked", "fit": "chosen to fit"}.get(st.recompute_reason, st.recompute_reason)
+    return f", recomputes activations ({why})"
 
 
 def _samples(w: Worker) -> str:

@@ -8,6 +8,10 @@ scope and therefore one TaskGraph, however many modules its pattern matches; ent
 ``"lm_head"`` makes the blocks and the head one tensor-parallel region), which a pattern language
 without alternation could not otherwise say.
 
+Activation checkpointing is a strategy option, as in a scope:
+``annotate(model, {"model.layers": replicate(recompute=True)})`` makes the layers one region whose
+activations are recomputed in the backward (see :mod:`whalelike.strategy`).
+
 Patterns:
 
 * an exact path: ``"encoder.embeddings"``;
@@ -110,7 +114,9 @@ def _check_not_annotated(modules: Mapping[str, nn.Module], matched: Mapping[str,
 def _scope(outer, strategy: Strategy) -> Strategy:
     """A fresh scope (new id, so one TaskGraph per entry) for ``strategy`` nested in ``outer``."""
     if strategy.inner is not None and outer is None:  # an already nested replicate+split
-        return Strategy(strategy.kind, strategy.device_count, strategy.inner, next(_scope_ids))
+        inner = Strategy(strategy.inner.kind, strategy.inner.device_count)   # recompute lives on the top level
+        return Strategy(strategy.kind, strategy.device_count, inner, next(_scope_ids),
+                        recompute=strategy.asks_recompute)
     return _nest(outer, strategy)
 
 

@@ -10,6 +10,14 @@ are recorded in two ways:
 
 Nesting rule (Whale): ``split`` inside ``replicate`` means tensor parallel inside each replica.
 Every other nesting is an error.
+
+Activation checkpointing is asked per region: ``replicate(n, recompute=True)`` or
+``split(n, recompute=True)``. It is a property of the region, not of the parallel layout: the
+TaskGraph records it (``TaskGraph.strategy.recompute``), the planner makes every pipeline stage that
+runs such a TaskGraph recompute (``StagePlan.recompute``) and the runtime wraps that stage's module
+(:mod:`runtime.training.recompute`). A region nested in a recomputing one recomputes too (its code
+is inside the region the user asked for). It changes no structure, so the model fingerprint
+ignores it (:attr:`Strategy.structure`).
 """
 from __future__ import annotations
 
@@ -32,23 +40,46 @@ class Strategy:
 
     ``inner`` is the ``split`` nested inside a ``replicate`` (tensor parallel in each replica).
     ``scope_id`` distinguishes two textually separate scopes with equal settings: each ``with``
-    block is its own TaskGraph.
+    block is its own TaskGraph. ``recompute``: the region's activations are recomputed in the
+    backward instead of kept (activation checkpointing); it takes part in equality
+    (``replicate(2) != replicate(2, recompute=True)``), not in :attr:`structure`.
     """
 
     kind: Kind
     device_count: Optional[int] = None
     inner: Optional["Strategy"] = None
     scope_id: int = field(default=-1, compare=False)
+    recompute: bool = False
 
     def __post_init__(self):
         if self.kind not in ("replicate", "split"):
             raise AnnotationError(f"strategy kind must be 'replicate' or 'split', got {self.kind!r}")
         _check_device_count(self.kind, self.device_count)
+        if not isinstance(self.recompute, bool):
+            raise AnnotationError(
+                f"{self.kind}(recompute=...): recompute must be True or False, got {self.recompute!r} "
+                f"({type(self.recompute).__name__}); write {self.kind}(recompute=True) to recompute the region's "
+                "activations in the backward"
+            )
 
     def __str__(self) -> str:
+        return self._text(with_recompute=True)
+
+    @property
+    def structure(self) -> str:
+        """The text of the parallel layout alone (``str`` without ``recompute``): what the model
+        fingerprint hashes, since recomputing changes no TaskGraph, layer or boundary."""
+        return self._text(with_recompute=False)
+
+    @property
+    def asks_recompute(self) -> bool:
+        """Whether this region (or the ``split`` nested in it) asked for activation checkpointing."""
+        return self.recompute or (self.inner is not None and self.inner.recompute)
+
+    def _text(self, with_recompute: bool) -> str:
         n = "auto" if self.device_count is None else str(self.device_count)
-        text = f"{self.kind}({n})"
-        return f"{text}+{self.inner}" if self.inner is not None else text
+        text = f"{self.kind}({n},recompute)" if with_recompute and self.recompute else f"{self.kind}({n})"
+        return f"{text}+{self.inner._text(with_recompute)}" if self.inner is not None else text
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> "Strategy":
@@ -92,14 +123,16 @@ def _check_device_count(kind: str, device_count) -> None:
         raise AnnotationError(f"{kind}(device_count): device_count must be > 0, got {device_count}")
 
 
-def replicate(device_count: Optional[int] = None) -> Strategy:
-    """Data parallel: the code under this scope forms one TaskGraph replicated on ``device_count`` devices."""
-    return Strategy("replicate", device_count)
+def replicate(device_count: Optional[int] = None, *, recompute: bool = False) -> Strategy:
+    """Data parallel: the code under this scope forms one TaskGraph replicated on ``device_count`` devices.
+    ``recompute=True``: its activations are recomputed in the backward (activation checkpointing)."""
+    return Strategy("replicate", device_count, recompute=recompute)
 
 
-def split(device_count: Optional[int] = None) -> Strategy:
-    """Tensor parallel: the operators under this scope are sharded across ``device_count`` devices."""
-    return Strategy("split", device_count)
+def split(device_count: Optional[int] = None, *, recompute: bool = False) -> Strategy:
+    """Tensor parallel: the operators under this scope are sharded across ``device_count`` devices.
+    ``recompute=True``: its activations are recomputed in the backward (activation checkpointing)."""
+    return Strategy("split", device_count, recompute=recompute)
 
 
 class _ScopeStack(threading.local):
@@ -131,12 +164,14 @@ class _ScopeStack(threading.local):
 
 
 def _nest(outer: Optional[Strategy], inner: Strategy) -> Strategy:
-    """Resolve ``inner`` opened inside ``outer`` into one effective strategy with a fresh scope id."""
+    """Resolve ``inner`` opened inside ``outer`` into one effective strategy with a fresh scope id.
+    The effective strategy carries ``recompute`` on its top level: asked by either scope."""
     sid = next(_scope_ids)
     if outer is None:
-        return Strategy(inner.kind, inner.device_count, None, sid)
+        return Strategy(inner.kind, inner.device_count, None, sid, recompute=inner.recompute)
     if outer.kind == "replicate" and outer.inner is None and inner.kind == "split":
-        return Strategy("replicate", outer.device_count, Strategy("split", inner.device_count), sid)
+        return Strategy("replicate", outer.device_count, Strategy("split", inner.device_count), sid,
+                        recompute=outer.recompute or inner.recompute)
     raise AnnotationError(
         f"cannot open {inner} inside {outer}: the only allowed nesting is split inside replicate "
         "(tensor parallel inside each data-parallel replica)"
@@ -164,7 +199,8 @@ def set_default_strategy(strategy: Optional[Strategy]) -> None:
         return
     if not isinstance(strategy, Strategy):
         raise AnnotationError(f"set_default_strategy expects wl.replicate(...), wl.split(...) or None, got {strategy!r}")
-    _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1)
+    _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1,
+                              recompute=strategy.recompute)
     _STACK.default_is_set = True
 
 

@@ -105,7 +105,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     layout = plan_layout(plan, graphs, measured)
     config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
                     sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
-                    delay_weight_gradients=plan.delay_weight_gradients)
+                    delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision)
     network = measured.network
     old_layers = [list(st.layers) for st in plan.stages]
     old_shards = _plan_shards(plan, graphs)
@@ -127,7 +127,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
             decisions = aware_decisions(
                 graphs, config, layout, network,
                 stage_layers=new_layers if use_layers else old_layers,
-                shards=None if use_shards else old_shards, counts=[config.num_micro_batch])
+                shards=None if use_shards else old_shards, counts=[config.num_micro_batch],
+                recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
         except PlanError as e:
             first_error = first_error or e
             continue
@@ -139,7 +140,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     if decisions is None:
         kept.append(f"batch shares: the new shares do not fit in memory ({first_error})")
         decisions = aware_decisions(graphs, config, layout, network, stage_layers=old_layers,
-                                    shards=old_shards, sizes=_plan_sizes(plan, layout))
+                                    shards=old_shards, sizes=_plan_sizes(plan, layout),
+                                    recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
     if decisions.stage_layers == old_layers:
         solver, gap = plan.solver, plan.optimality_gap
     new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
@@ -154,15 +156,16 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
 
 
 def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:
-    """``cluster`` with each plan device's ``measured_tflops`` set from ``speeds`` (per rank),
-    normalised so that they sum to the TFLOPS the plan assumed for those devices (see the module
-    docstring). Devices the plan does not use are unchanged."""
+    """``cluster`` with each plan device's measured TFLOPS at the plan's precision set from ``speeds``
+    (per rank; :meth:`whalelike.cluster.Device.with_measured`), normalised so that they sum to the
+    TFLOPS the plan assumed for those devices at that precision (see the module docstring). Devices
+    the plan does not use are unchanged."""
     _check_inputs(plan, cluster, speeds)
     by_name = {d.name: d for d in cluster.devices}
-    assumed = math.fsum(device_tflops(by_name[w.device]) for w in plan.workers)
+    assumed = math.fsum(device_tflops(by_name[w.device], plan.precision) for w in plan.workers)
     total = math.fsum(float(v) for v in speeds)
     tflops = {w.device: float(v) / total * assumed for w, v in zip(plan.workers, speeds)}
-    devices = tuple(dataclasses.replace(d, measured_tflops=tflops[d.name]) if d.name in tflops else d
+    devices = tuple(d.with_measured(plan.precision, tflops[d.name]) if d.name in tflops else d
                     for d in cluster.devices)
     return dataclasses.replace(cluster, devices=devices)
 
@@ -324,7 +327,7 @@ def _plan_shards(plan: Plan, graphs: TaskGraphs) -> list[ShardLayout]:
     out = []
     for st in plan.stages:
         _, shardable, groups = stage_shardable(graphs, st.layers)
-        flops = StageCost.of_layers(graphs, st.layers).flops_per_sample
+        flops = StageCost.of_layers(graphs, st.layers, plan.precision).flops_per_sample
         out.append(layout_of_sizes(shardable, st.shard_sizes, plan.stage_workers(st.index)[0].tp_size, groups, flops))
     return out
 
@@ -346,5 +349,6 @@ def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Dec
 def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) -> Prediction:
     """The plan in force re-priced at the measured speeds."""
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
-                           shards=old_shards, sizes=_plan_sizes(plan, layout))
+                           shards=old_shards, sizes=_plan_sizes(plan, layout),
+                           recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
     return predict(build_plan(graphs, measured, config, kept), measured)

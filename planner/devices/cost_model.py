@@ -2,8 +2,12 @@
 worker needs. Analytic on purpose: the planner must run in one process, in milliseconds, for
 clusters the planning machine cannot see, so it prices work from the cluster spec's nominal figures.
 
-Compute. A device runs ``measured_tflops`` when the spec has it (from profiling, like Poplar's
-online profiling), else ``peak_tflops * DEFAULT_EFFICIENCY``. The efficiency factor is the share of
+Compute. A device runs at the plan's precision (``Config.precision``: fp32, bf16, fp16) at its
+measured rate when the spec has one (from profiling, like Poplar's online profiling; a rate measured
+at another precision scaled by the ratio of the two peaks, :meth:`whalelike.cluster.Device.measured`),
+else at its peak for that precision (:meth:`whalelike.cluster.Device.tflops`: the spec's per-dtype
+figures, a known GPU's spec sheet) times ``DEFAULT_EFFICIENCY``. A device that cannot run the
+precision raises the SpecError naming it (the planner checks the whole cluster first). The efficiency factor is the share of
 peak that dense training reaches in practice (0.4: typical model-FLOPs utilisation of transformer
 training on V100/A100-class GPUs); it scales all devices alike, so it changes how compute compares
 to communication, never which device gets more work. The planner never reads
@@ -40,16 +44,23 @@ DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
 
 
-def device_tflops(device: Device) -> float:
-    """Sustained training TFLOPS the planner assumes for ``device``."""
-    if device.measured_tflops is not None:
-        return device.measured_tflops
-    return device.peak_tflops * DEFAULT_EFFICIENCY
+# bytes per element of the activations a training precision keeps (autocast's outputs); capture
+# measures every tensor at float32, 4 bytes
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CAPTURED_BYTES = 4
 
 
-def compute_ms(flops: float, device: Device) -> float:
-    """Milliseconds ``device`` needs for ``flops`` floating-point operations."""
-    return flops / (device_tflops(device) * 1e9)
+def device_tflops(device: Device, precision: str = "fp32") -> float:
+    """Sustained training TFLOPS the planner assumes for ``device`` at ``precision``."""
+    measured = device.measured(precision)
+    if measured is not None:
+        return measured
+    return device.tflops(precision) * DEFAULT_EFFICIENCY
+
+
+def compute_ms(flops: float, device: Device, precision: str = "fp32") -> float:
+    """Milliseconds ``device`` needs for ``flops`` floating-point operations at ``precision``."""
+    return flops / (device_tflops(device, precision) * 1e9)
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,17 @@ class StageCost:
     ``static_bytes`` (parameters + gradients + optimizer state) and ``optimizer_bytes`` are per
     whole stage; ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in
     flight. A worker's share of them: :func:`planner.devices.memory.stage_memory`.
+
+    ``precision`` is the training precision the stage is priced at: its FLOPs run at each device's
+    rate for it (:func:`compute_ms`), and bytes per element follow it (:meth:`of_layers`). Under ``fp32`` everything
+    is as captured (float32). Under ``bf16``/``fp16`` mixed precision (torch autocast) the
+    parameters stay float32 (the master weights), so do their gradients and the optimizer state:
+    ``param_bytes``, ``static_bytes`` and ``optimizer_bytes`` are unchanged; autocast casts each
+    weight once per forward and keeps the low-precision copy while the step's forward and backward
+    run, ``param_copy_bytes`` = 2 bytes per parameter (half of ``param_bytes``), counted with the
+    weights; and the activations, boundary buffers and layer outputs, captured at float32, are
+    mostly autocast outputs, so they scale by 2/4 (``ACTIVATION_BYTES``). Gradient all-reduces
+    stay float32 (``param_bytes``).
     """
 
     forward_flops: float
@@ -114,14 +136,17 @@ class StageCost:
     boundary_bytes: float
     layer_output_bytes: tuple[float, ...]   # per layer: bytes per sample of its output (TP all-reduce)
     optimizer_bytes: Optional[float] = None  # None: static_bytes less parameters and gradients
+    param_copy_bytes: float = 0.0            # low-precision copy of the weights under autocast (bf16/fp16)
+    precision: str = "fp32"                  # the training precision: devices price this stage's FLOPs at it
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
             object.__setattr__(self, "optimizer_bytes", self.static_bytes - 2 * self.param_bytes)
 
     @classmethod
-    def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int]) -> "StageCost":
-        """Costs of ``layers`` (contiguous indices into ``graphs.layers``).
+    def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int], precision: str = "fp32") -> "StageCost":
+        """Costs of ``layers`` (contiguous indices into ``graphs.layers``) trained at ``precision``
+        (``Config.precision``; the byte rule in the class docstring).
 
         Optimizer state is recorded per TaskGraph; a layer carries the share of it that matches
         its share of the TaskGraph's parameter bytes. A tied parameter whose owning layer is in
@@ -142,15 +167,20 @@ class StageCost:
         first, last = layers[0], layers[-1]
         received = graphs.layers[first - 1].cut_bytes_per_sample if first > 0 else 0.0
         sent = chosen[-1].cut_bytes_per_sample if last < len(graphs.layers) - 1 else 0.0
+        if precision not in ACTIVATION_BYTES:
+            raise ValueError(f"precision must be one of {', '.join(ACTIVATION_BYTES)}, got {precision!r}")
+        scale = ACTIVATION_BYTES[precision] / CAPTURED_BYTES   # 1.0 at fp32: the bytes as captured, exactly
         return cls(
             forward_flops=sum(l.forward_flops for l in chosen),
             backward_flops=sum(l.backward_flops for l in chosen),
             param_bytes=params,
             static_bytes=2 * params + opt,
-            activation_bytes=sum(l.activation_bytes_per_sample for l in chosen),
-            boundary_bytes=received + sent,
-            layer_output_bytes=tuple(l.cut_bytes_per_sample for l in chosen),
+            activation_bytes=sum(l.activation_bytes_per_sample for l in chosen) * scale,
+            boundary_bytes=(received + sent) * scale,
+            layer_output_bytes=tuple(l.cut_bytes_per_sample * scale for l in chosen),
             optimizer_bytes=opt,
+            param_copy_bytes=0.0 if precision == "fp32" else params * ACTIVATION_BYTES[precision] / CAPTURED_BYTES,
+            precision=precision,
         )
 
     @property
@@ -171,3 +201,14 @@ class StageCost:
         at most :data:`UNBOUNDED_SAMPLES`: shorthand for
         ``stage_memory(self, in_flight, shard).max_samples(capacity_bytes)``."""
         return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
+
+
+def backward_flops(cost: StageCost, recompute: bool = False) -> float:
+    """FLOPs per sample of a stage's backward; a recomputing stage (activation checkpointing,
+    :mod:`runtime.training.recompute`) runs its forward again inside it."""
+    return cost.backward_flops + (cost.forward_flops if recompute else 0.0)
+
+
+def training_flops(cost: StageCost, recompute: bool = False) -> float:
+    """FLOPs per sample of a stage's forward and backward (:func:`backward_flops`)."""
+    return cost.forward_flops + backward_flops(cost, recompute)

@@ -7,7 +7,7 @@ input received, the output sent). Each has its own reason to be split: tensor pa
 (``split``) shards all four today, a device holds its batch share of the activations, and the
 features to come change one term each: ZeRO shards the optimizer state (stage 1), then the
 gradients (stage 2), then the parameters (stage 3) over a data-parallel group; activation
-checkpointing shrinks the activations. So every term carries its own fraction, and everything
+checkpointing shrinks the activations (below). So every term carries its own fraction, and everything
 that asks how much memory a device needs (the pipeline partitioner, Whale's Algorithm 1 and the
 batch fitting, the shard-size caps, the plan's ``memory_gib`` the plan checks compare with the
 device's capacity) asks :class:`MemoryTerms`, so that such a feature changes one fraction in one
@@ -15,13 +15,25 @@ place: :func:`worker_fractions`, the rule both :func:`stage_memory` (batch fitti
 ``memory_gib``) and the partitioner's :meth:`~planner.partition.problem.DeviceMemory.of_worker`
 read.
 
+Activation checkpointing (``recompute``, :func:`stage_memory`). A recomputing stage runs its forward
+under torch's non-reentrant checkpoint (:mod:`runtime.training.recompute`), which saves the
+stage's inputs instead of its activations; the executor also holds each micro-batch's output (the
+root of its backward, the buffer it sends) until its gradient comes back. So per micro-batch in
+flight it keeps only its boundary buffers (received input and sent output), and once, not per
+micro-batch in flight, the full activations of the one micro-batch being recomputed and
+back-propagated: the ``transient_bytes_per_sample`` term. With one micro-batch in flight (a single
+stage, the last stage of 1F1B) recomputing the whole stage saves nothing, and the planner never
+chooses it there.
+
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
-+ optimizer_fraction * optimizer_bytes + activation_fraction * samples * in_flight *
-activation_bytes_per_sample``: each term scales with its own fraction and nothing else. Terms that
++ optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
+activation_bytes_per_sample + transient_bytes_per_sample)``: each term scales with its own fraction
+and nothing else (the transient bytes are activations: they take the activation fraction). Terms that
 share a fraction are added before they are scaled, so when all four fractions are one shard
 fraction ``f`` (every plan today) the total is ``f * (static + samples * per-sample bytes)`` to the
 last bit, as the planner has always priced a shard, and :meth:`MemoryTerms.max_samples` is the
-largest sample count whose total fits (the inverse, computed the same way).
+largest sample count whose total fits (the inverse, computed the same way). Without recompute the
+transient term is 0 and is not even added, so every figure is what it was before it existed.
 
 The byte fields may be numbers, numpy arrays (the partitioner prices every layer range at once) or
 PuLP expressions (the partitioner's ILP states its memory rows with the same model).
@@ -49,7 +61,9 @@ class MemoryTerms:
     ``weight_bytes``, ``gradient_bytes`` and ``optimizer_bytes`` are the whole stage's parameters,
     gradients and optimizer state; ``activation_bytes_per_sample`` the whole stage's saved
     activations and boundary buffers per sample of one micro-batch, held for each of the
-    ``in_flight`` micro-batches alive at once. ``activation_fraction`` is the device's share of
+    ``in_flight`` micro-batches alive at once; ``transient_bytes_per_sample`` the whole stage's
+    bytes per sample held once whatever ``in_flight`` is (a recomputing stage's activations, alive
+    for one micro-batch at a time). ``activation_fraction`` is the device's share of
     the activations of the samples :meth:`total` is given (its tensor-parallel shard of them, times
     its share of the micro-batch when the samples are the whole pipeline's).
     """
@@ -63,6 +77,7 @@ class MemoryTerms:
     gradient_fraction: float = 1.0
     optimizer_fraction: float = 1.0
     activation_fraction: float = 1.0
+    transient_bytes_per_sample: Any = 0.0
 
     def __post_init__(self):
         if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:
@@ -77,8 +92,13 @@ class MemoryTerms:
                 (self.optimizer_fraction, self.optimizer_bytes)]
 
     def _per_sample(self) -> Any:
-        """Whole-stage bytes one sample of a micro-batch keeps alive over the micro-batches in flight."""
-        return self.activation_bytes_per_sample * self.in_flight
+        """Whole-stage bytes one sample of a micro-batch keeps alive over the micro-batches in flight
+        (plus the transient bytes, held once; a plain 0 is not added, so nothing changes without)."""
+        kept = self.activation_bytes_per_sample * self.in_flight
+        t = self.transient_bytes_per_sample
+        if isinstance(t, (int, float)) and t == 0:
+            return kept
+        return kept + t
 
     def total(self, samples: Any = 0) -> Any:
         """Peak bytes with ``samples`` samples per micro-batch (see the module's invariant)."""
@@ -136,24 +156,38 @@ def worker_fractions(shard: float = 1.0, batch_share: float = 1.0) -> dict[str, 
             "activation_fraction": shard * batch_share}
 
 
-def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0) -> MemoryTerms:
+def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool) -> tuple[Any, Any]:
+    """``(kept per micro-batch in flight, held once)`` bytes per sample of a stage with these
+    activations and boundary buffers (numbers, arrays over layer ranges or ILP expressions): all
+    kept without recompute; with it only the boundary buffers kept, the activations held once
+    (the module docstring). The one rule the batch fitting and the partitioner both read."""
+    if recompute:
+        return boundary_bytes, activation_bytes
+    return activation_bytes + boundary_bytes, 0.0
+
+
+def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0,
+                 recompute: bool = False) -> MemoryTerms:
     """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
     alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
     are its own group's). Gradients are as large as the parameters; the boundary buffers count
-    with the activations (:class:`~planner.devices.cost_model.StageCost`)."""
+    with the activations (:class:`~planner.devices.cost_model.StageCost`). ``recompute``: the stage
+    runs under activation checkpointing (:func:`recompute_split`)."""
+    kept, once = recompute_split(cost.activation_bytes, cost.boundary_bytes, recompute)
     return MemoryTerms(
-        weight_bytes=cost.param_bytes,
+        weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,
         optimizer_bytes=cost.optimizer_bytes,
-        activation_bytes_per_sample=cost.activation_bytes + cost.boundary_bytes,
+        activation_bytes_per_sample=kept,
         in_flight=in_flight,
         **worker_fractions(shard, batch_share),
+        transient_bytes_per_sample=once,
     )
 
 
-def max_shard(cost: "StageCost", in_flight: int, samples: int, capacity_bytes: float) -> float:
+def max_shard(cost: "StageCost", in_flight: int, samples: int, capacity_bytes: float, recompute: bool = False) -> float:
     """The largest tensor-parallel fraction of stage ``cost`` a device of ``capacity_bytes`` holds
-    with ``samples`` samples per micro-batch: every term scales with the shard
-    (:func:`worker_fractions`), so it is the capacity over the whole stage's need (at least one
-    byte: a stage that needs nothing fits any share)."""
-    return capacity_bytes / max(stage_memory(cost, in_flight).total(samples), 1.0)
+    with ``samples`` samples per micro-batch (``recompute``: under activation checkpointing): every
+    term scales with the shard (:func:`worker_fractions`), so it is the capacity over the whole
+    stage's need (at least one byte: a stage that needs nothing fits any share)."""
+    return capacity_bytes / max(stage_memory(cost, in_flight, recompute=recompute).total(samples), 1.0)

@@ -10,6 +10,10 @@ gradient accumulation (own micro-batch size and last batch size per device); eit
 :data:`MAX_MICRO_BATCHES` per step, so the planner's work is bounded by that count and never by the
 number of samples (a global batch of 10**12 is an error in milliseconds, not a hang).
 
+A stage that still does not fit may recompute its activations (activation checkpointing: each
+:class:`PricedStage` says whether it does, and every memory figure here asks the memory model with
+it); :func:`planner.decisions.aware_decisions` turns it on, stage by stage, as the last resort.
+
 The results are ``Decisions.sizes`` (:class:`planner.decisions.Decisions`): ``sizes[r][s][d]`` are
 the micro-batch sizes of the tensor-parallel group ``d`` of stage ``s`` in replica ``r``. Errors
 (:class:`~planner.plan.PlanError`) say what does not fit, by how much, and what would.
@@ -25,7 +29,7 @@ from whalelike.cluster import Device
 from whalelike.config import Config
 from whalelike.display import human_bytes
 
-from planner.devices.cost_model import GIB, StageCost, device_tflops
+from planner.devices.cost_model import GIB, StageCost, device_tflops, training_flops
 from planner.devices.memory import stage_memory
 from planner.devices.placement import Layout
 from planner.plan import PlanError
@@ -112,29 +116,35 @@ def _by_group(per_batch: Sequence[Sequence[int]]) -> list[list[int]]:
 # -- one stage as the balancers see it -------------------------------------------------------------
 @dataclass(frozen=True)
 class PricedStage:
-    """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards
-    (built by :func:`planner.decisions.priced_stages`)."""
+    """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards,
+    and whether it recomputes its activations (built by :func:`planner.decisions.priced_stages`)."""
 
     index: int
     cost: StageCost
     in_flight: int
     shards: ShardLayout
+    recompute: bool = False
+
+    def memory(self, fraction: float):
+        """The memory model of a worker holding ``fraction`` of this stage
+        (:func:`planner.devices.memory.stage_memory`)."""
+        return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute)
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
         """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
         FlopCounterMode counts no FLOPs for (an embedding lookup) still shares by device speed."""
-        flops = max(self.cost.flops_per_sample, 1.0)
-        return min(device_tflops(d) * 1e9 / (flops * f)
+        flops = max(training_flops(self.cost, self.recompute), 1.0)
+        return min(device_tflops(d, self.cost.precision) * 1e9 / (flops * f)
                    for d, f in zip(group, self.shards.fractions))
 
     def group_cap(self, group: tuple[Device, ...]) -> int:
         """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
-        return min(stage_memory(self.cost, self.in_flight, f).max_samples(d.memory_gib * GIB)
+        return min(self.memory(f).max_samples(d.memory_gib * GIB)
                    for d, f in zip(group, self.shards.fractions))
 
     def group_util(self, group: tuple[Device, ...], samples: int) -> float:
         """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
-        return max(stage_memory(self.cost, self.in_flight, f).total(samples) / (d.memory_gib * GIB)
+        return max(self.memory(f).total(samples) / (d.memory_gib * GIB)
                    for d, f in zip(group, self.shards.fractions))
 
 
@@ -244,23 +254,25 @@ def check_fit(layout: Layout, st: PricedStage, samples: int) -> None:
     ``samples`` samples per micro-batch."""
     for group in layout.stage_groups(st.index):
         if st.group_cap(group) < samples:
-            raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples)
+            raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples, st.recompute)
 
 
 def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None,
-                 samples: int) -> PlanError:
+                 samples: int, recompute: bool = False) -> PlanError:
     """Why stage ``s`` does not fit on the tightest device of ``groups`` with ``samples`` samples
-    per micro-batch (its shard of ``shards``, or an even one): what it needs and what it lacks."""
+    per micro-batch (its shard of ``shards``, or an even one; ``recompute``: priced with activation
+    checkpointing, which the message then says): what it needs and what it lacks."""
     worst = None
     for group in groups:
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
-            need = stage_memory(cost, in_flight, f).total(samples)
+            need = stage_memory(cost, in_flight, f, recompute=recompute).total(samples)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
                 worst = (short, need, d)
     short, need, device = worst
     what = "weights, gradients and optimizer state" + (" with one sample in flight" if samples else "")
+    what += ", recomputing its activations (activation checkpointing)," if recompute and samples else ""
     return PlanError(
         f"TaskGraph {layout.shapes[s].taskgraph} (stage {s}, {layout.shapes[s].label}) does not fit on device "
         f"{device.name!r} ({device.kind}, {device.memory_gib:.1f} GiB): its {what} need {need / GIB:.2f} GiB, "
@@ -272,7 +284,7 @@ def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups
 def shortfall_error(layout: Layout, err: StageDoesNotFit, m: int, gbs: int, tried: int) -> PlanError:
     """Why the first micro-batch count tried (``m``) does not fit; ``tried``: the largest count tried."""
     st = err.stage
-    per_sample = stage_memory(st.cost, st.in_flight).activations(1)   # the whole stage's, per sample
+    per_sample = st.memory(1.0).activations(1)   # the whole stage's, per sample
     groups = layout.stage_groups(st.index)
     best = max(groups, key=lambda g: st.group_cap(g))
     fits = sum(max(st.group_cap(g), 0) for g in groups)
@@ -285,6 +297,9 @@ def shortfall_error(layout: Layout, err: StageDoesNotFit, m: int, gbs: int, trie
         limit = f"; neither does any num_micro_batch up to {tried} that divides global_batch_size {gbs}"
     else:
         limit = ""
+    if st.recompute:
+        limit += (" even with activation checkpointing (the stage recomputes its activations and keeps "
+                  "only its boundary buffers per micro-batch in flight)")
     return PlanError(
         f"TaskGraph {layout.shapes[st.index].taskgraph} (stage {st.index}) does not fit: a micro-batch of "
         f"{err.micro_batch} samples needs {human_bytes(err.shortfall * per_sample)} more activation memory than "

@@ -53,15 +53,17 @@ def check_shardable(layout: Layout, s: int, owners, shardable, groups) -> None:
 
 
 def aware_shards(layout: Layout, s: int, cost: StageCost, in_flight: int, shardable, shard_groups,
-                 samples: int) -> ShardLayout:
+                 samples: int, recompute: bool = False) -> ShardLayout:
     """Shards proportional to the summed speed at each tensor-parallel index, capped so that each
-    device holds its shard with ``samples`` samples in flight, or failing that its weights alone
-    (the batch balancer then finds out how many samples fit)."""
+    device holds its shard with ``samples`` samples in flight (``recompute``: under activation
+    checkpointing, :mod:`planner.devices.memory`), or failing that its weights alone (the batch
+    balancer then finds out how many samples fit)."""
     groups = layout.stage_groups(s)
     tp = layout.shapes[s].tp
-    speeds = [sum(device_tflops(g[t]) for g in groups) for t in range(tp)]
+    speeds = [sum(device_tflops(g[t], cost.precision) for g in groups) for t in range(tp)]
     for n in (samples, 0):
-        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB) for g in groups) for t in range(tp)]
+        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB, recompute) for g in groups)
+                         for t in range(tp)]
         try:
             return shard_layout(shardable, speeds, max_fractions, shard_groups, cost.flops_per_sample)
         except DoesNotFit:

@@ -149,9 +149,11 @@ class TaskGraphs:
         saved plan can check it is applied to the model it was made for. Floating-point dtypes count
         as one kind: a plan made from the float32 model runs the same model cast with ``.double()``
         or ``.bfloat16()`` (the plan's byte counts then scale with the element size; its shares
-        and shards stay valid)."""
+        and shards stay valid). Activation checkpointing (``Strategy.recompute``) is not structure
+        either: the plan says which stages recompute (``StagePlan.recompute``), and
+        :func:`planner.plan_checks.check_model` checks that it honours every region that asks."""
         payload = {
-            "graphs": [[str(g.strategy), list(g.module_paths), list(g.layers), g.param_count,
+            "graphs": [[g.strategy.structure, list(g.module_paths), list(g.layers), g.param_count,
                         sorted(g.shardable.items()), [sg.structure() for sg in g.shard_groups]] for g in self.graphs],
             "layers": [[l.name, l.taskgraph, l.param_count] for l in self.layers],
             "boundaries": [[b.src, b.dst, [[list(t.shape), _dtype_kind(t.dtype), t.batched] for t in b.tensors]]
@@ -227,12 +229,12 @@ class TaskGraphs:
 
 def _strategy_to_dict(s: Strategy) -> dict:
     return {"kind": s.kind, "device_count": s.device_count,
-            "inner": _strategy_to_dict(s.inner) if s.inner is not None else None}
+            "inner": _strategy_to_dict(s.inner) if s.inner is not None else None, "recompute": s.recompute}
 
 
 def _strategy_from_dict(d: dict) -> Strategy:
     inner = _strategy_from_dict(d["inner"]) if d.get("inner") else None
-    return Strategy(d["kind"], d.get("device_count"), inner)
+    return Strategy(d["kind"], d.get("device_count"), inner, recompute=d.get("recompute", False))
 
 
 _NUMBERED = re.compile(r"^(.*\.)(\d+)$")
