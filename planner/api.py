@@ -39,6 +39,7 @@ from planner.decisions import check_trainable, naive_decisions
 from planner.devices.placement import build_layout
 from planner.devices.placement_search import best_aware_plan
 from planner.plan import Plan
+from planner.plan_checks import check_precision
 from planner.shares.batch_fit import check_batch
 from planner.shares.batchnorm_statistics import log_batchnorm_warnings
 
@@ -48,11 +49,13 @@ log = logging.getLogger(__name__)
 def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """The hardware-aware plan of ``graphs`` on ``cluster`` under ``config``.
 
-    Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (too many
-    devices, batch too small or indivisible, memory infeasible), naming what would fit.
+    Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (a precision
+    some device cannot run, too many devices, batch too small or indivisible, memory infeasible),
+    naming what would fit.
     """
     check_trainable(graphs)
-    layout = build_layout(graphs, cluster)
+    check_precision(cluster, config.precision)
+    layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     prediction, result = best_aware_plan(graphs, cluster, config)
@@ -68,7 +71,8 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """The capacity-blind plan on the same devices (equal shares, shards and layer counts). It may
     exceed device memory; it exists to compare against and to run side by side under emulation."""
     check_trainable(graphs)
-    layout = build_layout(graphs, cluster)
+    check_precision(cluster, config.precision)
+    layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     return with_predictions(naive, naive, cluster)

@@ -163,22 +163,23 @@ def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int
 PLACEMENTS = ("memory", "speed")
 
 
-def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory") -> Layout:
+def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory", precision: str = "fp32") -> Layout:
     """Place every stage of every pipeline replica on physical devices (see module docstring).
 
     ``placement="memory"`` is Whale's rule: devices ranked by memory (then speed) are dealt out in
     stage order. ``"speed"`` deals devices ranked by speed (then memory) to the stages with the
     most FLOPs per device first: better when a late stage (a wide classifier) dominates compute.
-    The planner tries both and keeps the faster plan that fits.
+    The planner tries both and keeps the faster plan that fits. Speed is each device's at the
+    training ``precision`` (``Config.precision``).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     shapes, replicas = stage_shapes(graphs, len(cluster.devices))
     if placement == "memory":
-        key = lambda p: (-p[1].memory_gib, -device_tflops(p[1]), p[0])  # noqa: E731
+        key = lambda p: (-p[1].memory_gib, -device_tflops(p[1], precision), p[0])  # noqa: E731
         stage_order = list(range(len(shapes)))
     else:
-        key = lambda p: (-device_tflops(p[1]), -p[1].memory_gib, p[0])  # noqa: E731
+        key = lambda p: (-device_tflops(p[1], precision), -p[1].memory_gib, p[0])  # noqa: E731
         work = [(graphs[sh.taskgraph].forward_flops + graphs[sh.taskgraph].backward_flops) / sh.devices
                 for sh in shapes]
         stage_order = sorted(range(len(shapes)), key=lambda s: (-work[s], s))
@@ -215,8 +216,10 @@ def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory"
 
 
 def _device_class(device: Device) -> tuple:
-    """Devices of one class are interchangeable for the planner."""
-    return (device.kind, device.memory_gib, device_tflops(device))
+    """Devices of one class are interchangeable for the planner: same kind, memory and speed at
+    every precision they run."""
+    return (device.kind, device.memory_gib, device_tflops(device),
+            tuple((p, device_tflops(device, p)) for p in device.precisions))
 
 
 class _Pool:

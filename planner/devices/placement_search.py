@@ -36,7 +36,7 @@ def best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> tup
     scored, first_error = [], None
     for placement in PLACEMENTS:
         try:
-            scored.append(aware_plan(graphs, cluster, config, build_layout(graphs, cluster, placement)))
+            scored.append(aware_plan(graphs, cluster, config, build_layout(graphs, cluster, placement, config.precision)))
         except PlanError as e:
             first_error = first_error or e
     if not scored:

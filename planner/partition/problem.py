@@ -68,16 +68,19 @@ class LayerCost:
         return self.state_bytes - self.optimizer_bytes
 
 
-def layer_costs(graphs: TaskGraphs, layers: Optional[Sequence[int]] = None) -> tuple[LayerCost, ...]:
+def layer_costs(graphs: TaskGraphs, layers: Optional[Sequence[int]] = None, precision: str = "fp32"
+                ) -> tuple[LayerCost, ...]:
     """:class:`LayerCost` of captured layers (all by default), priced as
-    :meth:`StageCost.of_layers` prices them: gradients as large as the parameters, and the
-    TaskGraph's optimizer state shared out by parameter bytes."""
+    :meth:`StageCost.of_layers` prices them at the training ``precision``: gradients as large as the
+    parameters, the TaskGraph's optimizer state shared out by parameter bytes, the low-precision
+    weight copy counted with the weights, activations and cut bytes at the precision's bytes per
+    element."""
     out = []
     for i in range(len(graphs.layers)) if layers is None else layers:
-        layer, cost = graphs.layers[i], StageCost.of_layers(graphs, [i])
+        layer, cost = graphs.layers[i], StageCost.of_layers(graphs, [i], precision)
         out.append(LayerCost(
-            layer.name, cost.forward_flops, cost.backward_flops, cost.param_bytes,
-            cost.static_bytes - cost.param_bytes, cost.activation_bytes, layer.cut_bytes_per_sample,
+            layer.name, cost.forward_flops, cost.backward_flops, cost.param_bytes + cost.param_copy_bytes,
+            cost.static_bytes - cost.param_bytes, cost.activation_bytes, cost.layer_output_bytes[0],
             optimizer_bytes=cost.optimizer_bytes,
         ))
     return tuple(out)

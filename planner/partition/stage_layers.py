@@ -83,11 +83,11 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
                 [stage_layers[-1]] if s + 1 not in movable else [])
         pinned.update({i: s for i in keep})
     order = [i for stage_layers in layers for i in stage_layers]
-    slots = [_slot(layout, s) for s in range(layout.num_stages)]
+    slots = [_slot(layout, s, config.precision) for s in range(layout.num_stages)]
     links = [_link(layout, s, network) for s in range(layout.num_stages - 1)]
     micro_batch = config.global_batch_size / (config.num_micro_batch * layout.num_replicas)
     problem = PartitionProblem.for_schedule(
-        layer_costs(graphs, order), slots, links, micro_batch, config.num_micro_batch, config.schedule,
+        layer_costs(graphs, order, config.precision), slots, links, micro_batch, config.num_micro_batch, config.schedule,
         pinned={order.index(i): s for i, s in pinned.items()},
     )
     try:
@@ -99,13 +99,13 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
 
 
-def _slot(layout: Layout, stage: int) -> StageSlot:
+def _slot(layout: Layout, stage: int, precision: str = "fp32") -> StageSlot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
     batch share proportional to its speed, every device of a tensor-parallel group a shard
-    proportional to its own speed, of every memory term and of the group's activations
+    proportional to its own speed at the training ``precision``, of every memory term and of the group's activations
     (:meth:`DeviceMemory.of_worker`: the memory model's rule, as the batch fitting prices a shard)."""
     groups = layout.groups[0][stage]
-    speeds = [[device_tflops(d) * 1e12 for d in g] for g in groups]
+    speeds = [[device_tflops(d, precision) * 1e12 for d in g] for g in groups]
     total = sum(map(sum, speeds))
     devices = tuple(
         DeviceMemory.of_worker(d.memory_gib * GIB, shard=v / sum(gs), batch_share=sum(gs) / total, name=d.name)

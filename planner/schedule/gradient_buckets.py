@@ -135,7 +135,7 @@ def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
     for stage in plan.stages:
         total = sum(layer_gradient_bytes(graphs, list(stage.layers)))
         members = sorted(plan.stage_workers(stage.index), key=lambda w: w.rank)
-        fractions = _shard_fractions(graphs, stage, members[0].tp_size)
+        fractions = _shard_fractions(graphs, stage, members[0].tp_size, plan.precision)
         for tp_index, fraction in enumerate(fractions):
             ring = network.ring([w.device for w in members if w.tp_index == tp_index])
             if total * fraction > 0:
@@ -143,11 +143,11 @@ def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
     return out
 
 
-def _shard_fractions(graphs: TaskGraphs, stage: StagePlan, tp_size: int) -> list[float]:
+def _shard_fractions(graphs: TaskGraphs, stage: StagePlan, tp_size: int, precision: str = "fp32") -> list[float]:
     """Each tensor-parallel index's share of the stage's parameters, priced as the planner prices it."""
     layers = list(stage.layers)
     if tp_size == 1:
         return [1.0]
     _, shardable, groups = stage_shardable(graphs, layers)
-    flops = StageCost.of_layers(graphs, layers).flops_per_sample
+    flops = StageCost.of_layers(graphs, layers, precision).flops_per_sample
     return layout_of_sizes(shardable, stage.shard_sizes, tp_size, groups, flops).fractions
