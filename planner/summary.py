@@ -1,5 +1,6 @@
 """``Plan.summary()``: one aligned row per device, the predicted gain over the naive plan and, given
-the cluster, the resharding chosen at each pipeline boundary.
+the cluster, the resharding chosen at each pipeline boundary. The title names the training precision
+unless it is fp32.
 
 The resharding section needs the cluster: the Plan records which host each worker is on and each
 boundary's bytes per sample, but not the link figures (bandwidths, latency) that price a transfer.
@@ -36,6 +37,8 @@ def plan_summary(plan: Plan, cluster=None) -> str:
         f"plan for model {plan.model_fingerprint[:12]} on {plan.cluster}: {len(plan.stages)} stage(s), "
         f"{plan.num_replicas} pipeline replica(s), {plan.world_size} workers, global batch "
         f"{plan.global_batch_size} in {plan.num_micro_batch} micro-batch(es), schedule {plan.schedule}"
+        # fp32 is the default and goes unsaid (summaries of fp32 plans read as before precision existed)
+        + ("" if plan.precision == "fp32" else f", precision {plan.precision} (autocast, float32 master weights)")
     )
     stages = [
         f"  stage {st.index}: {st.strategy}, layers {st.layers[0]}..{st.layers[-1]} (TaskGraph(s) "
