@@ -116,12 +116,18 @@ class Emulator:
         self._busy_since: Optional[float] = None   # monotonic time at the current segment's start
 
     @classmethod
-    def for_device(cls, cluster: Cluster, device_name: str, rank: int) -> "Emulator":
+    def for_device(cls, cluster: Cluster, device_name: str, rank: int, precision: str = "fp32") -> "Emulator":
+        """The emulator of ``device_name`` (run by ``rank``) training at ``precision`` (the plan's
+        ``Plan.precision``): its emulated speed for that precision
+        (:meth:`whalelike.cluster.Device.emulated`, a number or a per-dtype mapping in the spec).
+        A SpecError names the device when it cannot run ``precision``."""
         device = cluster.device(device_name)
-        network = NetworkEmulator.of_cluster(cluster, device_name) if device.emulated_speed is not None else None
-        emulator = cls(device.emulated_speed, cluster.emulation, rank, network)
+        speed = device.emulated(precision)
+        network = NetworkEmulator.of_cluster(cluster, device_name) if speed is not None else None
+        emulator = cls(speed, cluster.emulation, rank, network)
         if emulator.enabled:
-            log.info("rank %d: emulating device %s at speed %.3g (testing feature)", rank, device.name, device.emulated_speed)
+            log.info("rank %d: emulating device %s at speed %.3g in %s (testing feature)", rank, device.name, speed,
+                     precision)
         return emulator
 
     @classmethod
