@@ -15,8 +15,9 @@ together, or keeps the key/value projections whole when the heads cannot be cut 
 SwiGLU MLP (``gate_proj`` and ``up_proj`` cut by features, ``down_proj`` by rows). Everything
 un-annotated joins the region next to it: the embedding the first, the final norm the blocks
 before it. The input and output embeddings are untied (Llama's default). The loss is what users
-write for a causal LM, ``F.cross_entropy(logits.view(-1, V), targets.view(-1))`` over ``.logits``:
-the runtime recognises it and keeps the logits sharded over the vocabulary.
+write for a causal LM, ``F.cross_entropy(logits.view(-1, V), targets.reshape(-1))`` over ``.logits``
+(``reshape``: a batch's targets may be a slice of a longer token run): the runtime recognises it and
+keeps the logits sharded over the vocabulary.
 
 The vocabulary is 256 bytes (``Workload.vocab_size``), so ``examples/train.py --data FILE`` trains
 it on any text file with no tokenizer, e.g. the shipped ``examples/data/tinyshakespeare.txt``;
@@ -43,7 +44,7 @@ def causal_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over the ``.logits`` of a ``CausalLMOutput`` (the plain form, which
     the runtime recognises and computes on class-sharded logits)."""
     logits = out.logits
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_size: int = 64, n_head: int = 4,

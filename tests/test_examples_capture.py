@@ -18,6 +18,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 EXPECTED = {
     "gpt": ("fx", ["replicate(auto)", "replicate(auto)", "split(auto)"]),
     "hf_gpt2": ("export", ["replicate(auto)", "split(auto)"]),
+    "hf_llama": ("export", ["replicate(auto)", "split(auto)"]),
     "hybrid_classifier": ("fx", ["replicate(auto)", "split(auto)"]),
     "third_party": ("export", ["replicate(auto)"] * 3 + ["split(auto)"]),
 }
