@@ -205,6 +205,20 @@ def test_plan_end_to_end(capsys, scoped_model, tmp_path):
     assert plan.schedule == "gpipe" and plan.global_batch_size == 8 and len(plan.stages) == 2
 
 
+def test_plan_precision_flag(capsys, scoped_model, tmp_path):
+    """--precision reaches the plan (and its summary); a precision a device cannot run is one line
+    naming the device and the precisions to use instead."""
+    out_yaml = tmp_path / "plan.yaml"
+    code, out, _ = run(capsys, "plan", scoped_model, "--cluster", "emulated-2", "--global-batch", "8",
+                       "--precision", "fp16", "-o", str(out_yaml))
+    assert code == 0 and "precision fp16" in out.splitlines()[0]
+    assert planner.Plan.from_yaml(out_yaml, cluster=Cluster.preset("emulated-2")).precision == "fp16"
+    code, _, err = run(capsys, "plan", scoped_model, "--cluster", "emulated-2", "--global-batch", "8",
+                       "--precision", "bf16", "-o", str(tmp_path / "bf16.yaml"))
+    assert_one_line_error(code, err, "emu-half cannot run bf16", "emu-half-0", "plan with precision fp16 or fp32")
+    assert not (tmp_path / "bf16.yaml").exists()
+
+
 # -- whalelike simulate ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory) -> Path:

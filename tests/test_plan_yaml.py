@@ -43,6 +43,23 @@ def test_round_trip_is_exact(setting, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]   # no temporary left behind
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_round_trip_keeps_the_precision(setting, tmp_path, precision):
+    graphs, cluster, plan = setting
+    plan = dataclasses.replace(plan, precision=precision)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    loaded = Plan.from_yaml(path, graphs=graphs, cluster=cluster)
+    assert loaded == plan and loaded.precision == precision
+    assert yaml.safe_load(path.read_text())["precision"] == precision
+
+
+def test_a_plan_file_without_precision_is_fp32(setting, tmp_path):
+    graphs, cluster, plan = setting
+    path = _edit(tmp_path, plan, lambda data: data.pop("precision"))
+    assert Plan.from_yaml(path, graphs=graphs, cluster=cluster).precision == "fp32"
+
+
 finite = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False, width=64)   # times and sizes are >= 0
 
 
