@@ -44,6 +44,7 @@ from runtime.emulation.compute import Emulator
 from runtime.parallel.held_state import NamedState
 from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
+from runtime.training import recompute
 from runtime.training.precision import PlanLossScaler, weighted_loss
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ class DataParallelExecutor:
         self.module = module
         self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
         self._adopt(plan)
+        # activation checkpointing (runtime.training.recompute) of the user's module, inside the
+        # replica sync's wrapper (never DDP itself); the emulated backward runs the forward again
+        self.recomputes = plan.stages[0].recompute
+        if self.recomputes:
+            recompute.wrap(module)
+            self.backward_flops += flops_per_sample[0]
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
@@ -97,6 +104,9 @@ class DataParallelExecutor:
         if plan.sync_batchnorm != self.plan.sync_batchnorm:
             raise PlanError(f"set_plan: sync_batchnorm is {plan.sync_batchnorm} in the new plan, "
                             f"{self.plan.sync_batchnorm} in the running one; that needs a new executor")
+        if plan.stages[0].recompute != self.recomputes:
+            raise PlanError(f"set_plan: stages[0].recompute is {plan.stages[0].recompute} in the new plan, "
+                            f"{self.recomputes} in the running one; that needs a new executor")
         old = self.shares
         self._adopt(plan)
         log.info("rank %d: data-parallel shares %s -> %s, micro-batches %s", self.rank, old, self.shares,
@@ -192,6 +202,7 @@ class DataParallelExecutor:
         executor of another plan can wrap it; this one is not used again."""
         self._unpad()
         self.sync.release()
+        recompute.unwrap(self.module)
 
     def _weighted_loss(self, inputs: tuple, targets: torch.Tensor, global_size: int) -> torch.Tensor:
         """This slice's mean loss times its fraction of the global batch. An empty slice (a rank

@@ -43,6 +43,7 @@ from runtime.parallel.split_backward import backward_inputs
 from runtime.parallel.stage_split import PipelineSplit
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.parallel.tied_weights import TiedParameters
+from runtime.training import recompute
 from runtime.tensor.shard_pass import StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict
 from runtime.tensor.sharded_loss import OutputLayout
 from runtime.training.precision import PlanLossScaler, weighted_loss
@@ -89,6 +90,12 @@ class StageWorker:
         peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
+        # activation checkpointing (runtime.training.recompute) of the stage module, inside the
+        # replica sync's wrapper; the emulated backward runs the forward again
+        self.recomputes = plan.stages[self.stage.index].recompute
+        if self.recomputes:
+            recompute.wrap(self.stage.module)
+            self.flops = (flops[0], flops[1] + flops[0])
         self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
 
     # -- compute ----------------------------------------------------------------------------------
@@ -147,8 +154,12 @@ class StageWorker:
     def splits_backward(self) -> bool:
         """Whether backwards are split (:mod:`runtime.parallel.split_backward`): the plan asks for it
         and the stage's backward has no custom autograd functions with collectives inside
-        (tensor-parallel layers, synchronised BatchNorm), which the weight half would run again."""
-        return self.plan.delay_weight_gradients and self.segments_per_stage and not self.plan.sync_batchnorm
+        (tensor-parallel layers, synchronised BatchNorm), which the weight half would run again; and
+        the stage does not recompute its activations: torch's checkpoint frees the recomputed
+        activations once the input half has used them, so the weight half would run the stage's
+        forward a third time, more than the delay saves."""
+        return (self.plan.delay_weight_gradients and self.segments_per_stage and not self.plan.sync_batchnorm
+                and not self.recomputes)
 
     def has_parameters(self) -> bool:
         return any(p.requires_grad for p in self.stage.module.parameters())
@@ -191,8 +202,10 @@ class StageWorker:
 
     def close(self) -> None:
         """Leave no hook behind (the replica sync's on this stage's parameters, which the model
-        shares), so an executor of another plan can take them over."""
+        shares) and no recompute wrapper on the stage module, so an executor of another plan can
+        take them over."""
         self.sync.release()
+        recompute.unwrap(self.stage.module)
 
     @property
     def device(self) -> torch.device:
