@@ -238,3 +238,41 @@ def test_a_position_from_another_dataset_or_too_short_a_text_is_an_error(shakesp
         PlanBatches(small, pipeline_plan(64), 0)
     with pytest.raises(TextDataError, match="needs integer epoch, sample, seed and num_samples"):
         DataPosition.from_dict({"epoch": 1})
+
+
+# -- train.py's --data inputs ------------------------------------------------------------------------
+def _train_py():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("example_train", os.path.join(ROOT, "examples", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_py_data_inputs_are_checked_before_training(tmp_path):
+    import torch.nn as nn
+
+    from whalelike.errors import WhaleError
+    from whalelike.workload import Workload
+
+    train = _train_py()
+    lm = Workload(nn.Linear(2, 2), (torch.zeros(1, 2),), vocab_size=256, seq_len=32)
+    args = train.parse_args(["m.py:build", "--plan", "p.yaml", "--data", SHIPPED])
+    assert len(train.text_dataset(args, lm)) == (round(os.path.getsize(SHIPPED) * 0.9) - 1) // 32
+    args = train.parse_args(["m.py:build", "--plan", "p.yaml", "--data", SHIPPED, "--seq-len", "100"])
+    assert train.text_dataset(args, lm).seq_len == 100
+    assert train.text_dataset(train.parse_args(["m.py:build", "--plan", "p.yaml"]), lm) is None
+    with pytest.raises(WhaleError, match=r"--data trains a language model on token ids, and m\.py:build does not "
+                                         r"say it is one: its Workload must set vocab_size"):
+        train.text_dataset(args, Workload(nn.Linear(2, 2), (torch.zeros(1, 2),)))
+    args = train.parse_args(["m.py:build", "--plan", "p.yaml", "--data", SHIPPED])
+    with pytest.raises(WhaleError, match=r"--seq-len is required: m\.py:build's Workload sets no seq_len"):
+        train.text_dataset(args, Workload(nn.Linear(2, 2), (torch.zeros(1, 2),), vocab_size=256))
+    args = train.parse_args(["m.py:build", "--plan", "p.yaml", "--data", str(tmp_path / "gone.txt")])
+    with pytest.raises(WhaleError, match=r"^--data .*gone\.txt: no such file"):
+        train.text_dataset(args, lm)
+    with pytest.raises(SystemExit):
+        train.parse_args(["m.py:build", "--plan", "p.yaml", "--seq-len", "8"])   # --seq-len without --data
