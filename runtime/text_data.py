@@ -28,7 +28,9 @@ The data position (:class:`DataPosition`: epoch, samples of the epoch's permutat
 counted in samples, not steps: a run resumed from it reads next exactly the samples the
 uninterrupted run would have read, onto the same plan, onto a plan with other shares (the same
 global batches, split differently), or onto a plan of another kind. Only a different global batch
-size changes which samples form each later batch (they still come in the same order).
+size changes which samples form each later batch (they still come in the same order), and each kind
+of plan ends an epoch its own way (a data-parallel plan reads the short last batch, a whole-batch
+plan drops it). A resumed stream takes the seed from the position, not from its caller.
 """
 from __future__ import annotations
 
@@ -108,12 +110,19 @@ class ByteTextDataset(Dataset):
         except UnicodeDecodeError as e:
             raise TextDataError(f"{self.path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
                                 "a tokenizer reads text: convert the file to UTF-8") from None
-        ids = list(tokenizer(text))
-        if any(not isinstance(i, int) or i < 0 for i in ids):
-            bad = next(i for i in ids if not isinstance(i, int) or i < 0)
-            raise TextDataError(f"{self.path}: the tokenizer returned {bad!r}; it must return non-negative int "
-                                "token ids")
-        return torch.tensor(ids, dtype=torch.int64)
+        ids = tokenizer(text)
+        try:
+            tokens = torch.as_tensor(ids if isinstance(ids, torch.Tensor) else list(ids))
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TextDataError(f"{self.path}: the tokenizer returned {type(ids).__name__} ({e}); it must return a "
+                                "sequence of int token ids") from None
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TextDataError(f"{self.path}: the tokenizer returned a {tokens.dtype} tensor of shape "
+                                f"{tuple(tokens.shape)}; it must return a flat sequence of int token ids")
+        if tokens.numel() and int(tokens.min()) < 0:
+            raise TextDataError(f"{self.path}: the tokenizer returned {int(tokens.min())}; it must return "
+                                "non-negative int token ids")
+        return tokens.to(torch.int64)
 
     def __len__(self) -> int:
         return (self.tokens.numel() - 1) // self.seq_len

@@ -85,6 +85,9 @@ def test_a_tokenizer_gives_its_ids(tmp_path):
     assert d.tokens.tolist() == [1, 2, 0, 2, 1, 0, 1, 2, 2, 1]
     assert [d[i][0].tolist() for i in range(len(d))] == [[1, 2, 0], [2, 1, 0], [1, 2, 2]]
     assert d[2][1].tolist() == [2, 2, 1]
+    as_tensor = ByteTextDataset(path, seq_len=3, val_fraction=0.0,
+                                tokenizer=lambda text: torch.tensor([vocab[c] for c in text], dtype=torch.int32))
+    assert as_tensor.tokens.dtype == torch.int64 and as_tensor.tokens.tolist() == d.tokens.tolist()
 
 
 @pytest.mark.parametrize("make, kwargs, pattern", [
@@ -108,6 +111,8 @@ def test_a_tokenizer_gives_its_ids(tmp_path):
      r"t\.txt is not UTF-8 text \(byte 3: b'\\xff'\); a tokenizer reads text: convert the file to UTF-8"),
     (lambda p: _text(p, b"x" * 100), {"tokenizer": lambda text: [-1] * len(text)},
      r"the tokenizer returned -1; it must return non-negative int token ids"),
+    (lambda p: _text(p, b"x" * 100), {"tokenizer": lambda text: [0.5] * len(text)},
+     r"the tokenizer returned a torch.float32 tensor of shape \(100,\); it must return a flat sequence of int token"),
 ])
 def test_unusable_files_are_errors_naming_the_file_and_the_fix(tmp_path, make, kwargs, pattern):
     kwargs = {"seq_len": 8, **kwargs}
