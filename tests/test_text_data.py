@@ -9,7 +9,8 @@ rank reads the same whole global batches (an epoch's short last batch dropped) f
 permutation. A stream resumed from a saved position reads what the uninterrupted stream reads
 next: on the same plan, on a plan with other shares, on a plan of the other kind, across epochs.
 The samplers' resume offset (``set_epoch(epoch, start)``) is checked here too. The multi-rank run
-through ``examples/train.py --data`` is in ``test_examples_train.py``.
+through ``examples/train.py --data`` is in ``test_examples_train.py``; a data-parallel stream follows
+re-planned shares from the next step.
 """
 from __future__ import annotations
 
@@ -281,3 +282,23 @@ def test_train_py_data_inputs_are_checked_before_training(tmp_path):
         train.text_dataset(args, lm)
     with pytest.raises(SystemExit):
         train.parse_args(["m.py:build", "--plan", "p.yaml", "--seq-len", "8"])   # --seq-len without --data
+
+
+def test_the_data_parallel_stream_follows_re_planned_shares_from_the_next_step(shakespeare):
+    """``engine=``: after a step whose Engine re-planned (here a stand-in holding ``.plan``), the next
+    share is cut by the new plan; the global batches go on where they were."""
+    class Engine:
+        plan = dp_plan([5, 3])
+
+    small = torch.utils.data.Subset(shakespeare, range(40))
+    order = epoch_order(40, 4, 0)
+    engines = [Engine(), Engine()]
+    streams = [iter(PlanBatches(small, e.plan, rank, seed=4, engine=e)) for rank, e in enumerate(engines)]
+    for step, shares in enumerate([(5, 3), (5, 3), (2, 6), (2, 6)]):
+        batches = [next(s) for s in streams]
+        assert tuple(b.targets.shape[0] for b in batches) == shares
+        torch.testing.assert_close(torch.cat([b.inputs[0] for b in batches]),
+                                   _rows(small, order[8 * step:8 * step + 8]), rtol=0, atol=0)
+        if step == 1:   # the re-plan happens during step 1: step 2 reads under the new shares
+            for e in engines:
+                e.plan = dp_plan([2, 6])
