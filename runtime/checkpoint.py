@@ -2,7 +2,8 @@
 
 A checkpoint holds what training needs to continue exactly: the model's parameters and persistent
 buffers, the optimizer's state and hyperparameters, the step, each rank's RNG states, the plan in
-force, and the caller's own ``extra`` state (the data position). The tensors are stored in
+force, the Engine's LR scheduler and fp16 loss scale (:mod:`runtime.training`), and the caller's
+own ``extra`` state (the data position). The tensors are stored in
 *full-tensor coordinates*: every tensor under the model's name (``model/<name>``, optimizer
 entries ``optim/<name>/<key>``) as chunks at offsets of the whole tensor, so a checkpoint is not
 tied to the plan that wrote it. Loading reads, for each rank of the *new* plan, exactly the
@@ -259,7 +260,7 @@ def save(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[str, A
     """Write a checkpoint of ``engine`` after its last completed step into ``directory`` (collective:
     every rank calls it at the same step boundary, with the same ``directory`` and ``extra``).
 
-    ``extra``: the caller's own state (the data position, a scheduler's ``state_dict()``), any
+    ``extra``: the caller's own state (the data position, anything the Engine does not own), any
     picklable values, given back by :func:`load`. ``keep``: how many complete checkpoints to keep
     (the newest; None keeps all). Returns once the checkpoint is complete on disk."""
     job = _prepare(engine, directory, extra, keep, snapshot=False)
@@ -321,7 +322,9 @@ def _prepare(engine, directory, extra, keep, snapshot: bool) -> _Job:
     state[f"rng/rank{rank}"] = _rng_state()
     if rank == 0:
         state["meta"] = {"step": step, "param_groups": _hyperparameters(engine.optimizer),
-                         "kinds": state_keys(described), "extra": dict(extra or {})}
+                         "kinds": state_keys(described), "extra": dict(extra or {}),
+                         "scheduler": _state_of(getattr(engine, "scheduler", None)),
+                         "loss_scaler": _state_of(getattr(engine, "scaler", None))}
         if snapshot:
             state["meta"] = copy.deepcopy(state["meta"])
     info = CheckpointInfo(final, step, world, os.path.join(final, PLAN_FILE), time.time())
@@ -445,6 +448,25 @@ def _finish(partial: str, final: str, plan: Plan, step: int, world: int) -> None
     flush_to_disk(os.path.dirname(final))
 
 
+def _state_of(obj: Any) -> Optional[dict]:
+    """The ``state_dict()`` of an LR scheduler or loss scaler (equal on every rank), or None."""
+    return copy.deepcopy(obj.state_dict()) if obj is not None else None
+
+
+def _restore_recipe(engine, meta: Mapping[str, Any], info: CheckpointInfo) -> None:
+    """The LR schedule's position and the fp16 loss scale, where both the checkpoint and the Engine
+    have them; a mismatch is said once (rank 0), since the run then differs from the uninterrupted one."""
+    for key, attr, what in (("scheduler", "scheduler", "an LR scheduler"), ("loss_scaler", "scaler", "an fp16 loss scale")):
+        saved, live = meta.get(key), getattr(engine, attr, None)
+        if saved is not None and live is not None:
+            live.load_state_dict(saved)
+        elif (saved is None) != (live is None) and dist.get_rank() == 0:
+            log.warning("checkpoint %s %s %s but this Engine %s; %s", info.path,
+                        "holds" if saved is not None else "holds no", what,
+                        "has none" if live is None else "has one",
+                        "it is ignored" if live is None else "this Engine's starts afresh")
+
+
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
@@ -505,6 +527,7 @@ def load(engine, checkpoint: "CheckpointInfo | str | os.PathLike") -> dict[str, 
     _restore_optimizer(engine.optimizer, held, new_state, keys, meta["param_groups"], info)
     if state.get(f"rng/rank{rank}") is not None:
         _set_rng_state(state[f"rng/rank{rank}"])
+    _restore_recipe(engine, meta, info)
     engine.step = meta["step"]
     log.info("rank %d: resumed from %s (step %d, saved by %d ranks)", rank, info.path, info.step, info.world_size)
     return meta["extra"]

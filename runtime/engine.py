@@ -214,7 +214,7 @@ class Engine:
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
         timeout_s = guards.check_timeout(timeout_s)
         guards.check_options(on_nonfinite, batch_check_every)
-        planned = getattr(plan, "precision", "fp32")
+        planned = plan.precision
         self.precision = Precision(planned if precision is None else precision)
         if self.precision.name != planned:
             log.warning("runtime.Engine(precision=%r) runs a plan made for %s: its shares and memory were priced "
@@ -235,7 +235,8 @@ class Engine:
         self.rank = distributed.init(timeout_s)
         self.plan, self.model, self.loss_fn, self.timeout_s = plan, model, loss_fn, timeout_s
         self.worker = plan.worker(self.rank)
-        self.emulator = Emulator.for_device(self.cluster, self.worker.device, self.rank)
+        # an emulated device runs at its rate for the precision that runs (whalelike.cluster per-dtype rates)
+        self.emulator = Emulator.for_device(self.cluster, self.worker.device, self.rank, precision=self.precision.name)
         self.device = distributed.device()
         self.precision.check_device(self.device)
         self.model.to(self.device)

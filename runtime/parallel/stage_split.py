@@ -350,7 +350,10 @@ def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) ->
     batch size ``batch``.
 
     Buffers are restored afterwards: an in-place update of a real buffer from real operands alone
-    (BatchNorm's ``num_batches_tracked.add_(1)``) runs for real even under ``FakeTensorMode``."""
+    (BatchNorm's ``num_batches_tracked.add_(1)``) runs for real even under ``FakeTensorMode``. Run
+    under autocast, the values have the dtypes autocast gives them (the boundary buffers of a bf16
+    step are bf16), and autocast's cache of weight casts, which the run filled with fake tensors,
+    is emptied."""
     saved = [(b, b.detach().clone()) for b in root.buffers()]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
@@ -361,6 +364,9 @@ def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) ->
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+        # under autocast (runtime.training.precision) the fake run cached fake low-precision copies of
+        # the real weights; the real forwards of the same autocast region would compute with them
+        torch.clear_autocast_cache()
     return recorder.values
 
 
