@@ -319,9 +319,30 @@ def _bad_inputs(rank: int) -> None:
         engine.train_step(batches(22, 7)[0])
 
 
+def _measured_memory(rank: int) -> dict:
+    """Every step records this rank's measured peak: at least the parameters, their gradients and
+    AdamW's two moments (all alive at the optimizer step), on a data-parallel and a pipeline plan."""
+    torch.manual_seed(0)
+    net = Net()
+    peaks = {}
+    for name, plan in (("dp", dp_plan(net)), ("pipeline", pipeline_plan(net))):
+        engine = Engine(copy.deepcopy(net), plan, optimizer=ADAMW, loss_fn=F.cross_entropy, cluster=cluster(),
+                        timeout_s=60, measure_memory=True)
+        unmeasured = Engine(copy.deepcopy(net), plan, optimizer=ADAMW, loss_fn=F.cross_entropy, cluster=cluster(),
+                            timeout_s=60)
+        for batch in batches(plan.global_batch_size, 8):
+            assert_close(engine.train_step(batch), unmeasured.train_step(batch), rtol=0, atol=0)
+        state = sum(p.numel() * p.element_size() for p in engine.executor_module().parameters())
+        assert all(s.peak_memory_bytes >= 4 * state for s in engine.stats[1:]), (engine.stats, state)
+        assert all(s.peak_memory_bytes is None for s in unmeasured.stats)
+        peaks[name] = [s.peak_memory_bytes for s in engine.stats]
+    return peaks
+
+
 def _ranks(rank: int, world_size: int) -> dict:
     return {"clipping": _clipping_and_precision(rank), "overflow": _overflow_on_one_rank(rank),
-            "schedule": _schedule_through_replans_skips_and_resume(rank), "bad": _bad_inputs(rank)}
+            "schedule": _schedule_through_replans_skips_and_resume(rank), "bad": _bad_inputs(rank),
+            "memory": _measured_memory(rank)}
 
 
 def test_training_recipe_matches_single_process_reference():
@@ -331,6 +352,27 @@ def test_training_recipe_matches_single_process_reference():
 
 
 # -- in-process ----------------------------------------------------------------------------------
+def test_the_cpu_memory_counter_sees_every_storage_once_until_it_is_freed():
+    from runtime.training.memory_meter import LiveBytes
+
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(16, 32)
+    counter = LiveBytes(model.parameters())
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert counter.current == counter.peak == params
+    with counter:
+        y = model(x)
+        view = y.view(-1)                       # a view: no new storage
+        # each saved output: Linear 16x128, GELU 16x128, Linear 16x32 (float32)
+        assert counter.current - params == 4 * 16 * (128 + 128 + 32)
+        y.square().mean().backward()
+        del y, view
+    counter.close()
+    grads = sum(p.grad.numel() * 4 for p in model.parameters())
+    assert counter.current == params + grads   # activations freed, gradients alive
+    assert counter.peak >= params + grads
+
+
 @pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), "1.0", True])
 def test_a_bad_clipping_norm_is_refused_before_any_rendezvous(bad):
     net = Net()

@@ -2,31 +2,96 @@
 
 On a GPU the caching allocator counts every byte: ``torch.cuda.reset_peak_memory_stats`` before the
 step and ``torch.cuda.max_memory_allocated`` after it, at no cost. A CPU has no such counter, so
-the CPU meter is torch's own ``torch.distributed._tools.mem_tracker.MemTracker`` (the tracker
-FSDP's memory estimation is built on): a dispatch mode that sees every tensor storage an operator
-allocates and frees, forward and backward, and knows the parameters, gradients and optimizer
-state it is told about (``track_external``). It slows each operator down (3-5x on small layers),
-so on CPU it runs only when asked (``Engine(measure_memory=True)``, ``train.py
---measure-memory``); on CUDA it is on by default.
+the CPU meter is a ``TorchDispatchMode`` (:class:`LiveBytes`) that sees every tensor an operator
+returns, forward and backward (the autograd engine runs a CPU backward on the calling thread, under
+the same mode), and counts each storage once from its first appearance until it is freed (a weak
+reference's finalizer). The step starts from what is alive then and is the model's state: the
+parameters, buffers, gradients and optimizer state of the rank's module and optimizer.
 
-What is measured is the peak of the bytes alive during the step, counted from the step's start
-(parameters, buffers and optimizer state alive then, plus everything allocated in the step), the
-quantity the planner's memory model predicts (:mod:`planner.devices.memory`): the CPU figure
-counts tensor storages (no allocator rounding), the CUDA figure the allocator's blocks.
+Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``: it attributes memory to
+modules through forward hooks and refuses a root module called twice in one tracked region, which
+is every step of a pipeline stage or of gradient accumulation (one call per micro-batch); we need
+only the peak, which a storage counter gives for any schedule. The mode slows each operator
+(Python runs per operator), so on CPU it runs only when asked (``Engine(measure_memory=True)``,
+``train.py --measure-memory``); on CUDA it is on by default.
 
-Invariant: measuring never changes what the step computes (the tracker only observes), and a
-step's figure is its own peak (reset before every step).
+What is measured is the peak of the bytes alive during the step, the quantity the planner's memory
+model predicts (:mod:`planner.devices.memory`): the CPU figure counts tensor storages (no allocator
+rounding, no communication library buffers), the CUDA figure the allocator's blocks.
+
+Invariant: measuring never changes what the step computes (the mode only observes), and a step's
+figure is its own peak (counted afresh for every step).
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger(__name__)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages alive while it is active, and their peak."""
+
+    def __init__(self, alive: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self._sizes: dict[int, int] = {}
+        self._finalizers: list = []
+        self.current = self.peak = 0
+        for tensor in alive:
+            self.track(tensor)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage from now until it is freed (once, however many views share it)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):   # a tensor without storage (a subclass, sparse)
+            return
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        self._sizes[key] = size = storage.nbytes()
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def _free(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+
+    def close(self) -> None:
+        """Stop counting: drop the finalizers on the storages still alive (the model's state)."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            self.track(tensor)
+        return out
+
+
+def state_tensors(modules: Iterable[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The tensors a step starts with: parameters, their gradients, buffers, optimizer state."""
+    out = []
+    for module in modules:
+        for param in module.parameters():
+            out.append(param)
+            if param.grad is not None:
+                out.append(param.grad)
+        out.extend(module.buffers())
+    if optimizer is not None:
+        out.extend(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    return out
 
 
 class MemoryMeter:
@@ -51,14 +116,10 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        for module in modules:
-            tracker.track_external(module)
-        if optimizer is not None:
-            tracker.track_external(optimizer)
-        with tracker:
-            yield
-        peaks = tracker.get_tracker_snapshot("peak")
-        self.peak_bytes = int(sum(per_device.get("Total", 0) for per_device in peaks.values()))
+        counter = LiveBytes(state_tensors(modules, optimizer))
+        try:
+            with counter:
+                yield
+        finally:
+            counter.close()
+        self.peak_bytes = int(counter.peak)
