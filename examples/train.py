@@ -41,6 +41,16 @@ so a resumed run reads exactly the windows the uninterrupted run would have read
 plan with other shares or of another kind (a different global batch size regroups the windows
 that follow). A shipped text: ``examples/data/tinyshakespeare.txt`` (see ``examples/data/README.md``).
 
+The training recipe (``runtime.training``): ``--precision fp32|bf16|fp16`` (default: the plan's;
+autocast with float32 master weights, fp16 with a loss scaler), ``--clip-grad-norm X`` (the whole
+model's gradient clipped to global norm X; the norm is printed with each logged step),
+``--schedule cosine|linear|constant`` with ``--warmup-steps N`` and ``--min-lr-ratio R`` (a warm-up
+from ``--lr / N`` to ``--lr``, then the decay down to ``R * --lr`` at ``--steps``; saved in
+checkpoints), and ``--measure-memory`` (each rank's measured peak memory next to the plan's
+prediction, in a table at the end; always on GPUs, where it costs nothing). Activation
+checkpointing is asked for in the model's annotation (``wl.replicate(recompute=True)``) or chosen
+by the planner, and shows in the plan summary.
+
 Errors in the command line or its inputs (a missing plan file, a bad argument) are one line on
 stderr from rank 0 and exit status 2 on every rank, before any process group is made; a failure
 while training is one line per rank (which rank, which step, why) and exit status 1.
@@ -61,7 +71,9 @@ import runtime
 import whalelike as wl
 from runtime import checkpoint
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
+from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
 from whalelike.cli import load_workload
+from whalelike.config import PRECISIONS
 from whalelike.display import format_table
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import check_output_paths
@@ -96,7 +108,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", help="plan YAML written by `whalelike plan` (optional when resuming: the checkpoint's)")
     p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the peak of a --schedule; default 1e-3)")
+    p.add_argument("--precision", choices=list(PRECISIONS),
+                   help="training precision (default: the plan's, `whalelike plan --precision`)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="clip the whole model's gradient to this global norm before each step (default: no clipping)")
+    p.add_argument("--schedule", default="constant", choices=list(LR_SCHEDULES),
+                   help="learning-rate schedule after the warm-up (default constant)")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="steps of linear warm-up from lr/N to lr (default 0)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, metavar="R",
+                   help="cosine/linear decay ends at R * lr at the last step (default 0)")
+    p.add_argument("--measure-memory", action="store_true",
+                   help="measure each rank's peak memory on CPU too (slower; always on GPUs) and report it")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic batches, or of each epoch's permutation with --data (default 0)")
     p.add_argument("--data", metavar="FILE", help="train a language model on this text file (byte-level, or the "
@@ -131,6 +155,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.batch_check_every < 0:
         p.error(f"--batch-check-every must be 0 (off) or a number of steps, got {args.batch_check_every}")
+    if args.clip_grad_norm is not None and not (0 < args.clip_grad_norm < float("inf")):
+        p.error(f"--clip-grad-norm must be a positive finite number (1.0 in most recipes), got {args.clip_grad_norm}")
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        p.error(f"--warmup-steps must be in [0, --steps {args.steps}), got {args.warmup_steps}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if not (args.lr > 0 and args.lr < float("inf")):
+        p.error(f"--lr must be a positive finite number, got {args.lr}")
     if args.seq_len is not None and args.data is None:
         p.error("--seq-len applies to --data only; give --data FILE or drop --seq-len")
     if args.seq_len is not None and args.seq_len < 1:
@@ -151,7 +183,9 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
                             balance=args.balance if name == "whalelike" else "off",
                             example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
-                            batch_check_every=args.batch_check_every)
+                            batch_check_every=args.batch_check_every, precision=args.precision,
+                            clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
+                            measure_memory=True if args.measure_memory else None)
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
     losses, step_times, save_times = [], [], []
@@ -178,7 +212,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
         if show:
-            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1].approximate)
+            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1])
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
         if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
@@ -205,7 +239,27 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     mean_step = sum(step_times) / len(step_times) if step_times else float("nan")
     return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
-            "save_ms": [t * 1e3 for t in save_times]}
+            "save_ms": [t * 1e3 for t in save_times], "memory": gather_memory(engine),
+            "norms": [s.grad_norm for s in engine.stats], "skipped": sum(s.skipped for s in engine.stats)}
+
+
+def schedule(args):
+    """The ``--schedule`` factory for the Engine, or None when the learning rate stays ``--lr`` (no
+    warm-up, constant): then no scheduler runs at all."""
+    if args.schedule == "constant" and args.warmup_steps == 0:
+        return None
+    return lr_schedule(args.schedule, args.warmup_steps, args.steps, args.min_lr_ratio)
+
+
+def gather_memory(engine: runtime.Engine) -> "list[dict] | None":
+    """Every rank's measured peak (the largest over its steps after the first) next to the plan's
+    prediction for its worker, on rank 0 (a collective); None when memory was not measured."""
+    peaks = [s.peak_memory_bytes for s in engine.stats[1:] if s.peak_memory_bytes is not None]
+    mine = {"rank": engine.rank, "device": engine.worker.device, "measured": max(peaks) if peaks else None,
+            "predicted": engine.plan.worker(engine.rank).memory_gib * 2**30}
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    return rows if all(r["measured"] is not None for r in rows) else None
 
 
 class SyntheticBatches:
@@ -289,12 +343,18 @@ def _same_plan(info, plan: planner.Plan) -> bool:
     return info.load_plan().to_dict() == plan.to_dict()
 
 
-def progress(step: int, steps: int, loss: float, elapsed: float, approximate: bool = False) -> None:
+def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None) -> None:
     """A bar redrawn in place on a terminal; every fifth step on its own line in a log. Losses of
-    steps run with ZERO-resizing (policies semi/resize) are marked approximate."""
+    steps run with ZERO-resizing (policies semi/resize) are marked approximate; the gradient norm
+    (with --clip-grad-norm), a scheduled learning rate and a skipped step are shown."""
     done = step * 30 // steps
-    line = (f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}"
-            + (" (approximate)" if approximate else "") + f"  {elapsed * 1e3:7.1f} ms")
+    extra = ""
+    if stats is not None:
+        extra += " (approximate)" if stats.approximate else ""
+        extra += f"  norm {stats.grad_norm:.3f}" if stats.grad_norm is not None else ""
+        extra += f"  lr {stats.lr:.2e}" if stats.lr is not None else ""
+        extra += " (skipped: fp16 overflow)" if stats.overflow else " (skipped)" if stats.skipped else ""
+    line = f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}{extra}  {elapsed * 1e3:7.1f} ms"
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if step == steps else "", flush=True)
     elif step % 5 == 0 or step == steps:
@@ -320,7 +380,7 @@ def main(argv=None) -> int:
         if args.compare_naive:
             graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs)
             config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
-                               schedule=plan.schedule)
+                               schedule=plan.schedule, precision=plan.precision)
             runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
         results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None,
                          dataset=dataset) for name, p in runs]
@@ -389,6 +449,13 @@ def report(results: list[dict], steps: int) -> None:
     if saves:
         print(f"\ncheckpoints: {len(saves)} saved in the background; training stalled {sum(saves) / len(saves):.1f} ms "
               f"per save on average (first {saves[0]:.1f} ms), not counted in ms/step")
+    memory = results[0]["memory"]
+    if memory is not None:
+        print()
+        print(format_table(["rank", "device", "measured peak MiB", "predicted MiB", "measured / predicted"],
+                           [[r["rank"], r["device"], f"{r['measured'] / 2**20:.1f}", f"{r['predicted'] / 2**20:.1f}",
+                             f"{r['measured'] / r['predicted']:.2f}" if r["predicted"] else "-"] for r in memory],
+                           title="memory per rank (measured: the largest step peak after the first; predicted: the plan)"))
     if len(results) == 2:
         print(f"\nmeasured speed-up of the hardware-aware plan over the naive plan: "
               f"{results[0]['throughput'] / results[1]['throughput']:.2f}x")
