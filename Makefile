@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-balance test setup clean
+.PHONY: demo demo-balance test setup clean gpu-check
 
 # The main job: plan Whale's flagship hybrid (replicate conv + split 20k-class classifier) onto the
 # built-in emulated unequal 4-device cluster, then train it with torchrun next to the naive plan.
@@ -22,6 +22,13 @@ demo-balance: $(STAMP)
 	mkdir -p out
 	$(BIN)/whalelike plan $(DEMO_MODEL) --cluster examples/clusters/emulated-straggler.yaml --global-batch 64 --micro-batches 4 -o out/plan-straggler.yaml
 	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan-straggler.yaml --cluster examples/clusters/emulated-straggler.yaml --steps 24 --run-timeline out/run.png
+
+# On a machine with one CUDA GPU and a CUDA build of torch (not this venv's CPU build): the training
+# recipe on the device (precisions, clipping, schedule, recompute) against plain PyTorch, matrix rates
+# per dtype and measured against predicted memory (bench/gpu_check.py). GPU_PY: that torch's python.
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PY) -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
