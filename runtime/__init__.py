@@ -4,11 +4,13 @@
 (:mod:`runtime.balance.rebalance`); ``UnevenLoader``/``UnevenSampler`` give
 each rank its uneven share of a dataset; ``calibrate`` sizes the emulated devices' base rate;
 :mod:`runtime.checkpoint` saves and resumes an Engine (onto any plan); ``NonFiniteLossError`` and
-``BatchMismatchError`` are the step guards' errors (:mod:`runtime.guards`).
+``BatchMismatchError`` are the step guards' errors (:mod:`runtime.guards`); ``lr_schedule`` builds
+the usual warm-up + decay for ``Engine(scheduler=...)`` (:mod:`runtime.training`, the training
+recipe: precision, clipping, schedules, activation checkpointing, measured memory).
 
 Floors: ``parallel/`` (the executors, the stage worker, the replica-sync seam, boundaries),
 ``tensor/`` (tensor parallelism), ``balance/`` (dynamic balancing), ``emulation/`` (unequal hardware
-on a CPU machine). Invariant: every rank derives the same groups, layouts and decisions from the
+on a CPU machine), ``training/`` (the recipe around a step). Invariant: every rank derives the same groups, layouts and decisions from the
 same Plan without communicating, and checks that can fail run before the rendezvous.
 """
 from runtime.data import Share, UnevenLoader, UnevenSampler
@@ -17,11 +19,12 @@ from runtime.emulation.compute import Calibration, Emulator, calibrate
 from runtime.engine import Engine, ExecutorContext, StepExecutor, StepStats, register_executor
 from runtime.guards import BatchMismatchError, NonFiniteLossError
 from runtime.balance.rebalance import BalanceConfig, ReplanEvent
+from runtime.training.schedules import lr_schedule
 from runtime import checkpoint
 
 __all__ = [
     "Engine", "ExecutorContext", "StepExecutor", "StepStats", "register_executor", "BalanceConfig", "ReplanEvent",
     "Share", "UnevenLoader", "UnevenSampler", "DistributedStepError", "NonFiniteLossError", "BatchMismatchError",
-    "checkpoint",
+    "checkpoint", "lr_schedule",
     "Calibration", "Emulator", "calibrate",
 ]

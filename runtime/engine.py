@@ -232,6 +232,8 @@ class Engine:
         distributed.check_world_size(plan, world_size, rank)
         self.cluster = cluster if cluster is not None else _preset(plan)
         plan.validate(cluster=self.cluster)
+        # a precision some device of the plan cannot run (bf16 on a V100): every rank refuses alike
+        self.cluster.check_precision(self.precision.name, [w.device for w in plan.workers])
         self.rank = distributed.init(timeout_s)
         self.plan, self.model, self.loss_fn, self.timeout_s = plan, model, loss_fn, timeout_s
         self.worker = plan.worker(self.rank)

@@ -42,6 +42,7 @@ from runtime.training.clipping import ClippingError
 from runtime.training.precision import Precision, PrecisionError
 from runtime.training.schedules import ScheduleError, lr_factor, lr_schedule
 from whalelike.cluster import Cluster, Device, Network
+from whalelike.errors import SpecError
 from whalelike.graphs.capture import capture
 
 WORLD = 4
@@ -317,6 +318,13 @@ def _bad_inputs(rank: int) -> None:
     with pytest.raises(ScheduleError, match=r"Engine\(scheduler=.*raising\) raised ValueError: no schedule today; "
                                             r"the factory gets the Engine's optimizer"):
         engine.train_step(batches(22, 7)[0])
+    # a precision a device of the plan cannot run: refused on every rank before any step
+    lacking = dataclasses.replace(cluster(), devices=tuple(
+        dataclasses.replace(d, kind="V100-16GB", peak_tflops=15.7, dtype_tflops={"fp16": 125.0})
+        for d in cluster().devices))
+    with pytest.raises(SpecError, match=r"V100-16GB cannot run bf16 .*plan with precision fp16"):
+        Engine(copy.deepcopy(net), dp_plan(net), optimizer=SGD, loss_fn=F.cross_entropy, cluster=lacking,
+               timeout_s=60, precision="bf16")
 
 
 def _measured_memory(rank: int) -> dict:
