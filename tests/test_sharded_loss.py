@@ -300,3 +300,25 @@ def test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded():
                 got = results[rank][name][opt]
                 assert got["head_rows"] == HEAD_SHARDS[classes][tp_index], (name, rank, got)
                 assert got["sharded_loss"] is sharded, (name, rank, got)
+
+
+def _bf16_logits_loss(rank: int, world_size: int) -> tuple:
+    from runtime.tensor.layers import sharded_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 10, generator=g).bfloat16().requires_grad_()
+    target = torch.randint(0, 10, (6,), generator=g)
+    sizes = [6, 4]
+    local = logits[:, sum(sizes[:rank]):sum(sizes[:rank + 1])]
+    loss = sharded_cross_entropy(local, target, sizes, rank)
+    loss.backward()
+    reference = F.cross_entropy(logits.detach().float(), target)   # what autocast's cross_entropy computes
+    return loss.dtype, float(loss), float(reference), logits.grad.dtype
+
+
+def test_low_precision_logits_give_a_float32_loss_as_autocast_does():
+    # bf16 logits (a split head under autocast): the loss is computed and returned in float32, as
+    # F.cross_entropy's is under torch.autocast, not rounded to bf16's 8 significant bits
+    for dtype, loss, reference, grad_dtype in run_ranks(_bf16_logits_loss, 2):
+        assert dtype == torch.float32 and grad_dtype == torch.bfloat16
+        assert loss == pytest.approx(reference, rel=1e-6)

@@ -459,7 +459,9 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         losses = torch.where(valid, sums[0].log() - sums[1], local.new_zeros(()))
         ctx.save_for_backward(exp.div_(sums[0][:, None]), local_target, mine, valid, count)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return (losses.sum() / count).to(logits.dtype)
+        # the loss stays in (at least) float32, as F.cross_entropy's is under autocast: a bf16 loss would
+        # report 3 significant digits and differ from what the unsharded model computes
+        return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad):
