@@ -48,10 +48,14 @@ def causal_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_size: int = 64, n_head: int = 4,
-          n_kv_head: int = 2, intermediate_size: int | None = None, batch_size: int = 8, seed: int = 0) -> Workload:
+          n_kv_head: int = 2, intermediate_size: int | None = None, batch_size: int = 8, seed: int = 0,
+          recompute: bool = False) -> Workload:
     """Llama from a small config, annotated; an example batch, the loss, and a learnable byte stream.
 
-    ``intermediate_size`` defaults to Llama's ~8/3 of ``hidden_size``, rounded up to a multiple of 16."""
+    ``intermediate_size`` defaults to Llama's ~8/3 of ``hidden_size``, rounded up to a multiple of 16.
+    ``recompute=True`` turns activation checkpointing on for both regions (the blocks, with the
+    embedding, final norm and head that join them): ``wl.replicate(recompute=True)`` and
+    ``wl.split(recompute=True)`` (see :func:`build_recompute`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if n_layer < 2:
@@ -68,9 +72,9 @@ def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_siz
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = LlamaForCausalLM(config)
     half = n_layer // 2
-    tail = wl.split()
+    tail = wl.split(recompute=recompute)
     wl.annotate(model, {
-        f"model.layers.0-{half - 1}": wl.replicate(),
+        f"model.layers.0-{half - 1}": wl.replicate(recompute=recompute),
         f"model.layers.{half}-{n_layer - 1}": tail,
         "lm_head": tail,
     })
@@ -85,6 +89,13 @@ def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_siz
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
     return Workload(model=model, example_args=(example,), loss_fn=causal_lm_loss, make_batch=make_batch,
                     vocab_size=vocab_size, seq_len=seq_len)
+
+
+def build_recompute(**kwargs) -> Workload:
+    """:func:`build` with activation checkpointing on its blocks (``recompute=True``): each pipeline
+    stage keeps only its boundary inputs per micro-batch in flight and runs its forward again in the
+    backward (torch's non-reentrant checkpoint). As a factory: ``examples/hf_llama.py:build_recompute``."""
+    return build(**kwargs, recompute=True)
 
 
 if __name__ == "__main__":
