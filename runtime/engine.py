@@ -106,6 +106,7 @@ class ExecutorContext:
     device: torch.device
     cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.parallel.boundaries)
     scaler: Optional[PlanLossScaler] = None   # fp16's loss scale, applied where the executors weight the loss
+    reduce_dtype: Optional[torch.dtype] = None   # the dtype replicas reduce gradients in (None: their own)
 
 
 def plan_kind(plan: Plan) -> str:
@@ -117,7 +118,7 @@ def plan_kind(plan: Plan) -> str:
 def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
     flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
     return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
-                                scaler=ctx.scaler)
+                                scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
 
 
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
@@ -130,7 +131,7 @@ def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
                             network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
-                            scaler=ctx.scaler)
+                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
 
 
 _BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
@@ -193,7 +194,9 @@ class Engine:
 
     The training recipe (:mod:`runtime.training`): ``precision`` ``"fp32"``, ``"bf16"`` or
     ``"fp16"`` (default: the plan's; autocast with float32 master state, fp16 with a loss scaler
-    whose overflow decision is one for every rank, :mod:`runtime.training.precision`);
+    whose overflow decision is one for every rank, :mod:`runtime.training.precision`), and
+    ``grad_reduce_dtype`` ``"fp32"`` (exact, the default) or ``"bf16"`` (replicas sum gradients in
+    half the bytes);
     ``clip_grad_norm``: clip the whole model's gradient to this global norm before each optimizer
     step (:mod:`runtime.training.clipping`; the norm is in ``StepStats.grad_norm``); ``scheduler``:
     a factory ``optimizer -> LR scheduler``, stepped after every optimizer step that happened and
@@ -208,14 +211,14 @@ class Engine:
                  balance: "BalanceConfig | str | None" = None, on_nonfinite: str = "raise",
                  batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY, precision: Optional[str] = None,
                  clip_grad_norm: Optional[float] = None, scheduler: Optional[Callable] = None,
-                 measure_memory: Optional[bool] = None):
+                 measure_memory: Optional[bool] = None, grad_reduce_dtype: str = "fp32"):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
         timeout_s = guards.check_timeout(timeout_s)
         guards.check_options(on_nonfinite, batch_check_every)
         planned = plan.precision
-        self.precision = Precision(planned if precision is None else precision)
+        self.precision = Precision(planned if precision is None else precision, grad_reduce_dtype)
         if self.precision.name != planned:
             log.warning("runtime.Engine(precision=%r) runs a plan made for %s: its shares and memory were priced "
                         "at %s rates (plan with --precision %s to price it for what runs)", self.precision.name,
@@ -467,7 +470,7 @@ class Engine:
                              f"(runtime.engine.register_executor); this plan has strategies "
                              f"{[s.strategy for s in self.plan.stages]}")
         ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
-                              self.emulator, self.device, self.cluster, self.scaler)
+                              self.emulator, self.device, self.cluster, self.scaler, self.precision.reduce_dtype)
         self.graphs, self._context = graphs, ctx
         self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
         self.optimizer = self._make_optimizer(list(self.executor.parameters()))

@@ -176,11 +176,12 @@ def grad_share(model, data, loss_fn, names) -> float:
     return float(part / total)
 
 
-def check(label, model, plan, data, make_opt, loss_fn, precision="fp32", clip=None, schedule=SCHEDULE):
-    tol = TOLERANCE[precision]
+def check(label, model, plan, data, make_opt, loss_fn, precision="fp32", clip=None, schedule=SCHEDULE,
+          reduce_tolerance=None, grad_reduce_dtype="fp32"):
+    tol = reduce_tolerance or TOLERANCE[precision]
     ref, final = reference(model, data, make_opt, loss_fn, precision, clip, schedule)
     engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=cluster(), timeout_s=60,
-                    precision=precision, clip_grad_norm=clip, scheduler=schedule)
+                    precision=precision, clip_grad_norm=clip, scheduler=schedule, grad_reduce_dtype=grad_reduce_dtype)
     for step, batch in enumerate(data):
         loss = engine.train_step(batch)
         stats = engine.stats[-1]
@@ -207,6 +208,12 @@ def _clipping_and_precision(rank: int) -> dict:
         check(f"dp/fp32/{name}", net, dp_plan(net), batches(22, 1), make_opt, F.cross_entropy, clip=0.05)
     for precision in ("bf16", "fp16"):
         check(f"dp/{precision}", net, dp_plan(net), batches(22, 1), SGD, F.cross_entropy, precision, clip=0.05)
+    # gradients summed in bf16 (half the bytes): each rank's part rounded once, within bf16's tolerance
+    reduced = check("dp/fp32/bf16-reduce", net, dp_plan(net), batches(22, 1), SGD, F.cross_entropy, clip=0.05,
+                    reduce_tolerance=TOLERANCE["bf16"], grad_reduce_dtype="bf16")
+    assert reduced.executor.sync.ddp._whalelike_hook_state.reduce_dtype is torch.bfloat16
+    check("pipeline/bf16/bf16-reduce", net, pipeline_plan(net), batches(8, 2), SGD, F.cross_entropy, "bf16",
+          clip=0.1, grad_reduce_dtype="bf16")
 
     # a pipeline whose second stage (the head) holds the gradient that dominates the norm: a small
     # head weight shrinks the gradients flowing back into the first stage, not its own
@@ -392,6 +399,8 @@ def test_an_unknown_precision_is_refused():
     net = Net()
     with pytest.raises(PrecisionError, match=r"precision 'fp8' is not one of fp32, bf16, fp16"):
         Engine(net, dp_plan(net), loss_fn=F.cross_entropy, cluster=cluster(), precision="fp8")
+    with pytest.raises(PrecisionError, match=r"grad_reduce_dtype 'fp16' is not one of fp32, bf16"):
+        Engine(net, dp_plan(net), loss_fn=F.cross_entropy, cluster=cluster(), grad_reduce_dtype="fp16")
     assert Precision("bf16").dtype is torch.bfloat16 and Precision("fp32").dtype is None
 
 

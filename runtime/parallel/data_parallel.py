@@ -57,7 +57,7 @@ class DataParallelExecutor:
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
                  emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0),
-                 scaler: Optional[PlanLossScaler] = None):
+                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
         self.rank = rank
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.group = group
@@ -77,7 +77,8 @@ class DataParallelExecutor:
             synchronise_batchnorm(module, group.group)
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
                                                     emulator=self.emulator,
-                                                    devices=[plan.worker(r).device for r in sorted(group.ranks)])
+                                                    devices=[plan.worker(r).device for r in sorted(group.ranks)],
+                                                    reduce_dtype=reduce_dtype)
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])

@@ -55,6 +55,8 @@ class _HookState:
     devices: Optional[tuple[str, ...]] = None
     total_bytes: int = 0
     launched_bytes: int = 0
+    # the dtype gradients travel in (None: their own, float32): bf16 halves the bytes, rounds each rank's part
+    reduce_dtype: Optional[torch.dtype] = None
 
 
 def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -68,6 +70,8 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
     if state.average:
         tensor.div_(dist.get_world_size(state.group))
     passenger = state.passenger if bucket.is_last() else None
+    if state.reduce_dtype is not None and state.reduce_dtype != tensor.dtype:
+        return _low_precision_allreduce(state, bucket, tensor, passenger, network)
     if passenger is None:
         if network is not None:
             _emulate_overlap(state, bucket, tensor)
@@ -86,6 +90,31 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
         out = fut.value()[0]
         passenger.copy_(out[tensor.numel():].view_as(passenger))
         return out[: tensor.numel()]
+
+    return work.get_future().then(unpack)
+
+
+def _low_precision_allreduce(state: _HookState, bucket, tensor: torch.Tensor, passenger: Optional[torch.Tensor],
+                             network) -> torch.futures.Future:
+    """The bucket summed in ``state.reduce_dtype`` (each rank's part rounded to it, the sum
+    accumulated in it by the backend) and cast back; the passenger (a loss, speeds) keeps its own
+    dtype in a second all-reduce of its own: rounding it would make the reported loss differ."""
+    low = tensor.to(state.reduce_dtype)
+    if network is not None:
+        _emulate_overlap(state, bucket, low)
+    work = dist.all_reduce(low, group=state.group, async_op=True)
+    carried = None
+    if passenger is not None:
+        state.passenger = None
+        if state.fill is not None:
+            state.fill, fill = None, state.fill
+            fill(passenger)
+        carried = dist.all_reduce(passenger, group=state.group, async_op=True)
+
+    def unpack(fut):
+        if carried is not None:
+            carried.wait()
+        return fut.value()[0].to(tensor.dtype)
 
     return work.get_future().then(unpack)
 
@@ -116,7 +145,7 @@ def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
 
 def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
              *, average: bool = False, devices: Optional[Sequence[str]] = None,
-             bucket_cap_mb: Optional[float] = None) -> DistributedDataParallel:
+             bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None) -> DistributedDataParallel:
     """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
 
     Gradients are summed (``average=False``): weight each rank's loss by its share of the global
@@ -138,6 +167,8 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     ``emulator.wait_communication()`` after the backward to pad to the last end. Early buckets
     are launched for real at once (no real waiting inside the segment); only their modeled times
     overlap. ``bucket_cap_mb`` is DDP's (ignored under emulation without a network).
+    ``reduce_dtype``: reduce gradients in this dtype (``torch.bfloat16``: half the bytes) instead of
+    their own float32 (``Engine(grad_reduce_dtype="bf16")``, :mod:`runtime.training.precision`).
     """
     emulator = emulator or Emulator.disabled()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -155,7 +186,8 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
         kwargs["device_ids"] = [params[0].device]
     ddp = DistributedDataParallel(module, **kwargs)
     ddp._whalelike_hook_state = _HookState(emulator, process_group, average,
-                                           devices=tuple(devices) if overlap else None, total_bytes=total_bytes)
+                                           devices=tuple(devices) if overlap else None, total_bytes=total_bytes,
+                                           reduce_dtype=reduce_dtype)
     ddp.register_comm_hook(ddp._whalelike_hook_state, _deadline_allreduce)
     return ddp
 
@@ -182,11 +214,12 @@ class DDPSync:
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, emulator: Optional[Emulator] = None,
                  devices: Optional[Sequence[str]] = None, average: bool = False,
-                 bucket_cap_mb: Optional[float] = None):
+                 bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None):
         self.inner = module
         self.group = group
         self.ddp: Optional[DistributedDataParallel] = wrap_ddp(module, group, emulator, average=average,
-                                                               devices=devices, bucket_cap_mb=bucket_cap_mb)
+                                                               devices=devices, bucket_cap_mb=bucket_cap_mb,
+                                                               reduce_dtype=reduce_dtype)
 
     @property
     def module(self) -> nn.Module:

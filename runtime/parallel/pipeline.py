@@ -142,6 +142,7 @@ class PipelineExecutor:
         sharding: Optional[StageSharding] = None,
         network: Optional[NetworkModel] = None,
         scaler: Optional[PlanLossScaler] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -171,7 +172,8 @@ class PipelineExecutor:
             loss_fn, emulator=self.emulator,
             flops=stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0),
             sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
-            micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler)
+            micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler,
+            reduce_dtype=reduce_dtype)
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)

@@ -111,16 +111,17 @@ assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SY
 
 def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.ProcessGroup], *,
                        emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
-                       alone: bool = False) -> ReplicaSync:
+                       alone: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
     them). ``alone``: no other worker holds these parameters, or none is trainable: an
-    :class:`AloneSync`, whatever ``kind`` says.
+    :class:`AloneSync`, whatever ``kind`` says. ``reduce_dtype``: the dtype gradients are reduced in
+    (None: their own; ``Engine(grad_reduce_dtype="bf16")``).
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
                          f"(make the plan with this version of whalelike)")
     if alone or not any(p.requires_grad for p in module.parameters()):
         return AloneSync(module, group)
-    return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices)
+    return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)

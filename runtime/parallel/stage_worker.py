@@ -69,9 +69,10 @@ class StageWorker:
                  graph_module: fx.GraphModule, names: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
                  dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int],
-                 scaler: Optional[PlanLossScaler] = None):
+                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
         self.plan, self.rank, self.group, self.split = plan, rank, group, split
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
+        self.reduce_dtype = reduce_dtype   # the dtype the replica sync reduces gradients in (None: their own)
         self.worker = plan.worker(rank)
         self.stage = split.stages[self.worker.stage]
         self.is_last = self.stage.index == split.num_stages - 1
@@ -90,11 +91,12 @@ class StageWorker:
         peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
-        # activation checkpointing (runtime.training.recompute) of the stage module, inside the
-        # replica sync's wrapper; the emulated backward runs the forward again
+        # activation checkpointing (runtime.training.recompute), one layer at a time, of the stage
+        # module as sharded and rewritten above, inside the replica sync's wrapper; the emulated
+        # backward runs the forward again
         self.recomputes = plan.stages[self.stage.index].recompute
         if self.recomputes:
-            recompute.wrap(self.stage.module)
+            recompute.wrap_graph_layers(self.stage.module)
             self.flops = (flops[0], flops[1] + flops[0])
         self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
 
@@ -205,7 +207,7 @@ class StageWorker:
         shares) and no recompute wrapper on the stage module, so an executor of another plan can
         take them over."""
         self.sync.release()
-        recompute.unwrap(self.stage.module)
+        recompute.unwrap_layers(self.stage.module)
 
     @property
     def device(self) -> torch.device:
@@ -237,7 +239,7 @@ class StageWorker:
                              f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
         devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
         return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
-                                  alone=alone)
+                                  alone=alone, reduce_dtype=self.reduce_dtype)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

@@ -7,7 +7,8 @@ What each precision runs (``Config.precision``, ``Plan.precision``, ``Engine(pre
 fp32    float32 everywhere (no autocast): bit-identical to what the Engine ran before precisions
 bf16    ``torch.autocast(device, bfloat16)`` over the step's forwards (and its backward: autocast is
         idempotent there, the saved tensors fix the backward's dtypes); parameters, gradients and the
-        optimizer state stay float32 (the master copy), so gradients are reduced in float32
+        optimizer state stay float32 (the master copy), so gradients are reduced in float32 (or, when
+        asked, ``grad_reduce="bf16"``: half the bytes, through the replica sync's comm hook)
 fp16    as bf16 with float16, and a loss scale: the gradient flowing back from the loss is multiplied
         by the scale, the optimizer step sees the unscaled gradients, and a step whose gradients
         overflowed is skipped on every rank while the scale halves on every rank (it grows back after
@@ -48,6 +49,7 @@ from whalelike.config import PRECISIONS
 from whalelike.errors import WhaleError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_REDUCE = ("fp32", "bf16")
 # torch.amp.GradScaler's defaults, named: the first scale, and how it moves
 INIT_SCALE = 2.0 ** 16
 GROWTH_INTERVAL = 2000
@@ -59,14 +61,26 @@ class PrecisionError(WhaleError):
 
 @dataclass(frozen=True)
 class Precision:
-    """One plan's training precision (see the module docstring). ``name``: fp32, bf16 or fp16."""
+    """One plan's training precision (see the module docstring). ``name``: fp32, bf16 or fp16.
+    ``grad_reduce``: the dtype the replicas' gradient sum travels in, ``"fp32"`` (the gradients'
+    own: exact) or ``"bf16"`` (half the bytes; each rank's part is rounded to 8 significant bits
+    before the sum, as torch's ``bf16_compress_hook`` does)."""
 
     name: str = "fp32"
+    grad_reduce: str = "fp32"
 
     def __post_init__(self):
         if self.name not in PRECISIONS:
             raise PrecisionError(f"precision {self.name!r} is not one of {', '.join(PRECISIONS)}; fp32 trains in "
                                  "float32, bf16/fp16 autocast with float32 master weights")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise PrecisionError(f"grad_reduce_dtype {self.grad_reduce!r} is not one of {', '.join(GRAD_REDUCE)}; "
+                                 "fp32 reduces gradients exactly, bf16 in half the bytes")
+
+    @property
+    def reduce_dtype(self) -> Optional[torch.dtype]:
+        """The dtype gradients are reduced in, None for their own (float32)."""
+        return torch.bfloat16 if self.grad_reduce == "bf16" else None
 
     @property
     def dtype(self) -> Optional[torch.dtype]:
