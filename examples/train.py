@@ -42,7 +42,8 @@ plan with other shares or of another kind (a different global batch size regroup
 that follow). A shipped text: ``examples/data/tinyshakespeare.txt`` (see ``examples/data/README.md``).
 
 The training recipe (``runtime.training``): ``--precision fp32|bf16|fp16`` (default: the plan's;
-autocast with float32 master weights, fp16 with a loss scaler), ``--clip-grad-norm X`` (the whole
+autocast with float32 master weights, fp16 with a loss scaler; ``--grad-reduce-dtype bf16`` sums
+replicas' gradients in half the bytes), ``--clip-grad-norm X`` (the whole
 model's gradient clipped to global norm X; the norm is printed with each logged step),
 ``--schedule cosine|linear|constant`` with ``--warmup-steps N`` and ``--min-lr-ratio R`` (a warm-up
 from ``--lr / N`` to ``--lr``, then the decay down to ``R * --lr`` at ``--steps``; saved in
@@ -111,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the peak of a --schedule; default 1e-3)")
     p.add_argument("--precision", choices=list(PRECISIONS),
                    help="training precision (default: the plan's, `whalelike plan --precision`)")
+    p.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype replicas sum gradients in: fp32 (exact, default) or bf16 (half the bytes)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip the whole model's gradient to this global norm before each step (default: no clipping)")
     p.add_argument("--schedule", default="constant", choices=list(LR_SCHEDULES),
@@ -185,7 +188,8 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
                             batch_check_every=args.batch_check_every, precision=args.precision,
                             clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
-                            measure_memory=True if args.measure_memory else None)
+                            measure_memory=True if args.measure_memory else None,
+                            grad_reduce_dtype=args.grad_reduce_dtype)
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
     losses, step_times, save_times = [], [], []
