@@ -38,6 +38,7 @@ from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
 RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
+RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
 # A plan takes about 570 bytes per worker with 8 micro-batches: 16 MiB holds 16,384 workers (the most a
 # cluster spec may list) with room to spare. Larger files are refused before parsing (see whalelike.cluster).
 MAX_FILE_BYTES = 16 << 20
@@ -91,6 +92,9 @@ class StagePlan:
     recompute_reason: str = rule(str, "why the stage recomputes: 'asked' (a TaskGraph's recompute=True), 'fit' "
                                  "(chosen by the planner because the stage does not fit otherwise), 'none' (it does not)",
                                  choices=RECOMPUTE_REASONS, default="none")
+    recompute_unit: str = rule(str, "what a recomputing stage checkpoints at once: 'layer' (each of its layers, "
+                               "the default) or 'stage' (all of it, when that holds less)", choices=RECOMPUTE_UNITS,
+                               default="layer")
 
 
 @dataclass

@@ -86,11 +86,13 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
 
 
 def _recompute(st) -> str:
-    """', recomputes activations (asked)' or '(chosen to fit)': activation checkpointing and why."""
+    """', recomputes activations layer by layer (asked)' or '... the whole stage at once (chosen to
+    fit)': activation checkpointing, its unit and why."""
     if not st.recompute:
         return ""
     why = {"asked": "asked", "fit": "chosen to fit"}.get(st.recompute_reason, st.recompute_reason)
-    return f", recomputes activations ({why})"
+    unit = "the whole stage at once" if getattr(st, "recompute_unit", "layer") == "stage" else "layer by layer"
+    return f", recomputes activations {unit} ({why})"
 
 
 def _samples(w: Worker) -> str:

@@ -118,6 +118,7 @@ def plan_kind(plan: Plan) -> str:
 def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
     flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
     return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
+                                recompute_layers=[layer.name for layer in ctx.graphs.layers],
                                 scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
 
 

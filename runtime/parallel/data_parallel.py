@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,10 +53,14 @@ class DataParallelExecutor:
     """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring).
 
     ``flops_per_sample`` is ``(forward, backward)`` of the whole model, used only for emulation.
+    ``recompute_layers``: the capture's ``Layer.name`` s, in order; when the plan recomputes, the
+    submodule of each that is a module path is checkpointed on its own
+    (:func:`runtime.training.recompute.wrap_layers`; none given: the module recomputes whole).
     """
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
                  emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0),
+                 recompute_layers: Sequence[str] = (),
                  scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
         self.rank = rank
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
@@ -67,14 +71,14 @@ class DataParallelExecutor:
         self.module = module
         self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
         self._adopt(plan)
-        # activation checkpointing (runtime.training.recompute) of the user's module, inside the
-        # replica sync's wrapper (never DDP itself); the emulated backward runs the forward again
-        self.recomputes = plan.stages[0].recompute
-        if self.recomputes:
-            recompute.wrap(module)
-            self.backward_flops += flops_per_sample[0]
         if self.sync_batchnorm:
             synchronise_batchnorm(module, group.group)
+        # activation checkpointing (runtime.training.recompute), one layer module at a time, inside
+        # the replica sync's wrapper (never DDP itself); the emulated backward runs the forward again
+        self.recomputes = plan.stages[0].recompute
+        if self.recomputes:
+            recompute.wrap_stage(module, plan.stages[0].recompute_unit, recompute_layers)
+            self.backward_flops += flops_per_sample[0]
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
                                                     emulator=self.emulator,
                                                     devices=[plan.worker(r).device for r in sorted(group.ranks)],
@@ -203,7 +207,7 @@ class DataParallelExecutor:
         executor of another plan can wrap it; this one is not used again."""
         self._unpad()
         self.sync.release()
-        recompute.unwrap(self.module)
+        recompute.unwrap_stage(self.module)
 
     def _weighted_loss(self, inputs: tuple, targets: torch.Tensor, global_size: int) -> torch.Tensor:
         """This slice's mean loss times its fraction of the global batch. An empty slice (a rank

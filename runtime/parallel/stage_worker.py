@@ -91,12 +91,12 @@ class StageWorker:
         peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
-        # activation checkpointing (runtime.training.recompute), one layer at a time, of the stage
-        # module as sharded and rewritten above, inside the replica sync's wrapper; the emulated
-        # backward runs the forward again
+        # activation checkpointing (runtime.training.recompute) of the stage module as sharded and
+        # rewritten above, one layer at a time (or whole, as the plan says), inside the replica
+        # sync's wrapper; the emulated backward runs the forward again
         self.recomputes = plan.stages[self.stage.index].recompute
         if self.recomputes:
-            recompute.wrap_graph_layers(self.stage.module)
+            recompute.wrap_stage(self.stage.module, plan.stages[self.stage.index].recompute_unit)
             self.flops = (flops[0], flops[1] + flops[0])
         self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
 
@@ -207,7 +207,7 @@ class StageWorker:
         shares) and no recompute wrapper on the stage module, so an executor of another plan can
         take them over."""
         self.sync.release()
-        recompute.unwrap_layers(self.stage.module)
+        recompute.unwrap_stage(self.stage.module)
 
     @property
     def device(self) -> torch.device:
