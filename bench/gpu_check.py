@@ -129,7 +129,7 @@ def reference(model, data, precision, steps, schedule):
         else:
             opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     del model, opt
     torch.cuda.empty_cache()
     return losses
