@@ -36,6 +36,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                      r"exact: yes",
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
+    "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
+                 rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",
     "replan_speed": r"rebalance\(\) on 8 devices, .*: median \d+\.\d ms .*takes \d+\.\dx as long \(median\)",
     "resharding": rf"headline: broadcast is {_X} faster than send/recv .*, {_X} with 8 receivers .*",
     "straggler_dp": rf"straggler_dp: adaptive \d+\.\d\d of ideal .*, {_X} over static, .*, losses identical",
@@ -51,7 +53,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
 }
 # what the benches print when a check of correctness fails (anywhere in the output)
 FAILED_CHECKS = ("LOSSES DIFFER", "losses DIFFER", "NOT every side", "exact: NO", "exact: no",
-                 "EXACTNESS FAILED", "NOTE: the sides padded different", "gradients on both sides: NO")
+                 "EXACTNESS FAILED", "NOTE: the sides padded different", "gradients on both sides: NO",
+                 "MODELED COMPUTE DIFFERS")
 # a bench starts its own ranks: rendezvous variables inherited from a launcher would make
 # dp_vs_ddp.py believe it runs under torchrun, and benches share one emulated-network ledger
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
