@@ -269,6 +269,17 @@ def _overflow_on_one_rank(rank: int) -> dict:
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, [(s.overflow, s.loss_scale) for s in stats])
     assert all(g == gathered[0] for g in gathered), gathered
+    # the scale (halved, and its growth tracker) is in checkpoints: a resumed fp16 Engine goes on with it
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = [tmp]
+        dist.broadcast_object_list(directory)
+        saved = checkpoint.save(engine, directory[0])
+        resumed = Engine(copy.deepcopy(net), dp_plan(net), optimizer=SGD, loss_fn=F.cross_entropy, cluster=cluster(),
+                         timeout_s=60, precision="fp16", example_args=data[0][0])
+        assert resumed.scaler.current() == 2.0 ** 16
+        checkpoint.load(resumed, saved)
+        dist.barrier()
+    assert resumed.scaler.state_dict() == engine.scaler.state_dict() and resumed.scaler.current() == 2.0 ** 15
     return {"scales": [s.loss_scale for s in stats]}
 
 
