@@ -195,3 +195,57 @@ def test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run(te
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"]))
     assert resumed["losses"][:TEXT_EVERY] == whole["losses"][:TEXT_EVERY]
     assert whole["losses"][-1] < whole["losses"][0] - 0.1, whole["losses"]
+
+
+# -- the training recipe's options: train.py --precision --clip-grad-norm --schedule --warmup-steps ---
+RECIPE_STEPS, RECIPE_WARMUP, RECIPE_LR, RECIPE_MIN = 10, 3, 0.05, 0.1
+
+
+def _train_py(*args: str, torchrun: bool = True) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(port)] if torchrun else [sys.executable]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*launcher, os.path.join(ROOT, "examples", "train.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_py_runs_the_recipe_in_bf16_with_clipping_and_a_warm_cosine_schedule(text_job):
+    from runtime.training.schedules import lr_factor
+
+    # a bf16 plan of the byte LM on 2 ranks (the emulated kinds of a.yaml, bare numbers, run every dtype)
+    workload = load_workload(f"{text_job}/byte_lm.py:build")
+    plan = planner.plan(wl.capture(workload.model, workload.example_args), Cluster.from_yaml(text_job / "a.yaml"),
+                        wl.Config(global_batch_size=TEXT_BATCH, precision="bf16"))
+    plan.to_yaml(text_job / "plan-bf16.yaml")
+    done = _train_py(f"{text_job}/byte_lm.py:build", "--plan", f"{text_job}/plan-bf16.yaml",
+                     "--cluster", f"{text_job}/a.yaml", "--steps", str(RECIPE_STEPS), "--precision", "bf16",
+                     "--clip-grad-norm", "0.5", "--schedule", "cosine", "--warmup-steps", str(RECIPE_WARMUP),
+                     "--lr", str(RECIPE_LR), "--min-lr-ratio", str(RECIPE_MIN), "--balance", "off", "--timeout", "60")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # every fifth step is logged with the gradient norm before clipping and the learning rate it used:
+    # the warm-up's last step is behind step 5, whose rate is on the cosine; step 10 ends near the floor
+    logged = {}
+    for line in done.stdout.splitlines():
+        if "] step " in line:
+            words = line.split()
+            step = int(words[words.index("step") + 1].split("/")[0])
+            logged[step] = (float(words[words.index("norm") + 1]), float(words[words.index("lr") + 1]))
+    assert sorted(logged) == [5, 10], done.stdout
+    for step, (norm, lr) in logged.items():
+        assert 0 < norm < float("inf"), done.stdout
+        expected = RECIPE_LR * lr_factor(step - 1, "cosine", RECIPE_WARMUP, RECIPE_STEPS, RECIPE_MIN)
+        assert lr == pytest.approx(expected, rel=5e-3), (step, lr, expected, done.stdout)   # printed with 3 digits
+    assert RECIPE_MIN * RECIPE_LR < logged[10][1] < logged[5][1] < RECIPE_LR
+
+
+@pytest.mark.parametrize("bad, says", [(("--clip-grad-norm", "-1"), "--clip-grad-norm must be a positive finite"),
+                                       (("--warmup-steps", "10"), "--warmup-steps must be in [0, --steps 10)")])
+def test_train_py_refuses_a_bad_recipe_option_in_one_line(bad, says):
+    # checked before the workload or plan is read: no torchrun needed to see the usage error
+    done = _train_py("examples/hf_llama.py:build", "--plan", "no-such-plan.yaml", "--steps", "10", *bad,
+                     torchrun=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and says in done.stderr and done.stderr.startswith("train.py: error:"), \
+        done.stderr
