@@ -114,7 +114,8 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
         tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),
-        memory_gib=stage_memory(cost, dec.in_flight[s], fraction, recompute=again).total(max(sizes)) / GIB,
+        memory_gib=stage_memory(cost, dec.in_flight[s], fraction, recompute=again,
+                                unit_share=dec.shards[s].unit_share(t)).total(max(sizes)) / GIB,
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
     )

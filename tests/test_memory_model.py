@@ -3,12 +3,15 @@ and on real plans it gives the bytes the partitioner, Whale's Algorithm 1, the s
 plan checks computed before it existed (the old formulas are written out here, independently)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import planner
 import whalelike as wl
@@ -27,6 +30,7 @@ from whalelike import Cluster, Config, replicate
 from synthetic import bert_large, synthetic_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import hf_llama  # noqa: E402
 import hybrid_classifier  # noqa: E402
 
 FRACTIONS = {"weight": 0.5, "gradient": 0.25, "optimizer": 0.125, "activation": 0.75}
@@ -133,13 +137,13 @@ def _in_flight(plan) -> list[int]:
 
 
 def _stage(graphs, st):
-    """The stage's cost and its shard fraction per tensor-parallel index, as the plan priced them."""
+    """The stage's cost and its shard layout (fractions and unit shares), as the plan priced them."""
     cost = StageCost.of_layers(graphs, st.layers)
     owners = [graphs[t] for t in st.taskgraphs]
     shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
     groups = tuple(g for tg in owners for g in tg.shard_groups)
     tp = len(next(iter(st.shard_sizes.values()))) if st.shard_sizes else 1
-    return cost, layout_of_sizes(shardable, st.shard_sizes, tp, groups, cost.flops_per_sample).fractions
+    return cost, layout_of_sizes(shardable, st.shard_sizes, tp, groups, cost.flops_per_sample)
 
 
 def _plans(hybrid):
@@ -150,12 +154,15 @@ def _plans(hybrid):
     yield bert_large([replicate()]), synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16)]), Config(1000, 1)
 
 
-def test_real_plans_memory_equals_the_old_formulas(hybrid):
-    """Per worker: the plan's memory_gib (what summary shows and plan checks compare) is the old
-    ``shard * (static + micro-batch * per-sample bytes)``; Algorithm 1's cap on each device is the
-    old ``floor((capacity / shard - static) / per-sample bytes)``; the shard cap is capacity over
-    the whole stage's need; and the plan passes the plan checks against its cluster."""
-    seen_tp = seen_pipeline = seen_accumulation = False
+def test_real_plans_memory_equals_the_formulas_written_out(hybrid):
+    """Per worker: the plan's memory_gib (what summary shows and plan checks compare) is
+    ``shard * static + a * micro-batch * (per-sample bytes per micro-batch in flight + the loss
+    bytes held once)``, where the activation share ``a`` is the shard fraction, or on a ``split``
+    stage whose groups divide part of the activations ``1 - divided / whole * (1 - unit share)``
+    (what the groups leave whole, every rank holds whole); Algorithm 1's cap on each device is the
+    largest sample count that fits; the shard cap is capacity over the whole stage's need; and the
+    plan passes the plan checks against its cluster."""
+    seen_tp = seen_pipeline = seen_accumulation = seen_loss = False
     for graphs, cluster, config in _plans(hybrid):
         plan = planner.plan(graphs, cluster, config)
         plan.validate(graphs=graphs, cluster=cluster)
@@ -163,20 +170,24 @@ def test_real_plans_memory_equals_the_old_formulas(hybrid):
         stages = [_stage(graphs, st) for st in plan.stages]
         capacity = {d.name: d.memory_gib * GIB for d in cluster.devices}
         for w in plan.workers:
-            (cost, fractions), n = stages[w.stage], max(w.micro_batch_sizes)
-            f, alive = fractions[w.tp_index], in_flight[w.stage]
-            per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive
-            model = stage_memory(cost, alive, f)
-            assert model.total(n) / GIB == f * (cost.static_bytes + n * per_sample) / GIB == w.memory_gib, w
-            free = capacity[w.device] / f - cost.static_bytes
-            assert model.max_samples(capacity[w.device]) == math.floor(free / per_sample) >= n, w
+            (cost, layout), n = stages[w.stage], max(w.micro_batch_sizes)
+            f, alive = layout.fractions[w.tp_index], in_flight[w.stage]
+            per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive + cost.loss_bytes
+            divided = alive * cost.sharded_activation_bytes + cost.sharded_loss_bytes
+            a = 1 - divided / per_sample * (1 - layout.unit_shares[w.tp_index]) if divided else f
+            model = stage_memory(cost, alive, f, unit_share=layout.unit_share(w.tp_index))
+            assert model.total(n) / GIB == pytest.approx((f * cost.static_bytes + a * n * per_sample) / GIB, rel=1e-12)
+            assert model.total(n) / GIB == w.memory_gib, w
+            cap = model.max_samples(capacity[w.device])
+            assert model.total(cap) <= capacity[w.device] < model.total(cap + 1) and cap >= n, w
             need = max(cost.static_bytes + n * per_sample, 1.0)
-            assert max_shard(cost, alive, n, capacity[w.device]) == capacity[w.device] / need
+            assert max_shard(cost, alive, n, capacity[w.device]) == pytest.approx(capacity[w.device] / need, rel=1e-12)
             assert fits(w.memory_gib, w.capacity_gib)
             seen_tp |= w.tp_size > 1 and f < 1
+            seen_loss |= cost.loss_bytes > 0
         seen_pipeline |= len(plan.stages) > 2
         seen_accumulation |= len({len(w.micro_batch_sizes) for w in plan.workers}) > 1
-    assert seen_tp and seen_pipeline and seen_accumulation
+    assert seen_tp and seen_pipeline and seen_accumulation and seen_loss
 
 
 # -- the partitioner -------------------------------------------------------------------------------
@@ -242,3 +253,112 @@ def test_partitioner_holds_each_term_in_its_own_fraction():
     assert DeviceMemory(GIB, 0.5, 0.25).fractions == (0.5, 0.5, 0.5, 0.25)
     assert split(1.0) == [4, 8]       # 1 GiB per layer
     assert split(0.25) == [6, 6]      # 0.25 + 0.25 + 0.125 GiB per layer: 6 fit
+
+
+# -- what runs: the corrections bench/memory.py measured --------------------------------------------
+class _Residual(torch.nn.Module):
+    """A float32 residual stream around a norm and a projection, an embedding in front, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.proj(self.norm(h))
+        return self.head(h)
+
+
+@pytest.fixture(scope="module")
+def residual():
+    torch.manual_seed(0)
+    return wl.capture(_Residual(), (torch.randint(0, 32, (4, 8)),))
+
+
+def test_autocast_bytes_are_measured_not_halved(residual):
+    """Under autocast the residual stream and the norm stay float32: the activations are more than
+    half the float32 bytes; only the projections' weights are cast (2 bytes per parameter of proj
+    and head, none of the embedding or the norm)."""
+    layers = {l.name: l for l in residual.layers}
+    assert all(l.autocast is not None for l in residual.layers)
+    fp32 = StageCost.of_layers(residual, range(len(residual.layers)), "fp32")
+    bf16 = StageCost.of_layers(residual, range(len(residual.layers)), "bf16")
+    assert 0.5 * fp32.activation_bytes < bf16.activation_bytes < fp32.activation_bytes
+    assert bf16.param_copy_bytes == 2 * (16 * 16 + 16 + 16 * 32 + 32) == sum(l.autocast["param_copy"] for l in layers.values())
+    assert layers["embed"].autocast["param_copy"] == layers["norm"].autocast["param_copy"] == 0
+    # the model output (the logits) is the head's: 32 classes x 8 positions, 4 bytes, 2 under autocast
+    assert layers["head"].output_bytes_per_sample == 8 * 32 * 4 and layers["head"].autocast["output"] == 8 * 32 * 2
+    # a TaskGraph captured without the autocast figures falls back to half the float32 bytes
+    old = _without_autocast(residual)
+    assert StageCost.of_layers(old, range(len(old.layers)), "bf16").param_copy_bytes == bf16.param_bytes / 2
+
+
+def _without_autocast(graphs):
+    """``graphs`` as a capture made before the autocast figures existed."""
+    out = copy.copy(graphs)
+    out.layers = [dataclasses.replace(l, autocast=None) for l in graphs.layers]
+    return out
+
+
+def test_a_stage_input_saved_by_its_first_layer_is_not_counted_twice(residual):
+    """The received boundary buffer (or the caller's batch) is what the stage's first layer saves:
+    counted once, in the boundary bytes."""
+    layers = residual.layers
+    k = next(i for i, l in enumerate(layers) if l.input_activation_bytes_per_sample > 0 and i > 0)
+    cost = StageCost.of_layers(residual, range(k, len(layers)))
+    saved = sum(l.activation_bytes_per_sample for l in layers[k:])
+    assert cost.activation_bytes == saved - layers[k].input_activation_bytes_per_sample
+    assert cost.boundary_bytes == layers[k - 1].cut_bytes_per_sample
+    assert layers[k].input_activation_bytes_per_sample <= layers[k - 1].cut_bytes_per_sample
+
+
+def test_the_loss_is_held_once_on_the_last_stage_only(residual):
+    """The model outputs and the loss's temporaries (LOSS_TEMPORARY_BYTES per output element) are
+    priced on the stage returning them, once whatever the micro-batches in flight."""
+    from planner.devices.cost_model import LOSS_TEMPORARY_BYTES
+
+    n = len(residual.layers)
+    first, last = StageCost.of_layers(residual, range(0, 2)), StageCost.of_layers(residual, range(2, n))
+    assert first.loss_bytes == 0
+    elements = 8 * 32
+    assert last.loss_bytes == elements * (4 + LOSS_TEMPORARY_BYTES["fp32"])
+    assert StageCost.of_layers(residual, range(2, n), "bf16").loss_bytes == elements * (2 + LOSS_TEMPORARY_BYTES["bf16"])
+    one, three = stage_memory(last, 1), stage_memory(last, 3)
+    assert three.total(5) - one.total(5) == 5 * 2 * (last.activation_bytes + last.boundary_bytes)
+    assert one.total(5) == one.static() + 5 * (last.activation_bytes + last.boundary_bytes + last.loss_bytes)
+
+
+def test_a_split_stage_holds_what_its_groups_leave_whole_whole():
+    """A tensor-parallel worker holds its unit share of the activations the shard groups divide and
+    the rest (norms, residual stream, boundary buffers) whole: not its shard of everything."""
+    from planner.devices.memory import activation_shard
+
+    cost = StageCost(1.0, 2.0, 400.0, 1600.0, activation_bytes=100.0, boundary_bytes=20.0, layer_output_bytes=(),
+                     loss_bytes=30.0, sharded_activation_bytes=60.0, sharded_loss_bytes=30.0)
+    whole = 2 * (100.0 + 20.0) + 30.0
+    a = activation_shard(cost, 2, unit_share=0.25)
+    assert a == pytest.approx(1 - (2 * 60.0 + 30.0) / whole * 0.75)
+    m = stage_memory(cost, 2, shard=0.25, unit_share=0.25)
+    assert m.weight_fraction == 0.25 and m.activation_fraction == a
+    assert m.total(4) == pytest.approx(0.25 * 1600.0 + a * 4 * whole)
+    # nothing divided recorded, or no unit share given: the shard fraction, as before
+    assert activation_shard(dataclasses.replace(cost, sharded_activation_bytes=0.0, sharded_loss_bytes=0.0), 2, 0.25,
+                            shard=0.4) == 0.4
+    assert stage_memory(cost, 2, shard=0.25).activation_fraction == 0.25
+
+
+def test_split_groups_record_the_activations_they_divide():
+    """capture records per shard group the saved bytes it divides: less than the TaskGraph's (the
+    norms, the residual stream and the column projections' inputs stay whole), more than none."""
+    w = hf_llama.build(n_layer=2, hidden_size=32, seq_len=16, batch_size=2)
+    graphs = wl.capture(w.model, w.example_args)
+    split = next(tg for tg in graphs.graphs if tg.shard_groups)
+    blocks = [g for g in split.shard_groups if g.kind != "lone"]
+    assert blocks and all(g.activation_bytes_per_sample > 0 for g in blocks)
+    assert all(0 < g.autocast_activation_bytes_per_sample < g.activation_bytes_per_sample for g in blocks)
+    assert sum(g.activation_bytes_per_sample for g in blocks) < split.activation_bytes_per_sample
+    cost = StageCost.of_layers(graphs, list(split.layers))
+    assert 0 < cost.sharded_activation_bytes < cost.activation_bytes and cost.sharded_loss_bytes == cost.loss_bytes > 0

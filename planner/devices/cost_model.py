@@ -45,9 +45,15 @@ GIB = float(2**30)
 
 
 # bytes per element of the activations a training precision keeps (autocast's outputs); capture
-# measures every tensor at float32, 4 bytes
+# measures every tensor at float32, 4 bytes, and again under autocast (Layer.autocast); the ratio is
+# the fallback for TaskGraphs without the autocast figures
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CAPTURED_BYTES = 4
+# the loss's temporaries per element of the model outputs it reads (logits), held while one
+# micro-batch's loss and its gradient are computed: a float32 shifted copy and its exponentials
+# (cross-entropy's log-softmax, forward then backward), plus under autocast the float32 copy of
+# the 2-byte logits the loss upcasts first; measured on the runtime's losses (bench/memory.py)
+LOSS_TEMPORARY_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
 
 
 def device_tflops(device: Device, precision: str = "fp32") -> float:
@@ -114,18 +120,29 @@ class StageCost:
 
     ``static_bytes`` (parameters + gradients + optimizer state) and ``optimizer_bytes`` are per
     whole stage; ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in
-    flight. A worker's share of them: :func:`planner.devices.memory.stage_memory`.
+    flight; ``loss_bytes`` per sample of the one micro-batch whose loss is computed (the last
+    stage's model outputs and the loss's temporaries, ``LOSS_TEMPORARY_BYTES`` per output element).
+    ``activation_bytes`` leaves out what the first layer saves of the stage's input (capture's
+    ``Layer.input_activation_bytes_per_sample``): the received boundary buffer, counted in
+    ``boundary_bytes``, or the caller's batch, held whether or not the stage saves it.
+    ``sharded_activation_bytes`` and ``sharded_loss_bytes`` are the parts of those a ``split``
+    stage's shard groups divide (``ShardGroup.activation_bytes_per_sample``; the loss when the
+    head is class-sharded); the rest every tensor-parallel rank holds whole.
+    A worker's share of them: :func:`planner.devices.memory.stage_memory`.
 
     ``precision`` is the training precision the stage is priced at: its FLOPs run at each device's
     rate for it (:func:`compute_ms`), and bytes per element follow it (:meth:`of_layers`). Under ``fp32`` everything
     is as captured (float32). Under ``bf16``/``fp16`` mixed precision (torch autocast) the
     parameters stay float32 (the master weights), so do their gradients and the optimizer state:
     ``param_bytes``, ``static_bytes`` and ``optimizer_bytes`` are unchanged; autocast casts each
-    weight once per forward and keeps the low-precision copy while the step's forward and backward
-    run, ``param_copy_bytes`` = 2 bytes per parameter (half of ``param_bytes``), counted with the
-    weights; and the activations, boundary buffers and layer outputs, captured at float32, are
-    mostly autocast outputs, so they scale by 2/4 (``ACTIVATION_BYTES``). Gradient all-reduces
-    stay float32 (``param_bytes``).
+    weight it casts once per step and keeps the low-precision copy while the step's forward and
+    backward run, ``param_copy_bytes``, counted with the weights: the casts capture saw autocast make
+    (``Layer.autocast["param_copy"]``: the projections' weights, not an embedding's or a norm's);
+    and the activations, boundary buffers, layer outputs and model outputs are the bytes capture
+    measured under autocast (``Layer.autocast``): 2 bytes for what autocast casts, 4 for what it
+    leaves float32 (a residual stream, normalisations, softmax). A TaskGraph captured without those
+    figures falls back to 2 bytes per parameter for the casts and 2/4 of the float32 bytes
+    (``ACTIVATION_BYTES``). Gradient all-reduces stay float32 (``param_bytes``).
     """
 
     forward_flops: float
@@ -138,6 +155,9 @@ class StageCost:
     optimizer_bytes: Optional[float] = None  # None: static_bytes less parameters and gradients
     param_copy_bytes: float = 0.0            # low-precision copy of the weights under autocast (bf16/fp16)
     precision: str = "fp32"                  # the training precision: devices price this stage's FLOPs at it
+    loss_bytes: float = 0.0                  # per sample, held once: model outputs and the loss's temporaries
+    sharded_activation_bytes: float = 0.0    # of activation_bytes: what a split stage's groups divide
+    sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -165,22 +185,44 @@ class StageCost:
                 opt += tg.optimizer_state_bytes * size / tg.param_bytes
         params = float(sum(l.param_bytes for l in chosen) + sum(size for _, size in copies.values()))
         first, last = layers[0], layers[-1]
-        received = graphs.layers[first - 1].cut_bytes_per_sample if first > 0 else 0.0
-        sent = chosen[-1].cut_bytes_per_sample if last < len(graphs.layers) - 1 else 0.0
         if precision not in ACTIVATION_BYTES:
             raise ValueError(f"precision must be one of {', '.join(ACTIVATION_BYTES)}, got {precision!r}")
         scale = ACTIVATION_BYTES[precision] / CAPTURED_BYTES   # 1.0 at fp32: the bytes as captured, exactly
+        # under autocast, the bytes capture measured there (Layer.autocast); else the float32 ones scaled
+        measured = precision != "fp32" and all(l.autocast is not None for l in graphs.layers)
+
+        def at_precision(layer, key: str, captured: float) -> float:
+            return layer.autocast[key] if measured else captured * scale
+
+        before = graphs.layers[first - 1] if first > 0 else None
+        received = at_precision(before, "cut", before.cut_bytes_per_sample) if before is not None else 0.0
+        sent = at_precision(chosen[-1], "cut", chosen[-1].cut_bytes_per_sample) if last < len(graphs.layers) - 1 else 0.0
+        saved = sum(at_precision(l, "activation", l.activation_bytes_per_sample) for l in chosen)
+        saved -= at_precision(chosen[0], "input_activation", chosen[0].input_activation_bytes_per_sample)
+        outputs = sum(at_precision(l, "output", l.output_bytes_per_sample) for l in chosen)
+        elements = sum(l.output_bytes_per_sample for l in chosen) / CAPTURED_BYTES
+        loss = outputs + elements * LOSS_TEMPORARY_BYTES[precision] if elements else 0.0
+        divided, head = _divided(graphs, chosen, measured, scale)
+        if precision == "fp32":
+            copy_bytes = 0.0
+        elif measured:
+            copy_bytes = float(sum(l.autocast["param_copy"] for l in chosen))
+        else:
+            copy_bytes = params * ACTIVATION_BYTES[precision] / CAPTURED_BYTES
         return cls(
             forward_flops=sum(l.forward_flops for l in chosen),
             backward_flops=sum(l.backward_flops for l in chosen),
             param_bytes=params,
             static_bytes=2 * params + opt,
-            activation_bytes=sum(l.activation_bytes_per_sample for l in chosen) * scale,
-            boundary_bytes=(received + sent) * scale,
-            layer_output_bytes=tuple(l.cut_bytes_per_sample * scale for l in chosen),
+            activation_bytes=saved,
+            boundary_bytes=received + sent,
+            layer_output_bytes=tuple(at_precision(l, "cut", l.cut_bytes_per_sample) for l in chosen),
             optimizer_bytes=opt,
-            param_copy_bytes=0.0 if precision == "fp32" else params * ACTIVATION_BYTES[precision] / CAPTURED_BYTES,
+            param_copy_bytes=copy_bytes,
             precision=precision,
+            loss_bytes=loss,
+            sharded_activation_bytes=divided,
+            sharded_loss_bytes=loss if head else 0.0,
         )
 
     @property
@@ -201,6 +243,22 @@ class StageCost:
         at most :data:`UNBOUNDED_SAMPLES`: shorthand for
         ``stage_memory(self, in_flight, shard).max_samples(capacity_bytes)``."""
         return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
+
+
+def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float) -> tuple[float, bool]:
+    """Per sample, the activations the shard groups of the ``split`` TaskGraphs wholly inside
+    ``chosen`` divide among their ranks, and whether the layer returning the model outputs is a
+    class-sharded head (a lone group's member: its logits, so the loss's, are divided too)."""
+    inside = {l.index for l in chosen}
+    divided, head = 0.0, False
+    names = {l.name for l in chosen if l.output_bytes_per_sample}
+    for tg in graphs.graphs:
+        if not tg.shard_groups or not set(tg.layers) <= inside:
+            continue
+        for g in tg.shard_groups:
+            divided += g.autocast_activation_bytes_per_sample if measured else g.activation_bytes_per_sample * scale
+            head |= g.kind == "lone" and any(m.path in names for m in g.members)
+    return divided, head
 
 
 def backward_flops(cost: StageCost, recompute: bool = False) -> float:

@@ -30,10 +30,21 @@ Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction
 activation_bytes_per_sample + transient_bytes_per_sample)``: each term scales with its own fraction
 and nothing else (the transient bytes are activations: they take the activation fraction). Terms that
 share a fraction are added before they are scaled, so when all four fractions are one shard
-fraction ``f`` (every plan today) the total is ``f * (static + samples * per-sample bytes)`` to the
-last bit, as the planner has always priced a shard, and :meth:`MemoryTerms.max_samples` is the
-largest sample count whose total fits (the inverse, computed the same way). Without recompute the
-transient term is 0 and is not even added, so every figure is what it was before it existed.
+fraction ``f`` (data-parallel and pipeline plans) the total is ``f * (static + samples * per-sample
+bytes)`` to the last bit, as the planner has always priced a shard, and :meth:`MemoryTerms.max_samples`
+is the largest sample count whose total fits (the inverse, computed the same way). Without recompute
+and off the last stage the transient term is 0 and is not even added, so every figure is what it
+was before it existed.
+
+What runs, term by term (checked against the measured peak per rank by ``bench/memory.py``, with
+``Engine(measure_memory=True)``): the transient term also holds, on the stage that returns the model
+outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the loss
+of one micro-batch is computed, and back-propagated, at a time). A ``split`` stage's worker holds its
+shard of what the shard groups divide (the projections' weights, the activations between a group's
+projections, a class-sharded head's logits) and the rest whole (norms, residual stream, boundary
+buffers, a column projection's input): so its activation fraction is not its shard fraction but
+``1 - divided / whole * (1 - unit share)`` (:func:`activation_shard`, from
+``StageCost.sharded_activation_bytes``), while its weights keep the shard fraction.
 
 The byte fields may be numbers, numpy arrays (the partitioner prices every layer range at once) or
 PuLP expressions (the partitioner's ILP states its memory rows with the same model).
@@ -147,13 +158,39 @@ def fits(need_bytes: float, capacity_bytes: float) -> bool:
     return need_bytes <= capacity_bytes * (1 + FIT_TOLERANCE)
 
 
-def worker_fractions(shard: float = 1.0, batch_share: float = 1.0) -> dict[str, float]:
+def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,
+                     activation_shard: float | None = None) -> dict[str, float]:
     """The fraction of each term a worker holds: its tensor-parallel ``shard`` of the stage (its
-    :class:`~planner.shares.shard_sizes.ShardLayout` fraction) of every term, and of the
-    activations only its ``batch_share`` of the samples priced. The one rule of who holds what: a
-    ZeRO stage or activation checkpointing changes one entry here."""
+    :class:`~planner.shares.shard_sizes.ShardLayout` fraction) of the weights, gradients and
+    optimizer state, and of the activations its ``activation_shard`` (default: ``shard``;
+    :func:`activation_shard`: what a ``split`` stage leaves whole counts whole) of its
+    ``batch_share`` of the samples priced. The one rule of who holds what: a ZeRO stage or
+    activation checkpointing changes one entry here."""
+    a = shard if activation_shard is None else activation_shard
     return {"weight_fraction": shard, "gradient_fraction": shard, "optimizer_fraction": shard,
-            "activation_fraction": shard * batch_share}
+            "activation_fraction": a * batch_share}
+
+
+def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None, recompute: bool = False,
+                     shard: float = 1.0) -> float:
+    """The share of a ``split`` stage's per-sample activation bytes (kept per micro-batch in flight
+    plus held once, :func:`recompute_split`, plus the loss) a worker holds when it has ``unit_share``
+    of the shard groups' units: the groups' divided bytes (``StageCost.sharded_activation_bytes``,
+    ``sharded_loss_bytes``) at that share, everything else whole. ``shard`` (the old rule: all of it
+    at the shard fraction) when the unit share is not given or the stage records nothing divided
+    (a stage without groups, or TaskGraphs captured before the groups' bytes were)."""
+    divided_loss = getattr(cost, "sharded_loss_bytes", 0.0)
+    if unit_share is None or (cost.sharded_activation_bytes <= 0 and divided_loss <= 0):
+        return shard
+    kept, once = recompute_split(cost.activation_bytes, cost.boundary_bytes, recompute)
+    whole = in_flight * kept + once + cost.loss_bytes
+    if whole <= 0:
+        return shard
+    # recomputing: the divided activations are alive for one micro-batch (the one recomputed); the
+    # share of them held once is bounded by the transient bytes
+    divided = min(cost.sharded_activation_bytes, once) if recompute else in_flight * cost.sharded_activation_bytes
+    divided = min(divided + divided_loss, whole)
+    return 1.0 - divided / whole * (1.0 - unit_share)
 
 
 def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool) -> tuple[Any, Any]:
@@ -167,20 +204,24 @@ def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool)
 
 
 def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0,
-                 recompute: bool = False) -> MemoryTerms:
+                 recompute: bool = False, unit_share: float | None = None) -> MemoryTerms:
     """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
     alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
     are its own group's). Gradients are as large as the parameters; the boundary buffers count
     with the activations (:class:`~planner.devices.cost_model.StageCost`). ``recompute``: the stage
-    runs under activation checkpointing (:func:`recompute_split`)."""
+    runs under activation checkpointing (:func:`recompute_split`). ``unit_share``: the worker's share
+    of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for its activations
+    (:func:`activation_shard`). The last stage's loss bytes are held once."""
     kept, once = recompute_split(cost.activation_bytes, cost.boundary_bytes, recompute)
+    if cost.loss_bytes:   # a plain 0 is not added: a stage without the loss prices as before, bit for bit
+        once = once + cost.loss_bytes
     return MemoryTerms(
         weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,
         optimizer_bytes=cost.optimizer_bytes,
         activation_bytes_per_sample=kept,
         in_flight=in_flight,
-        **worker_fractions(shard, batch_share),
+        **worker_fractions(shard, batch_share, activation_shard(cost, in_flight, unit_share, recompute, shard)),
         transient_bytes_per_sample=once,
     )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from whalelike.cluster import Device
 from whalelike.config import Config
@@ -125,10 +125,10 @@ class PricedStage:
     shards: ShardLayout
     recompute: bool = False
 
-    def memory(self, fraction: float):
-        """The memory model of a worker holding ``fraction`` of this stage
-        (:func:`planner.devices.memory.stage_memory`)."""
-        return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute)
+    def memory(self, fraction: float, unit_share: Optional[float] = None):
+        """The memory model of a worker holding ``fraction`` of this stage (``unit_share`` of its
+        shard groups' units, :func:`planner.devices.memory.stage_memory`)."""
+        return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute, unit_share=unit_share)
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
         """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
@@ -139,13 +139,13 @@ class PricedStage:
 
     def group_cap(self, group: tuple[Device, ...]) -> int:
         """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
-        return min(self.memory(f).max_samples(d.memory_gib * GIB)
-                   for d, f in zip(group, self.shards.fractions))
+        return min(self.memory(f, self.shards.unit_share(t)).max_samples(d.memory_gib * GIB)
+                   for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
     def group_util(self, group: tuple[Device, ...], samples: int) -> float:
         """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
-        return max(self.memory(f).total(samples) / (d.memory_gib * GIB)
-                   for d, f in zip(group, self.shards.fractions))
+        return max(self.memory(f, self.shards.unit_share(t)).total(samples) / (d.memory_gib * GIB)
+                   for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
 
 class StageDoesNotFit(Exception):
@@ -266,7 +266,8 @@ def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups
     for group in groups:
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
-            need = stage_memory(cost, in_flight, f, recompute=recompute).total(samples)
+            need = stage_memory(cost, in_flight, f, recompute=recompute,
+                                unit_share=shards.unit_share(t) if shards else None).total(samples)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
                 worst = (short, need, d)

@@ -40,10 +40,17 @@ _VIRTUAL_UNITS = 1024   # resolution of the shard fractions of a stage with no s
 class ShardLayout:
     """Shard sizes per module path (one entry per tensor-parallel index) and the resulting share
     of the stage's work and memory per index (shares sum to more than 1 when part of the stage is
-    replicated: every rank runs that part whole)."""
+    replicated: every rank runs that part whole). ``unit_shares``: per index, its share of the
+    groups' units alone (weighted as the fractions are), which the memory model applies to the
+    activations the groups divide (:func:`planner.devices.memory.activation_shard`); None for a
+    layout made by hand (then the fractions price everything, as before)."""
 
     shard_sizes: dict[str, list[int]]
     fractions: list[float]
+    unit_shares: Optional[list[float]] = None
+
+    def unit_share(self, index: int) -> Optional[float]:
+        return None if self.unit_shares is None else self.unit_shares[index]
 
 
 def granularity(dim: int, parts: int) -> int:
@@ -105,7 +112,8 @@ def shard_layout(shardable: dict[str, int], speeds: Sequence[float], max_fractio
     if sum(max_fractions) < 1 or min(max_fractions) <= 0:
         raise DoesNotFit(1, 0)
     if not chosen:
-        return ShardLayout({}, [n / _VIRTUAL_UNITS for n in split_dimension(_VIRTUAL_UNITS, speeds, max_fractions)])
+        shares = [n / _VIRTUAL_UNITS for n in split_dimension(_VIRTUAL_UNITS, speeds, max_fractions)]
+        return ShardLayout({}, shares, shares)
     return _priced(chosen, [split_group(group, speeds, max_fractions) for group in chosen], replicated)
 
 
@@ -121,7 +129,7 @@ def _priced(chosen: Sequence[ShardGroup], units: Sequence[Sequence[int]], replic
         shares.append([n / group.units for n in counts])
     total = sum(weights)
     local = [sum(w * share[i] for w, share in zip(weights, shares)) / total for i in range(len(units[0]))]
-    return ShardLayout(sizes, [replicated + (1.0 - replicated) * f for f in local])
+    return ShardLayout(sizes, [replicated + (1.0 - replicated) * f for f in local], local)
 
 
 def layout_of_sizes(shardable: dict[str, int], shard_sizes: dict[str, list[int]], parts: int,

@@ -30,7 +30,7 @@ from whalelike.graphs.nodes import attribute
 from whalelike.graphs.constant_copies import recompute_constants
 from whalelike.graphs.regions import Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
-from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 from whalelike.graphs.tracing import placeholder_values, trace
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,45 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     gm, method = trace(model, args, kwargs)
     regions = assign_regions(gm, model)
     recompute_constants(gm, regions)
-    costs = measure(gm, placeholder_values(gm, method, model, args, kwargs), regions.node_taskgraph)
+    values = placeholder_values(gm, method, model, args, kwargs)
+    costs = measure(gm, values, regions.node_taskgraph)
+    autocast_costs = _measure_autocast(gm, values, regions)
     unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
     if unattributed:
         log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-    return _assemble(gm, model, method, regions, costs, batch, optimizer)
+    return _assemble(gm, model, method, regions, costs, batch, optimizer, autocast_costs)
+
+
+def _measure_autocast(gm: fx.GraphModule, values: list, regions: Regions) -> Optional[NodeCosts]:
+    """The costs under bf16 autocast (the dtypes a bf16 or fp16 plan's activations have: both are
+    2 bytes, and autocast casts the same operators for both), or None when the graph cannot run
+    under autocast on fake tensors (then the planner scales the float32 bytes)."""
+    try:
+        return measure(gm, values, regions.node_taskgraph, autocast_dtype=torch.bfloat16)
+    except (CaptureError, RuntimeError) as e:
+        log.warning("capture: measuring under autocast failed (%s); bf16/fp16 plans will price activations as "
+                    "half the float32 bytes", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def _layer_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> dict[str, list[float]]:
+    """Per layer, per sample: bytes its inputs take among its saved activations (made before the
+    layer: a model input or an earlier layer's output) and bytes of the model outputs it returns."""
+    count = len(regions.layer_names)
+    inputs, outputs = [0.0] * count, [0.0] * count
+    for saver, producer, _, nbytes in costs.saved:
+        layer = regions.node_layer.get(saver)
+        made = regions.node_layer.get(producer)
+        if layer is not None and (made is None or made < layer):
+            inputs[layer] += nbytes / batch
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            continue
+        for value in dict.fromkeys(node.all_input_nodes):
+            layer = regions.node_layer.get(value.name)
+            if layer is not None:
+                outputs[layer] += sum(_tensor_bytes(spec) for spec in costs.outputs.get(value.name, ())) / batch
+    return {"input_activation": inputs, "output": outputs}
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
@@ -82,16 +116,18 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
 
 
 def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Regions, costs: NodeCosts,
-              batch: int, optimizer: str) -> TaskGraphs:
+              batch: int, optimizer: str, autocast_costs: Optional[NodeCosts] = None) -> TaskGraphs:
     layer_nodes: dict[int, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if node.name in regions.node_layer:
             layer_nodes[regions.node_layer[node.name]].append(node)
-            # survives the cutting into stages (split_module copies meta): per-layer recompute reads it
-            node.meta[LAYER_META] = regions.node_layer[node.name]
     params, borrowed = _parameter_owners(gm, regions)
     batchnorms = training_batchnorms(gm)
     cuts = _cut_bytes(gm, regions, costs, batch)
+    extra = _layer_bytes(gm, regions, costs, batch)
+    low = None
+    if autocast_costs is not None:
+        low = {"cut": _cut_bytes(gm, regions, autocast_costs, batch), **_layer_bytes(gm, regions, autocast_costs, batch)}
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
 
     layers = []
@@ -109,6 +145,12 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             nodes=tuple(n.name for n in nodes),
             batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
             borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
+            input_activation_bytes_per_sample=extra["input_activation"][i],
+            output_bytes_per_sample=extra["output"][i],
+            autocast=None if low is None else {
+                "activation": sum(autocast_costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
+                "input_activation": low["input_activation"][i], "cut": low["cut"][i], "output": low["output"][i],
+                "param_copy": float(sum(autocast_costs.param_copy_bytes.get(n.name, 0) for n in nodes))},
         ))
 
     graphs = []
@@ -125,7 +167,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             param_count=sum(l.param_count for l in mine),
             optimizer_state_bytes=factor * trainable,
             activation_bytes_per_sample=sum(l.activation_bytes_per_sample for l in mine),
-            **shardable_fields(gm, regions.node_taskgraph, t, strategy, costs, batch),
+            **shardable_fields(gm, regions.node_taskgraph, t, strategy, costs, batch, autocast_costs),
         ))
     return TaskGraphs(
         graphs=graphs, layers=layers, boundaries=_boundaries(gm, regions, costs, batch), optimizer=optimizer,

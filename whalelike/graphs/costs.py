@@ -23,7 +23,18 @@ charges the difference to
 So the per-node numbers sum exactly to FlopCounterMode's totals. Activations are what autograd
 saves for backward (``saved_tensors_hooks``), each storage counted once per group (TaskGraph: a
 tensor saved in two TaskGraphs lives on two devices) and parameters/buffers never, charged to the
-node that first saved it.
+node that first saved it. Each saved tensor is also recorded with the node that produced it
+(``NodeCosts.saved``: the node whose output it is, or the node inside whose operators it was made),
+so capture can tell a stage's inputs that its first layer saves (a pipeline's received buffer, held
+by the caller whatever the stage saves) and the tensors a ``split`` group divides from the ones
+every tensor-parallel rank holds whole.
+
+Mixed precision (``measure(..., autocast_dtype=torch.bfloat16)``): the same run under
+``torch.autocast``, so each saved tensor and each output has the dtype autocast gives it: matmul
+outputs and their inputs' casts in 2 bytes, while what autocast leaves alone (a residual stream that
+starts float32, normalisations, softmax) stays float32. The casts of parameters autocast makes
+(once per step: torch caches them while the autocast region is open) are not activations: they are
+recorded per node in ``NodeCosts.param_copy_bytes`` and the planner counts them with the weights.
 
 The user's model is never touched: the fake copy is a ``deepcopy`` whose memo maps every parameter
 and buffer to a fake tensor of the same shape, dtype and device, so nothing real is copied.
@@ -31,6 +42,7 @@ and buffer to a fake tensor of the same shape, dtype and device, so nothing real
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import warnings
@@ -86,41 +98,62 @@ class NodeCosts:
     backward_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     saved_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     outputs: dict[str, tuple[NodeOutputSpec, ...]] = field(default_factory=dict)
+    # every saved tensor once per group: (node that saved it, node that produced it, whether it is that
+    # node's output rather than a tensor made inside it, bytes); saved_bytes sums it by saver
+    saved: list[tuple[str, str, bool, int]] = field(default_factory=list)
+    param_copy_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # autocast's weight casts
     total_forward_flops: float = 0.0
     total_backward_flops: float = 0.0
 
 
-def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int]) -> NodeCosts:
+def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int],
+            autocast_dtype: Optional[torch.dtype] = None) -> NodeCosts:
     """Run ``gm`` forward and backward on fake copies of itself and ``inputs``; attribute the costs.
 
     ``group`` maps node names to the unit (TaskGraph) within which a saved tensor is counted once.
+    ``autocast_dtype``: run under ``torch.autocast`` at that dtype (the module docstring).
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_gm = fake_copy(gm, fake_mode)
     fake_inputs = tree_map(lambda x: _to_fake(x, fake_mode), inputs)
     with fake_mode:  # factory calls in the graph (arange, ones) make fake tensors too
-        return _measure(fake_gm, fake_inputs, group)
+        return _measure(fake_gm, fake_inputs, group, autocast_dtype)
 
 
-def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, int]) -> NodeCosts:
+def _device_type(fake_gm: fx.GraphModule, fake_inputs: list[Any]) -> str:
+    for t in [*fake_gm.parameters(), *tree_leaves(fake_inputs)]:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, int],
+             autocast_dtype: Optional[torch.dtype] = None) -> NodeCosts:
     costs = NodeCosts()
-    persistent = {id(t) for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
+    persistent = {id(t): t for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
     interp = _Recorder(fake_gm, costs)
     saved: dict[tuple[int, int], torch.Tensor] = {}
+    param_copies: dict[int, torch.Tensor] = {}   # autocast's casts of parameters (kept alive: ids stay unique)
 
     def pack(t: torch.Tensor):
         root = t if t._base is None else t._base
-        if interp.current is None or id(root) in persistent:
+        if interp.current is None or id(root) in persistent or id(root) in param_copies:
             return t
         key = (group.get(interp.current, -1), id(root))
         if key not in saved:
             saved[key] = root  # keep it alive so its id is not reused during the run
-            costs.saved_bytes[interp.current] += root.numel() * root.element_size()
+            nbytes = root.numel() * root.element_size()
+            costs.saved_bytes[interp.current] += nbytes
+            producer, is_output = interp.producers.get(id(root), (interp.current, False))[:2]
+            costs.saved.append((interp.current, producer, is_output, nbytes))
         return t
 
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
+    casting = (torch.autocast(_device_type(fake_gm, fake_inputs), dtype=autocast_dtype)
+               if autocast_dtype is not None else contextlib.nullcontext())
     try:
-        with counter, _Attribution(counter, interp, costs), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter, _Attribution(counter, interp, costs, persistent, param_copies), casting, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = interp.run(*fake_inputs, enable_io_processing=False)
             interp.current = None
             costs.total_forward_flops = counter.get_total_flops()
@@ -167,11 +200,17 @@ class _Recorder(fx.Interpreter):
         self.current: Optional[str] = None
         self.seq_bounds: list[int] = []  # increasing: highest sequence number created up to node i
         self.seq_nodes: list[str] = []
+        # id of each node output's storage root -> (the node, True, the root: kept alive so ids stay unique)
+        self.producers: dict[int, tuple[str, bool, torch.Tensor]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name if n.op not in ("placeholder", "output") else None
         result = super().run_node(n)
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if n.op != "output":
+            for t in tensors:
+                root = t if t._base is None else t._base
+                self.producers.setdefault(id(root), (n.name, True, root))
         self.costs.outputs[n.name] = tuple(NodeOutputSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                            for t in tensors)
         seqs = [t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None]
@@ -188,13 +227,23 @@ class _Recorder(fx.Interpreter):
 class _Attribution(TorchDispatchMode):
     """Charges each operator's FLOPs (as FlopCounterMode counted them) to a graph node."""
 
-    def __init__(self, counter: FlopCounterMode, interp: _Recorder, costs: NodeCosts):
+    def __init__(self, counter: FlopCounterMode, interp: _Recorder, costs: NodeCosts,
+                 persistent: Optional[dict] = None, param_copies: Optional[dict] = None):
         super().__init__()
         self.counter, self.interp, self.costs = counter, interp, costs
+        self.persistent = persistent if persistent is not None else {}
+        self.param_copies = param_copies if param_copies is not None else {}
+        self._cast: set[int] = set()   # parameters already cast (autocast casts each once per region)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.counter.get_total_flops()
         out = func(*args, **(kwargs or {}))
+        if (func is aten._to_copy.default and args and id(args[0]) in self.persistent
+                and isinstance(out, torch.Tensor) and torch._C._current_autograd_node() is None):
+            self.param_copies[id(out)] = out
+            if id(args[0]) not in self._cast and self.interp.current is not None:
+                self._cast.add(id(args[0]))
+                self.costs.param_copy_bytes[self.interp.current] += out.numel() * out.element_size()
         delta = self.counter.get_total_flops() - before
         if delta:
             autograd_node = torch._C._current_autograd_node()

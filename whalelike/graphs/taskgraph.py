@@ -55,9 +55,6 @@ class Boundary:
         return sum(t.bytes_per_sample for t in self.tensors)
 
 
-LAYER_META = "wl_layer"   # node.meta key: the node's Layer index (node names change when stages are cut)
-
-
 @dataclass(frozen=True)
 class Layer:
     """The unit of pipeline partitioning: the graph nodes of one module (or one run of
@@ -66,7 +63,16 @@ class Layer:
     after it). ``batchnorm``: the BatchNorm modules the layer runs in training mode
     (:mod:`whalelike.graphs.batchnorm_layers`). ``borrowed_params``: ``(owner layer, name, bytes)`` of each
     parameter the layer uses that an earlier layer owns (tied weights); a stage that holds this
-    layer but not the owner holds a copy of it, with its gradient and optimizer state."""
+    layer but not the owner holds a copy of it, with its gradient and optimizer state.
+
+    Memory beyond the saved activations (:mod:`planner.devices.memory` reads them):
+    ``input_activation_bytes_per_sample`` is the part of ``activation_bytes_per_sample`` made before
+    this layer (a model input, an earlier layer's output), which a stage starting here holds anyway
+    (its received boundary buffer, or the caller's batch); ``output_bytes_per_sample`` the model
+    outputs this layer returns (the logits a loss reads). ``autocast`` holds the same figures
+    measured under bf16/fp16 autocast (keys ``activation``, ``input_activation``, ``cut``, ``output``
+    per sample, and ``param_copy``: the bytes of the 2-byte weight casts autocast makes in this
+    layer), or None when not measured (then the planner scales the float32 figures by 2/4)."""
 
     index: int
     name: str
@@ -80,6 +86,9 @@ class Layer:
     nodes: tuple[str, ...] = ()
     batchnorm: tuple[str, ...] = ()
     borrowed_params: tuple[tuple[int, str, int], ...] = ()
+    input_activation_bytes_per_sample: float = 0.0
+    output_bytes_per_sample: float = 0.0
+    autocast: Optional[dict[str, float]] = None
 
 
 @dataclass(frozen=True)

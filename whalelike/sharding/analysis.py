@@ -33,6 +33,7 @@ rewrites the recorded shape constants to the rank's local sizes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -235,12 +236,29 @@ def shard_groups_of(gm: fx.GraphModule, analysis: BlockAnalysis, path_of: Callab
     return tuple(out)
 
 
+def _divided_bytes(group: Group, costs, batch: int) -> float:
+    """Saved bytes per sample (``NodeCosts.saved``) that ``group`` divides among its ranks: made by
+    its nodes, except a column projection's input cast (made inside it, whole on every rank) and a
+    row projection's output (all-reduced: whole)."""
+    if costs is None:
+        return 0.0
+    inside = {n.name for n in group.nodes} | {n.name for n in group.columns} | {n.name for n in group.rows}
+    columns, rows = {n.name for n in group.columns}, {n.name for n in group.rows}
+    total = 0
+    for _, producer, is_output, nbytes in costs.saved:
+        if producer not in inside or (producer in columns and not is_output) or (producer in rows and is_output):
+            continue
+        total += nbytes
+    return total / batch
+
+
 def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], index: int, strategy,
-                     costs=None, batch: int = 1) -> dict[str, Any]:
+                     costs=None, batch: int = 1, autocast_costs=None) -> dict[str, Any]:
     """``TaskGraph.shardable`` and ``TaskGraph.shard_groups`` of TaskGraph ``index`` at capture.
 
     Records every node's full output shapes in its meta first (from ``costs.outputs``), for this
-    analysis and for the runtime's replay on the stage graphs.
+    analysis and for the runtime's replay on the stage graphs. ``autocast_costs``: the same graph
+    measured under autocast (:func:`whalelike.graphs.costs.measure`), for the groups' bytes there.
     """
     if strategy.kind != "split" and strategy.inner is None:
         return {"shardable": {}, "shard_groups": ()}
@@ -256,5 +274,9 @@ def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], inde
         return (costs.forward_flops.get(node.name, 0.0) + costs.backward_flops.get(node.name, 0.0)) / batch
 
     groups = shard_groups_of(gm, analysis, lambda n: n.target, flops)
+    # the activations each group divides (lone projections: none; their outputs are gathered or feed the loss)
+    groups = tuple(dataclasses.replace(g, activation_bytes_per_sample=_divided_bytes(a, costs, batch),
+                                       autocast_activation_bytes_per_sample=_divided_bytes(a, autocast_costs, batch))
+                   for g, a in zip(groups, analysis.groups)) + groups[len(analysis.groups):]
     shardable = {m.path: g.dim(m) * 1 for g in groups for m in g.members}
     return {"shardable": shardable, "shard_groups": groups}

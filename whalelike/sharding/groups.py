@@ -17,7 +17,11 @@ units``, and each member the sizes ``n_i * per_unit`` (``StagePlan.shard_sizes``
 path -> size per rank``). A lone projection (its output needed whole, or a class-sharded
 classifier) is a group of one member with ``per_unit`` 1. ``flops_per_sample`` is the forward and
 backward work the group shards (its projections and every operator between them, attention
-included), so the planner prices only that work as divided among ranks.
+included), so the planner prices only that work as divided among ranks. Likewise
+``activation_bytes_per_sample`` (captured at float32) and ``autocast_activation_bytes_per_sample``
+(under bf16/fp16 autocast; 0 when not measured) are the saved activations the group divides: what
+its column projections output and every operator between them makes, but not a column's input (or
+autocast's cast of it) nor a row's all-reduced output, which every rank of the group holds whole.
 
 Plain data without torch, so the planner can read it; :mod:`whalelike.sharding.analysis` finds the groups.
 """
@@ -45,6 +49,8 @@ class ShardGroup:
     members: tuple[ShardMember, ...]
     kind: str = "mlp"
     flops_per_sample: float = 0.0
+    activation_bytes_per_sample: float = 0.0
+    autocast_activation_bytes_per_sample: float = 0.0
 
     def dim(self, member: ShardMember) -> int:
         """The full size of ``member``'s sharded dimension."""
@@ -67,12 +73,16 @@ class ShardGroup:
 
     def to_dict(self) -> dict:
         return {"units": self.units, "kind": self.kind, "flops_per_sample": self.flops_per_sample,
+                "activation_bytes_per_sample": self.activation_bytes_per_sample,
+                "autocast_activation_bytes_per_sample": self.autocast_activation_bytes_per_sample,
                 "members": [[m.path, m.role, m.per_unit, m.pieces] for m in self.members]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ShardGroup":
         return cls(int(data["units"]), tuple(ShardMember(p, r, int(u), int(k)) for p, r, u, k in data["members"]),
-                   data.get("kind", "mlp"), float(data.get("flops_per_sample", 0.0)))
+                   data.get("kind", "mlp"), float(data.get("flops_per_sample", 0.0)),
+                   float(data.get("activation_bytes_per_sample", 0.0)),
+                   float(data.get("autocast_activation_bytes_per_sample", 0.0)))
 
     def describe(self) -> str:
         members = ", ".join(f"{m.path} ({m.role})" for m in self.members)
