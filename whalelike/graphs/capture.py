@@ -30,7 +30,7 @@ from whalelike.graphs.nodes import attribute
 from whalelike.graphs.constant_copies import recompute_constants
 from whalelike.graphs.regions import Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
-from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
+from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 from whalelike.graphs.tracing import placeholder_values, trace
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,8 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     for node in gm.graph.nodes:
         if node.name in regions.node_layer:
             layer_nodes[regions.node_layer[node.name]].append(node)
+            # survives the cutting into stages (split_module copies meta): per-layer recompute reads it
+            node.meta[LAYER_META] = regions.node_layer[node.name]
     params, borrowed = _parameter_owners(gm, regions)
     batchnorms = training_batchnorms(gm)
     cuts = _cut_bytes(gm, regions, costs, batch)

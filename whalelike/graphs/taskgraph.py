@@ -55,6 +55,9 @@ class Boundary:
         return sum(t.bytes_per_sample for t in self.tensors)
 
 
+LAYER_META = "wl_layer"   # node.meta key: the node's Layer index (node names change when stages are cut)
+
+
 @dataclass(frozen=True)
 class Layer:
     """The unit of pipeline partitioning: the graph nodes of one module (or one run of
