@@ -239,30 +239,22 @@ class Wide(nn.Module):
         return self.fc3(h)
 
 
-class InFlight(nn.Module):
-    """Every micro-batch's forward in one call (MemTracker refuses a root module called twice)."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, micro_batches):
-        return [self.stage(x) for x in micro_batches]
-
-
 def _peak_bytes(module: nn.Module, micro_batches: list[torch.Tensor]) -> int:
     """Peak live bytes of a GPipe-like stage: every forward, then every backward (all in flight),
-    measured by torch's MemTracker (the CPU meter of runtime.training.memory_meter)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    measured by the project's CPU meter (runtime.training.memory_meter.LiveBytes, what
+    Engine(measure_memory=True) runs), counted from the module's state."""
+    from runtime.training.memory_meter import LiveBytes, state_tensors
 
-    tracker = MemTracker()
-    holder = InFlight(module)
-    tracker.track_external(holder)
-    with tracker:
-        outs = holder(micro_batches)
-        for out in outs:
-            out.backward(torch.ones_like(out))
-    return int(sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()))
+    counter = LiveBytes(state_tensors([module], None))
+    try:
+        with counter:
+            outs = [module(x) for x in micro_batches]
+            for out in outs:
+                out.backward(torch.ones_like(out))
+            del outs
+    finally:
+        counter.close()
+    return counter.peak
 
 
 def test_measured_activation_memory_drops_by_the_predicted_amount():
@@ -273,9 +265,9 @@ def test_measured_activation_memory_drops_by_the_predicted_amount():
     cost = StageCost.of_layers(graphs, list(range(len(graphs.layers))))
     predicted = stage_memory(cost, in_flight).total(n) - stage_memory(cost, in_flight, recompute=True).total(n)
     assert predicted == (in_flight - 1) * n * cost.activation_bytes
-    # capture counts the stage's input as the first layer's saved activation, but the caller holds it
-    # (in a pipeline: the received boundary buffer) whether or not the stage recomputes
-    predicted -= (in_flight - 1) * n * 64 * 4
+    # capture leaves out the stage's input its first layer saves (Layer.input_activation_bytes_per_sample):
+    # the caller holds it (in a pipeline: the received boundary buffer) whether or not the stage recomputes
+    assert graphs.layers[0].input_activation_bytes_per_sample == 64 * 4
     # a first stage's inputs (they need no gradient), held by the caller either way
     xs = [torch.randn(n, 64) for _ in range(in_flight)]
     plain = _peak_bytes(copy.deepcopy(model), xs)
