@@ -35,6 +35,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pipeline_comm": rf"headline: eager-1F1B \+ resharding auto is {_X} faster than 1F1B \+ send/recv .*; "
                      r"exact: yes",
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
+    "memory": rf"memory: largest global batch fp32 \d+, bf16 \d+ \({_X}\), bf16\+recompute \d+ \({_X}\); measured / "
+              r"predicted per rank \d+\.\d\d-\d+\.\d\d \(target within 10%: (yes|NO)\)",
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
     "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
                  rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",
