@@ -34,7 +34,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions
 from planner.devices.cost_model import ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms
-from planner.devices.memory import stage_memory
+from planner.devices.memory import recompute_unit, stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
 from planner.devices.network import NetworkModel
@@ -57,6 +57,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             batchnorm=stage_batchnorms(graphs, layers),
             recompute=dec.recomputes(s),
             recompute_reason=(dec.recompute[s] if dec.recompute else "") or "none",
+            recompute_unit=recompute_unit(dec.costs[s], dec.in_flight[s]) if dec.recomputes(s) else "layer",
         )
         for s, layers in enumerate(dec.stage_layers)
     ]

@@ -18,11 +18,13 @@ its shards and whether it recomputes its activations.
 
 Activation checkpointing (``Decisions.recompute``, one reason per stage): a stage recomputes when
 one of its TaskGraphs asks (``"asked"``: ``replicate(recompute=True)``), or when the planner
-chooses it (``"fit"``) as the last resort: only after every micro-batch count tried leaves the stage
-short of memory, only on a stage the memory model says it helps (more than one micro-batch in
-flight: :mod:`planner.devices.memory`) and without training-mode BatchNorm (whose running
-statistics the recompute would update twice). It is turned on one stage at a time, the stage that
-did not fit first; a re-plan keeps the plan's choices.
+chooses it (``"fit"``) as the last resort: only after every micro-batch count tried (a single
+stage: also Poplar's gradient accumulation) leaves the stage short of memory, only on a stage the
+memory model says it helps (it keeps less than it would otherwise: per layer, its layers' inputs and
+one layer's activations, :mod:`planner.devices.memory`, so with one micro-batch in flight too, a
+data-parallel plan included, when the stage has more than one layer) and without training-mode
+BatchNorm (whose running statistics the recompute would update twice). It is turned on one stage at
+a time, the stage that did not fit first; a re-plan keeps the plan's choices.
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ import logging
 from dataclasses import dataclass
 
 from whalelike.config import Config
+from whalelike.display import human_bytes
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
+from planner.devices.memory import stage_memory
 from planner.devices.placement import Layout
 from planner.partition.stage_layers import equal_stage_layers, partition_stage_layers
 from planner.plan import PlanError
@@ -77,9 +81,12 @@ def asked_recompute(graphs: TaskGraphs, stage_layers: list[list[int]]) -> list[s
 
 def _recompute_helps(graphs: TaskGraphs, st: PricedStage, layers: list[int]) -> str:
     """Why recomputing stage ``st`` cannot make it fit (empty when it may)."""
-    if st.in_flight <= 1:
-        return ("with one micro-batch in flight the stage would still hold that micro-batch's activations, "
-                "so recomputing them saves nothing")
+    kept = stage_memory(st.cost, st.in_flight).activations(1)
+    again = stage_memory(st.cost, st.in_flight, recompute=True).activations(1)
+    if again >= kept:
+        return (f"recomputing layer by layer would keep {human_bytes(again)} per sample of its "
+                f"{len(layers)} layer(s) ({st.in_flight} micro-batch(es) in flight), no less than the "
+                f"{human_bytes(kept)} it keeps now")
     if stage_batchnorms(graphs, layers):
         return "the stage runs BatchNorm in training mode, whose running statistics the recompute would update twice"
     return ""
@@ -151,11 +158,20 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     if layout.num_stages == 1:
         stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons)
         try:
-            sizes, m = fit_single_stage(layout, stages[0], gbs, m)
+            sizes, count = fit_single_stage(layout, stages[0], gbs, m)
         except PlanError as e:
-            why = _recompute_helps(graphs, stages[0], stage_layers[0])
-            raise PlanError(f"{e} (activation checkpointing was considered: {why})") from None
-        return _decided(layout, stage_layers, stages, sizes, m, solver, gap, reasons)
+            why = "" if stages[0].recompute else _recompute_helps(graphs, stages[0], stage_layers[0])
+            if stages[0].recompute or recompute is not None or why:
+                why = why or "a re-plan keeps the recompute choices of the plan in force"
+                note = "" if stages[0].recompute else f" (activation checkpointing was considered: {why})"
+                raise PlanError(f"{e}{note}") from None
+            # the last resort: recompute its activations, layer by layer (a data-parallel plan too)
+            reasons[0] = "fit"
+            log.warning("the single stage does not fit its devices even with gradient accumulation; it "
+                        "recomputes its activations in the backward (activation checkpointing)")
+            stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons)
+            sizes, count = fit_single_stage(layout, stages[0], gbs, m)
+        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
     while True:
         errors, tried = [], m
         for count in micro_batch_counts(gbs, m, layout) if counts is None else counts:

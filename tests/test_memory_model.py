@@ -17,7 +17,8 @@ import planner
 import whalelike as wl
 from planner.devices.cost_model import GIB, StageCost
 from planner.devices.memory import (
-    FIT_TOLERANCE, TERMS, UNBOUNDED_SAMPLES, MemoryTerms, fits, max_shard, stage_memory, worker_fractions,
+    FIT_TOLERANCE, TERMS, UNBOUNDED_SAMPLES, MemoryTerms, fits, max_shard, recompute_unit, stage_memory,
+    worker_fractions,
 )
 from planner.partition.pricing import Pricing
 from planner.partition.solve import (
@@ -362,3 +363,33 @@ def test_split_groups_record_the_activations_they_divide():
     assert sum(g.activation_bytes_per_sample for g in blocks) < split.activation_bytes_per_sample
     cost = StageCost.of_layers(graphs, list(split.layers))
     assert 0 < cost.sharded_activation_bytes < cost.activation_bytes and cost.sharded_loss_bytes == cost.loss_bytes > 0
+
+
+def test_recompute_per_layer_keeps_layer_inputs_and_one_layers_activations():
+    """Activation checkpointing per layer (runtime.training.recompute): per micro-batch in flight the
+    boundary buffers and the layers' inputs, once the largest layer's activations; the whole stage at
+    once only where that holds less; ``total`` and ``max_samples`` stay exact inverses."""
+    graphs = bert_large([replicate(2), replicate(2)])
+    cost = StageCost.of_layers(graphs, list(range(1, 13)))   # 12 blocks
+    cut, block = graphs.layers[1].cut_bytes_per_sample, graphs.layers[1].activation_bytes_per_sample
+    assert cost.layer_input_bytes == 11 * cut and cost.max_layer_activation_bytes == block
+    for in_flight in (1, 2, 8):
+        layer = stage_memory(cost, in_flight, recompute="layer")
+        assert layer.activation_bytes_per_sample == cost.boundary_bytes + cost.layer_input_bytes
+        assert layer.transient_bytes_per_sample == cost.max_layer_activation_bytes
+        # one micro-batch in flight (data parallelism) saves all but one block's activations too
+        plain = stage_memory(cost, in_flight)
+        assert plain.total(4) - layer.total(4) == pytest.approx(
+            4 * (in_flight * (cost.activation_bytes - cost.layer_input_bytes) - block), rel=1e-12)
+        for capacity in (layer.static() * 1.01, layer.static() * 3, 1e13):
+            n = layer.max_samples(capacity)
+            assert layer.total(n) <= capacity < layer.total(n + 1)
+    # per layer until the layer inputs of every micro-batch in flight outweigh one micro-batch's activations
+    flip = next(k for k in range(1, 1000) if recompute_unit(cost, k) == "stage")
+    assert flip == math.floor((cost.activation_bytes - block) / cost.layer_input_bytes) + 1
+    assert stage_memory(cost, flip, recompute=True) == stage_memory(cost, flip, recompute="stage")
+    assert stage_memory(cost, flip - 1, recompute=True) == stage_memory(cost, flip - 1, recompute="layer")
+    # a stage priced by hand, without layer figures, is one layer: both units agree
+    hand = StageCost(1e9, 2e9, 1e8, 4e8, activation_bytes=3e6, boundary_bytes=2e5, layer_output_bytes=(1e5,))
+    assert recompute_unit(hand, 16) == "layer"
+    assert stage_memory(hand, 16, recompute="layer") == stage_memory(hand, 16, recompute="stage")

@@ -130,6 +130,14 @@ class StageCost:
     head is class-sharded); the rest every tensor-parallel rank holds whole.
     A worker's share of them: :func:`planner.devices.memory.stage_memory`.
 
+    For activation checkpointing, which recomputes one layer at a time
+    (:mod:`runtime.training.recompute`), per sample: ``layer_input_bytes``, the inputs of the
+    stage's layers after its first (the cut after each layer but the last: every value crossing it,
+    so a long skip connection counts at every cut it crosses, an upper bound), and
+    ``max_layer_activation_bytes``, the largest single layer's saved activations less what it saves
+    of its input (kept anyway; None, for a stage priced by hand as one block: all of
+    ``activation_bytes``, no layer inputs of its own).
+
     ``precision`` is the training precision the stage is priced at: its FLOPs run at each device's
     rate for it (:func:`compute_ms`), and bytes per element follow it (:meth:`of_layers`). Under ``fp32`` everything
     is as captured (float32). Under ``bf16``/``fp16`` mixed precision (torch autocast) the
@@ -158,10 +166,14 @@ class StageCost:
     loss_bytes: float = 0.0                  # per sample, held once: model outputs and the loss's temporaries
     sharded_activation_bytes: float = 0.0    # of activation_bytes: what a split stage's groups divide
     sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
+    layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
+    max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
             object.__setattr__(self, "optimizer_bytes", self.static_bytes - 2 * self.param_bytes)
+        if self.max_layer_activation_bytes is None:
+            object.__setattr__(self, "max_layer_activation_bytes", self.activation_bytes)
 
     @classmethod
     def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int], precision: str = "fp32") -> "StageCost":
@@ -223,6 +235,12 @@ class StageCost:
             loss_bytes=loss,
             sharded_activation_bytes=divided,
             sharded_loss_bytes=loss if head else 0.0,
+            layer_input_bytes=sum(at_precision(graphs.layers[i - 1], "cut", graphs.layers[i - 1].cut_bytes_per_sample)
+                                  for i in layers[1:]),
+            # what recomputing one layer makes anew: its activations less what it saves of its input
+            max_layer_activation_bytes=max(at_precision(l, "activation", l.activation_bytes_per_sample)
+                                           - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
+                                           for l in chosen),
         )
 
     @property

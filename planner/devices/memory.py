@@ -15,15 +15,25 @@ place: :func:`worker_fractions`, the rule both :func:`stage_memory` (batch fitti
 ``memory_gib``) and the partitioner's :meth:`~planner.partition.problem.DeviceMemory.of_worker`
 read.
 
-Activation checkpointing (``recompute``, :func:`stage_memory`). A recomputing stage runs its forward
-under torch's non-reentrant checkpoint (:mod:`runtime.training.recompute`), which saves the
-stage's inputs instead of its activations; the executor also holds each micro-batch's output (the
-root of its backward, the buffer it sends) until its gradient comes back. So per micro-batch in
-flight it keeps only its boundary buffers (received input and sent output), and once, not per
-micro-batch in flight, the full activations of the one micro-batch being recomputed and
-back-propagated: the ``transient_bytes_per_sample`` term. With one micro-batch in flight (a single
-stage, the last stage of 1F1B) recomputing the whole stage saves nothing, and the planner never
-chooses it there.
+Activation checkpointing (``recompute``, :func:`stage_memory`). A recomputing stage runs each of its
+layers (the capture's Layers: one transformer block, one run of the model's own code) under torch's
+non-reentrant checkpoint (:mod:`runtime.training.recompute`), which keeps each layer's input instead
+of its activations; the executor also holds each micro-batch's output (the root of its backward,
+the buffer it sends) until its gradient comes back. So per micro-batch in flight it keeps its
+boundary buffers (received input and sent output) and the inputs of its layers after the first
+(``StageCost.layer_input_bytes``), and once, not per micro-batch in flight, the activations of the
+one layer being recomputed and back-propagated (``StageCost.max_layer_activation_bytes``): the
+``transient_bytes_per_sample`` term. So it saves memory with one micro-batch in flight too (a
+data-parallel plan, gradient accumulation, the last stage of 1F1B) whenever the stage has more than
+one layer: the peak is (every layer's input) + (one layer's activations) instead of every layer's
+activations. A stage priced as one block (no layer figures) is the one-layer case: its boundary
+buffers per micro-batch in flight, its whole activations once.
+
+The unit, per stage (:func:`recompute_unit`, recorded as ``StagePlan.recompute_unit``): ``"layer"``
+unless checkpointing the whole stage at once holds less, which happens only with many micro-batches
+in flight (GPipe with dozens of them: the layer inputs are kept per micro-batch in flight, the
+whole stage's activations once); ``recompute=True`` prices the stage with that unit, and the runtime
+runs the unit the plan says.
 
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
@@ -73,8 +83,8 @@ class MemoryTerms:
     gradients and optimizer state; ``activation_bytes_per_sample`` the whole stage's saved
     activations and boundary buffers per sample of one micro-batch, held for each of the
     ``in_flight`` micro-batches alive at once; ``transient_bytes_per_sample`` the whole stage's
-    bytes per sample held once whatever ``in_flight`` is (a recomputing stage's activations, alive
-    for one micro-batch at a time). ``activation_fraction`` is the device's share of
+    bytes per sample held once whatever ``in_flight`` is (a recomputing stage's largest layer's
+    activations, alive for one layer of one micro-batch at a time). ``activation_fraction`` is the device's share of
     the activations of the samples :meth:`total` is given (its tensor-parallel shard of them, times
     its share of the micro-batch when the samples are the whole pipeline's).
     """
@@ -182,7 +192,7 @@ def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None
     divided_loss = getattr(cost, "sharded_loss_bytes", 0.0)
     if unit_share is None or (cost.sharded_activation_bytes <= 0 and divided_loss <= 0):
         return shard
-    kept, once = recompute_split(cost.activation_bytes, cost.boundary_bytes, recompute)
+    kept, once = recompute_of(cost, in_flight, recompute)
     whole = in_flight * kept + once + cost.loss_bytes
     if whole <= 0:
         return shard
@@ -193,26 +203,51 @@ def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None
     return 1.0 - divided / whole * (1.0 - unit_share)
 
 
-def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool) -> tuple[Any, Any]:
+def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool, layer_input_bytes: Any = 0.0,
+                    max_layer_activation_bytes: Any = None) -> tuple[Any, Any]:
     """``(kept per micro-batch in flight, held once)`` bytes per sample of a stage with these
     activations and boundary buffers (numbers, arrays over layer ranges or ILP expressions): all
-    kept without recompute; with it only the boundary buffers kept, the activations held once
-    (the module docstring). The one rule the batch fitting and the partitioner both read."""
+    kept without recompute; with it the boundary buffers and ``layer_input_bytes`` (its layers'
+    inputs) kept, ``max_layer_activation_bytes`` (its largest layer's activations; None: all of
+    them, the stage as one layer) held once (the module docstring). The one rule of what a
+    recomputing stage holds."""
     if recompute:
-        return boundary_bytes, activation_bytes
+        once = activation_bytes if max_layer_activation_bytes is None else max_layer_activation_bytes
+        if isinstance(layer_input_bytes, (int, float)) and layer_input_bytes == 0:
+            return boundary_bytes, once
+        return boundary_bytes + layer_input_bytes, once
     return activation_bytes + boundary_bytes, 0.0
 
 
+def recompute_unit(cost: "StageCost", in_flight: int) -> str:
+    """What a recomputing stage checkpoints at once (module docstring): ``"layer"`` (each layer on
+    its own) unless ``"stage"`` (the whole stage) holds fewer activation bytes per sample with
+    ``in_flight`` micro-batches in flight; ties go to ``"layer"``."""
+    layer = in_flight * (cost.boundary_bytes + cost.layer_input_bytes) + cost.max_layer_activation_bytes
+    return "layer" if layer <= in_flight * cost.boundary_bytes + cost.activation_bytes else "stage"
+
+
+def recompute_of(cost: "StageCost", in_flight: int, recompute: "bool | str") -> tuple[Any, Any]:
+    """:func:`recompute_split` of ``cost``: ``recompute`` False (none), ``"layer"``, ``"stage"``, or
+    True (the unit :func:`recompute_unit` picks)."""
+    unit = recompute_unit(cost, in_flight) if recompute is True else recompute
+    if unit == "layer":
+        return recompute_split(cost.activation_bytes, cost.boundary_bytes, True, cost.layer_input_bytes,
+                               cost.max_layer_activation_bytes)
+    return recompute_split(cost.activation_bytes, cost.boundary_bytes, unit == "stage")
+
+
 def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0,
-                 recompute: bool = False, unit_share: float | None = None) -> MemoryTerms:
+                 recompute: "bool | str" = False, unit_share: float | None = None) -> MemoryTerms:
     """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
     alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
     are its own group's). Gradients are as large as the parameters; the boundary buffers count
     with the activations (:class:`~planner.devices.cost_model.StageCost`). ``recompute``: the stage
-    runs under activation checkpointing (:func:`recompute_split`). ``unit_share``: the worker's share
-    of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for its activations
-    (:func:`activation_shard`). The last stage's loss bytes are held once."""
-    kept, once = recompute_split(cost.activation_bytes, cost.boundary_bytes, recompute)
+    runs under activation checkpointing, ``True`` in the unit :func:`recompute_unit` picks, or the
+    one named, ``"layer"`` or ``"stage"`` (:func:`recompute_of`). ``unit_share``:
+    the worker's share of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for
+    its activations (:func:`activation_shard`). The last stage's loss bytes are held once."""
+    kept, once = recompute_of(cost, in_flight, recompute)
     if cost.loss_bytes:   # a plain 0 is not added: a stage without the loss prices as before, bit for bit
         once = once + cost.loss_bytes
     return MemoryTerms(

@@ -299,8 +299,8 @@ def shortfall_error(layout: Layout, err: StageDoesNotFit, m: int, gbs: int, trie
     else:
         limit = ""
     if st.recompute:
-        limit += (" even with activation checkpointing (the stage recomputes its activations and keeps "
-                  "only its boundary buffers per micro-batch in flight)")
+        limit += (" even with activation checkpointing (the stage recomputes its activations layer by layer "
+                  "and keeps only its boundary buffers and its layers' inputs per micro-batch in flight)")
     return PlanError(
         f"TaskGraph {layout.shapes[st.index].taskgraph} (stage {st.index}) does not fit: a micro-batch of "
         f"{err.micro_batch} samples needs {human_bytes(err.shortfall * per_sample)} more activation memory than "

@@ -14,8 +14,11 @@ activations. With one micro-batch in flight (every data-parallel plan, gradient 
 its micro-batches one after another, the last stage of 1F1B) that is exactly what it saved: nothing.
 Checkpointing each layer on its own keeps each layer's input per micro-batch in flight, and the
 backward recomputes one layer at a time, so the peak is (the inputs of every layer) + (one layer's
-activations) whatever the number in flight. The whole-stage form is the one-layer case of the same
-code (a graph without layer marks, a model without module layers), not a second path.
+activations) whatever the number in flight. The whole-stage form (:func:`wrap` of the stage) stays
+for the one case that needs it: with dozens of micro-batches in flight (GPipe) every one's layer
+inputs outweigh one micro-batch's activations, and the planner says so per stage
+(``StagePlan.recompute_unit``, :func:`planner.devices.memory.recompute_unit`); it is also what a
+graph without layer marks or a model without module layers gets (their one layer).
 
 How, per executor:
 
