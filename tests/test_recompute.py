@@ -1,18 +1,23 @@
 """Activation checkpointing end to end: asked per region, chosen by the planner, priced by the one
 memory model and the cost model, run by ``runtime.training.recompute`` (torch's non-reentrant
-checkpoint), exact against the single-process reference.
+checkpoint, one layer at a time), exact against the single-process reference.
 
 In process: the ``recompute`` option of ``replicate``/``split``/``annotate`` and its checks, the
 TaskGraph round trip and the recompute-blind fingerprint; the wrapper (names kept, gradients bit
-for bit, dropout exact thanks to the preserved RNG, undo); the memory model's transient term; the
-planner asking and choosing recompute, predicting the memory drop and pricing the extra forward;
-plan YAML round trip and bad plans; and the measured activation memory of a stage with two
-micro-batches in flight, with and without recompute, against the predicted drop (within 15%).
+for bit, dropout exact thanks to the preserved RNG, undo); per layer: an eager model's blocks and a
+graph stage cut by its Layers (tensors shared, dropout exact, only layer inputs kept), an in-place
+write joining two layers, a real ``transformers`` Llama both ways; the memory model's terms; the
+planner asking and choosing recompute (a pipeline stage per layer or, with dozens of micro-batches
+in flight, whole; a single data-parallel stage), predicting the drop and pricing the extra forward;
+plan YAML round trip and bad plans; the measured drop of a whole-stage checkpoint with three
+micro-batches in flight against the prediction (within 15%).
 
-Distributed (one 2-rank spawn): data parallel with uneven shares, a 2-stage 1F1B pipeline (with
-``delay_weight_gradients``, which a recomputing stage declines) and an uneven tensor-parallel stage
-(whose recompute re-runs its forward collectives on every rank of the group), each against the
-plain single-process reference: checkpointing changes what is kept, not what is computed.
+Distributed (one 2-rank spawn): data parallel with uneven shares and gradient accumulation, a
+2-stage 1F1B pipeline (with ``delay_weight_gradients``, which a recomputing stage declines), an
+uneven tensor-parallel stage (whose recompute re-runs its forward collectives on every rank of the
+group) and a float64 ``transformers`` Llama 1F1B pipeline, each against the plain single-process
+reference; and a data-parallel plan with one micro-batch in flight per rank under
+``Engine(measure_memory=True)``, whose measured peak drops by the predicted amount (within 15%).
 """
 from __future__ import annotations
 
