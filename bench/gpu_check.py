@@ -2,9 +2,12 @@
 
     make gpu-check                      # on a machine with one CUDA GPU (torch with CUDA)
     python -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py [--smoke]
+    python bench/gpu_check.py --smoke   # without a GPU: the same code path on the CPU, tiny
 
-CI has no GPU; the tests run every path on CPU (gloo, CPU autocast, the CPU memory counter). This
-script runs, on one CUDA device through ``runtime.Engine`` under torchrun (nccl, world size 1):
+CI has no GPU; the tests run every path on CPU (gloo, CPU autocast, the CPU memory counter), and
+``tests/test_bench_smoke.py`` runs this script's ``--smoke`` on the CPU (gloo, the storage
+counter, CPU autocast) so its code path stays working. On a GPU it runs, on one CUDA device
+through ``runtime.Engine`` (nccl, world size 1; started by torchrun, or alone):
 
 1. the device's matrix-product rate per dtype (fp32, tf32, bf16, fp16; 8192^3, CUDA events, the
    mean of ten after three warm-ups), against the spec-sheet figures the planner would assume;
@@ -34,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
@@ -77,22 +81,27 @@ class Decoder(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def matmul_rates(n: int) -> dict[str, float]:
-    """TFLOP/s of an n^3 matrix product per dtype (tf32: float32 with TF32 tensor cores allowed)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rates(n: int, device: torch.device) -> dict[str, float]:
+    """TFLOP/s of an n^3 matrix product per dtype (tf32: float32 with TF32 tensor cores allowed),
+    the mean of ten after three warm-ups."""
     out = {}
     for name, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
                               ("bf16", torch.bfloat16, False), ("fp16", torch.float16, False)):
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         for _ in range(3):
             a @ b
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        _sync(device)
+        start = time.perf_counter()
         for _ in range(10):
             a @ b
-        end.record()
-        torch.cuda.synchronize()
-        out[name] = 2 * n ** 3 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
+        _sync(device)
+        out[name] = 2 * n ** 3 * 10 / (time.perf_counter() - start) / 1e12
     torch.backends.cuda.matmul.allow_tf32 = False
     return out
 
@@ -107,18 +116,18 @@ def cluster_file(directory: str, name: str, memory_gib: float) -> str:
     return path
 
 
-def reference(model, data, precision, steps, schedule):
-    """The recipe in plain PyTorch on the GPU: losses per step."""
-    model = copy.deepcopy(model).cuda()
+def reference(model, data, precision, steps, schedule, device):
+    """The recipe in plain PyTorch on the device: losses per step."""
+    model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     sched = schedule(opt)
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     losses = []
     for (idx,), targets in data[:steps]:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-            loss = wl.token_cross_entropy(model(idx.cuda()), targets.cuda())
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = wl.token_cross_entropy(model(idx.to(device)), targets.to(device))
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.unscale_(opt)
@@ -131,11 +140,12 @@ def reference(model, data, precision, steps, schedule):
         sched.step()
         losses.append(loss.item())
     del model, opt
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return losses
 
 
-def run(config: str, args, cluster_path: str) -> dict:
+def run(config: str, args, cluster_path: str, device: torch.device) -> dict:
     precision, recompute = config.split("+")[0], config.endswith("+recompute")
     torch.manual_seed(0)
     model = Decoder(args.vocab, args.seq, args.layers, args.d, args.heads, recompute)
@@ -143,7 +153,7 @@ def run(config: str, args, cluster_path: str) -> dict:
     data = [((torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),),
              torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)) for _ in range(args.steps)]
     schedule = lr_schedule("cosine", warmup_steps=2, total_steps=args.steps, min_ratio=0.1)
-    expected = reference(model, data, precision, args.steps, schedule)
+    expected = reference(model, data, precision, args.steps, schedule, device)
     cluster = wl.Cluster.from_yaml(cluster_path)
     graphs = wl.capture(model, data[0][0])
     plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=args.batch, num_micro_batch=2,
@@ -152,10 +162,10 @@ def run(config: str, args, cluster_path: str) -> dict:
                     cluster=cluster, clip_grad_norm=1.0, scheduler=schedule, measure_memory=True)
     losses, times = [], []
     for batch in data:
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         losses.append(float(engine.train_step(batch)))
-        torch.cuda.synchronize()
+        _sync(device)
         times.append(time.perf_counter() - start)
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, expected))
     measured = max(s.peak_memory_bytes for s in engine.stats[1:])
@@ -165,7 +175,8 @@ def run(config: str, args, cluster_path: str) -> dict:
               "recompute": [s.recompute for s in plan.stages], "norm": engine.stats[-1].grad_norm,
               "scale": engine.stats[-1].loss_scale}
     del engine, model
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -173,31 +184,40 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a tiny model and 4096^3 products (seconds)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         print("gpu-check: no CUDA device (torch.cuda.is_available() is False); run it on a machine with a GPU and a "
-              "CUDA build of torch", file=sys.stderr)
+              "CUDA build of torch (--smoke runs the same code path on the CPU, tiny)", file=sys.stderr)
         return 2
     big = not args.smoke
     args.vocab, args.seq, args.layers, args.d, args.heads = (32768, 1024, 12, 1024, 16) if big else (512, 64, 2, 64, 4)
     args.batch, args.steps = (16, 6) if big else (4, 4)
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
-    props = torch.cuda.get_device_properties(0)
-    name = torch.cuda.get_device_name(0)
-    print(f"device: {name}, {props.total_memory / GIB:.0f} GiB, compute capability {props.major}.{props.minor}, "
-          f"{props.multi_processor_count} SMs; torch {torch.__version__}; bf16 supported: "
-          f"{torch.cuda.is_bf16_supported()}", flush=True)
-    rates = matmul_rates(8192 if big else 4096)
+    if "RANK" not in os.environ:   # started alone, not by torchrun: a world of one
+        from timing import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        props = torch.cuda.get_device_properties(device)
+        name, memory_gib = torch.cuda.get_device_name(device), props.total_memory / GIB
+        print(f"device: {name}, {memory_gib:.0f} GiB, compute capability {props.major}.{props.minor}, "
+              f"{props.multi_processor_count} SMs; torch {torch.__version__}; bf16 supported: "
+              f"{torch.cuda.is_bf16_supported()}", flush=True)
+    else:
+        device, name, memory_gib = torch.device("cpu"), "cpu (smoke: no CUDA device)", 8.0
+        print(f"device: {name}; torch {torch.__version__}", flush=True)
+    rates = matmul_rates(8192 if big else 256, device)
     print(format_table(["dtype", "measured TFLOP/s", "spec sheet (H100/H200 SXM)", "measured / sheet"],
                        [[k, f"{v:.1f}", f"{s:.1f}", f"{v / s:.2f}"] for (k, v), s in
                         zip(rates.items(), (67.0, 494.7, 989.4, 989.4))],
                        title="matrix products"), flush=True)
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        path = cluster_file(tmp, name.replace("NVIDIA ", ""), props.total_memory / GIB)
+        path = cluster_file(tmp, name.replace("NVIDIA ", "").split(" ")[0], memory_gib)
         for config in ("fp32", "bf16", "fp16", "bf16+recompute"):
             try:
-                r = run(config, args, path)
+                r = run(config, args, path, device)
             except Exception as e:   # report every configuration, then fail
                 print(f"{config}: FAILED: {type(e).__name__}: {e}", flush=True)
                 results.append({"config": config, "ok": False})
@@ -219,7 +239,8 @@ def main(argv=None) -> int:
         print(f"gpu-check on {name}: bf16 {by['fp32']['step_ms'] / by['bf16']['step_ms']:.2f}x fp32's speed; "
               f"measured/predicted memory {ratios}; recompute cut bf16's measured peak by {cut:.0%}; "
               f"{'all losses match their references' if ok else 'SOME CHECKS FAILED'}", flush=True)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -35,6 +35,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pipeline_comm": rf"headline: eager-1F1B \+ resharding auto is {_X} faster than 1F1B \+ send/recv .*; "
                      r"exact: yes",
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
+    "gpu_check": rf"gpu-check on .*: bf16 {_X} fp32's speed; measured/predicted memory fp32 \d+\.\d\d, bf16 "
+                 r"\d+\.\d\d, fp16 \d+\.\d\d, bf16\+recompute \d+\.\d\d; recompute cut bf16's measured peak by "
+                 r"-?\d+%; all losses match their references",
     "memory": rf"memory: largest global batch fp32 \d+, bf16 \d+ \({_X}\), bf16\+recompute \d+ \({_X}\); measured / "
               r"predicted per rank \d+\.\d\d-\d+\.\d\d \(target within 10%: (yes|NO)\)",
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
