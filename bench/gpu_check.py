@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -79,6 +80,15 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def _release(device: torch.device) -> None:
+    """Free what the last configuration held before the next one is measured: an Engine is part of
+    reference cycles (its rebalancer points back at it), so only the cyclic collector frees it, and a
+    CUDA peak counts every tensor allocated on the device, a dead Engine's too."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sync(device: torch.device) -> None:
@@ -139,9 +149,8 @@ def reference(model, data, precision, steps, schedule, device):
             opt.step()
         sched.step()
         losses.append(loss.item())
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del model, opt, sched, scaler
+    _release(device)
     return losses
 
 
@@ -174,9 +183,8 @@ def run(config: str, args, cluster_path: str, device: torch.device) -> dict:
               "ok": worst <= TOLERANCE[precision], "measured": measured, "predicted": predicted,
               "recompute": [s.recompute for s in plan.stages], "norm": engine.stats[-1].grad_norm,
               "scale": engine.stats[-1].loss_scale}
-    del engine, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del engine, model, graphs
+    _release(device)
     return result
 
 

@@ -17,7 +17,9 @@ only the peak, which a storage counter gives for any schedule. The mode slows ea
 
 What is measured is the peak of the bytes alive during the step, the quantity the planner's memory
 model predicts (:mod:`planner.devices.memory`): the CPU figure counts tensor storages (no allocator
-rounding, no communication library buffers), the CUDA figure the allocator's blocks.
+rounding, no communication library buffers), the CUDA figure the allocator's blocks: every tensor
+allocated on the device, also those of another model or of a dropped Engine not yet collected (an
+Engine sits in reference cycles; ``gc.collect()`` frees it).
 
 Invariant: measuring never changes what the step computes (the mode only observes), and a step's
 figure is its own peak (counted afresh for every step).
