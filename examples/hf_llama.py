@@ -27,6 +27,10 @@ it on any text file with no tokenizer, e.g. the shipped ``examples/data/tinyshak
     torchrun --nproc_per_node 4 examples/train.py examples/hf_llama.py:build --plan out/llama.yaml \\
         --data examples/data/tinyshakespeare.txt --steps 20
 
+``build_recompute`` is ``build(recompute=True)``: the same model with activation checkpointing on both
+regions (README "A training recipe" plans it with ``--precision bf16`` on
+``examples/clusters/emulated-mixed-bf16.yaml`` and trains it with clipping and a cosine schedule).
+
 Nothing is downloaded: the config is built in code. ``build()`` defaults train a few dozen steps on
 a CPU in well under a minute; ``build(hidden_size=4096, n_layer=32, n_head=32, n_kv_head=8,
 intermediate_size=14336, vocab_size=128_256, seq_len=8192)`` is Llama-3-8B's shape.
