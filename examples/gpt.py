@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import whalelike as wl
-from whalelike.workload import Workload
+from whalelike.workload import Workload, counting_tokens
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,11 +86,7 @@ def build(vocab_size: int = 512, seq_len: int = 32, n_layer: int = 4, d_model: i
     torch.manual_seed(seed)
     model = GPT(vocab_size, seq_len, n_layer, d_model, n_head, stages)
 
-    def make_batch(num_samples: int, generator: torch.Generator):
-        # A learnable stream: each sequence counts up from a random start, modulo the vocabulary.
-        start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
-        tokens = (start + torch.arange(seq_len + 1)) % vocab_size
-        return (tokens[:, :-1],), tokens[:, 1:]
+    make_batch = counting_tokens(vocab_size, seq_len)
 
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
     return Workload(model=model, example_args=(example,), loss_fn=wl.token_cross_entropy, make_batch=make_batch)

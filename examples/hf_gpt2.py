@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import whalelike as wl
-from whalelike.workload import Workload
+from whalelike.workload import Workload, counting_tokens
 
 
 def causal_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
@@ -56,12 +56,7 @@ def build(vocab_size: int = 512, seq_len: int = 32, n_layer: int = 4, d_model: i
         "lm_head": tail,
     })
 
-    def make_batch(num_samples: int, generator: torch.Generator):
-        # Each sequence counts up from a random start, modulo the vocabulary: easy to learn, so the
-        # loss visibly falls within a few dozen steps.
-        start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
-        tokens = (start + torch.arange(seq_len + 1)) % vocab_size
-        return (tokens[:, :-1],), tokens[:, 1:]
+    make_batch = counting_tokens(vocab_size, seq_len)
 
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
     return Workload(model=model, example_args=(example,), loss_fn=causal_lm_loss, make_batch=make_batch)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import whalelike as wl
-from whalelike.workload import Workload
+from whalelike.workload import Workload, counting_tokens
 
 
 def causal_lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
@@ -83,12 +83,7 @@ def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_siz
         "lm_head": tail,
     })
 
-    def make_batch(num_samples: int, generator: torch.Generator):
-        # Each sequence counts up from a random byte, modulo the vocabulary: easy to learn, so the
-        # loss visibly falls within a few dozen steps.
-        start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
-        tokens = (start + torch.arange(seq_len + 1)) % vocab_size
-        return (tokens[:, :-1],), tokens[:, 1:]
+    make_batch = counting_tokens(vocab_size, seq_len)
 
     (example,), _ = make_batch(batch_size, torch.Generator().manual_seed(seed))
     return Workload(model=model, example_args=(example,), loss_fn=causal_lm_loss, make_batch=make_batch,
@@ -96,9 +91,9 @@ def build(vocab_size: int = 256, seq_len: int = 64, n_layer: int = 4, hidden_siz
 
 
 def build_recompute(**kwargs) -> Workload:
-    """:func:`build` with activation checkpointing on its blocks (``recompute=True``): each pipeline
-    stage keeps only its boundary inputs per micro-batch in flight and runs its forward again in the
-    backward (torch's non-reentrant checkpoint). As a factory: ``examples/hf_llama.py:build_recompute``."""
+    """:func:`build` with activation checkpointing on its blocks (``recompute=True``): each block keeps
+    only its input per micro-batch in flight and runs its forward again in the backward, one block at
+    a time (torch's non-reentrant checkpoint). As a factory: ``examples/hf_llama.py:build_recompute``."""
     return build(**kwargs, recompute=True)
 
 

@@ -38,6 +38,18 @@ class Workload:
     tokenizer: Optional[Callable[[str], Sequence[int]]] = None
 
 
+def counting_tokens(vocab_size: int, seq_len: int) -> Callable[[int, torch.Generator], tuple[tuple, torch.Tensor]]:
+    """A ``make_batch`` for next-token language models: each sequence counts up from a random token,
+    modulo the vocabulary (inputs, and the same shifted by one as targets). Easy to learn, so a loss
+    visibly falls within a few dozen steps; the examples' synthetic stream."""
+    def make_batch(num_samples: int, generator: torch.Generator) -> tuple[tuple, torch.Tensor]:
+        start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
+        tokens = (start + torch.arange(seq_len + 1)) % vocab_size
+        return (tokens[:, :-1],), tokens[:, 1:]
+
+    return make_batch
+
+
 def as_workload(obj: Any, origin: str) -> Workload:
     """Accept a Workload or a ``(model, example_args)`` tuple; anything else is a clear error."""
     if isinstance(obj, Workload):
