@@ -32,6 +32,7 @@ import logging
 
 from whalelike.cluster import Cluster
 from whalelike.config import Config
+from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
@@ -55,6 +56,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """
     check_trainable(graphs)
     check_precision(cluster, config.precision)
+    graphs = _for_precision(graphs, config)
     layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
@@ -72,7 +74,14 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     exceed device memory; it exists to compare against and to run side by side under emulation."""
     check_trainable(graphs)
     check_precision(cluster, config.precision)
+    graphs = _for_precision(graphs, config)
     layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     return with_predictions(naive, naive, cluster)
+
+
+def _for_precision(graphs: TaskGraphs, config: Config) -> TaskGraphs:
+    """The graphs with what a low-precision plan prices memory with (measured under autocast on the
+    first such plan, :func:`whalelike.graphs.capture.with_autocast`); as they are for fp32."""
+    return graphs if config.precision == "fp32" else with_autocast(graphs)

@@ -27,6 +27,7 @@ from planner.partition.solve import (
 from planner.schedule.actions import build_schedule, gradient_accumulation, max_in_flight
 from planner.shares.shard_sizes import layout_of_sizes
 from whalelike import Cluster, Config, replicate
+from whalelike.graphs.capture import with_autocast
 
 from synthetic import bert_large, synthetic_cluster
 
@@ -275,8 +276,14 @@ class _Residual(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def residual():
+    """The captured residual model with its autocast figures (measured on first request)."""
     torch.manual_seed(0)
-    return wl.capture(_Residual(), (torch.randint(0, 32, (4, 8)),))
+    graphs = wl.capture(_Residual(), (torch.randint(0, 32, (4, 8)),))
+    # capture alone leaves them out (a second run of the graph): a low-precision plan asks for them
+    assert all(l.autocast is None for l in graphs.layers)
+    measured = with_autocast(graphs)
+    assert with_autocast(graphs) is measured and measured.fingerprint == graphs.fingerprint
+    return measured
 
 
 def test_autocast_bytes_are_measured_not_halved(residual):
@@ -355,7 +362,7 @@ def test_split_groups_record_the_activations_they_divide():
     """capture records per shard group the saved bytes it divides: less than the TaskGraph's (the
     norms, the residual stream and the column projections' inputs stay whole), more than none."""
     w = hf_llama.build(n_layer=2, hidden_size=32, seq_len=16, batch_size=2)
-    graphs = wl.capture(w.model, w.example_args)
+    graphs = with_autocast(wl.capture(w.model, w.example_args))
     split = next(tg for tg in graphs.graphs if tg.shard_groups)
     blocks = [g for g in split.shard_groups if g.kind != "lone"]
     assert blocks and all(g.activation_bytes_per_sample > 0 for g in blocks)

@@ -62,11 +62,34 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     recompute_constants(gm, regions)
     values = placeholder_values(gm, method, model, args, kwargs)
     costs = measure(gm, values, regions.node_taskgraph)
-    autocast_costs = _measure_autocast(gm, values, regions)
     unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
     if unattributed:
         log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-    return _assemble(gm, model, method, regions, costs, batch, optimizer, autocast_costs)
+    graphs = _assemble(gm, model, method, regions, costs, batch, optimizer)
+    # the autocast figures (what a bf16 or fp16 plan holds) cost a second run of the whole graph,
+    # doubling capture's time: measured when a plan first asks for them (with_autocast)
+    graphs._autocast_source = (gm, model, method, regions, costs, batch, optimizer, values)
+    return graphs
+
+
+def with_autocast(graphs: TaskGraphs) -> TaskGraphs:
+    """``graphs`` with the figures measured under autocast (``Layer.autocast``, the shard groups'
+    low-precision bytes), which bf16 and fp16 plans price memory with: measured on the first call
+    and kept (the capture's graph run again on fake tensors, under bf16 autocast). Graphs that
+    have them, or that did not come from :func:`capture` in this process (loaded from a dict), are
+    returned as they are (the planner then scales the float32 bytes)."""
+    cached = getattr(graphs, "_with_autocast", None)
+    if cached is not None:
+        return cached
+    source = getattr(graphs, "_autocast_source", None)
+    if source is None or all(layer.autocast is not None for layer in graphs.layers):
+        return graphs
+    gm, model, method, regions, costs, batch, optimizer, values = source
+    autocast_costs = _measure_autocast(gm, values, regions)
+    result = graphs if autocast_costs is None else \
+        _assemble(gm, model, method, regions, costs, batch, optimizer, autocast_costs)
+    graphs._with_autocast = result
+    return result
 
 
 def _measure_autocast(gm: fx.GraphModule, values: list, regions: Regions) -> Optional[NodeCosts]:
