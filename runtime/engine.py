@@ -461,11 +461,9 @@ class Engine:
         """Capture the model, check the plan was made for it, and build the executor (once)."""
         if self.executor is not None:
             return
-        from whalelike.graphs.capture import capture, with_autocast
+        from whalelike.graphs.capture import capture
 
         graphs = capture(self.model, example_inputs)
-        if self.precision.dtype is not None:   # re-plans price a low-precision step's memory
-            graphs = with_autocast(graphs)
         self.plan.validate(graphs=graphs, cluster=self.cluster)
         kind = plan_kind(self.plan)
         if kind not in _BUILDERS:

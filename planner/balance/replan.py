@@ -52,6 +52,7 @@ from typing import Sequence
 
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
+from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict
@@ -101,6 +102,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     """:func:`rebalance` with its :class:`Replan` record."""
     _check_inputs(plan, cluster, speeds)
     plan.validate(graphs=graphs, cluster=cluster)
+    if plan.precision != "fp32":   # a low-precision plan's memory is priced with the autocast figures
+        graphs = with_autocast(graphs)
     measured = measured_cluster(plan, cluster, speeds)
     layout = plan_layout(plan, graphs, measured)
     config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
