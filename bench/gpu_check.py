@@ -197,8 +197,8 @@ def main(argv=None) -> int:
               "CUDA build of torch (--smoke runs the same code path on the CPU, tiny)", file=sys.stderr)
         return 2
     big = not args.smoke
-    args.vocab, args.seq, args.layers, args.d, args.heads = (32768, 1024, 12, 1024, 16) if big else (512, 64, 2, 64, 4)
-    args.batch, args.steps = (16, 6) if big else (4, 4)
+    args.vocab, args.seq, args.layers, args.d, args.heads = (32768, 1024, 12, 1024, 16) if big else (256, 32, 2, 32, 4)
+    args.batch, args.steps = (16, 6) if big else (4, 3)
     if "RANK" not in os.environ:   # started alone, not by torchrun: a world of one
         from timing import free_port
 

@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--memory-mib", type=float, nargs="+", default=[24, 24, 16, 12],
                         help="each device's memory in MiB (the cluster's order)")
     args = parse_args(parser, smoke=dict(steps=2, hidden=32, seq=16, layers=2, memory_mib=[3, 3, 2, 1.5],
-                                         max_batch=64))
+                                         max_batch=32))
     torch.manual_seed(0)
     spec = cluster(args)
     plans, graphs = {}, {}

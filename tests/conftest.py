@@ -20,6 +20,8 @@ SLOWEST_FIRST = (
     "test_real_models.py::test_transformers_train_exactly_under_their_plans",
     "test_examples_train.py::test_examples_train_exactly_under_their_plans",
     "test_tp_transformers.py::test_transformer_blocks_split_unevenly_match_single_process",
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[memory]",
+    "test_recompute.py::test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory_drops_as_predicted",
     "test_tied_weights.py::test_tied_weights_across_stages_match_single_process_reference",
     "test_restart.py::test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result",
     "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run",

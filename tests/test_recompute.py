@@ -575,7 +575,7 @@ def _scenario(name: str):
 
 
 MEASURED = {"din": 64, "width": 256, "hidden": 512, "depth": 4}   # activations dominate: 4 blocks of 256/512
-MEASURED_SAMPLES = 2048   # per rank, one micro-batch each
+MEASURED_SAMPLES = 1024   # per rank, one micro-batch each
 
 
 def _measured_peaks(rank: int) -> dict:
