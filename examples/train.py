@@ -216,7 +216,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
         if show:
-            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1])
+            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
         if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
@@ -347,7 +347,8 @@ def _same_plan(info, plan: planner.Plan) -> bool:
     return info.load_plan().to_dict() == plan.to_dict()
 
 
-def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None) -> None:
+def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None,
+             show_lr: bool = False) -> None:
     """A bar redrawn in place on a terminal; every fifth step on its own line in a log. Losses of
     steps run with ZERO-resizing (policies semi/resize) are marked approximate; the gradient norm
     (with --clip-grad-norm), a scheduled learning rate and a skipped step are shown."""
@@ -356,7 +357,7 @@ def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime
     if stats is not None:
         extra += " (approximate)" if stats.approximate else ""
         extra += f"  norm {stats.grad_norm:.3f}" if stats.grad_norm is not None else ""
-        extra += f"  lr {stats.lr:.2e}" if stats.lr is not None else ""
+        extra += f"  lr {stats.lr:.2e}" if show_lr and stats.lr is not None else ""
         extra += " (skipped: fp16 overflow)" if stats.overflow else " (skipped)" if stats.skipped else ""
     line = f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}{extra}  {elapsed * 1e3:7.1f} ms"
     if sys.stdout.isatty():
