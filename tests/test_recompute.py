@@ -484,8 +484,7 @@ def test_measured_activation_memory_drops_by_the_predicted_amount():
     # activations dominate (1024 samples of 256 features, 0.3 MiB of parameters), as in training
     model, n, in_flight = Wide(), 1024, 3
     graphs = capture(model, (torch.randn(n, 64),))
-    # the measurement below runs the stage's forwards and backwards with no loss: price none
-    cost = dataclasses.replace(StageCost.of_layers(graphs, list(range(len(graphs.layers)))), loss_bytes=0.0)
+    cost = StageCost.of_layers(graphs, list(range(len(graphs.layers))))
     # the whole stage at once (recompute.wrap of the stage module, StagePlan.recompute_unit 'stage')
     predicted = stage_memory(cost, in_flight).total(n) - stage_memory(cost, in_flight, recompute="stage").total(n)
     assert predicted == (in_flight - 1) * n * cost.activation_bytes
@@ -638,10 +637,8 @@ def test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory
         model, n = Deep(**MEASURED), MEASURED_SAMPLES
         cost = StageCost.of_layers(capture(model, (torch.randn(2, MEASURED["din"]),)), list(range(MEASURED["depth"] + 2)))
         predicted = stage_memory(cost, 1).total(n) - stage_memory(cost, 1, recompute=True).total(n)
-        # the loss's temporaries add to all activations without recompute, and with it come before the
-        # first layer is recomputed: the larger of the two is held (planner.devices.memory.with_loss)
-        assert predicted == pytest.approx(n * (cost.activation_bytes + cost.loss_bytes - cost.layer_input_bytes
-                                               - max(cost.max_layer_activation_bytes, cost.loss_bytes)), rel=1e-9)
+        assert predicted == pytest.approx(n * (cost.activation_bytes - cost.layer_input_bytes
+                                               - cost.max_layer_activation_bytes), rel=1e-9)
         drop = measured[False] - measured[True]
         print(f"rank {rank}: measured peak {measured[False] / 2**20:.1f} -> {measured[True] / 2**20:.1f} MiB, "
               f"drop {drop / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB")

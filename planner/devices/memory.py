@@ -49,8 +49,7 @@ was before it existed.
 What runs, term by term (checked against the measured peak per rank by ``bench/memory.py``, with
 ``Engine(measure_memory=True)``): the transient term also holds, on the stage that returns the model
 outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the loss
-of one micro-batch is computed, and back-propagated, at a time), added to the other transient bytes
-without recompute and the larger of the two with it (:func:`with_loss`). A ``split`` stage's worker holds its
+of one micro-batch is computed, and back-propagated, at a time). A ``split`` stage's worker holds its
 shard of what the shard groups divide (the projections' weights, the activations between a group's
 projections, a class-sharded head's logits) and the rest whole (norms, residual stream, boundary
 buffers, a column projection's input): so its activation fraction is not its shard fraction but
@@ -182,21 +181,6 @@ def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,
             "activation_fraction": a * batch_share}
 
 
-def with_loss(once: Any, loss_bytes: Any, recompute: "bool | str") -> Any:
-    """The bytes per sample held once on the stage that computes the loss: without recompute the
-    loss's temporaries come on top of the activations (all of them alive when the loss runs and is
-    back-propagated); with it the larger of the two, because the loss is back-propagated before the
-    first layer is recomputed, so the two come one after the other (measured: a one-stage Llama's
-    per-sample peak is its layer inputs plus the larger, not the sum; BENCHMARKS.md). A plain 0 is not
-    added: a stage without the loss prices as before, bit for bit. Symbolic bytes (arrays, ILP
-    expressions) take the sum, an upper bound."""
-    if not (isinstance(loss_bytes, (int, float)) and loss_bytes == 0):
-        if recompute and isinstance(once, (int, float)) and isinstance(loss_bytes, (int, float)):
-            return max(once, loss_bytes)
-        return once + loss_bytes
-    return once
-
-
 def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None, recompute: bool = False,
                      shard: float = 1.0) -> float:
     """The share of a ``split`` stage's per-sample activation bytes (kept per micro-batch in flight
@@ -209,7 +193,7 @@ def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None
     if unit_share is None or (cost.sharded_activation_bytes <= 0 and divided_loss <= 0):
         return shard
     kept, once = recompute_of(cost, in_flight, recompute)
-    whole = in_flight * kept + with_loss(once, cost.loss_bytes, recompute)
+    whole = in_flight * kept + once + cost.loss_bytes
     if whole <= 0:
         return shard
     # recomputing: the divided activations are alive for one micro-batch (the one recomputed); the
@@ -264,7 +248,8 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     the worker's share of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for
     its activations (:func:`activation_shard`). The last stage's loss bytes are held once."""
     kept, once = recompute_of(cost, in_flight, recompute)
-    once = with_loss(once, cost.loss_bytes, recompute)
+    if cost.loss_bytes:   # a plain 0 is not added: a stage without the loss prices as before, bit for bit
+        once = once + cost.loss_bytes
     return MemoryTerms(
         weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,
