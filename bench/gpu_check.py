@@ -83,9 +83,9 @@ class Decoder(nn.Module):
 
 
 def _release(device: torch.device) -> None:
-    """Free what the last configuration held before the next one is measured: an Engine is part of
-    reference cycles (its rebalancer points back at it), so only the cyclic collector frees it, and a
-    CUDA peak counts every tensor allocated on the device, a dead Engine's too."""
+    """Free what the last configuration held before the next one is measured: the graph an Engine
+    captured sits in torch.fx's reference cycles and keeps the model's parameters until the cyclic
+    collector runs, and a CUDA peak counts every tensor allocated on the device, a dead model's too."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

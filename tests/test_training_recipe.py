@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -362,6 +364,15 @@ def _measured_memory(rank: int) -> dict:
         assert all(s.peak_memory_bytes >= 4 * state for s in engine.stats[1:]), (engine.stats, state)
         assert all(s.peak_memory_bytes is None for s in unmeasured.stats)
         peaks[name] = [s.peak_memory_bytes for s in engine.stats]
+        # a dropped Engine goes at once, not at the next cyclic collection (a GPU peak counts every
+        # tensor alive): its rebalancer refers to it weakly
+        gc.disable()
+        try:
+            gone = weakref.ref(engine)
+            del engine
+            assert gone() is None, "a dropped Engine is kept alive by a reference cycle"
+        finally:
+            gc.enable()
     return peaks
 
 

@@ -51,7 +51,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from whalelike.errors import SpecError
@@ -155,9 +156,11 @@ def _rate(flops_per_s: float) -> str:
 @dataclass
 class Rebalancer:
     """The per-Engine state of dynamic balancing: the monitor, the speeds the plan in force was
-    made for, the history. ``engine`` is the :class:`runtime.engine.Engine` it re-plans."""
+    made for, the history. ``engine`` is the :class:`runtime.engine.Engine` it re-plans, held by a
+    weak reference: the Engine holds this, and a cycle would keep a dropped Engine's parameters,
+    gradients and optimizer state (GPU memory) alive until the cyclic collector ran."""
 
-    engine: object
+    owner: InitVar[object]
     config: BalanceConfig
     history: list[ReplanEvent] = field(default_factory=list)
     reference: Optional[list[float]] = None   # speeds the plan in force was made for
@@ -165,10 +168,11 @@ class Rebalancer:
     migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
     resized: dict = field(default_factory=dict)  # rank -> pruning ratio of ZERO-resizing in force
 
-    def __post_init__(self):
+    def __post_init__(self, owner):
         from runtime.balance.straggler_monitor import StragglerMonitor
 
-        e = self.engine
+        self._engine = weakref.ref(owner)
+        e = owner
         self.monitor = StragglerMonitor(e.rank, e.plan.world_size, None, window=self.config.window,
                                         threshold=self.config.threshold, exchange_every=self.config.exchange_every)
         self._resizer = None
@@ -176,6 +180,15 @@ class Rebalancer:
         self._measured_step: Optional[int] = None
 
     # -- the step boundary --------------------------------------------------------------------------
+
+    @property
+    def engine(self):
+        """The Engine this re-plans (alive as long as anything uses this Rebalancer through it)."""
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the runtime.Engine of this Rebalancer is gone; a Rebalancer lives inside its Engine")
+        return engine
+
     def passenger(self, step: int, stats_so_far):
         """A :class:`~runtime.balance.straggler_monitor.Passenger` for ``step``'s last collective when an
         exchange is due, else None. Filled when that collective is about to run (the step's compute

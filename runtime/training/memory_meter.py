@@ -18,8 +18,9 @@ only the peak, which a storage counter gives for any schedule. The mode slows ea
 What is measured is the peak of the bytes alive during the step, the quantity the planner's memory
 model predicts (:mod:`planner.devices.memory`): the CPU figure counts tensor storages (no allocator
 rounding, no communication library buffers), the CUDA figure the allocator's blocks: every tensor
-allocated on the device, also those of another model or of a dropped Engine not yet collected (an
-Engine sits in reference cycles; ``gc.collect()`` frees it).
+allocated on the device, also those of another model or of a dropped Engine's model not yet
+collected (an Engine goes when dropped, but the graph it captured sits in torch.fx's reference
+cycles and keeps the parameters until the cyclic collector runs: ``gc.collect()``).
 
 Invariant: measuring never changes what the step computes (the mode only observes), and a step's
 figure is its own peak (counted afresh for every step).
