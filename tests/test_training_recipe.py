@@ -38,6 +38,7 @@ from torch.testing import assert_close
 import plans
 import whalelike as wl
 from dist_utils import run_ranks
+from test_runtime_tp import Hybrid   # replicate(2) features, a split(2) classifier of 10 classes
 from planner.plan import Plan, StagePlan
 from runtime import Engine, checkpoint
 from runtime.training.clipping import ClippingError
@@ -64,18 +65,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.l1(torch.tanh(self.l0(x)))))
-
-
-class Hybrid(nn.Module):
-    def __init__(self):
-        super().__init__()
-        with wl.replicate(2):
-            self.features = nn.Sequential(nn.Linear(DIN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
-        with wl.split(2):
-            self.classifier = nn.Linear(HIDDEN, CLASSES * 2)
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
 
 
 class TiedLM(nn.Module):
