@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,3 @@ class PlanLossScaler(torch.amp.GradScaler):
     def current(self) -> float:
         """The scale in force (a float; reading it synchronises with the device)."""
         return float(self.get_scale())
-
-
-def state_dict_of(scaler: Optional[PlanLossScaler]) -> Optional[dict[str, Any]]:
-    return scaler.state_dict() if scaler is not None else None
