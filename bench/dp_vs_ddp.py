@@ -6,7 +6,7 @@ forward per micro-batch (hooks on the module) and the backward, and the same emu
 (:mod:`runtime.emulation.network`) pads each DDP bucket's all-reduce to its ring time on the
 cluster's :class:`planner.devices.network.NetworkModel`, overlapped with the backward bucket by bucket.
 The peer is stock ``DistributedDataParallel`` with equal shares (``global_batch / 4`` each, DDP's
-own averaging) wrapped by :func:`runtime.parallel.ddp_sync.wrap_ddp`, so its comm hook pads exactly as
+own averaging) wrapped by :func:`runtime.replicas.ddp_sync.wrap_ddp`, so its comm hook pads exactly as
 whalelike's does; whalelike runs ``runtime.Engine`` with the plan ``planner.plan`` makes for the
 cluster (the planner reads nominal ``peak_tflops``, never the emulated speeds). Both keep DDP's
 default buckets.
@@ -64,7 +64,7 @@ sys.path.insert(0, ROOT)
 import planner  # noqa: E402
 from planner.schedule.gradient_buckets import gradient_buckets  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.parallel.ddp_sync import wrap_ddp  # noqa: E402
+from runtime.replicas.ddp_sync import wrap_ddp  # noqa: E402
 from runtime.emulation.compute import Emulator, calibrate  # noqa: E402
 from whalelike import Cluster, Config  # noqa: E402
 from whalelike.graphs.capture import capture  # noqa: E402

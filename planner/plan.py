@@ -83,7 +83,7 @@ class StagePlan:
     shard_sizes: dict[str, list[int]] = rule(int, "elements of the split dimension on each tp_index", ge=1,
                                              default_factory=dict)
     batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules in training mode (whalelike.graphs.batchnorm_layers)
-    # runtime.parallel.replica_sync: how the workers holding the same parameters keep them in step
+    # runtime.replicas.replica_sync: how the workers holding the same parameters keep them in step
     replica_sync: str = rule(str, "how the stage's data-parallel replicas stay in step", choices=REPLICA_SYNCS,
                              default="ddp")
     # runtime.training.recompute: activation checkpointing of the stage's forward (planner.devices.memory)

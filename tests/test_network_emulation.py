@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import test_pipeline as pipeline_case
-from runtime.parallel.ddp_sync import wrap_ddp
+from runtime.replicas.ddp_sync import wrap_ddp
 from runtime.groups import group_ranks
 from runtime.parallel.pipeline import PipelineExecutor
 from runtime.emulation.compute import Emulator

@@ -1,4 +1,4 @@
-"""The replica-sync seam (runtime.parallel.replica_sync): what every implementation must do for the
+"""The replica-sync seam (runtime.replicas.replica_sync): what every implementation must do for the
 executors, checked on DDP (the one implementation today) on two real gloo ranks, plus the plan
 field that names it."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dist_utils import run_ranks
 from plans import make_plan, worker
 from planner import Plan, PlanError
 from planner.plan import StagePlan
-from runtime.parallel.replica_sync import AloneSync, build_replica_sync
-from runtime.parallel.ddp_sync import DDPSync
+from runtime.replicas.replica_sync import AloneSync, build_replica_sync
+from runtime.replicas.ddp_sync import DDPSync
 from whalelike.errors import WhaleError
 
 SAMPLES = {0: 3, 1: 5}   # uneven shares of an 8-sample batch

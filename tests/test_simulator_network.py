@@ -101,7 +101,7 @@ def test_delayed_weight_gradients_send_after_the_input_half():
 
 def test_ddp_buckets_are_ready_at_their_byte_share_as_the_runtime_models_them():
     """51 MiB of gradients: DDP's buckets of 1, 25 and 25 MiB, ready after 1/51, 26/51 and all of
-    the backward (runtime.parallel.ddp_sync._emulate_overlap), each a ring all-reduce."""
+    the backward (runtime.replicas.ddp_sync._emulate_overlap), each a ring all-reduce."""
     workers = [worker(r, f"a{r}", "AB"[r], 0, [1], dp=r) for r in range(2)]
     for w in workers:
         w.gradient_bytes = 51 * MIB

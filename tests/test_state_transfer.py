@@ -115,7 +115,7 @@ def test_plan_errors_name_the_tensor_the_piece_and_the_fix():
 
 
 def test_slabs_of_parallel_layers_come_from_their_own_slicing():
-    from runtime.parallel.held_state import parallel_slab
+    from runtime.replicas.held_state import parallel_slab
     from runtime.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     fused = ColumnParallelLinear(nn.Linear(5, 12), [9, 3], 0, gather_output=False, pieces=3)

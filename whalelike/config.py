@@ -20,7 +20,7 @@ SCHEDULES = get_args(Schedule)
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
 RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
-# how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.parallel.replica_sync
+# how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.replicas.replica_sync
 # builds each): DDP today
 REPLICA_SYNCS = ("ddp",)
 # training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or

@@ -8,7 +8,7 @@ its gradients exist, while the backward of earlier layers goes on. A simulator t
 after the backward overprices data parallelism on slow networks (issue 11: 1.16x predicted against
 Whale's 1.3-1.4x).
 
-The runtime's model, copied here (:func:`runtime.parallel.ddp_sync.wrap_ddp` under network emulation,
+The runtime's model, copied here (:func:`runtime.replicas.ddp_sync.wrap_ddp` under network emulation,
 default ``bucket_cap_mb``): bucket ``k`` is ready when the backward has run the share of the
 gradient bytes of buckets ``0..k`` (a backward is modeled uniform in gradient bytes, the last
 bucket at its end), its all-reduce is a ring over the group's devices in rank order, priced by

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.balance.state_moves import Move, Slab, plan_moves
-from runtime.parallel.held_state import NamedState
+from runtime.replicas.held_state import NamedState
 from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)

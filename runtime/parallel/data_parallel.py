@@ -1,8 +1,8 @@
 """Data parallelism with uneven batch shares: the single-stage executor.
 
 Rank ``i`` holds ``n_i`` of the ``B`` samples of a step, so its loss is weighted by ``n_i / B`` and
-the replica sync *sums* gradients (:mod:`runtime.parallel.replica_sync`; DDP by default,
-:mod:`runtime.parallel.ddp_sync`): the summed gradient is then exactly the gradient of the
+the replica sync *sums* gradients (:mod:`runtime.replicas.replica_sync`; DDP by default,
+:mod:`runtime.replicas.ddp_sync`): the summed gradient is then exactly the gradient of the
 global-batch mean loss, whatever the shares (Whale's load balancing, Poplar's per-device
 micro-batch sizes). This executor owns the samples (which micro-batches, which weights); the sync
 owns the collective and how it is emulated.
@@ -41,8 +41,8 @@ from planner.plan_checks import check_same_workers
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
-from runtime.parallel.held_state import NamedState
-from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
+from runtime.replicas.held_state import NamedState
+from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
 from runtime.training import recompute
 from runtime.training.precision import PlanLossScaler, weighted_loss

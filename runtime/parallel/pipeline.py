@@ -39,7 +39,7 @@ by peer and tag) and NCCL (by order) agree.
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
 :class:`~runtime.emulation.compute.Emulator` (stage FLOPs per sample times samples), outside every
 send and receive (:class:`runtime.parallel.stage_worker.StageWorker` opens them); the replica
-sync's all-reduce of the last backward overlaps it bucket by bucket (:mod:`runtime.parallel.ddp_sync`). On an emulated network, sends and receives carry their modeled
+sync's all-reduce of the last backward overlaps it bucket by bucket (:mod:`runtime.replicas.ddp_sync`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
 time (:mod:`runtime.emulation.network`).
 
@@ -92,7 +92,7 @@ from planner.schedule.actions import Action, build_schedule, gradient_accumulati
 from planner.shares.layout import SampleLayout, check_global_batch
 from runtime.emulation.compute import Emulator
 from runtime.parallel.boundaries import BoundaryExchange
-from runtime.parallel.held_state import NamedState
+from runtime.replicas.held_state import NamedState
 from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
 from runtime.parallel.stage_worker import StageWorker
 from runtime.tensor.shard_pass import StageSharding, outputs_leaving_sharded

@@ -10,7 +10,7 @@ room and each analysis runs once, here, at construction:
 * its tensor-parallel sharding (:mod:`runtime.tensor.shard_pass`; the group's collectives are
   priced there when the network is emulated) and, on the last stage, the sharded loss;
 * its replica sync over the workers holding the same parameters
-  (:mod:`runtime.parallel.replica_sync`: DDP today), tied parameters shared with other stages
+  (:mod:`runtime.replicas.replica_sync`: DDP today), tied parameters shared with other stages
   (:mod:`runtime.parallel.tied_weights`) and BatchNorm statistics over its data-parallel group
   (:mod:`runtime.parallel.sync_batchnorm`);
 * its compute segments for the emulator: one per forward and backward of a micro-batch, or, on a
@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from planner.plan import Plan
 from runtime.emulation.compute import Emulator
-from runtime.parallel.held_state import NamedState
-from runtime.parallel.replica_sync import ReplicaSync, build_replica_sync
+from runtime.replicas.held_state import NamedState
+from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from runtime.parallel.split_backward import backward_inputs
 from runtime.parallel.stage_split import PipelineSplit
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.balance.state_moves import Slab
-from runtime.parallel.held_state import NamedState
+from runtime.replicas.held_state import NamedState
 from whalelike.errors import WhaleError
 
 EPS = 1e-6   # clip_grad_norm_'s: max_norm / (norm + EPS)

@@ -4,7 +4,7 @@ One description serves every consumer of "who holds what": live re-plans move ex
 :func:`planner.balance.state_moves.plan_moves` computes from every rank's description
 (:mod:`runtime.balance.state_transfer`), and checkpoints write and read the same pieces in
 full-tensor coordinates (:mod:`runtime.checkpoint`). The replica sync of a stage
-(:mod:`runtime.parallel.replica_sync`) gives it, because the sync decides what a replica keeps
+(:mod:`runtime.replicas.replica_sync`) gives it, because the sync decides what a replica keeps
 (DDP: everything whole; a sharded data parallel: its shard).
 
 Invariant: the :class:`~planner.balance.state_moves.Slab` of each tensor is derived from the

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-from runtime.parallel.held_state import NamedState, module_state
+from runtime.replicas.held_state import NamedState, module_state
 from runtime.emulation.compute import Emulator
 
 # torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
@@ -202,7 +202,7 @@ def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
 
 
 class DDPSync:
-    """:class:`runtime.parallel.replica_sync.ReplicaSync` on DDP (see the module docstring).
+    """:class:`runtime.replicas.replica_sync.ReplicaSync` on DDP (see the module docstring).
 
     ``module``: the stage module of this rank; ``group``: the ranks holding the same parameters
     (the stage's workers of this ``tp_index`` in every replica); ``devices``: their devices in

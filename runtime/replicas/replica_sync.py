@@ -11,11 +11,11 @@ replicas in step, and nothing else:
 * ``carry(tensor, fill)`` then ``flush()``: sum a small passenger (the step's loss, the straggler
   monitor's figures) in the collective that ends the step, not in one of its own;
 * ``release()``: take every hook off the module, for a state move or another executor;
-* ``named_state(names)``: what state this rank holds (:mod:`runtime.parallel.held_state`), for
+* ``named_state(names)``: what state this rank holds (:mod:`runtime.replicas.held_state`), for
   live re-plans and checkpoints.
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
-:data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.parallel.ddp_sync`, torch DDP with
+:data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
 summed gradients). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
 the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce), so
 the executors never branch on it. The next implementation (sharded data parallel) registers here
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from runtime.emulation.compute import Emulator
-from runtime.parallel.ddp_sync import DDPSync
-from runtime.parallel.held_state import NamedState, module_state
+from runtime.replicas.ddp_sync import DDPSync
+from runtime.replicas.held_state import NamedState, module_state
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
 
