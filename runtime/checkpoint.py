@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from planner.plan import Plan
 from planner.balance.state_moves import Move, Slab, plan_moves
 from runtime.balance.state_transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
+from runtime.replicas.held_state import like, local as local_values
 from whalelike.errors import WhaleError
 from whalelike.files import flush_to_disk, write_atomic
 
@@ -417,9 +418,9 @@ def _state_to_write(rank: int, held: NamedState, opt_tensors: Mapping[str, Mappi
     for name, (tensor, slab) in held.items():
         if "@" in name:
             continue
-        local[name] = (_model_key(name), tensor.detach(), slab)
+        local[name] = (_model_key(name), local_values(tensor).detach(), slab)
         for key, value in opt_tensors.get(name, {}).items():
-            local[state_name(name, key)] = (_optim_key(name, key), value, slab if value.dim() else Slab(()))
+            local[state_name(name, key)] = (_optim_key(name, key), local_values(value), slab if value.dim() else Slab(()))
     state: dict[str, Any] = {}
     for move in moves:
         if move.src != rank:
@@ -510,7 +511,7 @@ def load(engine, checkpoint: "CheckpointInfo | str | os.PathLike") -> dict[str, 
     _check_model(info, held, stored)
     state: dict[str, Any] = {}
     for name, (tensor, slab) in held.items():
-        _pieces(state, _model_key(_canonical(name)), tensor.detach(), slab)
+        _pieces(state, _model_key(_canonical(name)), local_values(tensor).detach(), slab)
     wanted = {state_name(name, key): (slab if kind[0] == "param" else Slab(()))
               for name, (_, slab) in held.items() for key, kind in keys.get(_canonical(name), {}).items()
               if kind[0] != "value"}
@@ -568,8 +569,10 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, held: NamedState, new_s
     optimizer.state.clear()
     for group in optimizer.param_groups:
         for param in group["params"]:
+            if id(param) not in names and local_values(param).numel() == 0:
+                continue            # a ZeRO shard holding no row of this parameter (runtime.replicas.fsdp_sync)
             name = names[id(param)]
-            entries = {key: kind[1] if kind[0] == "value" else new_state[state_name(name, key)][0]
+            entries = {key: kind[1] if kind[0] == "value" else like(param, new_state[state_name(name, key)][0])
                        for key, kind in keys.get(_canonical(name), {}).items()}
             if entries:
                 optimizer.state[param] = entries

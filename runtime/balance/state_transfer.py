@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.balance.state_moves import Move, Slab, plan_moves
-from runtime.replicas.held_state import NamedState
+from runtime.replicas.held_state import NamedState, like, local
 from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,9 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
         if isinstance(tensor, nn.Parameter):
             tensor.grad = None
     # sources: snapshots of parameters and buffers (see the module docstring), optimizer state as it is
-    sources: NamedState = {name: (t.detach().clone(), slab) for name, (t, slab) in held.items()}
+    sources: NamedState = {name: (local(t).detach().clone(), slab) for name, (t, slab) in held.items()}
     kept_state, state_meta = optimizer_state(optimizer, held)
-    sources.update((state_name(p, k), (v, held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
+    sources.update((state_name(p, k), (local(v), held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
                    for k, v in entries.items())
     new = build_new()
     target = new.named_state()
@@ -128,6 +128,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: NamedState):
     meta: dict[str, dict[str, tuple]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if id(p) not in names and local(p).numel() == 0:
+                continue   # a ZeRO shard holding no row of this parameter (runtime.replicas.fsdp_sync)
             if id(p) not in names:
                 raise StateTransferError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that the "
                                          "executor does not name (named_state); build the optimizer from "
@@ -187,6 +189,7 @@ def allocate_state(target: NamedState, keys, sources: NamedState, had: Mapping[s
 
 def _region(tensor: torch.Tensor, slab: Slab, move: Move) -> torch.Tensor:
     """The part of a local ``tensor`` (holding ``slab``) that ``move`` covers, as a view."""
+    tensor = local(tensor)
     if move.dim is None:
         return tensor.reshape(1)
     return tensor.narrow(move.dim, slab.local_offset(move.dim, move.lo), move.hi - move.lo)
@@ -250,11 +253,13 @@ def _rebind(optimizer: torch.optim.Optimizer, make_optimizer: Callable, new, tar
     optimizer.state.clear()
     for p in params:
         name = names.get(id(p))
+        if name is None and local(p).numel() == 0:
+            continue       # a ZeRO shard holding no row of this parameter
         if name is None:
             raise StateTransferError(f"the new executor's parameter of shape {tuple(p.shape)} has no name in its "
                                      "named_state(); every parameter must be named to receive its state")
         entries = {}
         for key, meta in keys.get(name, {}).items():
-            entries[key] = meta[1] if meta[0] == "value" else new_state[state_name(name, key)][0]
+            entries[key] = meta[1] if meta[0] == "value" else like(p, new_state[state_name(name, key)][0])
         if entries:
             optimizer.state[p] = entries

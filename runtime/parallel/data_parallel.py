@@ -41,7 +41,8 @@ from planner.plan_checks import check_same_workers
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState
+from runtime.replicas.held_state import NamedState, full_tensor, local, rows_of
+from torch.distributed.tensor import DTensor
 from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
 from runtime.training import recompute
@@ -79,10 +80,14 @@ class DataParallelExecutor:
         if self.recomputes:
             recompute.wrap_stage(module, plan.stages[0].recompute_unit, recompute_layers)
             self.backward_flops += flops_per_sample[0]
+        # ZeRO shards each of the model's layer modules as a unit of its own (stage 3 gathers one at a time)
+        zero = plan.stages[0].zero_stage
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
                                                     emulator=self.emulator,
                                                     devices=[plan.worker(r).device for r in sorted(group.ranks)],
-                                                    reduce_dtype=reduce_dtype)
+                                                    reduce_dtype=reduce_dtype, zero_stage=zero,
+                                                    layers=recompute.layer_module_paths(module, recompute_layers)
+                                                    if zero else ())
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
@@ -192,10 +197,18 @@ class DataParallelExecutor:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank holds the whole model: its own state is the full state."""
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return {k: full_tensor(v).detach().clone() for k, v in self.module.state_dict().items()}
 
+    @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
+        if not any(isinstance(p, DTensor) for p in self.module.parameters()):
+            self.module.load_state_dict(state)
+            return
+        missing = sorted(set(self.module.state_dict()) - set(state))
+        if missing:
+            raise KeyError(f"rank {self.rank}: {missing} missing from the state dict")
+        for name, tensor in self.module.state_dict(keep_vars=True).items():   # ZeRO: this rank's rows
+            local(tensor).copy_(rows_of(tensor, state[name]))
 
     def named_state(self) -> NamedState:
         """What this rank holds of every parameter and buffer, as its replica sync keeps them (DDP:

@@ -239,7 +239,8 @@ class StageWorker:
                              f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
         devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
         return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
-                                  alone=alone, reduce_dtype=self.reduce_dtype)
+                                  alone=alone, reduce_dtype=self.reduce_dtype,
+                                  zero_stage=self.plan.stages[self.stage.index].zero_stage)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

@@ -7,8 +7,13 @@ full-tensor coordinates (:mod:`runtime.checkpoint`). The replica sync of a stage
 (:mod:`runtime.replicas.replica_sync`) gives it, because the sync decides what a replica keeps
 (DDP: everything whole; a sharded data parallel: its shard).
 
+A held tensor may be a ``DTensor`` (ZeRO on FSDP2, :mod:`runtime.replicas.fsdp_sync`): it is named by
+the ``DTensor`` itself (the optimizer's key), and every reader and writer of its values goes through
+:func:`local`, the rank's own rows, which its Slab describes; optimizer state created for it is wrapped
+back with :func:`like`.
+
 Invariant: the :class:`~planner.balance.state_moves.Slab` of each tensor is derived from the
-layer's own slicing (a tensor-parallel layer's ``shard_of``), never restated.
+layer's own slicing (a tensor-parallel layer's ``shard_of``, FSDP2's row chunks), never restated.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
+
+from torch.distributed.tensor import DTensor
 
 from planner.balance.state_moves import Slab
 from runtime.tensor.layers import ParallelLinear
@@ -70,3 +77,34 @@ def parallel_slab(layer: ParallelLinear, param: str) -> Slab:
         else:
             ranges.append([p, p + 1])
     return Slab(shape, dim, tuple((a, b) for a, b in ranges))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of ``tensor``: the local shard of a ``DTensor`` (an alias: writing
+    it writes the parameter), the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's local values of a state tensor shaped like ``param``) in ``param``'s
+    form: a ``DTensor`` with ``param``'s mesh and placements when ``param`` is one (its optimizer
+    state must be), else ``value`` unchanged. 0-dim values (Adam's step) stay plain."""
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: a ``DTensor`` gathered (collective over its mesh), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rows_of(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` (a whole tensor) that ``tensor`` holds locally: a ``DTensor`` sharded on
+    dim 0 (FSDP2's row chunks) its rows, else all of it."""
+    if not isinstance(tensor, DTensor):
+        return full
+    n = local(tensor).shape[0] if local(tensor).dim() else 0
+    start = tensor.device_mesh.get_local_rank() * -(-tensor.shape[0] // tensor.device_mesh.size())
+    return full.narrow(0, min(start, tensor.shape[0]), n)

@@ -16,9 +16,10 @@ replicas in step, and nothing else:
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
 :data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
-summed gradients). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
+summed gradients: ZeRO stage 0) and ``fsdp`` (:mod:`runtime.replicas.fsdp_sync`, ZeRO stages 1-3 on torch's
+FSDP2, ``StagePlan.zero_stage`` says which). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
 the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce), so
-the executors never branch on it. The next implementation (sharded data parallel) registers here
+the executors never branch on it. A new implementation (Prague's partial all-reduce) registers here
 and no executor changes.
 
 Why a protocol of our own and not torch's: DDP, FSDP2's ``fully_shard`` and a partial all-reduce
@@ -39,6 +40,7 @@ import torch.nn as nn
 
 from runtime.emulation.compute import Emulator
 from runtime.replicas.ddp_sync import DDPSync
+from runtime.replicas.fsdp_sync import FSDPSync
 from runtime.replicas.held_state import NamedState, module_state
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
@@ -105,23 +107,39 @@ class AloneSync:
         return self.inner
 
 
-_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": DDPSync}
+def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers) -> DDPSync:
+    if zero_stage:
+        raise WhaleError(f"StagePlan.replica_sync is 'ddp' with zero_stage {zero_stage}; DDP is ZeRO stage 0 "
+                         "(make the plan with this version of whalelike: stages 1-3 use replica_sync 'fsdp')")
+    return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)
+
+
+def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers) -> FSDPSync:
+    return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
+                    reduce_dtype=reduce_dtype)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp}
 assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SYNCS names every implementation"
 
 
 def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.ProcessGroup], *,
                        emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
-                       alone: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> ReplicaSync:
+                       alone: bool = False, reduce_dtype: Optional[torch.dtype] = None,
+                       zero_stage: int = 0, layers: Sequence[str] = ()) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
     them). ``alone``: no other worker holds these parameters, or none is trainable: an
     :class:`AloneSync`, whatever ``kind`` says. ``reduce_dtype``: the dtype gradients are reduced in
-    (None: their own; ``Engine(grad_reduce_dtype="bf16")``).
+    (None: their own; ``Engine(grad_reduce_dtype="bf16")``). ``zero_stage``: the plan's
+    ``StagePlan.zero_stage`` (0 for ``ddp``, 1-3 for ``fsdp``); ``layers``: module paths of
+    ``module`` that ZeRO shards as units of their own (stage 3 gathers one at a time).
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
                          f"(make the plan with this version of whalelike)")
     if alone or not any(p.requires_grad for p in module.parameters()):
         return AloneSync(module, group)
-    return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)
+    return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
+                                  zero_stage=zero_stage, layers=layers)

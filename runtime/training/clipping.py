@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.balance.state_moves import Slab
-from runtime.replicas.held_state import NamedState
+from runtime.replicas.held_state import NamedState, local
 from whalelike.errors import WhaleError
 
 EPS = 1e-6   # clip_grad_norm_'s: max_norm / (norm + EPS)
@@ -120,16 +120,19 @@ class GlobalGradNorm:
         return local
 
     def norm(self) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient (float32, equal on every rank; collective)."""
+        """The 2-norm of the whole model's gradient (float32, float64 for a float64 model; equal on
+        every rank; collective)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        wide = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        squares = torch.zeros((), dtype=wide, device=device)
         for param, dim, pieces in self.owned:
             grad = param.grad
             if grad is None:
                 continue
+            grad = local(grad)
             for lo, hi in pieces:
                 part = grad if dim is None else grad.narrow(dim, lo, hi - lo)
-                squares += torch.linalg.vector_norm(part, 2, dtype=torch.float32) ** 2
+                squares += torch.linalg.vector_norm(part, 2, dtype=wide) ** 2
         if dist.get_backend(self.group) == "nccl" and squares.device.type != "cuda":
             squares = squares.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(squares, group=self.group)
@@ -144,5 +147,5 @@ class GlobalGradNorm:
         if torch.isfinite(total):
             for param in self.params:
                 if param.grad is not None:
-                    param.grad.mul_(coef.to(param.grad.device))
+                    local(param.grad).mul_(coef.to(param.grad.device))
         return total

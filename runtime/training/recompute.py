@@ -117,21 +117,30 @@ def is_wrapped(module: nn.Module) -> bool:
 
 
 # -- per layer: the eager module of the data-parallel executor ------------------------------------------
+def layer_module_paths(model: nn.Module, layer_names: Iterable[str]) -> list[str]:
+    """The module paths of ``model`` that are layers among ``layer_names`` (``Layer.name`` of the
+    capture, in order): each a submodule (code layers are not), none inside another (a module whose
+    subtree holds another layer is code around blocks: its blocks are the layers), each module once.
+    The one answer to "which submodules are the model's layers", for recompute's units and ZeRO's
+    (:mod:`runtime.replicas.fsdp_sync`)."""
+    modules = dict(model.named_modules())
+    paths = [n for n in dict.fromkeys(layer_names) if n and n in modules]
+    paths = [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
+    chosen, seen = [], set()
+    for path in paths:
+        if id(modules[path]) not in seen:
+            seen.add(id(modules[path]))
+            chosen.append(path)
+    return chosen
+
+
 def wrap_layers(model: nn.Module, layer_names: Iterable[str]) -> list[str]:
     """Checkpoint, in place, the submodule of each layer in ``layer_names`` (``Layer.name`` of the
     capture, in order) that is a module path of ``model``; code layers run plainly (module docstring).
     A model with no such layer recomputes whole (its one layer). Returns the module paths
     checkpointed (``[""]``: the model itself); :func:`unwrap_layers` undoes it."""
     _check_not_layered(model)
-    modules = dict(model.named_modules())
-    paths = [n for n in dict.fromkeys(layer_names) if n and n in modules]
-    # a module whose subtree holds another layer is code around blocks: its blocks are the layers
-    paths = [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
-    chosen, seen = [], set()
-    for path in paths:
-        if id(modules[path]) not in seen and not is_wrapped(modules[path]):
-            seen.add(id(modules[path]))
-            chosen.append(path)
+    chosen = [p for p in layer_module_paths(model, layer_names) if not is_wrapped(model.get_submodule(p))]
     if not chosen:
         log.info("recompute: %s has no module layers among %s; it recomputes whole", type(model).__name__,
                  list(layer_names))
