@@ -8,14 +8,15 @@ each rank its uneven share of a dataset; ``calibrate`` sizes the emulated device
 the usual warm-up + decay for ``Engine(scheduler=...)`` (:mod:`runtime.training`, the training
 recipe: precision, clipping, schedules, activation checkpointing, measured memory).
 
-Floors: ``parallel/`` (the executors, the stage worker, the replica-sync seam, boundaries),
+Floors: ``parallel/`` (the executors, the stage worker, boundaries), ``replicas/`` (the replica-sync
+seam: DDP, ZeRO on FSDP2),
 ``tensor/`` (tensor parallelism), ``balance/`` (dynamic balancing), ``emulation/`` (unequal hardware
 on a CPU machine), ``training/`` (the recipe around a step). Invariant: every rank derives the same groups, layouts and decisions from the
 same Plan without communicating, and checks that can fail run before the rendezvous.
 """
 from runtime.data import Share, UnevenLoader, UnevenSampler
 from runtime.distributed import DistributedStepError
-from runtime.emulation.compute import Calibration, Emulator, calibrate
+from runtime.emulation.compute import Calibration, EmulatedOutOfMemoryError, Emulator, calibrate
 from runtime.engine import Engine, ExecutorContext, StepExecutor, StepStats, register_executor
 from runtime.guards import BatchMismatchError, NonFiniteLossError
 from runtime.balance.rebalance import BalanceConfig, ReplanEvent
@@ -26,5 +27,5 @@ __all__ = [
     "Engine", "ExecutorContext", "StepExecutor", "StepStats", "register_executor", "BalanceConfig", "ReplanEvent",
     "Share", "UnevenLoader", "UnevenSampler", "DistributedStepError", "NonFiniteLossError", "BatchMismatchError",
     "checkpoint", "lr_schedule",
-    "Calibration", "Emulator", "calibrate",
+    "Calibration", "EmulatedOutOfMemoryError", "Emulator", "calibrate",
 ]

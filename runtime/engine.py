@@ -68,7 +68,7 @@ from planner.shares.layout import check_global_batch
 from runtime import distributed, guards
 from runtime.data import Share
 from runtime.parallel.data_parallel import DataParallelExecutor
-from runtime.emulation.compute import EmulationStats, Emulator
+from runtime.emulation.compute import EmulatedOutOfMemoryError, EmulationStats, Emulator, check_capacity  # noqa: F401
 from runtime.groups import PlanGroups, build_groups
 from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
 from runtime.training.clipping import GlobalGradNorm, check_max_norm
@@ -246,6 +246,12 @@ class Engine:
         self.device = distributed.device()
         self.precision.check_device(self.device)
         self.model.to(self.device)
+        if self.emulator.capacity_bytes is not None:      # an emulated device enforcing its memory measures it
+            if measure_memory is False:
+                raise WhaleError("Engine(measure_memory=False) with a cluster whose emulation enforces memory "
+                                 "(emulation.enforce_memory): the capacity is checked against the measured peak; "
+                                 "leave measure_memory unset or set enforce_memory: false")
+            measure_memory = True
         self.meter = MemoryMeter(self.device, measure_memory)
         self.scaler = PlanLossScaler(self.device) if self.precision.scales_loss else None
         self.scheduler = None
@@ -306,6 +312,7 @@ class Engine:
             outcome = self._optimizer_step(loss)
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em, outcome, scale)
+        check_capacity(self.emulator, self.meter.peak_bytes, self.step)   # an emulated device's memory, if enforced
         # the step boundary: the plan may change (collective, part of this step: a rank that never
         # starts the next one must not be reported as having begun it)
         carried = passenger.vector if passenger is not None else None

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 import plans
-from dist_utils import run_ranks
+from dist_utils import run_ranks, spawn_ranks
 from planner.plan import Plan, StagePlan
 from runtime import Engine, checkpoint
 from whalelike.cluster import Cluster, Device, Emulation, Network
@@ -192,6 +192,25 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     for key, value in engine.state_dict().items():
         assert_close(value, final[key], msg=f"clip: final {key}")
 
+    # inside a pipeline: two stages of two workers each, each stage's pair sharding its state
+    graphs = capture(model, (torch.randn(2, DIN),))
+    layers = list(range(len(graphs.layers)))
+    for zero in (1, 2, 3):
+        plan = dataclasses.replace(
+            make_plan(model, [[3, 2], [1, 2], [2, 2], [2, 2]], zero), num_micro_batch=2, global_batch_size=8,
+            stages=[StagePlan(0, [0], layers[:2], "replicate(2)", replica_sync="fsdp", zero_stage=zero),
+                    StagePlan(1, [0], layers[2:], "replicate(2)", replica_sync="fsdp", zero_stage=zero)])
+        plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
+        engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
+                        cluster=make_cluster(), timeout_s=60)
+        data = batches(8, seed=10 + zero)
+        losses, _, _, final = reference(model, data, OPTIMIZERS["adamw"])
+        for step, batch in enumerate(data):
+            assert_close(engine.train_step(batch), losses[step], msg=f"pipeline zero{zero}: loss of step {step}")
+        assert type(engine.executor).__name__ == "PipelineExecutor"
+        for key, value in engine.state_dict().items():
+            assert_close(value, final[key], msg=f"pipeline zero{zero}: final {key}")
+
     # bf16 autocast: ZeRO 3 trains as DDP does at the same precision (both float32 master weights;
     # SGD: Adam's normalised update would turn a rounding of a tiny gradient into a step of lr)
     fp32 = Net()
@@ -247,3 +266,25 @@ def test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts
         assert_close(resumed[0]["after"], saved["after"], msg=f"{world} ranks: losses after resuming")
         for key, value in saved["final"].items():
             assert_close(resumed[0]["final"][key], value, msg=f"{world} ranks: final {key}")
+
+
+def _out_of_memory(rank: int, world_size: int) -> None:
+    """Rank 1's emulated device holds 1 KiB, less than one step of the model needs."""
+    torch.manual_seed(0)
+    model = Net()
+    emulation = Emulation(base_gflops=1.0, enforce_memory=True)
+    devices = tuple(Device(f"emu-{i}", "emu", "localhost", peak_tflops=1.0, memory_gib=4 if i == 0 else 2**-20,
+                           emulated_speed=1.0) for i in range(2))
+    cluster = Cluster("test-2", devices, Network(2.0, 2.0, 50.0), emulation)
+    plan = make_plan(model, [[4], [4]], 0)
+    engine = Engine(model, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy, cluster=cluster, timeout_s=3)
+    engine.train_step(((torch.randn(8, DIN),), torch.randint(0, CLASSES, (8,))))
+    engine.train_step(((torch.randn(8, DIN),), torch.randint(0, CLASSES, (8,))))
+
+
+def test_an_emulated_device_enforces_its_memory():
+    outcomes = spawn_ranks(_out_of_memory, 2, init_process_group=False, timeout_s=60)
+    error = outcomes[1].error or ""
+    assert "EmulatedOutOfMemoryError" in error and "rank 1" in error and "emu-1" in error, error
+    assert "1,024 bytes" in error, error           # the capacity, 2**-20 GiB
+    assert outcomes[0].error is not None          # its peer cannot go on without it (a GPU's OOM does the same)

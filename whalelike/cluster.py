@@ -320,6 +320,9 @@ class Emulation:
     half_efficiency_batch: Optional[float] = rule(
         float, "batch size at which an emulated device runs at half efficiency", gt=0, default=None)
     stragglers: tuple[Straggler, ...] = ()
+    enforce_memory: bool = rule(bool, "each emulated device enforces its memory_gib: a rank whose measured peak "
+                                "exceeds it raises an emulated out-of-memory error (memory is then measured on CPU)",
+                                default=False)
 
     def __post_init__(self):
         object.__setattr__(self, "stragglers", tuple(self.stragglers))

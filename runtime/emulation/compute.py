@@ -54,6 +54,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from runtime.emulation.network import NetworkEmulator
 from whalelike.cluster import Cluster, Emulation
+from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,24 @@ class EmulationStats:
         )
 
 
+class EmulatedOutOfMemoryError(WhaleError):
+    """An emulated device ran out of its memory (``Emulation.enforce_memory``): what a GPU's
+    out-of-memory error is on real hardware."""
+
+
+def check_capacity(emulator: "Emulator", peak_bytes: Optional[int], step: int) -> None:
+    """Raise :class:`EmulatedOutOfMemoryError` when ``peak_bytes`` (this rank's measured peak of
+    ``step``) exceeds the emulated device's memory; no-op when the emulation does not enforce it."""
+    cap = emulator.capacity_bytes
+    if cap is None or peak_bytes is None or peak_bytes <= cap:
+        return
+    raise EmulatedOutOfMemoryError(
+        f"rank {emulator.rank}: emulated out of memory on device {emulator.device_name!r} in step {step}: the step "
+        f"peaked at {peak_bytes:,} bytes ({peak_bytes / 2**30:.4g} GiB), more than its capacity of {cap:,} bytes "
+        f"({cap / 2**30:.4g} GiB, memory_gib in the cluster spec); plan for this cluster (whalelike plan picks "
+        "micro-batch sizes, a ZeRO stage and recompute that fit), or use a smaller batch or a higher zero_stage")
+
+
 class Emulator:
     """Pads compute segments of one rank to their modeled duration on the emulated device.
 
@@ -114,6 +133,9 @@ class Emulator:
         self._flops = 0.0
         self._kind = "stage"
         self._busy_since: Optional[float] = None   # monotonic time at the current segment's start
+        # the emulated device's memory, when the emulation enforces it (Emulation.enforce_memory)
+        self.capacity_bytes: Optional[int] = None
+        self.device_name = ""
 
     @classmethod
     def for_device(cls, cluster: Cluster, device_name: str, rank: int, precision: str = "fp32") -> "Emulator":
@@ -125,6 +147,9 @@ class Emulator:
         speed = device.emulated(precision)
         network = NetworkEmulator.of_cluster(cluster, device_name) if speed is not None else None
         emulator = cls(speed, cluster.emulation, rank, network)
+        emulator.device_name = device.name
+        if emulator.enabled and cluster.emulation.enforce_memory:
+            emulator.capacity_bytes = int(device.memory_gib * 2**30)
         if emulator.enabled:
             log.info("rank %d: emulating device %s at speed %.3g in %s (testing feature)", rank, device.name, speed,
                      precision)

@@ -41,8 +41,7 @@ from planner.plan_checks import check_same_workers
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState, full_tensor, local, rows_of
-from torch.distributed.tensor import DTensor
+from runtime.replicas.held_state import NamedState, full_tensor, is_sharded, load_rows
 from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
 from runtime.training import recompute
@@ -199,16 +198,11 @@ class DataParallelExecutor:
         """Every rank holds the whole model: its own state is the full state."""
         return {k: full_tensor(v).detach().clone() for k, v in self.module.state_dict().items()}
 
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if not any(isinstance(p, DTensor) for p in self.module.parameters()):
+        if is_sharded(self.module):          # ZeRO: this rank's rows of each parameter
+            load_rows(self.module, state)
+        else:
             self.module.load_state_dict(state)
-            return
-        missing = sorted(set(self.module.state_dict()) - set(state))
-        if missing:
-            raise KeyError(f"rank {self.rank}: {missing} missing from the state dict")
-        for name, tensor in self.module.state_dict(keep_vars=True).items():   # ZeRO: this rank's rows
-            local(tensor).copy_(rows_of(tensor, state[name]))
 
     def named_state(self) -> NamedState:
         """What this rank holds of every parameter and buffer, as its replica sync keeps them (DDP:

@@ -19,12 +19,16 @@ The stage modules share their parameters with the model they were split from (no
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -358,8 +362,12 @@ def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) ->
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
             fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
+            # parameters a ZeRO sync holds sharded (DTensors, runtime.replicas.fsdp_sync) run as whole fakes
+            whole = {name: torch.empty(p.shape, dtype=p.dtype, requires_grad=p.requires_grad)
+                     for name, p in root.named_parameters() if isinstance(p, DTensor)}
             recorder = recorder_type(root)
-            recorder.run(*fake)
+            with _reparametrize_module(root, whole) if whole else nullcontext():
+                recorder.run(*fake)
     finally:
         with torch.no_grad():
             for buffer, value in saved:

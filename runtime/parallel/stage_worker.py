@@ -44,6 +44,7 @@ from runtime.parallel.stage_split import PipelineSplit
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.parallel.tied_weights import TiedParameters
 from runtime.training import recompute
+from runtime.replicas.held_state import full_tensor, is_sharded, load_rows
 from runtime.tensor.shard_pass import StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict
 from runtime.tensor.sharded_loss import OutputLayout
 from runtime.training.precision import PlanLossScaler, weighted_loss
@@ -179,8 +180,11 @@ class StageWorker:
         ranks: the first slot of each stage gathers its tensor-parallel shards, its ``tp_index`` 0
         contributes the stage)."""
         mine = {}
+        sharded = is_sharded(self.stage.module)
+        if sharded:   # ZeRO: every worker of the data-parallel group takes part in the gathers
+            gathered = {k: full_tensor(v).detach().clone() for k, v in self.stage.module.state_dict().items()}
         if self.worker.replica == 0 and self.worker.dp_index == 0:
-            local = full_state_dict(self.stage.module)
+            local = gathered if sharded else full_state_dict(self.stage.module)
             if self.worker.tp_index == 0:
                 mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
         gathered: list[dict] = [None] * self.plan.world_size
@@ -193,8 +197,11 @@ class StageWorker:
         missing = sorted(ns[0] for ns in self._state_names.values() if not any(n in state for n in ns))
         if missing:
             raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
-        load_full_state_dict(self.stage.module,
-                             {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()})
+        mine = {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()}
+        if is_sharded(self.stage.module):     # ZeRO: this worker's rows
+            load_rows(self.stage.module, mine)
+        else:
+            load_full_state_dict(self.stage.module, mine)
 
     def named_state(self) -> NamedState:
         """This stage's parameters and buffers under the model's names, with the part of each it

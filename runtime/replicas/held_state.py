@@ -95,6 +95,23 @@ def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether a ZeRO sync holds ``module``'s parameters as shards (``DTensor``s)."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@torch.no_grad()
+def load_rows(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``module``'s part of a full state dict (keys: ``module``'s own) into it: a sharded
+    parameter its rows (:func:`rows_of`), everything else whole. KeyError names what is missing."""
+    mine = module.state_dict(keep_vars=True)
+    missing = sorted(set(mine) - set(state))
+    if missing:
+        raise KeyError(f"{missing} missing from the state dict")
+    for name, tensor in mine.items():
+        local(tensor).copy_(rows_of(tensor, state[name]))
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of ``tensor``: a ``DTensor`` gathered (collective over its mesh), else itself."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
