@@ -34,6 +34,7 @@ from planner.plan import Plan, StagePlan
 from runtime import Engine, checkpoint
 from whalelike.cluster import Cluster, Device, Emulation, Network
 from whalelike.graphs.capture import capture
+from test_runtime_tp import TP_IN_DP_STAGE, SplitInReplicate, batches as tp_batches, make_plan as make_tp_plan
 
 WORLD = 4
 DIN, HIDDEN, CLASSES = 6, 16, 5
@@ -211,6 +212,25 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         for key, value in engine.state_dict().items():
             assert_close(value, final[key], msg=f"pipeline zero{zero}: final {key}")
 
+    # tensor parallel inside the replicas (HSDP's shape): each tensor-parallel slice sharded by ZeRO
+    # over the workers of its tp_index, along the slice's own dimension
+    for zero in (2, 3):
+        tp_model = SplitInReplicate()
+        tp_plan = make_tp_plan(tp_model, "1f1b", [TP_IN_DP_STAGE],
+                               [(0, 0, 0, 2, [5, 3]), (0, 0, 1, 2, [5, 3]), (0, 1, 0, 2, [2, 2]), (0, 1, 1, 2, [2, 2])])
+        tp_plan.stages[0] = dataclasses.replace(tp_plan.stages[0], replica_sync="fsdp", zero_stage=zero)
+        engine = Engine(copy.deepcopy(tp_model), tp_plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
+                        cluster=make_cluster(), timeout_s=60)
+        data = tp_batches(tp_model, tp_plan.global_batch_size, seed=20 + zero)
+        losses, _, _, final = reference(tp_model, data, OPTIMIZERS["adamw"])
+        for step, batch in enumerate(data):
+            assert_close(engine.train_step(batch), losses[step], msg=f"tp zero{zero}: loss of step {step}")
+        for key, value in engine.state_dict().items():
+            assert_close(value, final[key], msg=f"tp zero{zero}: final {key}")
+        # fc1's slice is cut along dim 0 (rows), fc2's along dim 1: ZeRO follows each
+        held = engine.executor.named_state()
+        out[f"tp{zero}"] = {n: (s.dim, s.ranges) for n, (_, s) in held.items() if n.startswith(("fc1.w", "fc2.w"))}
+
     # bf16 autocast: ZeRO 3 trains as DDP does at the same precision (both float32 master weights;
     # SGD: Adam's normalised update would turn a rounding of a tiny gradient into a step of lr)
     fp32 = Net()
@@ -258,6 +278,10 @@ def test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts
     results = run_ranks(_ranks, WORLD, args=(directory,), init_process_group=False)
     # a small device holds less: rank 3 holds no row of the 5-row head
     assert results[3]["zero3"]["weight"] < results[0]["zero3"]["weight"]
+    # tensor parallel inside: rank 0 (tp 0 of replica 0) holds rows 0-11 of its 24-row fc1 slice,
+    # rank 2 (tp 0 of replica 1) rows 12-23; fc2's 24 input features split along dim 1 the same way
+    assert results[0]["tp3"]["fc1.weight"] == (0, ((0, 12),)) and results[2]["tp3"]["fc1.weight"] == (0, ((12, 24),))
+    assert results[0]["tp3"]["fc2.weight"] == (1, ((0, 12),)) and results[2]["tp3"]["fc2.weight"] == (1, ((12, 24),))
     saved = results[0]
     for world in (2, 1):
         resumed = run_ranks(_resume, world, args=(directory,), init_process_group=False)

@@ -45,7 +45,8 @@ from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchroni
 from runtime.parallel.tied_weights import TiedParameters
 from runtime.training import recompute
 from runtime.replicas.held_state import full_tensor, is_sharded, load_rows
-from runtime.tensor.shard_pass import StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict
+from runtime.tensor.shard_pass import (StageSharding, full_state_dict, keep_outputs_sharded, load_full_state_dict,
+                                      tensor_parallel_slices)
 from runtime.tensor.sharded_loss import OutputLayout
 from runtime.training.precision import PlanLossScaler, weighted_loss
 
@@ -184,7 +185,7 @@ class StageWorker:
         if sharded:   # ZeRO: every worker of the data-parallel group takes part in the gathers
             gathered = {k: full_tensor(v).detach().clone() for k, v in self.stage.module.state_dict().items()}
         if self.worker.replica == 0 and self.worker.dp_index == 0:
-            local = gathered if sharded else full_state_dict(self.stage.module)
+            local = full_state_dict(self.stage.module, gathered if sharded else None)
             if self.worker.tp_index == 0:
                 mine = {name: v.cpu() for k, v in local.items() for name in self._state_names[k]}
         gathered: list[dict] = [None] * self.plan.world_size
@@ -198,8 +199,8 @@ class StageWorker:
         if missing:
             raise KeyError(f"rank {self.rank}, stage {self.stage.index}: {missing} missing from the state dict")
         mine = {k: state[next(n for n in ns if n in state)] for k, ns in self._state_names.items()}
-        if is_sharded(self.stage.module):     # ZeRO: this worker's rows
-            load_rows(self.stage.module, mine)
+        if is_sharded(self.stage.module):     # ZeRO: this worker's rows of its tensor-parallel slice
+            load_rows(self.stage.module, tensor_parallel_slices(self.stage.module, mine))
         else:
             load_full_state_dict(self.stage.module, mine)
 

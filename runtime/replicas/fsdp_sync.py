@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
@@ -149,14 +149,18 @@ class FSDPSync:
         _broadcast_state(module, group)
         mesh = _mesh(group, device.type)
         reshard = stage == 3
+        # a tensor-parallel slice is sharded further along its own split dimension, so what a rank
+        # holds stays one range along one dimension (a Slab); everything else along dim 0
+        dims = tensor_parallel_dims(module)
+        placement = (lambda p: Shard(dims.get(p, 0))) if dims else None
         self.units: list[FSDPModule] = []
         for path in layers:
             sub = module.get_submodule(path)
             if sub is module or not any(p.requires_grad for p in sub.parameters()):
                 continue
-            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement)
             self.units.append(sub)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement)
         self.units.append(module)
         network = self.emulator.network if self.emulator.enabled and devices is not None else None
         for unit in self.units:
@@ -217,15 +221,16 @@ class FSDPSync:
             dist.all_reduce(tensor, group=self.group)
 
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
-        """Each parameter's rows this rank holds (a dim-0 Slab; parameters it holds no row of are not
+        """Each parameter's range this rank holds (a Slab along its shard dimension, within its
+        tensor-parallel slice if it has one; parameters it holds nothing of are not
         named), each buffer whole."""
         out: NamedState = {}
         for name, (tensor, slab) in module_state(self.inner, names).items():
             if isinstance(tensor, DTensor):
-                rows = dtensor_rows(tensor)
-                if rows is None:
+                held = dtensor_range(tensor)
+                if held is None:
                     continue
-                slab = Slab(tuple(tensor.shape), 0, (rows,))
+                slab = _within(slab, *held)
             out[name] = (tensor, slab)
         return out
 
@@ -239,15 +244,48 @@ class FSDPSync:
         return self.inner
 
 
-def dtensor_rows(tensor: DTensor) -> Optional[tuple[int, int]]:
-    """The rows ``[start, stop)`` of ``tensor`` (sharded on dim 0 over a 1-D mesh, torch.chunk's
-    layout) this rank holds; None when it holds none."""
-    rows = tensor.shape[0]
+def dtensor_range(tensor: DTensor) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, stop)``: the positions along its sharded dimension that this rank holds of
+    ``tensor`` (sharded over a 1-D mesh in torch.chunk's layout); None when it holds none."""
+    (placement,) = tensor.placements
+    dim = placement.dim
+    size = tensor.shape[dim]
     n = tensor.device_mesh.size()
     rank = tensor.device_mesh.get_local_rank()
-    chunk = math.ceil(rows / n) if rows else 0
-    start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
-    return (start, stop) if stop > start else None
+    chunk = math.ceil(size / n) if size else 0
+    start, stop = min(rank * chunk, size), min((rank + 1) * chunk, size)
+    return (dim, start, stop) if stop > start else None
+
+
+def _within(slab: Slab, dim: int, start: int, stop: int) -> Slab:
+    """What a rank holds of a tensor whose local part (described by ``slab``: whole, or a
+    tensor-parallel slice) it holds only ``[start, stop)`` of, along ``dim`` of that local part."""
+    if slab.whole:
+        return Slab(slab.shape, dim, ((start, stop),))
+    if slab.dim != dim:
+        raise FSDPSyncError(f"a ZeRO shard along dim {dim} of a tensor-parallel slice along dim {slab.dim}: "
+                            "the shard must follow the slice's dimension")
+    ranges, offset = [], 0
+    for a, b in slab.ranges:     # the slice's ranges, concatenated in order in the local tensor
+        lo, hi = max(start, offset), min(stop, offset + b - a)
+        if lo < hi:
+            ranges.append((a + lo - offset, a + hi - offset))
+        offset += b - a
+    return Slab(slab.shape, dim, tuple(ranges))
+
+
+def tensor_parallel_dims(module: nn.Module) -> dict:
+    """Each tensor-parallel parameter of ``module`` -> the dimension its slice is cut along."""
+    from runtime.tensor.layers import ParallelLinear
+
+    dims = {}
+    for layer in module.modules():
+        if isinstance(layer, ParallelLinear):
+            for name in ("weight", "bias"):
+                param, dim = getattr(layer, name), layer.sharded_dim(name)
+                if param is not None and dim is not None:
+                    dims[param] = dim
+    return dims
 
 
 @torch.no_grad()

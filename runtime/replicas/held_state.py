@@ -122,6 +122,8 @@ def rows_of(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     dim 0 (FSDP2's row chunks) its rows, else all of it."""
     if not isinstance(tensor, DTensor):
         return full
-    n = local(tensor).shape[0] if local(tensor).dim() else 0
-    start = tensor.device_mesh.get_local_rank() * -(-tensor.shape[0] // tensor.device_mesh.size())
-    return full.narrow(0, min(start, tensor.shape[0]), n)
+    (placement,) = tensor.placements
+    dim = placement.dim
+    n = local(tensor).shape[dim]
+    start = tensor.device_mesh.get_local_rank() * -(-tensor.shape[dim] // tensor.device_mesh.size())
+    return full.narrow(dim, min(start, tensor.shape[dim]), n)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -339,12 +339,15 @@ class ParallelLinear(nn.Module):
         return torch.cat([full.narrow(dim, p * part + own.start, own.stop - own.start)
                           for p in range(self.pieces)], dim).clone()
 
-    def full_tensors(self) -> dict[str, torch.Tensor]:
-        """The unsharded ``weight``/``bias``: a collective over the group (every rank must call it)."""
+    def full_tensors(self, values: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """The unsharded ``weight``/``bias``: a collective over the group (every rank must call it).
+        ``values``: this rank's slices to gather instead of the parameters (a ZeRO group's gathers)."""
         out = {}
+        values = values or {}
         for param, value in (("weight", self.weight), ("bias", self.bias)):
             if value is None:
                 continue
+            value = values.get(param, value)
             dim = self.sharded_dim(param)
             value = value.detach()
             if dim is None:

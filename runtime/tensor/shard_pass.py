@@ -259,21 +259,30 @@ def pad_plain_linears(module: nn.Module, emulator: Emulator) -> list[str]:
 
 
 # -- full (unsharded) state dicts ------------------------------------------------------------------
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every tensor-parallel weight gathered back to its full shape.
+def full_state_dict(module: nn.Module, state: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` (or ``state``, its tensors already gathered over a ZeRO group) with
+    every tensor-parallel weight gathered back to its full shape.
 
     A collective over each parallel layer's group: every rank of the group must call it.
     """
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    given = state is not None
+    state = {k: v.detach().clone() for k, v in (state if given else module.state_dict()).items()}
     for prefix, layer in module.named_modules():
         if isinstance(layer, ParallelLinear):
-            for param, value in layer.full_tensors().items():
-                state[f"{prefix}.{param}" if prefix else param] = value
+            keys = {param: f"{prefix}.{param}" if prefix else param for param in ("weight", "bias")}
+            values = {param: state[key] for param, key in keys.items() if given and key in state}
+            for param, value in layer.full_tensors(values).items():
+                state[keys[param]] = value
     return state
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Load an unsharded state dict into a module whose Linears may be tensor-parallel (each takes its slice)."""
+    return module.load_state_dict(tensor_parallel_slices(module, state_dict), strict=strict)
+
+
+def tensor_parallel_slices(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` (unsharded) with each tensor-parallel weight of ``module`` cut to this rank's slice."""
     local = dict(state_dict)
     for prefix, layer in module.named_modules():
         if isinstance(layer, ParallelLinear):
@@ -281,4 +290,4 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
                 key = f"{prefix}.{param}" if prefix else param
                 if key in local:
                     local[key] = layer.shard_of(param, local[key])
-    return module.load_state_dict(local, strict=strict)
+    return local
