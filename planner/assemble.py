@@ -32,9 +32,9 @@ from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.decisions import Decisions
+from planner.decisions import Decisions, zero_shards
 from planner.devices.cost_model import ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms
-from planner.devices.memory import recompute_unit, stage_memory
+from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
 from planner.devices.network import NetworkModel
@@ -58,6 +58,9 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             recompute=dec.recomputes(s),
             recompute_reason=(dec.recompute[s] if dec.recompute else "") or "none",
             recompute_unit=recompute_unit(dec.costs[s], dec.in_flight[s]) if dec.recomputes(s) else "layer",
+            replica_sync="fsdp" if dec.zero_stage(s) else "ddp",
+            zero_stage=dec.zero_stage(s),
+            zero_reason=dec.zero_reason[s] if dec.zero_reason else "none",
         )
         for s, layers in enumerate(dec.stage_layers)
     ]
@@ -112,29 +115,47 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     backward_of = {b: compute_ms(backward_flops(cost, again) * b * fraction, device, cost.precision) + c * (2 if again else 1)
                    for b, c in tp_comm.items()}
     forward, backward = [forward_of[b] for b in sizes], [backward_of[b] for b in sizes]
+    memory = stage_memory(cost, dec.in_flight[s], fraction, recompute=again, unit_share=dec.shards[s].unit_share(t),
+                          zero=zero_of(dec, s))
+    terms = memory.term_bytes(max(sizes))
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
         tp_index=t, tp_size=len(group), micro_batch_sizes=list(sizes),
-        memory_gib=stage_memory(cost, dec.in_flight[s], fraction, recompute=again,
-                                unit_share=dec.shards[s].unit_share(t)).total(max(sizes)) / GIB,
+        memory_gib=memory.total(max(sizes)) / GIB,
+        weights_gib=terms["weight"] / GIB, gradients_gib=terms["gradient"] / GIB,
+        optimizer_gib=terms["optimizer"] / GIB, activations_gib=terms["activation"] / GIB,
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
     )
 
 
+def zero_of(dec: Decisions, s: int) -> ZeroShards:
+    """What stage ``s``'s data-parallel group shards under its ZeRO stage (:class:`ZeroShards`)."""
+    return zero_shards(dec.layout, s, dec.costs[s], dec.zero_stage(s))
+
+
 def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm: CommModel) -> None:
     """Workers holding the same shard of a stage (over data-parallel groups and replicas) all-reduce
-    their gradients once per step."""
+    their gradients once per step (``gradient_bytes``: the simulator's DDP buckets); under ZeRO they
+    run its all-gathers and reduce-scatters instead (:meth:`CommModel.zero_ms`, each FSDP unit one
+    collective, the most micro-batches of the group), priced as communication at the end of the
+    step (``allreduce_ms``, ``gradient_bytes`` 0: the simulator overlaps none of it)."""
     peers: dict[tuple[int, int], list[Worker]] = {}
     for w in workers:
         peers.setdefault((w.stage, w.tp_index), []).append(w)
     by_name = {d.name: d for r in layout.groups for s in r for g in s for d in g}
     for (s, t), ws in peers.items():
         nbytes = dec.costs[s].param_bytes * dec.shards[s].fractions[t]
-        ms = comm.allreduce_ms(nbytes, [by_name[w.device] for w in sorted(ws, key=lambda w: w.rank)])
+        ring = [by_name[w.device] for w in sorted(ws, key=lambda w: w.rank)]
+        z = dec.zero_stage(s)
+        if z:
+            units = len(fsdp_units(dec.costs[s], layout.num_stages == 1))
+            ms = comm.zero_ms(z, nbytes, max(len(w.micro_batch_sizes) for w in ws), ring, units)
+        else:
+            ms = comm.allreduce_ms(nbytes, ring)
         for w in ws:
             w.allreduce_ms = ms
-            w.gradient_bytes = float(nbytes)
+            w.gradient_bytes = 0.0 if z else float(nbytes)
 
 
 def _boundaries(graphs: TaskGraphs, dec: Decisions) -> list[BoundaryPlan]:

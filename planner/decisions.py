@@ -31,18 +31,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from whalelike.config import Config
+from whalelike.config import ZERO_STAGES, Config
 from whalelike.display import human_bytes
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.cost_model import StageCost
-from planner.devices.memory import stage_memory
+from planner.devices.cost_model import GIB, CommModel, StageCost
+from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, stage_memory
 from planner.devices.placement import Layout
 from planner.partition.stage_layers import equal_stage_layers, partition_stage_layers
 from planner.plan import PlanError
 from planner.schedule.actions import in_flight_per_stage
 from planner.shares.batch_fit import (
-    PricedStage, StageDoesNotFit, equal_sizes, fit_pipeline, fit_single_stage, micro_batch_counts, shortfall_error,
+    PricedStage, StageDoesNotFit, StageMemoryError, equal_sizes, fit_equal_counts, fit_pipeline, fit_single_stage,
+    micro_batch_counts, shortfall_error,
 )
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.shard_sizes import ShardLayout, even_layout
@@ -55,7 +56,9 @@ log = logging.getLogger(__name__)
 class Decisions:
     """Everything the planner chose. ``sizes[r][s][d]`` are the micro-batch sizes of the
     tensor-parallel group ``d`` of stage ``s`` in replica ``r``; ``recompute[s]`` why stage ``s``
-    recomputes its activations (``"asked"``, ``"fit"``) or ``""`` (empty: none does)."""
+    recomputes its activations (``"asked"``, ``"fit"``) or ``""`` (empty: none does); ``zero[s]`` its
+    data-parallel group's ZeRO stage and ``zero_reason[s]`` why (``"none"``, ``"asked"``, ``"fit"``;
+    both empty: every stage 0)."""
 
     layout: Layout
     stage_layers: list[list[int]]
@@ -67,9 +70,15 @@ class Decisions:
     solver: str
     optimality_gap: float | None = None
     recompute: tuple[str, ...] = ()
+    zero: tuple[int, ...] = ()
+    zero_reason: tuple[str, ...] = ()
 
     def recomputes(self, s: int) -> bool:
         return bool(self.recompute) and bool(self.recompute[s])
+
+    def zero_stage(self, s: int) -> int:
+        """Stage ``s``'s ZeRO stage (0: DDP)."""
+        return self.zero[s] if self.zero else 0
 
 
 def asked_recompute(graphs: TaskGraphs, stage_layers: list[list[int]]) -> list[str]:
@@ -105,16 +114,18 @@ def check_trainable(graphs: TaskGraphs) -> None:
 
 def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]],
                   num_micro_batch: int, aware: bool, kept_shards: list[ShardLayout | None] | None = None,
-                  recompute: list[str] | None = None) -> list[PricedStage]:
+                  recompute: list[str] | None = None, zero: list[int] | None = None) -> list[PricedStage]:
     """Every stage priced for ``num_micro_batch``; ``kept_shards[s]``, when given and not None,
     is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one;
-    ``recompute[s]`` (a reason, empty for none): stage ``s`` recomputes its activations."""
+    ``recompute[s]`` (a reason, empty for none): stage ``s`` recomputes its activations; ``zero[s]``:
+    its data-parallel group's ZeRO stage (:func:`zero_shards`)."""
     in_flight_per = in_flight_per_stage(config.schedule, layout.num_stages, num_micro_batch)
     out = []
     for s, layers in enumerate(stage_layers):
         cost = StageCost.of_layers(graphs, layers, config.precision)
         in_flight = in_flight_per[s]
         again = bool(recompute and recompute[s])
+        sharded = zero_shards(layout, s, cost, zero[s] if zero else 0)
         owners, shardable, groups = stage_shardable(graphs, layers)
         tp = layout.shapes[s].tp
         check_shardable(layout, s, owners, shardable, groups)
@@ -124,15 +135,16 @@ def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_laye
             shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
-            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again)
-        out.append(PricedStage(s, cost, in_flight, shards, again))
+            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again, sharded)
+        out.append(PricedStage(s, cost, in_flight, shards, again, sharded))
     return out
 
 
 def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network, *,
                     stage_layers: list[list[int]] | None = None, shards: list[ShardLayout | None] | None = None,
                     sizes: list | None = None, counts: list[int] | None = None,
-                    recompute: list[str] | None = None) -> Decisions:
+                    recompute: list[str] | None = None, zero: list[int] | None = None,
+                    zero_reason: list[str] | None = None) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of :mod:`planner.api`.
 
     A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
@@ -141,7 +153,8 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     shard by speed), ``sizes`` (``Decisions.sizes``) instead of balanced batch shares, and
     ``counts``, the micro-batch counts a pipeline may use (default: ``num_micro_batch``, then
     every larger divisor of the global batch), ``recompute`` (per stage the reason it recomputes,
-    empty for none) instead of choosing (every stage whose TaskGraph asks recomputes anyway).
+    empty for none) instead of choosing (every stage whose TaskGraph asks recomputes anyway), and
+    ``zero`` with ``zero_reason`` (per stage its ZeRO stage and why) instead of choosing them.
     Raises PlanError when the stages do not fit.
     """
     if stage_layers is None:
@@ -151,41 +164,52 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     gbs, m = config.global_batch_size, config.num_micro_batch
     asked = asked_recompute(graphs, stage_layers)
     reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
+    fixed = list(zero) if zero is not None else asked_zero(graphs, config, layout, stage_layers)
+    why_zero = list(zero_reason) if zero_reason is not None else [
+        "asked" if z else "none" for z in fixed]
+    ladders = [zero_ladder(layout, s, fixed[s]) for s in range(layout.num_stages)]
+    zeros = [ladder[0] for ladder in ladders]
+
+    def decided(stages, sizes, count):
+        chosen = [why_zero[s] if fixed[s] is not None else ("fit" if z else "none") for s, z in enumerate(zeros)]
+        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons, zeros, chosen)
+
     if sizes is not None:
         count = max(len(n) for replica in sizes for stage in replica for n in stage)
-        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons)
-        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
+        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros)
+        return decided(stages, sizes, count)
     if layout.num_stages == 1:
-        stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons)
-        try:
-            sizes, count = fit_single_stage(layout, stages[0], gbs, m)
-        except PlanError as e:
-            why = "" if stages[0].recompute else _recompute_helps(graphs, stages[0], stage_layers[0])
-            if stages[0].recompute or recompute is not None or why:
-                why = why or "a re-plan keeps the recompute choices of the plan in force"
-                note = "" if stages[0].recompute else f" (activation checkpointing was considered: {why})"
-                raise PlanError(f"{e}{note}") from None
-            # the last resort: recompute its activations, layer by layer (a data-parallel plan too)
-            reasons[0] = "fit"
-            log.warning("the single stage does not fit its devices even with gradient accumulation; it "
-                        "recomputes its activations in the backward (activation checkpointing)")
-            stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons)
-            sizes, count = fit_single_stage(layout, stages[0], gbs, m)
-        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
+        return _single_stage(graphs, config, layout, network, stage_layers, shards, reasons, recompute is not None,
+                             zeros, ladders[0], fixed[0], decided)
     while True:
-        errors, tried = [], m
+        errors, tried, short = [], m, None
         for count in micro_batch_counts(gbs, m, layout) if counts is None else counts:
             tried = count
-            stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons)
             try:
+                stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros)
                 sizes = fit_pipeline(layout, stages, gbs // count, count)
             except StageDoesNotFit as e:
                 errors.append(e)
                 continue
+            except StageMemoryError as e:   # its weights and state do not fit: no micro-batch count helps
+                short = e
+                break
             if count != m:
                 log.warning("micro-batches of %d samples do not fit; using num_micro_batch=%d (%d samples each)",
                             gbs // m, count, gbs // count)
-            return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons)
+            return decided(stages, sizes, count)
+        # Poplar: first a higher ZeRO stage for the stage that does not fit (the lowest that holds less)
+        short_stages = [short.stage] if short is not None else [e.stage.index for e in errors]
+        raised = next(((s, z) for s in short_stages
+                       if (z := next_zero(layout, s, ladders[s], zeros[s], stage_layers, graphs, config)) is not None),
+                      None)
+        if raised is not None:
+            s, z = raised
+            log.warning("stage %d does not fit its devices under ZeRO stage %d; trying ZeRO stage %d", s, zeros[s], z)
+            zeros[s] = z
+            continue
+        if short is not None:
+            raise PlanError(f"{short}{zero_note(layout, short.stage, ladders, zeros, fixed, zero is not None)}") from None
         # the last resort: recompute the first stage that did not fit and may (one stage at a time)
         chosen = next((e.stage for e in errors if not e.stage.recompute
                        and not _recompute_helps(graphs, e.stage, stage_layers[e.stage.index])), None)
@@ -196,24 +220,183 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                 why = _recompute_helps(graphs, first.stage, stage_layers[first.stage.index]) or \
                     "a re-plan keeps the recompute choices of the plan in force"
                 note = f" (activation checkpointing was considered: {why})"
+            note += zero_note(layout, first.stage.index, ladders, zeros, fixed, zero is not None)
             err = shortfall_error(layout, first, m, gbs, tried)
             raise PlanError(f"{err}{note}") from None
         reasons[chosen.index] = "fit"
-        log.warning("stage %d does not fit its devices at any micro-batch count tried; it recomputes its "
-                    "activations in the backward (activation checkpointing)", chosen.index)
+        zeros[chosen.index] = ladders[chosen.index][0]   # the lowest ZeRO stage that fits, now recomputing
+        log.warning("stage %d does not fit its devices at any micro-batch count or ZeRO stage tried; it recomputes "
+                    "its activations in the backward (activation checkpointing)", chosen.index)
+
+
+def _single_stage(graphs, config, layout, network, stage_layers, shards, reasons, replanning: bool, zeros, ladder,
+                  fixed, decided) -> Decisions:
+    """The one stage's decisions: the lowest ZeRO stage of ``ladder`` at which its batch fits
+    (:func:`fit_batch`), then, as the last resort, the same recomputing its activations."""
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    error = None
+    while True:
+        z = zeros[0]
+        while z is not None:
+            zeros[0] = z
+            try:
+                stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons, zeros)
+                sizes, count = fit_batch(layout, stages[0], gbs, m, network)
+                return decided(stages, sizes, count)
+            except PlanError as e:
+                error = e
+            z = next_zero(layout, 0, ladder, z, stage_layers, graphs, config)
+        cost = StageCost.of_layers(graphs, stage_layers[0], config.precision)
+        bare = PricedStage(0, cost, in_flight_per_stage(config.schedule, 1, m)[0], None)
+        why = "" if reasons[0] else _recompute_helps(graphs, bare, stage_layers[0])
+        if reasons[0] or replanning or why:
+            why = why or "a re-plan keeps the recompute choices of the plan in force"
+            note = "" if reasons[0] else f" (activation checkpointing was considered: {why})"
+            note += zero_note(layout, 0, [ladder], zeros, [fixed], replanning)
+            note += " (and again recomputing its activations)" if reasons[0] == "fit" and not replanning else ""
+            raise PlanError(f"{error}{note}") from None
+        # the last resort: recompute its activations, layer by layer (a data-parallel plan too)
+        reasons[0] = "fit"
+        zeros[0] = ladder[0]
+        log.warning("the single stage does not fit its devices even with gradient accumulation at any ZeRO stage "
+                    "tried; it recomputes its activations in the backward (activation checkpointing)")
+
+
+def fit_batch(layout: Layout, st: PricedStage, gbs: int, m: int, network) -> tuple[list, int]:
+    """A single stage's ``(Decisions.sizes, count)`` under its ZeRO stage: stages 0-1 by speed with
+    Poplar's per-device accumulation (:func:`~planner.shares.batch_fit.fit_single_stage`), stages 2-3
+    with the same micro-batch count on every device (:func:`~planner.shares.batch_fit.fit_equal_counts`,
+    priced with the group's collectives on ``network``'s model)."""
+    if st.zero.stage < 2:
+        return fit_single_stage(layout, st, gbs, m)
+    return fit_equal_counts(layout, st, gbs, m, zero_comm(layout, st, network))
+
+
+def zero_comm(layout: Layout, st: PricedStage, network):
+    """``k -> ms``: stage ``st``'s ZeRO collectives per step with ``k`` micro-batches, the slowest
+    tensor-parallel index's ring (:meth:`planner.devices.cost_model.CommModel.zero_ms`)."""
+    comm = CommModel(network)
+    groups = layout.stage_groups(st.index)
+    units = len(fsdp_units(st.cost, layout.num_stages == 1))
+    rings = [[g[t] for g in groups] for t in range(len(groups[0]))]
+    return lambda k: max(comm.zero_ms(st.zero.stage, st.cost.param_bytes * st.shards.fractions[t], k, ring, units)
+                         for t, ring in enumerate(rings))
+
+
+# -- ZeRO stages ------------------------------------------------------------------------------------
+def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int) -> ZeroShards:
+    """What stage ``s``'s data-parallel group (its groups over every replica) shards at ZeRO ``stage``."""
+    return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, layout.num_stages == 1))
+
+
+def asked_zero(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[int | None]:
+    """Per stage the ZeRO stage the user fixed, or None (the planner chooses): the highest a
+    TaskGraph of the stage asks (``replicate(n, zero=k)``), else ``Config.zero_stage`` (0 on a stage
+    whose data-parallel group has one worker: there is nothing to shard). Raises PlanError for a
+    region asking a ZeRO stage on a stage of one data-parallel worker, or a ``Config.zero_stage``
+    above 0 where no stage has more than one."""
+    out: list[int | None] = []
+    for s, layers in enumerate(stage_layers):
+        owners = sorted({graphs.layers[i].taskgraph for i in layers})
+        asks = {t: graphs[t].strategy.zero for t in owners if graphs[t].strategy.zero is not None}
+        workers = len(layout.stage_groups(s))
+        if asks:
+            k = max(asks.values())
+            if k and workers == 1:
+                t = next(t for t, z in asks.items() if z == k)
+                raise PlanError(
+                    f"TaskGraph {t} ({graphs[t].strategy}) asks for ZeRO stage {k}, but stage {s} "
+                    f"({layout.shapes[s].label}) has one data-parallel worker{' per shard' if layout.shapes[s].tp > 1 else ''}: "
+                    f"no other worker holds its parameters, so there is nothing to shard; give the region more "
+                    f"devices (replicate(n, zero={k}) with n >= 2) or drop zero= from it"
+                )
+            out.append(k)
+        elif config.zero_stage is not None:
+            out.append(config.zero_stage if workers > 1 else 0)
+        else:
+            out.append(None)
+    if config.zero_stage and all(len(layout.stage_groups(s)) == 1 for s in range(layout.num_stages)):
+        raise PlanError(
+            f"Config.zero_stage is {config.zero_stage}, but no stage of the plan has more than one data-parallel "
+            f"worker ({', '.join(sh.label for sh in layout.shapes)}): no other worker holds any stage's parameters, "
+            "so there is nothing to shard; use zero_stage=None or 0, or more devices per replicate region"
+        )
+    return out
+
+
+def zero_ladder(layout: Layout, s: int, fixed: int | None) -> list[int]:
+    """The ZeRO stages stage ``s`` may take, lowest first: the one fixed, else 0 alone on a stage of
+    one data-parallel worker, else 0, 1, 2, 3 (Poplar's escalation)."""
+    if fixed is not None:
+        return [fixed]
+    return [0] if len(layout.stage_groups(s)) == 1 else list(ZERO_STAGES)
+
+
+def next_zero(layout: Layout, s: int, ladder: list[int], current: int, stage_layers, graphs: TaskGraphs,
+              config: Config) -> int | None:
+    """The next ZeRO stage of ``ladder`` above ``current`` at which stage ``s``'s workers hold less
+    of some term (one that holds no less of any is skipped: in a pipeline, whose stages are one FSDP
+    unit each, stages 2 and 3 hold what stage 1 does), or None."""
+    cost = StageCost.of_layers(graphs, stage_layers[s], config.precision)
+    now = zero_shards(layout, s, cost, current).fractions()
+    for z in ladder[ladder.index(current) + 1:] if current in ladder else []:
+        if any(a < b for a, b in zip(zero_shards(layout, s, cost, z).fractions(), now)):
+            return z
+    return None
+
+
+def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool) -> str:
+    """What the ZeRO escalation tried for stage ``s``, for the error that follows."""
+    workers = len(layout.stage_groups(s))
+    if replanning:
+        return f" (a re-plan keeps ZeRO stage {zeros[s]} of the plan in force)" if zeros[s] else ""
+    if fixed[s] is not None:
+        return (f" (under ZeRO stage {fixed[s]}, as asked; a higher ZeRO stage may fit)" if fixed[s] < 3 and workers > 1
+                else "")
+    if workers == 1:
+        return " (ZeRO cannot help: no other worker holds this stage's parameters)"
+    tried = ", ".join(str(z) for z in ladders[s] if z <= zeros[s])
+    return (f" (ZeRO stages {tried} were tried over its {workers} data-parallel workers; more data-parallel "
+            "devices shard its state thinner)")
 
 
 def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
-    """The capacity-blind decisions on ``layout``: equal shares, shards and layer counts."""
+    """The capacity-blind decisions on ``layout``: equal shares, shards and layer counts, and per stage
+    the lowest ZeRO stage at which every device holds its equal share (the highest tried when none
+    does: the naive plan may exceed memory), unless fixed (:func:`asked_zero`)."""
     gbs, m = config.global_batch_size, config.num_micro_batch
     stage_layers = equal_stage_layers(graphs, layout)
     asked = asked_recompute(graphs, stage_layers)
-    stages = priced_stages(graphs, config, layout, stage_layers, m, aware=False, recompute=asked)
-    return _decided(layout, stage_layers, stages, equal_sizes(layout, gbs, m), m, "greedy", None, asked)
+    fixed = asked_zero(graphs, config, layout, stage_layers)
+    ladders = [zero_ladder(layout, s, fixed[s]) for s in range(layout.num_stages)]
+    sizes = equal_sizes(layout, gbs, m)
+    by_zero = {z: priced_stages(graphs, config, layout, stage_layers, m, aware=False, recompute=asked,
+                                zero=[z if z in ladder else ladder[0] for ladder in ladders])
+               for z in sorted({z for ladder in ladders for z in ladder})}
+    zeros = [next((z for z in ladder if _holds_equal_shares(layout, by_zero[z][s], sizes)), ladder[-1])
+             for s, ladder in enumerate(ladders)]
+    stages = [by_zero[z][s] for s, z in enumerate(zeros)]
+    reasons = ["asked" if fixed[s] else ("fit" if z else "none") for s, z in enumerate(zeros)]
+    return _decided(layout, stage_layers, stages, sizes, m, "greedy", None, asked, zeros, reasons)
+
+
+def _holds_equal_shares(layout: Layout, st: PricedStage, sizes) -> bool:
+    """Whether every device of stage ``st`` holds its state and its largest equal micro-batch."""
+    for r, replica in enumerate(layout.groups):
+        for d, group in enumerate(replica[st.index]):
+            samples = max(sizes[r][st.index][d])
+            for t, device in enumerate(group):
+                need = st.memory(st.shards.fractions[t], st.shards.unit_share(t)).total(samples)
+                if not fits(need, device.memory_gib * GIB):
+                    return False
+    return True
 
 
 def _decided(layout: Layout, stage_layers, stages: list[PricedStage], sizes, count: int, solver: str,
-             gap: float | None = None, recompute: list[str] | None = None) -> Decisions:
+             gap: float | None = None, recompute: list[str] | None = None, zero: list[int] | None = None,
+             zero_reason: list[str] | None = None) -> Decisions:
     return Decisions(layout, stage_layers, [s.cost for s in stages], [s.in_flight for s in stages],
                      [s.shards for s in stages], sizes, count, solver, gap,
-                     tuple(recompute) if recompute is not None else ("",) * len(stages))
+                     tuple(recompute) if recompute is not None else ("",) * len(stages),
+                     tuple(zero) if zero is not None else (0,) * len(stages),
+                     tuple(zero_reason) if zero_reason is not None else ("none",) * len(stages))

@@ -39,6 +39,7 @@ from planner.summary import plan_summary
 SOLVERS = ("ilp", "greedy")
 RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
 RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
+ZERO_REASONS = ("none", "asked", "fit")   # StagePlan.zero_reason: no ZeRO, the user's stage, the planner's
 # A plan takes about 570 bytes per worker with 8 micro-batches: 16 MiB holds 16,384 workers (the most a
 # cluster spec may list) with room to spare. Larger files are refused before parsing (see whalelike.cluster).
 MAX_FILE_BYTES = 16 << 20
@@ -64,9 +65,16 @@ class Worker:
     compute_ms: float = rule(float, f"forward+backward compute time per step, {MS}", ge=0, default=0.0)
     forward_ms: list[float] = rule(float, f"forward time per micro-batch, {MS}", ge=0, default_factory=list)
     backward_ms: list[float] = rule(float, f"backward time per micro-batch, {MS}", ge=0, default_factory=list)
-    allreduce_ms: float = rule(float, f"gradient all-reduce time at the end of the step, {MS}", ge=0, default=0.0)
+    allreduce_ms: float = rule(float, f"gradient all-reduce time at the end of the step (under ZeRO: the step's "
+                               f"all-gathers and reduce-scatters), {MS}", ge=0, default=0.0)
     gradient_bytes: float = rule(float, "bytes of gradients the worker all-reduces per step (its shard of the "
-                                 "stage's parameters; the simulator's DDP buckets)", ge=0, default=0.0)
+                                 "stage's parameters; the simulator's DDP buckets; 0 under ZeRO, whose "
+                                 "collectives allreduce_ms prices)", ge=0, default=0.0)
+    # planner.devices.memory's terms at the worker's peak (memory_gib is their sum; 0 in plans made before them)
+    weights_gib: float = rule(float, "parameters held at the peak (with autocast's copies) in GiB", ge=0, default=0.0)
+    gradients_gib: float = rule(float, "gradients held at the peak in GiB", ge=0, default=0.0)
+    optimizer_gib: float = rule(float, "optimizer state held in GiB", ge=0, default=0.0)
+    activations_gib: float = rule(float, "activations and boundary buffers at the peak in GiB", ge=0, default=0.0)
 
     @property
     def batch_share(self) -> int:
@@ -86,6 +94,14 @@ class StagePlan:
     # runtime.replicas.replica_sync: how the workers holding the same parameters keep them in step
     replica_sync: str = rule(str, "how the stage's data-parallel replicas stay in step", choices=REPLICA_SYNCS,
                              default="ddp")
+    # ZeRO (runtime.replicas.fsdp_sync): what the stage's data-parallel group shards over its workers
+    zero_stage: int = rule(int, "ZeRO stage of the data-parallel group: 0 (DDP, nothing sharded), 1 (optimizer "
+                           "state sharded), 2 (and gradients), 3 (and parameters); replica_sync 'fsdp' when above 0",
+                           ge=0, le=3, default=0)
+    zero_reason: str = rule(str, "why the stage runs its ZeRO stage: 'asked' (a region's replicate(zero=k) or "
+                            "Config.zero_stage), 'fit' (the lowest stage at which every device fits, chosen by the "
+                            "planner), 'none' (zero_stage 0, or a plan written by hand)", choices=ZERO_REASONS,
+                            default="none")
     # runtime.training.recompute: activation checkpointing of the stage's forward (planner.devices.memory)
     recompute: bool = rule(bool, "recompute the stage's activations in the backward (activation checkpointing)",
                            default=False)

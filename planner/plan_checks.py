@@ -47,6 +47,7 @@ def check_alone(plan: Plan) -> None:
     _check_stages(plan)
     _check_workers(plan)
     _check_batches(plan)
+    _check_zero(plan)
     _check_shards(plan)
     _check_boundaries(plan)
 
@@ -202,6 +203,39 @@ def _check_batches(plan: Plan) -> None:
                 )
 
 
+def _check_zero(plan: Plan) -> None:
+    """A stage's replica sync and ZeRO stage agree (``fsdp`` exactly when ``zero_stage`` >= 1; a reason
+    other than ``none`` only with a ZeRO stage), a ZeRO stage has someone to shard with (more than one worker per ``tp_index``), and at
+    ZeRO stages 2 and 3 every worker of the stage runs the same number of micro-batches (each
+    micro-batch issues collectives over the data-parallel group: a rank with one fewer would leave
+    the others waiting in a reduce-scatter that never completes)."""
+    for st in plan.stages:
+        where = f"plan.stages[{st.index}]"
+        want = "fsdp" if st.zero_stage else "ddp"
+        if st.replica_sync != want:
+            raise PlanError(f"{where}.replica_sync is {st.replica_sync!r} with zero_stage {st.zero_stage}; it must be "
+                            f"{want!r} ('fsdp' exactly when zero_stage >= 1): re-create the plan with `whalelike plan`")
+        if not st.zero_stage and st.zero_reason != "none":   # 'none' with a ZeRO stage: a plan written by hand
+            raise PlanError(f"{where}.zero_reason is {st.zero_reason!r} with zero_stage 0; it must be 'none' (a "
+                            "reason is given only for a ZeRO stage 1-3): re-create the plan with `whalelike plan`")
+        if not st.zero_stage:
+            continue
+        members = plan.stage_workers(st.index)
+        per_shard = sum(1 for w in members if w.tp_index == 0)
+        if per_shard < 2:
+            raise PlanError(f"{where}.zero_stage is {st.zero_stage} but the stage has one data-parallel worker per "
+                            "shard: no other worker holds its parameters, so there is nothing to shard; set "
+                            "zero_stage 0 and replica_sync 'ddp', or re-create the plan with `whalelike plan`")
+        counts = {w.rank: len(w.micro_batch_sizes) for w in members}
+        if st.zero_stage >= 2 and len(set(counts.values())) > 1:
+            raise PlanError(
+                f"plan.workers of stage {st.index}: micro-batch counts {sorted(set(counts.values()))} differ (rank: "
+                f"count {_some([f'{r}: {n}' for r, n in counts.items()])}), but ZeRO stage {st.zero_stage} needs the "
+                "same count on every worker of the data-parallel group (each micro-batch reduce-scatters over it); "
+                "re-create the plan with `whalelike plan`"
+            )
+
+
 def _check_shards(plan: Plan) -> None:
     for st in plan.stages:
         tp_size = plan.stage_workers(st.index)[0].tp_size
@@ -250,6 +284,13 @@ def check_model(plan: Plan, graphs) -> None:
                 )
         for group in (g for t in st.taskgraphs for g in graphs[t].shard_groups):
             _check_group(st, group)
+        asked_zero = {t: graphs[t].strategy.zero for t in st.taskgraphs if graphs[t].strategy.zero is not None}
+        if asked_zero and st.zero_stage != max(asked_zero.values()):
+            raise PlanError(
+                f"plan.stages[{st.index}].zero_stage is {st.zero_stage} but TaskGraph(s) {sorted(asked_zero)} of this "
+                f"stage ask for zero={max(asked_zero.values())} (replicate(n, zero=k)); re-plan for this model with "
+                "`whalelike plan`"
+            )
         asking = [t for t in st.taskgraphs if graphs[t].strategy.asks_recompute]
         if asking and not st.recompute:
             raise PlanError(

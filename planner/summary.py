@@ -1,6 +1,7 @@
-"""``Plan.summary()``: one aligned row per device, the predicted gain over the naive plan and, given
-the cluster, the resharding chosen at each pipeline boundary. The title names the training precision
-unless it is fp32.
+"""``Plan.summary()``: one aligned row per device, per device its memory term by term (weights,
+gradients, optimizer state, activations against its memory), each stage's ZeRO stage, the predicted
+gain over the naive plan and, given the cluster, the resharding chosen at each pipeline boundary. The
+title names the training precision unless it is fp32.
 
 The resharding section needs the cluster: the Plan records which host each worker is on and each
 boundary's bytes per sample, but not the link figures (bandwidths, latency) that price a transfer.
@@ -42,14 +43,14 @@ def plan_summary(plan: Plan, cluster=None) -> str:
     )
     stages = [
         f"  stage {st.index}: {st.strategy}, layers {st.layers[0]}..{st.layers[-1]} (TaskGraph(s) "
-        f"{', '.join(map(str, st.taskgraphs))}){_recompute(st)}"
+        f"{', '.join(map(str, st.taskgraphs))}){_zero(st)}{_recompute(st)}"
         for st in plan.stages
     ]
     p, n = plan.prediction, plan.naive_prediction
     gap = "" if plan.optimality_gap is None else f", optimality gap {plan.optimality_gap:.2%}"
     speedup = n.step_time_ms / p.step_time_ms if p.step_time_ms > 0 else float("nan")
     lines = [
-        title, *stages, "", format_table(headers, rows), "",
+        title, *stages, "", format_table(headers, rows), "", *memory_lines(plan),
         f"solver: {plan.solver}{gap}",
         f"predicted step time {p.step_time_ms:.2f} ms, bubble {p.bubble_fraction:.1%}, "
         f"throughput {p.throughput:.1f} samples/s",
@@ -83,6 +84,33 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
                      + (f"; the plan's transfer_ms {boundary.transfer_ms[micro_batch]:.3g} ms"
                         if micro_batch < len(boundary.transfer_ms) else ""))
     return lines
+
+
+def memory_lines(plan: Plan) -> list[str]:
+    """Per device its weights, gradients, optimizer state and activations at its peak against its
+    memory, in GiB (``Worker.weights_gib`` ...: the memory model's terms under the stage's ZeRO
+    stage), then a blank line; nothing for a plan made before the terms were recorded."""
+    if not any(w.weights_gib or w.gradients_gib or w.optimizer_gib or w.activations_gib for w in plan.workers):
+        return []
+    headers = ["rank", "device", "stage", "zero", "weights", "gradients", "optimizer", "activations", "total / memory"]
+    rows = [[w.rank, w.device, w.stage, plan.stages[w.stage].zero_stage, _gib(w.weights_gib), _gib(w.gradients_gib),
+             _gib(w.optimizer_gib), _gib(w.activations_gib), f"{_gib(w.memory_gib)} / {_gib(w.capacity_gib)}"]
+            for w in plan.workers]
+    return [format_table(headers, rows, title="memory per device at its peak (GiB):"), ""]
+
+
+def _gib(x: float) -> str:
+    """GiB with two decimals, or two significant digits below 0.01 (small models stay readable)."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.01 else f"{x:.2g}"
+
+
+def _zero(st) -> str:
+    """', ZeRO stage 2 (FSDP2, chosen to fit)' or ', ZeRO stage 0 (DDP)': the stage's ZeRO stage and why."""
+    z = getattr(st, "zero_stage", 0)
+    if not z:
+        return ", ZeRO stage 0 (DDP)"
+    why = {"asked": "asked", "fit": "chosen to fit"}.get(getattr(st, "zero_reason", "none"), "")
+    return f", ZeRO stage {z} (FSDP2{', ' + why if why else ''})"
 
 
 def _recompute(st) -> str:

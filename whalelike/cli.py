@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster
-from whalelike.config import OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULES, Config
+from whalelike.config import OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULES, ZERO_STAGES, Config
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
@@ -184,7 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients,
-                    precision=args.precision)
+                    precision=args.precision, zero_stage=args.zero)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
                "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="training precision: fp32, or bf16/fp16 autocast with float32 master weights; each device "
                         "is priced at its rate for it, and one that cannot run it is refused (default: fp32)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None, metavar="N",
+                   help="ZeRO stage of every data-parallel stage: 0 (DDP), 1 (optimizer state sharded), 2 (and "
+                        "gradients), 3 (and parameters), on FSDP2; default: the planner picks per stage the lowest "
+                        "that fits")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
     p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json",

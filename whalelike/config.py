@@ -6,7 +6,7 @@ cross-field rule (a micro-batch needs a sample), and :func:`whalelike.spec.valid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Optional, get_args
 
 from whalelike.errors import SpecError
 from whalelike.spec import check_fields, rule
@@ -21,8 +21,10 @@ OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
 RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.replicas.replica_sync
-# builds each): DDP today
-REPLICA_SYNCS = ("ddp",)
+# builds each): "ddp" (ZeRO stage 0: every rank holds everything), "fsdp" (ZeRO stages 1-3 on torch's FSDP2,
+# StagePlan.zero_stage says which)
+REPLICA_SYNCS = ("ddp", "fsdp")
+ZERO_STAGES = (0, 1, 2, 3)   # StagePlan.zero_stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
 # training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or
 # autocast to bfloat16 / float16 with float32 master weights and optimizer state (fp16 with a loss scaler)
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -50,6 +52,11 @@ class Config:
     precision:         ``"fp32"``, or ``"bf16"``/``"fp16"``: autocast with float32 master weights and
                        optimizer state; the planner prices each device at its rate for it and refuses a
                        device that cannot run it (``planner.devices.cost_model``).
+    zero_stage:        None (the planner chooses each stage's ZeRO stage: the lowest that fits, Poplar's
+                       escalation), or 0-3, fixed for every stage whose data-parallel group has more than
+                       one worker (a region's ``replicate(n, zero=k)`` fixes its own stages instead);
+                       0 DDP, 1 optimizer state, 2 and gradients, 3 and parameters sharded
+                       (``StagePlan.zero_stage``, ``planner.devices.memory``).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -60,6 +67,9 @@ class Config:
     resharding: str = rule(str, choices=RESHARDING, says=f"one of {', '.join(RESHARDING)}", default="auto")
     delay_weight_gradients: bool = rule(bool, default=False)
     precision: str = rule(str, choices=PRECISIONS, says=f"one of {', '.join(PRECISIONS)}", default="fp32")
+    zero_stage: Optional[int] = rule(int, choices=ZERO_STAGES, default=None,
+                                     says="None (the planner chooses) or one of 0, 1, 2, 3 (the ZeRO stage of "
+                                          "every data-parallel stage)")
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}

@@ -18,6 +18,13 @@ runs such a TaskGraph recompute (``StagePlan.recompute``) and the runtime wraps 
 (:mod:`runtime.training.recompute`). A region nested in a recomputing one recomputes too (its code
 is inside the region the user asked for). It changes no structure, so the model fingerprint
 ignores it (:attr:`Strategy.structure`).
+
+ZeRO is asked the same way, on ``replicate`` only (it shards state over the data-parallel replicas):
+``replicate(n, zero=k)`` fixes the ZeRO stage ``k`` (0 DDP, 1 optimizer state, 2 and gradients, 3
+and parameters sharded) of every pipeline stage running the region (``StagePlan.zero_stage``, run by
+``runtime.replicas.fsdp_sync``); without it the planner chooses (``Config.zero_stage``, else the lowest
+stage that fits). A ``split`` nested in it keeps it on the top level (tensor parallel inside, ZeRO
+across the replicas). Like ``recompute`` it is no structure: the fingerprint ignores it.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from typing import Literal, Optional
 
 import torch.nn as nn
 
+from whalelike.config import ZERO_STAGES
 from whalelike.errors import AnnotationError
 
 Kind = Literal["replicate", "split"]
@@ -42,7 +50,9 @@ class Strategy:
     ``scope_id`` distinguishes two textually separate scopes with equal settings: each ``with``
     block is its own TaskGraph. ``recompute``: the region's activations are recomputed in the
     backward instead of kept (activation checkpointing); it takes part in equality
-    (``replicate(2) != replicate(2, recompute=True)``), not in :attr:`structure`.
+    (``replicate(2) != replicate(2, recompute=True)``), not in :attr:`structure`. ``zero``: the ZeRO
+    stage the region fixes (0-3, ``replicate`` only), None to let the planner choose; like
+    ``recompute``, in equality and not in :attr:`structure`.
     """
 
     kind: Kind
@@ -50,6 +60,7 @@ class Strategy:
     inner: Optional["Strategy"] = None
     scope_id: int = field(default=-1, compare=False)
     recompute: bool = False
+    zero: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in ("replicate", "split"):
@@ -61,6 +72,7 @@ class Strategy:
                 f"({type(self.recompute).__name__}); write {self.kind}(recompute=True) to recompute the region's "
                 "activations in the backward"
             )
+        _check_zero(self.kind, self.zero)
 
     def __str__(self) -> str:
         return self._text(with_recompute=True)
@@ -78,7 +90,12 @@ class Strategy:
 
     def _text(self, with_recompute: bool) -> str:
         n = "auto" if self.device_count is None else str(self.device_count)
-        text = f"{self.kind}({n},recompute)" if with_recompute and self.recompute else f"{self.kind}({n})"
+        options = [n]
+        if with_recompute and self.recompute:
+            options.append("recompute")
+        if with_recompute and self.zero is not None:
+            options.append(f"zero={self.zero}")
+        text = f"{self.kind}({','.join(options)})"
         return f"{text}+{self.inner._text(with_recompute)}" if self.inner is not None else text
 
     # -- context manager -------------------------------------------------------------------
@@ -123,10 +140,27 @@ def _check_device_count(kind: str, device_count) -> None:
         raise AnnotationError(f"{kind}(device_count): device_count must be > 0, got {device_count}")
 
 
-def replicate(device_count: Optional[int] = None, *, recompute: bool = False) -> Strategy:
+def _check_zero(kind: str, zero) -> None:
+    if zero is None:
+        return
+    if kind != "replicate":
+        raise AnnotationError(
+            f"{kind}(zero={zero!r}): zero is an option of replicate only (ZeRO shards state over data-parallel "
+            f"replicas, {kind} has none); write replicate(n, zero={zero!r}) around the {kind}"
+        )
+    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in ZERO_STAGES:
+        raise AnnotationError(
+            f"replicate(zero=...): zero must be one of {', '.join(map(str, ZERO_STAGES))} or None, got {zero!r}; "
+            "write replicate(n, zero=1) (optimizer state sharded), zero=2 (and gradients), zero=3 (and "
+            "parameters), zero=0 (DDP), or leave it out to let the planner choose"
+        )
+
+
+def replicate(device_count: Optional[int] = None, *, recompute: bool = False, zero: Optional[int] = None) -> Strategy:
     """Data parallel: the code under this scope forms one TaskGraph replicated on ``device_count`` devices.
-    ``recompute=True``: its activations are recomputed in the backward (activation checkpointing)."""
-    return Strategy("replicate", device_count, recompute=recompute)
+    ``recompute=True``: its activations are recomputed in the backward (activation checkpointing).
+    ``zero=k`` (0-3): the ZeRO stage of its data-parallel groups (None: the planner chooses)."""
+    return Strategy("replicate", device_count, recompute=recompute, zero=zero)
 
 
 def split(device_count: Optional[int] = None, *, recompute: bool = False) -> Strategy:
@@ -168,10 +202,10 @@ def _nest(outer: Optional[Strategy], inner: Strategy) -> Strategy:
     The effective strategy carries ``recompute`` on its top level: asked by either scope."""
     sid = next(_scope_ids)
     if outer is None:
-        return Strategy(inner.kind, inner.device_count, None, sid, recompute=inner.recompute)
+        return Strategy(inner.kind, inner.device_count, None, sid, recompute=inner.recompute, zero=inner.zero)
     if outer.kind == "replicate" and outer.inner is None and inner.kind == "split":
         return Strategy("replicate", outer.device_count, Strategy("split", inner.device_count), sid,
-                        recompute=outer.recompute or inner.recompute)
+                        recompute=outer.recompute or inner.recompute, zero=outer.zero)
     raise AnnotationError(
         f"cannot open {inner} inside {outer}: the only allowed nesting is split inside replicate "
         "(tensor parallel inside each data-parallel replica)"
@@ -200,7 +234,7 @@ def set_default_strategy(strategy: Optional[Strategy]) -> None:
     if not isinstance(strategy, Strategy):
         raise AnnotationError(f"set_default_strategy expects wl.replicate(...), wl.split(...) or None, got {strategy!r}")
     _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1,
-                              recompute=strategy.recompute)
+                              recompute=strategy.recompute, zero=strategy.zero)
     _STACK.default_is_set = True
 
 

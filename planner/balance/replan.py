@@ -131,7 +131,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
                 graphs, config, layout, network,
                 stage_layers=new_layers if use_layers else old_layers,
                 shards=None if use_shards else old_shards, counts=[config.num_micro_batch],
-                recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
+                **_choices_in_force(plan))
         except PlanError as e:
             first_error = first_error or e
             continue
@@ -144,7 +144,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         kept.append(f"batch shares: the new shares do not fit in memory ({first_error})")
         decisions = aware_decisions(graphs, config, layout, network, stage_layers=old_layers,
                                     shards=old_shards, sizes=_plan_sizes(plan, layout),
-                                    recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
+                                    **_choices_in_force(plan))
     if decisions.stage_layers == old_layers:
         solver, gap = plan.solver, plan.optimality_gap
     new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
@@ -344,6 +344,14 @@ def _plan_sizes(plan: Plan, layout: Layout) -> list:
     return sizes
 
 
+def _choices_in_force(plan: Plan) -> dict:
+    """What a re-plan keeps of the plan in force besides its workers: each stage's recompute choice,
+    ZeRO stage and their reasons (:func:`planner.decisions.aware_decisions`'s ``recompute``, ``zero``
+    and ``zero_reason``)."""
+    return {"recompute": [st.recompute_reason if st.recompute else "" for st in plan.stages],
+            "zero": [st.zero_stage for st in plan.stages], "zero_reason": [st.zero_reason for st in plan.stages]}
+
+
 def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Decisions) -> Plan:
     plan = build_plan(graphs, cluster, config, decisions)
     return dataclasses.replace(plan, prediction=predict(plan, cluster))
@@ -353,5 +361,5 @@ def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) ->
     """The plan in force re-priced at the measured speeds."""
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
                            shards=old_shards, sizes=_plan_sizes(plan, layout),
-                           recompute=[st.recompute_reason if st.recompute else "" for st in plan.stages])
+                           **_choices_in_force(plan))
     return predict(build_plan(graphs, measured, config, kept), measured)

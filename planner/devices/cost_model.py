@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from whalelike.cluster import Device, Network
+from whalelike.graphs.regions import ROOT_LAYER
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import UNBOUNDED_SAMPLES, stage_memory  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
@@ -113,6 +114,32 @@ class CommModel:
             return 0.0
         return self._ring(devices).allgather_ms(nbytes)
 
+    def zero_ms(self, zero_stage: int, nbytes: float, micro_batches: int, devices: Sequence[Device],
+                units: int = 1) -> float:
+        """Time per step of the collectives a ZeRO stage's data-parallel group runs over ``devices``
+        (a ring in rank order) for parameters of ``nbytes`` (the worker's tensor-parallel shard of
+        the stage's, float32 as the gradient all-reduces) with ``micro_batches`` micro-batches, in
+        ``units`` FSDP units (one collective each: a latency per step each), counted by
+        :func:`zero_collectives`; 0 for stage 0 (DDP's all-reduce is priced apart)."""
+        gathers, scatters = zero_collectives(zero_stage, micro_batches)
+        if len(devices) <= 1 or nbytes <= 0 or not (gathers or scatters):
+            return 0.0
+        ring = self._ring(devices)
+        per_unit_latency = (max(units, 1) - 1) * (ring.size - 1) * ring.latency_ms
+        return (gathers * (ring.allgather_ms(nbytes) + per_unit_latency)
+                + scatters * (ring.reduce_scatter_ms(nbytes) + per_unit_latency))
+
+
+def zero_collectives(zero_stage: int, micro_batches: int) -> tuple[int, int]:
+    """``(all-gathers, reduce-scatters)`` of the stage's parameters per step under ZeRO stage
+    ``zero_stage`` with ``micro_batches`` micro-batches, as FSDP2 runs them: stage 1 one
+    reduce-scatter of the accumulated gradient and one all-gather of the updated parameters; stage 2
+    a reduce-scatter per micro-batch and one all-gather; stage 3 per micro-batch two all-gathers
+    (forward, then backward: the parameters are resharded after the forward) and one reduce-scatter;
+    stage 0 none (DDP all-reduces instead)."""
+    k = max(int(micro_batches), 1)
+    return {0: (0, 0), 1: (1, 1), 2: (1, k), 3: (2 * k, k)}[zero_stage]
+
 
 @dataclass(frozen=True)
 class StageCost:
@@ -168,6 +195,7 @@ class StageCost:
     sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
     layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
     max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
+    fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -241,6 +269,7 @@ class StageCost:
             max_layer_activation_bytes=max(at_precision(l, "activation", l.activation_bytes_per_sample)
                                            - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
                                            for l in chosen),
+            fsdp_unit_bytes=fsdp_unit_bytes(chosen, params),
         )
 
     @property
@@ -261,6 +290,25 @@ class StageCost:
         at most :data:`UNBOUNDED_SAMPLES`: shorthand for
         ``stage_memory(self, in_flight, shard).max_samples(capacity_bytes)``."""
         return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
+
+
+def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
+    """Parameter bytes of each FSDP unit when ``chosen`` (a stage's Layers) run as the whole model,
+    wrapped as ``runtime.replicas.fsdp_sync`` wraps a single-stage plan and as
+    :func:`runtime.training.recompute.wrap_layers` picks modules: one unit per Layer name that is a
+    module path (not the model's own code, ``<root>``), leaving out a module whose subtree holds
+    another such Layer (code around blocks), then the root unit with every other parameter (left out
+    when it holds none). A model without module Layers is one unit."""
+    by_name: dict[str, float] = {}
+    for layer in chosen:
+        if layer.name and layer.name != ROOT_LAYER:
+            by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
+    names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
+    if not names:
+        return (float(param_bytes),)
+    units = [by_name[n] for n in names]
+    root = float(param_bytes) - sum(units)
+    return tuple(units) + ((root,) if root > 0 else ())
 
 
 def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float) -> tuple[float, bool]:

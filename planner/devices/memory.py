@@ -35,6 +35,24 @@ in flight (GPipe with dozens of them: the layer inputs are kept per micro-batch 
 whole stage's activations once); ``recompute=True`` prices the stage with that unit, and the runtime
 runs the unit the plan says.
 
+ZeRO (:class:`ZeroShards`, :func:`worker_fractions`). A stage whose data-parallel group (its workers
+of one ``tp_index`` over all replicas, ``n`` of them) runs ZeRO on FSDP2 (``runtime.replicas.fsdp_sync``)
+holds, at its peak, these shares of the whole stage's weights ``w``, gradients ``g`` and optimizer
+state ``o`` (then times its tensor-parallel shard, as every term), with ``f = 1/n`` (FSDP2's even
+shards: each parameter chunked on dim 0) and ``u`` the largest FSDP unit's share of the stage's
+parameter bytes (:func:`fsdp_unit_share`):
+
+* stage 0 (DDP): ``w = g = o = 1``;
+* stage 1: ``w = 1 + f`` (the sharded parameters plus the unsharded ones held through forward and
+  backward), ``g = 1 + f`` (gradients accumulate unsharded over the micro-batches, then are
+  reduce-scattered into a sharded gradient), ``o = f``;
+* stage 2: ``w = 1 + f``, ``g = f + u`` (each micro-batch reduce-scatters unit by unit: the sharded
+  gradient plus one unit's full gradient), ``o = f``;
+* stage 3: ``w = f + min(2u, 1)`` (the unit being computed plus the prefetched one, never more than
+  the whole stage gathered), ``g = f + u``, ``o = f``.
+
+So a ZeRO stage changes the three static fractions and nothing else; the activations are as without.
+
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
 activation_bytes_per_sample + transient_bytes_per_sample)``: each term scales with its own fraction
@@ -168,16 +186,75 @@ def fits(need_bytes: float, capacity_bytes: float) -> bool:
     return need_bytes <= capacity_bytes * (1 + FIT_TOLERANCE)
 
 
+@dataclass(frozen=True)
+class ZeroShards:
+    """What a stage's data-parallel group shards (ZeRO, run by FSDP2 in ``runtime.replicas.fsdp_sync``):
+    ``stage`` 0-3 (``StagePlan.zero_stage``), ``group`` the workers of the group (the stage's workers of
+    one ``tp_index`` over all replicas: each holds ``1 / group`` of what is sharded, FSDP2's even
+    shards), ``unit`` the largest FSDP unit's share of the stage's parameter bytes
+    (:func:`fsdp_unit_share`)."""
+
+    stage: int = 0
+    group: int = 1
+    unit: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroShards.stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"ZeroShards.group must be an integer >= 1 (workers in the group), got {self.group!r}")
+        if not (isinstance(self.unit, (int, float)) and 0 < self.unit <= 1):
+            raise ValueError(f"ZeroShards.unit must be in (0, 1] (a share of the stage's parameters), got {self.unit!r}")
+
+    def fractions(self) -> tuple[float, float, float]:
+        """``(weights, gradients, optimizer state)``: the share of the whole stage's bytes of each a
+        worker holds at its peak, before its tensor-parallel shard (module docstring, "ZeRO")."""
+        f, u, z = 1.0 / self.group, self.unit, self.stage
+        if z == 0:
+            return 1.0, 1.0, 1.0
+        if z == 1:
+            return 1.0 + f, 1.0 + f, f
+        if z == 2:
+            return 1.0 + f, f + u, f
+        return f + min(2.0 * u, 1.0), f + u, f
+
+
+NO_ZERO = ZeroShards()
+
+
+def fsdp_units(cost: "StageCost", whole_model: bool) -> tuple[float, ...]:
+    """Parameter bytes of each FSDP unit of a stage, as the runtime wraps them
+    (``runtime.replicas.fsdp_sync``): a single-stage plan (``whole_model``) wraps each capture Layer
+    that is a module path as its own unit and the rest in the root unit (``StageCost.fsdp_unit_bytes``,
+    the modules :func:`runtime.training.recompute.wrap_layers` picks); a stage of a pipeline is one
+    unit, the whole stage module."""
+    units = cost.fsdp_unit_bytes if whole_model else ()
+    return tuple(units) if units else (float(cost.param_bytes),)
+
+
+def fsdp_unit_share(cost: "StageCost", whole_model: bool) -> float:
+    """``u``: the largest FSDP unit's share of the stage's parameter bytes (:func:`fsdp_units`); 1 for
+    a pipeline stage (one unit) or a stage without parameters."""
+    if cost.param_bytes <= 0:
+        return 1.0
+    return min(max(max(fsdp_units(cost, whole_model)) / cost.param_bytes, 1e-12), 1.0)
+
+
 def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,
-                     activation_shard: float | None = None) -> dict[str, float]:
+                     activation_shard: float | None = None, zero: ZeroShards = NO_ZERO) -> dict[str, float]:
     """The fraction of each term a worker holds: its tensor-parallel ``shard`` of the stage (its
     :class:`~planner.shares.shard_sizes.ShardLayout` fraction) of the weights, gradients and
-    optimizer state, and of the activations its ``activation_shard`` (default: ``shard``;
-    :func:`activation_shard`: what a ``split`` stage leaves whole counts whole) of its
+    optimizer state, each times what its ZeRO stage keeps of it (``zero``:
+    :meth:`ZeroShards.fractions`), and of the activations its ``activation_shard`` (default:
+    ``shard``; :func:`activation_shard`: what a ``split`` stage leaves whole counts whole) of its
     ``batch_share`` of the samples priced. The one rule of who holds what: a ZeRO stage or
     activation checkpointing changes one entry here."""
     a = shard if activation_shard is None else activation_shard
-    return {"weight_fraction": shard, "gradient_fraction": shard, "optimizer_fraction": shard,
+    if zero.stage == 0:   # exactly the shard, as before ZeRO existed (equal fractions group bit for bit)
+        return {"weight_fraction": shard, "gradient_fraction": shard, "optimizer_fraction": shard,
+                "activation_fraction": a * batch_share}
+    w, g, o = zero.fractions()
+    return {"weight_fraction": shard * w, "gradient_fraction": shard * g, "optimizer_fraction": shard * o,
             "activation_fraction": a * batch_share}
 
 
@@ -238,7 +315,8 @@ def recompute_of(cost: "StageCost", in_flight: int, recompute: "bool | str") -> 
 
 
 def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_share: float = 1.0,
-                 recompute: "bool | str" = False, unit_share: float | None = None) -> MemoryTerms:
+                 recompute: "bool | str" = False, unit_share: float | None = None,
+                 zero: ZeroShards = NO_ZERO) -> MemoryTerms:
     """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
     alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
     are its own group's). Gradients are as large as the parameters; the boundary buffers count
@@ -246,7 +324,8 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     runs under activation checkpointing, ``True`` in the unit :func:`recompute_unit` picks, or the
     one named, ``"layer"`` or ``"stage"`` (:func:`recompute_of`). ``unit_share``:
     the worker's share of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for
-    its activations (:func:`activation_shard`). The last stage's loss bytes are held once."""
+    its activations (:func:`activation_shard`). ``zero``: what the stage's data-parallel group
+    shards (:class:`ZeroShards`). The last stage's loss bytes are held once."""
     kept, once = recompute_of(cost, in_flight, recompute)
     if cost.loss_bytes:   # a plain 0 is not added: a stage without the loss prices as before, bit for bit
         once = once + cost.loss_bytes
@@ -256,14 +335,16 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
         optimizer_bytes=cost.optimizer_bytes,
         activation_bytes_per_sample=kept,
         in_flight=in_flight,
-        **worker_fractions(shard, batch_share, activation_shard(cost, in_flight, unit_share, recompute, shard)),
+        **worker_fractions(shard, batch_share, activation_shard(cost, in_flight, unit_share, recompute, shard), zero),
         transient_bytes_per_sample=once,
     )
 
 
-def max_shard(cost: "StageCost", in_flight: int, samples: int, capacity_bytes: float, recompute: bool = False) -> float:
+def max_shard(cost: "StageCost", in_flight: int, samples: int, capacity_bytes: float, recompute: bool = False,
+              zero: ZeroShards = NO_ZERO) -> float:
     """The largest tensor-parallel fraction of stage ``cost`` a device of ``capacity_bytes`` holds
-    with ``samples`` samples per micro-batch (``recompute``: under activation checkpointing): every
-    term scales with the shard (:func:`worker_fractions`), so it is the capacity over the whole
-    stage's need (at least one byte: a stage that needs nothing fits any share)."""
-    return capacity_bytes / max(stage_memory(cost, in_flight, recompute=recompute).total(samples), 1.0)
+    with ``samples`` samples per micro-batch (``recompute``: under activation checkpointing; ``zero``:
+    its data-parallel group's ZeRO stage): every term scales with the shard (:func:`worker_fractions`),
+    so it is the capacity over the whole stage's need (at least one byte: a stage that needs nothing
+    fits any share)."""
+    return capacity_bytes / max(stage_memory(cost, in_flight, recompute=recompute, zero=zero).total(samples), 1.0)

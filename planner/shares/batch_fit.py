@@ -23,17 +23,19 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from whalelike.cluster import Device
 from whalelike.config import Config
 from whalelike.display import human_bytes
 
 from planner.devices.cost_model import GIB, StageCost, device_tflops, training_flops
-from planner.devices.memory import stage_memory
+from planner.devices.memory import NO_ZERO, ZeroShards, stage_memory
 from planner.devices.placement import Layout
 from planner.plan import PlanError
-from planner.shares.batch_shares import DoesNotFit, Slot, accumulation_sizes, balanced_shares, proportional_shares
+from planner.shares.batch_shares import (
+    DoesNotFit, Slot, accumulation_sizes, balance_memory, balanced_shares, proportional_shares,
+)
 from planner.shares.shard_sizes import ShardLayout
 
 log = logging.getLogger(__name__)
@@ -117,18 +119,21 @@ def _by_group(per_batch: Sequence[Sequence[int]]) -> list[list[int]]:
 @dataclass(frozen=True)
 class PricedStage:
     """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards,
-    and whether it recomputes its activations (built by :func:`planner.decisions.priced_stages`)."""
+    whether it recomputes its activations and what its data-parallel group shards under ZeRO
+    (built by :func:`planner.decisions.priced_stages`)."""
 
     index: int
     cost: StageCost
     in_flight: int
     shards: ShardLayout
     recompute: bool = False
+    zero: ZeroShards = NO_ZERO
 
     def memory(self, fraction: float, unit_share: Optional[float] = None):
         """The memory model of a worker holding ``fraction`` of this stage (``unit_share`` of its
         shard groups' units, :func:`planner.devices.memory.stage_memory`)."""
-        return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute, unit_share=unit_share)
+        return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute, unit_share=unit_share,
+                            zero=self.zero)
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
         """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
@@ -146,6 +151,15 @@ class PricedStage:
         """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
         return max(self.memory(f, self.shards.unit_share(t)).total(samples) / (d.memory_gib * GIB)
                    for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
+
+
+class StageMemoryError(PlanError):
+    """Stage ``stage``'s devices cannot hold what :func:`memory_error` says (a PlanError that names the
+    stage, so :func:`planner.decisions.aware_decisions` knows which stage's ZeRO stage to raise)."""
+
+    def __init__(self, message: str, stage: int):
+        super().__init__(message)
+        self.stage = stage
 
 
 class StageDoesNotFit(Exception):
@@ -218,6 +232,89 @@ def fit_single_stage(layout: Layout, st: PricedStage, gbs: int, m: int) -> tuple
     return single_stage_sizes(layout, per_group), count
 
 
+def fit_equal_counts(layout: Layout, st: PricedStage, gbs: int, m: int, comm_ms: Callable[[int], float]
+                     ) -> tuple[list, int]:
+    """``(Decisions.sizes, micro-batch count)`` of a single stage under ZeRO stage 2 or 3, whose
+    every micro-batch issues collectives over the data-parallel group (a reduce-scatter; at stage 3
+    also the all-gathers), so every group runs the same number ``k`` of micro-batches, larger ones on
+    faster devices, each within its device's memory.
+
+    Poplar's Algorithm 2 searches the time ``t`` one micro-step takes and gives each device the
+    largest micro-batch it computes in ``t``; here the search is over ``k``, which ``t`` determines
+    (``k = gbs / sum of the micro-batches``), so each candidate is priced exactly as Poplar prices
+    one: for each ``k`` from ``num_micro_batch`` (``m``) upward, at least the count whose micro-batches
+    the devices hold at all (``gbs / sum of caps``), the shares are speed-proportional (each at least
+    ``k``: a sample per micro-batch), moved off devices whose ``k`` micro-batches would not fit by
+    Whale's memory balancing (:func:`~planner.shares.batch_shares.balance_memory`, caps ``k`` times
+    the device's micro-batch cap), each share cut into ``k`` near-equal micro-batches, and the step
+    priced as the sum over micro-steps of the slowest group's compute plus ``comm_ms(k)``, the
+    group's ZeRO collectives per step (:meth:`planner.devices.cost_model.CommModel.zero_ms`, on the
+    network model). The fastest wins (ties: fewer micro-batches). The search stops at the count
+    whose speed-proportional shares fit unbalanced (more micro-batches only add collectives) or as
+    soon as ``comm_ms(k)`` plus the ideal compute exceeds the best step found; beyond 64 candidate
+    counts it tries the first 32 and then every 25% more (bounded work for any global batch).
+    Raises PlanError when no count fits."""
+    check_fit(layout, st, samples=1)
+    groups = layout.stage_groups(st.index)
+    speeds = [st.group_speed(g) for g in groups]
+    caps = [st.group_cap(g) for g in groups]
+    most = min(gbs // len(groups), MAX_MICRO_BATCHES)
+    low = max(m, -(-gbs // sum(caps)))
+    if low > most:
+        raise PlanError(
+            f"global_batch_size {gbs} does not fit TaskGraph {layout.shapes[st.index].taskgraph} under ZeRO stage "
+            f"{st.zero.stage}: its {len(groups)} data-parallel groups hold {sum(caps)} samples per micro-batch in "
+            f"all, so it needs at least {low} micro-batches, but every group runs each of them (at least one "
+            f"sample each, at most {MAX_MICRO_BATCHES}) and so at most {most} fit; use global_batch_size <= "
+            f"{sum(caps) * most}, or devices with more memory"
+        )
+    ideal = proportional_shares(gbs, speeds, minimum=1)
+    free = min(max(low, max(-(-n // c) for n, c in zip(ideal, caps))), most)
+    floor_ms = gbs / sum(speeds)
+    best = None
+    for k in _counts_to_try(low, free):
+        shares = _equal_count_shares(st, groups, speeds, caps, gbs, k)
+        if shares is None:
+            continue
+        sizes = [equal_batches(n, k) for n in shares]
+        compute = sum(max(size[j] / v for size, v in zip(sizes, speeds)) for j in range(k))
+        comm = comm_ms(k)
+        if best is None or compute + comm < best[0] * (1 - 1e-9):
+            best = (compute + comm, sizes, k)
+        if comm + floor_ms >= best[0]:
+            break
+    if best is None:   # the largest count the search stops at always fits; here for safety
+        raise memory_error(layout, st.index, st.cost, st.in_flight, groups, st.shards, 1, st.recompute, st.zero)
+    _, per_group, count = best
+    if count != m:
+        log.info("ZeRO stage %d: every device runs %d micro-batches (num_micro_batch %d)", st.zero.stage, count, m)
+    return single_stage_sizes(layout, per_group), count
+
+
+def _counts_to_try(low: int, high: int) -> list[int]:
+    """The micro-batch counts :func:`fit_equal_counts` prices: all of ``low..high`` up to 64 of
+    them, else the first 32 and then every 25% more, ``high`` last."""
+    if high - low < 64:
+        return list(range(low, high + 1))
+    counts = list(range(low, low + 32))
+    k = counts[-1]
+    while k < high:
+        k = min(high, max(k + 1, math.ceil(k * 1.25)))
+        counts.append(k)
+    return counts
+
+
+def _equal_count_shares(st: PricedStage, groups, speeds: list[float], caps: list[int], gbs: int, k: int):
+    """Each group's samples per step when every group runs ``k`` micro-batches of at most its cap:
+    speed-proportional (at least ``k`` each), memory-balanced; None when they cannot fit."""
+    slots = [Slot(v, k * c) for v, c in zip(speeds, caps)]
+    try:
+        shares = proportional_shares(gbs, speeds, minimum=k)
+        return balance_memory(shares, slots, lambda i, n: st.group_util(groups[i], -(-n // k)))
+    except (DoesNotFit, ValueError):
+        return None
+
+
 def check_accumulation(layout: Layout, st: PricedStage, totals: list[int], groups, gbs: int) -> None:
     """Per-device gradient accumulation must stay within :data:`MAX_MICRO_BATCHES` micro-batches."""
     count, group = max(((math.ceil(n / max(st.group_cap(g), 1)), g) for n, g in zip(totals, groups)),
@@ -254,32 +351,35 @@ def check_fit(layout: Layout, st: PricedStage, samples: int) -> None:
     ``samples`` samples per micro-batch."""
     for group in layout.stage_groups(st.index):
         if st.group_cap(group) < samples:
-            raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples, st.recompute)
+            raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples, st.recompute,
+                               st.zero)
 
 
 def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None,
-                 samples: int, recompute: bool = False) -> PlanError:
+                 samples: int, recompute: bool = False, zero: ZeroShards = NO_ZERO) -> StageMemoryError:
     """Why stage ``s`` does not fit on the tightest device of ``groups`` with ``samples`` samples
     per micro-batch (its shard of ``shards``, or an even one; ``recompute``: priced with activation
-    checkpointing, which the message then says): what it needs and what it lacks."""
+    checkpointing, ``zero``: under its ZeRO stage, which the message then says): what it needs and
+    what it lacks."""
     worst = None
     for group in groups:
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
             need = stage_memory(cost, in_flight, f, recompute=recompute,
-                                unit_share=shards.unit_share(t) if shards else None).total(samples)
+                                unit_share=shards.unit_share(t) if shards else None, zero=zero).total(samples)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
                 worst = (short, need, d)
     short, need, device = worst
     what = "weights, gradients and optimizer state" + (" with one sample in flight" if samples else "")
     what += ", recomputing its activations (activation checkpointing)," if recompute and samples else ""
-    return PlanError(
+    what += f" under ZeRO stage {zero.stage} over {zero.group} workers" if zero.stage else ""
+    return StageMemoryError(
         f"TaskGraph {layout.shapes[s].taskgraph} (stage {s}, {layout.shapes[s].label}) does not fit on device "
-        f"{device.name!r} ({device.kind}, {device.memory_gib:.1f} GiB): its {what} need {need / GIB:.2f} GiB, "
-        f"short by {max(short, 0) / GIB:.2f} GiB; shard it with split(n) over more devices, or use devices "
-        "with more memory"
-    )
+        f"{device.name!r} ({device.kind}, {human_bytes(device.memory_gib * GIB)}): its {what} need {human_bytes(need)}, "
+        f"short by {human_bytes(max(short, 0))} ({max(short, 0):,.0f} bytes); shard it with split(n) over more "
+        "devices, or use devices "
+        "with more memory", s)
 
 
 def shortfall_error(layout: Layout, err: StageDoesNotFit, m: int, gbs: int, tried: int) -> PlanError:

@@ -15,7 +15,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from whalelike.sharding.groups import WHAT_SPLIT_SHARDS, ShardGroup
 
 from planner.devices.cost_model import GIB, StageCost, device_tflops
-from planner.devices.memory import max_shard
+from planner.devices.memory import NO_ZERO, ZeroShards, max_shard
 from planner.devices.placement import Layout
 from planner.plan import PlanError
 from planner.shares.batch_fit import memory_error
@@ -53,22 +53,22 @@ def check_shardable(layout: Layout, s: int, owners, shardable, groups) -> None:
 
 
 def aware_shards(layout: Layout, s: int, cost: StageCost, in_flight: int, shardable, shard_groups,
-                 samples: int, recompute: bool = False) -> ShardLayout:
+                 samples: int, recompute: bool = False, zero: ZeroShards = NO_ZERO) -> ShardLayout:
     """Shards proportional to the summed speed at each tensor-parallel index, capped so that each
     device holds its shard with ``samples`` samples in flight (``recompute``: under activation
-    checkpointing, :mod:`planner.devices.memory`), or failing that its weights alone (the batch
-    balancer then finds out how many samples fit)."""
+    checkpointing; ``zero``: under its data-parallel group's ZeRO stage, :mod:`planner.devices.memory`),
+    or failing that its weights alone (the batch balancer then finds out how many samples fit)."""
     groups = layout.stage_groups(s)
     tp = layout.shapes[s].tp
     speeds = [sum(device_tflops(g[t], cost.precision) for g in groups) for t in range(tp)]
     for n in (samples, 0):
-        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB, recompute) for g in groups)
+        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB, recompute, zero) for g in groups)
                          for t in range(tp)]
         try:
             return shard_layout(shardable, speeds, max_fractions, shard_groups, cost.flops_per_sample)
         except DoesNotFit:
             continue
-    raise memory_error(layout, s, cost, in_flight, groups, None, samples=0)
+    raise memory_error(layout, s, cost, in_flight, groups, None, samples=0, zero=zero)
 
 
 def _has_split(strategy) -> bool:

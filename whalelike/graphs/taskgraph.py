@@ -244,12 +244,14 @@ class TaskGraphs:
 
 def _strategy_to_dict(s: Strategy) -> dict:
     return {"kind": s.kind, "device_count": s.device_count,
-            "inner": _strategy_to_dict(s.inner) if s.inner is not None else None, "recompute": s.recompute}
+            "inner": _strategy_to_dict(s.inner) if s.inner is not None else None, "recompute": s.recompute,
+            "zero": s.zero}
 
 
 def _strategy_from_dict(d: dict) -> Strategy:
     inner = _strategy_from_dict(d["inner"]) if d.get("inner") else None
-    return Strategy(d["kind"], d.get("device_count"), inner, recompute=d.get("recompute", False))
+    return Strategy(d["kind"], d.get("device_count"), inner, recompute=d.get("recompute", False),
+                    zero=d.get("zero"))
 
 
 _NUMBERED = re.compile(r"^(.*\.)(\d+)$")
