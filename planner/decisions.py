@@ -335,12 +335,18 @@ def zero_ladder(layout: Layout, s: int, fixed: int | None) -> list[int]:
 def next_zero(layout: Layout, s: int, ladder: list[int], current: int, stage_layers, graphs: TaskGraphs,
               config: Config) -> int | None:
     """The next ZeRO stage of ``ladder`` above ``current`` at which stage ``s``'s workers hold less
-    of some term (one that holds no less of any is skipped: in a pipeline, whose stages are one FSDP
-    unit each, stages 2 and 3 hold what stage 1 does), or None."""
+    weights, gradients and optimizer state in all (the activations are the same at every ZeRO
+    stage), or None. One that holds no less cannot fit where ``current`` does not and is skipped: in
+    a pipeline, whose stages are one FSDP unit each, stages 2 and 3 hold what stage 1 does; over two
+    workers with AdamW, stage 1 holds what stage 0 does (``1.5 + 1.5 + 0.5 * 2 = 1 + 1 + 2``)."""
     cost = StageCost.of_layers(graphs, stage_layers[s], config.precision)
-    now = zero_shards(layout, s, cost, current).fractions()
+
+    def static(z: int) -> float:
+        return stage_memory(cost, 1, zero=zero_shards(layout, s, cost, z)).static()
+
+    now = static(current)
     for z in ladder[ladder.index(current) + 1:] if current in ladder else []:
-        if any(a < b for a, b in zip(zero_shards(layout, s, cost, z).fractions(), now)):
+        if static(z) < now * (1 - 1e-9):
             return z
     return None
 
@@ -355,9 +361,9 @@ def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool) -
                 else "")
     if workers == 1:
         return " (ZeRO cannot help: no other worker holds this stage's parameters)"
-    tried = ", ".join(str(z) for z in ladders[s] if z <= zeros[s])
-    return (f" (ZeRO stages {tried} were tried over its {workers} data-parallel workers; more data-parallel "
-            "devices shard its state thinner)")
+    higher = " (the higher ones hold no less here)" if zeros[s] < ladders[s][-1] else ""
+    return (f" (ZeRO stages up to {zeros[s]} were tried over its {workers} data-parallel workers{higher}; more "
+            "data-parallel devices shard its state thinner)")
 
 
 def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:

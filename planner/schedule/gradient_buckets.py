@@ -24,6 +24,11 @@ bucket there, five here: the same bytes, four more latencies; the Plan and the T
 bytes per layer, not per parameter), the first step's single bucket (DDP has not seen the ready
 order yet), and the loss riding in the last bucket.
 
+ZeRO stages (``StagePlan.zero_stage`` >= 1, FSDP2) have no DDP buckets: their all-gathers and
+reduce-scatters (:meth:`planner.devices.cost_model.CommModel.zero_ms`) are priced as communication at
+the end of the step, ``Worker.allreduce_ms`` (their ``gradient_bytes`` are 0), so the simulator
+overlaps none of FSDP2's prefetching: an upper bound on their exposed time.
+
 Invariant: the buckets of a group carry exactly the worker's gradient bytes, in non-decreasing
 order of ready fraction, each fraction in [0, 1], the last 1.
 """
@@ -108,7 +113,7 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
                  bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[GroupKey, list[GradientBucket]]:
     """The buckets of every data-parallel group ``(stage, tp_index)`` of ``plan`` whose workers
     record their ``gradient_bytes`` (a plan made before that field keeps its one all-reduce after
-    the backward), priced on ``network``."""
+    the backward; a ZeRO stage has none), priced on ``network``."""
     members: dict[GroupKey, list] = {}
     for w in plan.workers:
         members.setdefault((w.stage, w.tp_index), []).append(w)
@@ -116,7 +121,7 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
     rings: dict[tuple[str, ...], Ring] = {}
     for key, ws in members.items():
         nbytes = max(w.gradient_bytes for w in ws)
-        if nbytes <= 0 or len(ws) < 2:
+        if nbytes <= 0 or len(ws) < 2 or plan.stages[key[0]].zero_stage:
             continue
         devices = tuple(w.device for w in sorted(ws, key=lambda w: w.rank))
         if devices not in rings:
@@ -133,6 +138,8 @@ def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
     network = NetworkModel.of_cluster(cluster)
     out: dict[GroupKey, list[GradientBucket]] = {}
     for stage in plan.stages:
+        if stage.zero_stage:   # FSDP2's collectives: Worker.allreduce_ms after the backward (module docstring)
+            continue
         total = sum(layer_gradient_bytes(graphs, list(stage.layers)))
         members = sorted(plan.stage_workers(stage.index), key=lambda w: w.rank)
         fractions = _shard_fractions(graphs, stage, members[0].tp_size, plan.precision)

@@ -1,0 +1,375 @@
+"""The planner's side of ZeRO (issue 19): who asks for which ZeRO stage, what each stage holds, how
+batches are cut, and what the plan records.
+
+In process, no spawn: the ``zero`` option of ``replicate`` (its checks, the TaskGraph round trip, the
+zero-blind fingerprint, nesting), ``Config.zero_stage`` and ``whalelike plan --zero``; the memory
+model's three static fractions per ZeRO stage against the formulas (FSDP units of a real GPT-2 and
+of a pipeline stage); Poplar's escalation on a real ``transformers`` GPT-2 whose full replica does not
+fit the smallest device (the lowest ZeRO stage that fits, before activation checkpointing; the
+naive plan too); equal micro-batch counts at ZeRO 2-3 with larger micro-batches on faster devices;
+the ZeRO collectives in ``Worker.allreduce_ms``; a pipeline's escalation; a re-plan keeping the
+ZeRO stage; plan YAML round trip, old plan files, and the plan checks; the errors (a ZeRO stage on a
+stage of one worker, values out of range, a model too big for any ZeRO stage naming the device and
+the bytes missing).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import planner
+import whalelike as wl
+from hf_models import gpt2
+from planner.balance.replan import rebalance
+from planner.devices.cost_model import GIB, CommModel, StageCost, zero_collectives
+from planner.devices.memory import ZeroShards, fsdp_unit_share, fsdp_units, stage_memory
+from planner.plan import Plan, PlanError
+from synthetic import synthetic_cluster, synthetic_model
+from whalelike.cluster import Cluster, Device, Network
+from whalelike.errors import AnnotationError, SpecError
+from whalelike.graphs.capture import capture
+from whalelike.graphs.taskgraph import TaskGraphs
+
+SPEEDS = (1.0, 1.0, 0.5, 0.25)   # TFLOPS of the four devices: the issue's benchmark cluster
+NETWORK = Network(intra_host_gbps=100.0, inter_host_gbps=10.0, latency_us=5.0)
+
+
+@pytest.fixture(scope="module")
+def gpt2_graphs() -> TaskGraphs:
+    """A real transformers GPT-2 (4 blocks of 64 features, tied embeddings) captured whole: one
+    ``replicate`` stage over every device."""
+    torch.manual_seed(0)
+    real = gpt2()
+    (ids,), _ = real.make_batch(2, torch.Generator().manual_seed(0))
+    return capture(real.model, (ids,))
+
+
+def whole(graphs: TaskGraphs) -> StageCost:
+    return StageCost.of_layers(graphs, list(range(len(graphs.layers))))
+
+
+def need(graphs: TaskGraphs, zero: int, samples: int = 1, workers: int = 4) -> float:
+    """Bytes a worker of the whole model's single stage holds at ZeRO ``zero`` with ``samples`` samples."""
+    cost = whole(graphs)
+    return stage_memory(cost, 1, zero=ZeroShards(zero, workers, fsdp_unit_share(cost, True))).total(samples)
+
+
+def cluster_of(memories_bytes, speeds=SPEEDS, name: str = "hetero") -> Cluster:
+    devices = tuple(Device(f"d{i}", f"kind{i}", "h0", peak_tflops=s, memory_gib=m / GIB)
+                    for i, (m, s) in enumerate(zip(memories_bytes, speeds)))
+    return Cluster(name, devices, NETWORK)
+
+
+def small_last(graphs: TaskGraphs, zero: int) -> Cluster:
+    """Three roomy devices and a last one that holds one sample at ZeRO ``zero`` but not at ``zero - 1``."""
+    big = 8 * need(graphs, 0)
+    return cluster_of([big, big, big / 2, (need(graphs, zero) + need(graphs, zero - 1)) / 2])
+
+
+# -- the request ------------------------------------------------------------------------------------
+def test_replicate_zero_option_is_checked_recorded_and_not_structure():
+    assert str(wl.replicate(4, zero=3)) == "replicate(4,zero=3)" and wl.replicate(4, zero=3).structure == "replicate(4)"
+    assert wl.replicate(4, zero=2) != wl.replicate(4) and wl.replicate(zero=0).zero == 0
+    for bad in (4, -1, True, "2", 1.0):
+        with pytest.raises(AnnotationError, match=r"zero must be one of 0, 1, 2, 3 or None, got .*replicate\(n, zero=1\)"):
+            wl.replicate(2, zero=bad)
+    from whalelike.strategy import Strategy
+    with pytest.raises(AnnotationError, match=r"split\(zero=2\): zero is an option of replicate only.*"
+                                              r"write replicate\(n, zero=2\) around the split"):
+        Strategy("split", 2, zero=2)
+    # nesting keeps it on the top level (tensor parallel inside, ZeRO across the replicas)
+    with wl.replicate(2, zero=2) as outer:
+        with wl.split(2) as nested:
+            pass
+    assert outer.zero == 2 and nested.zero == 2 and nested.inner.zero is None
+    # TaskGraphs carry it through their dict form; the fingerprint ignores it
+    plain, asked = (synthetic_model(num_layers=2, strategies=[s], hidden=64, seq=8, heads=4)
+                    for s in (wl.replicate(4), wl.replicate(4, zero=3)))
+    assert plain.fingerprint == asked.fingerprint
+    assert TaskGraphs.from_dict(asked.to_dict()).graphs[0].strategy.zero == 3
+    # annotate and capture record it per region
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    wl.annotate(model, {"0": wl.replicate(zero=1), "2": wl.replicate(zero=3)})
+    graphs = capture(model, (torch.randn(2, 4),))
+    assert [tg.strategy.zero for tg in graphs] == [1, 3]
+
+
+def test_config_zero_stage_is_checked():
+    assert wl.Config(global_batch_size=8).zero_stage is None and wl.Config(global_batch_size=8, zero_stage=0).zero_stage == 0
+    for bad in (4, -1, True, "1"):
+        with pytest.raises(SpecError, match=r"Config.zero_stage must be None \(the planner chooses\) or one of 0, 1, 2, 3"):
+            wl.Config(global_batch_size=8, zero_stage=bad)
+
+
+# -- the memory model -------------------------------------------------------------------------------
+def test_memory_terms_per_zero_stage_equal_the_formulas(gpt2_graphs):
+    cost = whole(gpt2_graphs)
+    # the FSDP units of a single-stage plan: one per module Layer (the four blocks the largest), no
+    # root remainder (every parameter is in a module Layer; lm_head's weight is wte's, tied)
+    by_name = {l.name: l.param_bytes for l in gpt2_graphs.layers}
+    assert fsdp_units(cost, True) == tuple(float(b) for b in by_name.values())
+    u = max(by_name.values()) / sum(by_name.values())
+    assert by_name["transformer.h.3"] == max(by_name.values()) and fsdp_unit_share(cost, True) == pytest.approx(u)
+    # a pipeline stage is one unit, the stage module
+    assert fsdp_units(cost, False) == (cost.param_bytes,) and fsdp_unit_share(cost, False) == 1.0
+    W, G, O = cost.param_bytes + cost.param_copy_bytes, cost.param_bytes, cost.optimizer_bytes
+    for n in (2, 4):
+        f = 1 / n
+        formulas = {0: (1, 1, 1), 1: (1 + f, 1 + f, f), 2: (1 + f, f + u, f), 3: (f + 2 * u, f + u, f)}
+        assert 2 * u < 1   # so stage 3's gathered units are the two largest blocks
+        for z, (w, g, o) in formulas.items():
+            for shard in (1.0, 0.5):   # times the tensor-parallel shard, as every term
+                memory = stage_memory(cost, 1, shard, zero=ZeroShards(z, n, u))
+                terms = memory.term_bytes(3)
+                assert terms["weight"] == pytest.approx(shard * w * W, rel=1e-12)
+                assert terms["gradient"] == pytest.approx(shard * g * G, rel=1e-12)
+                assert terms["optimizer"] == pytest.approx(shard * o * O, rel=1e-12)
+                assert terms["activation"] == stage_memory(cost, 1, shard).term_bytes(3)["activation"]
+                assert memory.total(3) == pytest.approx(sum(terms.values()), rel=1e-12)
+                assert memory.max_samples(memory.total(3)) == 3   # max_samples stays the inverse
+    # one unit gathered at stage 3 is the whole stage once, never twice
+    assert ZeroShards(3, 4, 1.0).fractions() == (0.25 + 1.0, 1.25, 0.25)
+    assert ZeroShards(0, 4, 0.3).fractions() == (1.0, 1.0, 1.0)
+    for bad in (dict(stage=4), dict(group=0), dict(unit=0.0), dict(unit=1.5)):
+        with pytest.raises(ValueError):
+            ZeroShards(**bad)
+
+
+# -- Poplar's escalation ----------------------------------------------------------------------------
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_escalation_picks_the_lowest_zero_stage_that_fits(gpt2_graphs, zero):
+    cluster = small_last(gpt2_graphs, zero)
+    smallest = cluster.devices[-1].memory_gib * GIB
+    assert need(gpt2_graphs, 0) > smallest   # not even a full replica's state and one sample fits it
+    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32))
+    (st,) = plan.stages
+    assert (st.zero_stage, st.zero_reason, st.replica_sync) == (zero, "fit", "fsdp")
+    assert not st.recompute   # ZeRO first, activation checkpointing only as the last resort
+    for w in plan.workers:
+        assert 0 < w.memory_gib <= w.capacity_gib
+        assert w.memory_gib == pytest.approx(w.weights_gib + w.gradients_gib + w.optimizer_gib + w.activations_gib)
+    # the worker's figures are the memory model's under that stage, term by term
+    cost, u = whole(gpt2_graphs), fsdp_unit_share(whole(gpt2_graphs), True)
+    last = plan.workers[-1]
+    terms = stage_memory(cost, 1, zero=ZeroShards(zero, 4, u)).term_bytes(max(last.micro_batch_sizes))
+    assert last.weights_gib * GIB == pytest.approx(terms["weight"], rel=1e-12)
+    assert last.gradients_gib * GIB == pytest.approx(terms["gradient"], rel=1e-12)
+    assert last.optimizer_gib * GIB == pytest.approx(terms["optimizer"], rel=1e-12)
+    assert last.activations_gib * GIB == pytest.approx(terms["activation"], rel=1e-12)
+    summary = plan.summary()
+    assert f"ZeRO stage {zero} (FSDP2, chosen to fit)" in summary
+    assert "memory per device at its peak (GiB):" in summary and "optimizer" in summary and "activations" in summary
+    if zero >= 2:   # every device runs the same number of micro-batches
+        assert len({len(w.micro_batch_sizes) for w in plan.workers}) == 1
+
+
+def test_a_roomy_cluster_keeps_ddp_and_the_naive_plan_escalates_under_its_equal_shares(gpt2_graphs):
+    big = 8 * need(gpt2_graphs, 0, samples=32)
+    plan = planner.plan(gpt2_graphs, cluster_of([big] * 4), wl.Config(global_batch_size=32))
+    assert [(st.zero_stage, st.zero_reason, st.replica_sync) for st in plan.stages] == [(0, "none", "ddp")]
+    assert "ZeRO stage 0 (DDP)" in plan.summary()
+    # equal shares: 8 samples each; the last device holds them at ZeRO 2 but not at ZeRO 1
+    last = (need(gpt2_graphs, 2, samples=8) + need(gpt2_graphs, 1, samples=8)) / 2
+    naive = planner.naive_plan(gpt2_graphs, cluster_of([big, big, big, last]), wl.Config(global_batch_size=32))
+    assert [w.micro_batch_sizes for w in naive.workers] == [[8]] * 4
+    assert (naive.stages[0].zero_stage, naive.stages[0].zero_reason) == (2, "fit")
+    assert all(w.memory_gib <= w.capacity_gib for w in naive.workers)
+
+
+def test_zero_2_and_3_give_every_device_the_same_count_larger_micro_batches_on_faster_ones(gpt2_graphs):
+    cost, u = whole(gpt2_graphs), fsdp_unit_share(whole(gpt2_graphs), True)
+    caps = (16, 16, 4, 2)   # samples per micro-batch each device holds at ZeRO 3
+    memory = stage_memory(cost, 1, zero=ZeroShards(3, 4, u))
+    cluster = cluster_of([memory.total(c) + memory.activations(1) / 2 for c in caps])
+    for zero in (2, 3):
+        config = wl.Config(global_batch_size=64, zero_stage=zero)
+        try:
+            plan = planner.plan(gpt2_graphs, cluster, config)
+        except PlanError:
+            assert zero == 2   # the small devices may not hold a sample at ZeRO 2
+            continue
+        assert (plan.stages[0].zero_stage, plan.stages[0].zero_reason) == (zero, "asked")
+        counts = {len(w.micro_batch_sizes) for w in plan.workers}
+        assert len(counts) == 1 and plan.num_micro_batch == counts.pop() >= 2   # 64 samples need 2+ of them
+        assert sum(w.batch_share for w in plan.workers) == 64
+        largest = [max(w.micro_batch_sizes) for w in plan.workers]
+        assert largest == sorted(largest, reverse=True)   # devices in falling speed order
+        for w in plan.workers:
+            assert w.memory_gib <= w.capacity_gib
+        # the plan check refuses a worker of another count
+        data = plan.to_dict()
+        w = next(w for w in data["workers"] if len(w["micro_batch_sizes"]) > 1)
+        w["micro_batch_sizes"] = [sum(w["micro_batch_sizes"])]
+        w["forward_ms"], w["backward_ms"] = w["forward_ms"][:1], w["backward_ms"][:1]
+        with pytest.raises(PlanError, match=rf"micro-batch counts .* differ .* ZeRO stage {zero} needs the same count"):
+            Plan.from_dict(data).validate()
+
+
+def test_zero_collectives_are_priced_on_the_network_model(gpt2_graphs):
+    cluster = small_last(gpt2_graphs, 1)
+    cost = whole(gpt2_graphs)
+    units = len(fsdp_units(cost, True))
+    comm = CommModel(cluster.network)
+    assert zero_collectives(1, 5) == (1, 1) and zero_collectives(2, 5) == (1, 5) and zero_collectives(3, 5) == (10, 5)
+    for zero in (1, 2, 3):
+        plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32, zero_stage=zero))
+        k = max(len(w.micro_batch_sizes) for w in plan.workers)
+        ring = list(cluster.devices)
+        gathers, scatters = zero_collectives(zero, k)
+        ag, rs = comm.allgather_ms(cost.param_bytes, ring), comm._ring(ring).reduce_scatter_ms(cost.param_bytes)
+        latency = (units - 1) * 3 * comm._ring(ring).latency_ms
+        expected = gathers * (ag + latency) + scatters * (rs + latency)
+        for w in plan.workers:
+            assert w.gradient_bytes == 0.0   # no DDP buckets: the collectives come after the backward
+            assert w.allreduce_ms == pytest.approx(expected, rel=1e-12) and w.allreduce_ms > 0
+        assert plan.prediction.step_time_ms >= max(w.compute_ms for w in plan.workers) + expected * (1 - 1e-9)
+
+
+def test_a_pipeline_stage_escalates_too_and_stages_2_3_hold_no_less_there():
+    graphs = synthetic_model(num_layers=8, strategies=[wl.replicate(4), wl.replicate(4)], hidden=256, seq=16, heads=4)
+    cost = StageCost.of_layers(graphs, list(range(4)))
+    assert fsdp_unit_share(cost, False) == 1.0
+    z0 = stage_memory(cost, 2, zero=ZeroShards(0, 4, 1.0))
+    z1 = stage_memory(cost, 2, zero=ZeroShards(1, 4, 1.0))
+    # stages 2 and 3 over one unit hold what stage 1 holds
+    for z in (2, 3):
+        assert stage_memory(cost, 2, zero=ZeroShards(z, 4, 1.0)).static() == pytest.approx(z1.static())
+    capacity = (z1.total(2) + z0.total(2)) / 2 / GIB
+    cluster = synthetic_cluster([(8, 10.0, capacity)])
+    config = wl.Config(global_batch_size=16, num_micro_batch=2)
+    plan = planner.plan(graphs, cluster, config)
+    assert [(st.zero_stage, st.zero_reason, st.replica_sync) for st in plan.stages] == [(1, "fit", "fsdp")] * 2
+    assert all(w.memory_gib <= w.capacity_gib for w in plan.workers)
+    # a re-plan from measured speeds keeps the ZeRO stages
+    again = rebalance(plan, graphs, cluster, [1.0] * 7 + [0.5])
+    assert [(st.zero_stage, st.zero_reason) for st in again.stages] == [(1, "fit")] * 2
+    # too small for ZeRO 1: the error says which stages were tried, and that 2 and 3 hold no more
+    tiny = synthetic_cluster([(8, 10.0, z1.static() * 0.9 / GIB)])
+    with pytest.raises(PlanError, match=r"short by .* bytes\).*ZeRO stages up to 1 were tried over its 4 data-parallel "
+                                        r"workers \(the higher ones hold no less here\)"):
+        planner.plan(graphs, tiny, config)
+
+
+# -- fixed by the user ------------------------------------------------------------------------------
+def test_config_and_region_fix_the_zero_stage(gpt2_graphs):
+    roomy = cluster_of([8 * need(gpt2_graphs, 0, samples=32)] * 4)
+    for zero in (0, 1, 2, 3):
+        plan = planner.plan(gpt2_graphs, roomy, wl.Config(global_batch_size=32, zero_stage=zero))
+        st = plan.stages[0]
+        assert (st.zero_stage, st.zero_reason, st.replica_sync) == \
+            (zero, "asked" if zero else "none", "fsdp" if zero else "ddp")
+        assert f"ZeRO stage {zero} ({'FSDP2, asked' if zero else 'DDP'})" in plan.summary()
+    # a region's zero= fixes its stages (over Config's), and plan_checks holds a plan to it
+    graphs = synthetic_model(num_layers=4, strategies=[wl.replicate(2, zero=3), wl.replicate(2)], hidden=64, seq=8,
+                             heads=4)
+    cluster = synthetic_cluster([(4, 10.0, 16)])
+    plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=8, num_micro_batch=2, zero_stage=1))
+    assert [(st.zero_stage, st.zero_reason) for st in plan.stages] == [(3, "asked"), (1, "asked")]
+    wrong = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], zero_stage=2), plan.stages[1]])
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].zero_stage is 2 but TaskGraph\(s\) \[0\] of this stage ask "
+                                        r"for zero=3"):
+        wrong.validate(graphs=graphs)
+    # tensor parallel inside, ZeRO across the replicas: each tp_index's group of two shards
+    nested = synthetic_model(num_layers=2, strategies=[wl.replicate(2, zero=2)], hidden=64, seq=8, heads=4)
+    with wl.replicate(2, zero=2):
+        with wl.split(2) as hybrid:
+            pass
+    nested = synthetic_model(num_layers=2, strategies=[hybrid], hidden=64, seq=8, heads=4)
+    plan = planner.plan(nested, cluster, wl.Config(global_batch_size=8))
+    assert (plan.stages[0].strategy, plan.stages[0].zero_stage) == ("replicate(2)+split(2)", 2)
+
+
+def test_cli_zero_flag(capsys, gpt2_graphs, monkeypatch, tmp_path):
+    from whalelike.cli import main
+
+    monkeypatch.setattr("whalelike.cli.capture_workload", lambda args: gpt2_graphs)
+    out_yaml = tmp_path / "plan.yaml"
+    code = main(["plan", "model.py:build", "--cluster", "emulated-4", "--global-batch", "16", "--zero", "2",
+                 "-o", str(out_yaml)])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "ZeRO stage 2 (FSDP2, asked)" in out and "memory per device at its peak" in out
+    plan = Plan.from_yaml(out_yaml, graphs=gpt2_graphs, cluster=Cluster.preset("emulated-4"))
+    assert (plan.stages[0].zero_stage, plan.stages[0].replica_sync) == (2, "fsdp")
+    with pytest.raises(SystemExit):
+        main(["plan", "model.py:build", "--cluster", "emulated-4", "--global-batch", "16", "--zero", "4",
+              "-o", str(tmp_path / "bad.yaml")])
+    assert "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)" in capsys.readouterr().err
+
+
+# -- bad input --------------------------------------------------------------------------------------
+def test_zero_on_a_stage_of_one_worker_is_an_error():
+    one = synthetic_cluster([(1, 10.0, 16)])
+    graphs = synthetic_model(num_layers=2, strategies=[wl.replicate(1, zero=2)], hidden=64, seq=8, heads=4)
+    with pytest.raises(PlanError, match=r"TaskGraph 0 \(replicate\(1,zero=2\)\) asks for ZeRO stage 2, but stage 0 "
+                                        r"\(replicate\(1\)\) has one data-parallel worker: .*nothing to shard; give the "
+                                        r"region more devices \(replicate\(n, zero=2\) with n >= 2\) or drop zero="):
+        planner.plan(graphs, one, wl.Config(global_batch_size=4))
+    plain = synthetic_model(num_layers=2, strategies=[wl.replicate()], hidden=64, seq=8, heads=4)
+    with pytest.raises(PlanError, match=r"Config.zero_stage is 3, but no stage of the plan has more than one "
+                                        r"data-parallel worker \(replicate\(1\)\).*use zero_stage=None or 0"):
+        planner.plan(plain, one, wl.Config(global_batch_size=4, zero_stage=3))
+    assert planner.plan(plain, one, wl.Config(global_batch_size=4, zero_stage=0)).stages[0].zero_stage == 0
+    # Config's stage applies where the group has more than one worker; a pipeline stage of one keeps DDP
+    graphs = synthetic_model(num_layers=4, strategies=[wl.replicate(2), wl.replicate(1)], hidden=64, seq=8, heads=4)
+    plan = planner.plan(graphs, synthetic_cluster([(3, 10.0, 16)]), wl.Config(global_batch_size=4, zero_stage=2))
+    assert [st.zero_stage for st in plan.stages] == [2, 0]
+
+
+def test_a_model_too_big_for_every_zero_stage_names_the_device_and_the_bytes_missing(gpt2_graphs):
+    static3 = stage_memory(whole(gpt2_graphs), 1,
+                           zero=ZeroShards(3, 4, fsdp_unit_share(whole(gpt2_graphs), True))).static()
+    big = 8 * need(gpt2_graphs, 0)
+    cluster = cluster_of([big, big, big, static3 * 0.8])
+    with pytest.raises(PlanError) as info:
+        planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32))
+    text = str(info.value)
+    missing = static3 - cluster.devices[-1].memory_gib * GIB
+    assert "does not fit on device 'd3'" in text and "under ZeRO stage 3 over 4 workers" in text
+    assert f"({missing:,.0f} bytes)" in text
+    assert "ZeRO stages up to 3 were tried over its 4 data-parallel workers" in text
+
+
+# -- the plan file ----------------------------------------------------------------------------------
+def test_plan_yaml_round_trip_old_files_and_checks(gpt2_graphs, tmp_path):
+    cluster = small_last(gpt2_graphs, 2)
+    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32))
+    assert plan.stages[0].zero_stage == 2
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path, graphs=gpt2_graphs, cluster=cluster) == plan
+    # a plan file from before ZeRO: no zero_stage, zero_reason, replica_sync or memory terms
+    old = planner.plan(gpt2_graphs, cluster_of([8 * need(gpt2_graphs, 0, samples=32)] * 4),
+                       wl.Config(global_batch_size=32)).to_dict()
+    for stage in old["stages"]:
+        del stage["zero_stage"], stage["zero_reason"], stage["replica_sync"]
+    for w in old["workers"]:
+        for key in ("weights_gib", "gradients_gib", "optimizer_gib", "activations_gib"):
+            del w[key]
+    loaded = Plan.from_dict(old)
+    loaded.validate(graphs=gpt2_graphs)
+    assert (loaded.stages[0].zero_stage, loaded.stages[0].zero_reason, loaded.stages[0].replica_sync) == (0, "none", "ddp")
+    assert "memory per device" not in loaded.summary() and "ZeRO stage 0 (DDP)" in loaded.summary()
+    # the checks: the sync follows the stage, a reason only with a ZeRO stage, someone to shard with
+    cases = [
+        (dict(replica_sync="ddp"), r"plan.stages\[0\].replica_sync is 'ddp' with zero_stage 2; it must be 'fsdp'"),
+        (dict(zero_stage=0), r"replica_sync is 'fsdp' with zero_stage 0; it must be 'ddp'"),
+        (dict(zero_stage=0, replica_sync="ddp"), r"zero_reason is 'fit' with zero_stage 0; it must be 'none'"),
+        (dict(zero_stage=7), r"plan.stages\[0\].zero_stage must be <= 3"),
+        (dict(zero_reason="because"), r"plan.stages\[0\].zero_reason must be one of"),
+    ]
+    for change, message in cases:
+        data = plan.to_dict()
+        data["stages"][0].update(change)
+        with pytest.raises(PlanError, match=message):
+            Plan.from_dict(data).validate()
+    hand = plan.to_dict()   # a plan written by hand may leave the reason out
+    hand["stages"][0]["zero_reason"] = "none"
+    Plan.from_dict(hand).validate()
+    alone = planner.plan(synthetic_model(num_layers=2, hidden=64, seq=8, heads=4), synthetic_cluster([(1, 10.0, 16)]),
+                         wl.Config(global_batch_size=4)).to_dict()
+    alone["stages"][0].update(zero_stage=1, replica_sync="fsdp", zero_reason="asked")
+    with pytest.raises(PlanError, match=r"zero_stage is 1 but the stage has one data-parallel worker per shard"):
+        Plan.from_dict(alone).validate()
