@@ -13,7 +13,11 @@ recomputes its activations (``StagePlan.recompute``) runs its forward again insi
 (:func:`planner.devices.cost_model.backward_flops`), and its ``memory_gib`` is priced so
 (:func:`planner.devices.memory.stage_memory` with ``recompute``);
 ``allreduce_ms`` is the ring all-reduce of the worker's gradient shard (``gradient_bytes``) over
-every worker holding the same shard, in one bucket; ``BoundaryPlan.transfer_ms`` is the predicted
+every worker holding the same shard, in one bucket; under ZeRO (``StagePlan.zero_stage`` >= 1) the
+step's all-gathers and reduce-scatters of that shard instead
+(:meth:`planner.devices.cost_model.CommModel.zero_ms`), ``gradient_bytes`` 0, so the simulator runs
+them after the backward, not overlapped (FSDP2's prefetch is not modeled: an upper bound);
+``weights_gib`` ... ``activations_gib`` the memory model's terms at the worker's peak; ``BoundaryPlan.transfer_ms`` is the predicted
 time of the boundary's forward resharding of that micro-batch, every sender ready at once
 (:mod:`planner.schedule.boundary_traffic`: the plan :func:`planner.resharding.reshard.boundary_resharding` makes
 under ``Plan.resharding``, whose transfers share the host network interfaces).

@@ -25,6 +25,21 @@ one layer's activations, :mod:`planner.devices.memory`, so with one micro-batch 
 data-parallel plan included, when the stage has more than one layer) and without training-mode
 BatchNorm (whose running statistics the recompute would update twice). It is turned on one stage at
 a time, the stage that did not fit first; a re-plan keeps the plan's choices.
+
+ZeRO (``Decisions.zero``, ``zero_reason``; Poplar's escalation). Each stage's data-parallel group
+(its workers of one ``tp_index`` over every replica) runs ZeRO stage 0 (DDP), 1, 2 or 3 on FSDP2
+(:mod:`planner.devices.memory` says what each holds). The user fixes it (``"asked"``): a region's
+``replicate(n, zero=k)`` for the stages running it (the highest a stage's TaskGraphs ask), else
+``Config.zero_stage`` for every stage whose group has more than one worker (:func:`asked_zero`;
+asking for ZeRO where no other worker holds the parameters is a PlanError). Otherwise the planner
+gives each stage the lowest ZeRO stage at which every device fits (``"fit"``): 0, then each higher
+one that holds fewer static bytes (:func:`next_zero`), the stage that does not fit first, before
+activation checkpointing is tried; with recompute turned on for a stage its ZeRO stage starts from 0
+again, so it is the lowest that fits recomputing. A single stage at ZeRO 2-3 runs the same number of
+micro-batches on every device (:func:`fit_batch`). The naive plan takes per stage the lowest ZeRO
+stage at which its equal shares fit (FSDP2 with even shards and even batches, the bench's baseline).
+The pipeline partitioner prices layer ranges at ZeRO 0 (a run that fits only under ZeRO keeps its
+TaskGraph boundaries, as for recompute); a re-plan keeps the plan's ZeRO stages.
 """
 from __future__ import annotations
 

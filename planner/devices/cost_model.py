@@ -17,7 +17,9 @@ to communication, never which device gets more work. The planner never reads
 Communication. Priced by :class:`planner.devices.network.NetworkModel`, the one link model the simulator
 and the runtime's network emulation share: ``latency + bytes / bandwidth`` per message, intra-host
 or inter-host link, ring collectives whose slowest hop (NIC sharing included) sets the pace.
-:class:`CommModel` is its device-record front end for the planner's assembly.
+:class:`CommModel` is its device-record front end for the planner's assembly; it also prices a ZeRO
+stage's collectives per step (:meth:`CommModel.zero_ms`, counted by :func:`zero_collectives`, one per
+FSDP unit: ``StageCost.fsdp_unit_bytes``).
 
 Memory. :class:`StageCost` records a stage's bytes: parameters, optimizer state (gradients are as
 large as the parameters) and, per sample of a micro-batch, the activations saved for backward and

@@ -14,6 +14,12 @@ A stage that still does not fit may recompute its activations (activation checkp
 :class:`PricedStage` says whether it does, and every memory figure here asks the memory model with
 it); :func:`planner.decisions.aware_decisions` turns it on, stage by stage, as the last resort.
 
+Under ZeRO (``PricedStage.zero``) every memory figure is the worker's under its ZeRO stage. Stages
+0-1 share as above (Poplar: speed-proportional shares, per-device accumulation with different
+micro-batch counts allowed); a single stage at ZeRO 2-3 issues collectives every micro-batch, so
+every device runs the same count, searched over the step time with the group's collectives
+(:func:`fit_equal_counts`, Poplar's Algorithm 2). A pipeline's counts are equal anyway.
+
 The results are ``Decisions.sizes`` (:class:`planner.decisions.Decisions`): ``sizes[r][s][d]`` are
 the micro-batch sizes of the tensor-parallel group ``d`` of stage ``s`` in replica ``r``. Errors
 (:class:`~planner.plan.PlanError`) say what does not fit, by how much, and what would.
