@@ -37,14 +37,21 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from runtime.replicas.held_state import is_sharded, local
+
 log = logging.getLogger(__name__)
 
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensor storages alive while it is active, and their peak."""
 
-    def __init__(self, alive: Iterable[torch.Tensor] = ()):
+    def __init__(self, alive: Iterable[torch.Tensor] = (), resizes: bool = False):
         super().__init__()
+        # resizes: storages may change size in place (FSDP2 frees and re-allocates its unsharded
+        # parameters with ``untyped_storage().resize_``): operator inputs are counted too and every
+        # counted storage's size is read again after each operator (slower; only for ZeRO's modules)
+        self.resizes = resizes
+        self._refs: dict[int, weakref.ref] = {}
         self._sizes: dict[int, int] = {}
         self._finalizers: list = []
         self.current = self.peak = 0
@@ -63,12 +70,27 @@ class LiveBytes(TorchDispatchMode):
         if key in self._sizes:
             return
         self._sizes[key] = size = storage.nbytes()
+        if self.resizes:
+            self._refs[key] = weakref.ref(storage)
         self.current += size
         self.peak = max(self.peak, self.current)
         self._finalizers.append(weakref.finalize(storage, self._free, key))
 
     def _free(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _refresh(self) -> None:
+        """Read every counted storage's size again (storages resized in place)."""
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is None or key not in self._sizes:
+                continue
+            size = storage.nbytes()
+            if size != self._sizes[key]:
+                self.current += size - self._sizes[key]
+                self._sizes[key] = size
+        self.peak = max(self.peak, self.current)
 
     def close(self) -> None:
         """Stop counting: drop the finalizers on the storages still alive (the model's state)."""
@@ -77,9 +99,15 @@ class LiveBytes(TorchDispatchMode):
         self._finalizers.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.resizes:
+            self._refresh()        # what the Python code between operators resized
+            for tensor in tree_flatten((args, kwargs))[0]:
+                self.track(tensor)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             self.track(tensor)
+        if self.resizes:
+            self._refresh()
         return out
 
 
@@ -88,12 +116,12 @@ def state_tensors(modules: Iterable[nn.Module], optimizer: Optional[torch.optim.
     out = []
     for module in modules:
         for param in module.parameters():
-            out.append(param)
+            out.append(local(param))
             if param.grad is not None:
-                out.append(param.grad)
+                out.append(local(param.grad))
         out.extend(module.buffers())
     if optimizer is not None:
-        out.extend(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+        out.extend(local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
     return out
 
 
@@ -119,7 +147,7 @@ class MemoryMeter:
             yield
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        counter = LiveBytes(state_tensors(modules, optimizer))
+        counter = LiveBytes(state_tensors(modules, optimizer), resizes=any(is_sharded(m) for m in modules))
         try:
             with counter:
                 yield
