@@ -1,7 +1,7 @@
 """ZeRO on unequal devices: whalelike's planned ZeRO stage with speed-proportional batches against
 FSDP2 with even batches, for a model whose full replica does not fit the smallest device.
 
-What runs. An MLP of ``--blocks`` residual blocks of width ``--width`` (parameters dominate: 16
+What runs. ``examples/wide_mlp.py``'s MLP of ``--blocks`` residual blocks of width ``--width`` (parameters dominate: 16
 bytes each with AdamW in float32) on 4 emulated devices of speeds 1, 1, 0.5, 0.25 and memories
 4, 4, 2, 1 units, the unit chosen from the model (``--unit``: that many bytes per parameter) so that
 a full replica (16 bytes per parameter plus activations) does not fit the 1-unit device and no ZeRO
@@ -47,8 +47,10 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import planner  # noqa: E402
+from wide_mlp import WideMLP  # noqa: E402
 import whalelike as wl  # noqa: E402
 from runtime import Engine  # noqa: E402
 from smoke import parse_args  # noqa: E402
@@ -62,30 +64,9 @@ CLASSES = 16
 MIB = 2**20
 
 
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-class BlockMLP(nn.Module):
-    def __init__(self, width: int, blocks: int):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(width) for _ in range(blocks)])
-        self.head = nn.Linear(width, CLASSES)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def build(args) -> nn.Module:
     torch.manual_seed(0)
-    return BlockMLP(args.width, args.blocks)
+    return WideMLP(args.width, args.blocks, CLASSES)
 
 
 def cluster(args, params: int) -> wl.Cluster:
@@ -197,7 +178,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = spawn_ranks(worker, args, 4)["rows"]
 
-    print(f"BlockMLP {args.blocks} blocks x width {args.width} ({args.params:,} parameters, full replica with AdamW "
+    print(f"WideMLP {args.blocks} blocks x width {args.width} ({args.params:,} parameters, full replica with AdamW "
           f"{16 * args.params / MIB:.1f} MiB); devices speeds {SPEEDS}, memory {MEMORY_UNITS} x {args.unit:g} B/param; "
           f"global batch {args.batch}; torch {torch.__version__}")
     print(f"DDP (ZeRO 0) on this cluster: {ddp_fits}")
