@@ -266,13 +266,22 @@ def fit_equal_counts(layout: Layout, st: PricedStage, gbs: int, m: int, comm_ms:
     caps = [st.group_cap(g) for g in groups]
     most = min(gbs // len(groups), MAX_MICRO_BATCHES)
     low = max(m, -(-gbs // sum(caps)))
+    where = f"TaskGraph {layout.shapes[st.index].taskgraph} under ZeRO stage {st.zero.stage}"
+    if low > MAX_MICRO_BATCHES:
+        tightest = groups[min(range(len(groups)), key=lambda i: caps[i])][0]
+        raise PlanError(
+            f"global_batch_size {gbs} does not fit {where}: every device runs the same number of micro-batches, and "
+            f"device {tightest.name!r} would accumulate gradients over {low} micro-batches, more than the "
+            f"{MAX_MICRO_BATCHES} the planner schedules per step (its devices hold {sum(caps)} samples at once in "
+            f"all, so no global batch above {sum(caps) * MAX_MICRO_BATCHES} can fit at this ZeRO stage); use a "
+            "smaller global_batch_size or add devices"
+        )
     if low > most:
         raise PlanError(
-            f"global_batch_size {gbs} does not fit TaskGraph {layout.shapes[st.index].taskgraph} under ZeRO stage "
-            f"{st.zero.stage}: its {len(groups)} data-parallel groups hold {sum(caps)} samples per micro-batch in "
-            f"all, so it needs at least {low} micro-batches, but every group runs each of them (at least one "
-            f"sample each, at most {MAX_MICRO_BATCHES}) and so at most {most} fit; use global_batch_size <= "
-            f"{sum(caps) * most}, or devices with more memory"
+            f"global_batch_size {gbs} does not fit {where}: its {len(groups)} data-parallel groups hold {sum(caps)} "
+            f"samples per micro-batch in all, so it needs at least {low} micro-batches, but every group runs each "
+            f"of them with at least one sample, so at most {most} fit; use global_batch_size >= {len(groups) * low} "
+            f"or <= {sum(caps) * most}, or devices with more memory"
         )
     ideal = proportional_shares(gbs, speeds, minimum=1)
     free = min(max(low, max(-(-n // c) for n, c in zip(ideal, caps))), most)
