@@ -107,12 +107,22 @@ def test_config_zero_stage_is_checked():
 # -- the memory model -------------------------------------------------------------------------------
 def test_memory_terms_per_zero_stage_equal_the_formulas(gpt2_graphs):
     cost = whole(gpt2_graphs)
-    # the FSDP units of a single-stage plan: one per module Layer (the four blocks the largest), no
-    # root remainder (every parameter is in a module Layer; lm_head's weight is wte's, tied)
+    # the FSDP units of a single-stage plan: one per module Layer with parameters (the four blocks the
+    # largest), no root remainder (every parameter is in a module Layer; lm_head's weight is wte's, tied)
     by_name = {l.name: l.param_bytes for l in gpt2_graphs.layers}
-    assert fsdp_units(cost, True) == tuple(float(b) for b in by_name.values())
+    assert by_name["lm_head"] == 0 and "<root>" not in by_name
+    assert fsdp_units(cost, True) == tuple(float(b) for b in by_name.values() if b)
     u = max(by_name.values()) / sum(by_name.values())
     assert by_name["transformer.h.3"] == max(by_name.values()) and fsdp_unit_share(cost, True) == pytest.approx(u)
+    # as the runtime picks them (runtime.training.recompute.layer_module_paths): code layers and a
+    # module around other layers go to the root unit, a module without parameter bytes is no unit
+    from types import SimpleNamespace
+    from planner.devices.cost_model import fsdp_unit_bytes
+    layers = [SimpleNamespace(name=n, param_bytes=b) for n, b in
+              [("<root>", 100), ("transformer", 50), ("transformer.h.0", 300), ("transformer.h.1", 300),
+               ("transformer.h.0", 20), ("lm_head", 0)]]
+    assert fsdp_unit_bytes(layers, 770) == (320.0, 300.0, 150.0)
+    assert fsdp_unit_bytes(layers[:1], 100) == (100.0,)   # no module layers: the model is one unit
     # a pipeline stage is one unit, the stage module
     assert fsdp_units(cost, False) == (cost.param_bytes,) and fsdp_unit_share(cost, False) == 1.0
     W, G, O = cost.param_bytes + cost.param_copy_bytes, cost.param_bytes, cost.optimizer_bytes

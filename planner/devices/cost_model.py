@@ -299,16 +299,18 @@ def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     wrapped as ``runtime.replicas.fsdp_sync`` wraps a single-stage plan and as
     :func:`runtime.training.recompute.wrap_layers` picks modules: one unit per Layer name that is a
     module path (not the model's own code, ``<root>``), leaving out a module whose subtree holds
-    another such Layer (code around blocks), then the root unit with every other parameter (left out
-    when it holds none). A model without module Layers is one unit."""
+    another such Layer (code around blocks) and one that owns no parameter bytes (the runtime wraps
+    only modules with parameters; a tied weight counts with the Layer that owns it), then the root
+    unit with every other parameter (left out when it holds none). A model without module Layers is
+    one unit."""
     by_name: dict[str, float] = {}
     for layer in chosen:
         if layer.name and layer.name != ROOT_LAYER:
             by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
     names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
-    if not names:
+    units = [by_name[n] for n in names if by_name[n] > 0]
+    if not units:
         return (float(param_bytes),)
-    units = [by_name[n] for n in names]
     root = float(param_bytes) - sum(units)
     return tuple(units) + ((root,) if root > 0 else ())
 
