@@ -283,7 +283,6 @@ def test_config_and_region_fix_the_zero_stage(gpt2_graphs):
                                         r"for zero=3"):
         wrong.validate(graphs=graphs)
     # tensor parallel inside, ZeRO across the replicas: each tp_index's group of two shards
-    nested = synthetic_model(num_layers=2, strategies=[wl.replicate(2, zero=2)], hidden=64, seq=8, heads=4)
     with wl.replicate(2, zero=2):
         with wl.split(2) as hybrid:
             pass
