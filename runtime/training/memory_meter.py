@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from runtime.replicas.held_state import is_sharded, local
@@ -62,6 +63,8 @@ class LiveBytes(TorchDispatchMode):
         """Count ``tensor``'s storage from now until it is freed (once, however many views share it)."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        if isinstance(tensor, DTensor):    # a wrapper: its storage is its local shard's (ZeRO's parameters, states)
+            tensor = tensor._local_tensor
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):   # a tensor without storage (a subclass, sparse)
