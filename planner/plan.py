@@ -98,6 +98,10 @@ class StagePlan:
     zero_stage: int = rule(int, "ZeRO stage of the data-parallel group: 0 (DDP, nothing sharded), 1 (optimizer "
                            "state sharded), 2 (and gradients), 3 (and parameters); replica_sync 'fsdp' when above 0",
                            ge=0, le=3, default=0)
+    # runtime.replicas.ragged_sync: each worker's fraction of the state, in the group's rank order (empty: even)
+    state_fractions: list[float] = rule(float, "each data-parallel worker's fraction of the stage's sharded state, in "
+                                        "rank order (replica_sync 'ragged'; empty for even shards)", ge=0,
+                                        default_factory=list)
     zero_reason: str = rule(str, "why the stage runs its ZeRO stage: 'asked' (a region's replicate(zero=k) or "
                             "Config.zero_stage), 'fit' (the lowest stage at which every device fits, chosen by the "
                             "planner), 'none' (zero_stage 0, or a plan written by hand)", choices=ZERO_REASONS,

@@ -22,8 +22,9 @@ RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
 RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.replicas.replica_sync
 # builds each): "ddp" (ZeRO stage 0: every rank holds everything), "fsdp" (ZeRO stages 1-3 on torch's FSDP2,
-# StagePlan.zero_stage says which)
-REPLICA_SYNCS = ("ddp", "fsdp")
+# StagePlan.zero_stage says which), "ragged" (ZeRO stages 1-2 with memory-proportional shards,
+# StagePlan.state_fractions)
+REPLICA_SYNCS = ("ddp", "fsdp", "ragged")
 ZERO_STAGES = (0, 1, 2, 3)   # StagePlan.zero_stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
 # training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or
 # autocast to bfloat16 / float16 with float32 master weights and optimizer state (fp16 with a loss scaler)
