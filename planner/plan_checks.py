@@ -212,6 +212,8 @@ def _check_zero(plan: Plan) -> None:
     for st in plan.stages:
         where = f"plan.stages[{st.index}]"
         want = "fsdp" if st.zero_stage else "ddp"
+        if st.replica_sync == "ragged" and st.zero_stage in (1, 2):   # memory-proportional shards at ZeRO 1-2
+            want = "ragged"
         if st.replica_sync != want:
             raise PlanError(f"{where}.replica_sync is {st.replica_sync!r} with zero_stage {st.zero_stage}; it must be "
                             f"{want!r} ('fsdp' exactly when zero_stage >= 1): re-create the plan with `whalelike plan`")

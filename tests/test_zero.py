@@ -32,6 +32,7 @@ import plans
 from dist_utils import run_ranks, spawn_ranks
 from planner.plan import Plan, StagePlan
 from runtime import Engine, checkpoint
+from runtime.replicas.held_state import local
 from whalelike.cluster import Cluster, Device, Emulation, Network
 from whalelike.graphs.capture import capture
 from test_runtime_tp import TP_IN_DP_STAGE, SplitInReplicate, batches as tp_batches, make_plan as make_tp_plan
@@ -124,8 +125,14 @@ def _check_training(engine: Engine, model: nn.Module, data, make_opt, label: str
     for step, batch in enumerate(data):
         loss = engine.train_step(batch)
         assert_close(loss, losses[step], msg=f"{label}: loss of step {step}")
-        for name, p in engine.executor.module.named_parameters():
-            assert_close(_full(p.grad), grads[step][name], msg=f"{label}: gradient of {name} in step {step}")
+        # each rank's gradient of what it holds (its rows under ZeRO) against the same rows of the reference's
+        for name, (tensor, slab) in engine.executor.named_state().items():
+            if name not in grads[step]:
+                continue              # a buffer
+            want = grads[step][name]
+            if slab.dim is not None:
+                want = torch.cat([want.narrow(slab.dim, a, b - a) for a, b in slab.ranges], slab.dim)
+            assert_close(local(tensor.grad), want, msg=f"{label}: gradient of {name} in step {step}")
     state = engine.state_dict()
     for key, value in final.items():
         assert_close(state[key], value, msg=f"{label}: final {key}")
@@ -152,6 +159,16 @@ def _chunk_bytes(model: nn.Module, rank: int, world: int) -> int:
     return total
 
 
+def _ragged_bytes(model: nn.Module, rank: int, fractions: list[float]) -> int:
+    """Bytes of the rows ``fractions`` give ``rank`` of each parameter (largest remainder, float64)."""
+    from runtime.replicas.ragged_sync import ragged_rows
+    total = 0
+    for p in model.parameters():
+        a, b = ragged_rows(p.shape[0], fractions)[rank]
+        total += (b - a) * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+
+
 def _ranks(rank: int, world_size: int, directory: str) -> dict:
     torch.manual_seed(0)
     model = Net().double()
@@ -171,6 +188,24 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
             else:
                 assert held["optimizer"] == expected, (zero, held, expected)
             out[f"zero{zero}"] = held
+
+    # ragged shards (runtime.replicas.ragged_sync): memory-proportional fractions, one rank holding nothing
+    for zero, fractions in ((1, [0.4, 0.3, 0.2, 0.1]), (2, [0.5, 0.3, 0.2, 0.0])):
+        plan = make_plan(model, SIZES[zero], zero)
+        plan.stages[0] = dataclasses.replace(plan.stages[0], replica_sync="ragged", state_fractions=fractions)
+        for opt_name, make_opt in OPTIMIZERS.items():
+            engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=F.cross_entropy,
+                            cluster=make_cluster(), timeout_s=60)
+            _check_training(engine, model, batches(plan.global_batch_size, seed=30 + zero), make_opt,
+                            f"ragged{zero}/{opt_name}")
+            shards = list(engine.executor.parameters())
+            held = sum(t.numel() * t.element_size() for t in shards)
+            held_optim = sum(v.numel() * v.element_size() for p in shards
+                             for v in engine.optimizer.state.get(p, {}).values() if v.dim() > 0)
+            expected = _ragged_bytes(model, rank, fractions)
+            assert held == expected, (zero, held, expected)
+            assert held_optim == (2 if opt_name == "adamw" else 1) * expected, (zero, held_optim, expected)
+            out[f"ragged{zero}"] = held
 
     # ZeRO 3 under emulation: the layers are units of their own, results unchanged
     plan = make_plan(model, SIZES[3], 3)
@@ -278,6 +313,9 @@ def test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts
     results = run_ranks(_ranks, WORLD, args=(directory,), init_process_group=False)
     # a small device holds less: rank 3 holds no row of the 5-row head
     assert results[3]["zero3"]["weight"] < results[0]["zero3"]["weight"]
+    # ragged: the state held follows the fractions (rank 3 holds nothing at 0.0)
+    assert results[0]["ragged1"] > results[1]["ragged1"] > results[2]["ragged1"] > results[3]["ragged1"] > 0
+    assert results[3]["ragged2"] == 0
     # tensor parallel inside: rank 0 (tp 0 of replica 0) holds rows 0-11 of its 24-row fc1 slice,
     # rank 2 (tp 0 of replica 1) rows 12-23; fc2's 24 input features split along dim 1 the same way
     assert results[0]["tp3"]["fc1.weight"] == (0, ((0, 12),)) and results[2]["tp3"]["fc1.weight"] == (0, ((12, 24),))

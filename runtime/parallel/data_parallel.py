@@ -85,6 +85,7 @@ class DataParallelExecutor:
                                                     emulator=self.emulator,
                                                     devices=[plan.worker(r).device for r in sorted(group.ranks)],
                                                     reduce_dtype=reduce_dtype, zero_stage=zero,
+                                                    fractions=plan.stages[0].state_fractions,
                                                     layers=recompute.layer_module_paths(module, recompute_layers)
                                                     if zero else ())
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
@@ -140,7 +141,8 @@ class DataParallelExecutor:
         self.plan, self.layout = plan, layout
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
+        """What the optimizer steps (the replica sync says: the module's parameters, or this rank's shards)."""
+        return iter(self.sync.parameters())
 
     def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's share of the global batch (gradients summed over the
@@ -196,6 +198,7 @@ class DataParallelExecutor:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank holds the whole model: its own state is the full state."""
+        self.sync.current()
         return {k: full_tensor(v).detach().clone() for k, v in self.module.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -203,6 +206,7 @@ class DataParallelExecutor:
             load_rows(self.module, state)
         else:
             self.module.load_state_dict(state)
+            self.sync.loaded()
 
     def named_state(self) -> NamedState:
         """What this rank holds of every parameter and buffer, as its replica sync keeps them (DDP:

@@ -256,6 +256,16 @@ class DDPSync:
         """Every replica holds the stage's state whole (its tensor-parallel shards, if any)."""
         return module_state(self.inner, names)
 
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the module's parameters."""
+        return list(self.inner.parameters())
+
+    def current(self) -> None:
+        """The module's parameters are always current."""
+
+    def loaded(self) -> None:
+        """Nothing is kept beside the module's parameters."""
+
     def release(self) -> nn.Module:
         """Take DDP's hooks off the parameters; this sync is not used again."""
         if self.ddp is not None:

@@ -234,6 +234,16 @@ class FSDPSync:
             out[name] = (tensor, slab)
         return out
 
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the module's parameters."""
+        return list(self.inner.parameters())
+
+    def current(self) -> None:
+        """The sharded parameters are the state; nothing is refreshed lazily."""
+
+    def loaded(self) -> None:
+        """Loads write each rank's rows (held_state.load_rows); nothing else is kept."""
+
     def release(self) -> nn.Module:
         """Gather every parameter back into a plain ``nn.Parameter`` (collective over the group) and
         take FSDP2's hooks and class off every unit; this sync is not used again."""

@@ -1,7 +1,7 @@
 """The replica-sync seam: how a data-parallel group keeps its replicas of a stage module in step.
 
 Every executor that runs a stage on several workers holding the same parameters (the stage's
-workers of one ``tp_index`` in every replica) needs the same six things from whatever keeps those
+workers of one ``tp_index`` in every replica) needs the same few things from whatever keeps those
 replicas in step, and nothing else:
 
 * ``module``: what the forward runs through (a wrapper may prepare its sync there);
@@ -12,7 +12,11 @@ replicas in step, and nothing else:
   monitor's figures) in the collective that ends the step, not in one of its own;
 * ``release()``: take every hook off the module, for a state move or another executor;
 * ``named_state(names)``: what state this rank holds (:mod:`runtime.replicas.held_state`), for
-  live re-plans and checkpoints.
+  live re-plans and checkpoints;
+* ``parameters()``: what the optimizer steps (the module's parameters, or this rank's shards of
+  them); ``current()``: make the module's parameters current before they are read whole (a sync
+  that refreshes them lazily); ``loaded()``: the module's parameters were overwritten whole, take
+  what the sync keeps from them.
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
 :data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
@@ -41,6 +45,7 @@ import torch.nn as nn
 from runtime.emulation.compute import Emulator
 from runtime.replicas.ddp_sync import DDPSync
 from runtime.replicas.fsdp_sync import FSDPSync
+from runtime.replicas.ragged_sync import RaggedSync
 from runtime.replicas.held_state import NamedState, module_state
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
@@ -64,6 +69,12 @@ class ReplicaSync(Protocol):
     def flush(self) -> None: ...
 
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState: ...
+
+    def parameters(self) -> list[nn.Parameter]: ...
+
+    def current(self) -> None: ...
+
+    def loaded(self) -> None: ...
 
     def release(self) -> nn.Module: ...
 
@@ -103,30 +114,45 @@ class AloneSync:
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         return module_state(self.inner, names)
 
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the module's parameters."""
+        return list(self.inner.parameters())
+
+    def current(self) -> None:
+        """The module's parameters are always current."""
+
+    def loaded(self) -> None:
+        """Nothing is kept beside the module's parameters."""
+
     def release(self) -> nn.Module:
         return self.inner
 
 
-def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers) -> DDPSync:
+def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> DDPSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'ddp' with zero_stage {zero_stage}; DDP is ZeRO stage 0 "
                          "(make the plan with this version of whalelike: stages 1-3 use replica_sync 'fsdp')")
     return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)
 
 
-def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers) -> FSDPSync:
+def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> FSDPSync:
     return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
                     reduce_dtype=reduce_dtype)
 
 
-_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp}
+def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> RaggedSync:
+    return RaggedSync(module, group, stage=zero_stage, fractions=fractions, emulator=emulator, devices=devices,
+                      reduce_dtype=reduce_dtype)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp, "ragged": _ragged}
 assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SYNCS names every implementation"
 
 
 def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.ProcessGroup], *,
                        emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
                        alone: bool = False, reduce_dtype: Optional[torch.dtype] = None,
-                       zero_stage: int = 0, layers: Sequence[str] = ()) -> ReplicaSync:
+                       zero_stage: int = 0, layers: Sequence[str] = (), fractions: Sequence[float] = ()) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
@@ -134,7 +160,8 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     :class:`AloneSync`, whatever ``kind`` says. ``reduce_dtype``: the dtype gradients are reduced in
     (None: their own; ``Engine(grad_reduce_dtype="bf16")``). ``zero_stage``: the plan's
     ``StagePlan.zero_stage`` (0 for ``ddp``, 1-3 for ``fsdp``); ``layers``: module paths of
-    ``module`` that ZeRO shards as units of their own (stage 3 gathers one at a time).
+    ``module`` that ZeRO shards as units of their own (stage 3 gathers one at a time); ``fractions``:
+    ``StagePlan.state_fractions`` (the ragged sync's share of the state per group rank).
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
@@ -142,4 +169,4 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     if alone or not any(p.requires_grad for p in module.parameters()):
         return AloneSync(module, group)
     return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
-                                  zero_stage=zero_stage, layers=layers)
+                                  zero_stage=zero_stage, layers=layers, fractions=fractions)
