@@ -116,10 +116,6 @@ def reference(model: nn.Module, data, make_opt, clip: float | None = None):
     return losses, grads, norms, model.state_dict()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _check_training(engine: Engine, model: nn.Module, data, make_opt, label: str) -> None:
     losses, grads, _, final = reference(model, data, make_opt)
     for step, batch in enumerate(data):
