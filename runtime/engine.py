@@ -394,7 +394,8 @@ class Engine:
             self.plan, self.worker = plan, plan.worker(self.rank)
             return None
         report = None
-        if plan_kind(plan) == "data_parallel" and hasattr(self.executor, "set_plan"):
+        if plan_kind(plan) == "data_parallel" and hasattr(self.executor, "set_plan") and \
+                getattr(self.executor, "keeps_sync", lambda _: True)(plan):
             self._collective(lambda: self.executor.set_plan(plan))
         else:
             context = dataclasses.replace(self._context, plan=plan, worker=plan.worker(self.rank))

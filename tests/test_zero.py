@@ -203,6 +203,28 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
             assert held_optim == (2 if opt_name == "adamw" else 1) * expected, (zero, held_optim, expected)
             out[f"ragged{zero}"] = held
 
+    # re-plans under ZeRO (Engine.apply_plan): other shares in place at ZeRO 1, then other state layouts
+    # (ragged fractions, even FSDP2 shards, DDP) moved point to point; training continues exactly
+    def with_sync(sizes, zero, sync, fractions=()):
+        p = make_plan(model, sizes, zero)
+        p.stages[0] = dataclasses.replace(p.stages[0], replica_sync=sync, state_fractions=list(fractions))
+        return p
+    sequence = [with_sync([[4, 4, 2], [5, 4], [3], [1, 1]], 1, "fsdp"), with_sync([[2, 2, 2], [8], [7], [1, 1, 1]], 1, "fsdp"),
+                with_sync(SIZES[2], 2, "ragged", [0.4, 0.3, 0.2, 0.1]), with_sync(SIZES[2], 1, "ragged", [0.1, 0.2, 0.3, 0.4]),
+                with_sync(SIZES[3], 3, "fsdp"), with_sync(SIZES[2], 0, "ddp")]
+    engine = Engine(copy.deepcopy(model), sequence[0], optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
+                    cluster=make_cluster(), timeout_s=60)
+    data = batches(24, seed=40, steps=len(sequence))
+    losses, _, _, final = reference(model, data, OPTIMIZERS["adamw"])
+    moved = []
+    for step, (plan, batch) in enumerate(zip(sequence, data)):
+        if step:
+            moved.append(engine.apply_plan(plan) is not None)
+        assert_close(engine.train_step(batch), losses[step], msg=f"re-plans: loss of step {step}")
+    for key, value in engine.state_dict().items():
+        assert_close(value, final[key], msg=f"re-plans: final {key}")
+    assert moved == [False, True, True, True, True], moved     # only the first re-plan keeps the sync
+
     # ZeRO 3 under emulation: the layers are units of their own, results unchanged
     plan = make_plan(model, SIZES[3], 3)
     engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy,

@@ -92,6 +92,9 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
     kept_state, state_meta = optimizer_state(optimizer, held)
     sources.update((state_name(p, k), (local(v), held[p][1] if v.dim() else Slab(()))) for p, entries in kept_state.items()
                    for k, v in entries.items())
+    # the old executor lets go of the model before the new one wraps it (a ZeRO sync gives its parameters
+    # back whole; two wrappers of one module would conflict); everything to move is in the snapshot
+    old.close()
     new = build_new()
     target = new.named_state()
     mine = {"old": {n: s for n, (_, s) in sources.items()}, "new": {n: s for n, (_, s) in target.items()},
@@ -109,7 +112,6 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
     destinations.update(new_state)
     execute_moves(moves, rank, group, sources, destinations)
     _rebind(optimizer, make_optimizer, new, target, new_state, keys)
-    old.close()
     dtypes = {n: getattr(torch, t) for d in described for n, t in d["dtype"].items()}
     crossing = [m for m in moves if not m.local]
     report = TransferReport(len({m.name for m in crossing}),

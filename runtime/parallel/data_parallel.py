@@ -111,6 +111,12 @@ class DataParallelExecutor:
         the replica sync is kept); every rank of the group must adopt the same plan at the same step boundary.
         Raises :class:`planner.plan.PlanError` naming what differs for any other plan."""
         check_same_workers(self.plan, plan, "set_plan")
+        if not self.keeps_sync(plan):
+            old, new = self.plan.stages[0], plan.stages[0]
+            raise PlanError(f"set_plan: the replica sync is {new.replica_sync!r} at ZeRO stage {new.zero_stage} with state "
+                            f"fractions {new.state_fractions} in the new plan, {old.replica_sync!r} at "
+                            f"{old.zero_stage} with {old.state_fractions} in the running one; that moves state: "
+                            "a new executor (Engine.apply_plan does it)")
         if plan.sync_batchnorm != self.plan.sync_batchnorm:
             raise PlanError(f"set_plan: sync_batchnorm is {plan.sync_batchnorm} in the new plan, "
                             f"{self.plan.sync_batchnorm} in the running one; that needs a new executor")
@@ -121,6 +127,13 @@ class DataParallelExecutor:
         self._adopt(plan)
         log.info("rank %d: data-parallel shares %s -> %s, micro-batches %s", self.rank, old, self.shares,
                  self.micro_batch_sizes)
+
+    def keeps_sync(self, plan: Plan) -> bool:
+        """Whether ``plan`` keeps this executor's replica sync (name, ZeRO stage, state fractions): only
+        then can it be adopted in place (:meth:`set_plan`); otherwise state moves."""
+        old, new = self.plan.stages[0], plan.stages[0]
+        return (old.replica_sync, old.zero_stage, old.state_fractions) == \
+            (new.replica_sync, new.zero_stage, new.state_fractions)
 
     def _adopt(self, plan: Plan) -> None:
         """Take the layout of ``plan`` (checked against this rank's data-parallel group)."""

@@ -329,8 +329,9 @@ def _unshard_permanently(unit: nn.Module) -> None:
         if handle is not None:
             handle.remove()
     # forget the composable API's records, so fully_shard may wrap the module again
+    import importlib
     from torch.distributed import _composable_state
-    from torch.distributed._composable import contract
+    contract = importlib.import_module("torch.distributed._composable.contract")   # the module, not its function
     for key in (contract.REGISTRY_KEY, contract.STATE_KEY):
         unit.__dict__.pop(key, None)
     _composable_state._module_state_mapping.pop(unit, None)
