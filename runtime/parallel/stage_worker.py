@@ -82,6 +82,14 @@ class StageWorker:
         self._state_names = self._model_names(names)
         # before sharding: creates the tied parameters' groups and makes their copies equal
         self.tied = TiedParameters(split, plan, rank, group, names)
+        zero = plan.stages[self.stage.index].zero_stage
+        tied_here = [t.name for t in self.tied.ties if self.stage.index in t.stages and len(t.stages) > 1]
+        if zero and tied_here:
+            # the tied sum adds whole gradients across stages; ZeRO holds each stage's rows in its own layout
+            raise StageError(f"rank {rank}: stage {self.stage.index} runs ZeRO stage {zero} and holds parameters tied to "
+                             f"another stage ({', '.join(tied_here)}); ZeRO with weights tied across pipeline stages is "
+                             "not supported yet: plan it with zero_stage=0 (wl.Config(zero_stage=0), whalelike plan "
+                             "--zero 0) or keep the tied modules in one stage")
         # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
         self.loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
                                torch.get_default_dtype())
