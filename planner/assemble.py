@@ -16,7 +16,9 @@ recomputes its activations (``StagePlan.recompute``) runs its forward again insi
 every worker holding the same shard, in one bucket; under ZeRO (``StagePlan.zero_stage`` >= 1) the
 step's all-gathers and reduce-scatters of that shard instead
 (:meth:`planner.devices.cost_model.CommModel.zero_ms`), ``gradient_bytes`` 0, so the simulator runs
-them after the backward, not overlapped (FSDP2's prefetch is not modeled: an upper bound);
+them after the backward, not overlapped (FSDP2's prefetch is not modeled: an upper bound); under
+ragged shards (``StagePlan.replica_sync`` ``"ragged"``, ``StagePlan.state_fractions`` in rank order)
+one collective per parameter, padded to the largest rank's rows;
 ``weights_gib`` ... ``activations_gib`` the memory model's terms at the worker's peak; ``BoundaryPlan.transfer_ms`` is the predicted
 time of the boundary's forward resharding of that micro-batch, every sender ready at once
 (:mod:`planner.schedule.boundary_traffic`: the plan :func:`planner.resharding.reshard.boundary_resharding` makes
@@ -40,6 +42,7 @@ from planner.decisions import Decisions, zero_shards
 from planner.devices.cost_model import ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
+from planner.shares.state_fractions import in_rank_order, padded_scale
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic
 from planner.devices.network import NetworkModel
 from planner.plan import BoundaryPlan, Plan, Prediction, StagePlan, Worker, fingerprint_of
@@ -62,7 +65,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             recompute=dec.recomputes(s),
             recompute_reason=(dec.recompute[s] if dec.recompute else "") or "none",
             recompute_unit=recompute_unit(dec.costs[s], dec.in_flight[s]) if dec.recomputes(s) else "layer",
-            replica_sync="fsdp" if dec.zero_stage(s) else "ddp",
+            replica_sync=("ragged" if dec.fractions(s) else "fsdp") if dec.zero_stage(s) else "ddp",
             zero_stage=dec.zero_stage(s),
             zero_reason=dec.zero_reason[s] if dec.zero_reason else "none",
         )
@@ -74,6 +77,10 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
                      for s, groups in enumerate(replica) for d, group in enumerate(groups)
                      for t, device in enumerate(group)), key=lambda item: cluster.positions[item[0].name])
     workers = [_worker(rank, *item, dec, comm) for rank, item in enumerate(placed)]
+    ranks = {w.device: w.rank for w in workers}
+    for s, st in enumerate(stages):   # ragged shards: the group's fractions in rank order (the runtime's order)
+        if dec.fractions(s):
+            st.state_fractions = in_rank_order(dec.fractions(s), [g[0].name for g in layout.stage_groups(s)], ranks)
     _fill_allreduce(workers, layout, dec, comm)
     zero = Prediction(0.0, 0.0, 0.0)
     plan = Plan(
@@ -120,7 +127,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
                    for b, c in tp_comm.items()}
     forward, backward = [forward_of[b] for b in sizes], [backward_of[b] for b in sizes]
     memory = stage_memory(cost, dec.in_flight[s], fraction, recompute=again, unit_share=dec.shards[s].unit_share(t),
-                          zero=zero_of(dec, s))
+                          zero=zero_of(dec, s, group))
     terms = memory.term_bytes(max(sizes))
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
@@ -133,9 +140,14 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     )
 
 
-def zero_of(dec: Decisions, s: int) -> ZeroShards:
-    """What stage ``s``'s data-parallel group shards under its ZeRO stage (:class:`ZeroShards`)."""
-    return zero_shards(dec.layout, s, dec.costs[s], dec.zero_stage(s))
+def zero_of(dec: Decisions, s: int, group: tuple[Device, ...] | None = None) -> ZeroShards:
+    """What stage ``s``'s data-parallel group shards under its ZeRO stage (:class:`ZeroShards`); under
+    ragged shards, with ``group``'s own fraction of the state (``Decisions.state_fractions``)."""
+    fractions = dec.fractions(s)
+    zero = zero_shards(dec.layout, s, dec.costs[s], dec.zero_stage(s), ragged=bool(fractions))
+    if not fractions or group is None:
+        return zero
+    return dataclasses.replace(zero, share=fractions[dec.layout.stage_groups(s).index(group)])
 
 
 def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm: CommModel) -> None:
@@ -154,6 +166,9 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
         z = dec.zero_stage(s)
         if z:
             units = len(fsdp_units(dec.costs[s], layout.num_stages == 1))
+            if dec.fractions(s):   # ragged: one collective per parameter, padded to the largest rank's rows
+                nbytes *= padded_scale(dec.fractions(s))
+                units = dec.costs[s].param_tensors or units
             ms = comm.zero_ms(z, nbytes, max(len(w.micro_batch_sizes) for w in ws), ring, units)
         else:
             ms = comm.allreduce_ms(nbytes, ring)

@@ -36,7 +36,17 @@ gives each stage the lowest ZeRO stage at which every device fits (``"fit"``): 0
 one that holds fewer static bytes (:func:`next_zero`), the stage that does not fit first, before
 activation checkpointing is tried; with recompute turned on for a stage its ZeRO stage starts from 0
 again, so it is the lowest that fits recomputing. A single stage at ZeRO 2-3 runs the same number of
-micro-batches on every device (:func:`fit_batch`). The naive plan takes per stage the lowest ZeRO
+micro-batches on every device (:func:`fit_batch`).
+
+Ragged shards (``Decisions.state_fractions``; Cephalo, :mod:`planner.shares.state_fractions`). A
+single-stage plan without ``split`` over two workers or more may, at ZeRO 1 or 2 and with
+``Config.ragged_shards`` (the default), give each worker its own fraction of the sharded state, in
+proportion to the memory it has left after what does not shrink with it. The planner chooses them
+exactly when FSDP2's even shards do not fit at that ZeRO stage and ragged ones do, and the fractions
+are not even: per ZeRO stage even shards first, then ragged ones (:func:`_single_stage`), so the
+escalation runs ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even and stops at the first that fits
+(an asked ZeRO stage 1 or 2: even, then ragged). Where even shards fit they are kept, even if ragged
+ones would leave more slack. A re-plan keeps the plan's shards, ragged or even. The naive plan takes per stage the lowest ZeRO
 stage at which its equal shares fit (FSDP2 with even shards and even batches, the bench's baseline).
 The pipeline partitioner prices layer ranges at ZeRO 0 (a run that fits only under ZeRO keeps its
 TaskGraph boundaries, as for recompute); a re-plan keeps the plan's ZeRO stages.
@@ -50,19 +60,20 @@ from whalelike.config import ZERO_STAGES, Config
 from whalelike.display import human_bytes
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.cost_model import GIB, CommModel, StageCost
-from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, stage_memory
+from planner.devices.cost_model import GIB, CommModel, StageCost, device_tflops
+from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, parameter_share, stage_memory
 from planner.devices.placement import Layout
 from planner.partition.stage_layers import equal_stage_layers, partition_stage_layers
 from planner.plan import PlanError
 from planner.schedule.actions import in_flight_per_stage
 from planner.shares.batch_fit import (
-    PricedStage, StageDoesNotFit, StageMemoryError, equal_sizes, fit_equal_counts, fit_pipeline, fit_single_stage,
-    micro_batch_counts, shortfall_error,
+    MAX_MICRO_BATCHES, PricedStage, StageDoesNotFit, StageMemoryError, equal_sizes, fit_equal_counts, fit_pipeline,
+    fit_single_stage, micro_batch_counts, shortfall_error,
 )
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.shard_sizes import ShardLayout, even_layout
 from planner.shares.stage_shards import aware_shards, check_shardable, stage_shardable
+from planner.shares.state_fractions import is_even, padded_scale, ragged_fractions
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +84,8 @@ class Decisions:
     tensor-parallel group ``d`` of stage ``s`` in replica ``r``; ``recompute[s]`` why stage ``s``
     recomputes its activations (``"asked"``, ``"fit"``) or ``""`` (empty: none does); ``zero[s]`` its
     data-parallel group's ZeRO stage and ``zero_reason[s]`` why (``"none"``, ``"asked"``, ``"fit"``;
-    both empty: every stage 0)."""
+    both empty: every stage 0); ``state_fractions[s]`` its ragged shards, each data-parallel group's
+    fraction of the sharded state in ``Layout.stage_groups`` order (empty: even shards)."""
 
     layout: Layout
     stage_layers: list[list[int]]
@@ -87,6 +99,7 @@ class Decisions:
     recompute: tuple[str, ...] = ()
     zero: tuple[int, ...] = ()
     zero_reason: tuple[str, ...] = ()
+    state_fractions: tuple[tuple[float, ...], ...] = ()
 
     def recomputes(self, s: int) -> bool:
         return bool(self.recompute) and bool(self.recompute[s])
@@ -94,6 +107,11 @@ class Decisions:
     def zero_stage(self, s: int) -> int:
         """Stage ``s``'s ZeRO stage (0: DDP)."""
         return self.zero[s] if self.zero else 0
+
+    def fractions(self, s: int) -> tuple[float, ...]:
+        """Stage ``s``'s ragged state fractions per data-parallel group (``Layout.stage_groups`` order;
+        empty: even shards)."""
+        return self.state_fractions[s] if self.state_fractions else ()
 
 
 def asked_recompute(graphs: TaskGraphs, stage_layers: list[list[int]]) -> list[str]:
@@ -129,29 +147,35 @@ def check_trainable(graphs: TaskGraphs) -> None:
 
 def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]],
                   num_micro_batch: int, aware: bool, kept_shards: list[ShardLayout | None] | None = None,
-                  recompute: list[str] | None = None, zero: list[int] | None = None) -> list[PricedStage]:
+                  recompute: list[str] | None = None, zero: list[int] | None = None,
+                  fractions: list[tuple[float, ...]] | None = None) -> list[PricedStage]:
     """Every stage priced for ``num_micro_batch``; ``kept_shards[s]``, when given and not None,
     is stage ``s``'s shard layout instead of the even (naive) or speed-proportional (aware) one;
     ``recompute[s]`` (a reason, empty for none): stage ``s`` recomputes its activations; ``zero[s]``:
-    its data-parallel group's ZeRO stage (:func:`zero_shards`)."""
+    its data-parallel group's ZeRO stage (:func:`zero_shards`); ``fractions[s]`` (empty: even shards)
+    its ragged state fractions per data-parallel group (a stage without ``split``: one shard)."""
     in_flight_per = in_flight_per_stage(config.schedule, layout.num_stages, num_micro_batch)
     out = []
     for s, layers in enumerate(stage_layers):
         cost = StageCost.of_layers(graphs, layers, config.precision)
         in_flight = in_flight_per[s]
         again = bool(recompute and recompute[s])
-        sharded = zero_shards(layout, s, cost, zero[s] if zero else 0)
+        mine = tuple(fractions[s]) if fractions else ()
+        sharded = zero_shards(layout, s, cost, zero[s] if zero else 0, ragged=bool(mine))
         owners, shardable, groups = stage_shardable(graphs, layers)
         tp = layout.shapes[s].tp
         check_shardable(layout, s, owners, shardable, groups)
+        ragged = tuple((tuple(d.name for d in g), f) for g, f in zip(layout.stage_groups(s), mine))
         if kept_shards is not None and kept_shards[s] is not None:
             shards = kept_shards[s]
-        elif not aware:
+        elif not aware or ragged:   # ragged shards: no split, so the one shard holds the whole stage
+            if ragged and tp != 1:
+                raise ValueError(f"ragged state shards on stage {s} under split({tp}): they run without split only")
             shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
             shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again, sharded)
-        out.append(PricedStage(s, cost, in_flight, shards, again, sharded))
+        out.append(PricedStage(s, cost, in_flight, shards, again, sharded, ragged))
     return out
 
 
@@ -159,7 +183,8 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                     stage_layers: list[list[int]] | None = None, shards: list[ShardLayout | None] | None = None,
                     sizes: list | None = None, counts: list[int] | None = None,
                     recompute: list[str] | None = None, zero: list[int] | None = None,
-                    zero_reason: list[str] | None = None) -> Decisions:
+                    zero_reason: list[str] | None = None,
+                    state_fractions: list[tuple[float, ...]] | None = None) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of :mod:`planner.api`.
 
     A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
@@ -169,7 +194,10 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     ``counts``, the micro-batch counts a pipeline may use (default: ``num_micro_batch``, then
     every larger divisor of the global batch), ``recompute`` (per stage the reason it recomputes,
     empty for none) instead of choosing (every stage whose TaskGraph asks recomputes anyway), and
-    ``zero`` with ``zero_reason`` (per stage its ZeRO stage and why) instead of choosing them.
+    ``zero`` with ``zero_reason`` (per stage its ZeRO stage and why) instead of choosing them, and
+    ``state_fractions`` (per stage its ragged state fractions in ``Layout.stage_groups`` order, empty
+    for even shards: the runtime keeps its replica sync only for the same ones) instead of choosing
+    even or ragged shards.
     Raises PlanError when the stages do not fit.
     """
     if stage_layers is None:
@@ -184,6 +212,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
         "asked" if z else "none" for z in fixed]
     ladders = [zero_ladder(layout, s, fixed[s]) for s in range(layout.num_stages)]
     zeros = [ladder[0] for ladder in ladders]
+    kept = [tuple(f) for f in state_fractions] if state_fractions is not None else None
 
     def decided(stages, sizes, count):
         chosen = [why_zero[s] if fixed[s] is not None else ("fit" if z else "none") for s, z in enumerate(zeros)]
@@ -191,17 +220,18 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
 
     if sizes is not None:
         count = max(len(n) for replica in sizes for stage in replica for n in stage)
-        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros)
+        stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros, kept)
         return decided(stages, sizes, count)
     if layout.num_stages == 1:
         return _single_stage(graphs, config, layout, network, stage_layers, shards, reasons, recompute is not None,
-                             zeros, ladders[0], fixed[0], decided)
+                             zeros, ladders[0], fixed[0], decided, kept)
     while True:
         errors, tried, short = [], m, None
         for count in micro_batch_counts(gbs, m, layout) if counts is None else counts:
             tried = count
             try:
-                stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros)
+                stages = priced_stages(graphs, config, layout, stage_layers, count, True, shards, reasons, zeros,
+                                       kept)
                 sizes = fit_pipeline(layout, stages, gbs // count, count)
             except StageDoesNotFit as e:
                 errors.append(e)
@@ -245,29 +275,50 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
 
 
 def _single_stage(graphs, config, layout, network, stage_layers, shards, reasons, replanning: bool, zeros, ladder,
-                  fixed, decided) -> Decisions:
+                  fixed, decided, kept=None) -> Decisions:
     """The one stage's decisions: the lowest ZeRO stage of ``ladder`` at which its batch fits
-    (:func:`fit_batch`), then, as the last resort, the same recomputing its activations."""
+    (:func:`fit_batch`), then, as the last resort, the same recomputing its activations.
+
+    At each ZeRO stage of the ladder, lowest first: FSDP2's even shards (skipped at a stage that
+    holds no less than the last one tried with even shards, :func:`next_zero`), then, when they do not
+    fit and the stage may run them (:func:`ragged_allowed`: ZeRO 1 or 2, ``Config.ragged_shards``, no
+    ``split``, two workers or more, not a re-plan), ragged shards with the fractions of
+    :func:`planner.shares.state_fractions.ragged_fractions` (:func:`_ragged`), unless those are even.
+    So the order is ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even: ragged shards are chosen
+    exactly when even shards do not fit at that ZeRO stage and ragged ones do, which keeps the plan
+    at a lower ZeRO stage, or fits a model even ZeRO 3 cannot (ragged ZeRO 2 holds the whole weights
+    but only ``f_r`` of the rest, 0 on a device with no room). A re-plan (``kept``) keeps the plan's
+    shards, ragged or even."""
     gbs, m = config.global_batch_size, config.num_micro_batch
-    error = None
+    error, ragged_tried = None, False
     while True:
-        z = zeros[0]
-        while z is not None:
-            zeros[0] = z
-            try:
-                stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons, zeros)
-                sizes, count = fit_batch(layout, stages[0], gbs, m, network)
-                return decided(stages, sizes, count)
-            except PlanError as e:
-                error = e
-            z = next_zero(layout, 0, ladder, z, stage_layers, graphs, config)
+        last_even = None
+        for z in ladder[ladder.index(zeros[0]):]:
+            if last_even is None or z == next_zero(layout, 0, ladder, last_even, stage_layers, graphs, config):
+                zeros[0], last_even = z, z
+                try:
+                    stages = priced_stages(graphs, config, layout, stage_layers, m, True, shards, reasons, zeros, kept)
+                    sizes, count = fit_batch(layout, stages[0], gbs, m, network)
+                    return decided(stages, sizes, count)
+                except PlanError as e:
+                    error = e
+            if ragged_allowed(config, layout, 0, z) and not replanning:
+                ragged_tried = True
+                try:
+                    chosen = _ragged(graphs, config, layout, network, stage_layers, reasons, zeros, z, decided)
+                except PlanError as e:
+                    error = e
+                    chosen = None
+                if chosen is not None:
+                    return chosen
+                zeros[0] = last_even
         cost = StageCost.of_layers(graphs, stage_layers[0], config.precision)
         bare = PricedStage(0, cost, in_flight_per_stage(config.schedule, 1, m)[0], None)
         why = "" if reasons[0] else _recompute_helps(graphs, bare, stage_layers[0])
         if reasons[0] or replanning or why:
             why = why or "a re-plan keeps the recompute choices of the plan in force"
             note = "" if reasons[0] else f" (activation checkpointing was considered: {why})"
-            note += zero_note(layout, 0, [ladder], zeros, [fixed], replanning)
+            note += zero_note(layout, 0, [ladder], zeros, [fixed], replanning, ragged_tried)
             note += " (and again recomputing its activations)" if reasons[0] == "fit" and not replanning else ""
             raise PlanError(f"{error}{note}") from None
         # the last resort: recompute its activations, layer by layer (a data-parallel plan too)
@@ -275,6 +326,35 @@ def _single_stage(graphs, config, layout, network, stage_layers, shards, reasons
         zeros[0] = ladder[0]
         log.warning("the single stage does not fit its devices even with gradient accumulation at any ZeRO stage "
                     "tried; it recomputes its activations in the backward (activation checkpointing)")
+
+
+def ragged_allowed(config: Config, layout: Layout, s: int, zero_stage: int) -> bool:
+    """Whether stage ``s`` may run ragged state shards at ``zero_stage``: ZeRO 1 or 2, ``Config.ragged_shards``,
+    a single-stage plan without ``split`` (what ``runtime.replicas.ragged_sync`` runs) over two workers or more."""
+    return (config.ragged_shards and zero_stage in (1, 2) and layout.num_stages == 1 and layout.shapes[s].tp == 1
+            and len(layout.stage_groups(s)) >= 2)
+
+
+def _ragged(graphs, config, layout, network, stage_layers, reasons, zeros, z: int, decided) -> Decisions | None:
+    """The single stage at ZeRO ``z`` with ragged shards: each worker's fraction of the state by the
+    memory it has left (:func:`planner.shares.state_fractions.ragged_fractions`), then the batch fitted
+    within what those fractions leave (:func:`fit_batch`). None when no fractions fit or they are even
+    (FSDP2's even shards, already tried); PlanError when the batch does not fit."""
+    gbs, m = config.global_batch_size, config.num_micro_batch
+    cost = StageCost.of_layers(graphs, stage_layers[0], config.precision)
+    groups = layout.stage_groups(0)
+    most = MAX_MICRO_BATCHES if z < 2 else min(gbs // len(groups), MAX_MICRO_BATCHES)   # ZeRO 2: a sample each
+    found = ragged_fractions(cost, in_flight_per_stage(config.schedule, 1, m)[0], bool(reasons[0]), z,
+                             [g[0].memory_gib * GIB for g in groups],
+                             [device_tflops(g[0], config.precision) for g in groups], gbs, m, most)
+    if found is None or is_even(found.fractions):
+        return None
+    zeros[0] = z
+    stages = priced_stages(graphs, config, layout, stage_layers, m, True, None, reasons, zeros, [found.fractions])
+    sizes, count = fit_batch(layout, stages[0], gbs, m, network)
+    log.warning("FSDP2's even shards do not fit ZeRO stage %d; ragged shards by free memory do: state fractions %s",
+                z, ", ".join(f"{g[0].name} {f:.1%}" for g, f in zip(groups, found.fractions)))
+    return decided(stages, sizes, count)
 
 
 def fit_batch(layout: Layout, st: PricedStage, gbs: int, m: int, network) -> tuple[list, int]:
@@ -289,19 +369,29 @@ def fit_batch(layout: Layout, st: PricedStage, gbs: int, m: int, network) -> tup
 
 def zero_comm(layout: Layout, st: PricedStage, network):
     """``k -> ms``: stage ``st``'s ZeRO collectives per step with ``k`` micro-batches, the slowest
-    tensor-parallel index's ring (:meth:`planner.devices.cost_model.CommModel.zero_ms`)."""
+    tensor-parallel index's ring (:meth:`planner.devices.cost_model.CommModel.zero_ms`); under ragged
+    shards one collective per parameter, each padded to the largest rank's rows
+    (:func:`~planner.shares.state_fractions.padded_scale`)."""
     comm = CommModel(network)
     groups = layout.stage_groups(st.index)
     units = len(fsdp_units(st.cost, layout.num_stages == 1))
     rings = [[g[t] for g in groups] for t in range(len(groups[0]))]
-    return lambda k: max(comm.zero_ms(st.zero.stage, st.cost.param_bytes * st.shards.fractions[t], k, ring, units)
+    scale = 1.0
+    if st.ragged:   # one padded collective per parameter (runtime.replicas.ragged_sync)
+        scale, units = padded_scale(st.state_fractions), st.cost.param_tensors or units
+    return lambda k: max(comm.zero_ms(st.zero.stage, st.cost.param_bytes * st.shards.fractions[t] * scale, k, ring,
+                                      units)
                          for t, ring in enumerate(rings))
 
 
 # -- ZeRO stages ------------------------------------------------------------------------------------
-def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int) -> ZeroShards:
-    """What stage ``s``'s data-parallel group (its groups over every replica) shards at ZeRO ``stage``."""
-    return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, layout.num_stages == 1))
+def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int, ragged: bool = False) -> ZeroShards:
+    """What stage ``s``'s data-parallel group (its groups over every replica) shards at ZeRO ``stage``;
+    ``ragged``: under ragged shards, whose ``u`` is the largest parameter's share
+    (:func:`~planner.devices.memory.parameter_share`; each worker's own fraction:
+    :meth:`~planner.shares.batch_fit.PricedStage.zero_of`)."""
+    unit = parameter_share(cost) if ragged else fsdp_unit_share(cost, layout.num_stages == 1)
+    return ZeroShards(stage, len(layout.stage_groups(s)), unit)
 
 
 def asked_zero(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[int | None]:
@@ -366,19 +456,21 @@ def next_zero(layout: Layout, s: int, ladder: list[int], current: int, stage_lay
     return None
 
 
-def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool) -> str:
-    """What the ZeRO escalation tried for stage ``s``, for the error that follows."""
+def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool, ragged: bool = False) -> str:
+    """What the ZeRO escalation tried for stage ``s`` (``ragged``: ragged state shards too), for the
+    error that follows."""
     workers = len(layout.stage_groups(s))
+    shards = ", with even and with ragged state shards at ZeRO 1-2" if ragged else ""
     if replanning:
         return f" (a re-plan keeps ZeRO stage {zeros[s]} of the plan in force)" if zeros[s] else ""
     if fixed[s] is not None:
-        return (f" (under ZeRO stage {fixed[s]}, as asked; a higher ZeRO stage may fit)" if fixed[s] < 3 and workers > 1
-                else "")
+        return (f" (under ZeRO stage {fixed[s]}, as asked{shards}; a higher ZeRO stage may fit)"
+                if fixed[s] < 3 and workers > 1 else "")
     if workers == 1:
         return " (ZeRO cannot help: no other worker holds this stage's parameters)"
     higher = " (the higher ones hold no less here)" if zeros[s] < ladders[s][-1] else ""
-    return (f" (ZeRO stages up to {zeros[s]} were tried over its {workers} data-parallel workers{higher}; more "
-            "data-parallel devices shard its state thinner)")
+    return (f" (ZeRO stages up to {zeros[s]} were tried over its {workers} data-parallel workers{higher}{shards}; "
+            "more data-parallel devices shard its state thinner)")
 
 
 def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
@@ -420,4 +512,5 @@ def _decided(layout: Layout, stage_layers, stages: list[PricedStage], sizes, cou
                      [s.shards for s in stages], sizes, count, solver, gap,
                      tuple(recompute) if recompute is not None else ("",) * len(stages),
                      tuple(zero) if zero is not None else (0,) * len(stages),
-                     tuple(zero_reason) if zero_reason is not None else ("none",) * len(stages))
+                     tuple(zero_reason) if zero_reason is not None else ("none",) * len(stages),
+                     tuple(s.state_fractions for s in stages))

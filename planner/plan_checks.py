@@ -10,6 +10,7 @@ here relate fields to each other, to a model and to a cluster. They are reached 
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from whalelike.spec import check_rules
 # memory_gib (planner.devices.memory's estimate) is compared with the capacity by the model's fit
 # rule: in floating point (bytes / 2**30), so within its relative tolerance
 from planner.devices.memory import fits
+from planner.shares.state_fractions import SUM_TOLERANCE
 from planner.errors import PlanError
 from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
 
@@ -204,19 +206,25 @@ def _check_batches(plan: Plan) -> None:
 
 
 def _check_zero(plan: Plan) -> None:
-    """A stage's replica sync and ZeRO stage agree (``fsdp`` exactly when ``zero_stage`` >= 1; a reason
-    other than ``none`` only with a ZeRO stage), a ZeRO stage has someone to shard with (more than one worker per ``tp_index``), and at
-    ZeRO stages 2 and 3 every worker of the stage runs the same number of micro-batches (each
-    micro-batch issues collectives over the data-parallel group: a rank with one fewer would leave
-    the others waiting in a reduce-scatter that never completes)."""
+    """A stage's replica sync and ZeRO stage agree (``ddp`` exactly at ``zero_stage`` 0, ``fsdp`` or
+    ``ragged`` at 1-2, ``fsdp`` at 3; a reason other than ``none`` only with a ZeRO stage), ragged
+    shards have their fractions (:func:`_check_state_fractions`), a ZeRO stage has someone to shard
+    with (more than one worker per ``tp_index``), and at ZeRO stages 2 and 3 every worker of the stage
+    runs the same number of micro-batches (each micro-batch issues collectives over the data-parallel
+    group: a rank with one fewer would leave the others waiting in a reduce-scatter that never
+    completes)."""
     for st in plan.stages:
         where = f"plan.stages[{st.index}]"
         want = "fsdp" if st.zero_stage else "ddp"
         if st.replica_sync == "ragged" and st.zero_stage in (1, 2):   # memory-proportional shards at ZeRO 1-2
             want = "ragged"
         if st.replica_sync != want:
+            ragged = (" or 'ragged' (ragged state shards, with state_fractions)" if st.zero_stage in (1, 2) else
+                      "; 'ragged' shards run at zero_stage 1 or 2 only" if st.replica_sync == "ragged" else "")
             raise PlanError(f"{where}.replica_sync is {st.replica_sync!r} with zero_stage {st.zero_stage}; it must be "
-                            f"{want!r} ('fsdp' exactly when zero_stage >= 1): re-create the plan with `whalelike plan`")
+                            f"{want!r}{ragged} ('ddp' exactly when zero_stage is 0): re-create the plan with "
+                            "`whalelike plan`")
+        _check_state_fractions(plan, st, where)
         if not st.zero_stage and st.zero_reason != "none":   # 'none' with a ZeRO stage: a plan written by hand
             raise PlanError(f"{where}.zero_reason is {st.zero_reason!r} with zero_stage 0; it must be 'none' (a "
                             "reason is given only for a ZeRO stage 1-3): re-create the plan with `whalelike plan`")
@@ -236,6 +244,44 @@ def _check_zero(plan: Plan) -> None:
                 "same count on every worker of the data-parallel group (each micro-batch reduce-scatters over it); "
                 "re-create the plan with `whalelike plan`"
             )
+
+
+def _check_state_fractions(plan: Plan, st, where: str) -> None:
+    """``state_fractions`` exactly with replica sync ``ragged``, which runs on a single-stage plan
+    without ``split`` (``runtime.replicas.ragged_sync``): one fraction per worker of the stage's
+    data-parallel group in rank order, summing to 1 (within
+    :data:`planner.shares.state_fractions.SUM_TOLERANCE`); each is >= 0 by its field rule."""
+    fractions = list(st.state_fractions)
+    if st.replica_sync != "ragged":
+        if fractions:
+            raise PlanError(f"{where}.state_fractions is {_some([f'{f:g}' for f in fractions])} with replica_sync "
+                            f"{st.replica_sync!r}; state fractions are ragged shards' (replica_sync 'ragged'): set "
+                            "state_fractions to [] for even shards, or replica_sync 'ragged', or re-create the plan "
+                            "with `whalelike plan`")
+        return
+    if not fractions:
+        raise PlanError(f"{where}.state_fractions is empty with replica_sync 'ragged'; ragged shards need each "
+                        "data-parallel worker's fraction of the state (in rank order, summing to 1): give them, or "
+                        "set replica_sync 'fsdp' for even shards, or re-create the plan with `whalelike plan`")
+    members = plan.stage_workers(st.index)
+    tp = max(w.tp_size for w in members)
+    if len(plan.stages) > 1 or tp > 1:
+        shape = (f"a pipeline of {len(plan.stages)} stages" if len(plan.stages) > 1
+                 else f"a stage under split({tp})")
+        raise PlanError(f"{where}.replica_sync is 'ragged' on {shape}; ragged state shards run on a single-stage "
+                        "plan without split only: set replica_sync 'fsdp' and state_fractions [] (even shards), or "
+                        "re-create the plan with `whalelike plan`")
+    group = sorted(w.rank for w in members if w.tp_index == 0)
+    if len(fractions) != len(group):
+        raise PlanError(f"{where}.state_fractions has {len(fractions)} entries "
+                        f"({_some([f'{f:g}' for f in fractions])}); the stage's data-parallel group has "
+                        f"{len(group)} workers (ranks {_some([str(r) for r in group])}): give one fraction per "
+                        "worker in rank order, or re-create the plan with `whalelike plan`")
+    total = math.fsum(fractions)
+    if abs(total - 1.0) > SUM_TOLERANCE:
+        raise PlanError(f"{where}.state_fractions {_some([f'{f:g}' for f in fractions])} sum to {total!r}; they "
+                        f"must sum to 1 (within {SUM_TOLERANCE:g}): each worker's share of the state, e.g. divide "
+                        f"each by {total:g}, or re-create the plan with `whalelike plan`")
 
 
 def _check_shards(plan: Plan) -> None:

@@ -1,5 +1,6 @@
 """``Plan.summary()``: one aligned row per device, per device its memory term by term (weights,
-gradients, optimizer state, activations against its memory), each stage's ZeRO stage, the predicted
+gradients, optimizer state, activations against its memory; under ragged shards its fraction of the
+state), each stage's ZeRO stage, the predicted
 gain over the naive plan and, given the cluster, the resharding chosen at each pipeline boundary. The
 title names the training precision unless it is fp32.
 
@@ -96,7 +97,25 @@ def memory_lines(plan: Plan) -> list[str]:
     rows = [[w.rank, w.device, w.stage, plan.stages[w.stage].zero_stage, _gib(w.weights_gib), _gib(w.gradients_gib),
              _gib(w.optimizer_gib), _gib(w.activations_gib), f"{_gib(w.memory_gib)} / {_gib(w.capacity_gib)}"]
             for w in plan.workers]
+    shares = state_shares(plan)
+    if shares:   # ragged shards: each device's fraction of its stage's sharded state
+        headers.insert(4, "state")
+        for row, w in zip(rows, plan.workers):
+            row.insert(4, shares.get(w.rank, "-"))
     return [format_table(headers, rows, title="memory per device at its peak (GiB):"), ""]
+
+
+def state_shares(plan: Plan) -> dict[int, str]:
+    """Per rank its fraction of its stage's sharded state (``'12.5%'``) under ragged shards
+    (``StagePlan.state_fractions``, in the rank order of the stage's data-parallel group); empty when
+    no stage runs them."""
+    out = {}
+    for st in plan.stages:
+        fractions = getattr(st, "state_fractions", [])
+        group = sorted(w.rank for w in plan.stage_workers(st.index) if w.tp_index == 0)
+        if fractions and len(fractions) == len(group):
+            out.update({rank: f"{f:.1%}" for rank, f in zip(group, fractions)})
+    return out
 
 
 def _gib(x: float) -> str:
@@ -105,12 +124,14 @@ def _gib(x: float) -> str:
 
 
 def _zero(st) -> str:
-    """', ZeRO stage 2 (FSDP2, chosen to fit)' or ', ZeRO stage 0 (DDP)': the stage's ZeRO stage and why."""
+    """', ZeRO stage 2 (FSDP2, chosen to fit)', ', ZeRO stage 1 (ragged shards by free memory, chosen to
+    fit)' or ', ZeRO stage 0 (DDP)': the stage's ZeRO stage, its shards and why."""
     z = getattr(st, "zero_stage", 0)
     if not z:
         return ", ZeRO stage 0 (DDP)"
     why = {"asked": "asked", "fit": "chosen to fit"}.get(getattr(st, "zero_reason", "none"), "")
-    return f", ZeRO stage {z} (FSDP2{', ' + why if why else ''})"
+    how = "ragged shards by free memory" if getattr(st, "replica_sync", "") == "ragged" else "FSDP2"
+    return f", ZeRO stage {z} ({how}{', ' + why if why else ''})"
 
 
 def _recompute(st) -> str:

@@ -184,7 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients,
-                    precision=args.precision, zero_stage=args.zero)
+                    precision=args.precision, zero_stage=args.zero, ragged_shards=not args.even_shards)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
                "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
@@ -295,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage of every data-parallel stage: 0 (DDP), 1 (optimizer state sharded), 2 (and "
                         "gradients), 3 (and parameters), on FSDP2; default: the planner picks per stage the lowest "
                         "that fits")
+    p.add_argument("--even-shards", action="store_true",
+                   help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-2 of a single stage where even "
+                        "shards do not fit, each device holds a fraction of the state in proportion to the memory "
+                        "it has left (ragged shards)")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
     p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json",

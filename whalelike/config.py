@@ -58,6 +58,11 @@ class Config:
                        one worker (a region's ``replicate(n, zero=k)`` fixes its own stages instead);
                        0 DDP, 1 optimizer state, 2 and gradients, 3 and parameters sharded
                        (``StagePlan.zero_stage``, ``planner.devices.memory``).
+    ragged_shards:     True (the default): at ZeRO stages 1-2 of a single-stage plan without ``split``,
+                       the planner may give each data-parallel worker its own fraction of the sharded
+                       state, in proportion to the memory it has left (Cephalo; ``StagePlan.replica_sync``
+                       ``"ragged"``, ``planner.shares.state_fractions``) where FSDP2's even shards do not
+                       fit; False: even shards only (``whalelike plan --even-shards``, for comparisons).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -71,6 +76,7 @@ class Config:
     zero_stage: Optional[int] = rule(int, choices=ZERO_STAGES, default=None,
                                      says="None (the planner chooses) or one of 0, 1, 2, 3 (the ZeRO stage of "
                                           "every data-parallel stage)")
+    ragged_shards: bool = rule(bool, default=True)
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}

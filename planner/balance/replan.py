@@ -63,6 +63,7 @@ from planner.plan_checks import WORKER_MAPPING, check_same_workers
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
 from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
 from planner.shares.stage_shards import stage_shardable
+from planner.shares.state_fractions import in_group_order
 from planner.devices.placement import Layout, StageShape
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
                 graphs, config, layout, network,
                 stage_layers=new_layers if use_layers else old_layers,
                 shards=None if use_shards else old_shards, counts=[config.num_micro_batch],
-                **_choices_in_force(plan))
+                **_choices_in_force(plan, layout))
         except PlanError as e:
             first_error = first_error or e
             continue
@@ -144,7 +145,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         kept.append(f"batch shares: the new shares do not fit in memory ({first_error})")
         decisions = aware_decisions(graphs, config, layout, network, stage_layers=old_layers,
                                     shards=old_shards, sizes=_plan_sizes(plan, layout),
-                                    **_choices_in_force(plan))
+                                    **_choices_in_force(plan, layout))
     if decisions.stage_layers == old_layers:
         solver, gap = plan.solver, plan.optimality_gap
     new = _priced(graphs, measured, config, dataclasses.replace(decisions, solver=solver, optimality_gap=gap))
@@ -344,12 +345,17 @@ def _plan_sizes(plan: Plan, layout: Layout) -> list:
     return sizes
 
 
-def _choices_in_force(plan: Plan) -> dict:
+def _choices_in_force(plan: Plan, layout: Layout) -> dict:
     """What a re-plan keeps of the plan in force besides its workers: each stage's recompute choice,
-    ZeRO stage and their reasons (:func:`planner.decisions.aware_decisions`'s ``recompute``, ``zero``
-    and ``zero_reason``)."""
+    ZeRO stage and their reasons, and its ragged state fractions (:func:`planner.decisions.aware_decisions`'s
+    ``recompute``, ``zero``, ``zero_reason`` and ``state_fractions``, those from rank order to
+    ``layout``'s group order): the runtime keeps a replica sync only for the same ones."""
+    ranks = {w.device: w.rank for w in plan.workers}
+    fractions = [in_group_order(st.state_fractions, [g[0].name for g in layout.stage_groups(st.index)], ranks)
+                 if st.state_fractions else () for st in plan.stages]
     return {"recompute": [st.recompute_reason if st.recompute else "" for st in plan.stages],
-            "zero": [st.zero_stage for st in plan.stages], "zero_reason": [st.zero_reason for st in plan.stages]}
+            "zero": [st.zero_stage for st in plan.stages], "zero_reason": [st.zero_reason for st in plan.stages],
+            "state_fractions": fractions}
 
 
 def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Decisions) -> Plan:
@@ -361,5 +367,5 @@ def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) ->
     """The plan in force re-priced at the measured speeds."""
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
                            shards=old_shards, sizes=_plan_sizes(plan, layout),
-                           **_choices_in_force(plan))
+                           **_choices_in_force(plan, layout))
     return predict(build_plan(graphs, measured, config, kept), measured)

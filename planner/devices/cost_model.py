@@ -198,6 +198,8 @@ class StageCost:
     layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
     max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
     fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
+    max_param_bytes: float = 0.0             # its largest single parameter (0: unknown; memory.parameter_share)
+    param_tensors: int = 0                   # how many parameters it holds (0: unknown; ragged: a collective each)
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -272,6 +274,11 @@ class StageCost:
                                            - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
                                            for l in chosen),
             fsdp_unit_bytes=fsdp_unit_bytes(chosen, params),
+            # a layer without the figure (made by hand) counts as one parameter: an upper bound
+            max_param_bytes=float(max([l.max_param_bytes or l.param_bytes for l in chosen]
+                                      + [size for _, size in copies.values()])),
+            param_tensors=sum(l.param_tensors for l in chosen) + len(copies)
+            if all(l.param_tensors or not l.param_bytes for l in chosen) else 0,
         )
 
     @property

@@ -53,6 +53,13 @@ parameter bytes (:func:`fsdp_unit_share`):
 
 So a ZeRO stage changes the three static fractions and nothing else; the activations are as without.
 
+Ragged shards (Cephalo; ``StagePlan.replica_sync`` ``"ragged"``, ``runtime.replicas.ragged_sync``, ZeRO
+stages 1-2 of a single-stage plan without ``split``): each worker ``r`` holds its own fraction ``f_r``
+of the sharded state (``ZeroShards.share``, ``StagePlan.state_fractions``, chosen by
+:mod:`planner.shares.state_fractions`) instead of ``1/n``, and the formulas above hold with ``f = f_r``.
+The runtime reduce-scatters each parameter's gradient on its own (not an FSDP unit's), so at stage 2
+``u`` is the largest single parameter's share of the stage's parameter bytes (:func:`parameter_share`).
+
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
 activation_bytes_per_sample + transient_bytes_per_sample)``: each term scales with its own fraction
@@ -192,11 +199,17 @@ class ZeroShards:
     ``stage`` 0-3 (``StagePlan.zero_stage``), ``group`` the workers of the group (the stage's workers of
     one ``tp_index`` over all replicas: each holds ``1 / group`` of what is sharded, FSDP2's even
     shards), ``unit`` the largest FSDP unit's share of the stage's parameter bytes
-    (:func:`fsdp_unit_share`)."""
+    (:func:`fsdp_unit_share`).
+
+    ``share``: under ragged shards (module docstring, "Ragged shards"), the fraction of the sharded
+    state this one worker holds (``StagePlan.state_fractions``, 0 to 1) instead of ``1 / group``, at
+    ZeRO stage 1 or 2 only; ``unit`` is then the largest single parameter's share
+    (:func:`parameter_share`). None: even shards."""
 
     stage: int = 0
     group: int = 1
     unit: float = 1.0
+    share: float | None = None
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -205,11 +218,29 @@ class ZeroShards:
             raise ValueError(f"ZeroShards.group must be an integer >= 1 (workers in the group), got {self.group!r}")
         if not (isinstance(self.unit, (int, float)) and 0 < self.unit <= 1):
             raise ValueError(f"ZeroShards.unit must be in (0, 1] (a share of the stage's parameters), got {self.unit!r}")
+        if self.share is not None:
+            if isinstance(self.share, bool) or not (isinstance(self.share, (int, float)) and 0 <= self.share <= 1):
+                raise ValueError(f"ZeroShards.share must be None (even shards) or in [0, 1] (the worker's fraction "
+                                 f"of the sharded state), got {self.share!r}")
+            if self.stage not in (1, 2):
+                raise ValueError(f"ZeroShards.share is {self.share!r} at ZeRO stage {self.stage}: ragged shards run "
+                                 "at ZeRO stages 1 and 2 only (stage 3 keeps FSDP2's even shards)")
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the worker holds its own fraction (ragged shards) rather than ``1 / group``."""
+        return self.share is not None
+
+    @property
+    def fraction(self) -> float:
+        """``f``: the worker's fraction of the sharded state (``share``, else ``1 / group``)."""
+        return 1.0 / self.group if self.share is None else float(self.share)
 
     def fractions(self) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer state)``: the share of the whole stage's bytes of each a
-        worker holds at its peak, before its tensor-parallel shard (module docstring, "ZeRO")."""
-        f, u, z = 1.0 / self.group, self.unit, self.stage
+        worker holds at its peak, before its tensor-parallel shard (module docstring, "ZeRO"; ``f`` the
+        worker's :attr:`fraction`)."""
+        f, u, z = self.fraction, self.unit, self.stage
         if z == 0:
             return 1.0, 1.0, 1.0
         if z == 1:
@@ -240,6 +271,19 @@ def fsdp_unit_share(cost: "StageCost", whole_model: bool) -> float:
     return min(max(max(fsdp_units(cost, whole_model)) / cost.param_bytes, 1e-12), 1.0)
 
 
+def parameter_share(cost: "StageCost") -> float:
+    """``u`` under ragged shards: the largest single parameter's share of the stage's parameter bytes
+    (``StageCost.max_param_bytes``; a stage priced by hand without it: the largest FSDP unit's share,
+    which holds that parameter, so never less). The ragged runtime reduce-scatters and frees each
+    parameter's full gradient on its own as soon as the backward produces it."""
+    if cost.param_bytes <= 0:
+        return 1.0
+    largest = getattr(cost, "max_param_bytes", 0.0)
+    if not largest or largest <= 0:
+        return fsdp_unit_share(cost, True)
+    return min(max(largest / cost.param_bytes, 1e-12), 1.0)
+
+
 def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,
                      activation_shard: float | None = None, zero: ZeroShards = NO_ZERO) -> dict[str, float]:
     """The fraction of each term a worker holds: its tensor-parallel ``shard`` of the stage (its
@@ -248,7 +292,8 @@ def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,
     :meth:`ZeroShards.fractions`), and of the activations its ``activation_shard`` (default:
     ``shard``; :func:`activation_shard`: what a ``split`` stage leaves whole counts whole) of its
     ``batch_share`` of the samples priced. The one rule of who holds what: a ZeRO stage or
-    activation checkpointing changes one entry here."""
+    activation checkpointing changes one entry here; ragged shards change ``f`` in ``zero``
+    (:attr:`ZeroShards.share`, the worker's own fraction instead of ``1 / n``)."""
     a = shard if activation_shard is None else activation_shard
     if zero.stage == 0:   # exactly the shard, as before ZeRO existed (equal fractions group bit for bit)
         return {"weight_fraction": shard, "gradient_fraction": shard, "optimizer_fraction": shard,

@@ -14,7 +14,9 @@ A stage that still does not fit may recompute its activations (activation checkp
 :class:`PricedStage` says whether it does, and every memory figure here asks the memory model with
 it); :func:`planner.decisions.aware_decisions` turns it on, stage by stage, as the last resort.
 
-Under ZeRO (``PricedStage.zero``) every memory figure is the worker's under its ZeRO stage. Stages
+Under ZeRO (``PricedStage.zero``) every memory figure is the worker's under its ZeRO stage, and
+under ragged shards (``PricedStage.ragged``: each worker's own fraction of the state,
+:mod:`planner.shares.state_fractions`) the worker's under its fraction (:meth:`PricedStage.zero_of`). Stages
 0-1 share as above (Poplar: speed-proportional shares, per-device accumulation with different
 micro-batch counts allowed); a single stage at ZeRO 2-3 issues collectives every micro-batch, so
 every device runs the same count, searched over the step time with the group's collectives
@@ -26,9 +28,11 @@ the micro-batch sizes of the tensor-parallel group ``d`` of stage ``s`` in repli
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional, Sequence
 
 from whalelike.cluster import Device
@@ -126,7 +130,9 @@ def _by_group(per_batch: Sequence[Sequence[int]]) -> list[list[int]]:
 class PricedStage:
     """One stage priced for a given micro-batch count: costs, in-flight micro-batches, shards,
     whether it recomputes its activations and what its data-parallel group shards under ZeRO
-    (built by :func:`planner.decisions.priced_stages`)."""
+    (built by :func:`planner.decisions.priced_stages`). ``ragged``: under ragged shards, each
+    data-parallel group's device names with its fraction of the state (group order; empty: even
+    shards, ``zero`` for every worker)."""
 
     index: int
     cost: StageCost
@@ -134,12 +140,30 @@ class PricedStage:
     shards: ShardLayout
     recompute: bool = False
     zero: ZeroShards = NO_ZERO
+    ragged: tuple[tuple[tuple[str, ...], float], ...] = ()
 
-    def memory(self, fraction: float, unit_share: Optional[float] = None):
-        """The memory model of a worker holding ``fraction`` of this stage (``unit_share`` of its
-        shard groups' units, :func:`planner.devices.memory.stage_memory`)."""
+    @cached_property
+    def _share_of(self) -> dict[tuple[str, ...], float]:
+        return dict(self.ragged)
+
+    @property
+    def state_fractions(self) -> tuple[float, ...]:
+        """Each data-parallel group's fraction of the state (group order; empty: even shards)."""
+        return tuple(f for _, f in self.ragged)
+
+    def zero_of(self, group: Optional[tuple[Device, ...]] = None) -> ZeroShards:
+        """What the worker(s) of ``group`` hold under the stage's ZeRO stage: ``zero`` with the group's
+        own fraction under ragged shards (``zero`` itself for even shards or no group)."""
+        if not self.ragged or group is None:
+            return self.zero
+        return dataclasses.replace(self.zero, share=self._share_of[tuple(d.name for d in group)])
+
+    def memory(self, fraction: float, unit_share: Optional[float] = None, group: Optional[tuple[Device, ...]] = None):
+        """The memory model of a worker of ``group`` holding ``fraction`` of this stage (``unit_share`` of
+        its shard groups' units, :func:`planner.devices.memory.stage_memory`; its state fraction under
+        ragged shards, :meth:`zero_of`)."""
         return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute, unit_share=unit_share,
-                            zero=self.zero)
+                            zero=self.zero_of(group))
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
         """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
@@ -150,12 +174,12 @@ class PricedStage:
 
     def group_cap(self, group: tuple[Device, ...]) -> int:
         """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
-        return min(self.memory(f, self.shards.unit_share(t)).max_samples(d.memory_gib * GIB)
+        return min(self.memory(f, self.shards.unit_share(t), group).max_samples(d.memory_gib * GIB)
                    for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
     def group_util(self, group: tuple[Device, ...], samples: int) -> float:
         """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
-        return max(self.memory(f, self.shards.unit_share(t)).total(samples) / (d.memory_gib * GIB)
+        return max(self.memory(f, self.shards.unit_share(t), group).total(samples) / (d.memory_gib * GIB)
                    for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
 
@@ -299,7 +323,7 @@ def fit_equal_counts(layout: Layout, st: PricedStage, gbs: int, m: int, comm_ms:
         if comm + floor_ms >= best[0]:
             break
     if best is None:   # the largest count the search stops at always fits; here for safety
-        raise memory_error(layout, st.index, st.cost, st.in_flight, groups, st.shards, 1, st.recompute, st.zero)
+        raise memory_error(layout, st.index, st.cost, st.in_flight, groups, st.shards, 1, st.recompute, st.zero_of)
     _, per_group, count = best
     if count != m:
         log.info("ZeRO stage %d: every device runs %d micro-batches (num_micro_batch %d)", st.zero.stage, count, m)
@@ -367,28 +391,32 @@ def check_fit(layout: Layout, st: PricedStage, samples: int) -> None:
     for group in layout.stage_groups(st.index):
         if st.group_cap(group) < samples:
             raise memory_error(layout, st.index, st.cost, st.in_flight, [group], st.shards, samples, st.recompute,
-                               st.zero)
+                               st.zero_of)
 
 
 def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups, shards: ShardLayout | None,
-                 samples: int, recompute: bool = False, zero: ZeroShards = NO_ZERO) -> StageMemoryError:
+                 samples: int, recompute: bool = False,
+                 zero: "ZeroShards | Callable[[tuple[Device, ...]], ZeroShards]" = NO_ZERO) -> StageMemoryError:
     """Why stage ``s`` does not fit on the tightest device of ``groups`` with ``samples`` samples
     per micro-batch (its shard of ``shards``, or an even one; ``recompute``: priced with activation
-    checkpointing, ``zero``: under its ZeRO stage, which the message then says): what it needs and
-    what it lacks."""
+    checkpointing, ``zero``: under its ZeRO stage, or per group under ragged shards
+    (:meth:`PricedStage.zero_of`), which the message then says): what it needs and what it lacks."""
+    zero_of = zero if callable(zero) else (lambda group: zero)
     worst = None
     for group in groups:
+        mine = zero_of(group)
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
             need = stage_memory(cost, in_flight, f, recompute=recompute,
-                                unit_share=shards.unit_share(t) if shards else None, zero=zero).total(samples)
+                                unit_share=shards.unit_share(t) if shards else None, zero=mine).total(samples)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
-                worst = (short, need, d)
-    short, need, device = worst
+                worst = (short, need, d, mine)
+    short, need, device, held = worst
     what = "weights, gradients and optimizer state" + (" with one sample in flight" if samples else "")
     what += ", recomputing its activations (activation checkpointing)," if recompute and samples else ""
-    what += f" under ZeRO stage {zero.stage} over {zero.group} workers" if zero.stage else ""
+    what += f" under ZeRO stage {held.stage} over {held.group} workers" if held.stage else ""
+    what += f" with ragged shards (its fraction of the state {held.fraction:.2%})" if held.ragged else ""
     return StageMemoryError(
         f"TaskGraph {layout.shapes[s].taskgraph} (stage {s}, {layout.shapes[s].label}) does not fit on device "
         f"{device.name!r} ({device.kind}, {human_bytes(device.memory_gib * GIB)}): its {what} need {human_bytes(need)}, "

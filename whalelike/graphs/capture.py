@@ -165,6 +165,8 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             backward_flops=sum(costs.backward_flops.get(n.name, 0) for n in nodes) / batch,
             param_bytes=sum(p.numel() * p.element_size() for p in owned),
             param_count=sum(p.numel() for p in owned),
+            max_param_bytes=max((p.numel() * p.element_size() for p in owned), default=0),
+            param_tensors=len(owned),
             activation_bytes_per_sample=sum(costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
             cut_bytes_per_sample=cuts[i],
             nodes=tuple(n.name for n in nodes),

@@ -75,7 +75,11 @@ class Layer:
     outputs this layer returns (the logits a loss reads). ``autocast`` holds the same figures
     measured under bf16/fp16 autocast (keys ``activation``, ``input_activation``, ``cut``, ``output``
     per sample, and ``param_copy``: the bytes of the 2-byte weight casts autocast makes in this
-    layer), or None when not measured (then the planner scales the float32 figures by 2/4)."""
+    layer), or None when not measured (then the planner scales the float32 figures by 2/4).
+    ``max_param_bytes``: the largest single parameter the layer owns (0: not recorded, a layer made
+    by hand or captured before it was; the planner then takes ``param_bytes``), what ragged ZeRO
+    shards hold of one full gradient at a time (:func:`planner.devices.memory.parameter_share`);
+    ``param_tensors``: how many parameters it owns (0: not recorded), one collective each there."""
 
     index: int
     name: str
@@ -92,6 +96,8 @@ class Layer:
     input_activation_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
     autocast: Optional[dict[str, float]] = None
+    max_param_bytes: int = 0
+    param_tensors: int = 0
 
 
 @dataclass(frozen=True)
