@@ -352,8 +352,8 @@ def _ragged(graphs, config, layout, network, stage_layers, reasons, zeros, z: in
     zeros[0] = z
     stages = priced_stages(graphs, config, layout, stage_layers, m, True, None, reasons, zeros, [found.fractions])
     sizes, count = fit_batch(layout, stages[0], gbs, m, network)
-    log.warning("FSDP2's even shards do not fit ZeRO stage %d; ragged shards by free memory do: state fractions %s",
-                z, ", ".join(f"{g[0].name} {f:.1%}" for g, f in zip(groups, found.fractions)))
+    log.info("FSDP2's even shards do not fit ZeRO stage %d; ragged shards by free memory do: state fractions %s",
+             z, ", ".join(f"{g[0].name} {f:.1%}" for g, f in zip(groups, found.fractions)))
     return decided(stages, sizes, count)
 
 
