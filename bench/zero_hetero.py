@@ -16,9 +16,11 @@ an emulated out-of-memory error (checked on the steps whose memory is measured).
   ``DistributedSampler``); it runs through the same Engine so that both sides get the same emulation
   (the emulator pads each forward and backward to its modeled time; FSDP2's all-gathers and
   reduce-scatters are padded to their ring time on the cluster's network model).
-* **Poplar's choice** (uneven batches, even shards) is the whalelike side: memory-proportional
-  (ragged) state shards are not built (FSDP2 pads even chunks; see the issue's note), so the largest
-  model each can train is the same, and the output says so.
+* **Poplar's choice**: uneven batches with even (FSDP2) shards, ``planner.plan`` with
+  ``Config(ragged_shards=False)``; whalelike's own plan may instead give each device a state fraction
+  by its free memory (ragged shards, :mod:`runtime.replicas.ragged_sync`), which can keep it at a lower
+  ZeRO stage. For each choice the bench also searches, by planning alone, the largest model (in
+  blocks of ``--width``) it can train on the cluster.
 
 The sides alternate for ``--rounds`` rounds of ``--steps`` steps; the median round's step time is
 reported next to the planner's prediction (``Plan.prediction.step_time_ms``), and each rank's measured
@@ -145,6 +147,28 @@ def _work(rank: int, init_file: str, args, results) -> None:
             results["rows"] = rows
 
 
+def largest_model(args, spec, planned) -> int:
+    """The most blocks (at ``--width``) whose plan ``planned(graphs)`` makes on ``spec`` (planning only;
+    0 when not even one block fits); searched by doubling, then bisection."""
+    def fits(blocks: int) -> bool:
+        torch.manual_seed(0)
+        graphs = wl.capture(WideMLP(args.width, blocks, CLASSES), (torch.randn(2, args.width),))
+        try:
+            planned(graphs)
+        except (planner.PlanError, SystemExit):
+            return False
+        return True
+
+    lo, hi = 0, 1
+    while hi <= args.max_blocks and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, args.max_blocks + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=8)
@@ -152,28 +176,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=88, help="global batch (a multiple of 11 splits 4:4:2:1)")
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--unit", type=float, default=10.0,
-                        help="bytes per parameter of one memory unit (the smallest device has 1 unit)")
+                        help="bytes per parameter (of the --blocks model) of one memory unit (the smallest device has 1)")
     parser.add_argument("--base-gflops", type=float, default=0.5,
                         help="GFLOP/s of an emulated device of speed 1 (low enough that 4 ranks on 2 cores never overrun)")
     parser.add_argument("--steps", type=int, default=4, help="steps per round (the first is not timed)")
     parser.add_argument("--no-enforce-memory", dest="enforce_memory", action="store_false",
                         help="do not stop a rank whose measured peak exceeds its device's memory (to see by how much)")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parse_args(parser, smoke=dict(blocks=2, width=32, batch=22, steps=2, rounds=1))
+    parser.add_argument("--max-blocks", type=int, default=64, help="largest model searched, in blocks")
+    args = parse_args(parser, smoke=dict(blocks=2, width=32, batch=22, steps=2, rounds=1, max_blocks=8))
     model = build(args)
     args.params = sum(p.numel() for p in model.parameters())
     spec = cluster(args, args.params)
     graphs = wl.capture(model, (torch.randn(2, args.width),))
     config = wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro_batches)
+    even = wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro_batches, ragged_shards=False)
     ddp = wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro_batches, zero_stage=0)
     try:
         planner.plan(graphs, spec, ddp)
         ddp_fits = "fits"
     except planner.PlanError as e:
         ddp_fits = f"does not fit ({str(e).splitlines()[0][:160]})"
-    aware = planner.plan(graphs, spec, config)
-    naive = even_fsdp_plan(graphs, spec, args)
-    args.plans = {"whalelike": aware, "FSDP2 even": naive}
+    plans = {"whalelike": planner.plan(graphs, spec, config), "Poplar": planner.plan(graphs, spec, even),
+             "FSDP2 even": even_fsdp_plan(graphs, spec, args)}
+    largest = {"whalelike": largest_model(args, spec, lambda g: planner.plan(g, spec, config)),
+               "Poplar": largest_model(args, spec, lambda g: planner.plan(g, spec, even)),
+               "FSDP2 even": largest_model(args, spec, lambda g: even_fsdp_plan(g, spec, args))}
+    args.plans = plans
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = spawn_ranks(worker, args, 4)["rows"]
 
@@ -181,32 +210,35 @@ def main() -> None:
           f"{16 * args.params / MIB:.1f} MiB); devices speeds {SPEEDS}, memory {MEMORY_UNITS} x {args.unit:g} B/param; "
           f"global batch {args.batch}; torch {torch.__version__}")
     print(f"DDP (ZeRO 0) on this cluster: {ddp_fits}")
-    print(f"planner: ZeRO stage {aware.stages[0].zero_stage} ({aware.stages[0].zero_reason}); FSDP2-even: ZeRO stage "
-          f"{naive.stages[0].zero_stage}, {naive.num_micro_batch} equal micro-batch(es)")
+    for side, plan in plans.items():
+        st = plan.stages[0]
+        shards = f"state fractions {[round(f, 3) for f in st.state_fractions]}" if st.state_fractions else "even shards"
+        print(f"{side}: ZeRO stage {st.zero_stage} ({st.replica_sync}, {shards}), {plan.num_micro_batch} "
+              f"micro-batch(es); the largest model it plans on this cluster: {largest[side]} blocks")
     table = []
     for rank, row in enumerate(rows):
-        for side in args.plans:
+        for side in plans:
             r = row[side]
             table.append([rank, side, r["sizes"], f"{r['modeled_s'] * 1e3:.0f}", f"{r['wait_s'] * 1e3:.0f}",
                           r["overruns"], f"{r['predicted'] / MIB:.2f}", f"{r['peak'] / MIB:.2f}",
                           f"{r['peak'] / r['predicted']:.2f}", f"{spec.devices[rank].memory_gib * 1024:.2f}"])
     print(format_table(["rank", "side", "micro-batches", "modeled ms", "waiting ms", "overruns", "predicted MiB",
                         "measured MiB", "measured / predicted", "capacity MiB"], table))
-    step = {side: rows[0][side]["step_s"] for side in args.plans}
-    predicted = {"whalelike": aware.prediction.step_time_ms / 1e3, "FSDP2 even": naive.prediction.step_time_ms / 1e3}
-    for side in args.plans:
+    step = {side: rows[0][side]["step_s"] for side in plans}
+    predicted = {side: plan.prediction.step_time_ms / 1e3 for side, plan in plans.items()}
+    for side in plans:
         print(f"{side}: step {step[side] * 1e3:.1f} ms measured, {predicted[side] * 1e3:.1f} ms predicted "
               f"(measured / predicted {step[side] / predicted[side]:.2f})")
     ideal = sum(SPEEDS) / (len(SPEEDS) * min(SPEEDS))
     ratio = step["FSDP2 even"] / step["whalelike"]
-    memory = [rows[r][s]["peak"] / rows[r][s]["predicted"] for r in range(4) for s in args.plans]
+    poplar = step["Poplar"] / step["whalelike"]
+    memory = [rows[r][s]["peak"] / rows[r][s]["predicted"] for r in range(4) for s in plans]
     if max(memory) > 1.10:
         print(f"NOTE: measured peaks are up to {max(memory):.2f}x the predicted ones (target within 10%)")
-    print("Poplar's choice (uneven batches, even shards) is the whalelike side here: ragged state shards are not "
-          "built, so the largest model each can train on this cluster is the same")
-    print(f"zero_hetero: whalelike ZeRO-{aware.stages[0].zero_stage} {ratio:.2f}x FSDP2-even "
-          f"({ratio / ideal:.0%} of ideal {ideal:.2f}x; target >= 2x and >= 90%); step measured / predicted "
-          f"{step['whalelike'] / predicted['whalelike']:.2f} (whalelike), memory measured / predicted "
+    print(f"zero_hetero: whalelike ZeRO-{plans['whalelike'].stages[0].zero_stage} {ratio:.2f}x FSDP2-even "
+          f"({ratio / ideal:.0%} of ideal {ideal:.2f}x; target >= 2x and >= 90%), {poplar:.2f}x Poplar's choice; "
+          f"largest model {largest['whalelike']} / {largest['Poplar']} / {largest['FSDP2 even']} blocks; step measured "
+          f"/ predicted {step['whalelike'] / predicted['whalelike']:.2f} (whalelike), memory measured / predicted "
           f"{min(memory):.2f}-{max(memory):.2f}")
 
 

@@ -54,8 +54,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "tp_transformer": rf"whalelike / DTensor speed-up: speeds 1/0\.5 {_X} .*; equal speeds {_X} .*",
     "tp_vs_dtensor": rf"speeds 1, 0\.5 +\d+\.\d +\d+\.\d +\[\d+, \d+\] +{_X} +\d+/\d+",
     "zero_hetero": rf"zero_hetero: whalelike ZeRO-\d {_X} FSDP2-even \(\d+% of ideal \d\.\d\dx; target >= 2x and "
-                   r">= 90%\); step measured / predicted \d+\.\d\d \(whalelike\), memory measured / predicted "
-                   r"\d+\.\d\d-\d+\.\d\d",
+                   rf">= 90%\), {_X} Poplar's choice; largest model \d+ / \d+ / \d+ blocks; step measured / predicted "
+                   r"\d+\.\d\d \(whalelike\), memory measured / predicted \d+\.\d\d-\d+\.\d\d",
     "whale_setting": rf"headline: predicted speed-up .*: DP {_X} at 25 Gb/s, {_X} at 100 Gb/s .*, "
                      rf"pipeline {_X} .*",
 }
