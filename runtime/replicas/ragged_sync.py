@@ -14,17 +14,23 @@ How it runs (one data-parallel group, a single-stage plan):
   (:meth:`parameters`), so its state is ``f_r`` of the whole. Element-wise optimizers (SGD, Adam,
   AdamW) are exact on any cut of a tensor; one that reads whole tensors (LAMB's trust ratio,
   Adafactor's factored moments) is not, and is not offered.
-* Gradients: a hook after each parameter's gradient is accumulated reduce-scatters it (summed: the
-  losses carry ``n_i / B``, so the sum is the global-batch mean's gradient) into the rank's rows
-  and frees the full gradient. Stage 1 does it only in the syncing backward (every micro-batch but
+* Gradients: hooks after each parameter's gradient is accumulated reduce-scatter its bucket once
+  complete (summed: the losses carry ``n_i / B``, so the sum is the global-batch mean's gradient)
+  into the rank's rows, and free the whole gradients. Stage 1 does it only in the syncing backward (every micro-batch but
   the rank's last accumulates the full gradient, so ranks may run different micro-batch counts);
   stage 2 in every backward (every rank runs the same number of micro-batches).
-* Parameters: before a forward, if the optimizer changed any shard (its version counter moved), the
-  rows are all-gathered back into the whole parameters.
-* The collectives are ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` of each parameter's
-  rows padded to the largest rank's (one collective per parameter; the padding is the largest
-  share minus each rank's: cheap when the fractions are close, up to n-fold traffic when one rank
-  holds almost everything).
+* Parameters: before the first forward after a syncing backward (the optimizer steps the shards in
+  between) or after the shards were handed out (``named_state``: a checkpoint load or a state move
+  may write them), the rows are all-gathered back into the whole parameters; the same events on
+  every rank, so every rank gathers at the same forward.
+* The collectives are ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` of flat buffers in
+  which each rank's rows of the parameters sit one after another, padded to the largest rank's
+  segment: one all-gather per refresh, one reduce-scatter per bucket (25 MiB of parameters, in
+  reverse order, launched as soon as the bucket's gradients are all accumulated; the backward's
+  end flushes any left). The padding costs ``n * max(f) - 1`` of the traffic: nothing with even
+  fractions, up to n-fold when one rank holds almost everything. Why not list collectives of
+  uneven sizes: gloo has none for reduce-scatter, and one padded call per bucket measured faster
+  than one call per parameter (BENCHMARKS.md, ``bench/zero_hetero.py``).
 
 What a rank holds (:meth:`named_state`): each parameter's rows as a dim-0
 :class:`~planner.balance.state_moves.Slab` on its shard tensor (nothing when it holds no row), each
@@ -68,6 +74,30 @@ def ragged_rows(rows: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     return out
 
 
+BUCKET_BYTES = 25 * 2**20   # whole parameters per reduce-scatter bucket (DDP's default bucket size)
+
+
+class _Layout:
+    """Where each rank's rows of some parameters sit in one padded flat buffer: ``slots[r][i]`` is
+    ``(offset, elements)`` of parameter ``i``'s rows of rank ``r`` in rank ``r``'s segment; every
+    segment is ``width`` elements (the largest rank's)."""
+
+    def __init__(self, sync: "RaggedSync", indices):
+        self.indices = list(indices)
+        self.slots: list[dict[int, tuple[int, int]]] = []
+        for r in range(sync.size):
+            offset, slots = 0, {}
+            for i in self.indices:
+                a, b = sync.rows[id(sync.params[i])][r]
+                slots[i] = (offset, (b - a) * sync.inner_sizes[i])
+                offset += (b - a) * sync.inner_sizes[i]
+            self.slots.append(slots)
+        self.width = max(max((o + n for o, n in slots.values()), default=0) for slots in self.slots)
+        first = sync.params[self.indices[0]] if self.indices else None
+        self.dtype = first.dtype if first is not None else torch.float32
+        self.device = first.device if first is not None else torch.device("cpu")
+
+
 class RaggedSync:
     """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1 or 2
     (see the module docstring). ``fractions``: the group's state fractions in group rank order."""
@@ -104,7 +134,30 @@ class RaggedSync:
                 a, b = self.rows[id(p)][self.rank]
                 flat = p.reshape(p.shape[0] if p.dim() else 1, -1)
                 self.shards.append(nn.Parameter(flat[a:b].reshape((b - a,) + tuple(p.shape[1:])).clone()))
-        self._versions = [s._version for s in self.shards]
+        # the whole parameters need the shards gathered before the next forward: after every syncing
+        # backward (the optimizer steps next) and after the shards were handed out by named_state()
+        # (a checkpoint load or a state move may write them); the same events on every rank, so every
+        # rank refreshes at the same forward (a rank's own view, such as version counters, would not
+        # be: a rank holding no rows sees no change)
+        self._stale = False
+        # flat layout of a rank's rows of every parameter (for the one all-gather of a refresh) and the
+        # reduce-scatter buckets: parameters in reverse order (as their gradients become ready), cut at
+        # BUCKET_BYTES of whole parameters, as DDP's buckets are
+        self.inner_sizes = [p.numel() // (p.shape[0] if p.dim() else 1) for p in self.params]
+        self.all = _Layout(self, range(len(self.params)))
+        self.buckets: list[_Layout] = []
+        current: list[int] = []
+        for i in reversed(range(len(self.params))):
+            current.append(i)
+            if sum(self.params[j].numel() * self.params[j].element_size() for j in current) >= BUCKET_BYTES:
+                self.buckets.append(_Layout(self, current))
+                current = []
+        if current:
+            self.buckets.append(_Layout(self, current))
+        self._bucket_of = {i: b for b, layout in enumerate(self.buckets) for i in layout.indices}
+        self._ready: list[set] = [set() for _ in self.buckets]
+        self._next_bucket = 0
+        self._callback_queued = False
         self._syncing = True
         self._passenger: Optional[tuple[torch.Tensor, Optional[Callable]]] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
@@ -148,6 +201,7 @@ class RaggedSync:
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Each parameter's rows (its shard tensor, a dim-0 Slab; none when it holds no row), buffers whole."""
         out: NamedState = {}
+        self._stale = True            # the caller may write the shards (a checkpoint load, a state move)
         shard_of = {id(p): s for p, s in zip(self.params, self.shards)}
         for name, (tensor, slab) in module_state(self.inner, names).items():
             if id(tensor) in shard_of:
@@ -173,7 +227,7 @@ class RaggedSync:
             a, b = self.rows[id(p)][self.rank]
             flat = p.reshape(p.shape[0] if p.dim() else 1, -1)
             shard.copy_(flat[a:b].reshape(shard.shape))
-        self._versions = [s._version for s in self.shards]
+        self._stale = False
 
     def release(self) -> nn.Module:
         """The whole parameters made current, every hook removed; this sync is not used again."""
@@ -186,54 +240,78 @@ class RaggedSync:
     # -- the work -------------------------------------------------------------------------------
     @torch.no_grad()
     def refresh(self, force: bool = False) -> None:
-        """All-gather the shards into the whole parameters if the optimizer (or a load) changed any."""
-        versions = [s._version for s in self.shards]
-        if not force and versions == self._versions:
+        """All-gather the shards into the whole parameters (one padded collective) when they may have
+        changed (see ``_stale``), or always with ``force``."""
+        if not (force or self._stale):
             return
-        for p, shard in zip(self.params, self.shards):
-            rows = self.rows[id(p)]
-            widest = max(b - a for a, b in rows)
-            if widest == 0:
-                continue
-            inner = p.numel() // (p.shape[0] if p.dim() else 1)
-            padded = torch.zeros(widest, inner, dtype=p.dtype, device=p.device)
-            padded[: shard.shape[0] if shard.dim() else 1].copy_(shard.detach().reshape(-1, inner))
-            out = torch.empty(self.size * widest, inner, dtype=p.dtype, device=p.device)
-            dist.all_gather_into_tensor(out, padded, group=self.group)
-            self._pad("allgather", out)
-            flat = p.data.reshape(-1, inner)
-            for r, (a, b) in enumerate(rows):
-                if b > a:
-                    flat[a:b].copy_(out[r * widest: r * widest + b - a])
-        self._versions = [s._version for s in self.shards]
+        layout = self.all
+        mine = torch.zeros(layout.width, dtype=layout.dtype, device=layout.device)
+        for i, (offset, size) in layout.slots[self.rank].items():
+            if size:
+                mine[offset: offset + size].copy_(self.shards[i].detach().reshape(-1))
+        out = torch.empty(self.size * layout.width, dtype=layout.dtype, device=layout.device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        self._pad(out)
+        for r in range(self.size):
+            base = r * layout.width
+            for i, (offset, size) in layout.slots[r].items():
+                if size:
+                    a, b = self.rows[id(self.params[i])][r]
+                    flat = self.params[i].data.reshape(-1, self.inner_sizes[i])
+                    flat[a:b].copy_(out[base + offset: base + offset + size].view(b - a, -1))
+        self._stale = False
 
     @torch.no_grad()
     def _reduce(self, p: torch.Tensor) -> None:
-        """After ``p``'s gradient is accumulated: in a syncing backward, reduce-scatter it (summed) into
-        this rank's shard's gradient and free it."""
-        if not self._syncing or p.grad is None:
+        """After ``p``'s gradient is accumulated, in a syncing backward: when its bucket is complete,
+        reduce-scatter the bucket (summed, one padded collective) into the shards' gradients and free
+        the whole gradients; the backward's end flushes buckets whose parameters got no gradient."""
+        if not self._syncing:
             return
-        shard = self.shards[self._index[id(p)]]
-        rows = self.rows[id(p)]
-        widest = max(b - a for a, b in rows)
-        inner = p.numel() // (p.shape[0] if p.dim() else 1)
-        grad = p.grad.reshape(-1, inner)
-        padded = torch.zeros(self.size * widest, inner, dtype=grad.dtype, device=grad.device)
-        for r, (a, b) in enumerate(rows):
-            if b > a:
-                padded[r * widest: r * widest + b - a].copy_(grad[a:b])
-        out = torch.empty(widest, inner, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
-        self._pad("allgather", padded)
-        a, b = rows[self.rank]
-        mine = out[: b - a].reshape(shard.shape)
-        if shard.grad is None:
-            shard.grad = mine.clone()
-        else:
-            shard.grad.add_(mine)
-        p.grad = None
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_buckets)
+        i = self._index[id(p)]
+        b = self._bucket_of[i]
+        self._ready[b].add(i)
+        while self._next_bucket < len(self.buckets) and \
+                len(self._ready[self._next_bucket]) == len(self.buckets[self._next_bucket].indices):
+            self._reduce_bucket(self._next_bucket)
 
-    def _pad(self, kind: str, tensor: torch.Tensor) -> None:
+    @torch.no_grad()
+    def _flush_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets):
+            self._reduce_bucket(self._next_bucket)
+        self._next_bucket, self._callback_queued = 0, False
+        self._stale = True            # the optimizer steps the shards next (on every rank alike)
+        self._ready = [set() for _ in self.buckets]
+
+    @torch.no_grad()
+    def _reduce_bucket(self, b: int) -> None:
+        layout = self.buckets[b]
+        padded = torch.zeros(self.size * layout.width, dtype=layout.dtype, device=layout.device)
+        for r in range(self.size):
+            base = r * layout.width
+            for i, (offset, size) in layout.slots[r].items():
+                grad = self.params[i].grad
+                if size and grad is not None:
+                    a, b_ = self.rows[id(self.params[i])][r]
+                    padded[base + offset: base + offset + size].copy_(grad.reshape(-1, self.inner_sizes[i])[a:b_].reshape(-1))
+        out = torch.empty(layout.width, dtype=layout.dtype, device=layout.device)
+        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        self._pad(padded)
+        for i, (offset, size) in layout.slots[self.rank].items():
+            shard = self.shards[i]
+            if size:
+                mine = out[offset: offset + size].view(shard.shape)
+                if shard.grad is None:
+                    shard.grad = mine.clone()
+                else:
+                    shard.grad.add_(mine)
+            self.params[i].grad = None
+        self._next_bucket = b + 1
+
+    def _pad(self, tensor: torch.Tensor) -> None:
         """Under the emulated network: sleep the collective's modeled ring time."""
         if self.ring is None:
             return
