@@ -25,9 +25,10 @@ How it runs (one data-parallel group, a single-stage plan):
   every rank, so every rank gathers at the same forward.
 * The collectives are ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` of flat buffers in
   which each rank's rows of the parameters sit one after another, padded to the largest rank's
-  segment: one all-gather per refresh, one reduce-scatter per bucket (25 MiB of parameters, in
-  reverse order, launched as soon as the bucket's gradients are all accumulated; the backward's
-  end flushes any left). The padding costs ``n * max(f) - 1`` of the traffic: nothing with even
+  segment: one all-gather per refresh, one reduce-scatter per bucket (at stage 1, 25 MiB of
+  parameters in reverse order; at stage 2 one parameter, so each full gradient is freed as soon as it
+  is produced; launched as soon as the bucket's gradients are all accumulated, the backward's end
+  flushing any left). The padding costs ``n * max(f) - 1`` of the traffic: nothing with even
   fractions, up to n-fold when one rank holds almost everything. Why not list collectives of
   uneven sizes: gloo has none for reduce-scatter, and one padded call per bucket measured faster
   than one call per parameter (BENCHMARKS.md, ``bench/zero_hetero.py``).
@@ -142,14 +143,17 @@ class RaggedSync:
         self._stale = False
         # flat layout of a rank's rows of every parameter (for the one all-gather of a refresh) and the
         # reduce-scatter buckets: parameters in reverse order (as their gradients become ready), cut at
-        # BUCKET_BYTES of whole parameters, as DDP's buckets are
+        # BUCKET_BYTES of whole parameters at stage 1 (whose full gradients are all alive anyway), one
+        # parameter each at stage 2 (each full gradient freed as soon as it is produced: the memory
+        # model's u, planner.devices.memory.parameter_share)
+        cap = BUCKET_BYTES if stage == 1 else 0
         self.inner_sizes = [p.numel() // (p.shape[0] if p.dim() else 1) for p in self.params]
         self.all = _Layout(self, range(len(self.params)))
         self.buckets: list[_Layout] = []
         current: list[int] = []
         for i in reversed(range(len(self.params))):
             current.append(i)
-            if sum(self.params[j].numel() * self.params[j].element_size() for j in current) >= BUCKET_BYTES:
+            if sum(self.params[j].numel() * self.params[j].element_size() for j in current) >= cap:
                 self.buckets.append(_Layout(self, current))
                 current = []
         if current:
