@@ -25,11 +25,12 @@ How it runs (one data-parallel group, a single-stage plan):
   every rank, so every rank gathers at the same forward.
 * The collectives are ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` of flat buffers in
   which each rank's rows of the parameters sit one after another, padded to the largest rank's
-  segment: one all-gather per refresh, one reduce-scatter per bucket (at stage 1, 25 MiB of
-  parameters in reverse order; at stage 2 one parameter, so each full gradient is freed as soon as it
-  is produced; launched as soon as the bucket's gradients are all accumulated, the backward's end
-  flushing any left). The padding costs ``n * max(f) - 1`` of the traffic: nothing with even
-  fractions, up to n-fold when one rank holds almost everything. Why not list collectives of
+  segment, one all-gather and one reduce-scatter per bucket (at stage 1, 1 MiB of parameters in
+  reverse order; at stage 2 one parameter, so each full gradient is freed as soon as it is produced;
+  reduce-scatters launched as soon as the bucket's gradients are all accumulated, the backward's end
+  flushing any left). The padding costs ``n * max(f) - 1`` of the traffic, and every rank
+  holds a padded buffer of ``n * max(f)`` times a bucket while it runs (why buckets are small):
+  nothing extra with even fractions, up to n-fold when one rank holds almost everything. Why not list collectives of
   uneven sizes: gloo has none for reduce-scatter, and one padded call per bucket measured faster
   than one call per parameter (BENCHMARKS.md, ``bench/zero_hetero.py``).
 
@@ -75,7 +76,10 @@ def ragged_rows(rows: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     return out
 
 
-BUCKET_BYTES = 25 * 2**20   # whole parameters per reduce-scatter bucket (DDP's default bucket size)
+# whole parameters per bucket at ZeRO 1: a bucket's collective needs a padded buffer of n * max(f) times its
+# bytes on every rank, the smallest device's too, so buckets stay small (1 MiB: 1.6 MiB padded with 4 ranks
+# at 41% for the largest, next to a 20 MiB device) while still merging a model's many small parameters
+BUCKET_BYTES = 2**20
 
 
 class _Layout:
@@ -141,14 +145,11 @@ class RaggedSync:
         # rank refreshes at the same forward (a rank's own view, such as version counters, would not
         # be: a rank holding no rows sees no change)
         self._stale = False
-        # flat layout of a rank's rows of every parameter (for the one all-gather of a refresh) and the
-        # reduce-scatter buckets: parameters in reverse order (as their gradients become ready), cut at
-        # BUCKET_BYTES of whole parameters at stage 1 (whose full gradients are all alive anyway), one
-        # parameter each at stage 2 (each full gradient freed as soon as it is produced: the memory
-        # model's u, planner.devices.memory.parameter_share)
+        # the buckets of the collectives: parameters in reverse order (as their gradients become ready),
+        # cut at BUCKET_BYTES of whole parameters at stage 1, one parameter each at stage 2 (each full
+        # gradient freed as soon as it is produced: the memory model's u, planner.devices.memory.parameter_share)
         cap = BUCKET_BYTES if stage == 1 else 0
         self.inner_sizes = [p.numel() // (p.shape[0] if p.dim() else 1) for p in self.params]
-        self.all = _Layout(self, range(len(self.params)))
         self.buckets: list[_Layout] = []
         current: list[int] = []
         for i in reversed(range(len(self.params))):
@@ -248,21 +249,23 @@ class RaggedSync:
         changed (see ``_stale``), or always with ``force``."""
         if not (force or self._stale):
             return
-        layout = self.all
-        mine = torch.zeros(layout.width, dtype=layout.dtype, device=layout.device)
-        for i, (offset, size) in layout.slots[self.rank].items():
-            if size:
-                mine[offset: offset + size].copy_(self.shards[i].detach().reshape(-1))
-        out = torch.empty(self.size * layout.width, dtype=layout.dtype, device=layout.device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
-        self._pad(out)
-        for r in range(self.size):
-            base = r * layout.width
-            for i, (offset, size) in layout.slots[r].items():
+        for layout in self.buckets:
+            if not layout.width:
+                continue
+            mine = torch.zeros(layout.width, dtype=layout.dtype, device=layout.device)
+            for i, (offset, size) in layout.slots[self.rank].items():
                 if size:
-                    a, b = self.rows[id(self.params[i])][r]
-                    flat = self.params[i].data.reshape(-1, self.inner_sizes[i])
-                    flat[a:b].copy_(out[base + offset: base + offset + size].view(b - a, -1))
+                    mine[offset: offset + size].copy_(self.shards[i].detach().reshape(-1))
+            out = torch.empty(self.size * layout.width, dtype=layout.dtype, device=layout.device)
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+            self._pad(out)
+            for r in range(self.size):
+                base = r * layout.width
+                for i, (offset, size) in layout.slots[r].items():
+                    if size:
+                        a, b = self.rows[id(self.params[i])][r]
+                        flat = self.params[i].data.reshape(-1, self.inner_sizes[i])
+                        flat[a:b].copy_(out[base + offset: base + offset + size].view(b - a, -1))
         self._stale = False
 
     @torch.no_grad()
@@ -293,6 +296,9 @@ class RaggedSync:
     @torch.no_grad()
     def _reduce_bucket(self, b: int) -> None:
         layout = self.buckets[b]
+        if not layout.width:        # no rank holds a row of these parameters (cannot happen: rows >= 1)
+            self._next_bucket = b + 1
+            return
         padded = torch.zeros(self.size * layout.width, dtype=layout.dtype, device=layout.device)
         for r in range(self.size):
             base = r * layout.width
