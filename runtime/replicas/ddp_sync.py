@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.sync_parts import WholeParameters
 from runtime.emulation.compute import Emulator
 
 # torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
@@ -201,7 +202,7 @@ def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
     return ddp.module
 
 
-class DDPSync:
+class DDPSync(WholeParameters):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` on DDP (see the module docstring).
 
     ``module``: the stage module of this rank; ``group``: the ranks holding the same parameters
@@ -255,16 +256,6 @@ class DDPSync:
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Every replica holds the stage's state whole (its tensor-parallel shards, if any)."""
         return module_state(self.inner, names)
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the module's parameters."""
-        return list(self.inner.parameters())
-
-    def current(self) -> None:
-        """The module's parameters are always current."""
-
-    def loaded(self) -> None:
-        """Nothing is kept beside the module's parameters."""
 
     def release(self) -> nn.Module:
         """Take DDP's hooks off the parameters; this sync is not used again."""

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ from torch.distributed.tensor import DTensor, Shard
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
 from whalelike.errors import WhaleError
 
 try:   # torch >= 2.8: FSDP2's pluggable collectives (the emulated network pads them)
@@ -118,7 +119,7 @@ def _sleep_modeled(network, ms: float) -> None:
     time.sleep(ms * 1e-3)
 
 
-class FSDPSync:
+class FSDPSync(OwnPassenger, WholeParameters):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` on FSDP2 at ZeRO ``stage`` 1, 2 or 3 (see the
     module docstring).
 
@@ -174,7 +175,6 @@ class FSDPSync:
             # a policy must be given at fully_shard time, so low-precision reduction is not offered
             raise FSDPSyncError("grad_reduce_dtype='bf16' is not available with ZeRO (replica_sync 'fsdp'): the "
                                 "gradients are reduce-scattered in float32; leave grad_reduce_dtype unset")
-        self._passenger: Optional[tuple[torch.Tensor, Optional[Callable]]] = None
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -209,17 +209,6 @@ class FSDPSync:
         setting them now is enough (the forward's ``no_sync`` has ended)."""
         self._set(True)
 
-    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        self._passenger = (tensor, fill)
-
-    def flush(self) -> None:
-        """Sum the passenger over the group (one small all-reduce after the step's last backward)."""
-        if self._passenger is not None:
-            (tensor, fill), self._passenger = self._passenger, None
-            if fill is not None:
-                fill(tensor)
-            dist.all_reduce(tensor, group=self.group)
-
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Each parameter's range this rank holds (a Slab along its shard dimension, within its
         tensor-parallel slice if it has one; parameters it holds nothing of are not
@@ -233,16 +222,6 @@ class FSDPSync:
                 slab = _within(slab, *held)
             out[name] = (tensor, slab)
         return out
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the module's parameters."""
-        return list(self.inner.parameters())
-
-    def current(self) -> None:
-        """The sharded parameters are the state; nothing is refreshed lazily."""
-
-    def loaded(self) -> None:
-        """Loads write each rank's rows (held_state.load_rows); nothing else is kept."""
 
     def release(self) -> nn.Module:
         """Gather every parameter back into a plain ``nn.Parameter`` (collective over the group) and

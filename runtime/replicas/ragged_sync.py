@@ -45,7 +45,7 @@ rank of the group issues the same collectives in the same order (parameters in m
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ import torch.nn as nn
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.sync_parts import OwnPassenger
 from whalelike.errors import WhaleError
 
 
@@ -103,7 +104,7 @@ class _Layout:
         self.device = first.device if first is not None else torch.device("cpu")
 
 
-class RaggedSync:
+class RaggedSync(OwnPassenger):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1 or 2
     (see the module docstring). ``fractions``: the group's state fractions in group rank order."""
 
@@ -164,7 +165,6 @@ class RaggedSync:
         self._next_bucket = 0
         self._callback_queued = False
         self._syncing = True
-        self._passenger: Optional[tuple[torch.Tensor, Optional[Callable]]] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
         self._hooks.append(module.register_forward_pre_hook(lambda _m, _a: self.refresh()))
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -192,16 +192,6 @@ class RaggedSync:
 
     def arm(self, roots: Sequence[torch.Tensor]) -> None:
         self._syncing = True
-
-    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        self._passenger = (tensor, fill)
-
-    def flush(self) -> None:
-        if self._passenger is not None:
-            (tensor, fill), self._passenger = self._passenger, None
-            if fill is not None:
-                fill(tensor)
-            dist.all_reduce(tensor, group=self.group)
 
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Each parameter's rows (its shard tensor, a dim-0 Slab; none when it holds no row), buffers whole."""

@@ -47,6 +47,7 @@ from runtime.replicas.ddp_sync import DDPSync
 from runtime.replicas.fsdp_sync import FSDPSync
 from runtime.replicas.ragged_sync import RaggedSync
 from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
 
@@ -79,7 +80,7 @@ class ReplicaSync(Protocol):
     def release(self) -> nn.Module: ...
 
 
-class AloneSync:
+class AloneSync(OwnPassenger, WholeParameters):
     """No replicas to keep in step (one worker holds these parameters, or there are none to train):
     the module runs as is. A passenger is still summed over ``group`` if one is given."""
 
@@ -89,7 +90,6 @@ class AloneSync:
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None):
         self.inner = module
         self.group = group
-        self._passenger: Optional[tuple[torch.Tensor, Optional[Callable]]] = None
 
     @property
     def module(self) -> nn.Module:
@@ -101,28 +101,8 @@ class AloneSync:
     def arm(self, roots: Sequence[torch.Tensor]) -> None:
         """Nothing to arm: no collective follows this worker's backward."""
 
-    def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        self._passenger = (tensor, fill)
-
-    def flush(self) -> None:
-        if self._passenger is not None:
-            (tensor, fill), self._passenger = self._passenger, None
-            if fill is not None:
-                fill(tensor)
-            dist.all_reduce(tensor, group=self.group)
-
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         return module_state(self.inner, names)
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the module's parameters."""
-        return list(self.inner.parameters())
-
-    def current(self) -> None:
-        """The module's parameters are always current."""
-
-    def loaded(self) -> None:
-        """Nothing is kept beside the module's parameters."""
 
     def release(self) -> nn.Module:
         return self.inner
