@@ -59,9 +59,11 @@ while training is one line per rank (which rank, which step, why) and exit statu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -83,7 +85,7 @@ WARMUP_STEPS = 2
 
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
-_QUIET_RANKS_WAIT_S = 3.0
+_QUIET_RANKS_WAIT_S = 10.0   # the most a quiet rank waits for rank 0 to have said why (another host: all of it)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,13 +96,27 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def _said_marker() -> str:
+    """A file rank 0 creates once it has printed (same host: the other ranks stop waiting then)."""
+    job = f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return os.path.join(tempfile.gettempdir(), f"whalelike-train-said-{job}")
+
+
 def _say_once(line: str) -> None:
-    """Print ``line`` on rank 0 only. The other ranks, failing alike, wait a moment before they exit:
-    torchrun stops every rank as soon as one exits with an error, and rank 0 must have said why."""
+    """Print ``line`` on rank 0 only. The other ranks, failing alike, wait before they exit (torchrun
+    stops every rank as soon as one exits with an error, and rank 0 must have said why): until rank 0
+    has printed (a marker file, on its host) or at most ``_QUIET_RANKS_WAIT_S``, so a loaded machine
+    cannot lose the line."""
+    marker = _said_marker()
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
-    else:
-        time.sleep(_QUIET_RANKS_WAIT_S)
+        with contextlib.suppress(OSError):
+            open(marker, "w").close()
+        return
+    deadline = time.monotonic() + _QUIET_RANKS_WAIT_S
+    while time.monotonic() < deadline and not os.path.exists(marker):
+        time.sleep(0.05)
+    time.sleep(0.2)        # rank 0's exit goes first: torchrun then reports it, with its message
 
 
 def parse_args(argv=None) -> argparse.Namespace:
