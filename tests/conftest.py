@@ -1,12 +1,22 @@
-"""Suite-wide settings: the longest tests start first, so the parallel workers finish together.
+"""Suite-wide settings: the collection order that lets the two xdist workers finish together.
 
 ``make test`` runs the suite on two pytest-xdist workers (``pyproject.toml``), each of which
 spawns its own ranks (free ports from the OS, a network-emulation ledger per launcher process, so
-two workers never share either). With two workers, a 2-minute test that starts last keeps one core
-busy while the other idles: the tests below (the slowest of a timed run, ``--durations``) are
-moved to the front of the collection, in this order, and xdist's ``worksteal`` hands the rest
-out as workers free up. Nothing is skipped or reordered within a module's own setup; a name that
-no longer exists is ignored (a renamed test then only loses its head start).
+two workers never share either). ``--dist worksteal`` hands the first half of the collection to
+one worker and the second half to the other, then moves the tail of the busier one's queue to a
+worker that runs dry. So the order below puts the long tests (a timed run's ``--durations``, in
+seconds) at the *head of each half*, longest first, and the short ones behind them, where
+stealing evens out the end:
+
+* the first half starts with the tests that keep both cores busy (ranks training real models);
+* the second half starts with the tests that mostly wait (emulated slow steps, torchrun restarts,
+  hung ranks timing out) or run on one core, so that the other worker's ranks have the cores
+  their waiting leaves idle.
+
+A prefix ending in ``::`` keeps its module together (so that its module-scoped fixtures and
+per-process caches serve all its tests). Nothing is skipped and a module's own order is kept; a
+name that no longer exists is ignored (a renamed test then only loses its head start). Without
+xdist the long tests simply run first.
 """
 from __future__ import annotations
 
@@ -16,36 +26,78 @@ import os
 # two workers on two cores, each with its ranks, must not oversubscribe the cores with intra-op threads
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-SLOWEST_FIRST = (
-    "test_real_models.py::test_transformers_train_exactly_under_their_plans",
-    "test_examples_train.py::test_examples_train_exactly_under_their_plans",
-    "test_tp_transformers.py::test_transformer_blocks_split_unevenly_match_single_process",
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[memory]",
-    "test_recompute.py::test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory_drops_as_predicted",
-    "test_tied_weights.py::test_tied_weights_across_stages_match_single_process_reference",
-    "test_restart.py::test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result",
-    "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run",
-    "test_checkpoint.py::",
-    "test_dynamic_balance.py::",
-    "test_boundary_resharding.py::",
-    "test_batchnorm.py::test_synchronised_batchnorm_matches_single_process_reference",
-    "test_sharded_loss.py::test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded",
-    "test_runtime_faults.py::",
-    "test_runtime_dp.py::test_engine_data_parallel_matches_single_process",
-    "test_runtime_tp.py::test_split_through_the_engine_matches_single_process",
-    "test_pipeline.py::test_pipeline_matches_single_process_reference",
-    "test_eager_pipeline.py::",
-    "test_bench_smoke.py::",
-)
+# node-id prefix -> seconds (a timed run on two workers; a module's prefix: all its tests).
+# The head of the first half: tests whose ranks compute throughout (two cores' worth or more).
+COMPUTING = {
+    "test_tp_transformers.py::test_transformer_blocks_split_unevenly_match_single_process": 62,
+    "test_examples_train.py::test_examples_train_exactly_under_their_plans": 60,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[memory]": 45,
+    "test_real_models.py::": 45,
+    "test_tied_weights.py::test_tied_weights_across_stages_match_single_process_reference": 31,
+    "test_batchnorm.py::test_synchronised_batchnorm_matches_single_process_reference": 29,
+    "test_sharded_loss.py::test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded": 26,
+    "test_recompute.py::test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory_drops_as_predicted": 22,
+    "test_boundary_resharding.py::": 18,
+    "test_runtime_dp.py::test_engine_data_parallel_matches_single_process": 13,
+    "test_training_recipe.py::test_training_recipe_matches_single_process_reference": 12,
+    "test_runtime_tp.py::test_split_through_the_engine_matches_single_process": 12,
+    "test_pipeline.py::test_pipeline_matches_single_process_reference": 12,
+    "test_replica_sync.py::test_ddp_sync_keeps_uneven_replicas_in_step_on_two_ranks": 12,
+    "test_state_transfer.py::test_switching_plans_mid_training_matches_single_process_reference": 10,
+    "test_tensor_parallel.py::test_uneven_tensor_parallel_matches_single_process": 8,
+    "test_eager_pipeline.py::": 5,
+    "test_guards.py::test_guards_on_two_ranks": 5,
+}
+# The head of the second half: tests that mostly wait (emulated slow steps, torchrun launches and
+# restarts, ranks timing out) or compute on one core, so they leave the other worker's ranks room.
+WAITING = {
+    "test_restart.py::": 72,
+    "test_dynamic_balance.py::": 36,
+    "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run": 35,
+    "test_runtime_faults.py::": 31,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_dp]": 20,
+    "test_tp_blocks.py::": 18,
+    "test_checkpoint.py::": 15,
+    "test_cli.py::": 15,
+    "test_examples_train.py::test_train_py_runs_the_recipe_in_bf16_with_clipping_and_a_warm_cosine_schedule": 14,
+    "test_import_graph.py::": 12,
+    "test_bad_inputs.py::test_many_devices_plan_when_the_layer_is_wide_enough": 12,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_pp]": 12,
+    "test_examples_capture.py::": 11,
+    "test_bench_smoke.py::": 10,   # the other benches' smoke runs, about 10 s each
+    "test_layout.py::": 9,
+    "test_capture.py::test_fingerprint_stable_across_processes": 8,
+}
+# Before everything else in the second half: train.py's one-line usage errors, where the quiet rank
+# waits at most 10 s for rank 0 to have printed, so they run while the other worker's first test is
+# still planning in its own process (the least loaded moment of the run).
+LOAD_SENSITIVE = {"test_restart.py::test_user_errors_are_one_line_per_job": 34}
 
 
-def _rank(nodeid: str) -> int:
+def _group(nodeid: str, table: dict) -> str | None:
     name = nodeid.split("/")[-1]
-    for i, prefix in enumerate(SLOWEST_FIRST):
-        if name.startswith(prefix):
-            return i
-    return len(SLOWEST_FIRST)
+    return next((prefix for prefix in table if name.startswith(prefix)), None)
+
+
+def _ordered(items: list, table: dict) -> list:
+    """The items of ``table``'s groups, longest group first (a module keeps its own order)."""
+    groups = {prefix: [] for prefix in sorted(table, key=table.get, reverse=True)}
+    for item in items:
+        groups[_group(item.nodeid, table)].append(item)
+    return [item for members in groups.values() for item in members]
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items[:] = sorted(items, key=lambda item: _rank(item.nodeid))   # stable: the rest keep their order
+    tables = (LOAD_SENSITIVE, COMPUTING, WAITING)
+    table_of = {i.nodeid: next((t for t in tables if _group(i.nodeid, t)), None) for i in items}
+    sensitive, computing, waiting = ([i for i in items if table_of[i.nodeid] is t] for t in tables)
+    rest = [i for i in items if table_of[i.nodeid] is None]
+    first, second = _ordered(computing, COMPUTING), _ordered(sensitive, LOAD_SENSITIVE) + _ordered(waiting, WAITING)
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers != 2:   # one process (or an unusual -n): the long tests first
+        items[:] = first + second + rest
+        return
+    # worksteal gives the first worker items[:len(items) // 2]; its half starts with the computing
+    # tests, the second half with the waiting ones, and the short tests fill both
+    fill = max(0, len(items) // 2 - len(first))
+    items[:] = first + rest[:fill] + second + rest[fill:]

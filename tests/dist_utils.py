@@ -53,10 +53,13 @@ import torch
 import torch.distributed as dist
 
 # imported once by the forkserver, so ranks start with them loaded (a module missing here is skipped
-# by the server and imported by the rank as usual)
+# by the server and imported by the rank as usual). Besides the library: torch._dynamo, which the
+# first torch.optim optimizer a rank builds imports (half a second to a second of CPU, in nearly every rank);
+# transformers.modeling_utils, which the first Hugging Face model class a rank builds imports (half
+# a second); pytest, which the test modules a rank unpickles its function from import.
 PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoint", "torch.nn.parallel",
-           "transformers", "whalelike", "planner", "runtime", "runtime.engine", "runtime.parallel.pipeline",
-           "runtime.checkpoint", "dist_utils", "reference"]
+           "torch._dynamo", "transformers", "transformers.modeling_utils", "pytest", "whalelike", "planner",
+           "runtime", "runtime.engine", "runtime.parallel.pipeline", "runtime.checkpoint", "dist_utils", "reference"]
 
 
 def _context():

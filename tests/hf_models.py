@@ -51,40 +51,46 @@ def _images(batch: int, gen: torch.Generator):
     return (torch.randn(batch, 3, 32, 32, generator=gen),), torch.randint(0, CLASSES, (batch,), generator=gen)
 
 
-def gpt2() -> RealModel:
+def _halves(blocks: str, layers: int) -> dict[str, str]:
+    """The pipeline annotation: the first half of the ``layers`` numbered blocks under ``blocks``, then the rest."""
+    half = layers // 2
+    span = lambda lo, hi: f"{blocks}.{lo}" if lo == hi else f"{blocks}.{lo}-{hi}"  # noqa: E731
+    return {span(0, half - 1): "replicate", span(half, layers - 1): "replicate"}
+
+
+def gpt2(layers: int = 4) -> RealModel:
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False,
+    config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return RealModel("gpt2", GPT2LMHeadModel(config), _tokens, lm_loss,
-                     {"transformer.h.0-1": "replicate", "transformer.h.2-3": "replicate"}, "transformer.h.1-2")
+                     _halves("transformer.h", layers), "transformer.h.1-2")
 
 
-def bert() -> RealModel:
+def bert(layers: int = 4) -> RealModel:
     from transformers import BertConfig, BertForSequenceClassification
-    config = BertConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+    config = BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
                         vocab_size=VOCAB, num_labels=CLASSES, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
     return RealModel("bert", BertForSequenceClassification(config), _token_classes, classifier_loss,
-                     {"bert.encoder.layer.0-1": "replicate", "bert.encoder.layer.2-3": "replicate"},
-                     "bert.encoder.layer.1-2")
+                     _halves("bert.encoder.layer", layers), "bert.encoder.layer.1-2")
 
 
-def vit() -> RealModel:
+def vit(layers: int = 4) -> RealModel:
     from transformers import ViTConfig, ViTForImageClassification
-    config = ViTConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+    config = ViTConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
                        image_size=32, patch_size=8, num_labels=CLASSES, hidden_dropout_prob=0.0,
                        attention_probs_dropout_prob=0.0)
     return RealModel("vit", ViTForImageClassification(config), _images, classifier_loss,
-                     {"vit.layers.0-1": "replicate", "vit.layers.2-3": "replicate"}, "vit.layers.1-2")
+                     _halves("vit.layers", layers), "vit.layers.1-2")
 
 
-def llama() -> RealModel:
+def llama(layers: int = 4) -> RealModel:
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=VOCAB, use_cache=False, max_position_embeddings=64,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return RealModel("llama", LlamaForCausalLM(config), _tokens, lm_loss,
-                     {"model.layers.0-1": "replicate", "model.layers.2-3": "replicate"}, "model.layers.1-2")
+                     _halves("model.layers", layers), "model.layers.1-2")
 
 
 def resnet() -> RealModel:
@@ -98,11 +104,12 @@ TRANSFORMERS = {"gpt2": gpt2, "bert": bert, "vit": vit, "llama": llama}
 ALL = {**TRANSFORMERS, "resnet": resnet}
 
 
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> RealModel:
-    """The named model, seeded, in ``dtype``, with its pipeline annotation applied."""
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = 4) -> RealModel:
+    """The named model, seeded, in ``dtype``, with its pipeline annotation applied; a transformer
+    has ``layers`` blocks (the first half one pipeline region, the rest the other)."""
     import whalelike as wl
     torch.manual_seed(seed)
-    real = ALL[name]()
+    real = ALL[name](layers) if name in TRANSFORMERS else ALL[name]()
     real.model.to(dtype)
     wl.annotate(real.model, {path: getattr(wl, kind)() for path, kind in real.pipeline.items()})
     return real

@@ -18,7 +18,8 @@ each under every strategy (``broadcast``, ``allgather``, ``send_recv``) and ``au
 and eager-1F1B (with and without delayed weight gradients), and on the emulated network (stamped
 messages, forwarding inside host ``b``).
 The plans are checked too: a forced strategy is the one run, and under ``broadcast`` and
-``allgather`` no slice enters host ``b`` twice.
+``allgather`` no slice enters host ``b`` twice. Each case's plan is made once, in the test process,
+and travels to the ranks with the spawn.
 """
 from __future__ import annotations
 
@@ -99,19 +100,21 @@ def make_cluster(emulated: bool) -> Cluster:
     return Cluster("two-hosts", devices, Network(2.0, 0.2, 50.0), Emulation(base_gflops=0.005) if emulated else None)
 
 
-def make_plan(layout: str, schedule: str, strategy: str, delay: bool = False):
-    make_model, stages, workers = LAYOUTS[layout]
+def make_model(layout: str) -> nn.Module:
     torch.manual_seed(0)
-    model = make_model()
-    plan = tp_case.make_plan(model, schedule, stages, workers)
-    plan = dataclasses.replace(plan, cluster="two-hosts", resharding=strategy, delay_weight_gradients=delay,
+    return LAYOUTS[layout][0]()
+
+
+def make_plan(layout: str, schedule: str, strategy: str, delay: bool = False):
+    _, stages, workers = LAYOUTS[layout]
+    plan = tp_case.make_plan(make_model(layout), schedule, stages, workers)
+    return dataclasses.replace(plan, cluster="two-hosts", resharding=strategy, delay_weight_gradients=delay,
                                workers=[dataclasses.replace(w, host=HOSTS[w.rank]) for w in plan.workers])
-    return model, plan
 
 
-def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool, delay: bool) -> dict:
+def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool, delay: bool, plan) -> dict:
     label = f"{layout}/{schedule}/{strategy}" + ("/emulated" if emulated else "") + ("/delayed" if delay else "")
-    model, plan = make_plan(layout, schedule, strategy, delay)
+    model = make_model(layout)
     data = tp_case.batches(model, plan.global_batch_size, seed=1)
     engine, _, _ = assert_engine_trains_like_reference(model, plan, data, OPTIMIZERS["sgd"], F.cross_entropy,
                                                        make_cluster(emulated), label, timeout_s=60)
@@ -123,12 +126,14 @@ def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool,
     return out
 
 
-def _ranks(rank: int, world_size: int) -> dict:
-    return {case: _check(rank, *case) for case in CASES}
+def _ranks(rank: int, world_size: int, plans: dict) -> dict:
+    return {case: _check(rank, *case, plans[case]) for case in CASES}
 
 
 def test_boundaries_reshard_exactly_between_differently_laid_out_stages():
-    results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=600)
+    plans = {(layout, schedule, strategy, emulated, delay): make_plan(layout, schedule, strategy, delay)
+             for layout, schedule, strategy, emulated, delay in CASES}
+    results = run_ranks(_ranks, WORLD, args=(plans,), init_process_group=False, timeout_s=600)
     shards = {case: [results[r][case].pop("feature_shards") for r in range(WORLD)] for case in CASES}
     programs = {case: [results[r][case].pop("programs") for r in range(WORLD)] for case in CASES}
     # the skip layout's two micro-batches have equal shares: they share one plan per crossing pair and

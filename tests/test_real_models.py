@@ -4,9 +4,11 @@
 The models (``tests/hf_models.py``) are the library's own classes from small configs: GPT-2 (tied
 input/output embeddings, ``Conv1D``), BERT, ViT and a Llama-style decoder (grouped-query attention,
 SwiGLU, rotary embeddings), plus a ResNet with BatchNorm for capture (its training with
-synchronised statistics is in ``test_batchnorm.py``). Each is annotated by module path with two
+synchronised statistics is in ``test_batchnorm.py``). The transformers have two blocks here
+(``LAYERS``; the tensor-parallel tests use four), each annotated by module path as one of the two
 pipeline regions; everything else (embeddings, final norms, poolers, heads) is un-annotated and
-must join a neighbouring region, never form a stage of its own.
+must join a neighbouring region, never form a stage of its own. Each model is built and captured
+once per test process (:func:`_captured`), for the capture tests and for the plans alike.
 
 Capture: the forward FLOPs of the default model (fused ``scaled_dot_product_attention``) must equal
 ``FlopCounterMode`` on the same model switched to explicit matmul attention (``eager``), and the
@@ -17,6 +19,7 @@ float64 so AdamW's normalised updates compare tightly, see ``test_examples_train
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ from whalelike.cluster import Cluster
 pytest.importorskip("transformers")  # a pinned test dependency (pyproject [dev]); never skipped in CI
 
 GLOBAL_BATCH, MICRO_BATCHES, STEPS = 8, 2, 3
+LAYERS = 2   # transformer blocks: one per pipeline region (depth adds nothing the test checks, and costs capture time)
 
 
 def _cluster() -> Cluster:
@@ -42,11 +46,18 @@ def _to(inputs: tuple, dtype: torch.dtype) -> tuple:
     return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
 
 
+@functools.lru_cache(maxsize=None)
+def _captured(name: str):
+    """The float32 model, its example batch of 4 and its capture, once per test process (nothing
+    here changes the model or the graphs: the eager-attention checks run on copies)."""
+    real = build(name, layers=LAYERS)
+    inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
+    return real, inputs, wl.capture(real.model, inputs)
+
+
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_capture_costs_match_matmul_attention_and_unannotated_code_joins_a_region(name):
-    real = build(name)
-    inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
-    graphs = wl.capture(real.model, inputs)
+    real, inputs, graphs = _captured(name)
     eager = copy.deepcopy(real.model)
     eager.set_attn_implementation("eager")
     counter = FlopCounterMode(display=False)
@@ -64,8 +75,7 @@ def test_capture_costs_match_matmul_attention_and_unannotated_code_joins_a_regio
 def test_fused_attention_flops_are_counted():
     """FlopCounterMode's own table misses the CPU fused-attention kernels, so counting the default
     model directly comes out low; the capture adds them and matches explicit matmul attention exactly."""
-    real = build("bert")
-    inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
+    real, inputs, graphs = _captured("bert")
     fused, matmul = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with fused:
         real.model(*inputs)
@@ -74,14 +84,13 @@ def test_fused_attention_flops_are_counted():
     with matmul:
         eager(*inputs)
     assert fused.get_total_flops() < matmul.get_total_flops()
-    graphs = wl.capture(real.model, inputs)
     assert sum(tg.forward_flops for tg in graphs) * 4 == pytest.approx(matmul.get_total_flops(), rel=1e-9)
 
 
 def _ranks(rank: int, world_size: int, plans: dict) -> dict:
     shapes = {}
     for name, plan in plans.items():
-        real = build(name, dtype=torch.float64)
+        real = build(name, dtype=torch.float64, layers=LAYERS)
         gen = torch.Generator().manual_seed(1)
         data = [(_to(inputs, torch.float64), targets)
                 for inputs, targets in (real.make_batch(GLOBAL_BATCH, gen) for _ in range(STEPS))]
@@ -95,9 +104,7 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
 def test_transformers_train_exactly_under_their_plans():
     plans = {}
     for name in sorted(TRANSFORMERS):
-        real = build(name)   # float32: the plan is made once, training casts the model
-        inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
-        graphs = wl.capture(real.model, inputs)
+        _, _, graphs = _captured(name)   # float32: the plan is made once, training casts the model
         plans[name] = planner.plan(graphs, _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH,
                                                                  num_micro_batch=MICRO_BATCHES))
         assert len(plans[name].stages) >= 2, plans[name].summary()
@@ -120,9 +127,7 @@ def test_a_stage_holding_a_tied_copy_counts_its_memory():
     holds it holds a copy of that matrix, its gradient and its optimizer state."""
     from planner.devices.cost_model import StageCost
 
-    real = build("gpt2")
-    inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
-    graphs = wl.capture(real.model, inputs)
+    real, _, graphs = _captured("gpt2")
     head = next(l for l in graphs.layers if l.name == "lm_head")
     wte = real.model.transformer.wte.weight
     assert head.param_bytes == 0

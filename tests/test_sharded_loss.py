@@ -271,12 +271,22 @@ def _cluster() -> Cluster:
     return Cluster("test-3", devices, Network(2.0, 2.0, 50.0), None)
 
 
-def _run_case(rank: int, name: str) -> dict:
-    make_model, loss_fn, head, classes, _ = CASES[name]
+def _case(name: str) -> tuple:
+    """The case's model (seeded, float64) and its batches."""
+    make_model, _, _, classes, _ = CASES[name]
     torch.manual_seed(0)
-    model = make_model().double()
-    data = _batches(256 if classes == 256 else VOCAB, classes, seed=1)
-    plan = _plan(wl.capture(model, data[0][0]), head, classes)
+    return make_model().double(), _batches(256 if classes == 256 else VOCAB, classes, seed=1)
+
+
+def _case_plan(name: str) -> Plan:
+    _, _, head, classes, _ = CASES[name]
+    model, data = _case(name)
+    return _plan(wl.capture(model, data[0][0]), head, classes)
+
+
+def _run_case(rank: int, name: str, plan: Plan) -> dict:
+    _, loss_fn, head, classes, _ = CASES[name]
+    model, data = _case(name)
     result = {}
     for opt, make_opt in OPTIMIZERS.items():
         engine, _, _ = assert_engine_trains_like_reference(model, plan, data, make_opt, loss_fn, _cluster(),
@@ -288,12 +298,13 @@ def _run_case(rank: int, name: str) -> dict:
     return result
 
 
-def _ranks(rank: int, world_size: int) -> dict:
-    return {name: _run_case(rank, name) for name in CASES}
+def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
+    return {name: _run_case(rank, name, plans[name]) for name in CASES}
 
 
 def test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded():
-    results = run_ranks(_ranks, 3, init_process_group=False, timeout_s=400)
+    plans = {name: _case_plan(name) for name in CASES}   # planned once here, not on every rank
+    results = run_ranks(_ranks, 3, args=(plans,), init_process_group=False, timeout_s=400)
     for name, (_, _, _, classes, sharded) in CASES.items():
         for tp_index, rank in enumerate((1, 2)):
             for opt in OPTIMIZERS:

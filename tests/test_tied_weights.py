@@ -11,7 +11,7 @@ One 4-rank gloo spawn. A small language model whose output projection *is* its i
   rows are slices of the embedding matrix held whole by stage 0;
 * ``split-one-stage``: one stage, ``split`` inside ``replicate`` (shares 13:3): each rank holds
   the embedding whole and the head's rows sharded, two copies of one parameter on one rank;
-* ``gpt2``: ``GPT2LMHeadModel`` annotated ``transformer.h.0-1`` / ``transformer.h.2-3``.
+* ``gpt2``: a two-block ``GPT2LMHeadModel`` annotated ``transformer.h.0`` / ``transformer.h.1``.
 
 Each trains 3 steps with SGD (momentum) and AdamW in float64 from the same initial weights on the
 same batches as the reference; the losses, every entry of the full state dict (which holds the
@@ -101,10 +101,10 @@ def _model(name: str) -> tuple[nn.Module, callable]:
     if name == GPT2:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64,
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
                                            use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                                            embd_pdrop=0.0, attn_pdrop=0.0))
-        wl.annotate(model, {"transformer.h.0-1": wl.replicate(), "transformer.h.2-3": wl.replicate()})
+        wl.annotate(model, {"transformer.h.0": wl.replicate(), "transformer.h.1": wl.replicate()})
         return model.double(), _gpt2_loss
     return TiedLM(name).double(), wl.token_cross_entropy
 

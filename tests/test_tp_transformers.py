@@ -9,7 +9,8 @@ whose ``scaled_dot_product_attention(enable_gqa=True)`` broadcasts it) shards q/
 and keeps k/v whole on both ranks: their weights must still end exactly as the reference's, so their
 gradient is summed over the ranks' query heads once, never doubled. Two gloo ranks (one spawn for
 all models) train the model under ``runtime.Engine`` for 3 steps with SGD and AdamW in float64, and
-the losses and the gathered final parameters must match the single-process reference.
+the losses and the gathered final parameters must match the single-process reference. The plans
+are made once, in the test process, and travel to the ranks with the spawn.
 
 The plan has one stage holding every TaskGraph: the replicated embeddings and outer blocks run
 whole on both ranks (same samples), the split blocks sharded between them.
@@ -119,9 +120,8 @@ def _check(name: str, opt: str, plan: Plan) -> dict:
     return layers
 
 
-def _ranks(rank: int, world_size: int) -> dict:
-    return {(name, opt): _check(name, opt, plan) for name in MODELS
-            for plan in [make_plan(build(name))] for opt in OPTIMIZERS}
+def _ranks(rank: int, world_size: int, plans: dict) -> dict:
+    return {(name, opt): _check(name, opt, plans[name]) for name in MODELS for opt in OPTIMIZERS}
 
 
 def _layers(result: dict, suffix: str) -> tuple:
@@ -130,7 +130,8 @@ def _layers(result: dict, suffix: str) -> tuple:
 
 
 def test_transformer_blocks_split_unevenly_match_single_process():
-    results = run_ranks(_ranks, 2, init_process_group=False, timeout_s=600)
+    plans = {name: make_plan(build(name)) for name in MODELS}
+    results = run_ranks(_ranks, 2, args=(plans,), init_process_group=False, timeout_s=600)
     for opt in OPTIMIZERS:
         for rank, heads, features in ((0, 3, 96), (1, 1, 32)):
             got = results[rank]
