@@ -83,12 +83,14 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *
     if total < minimum * n:
         raise ValueError(f"cannot give {n} devices at least {minimum} of {total}")
     weight = sum(speeds)
-    shares = [max(minimum, math.floor(total * s / weight)) for s in speeds]
+    shares = [math.floor(total * s / weight) for s in speeds]
     # beyond 2**53 samples the float shares miss the total by more than one per device: share
-    # the difference out the same way until they do not (each round shrinks it ~2**-50-fold)
+    # the difference out the same way until they do not (each round shrinks it ~2**-50-fold). Before
+    # the minimum: correcting clamped shares would cut a faster device below a slower one
     while abs(total - sum(shares)) > n:
         rest = total - sum(shares)
-        shares = [max(minimum, share + math.floor(rest * s / weight)) for share, s in zip(shares, speeds)]
+        shares = [share + math.floor(rest * s / weight) for share, s in zip(shares, speeds)]
+    shares = [max(minimum, share) for share in shares]
     # raising small shares to the minimum may overshoot: take back from the most loaded
     while sum(shares) > total:
         i = max((i for i in range(n) if shares[i] > minimum), key=lambda i: (shares[i] / speeds[i], -i))
