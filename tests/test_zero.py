@@ -37,14 +37,8 @@ from whalelike.cluster import Cluster, Device, Emulation, Network
 from whalelike.graphs.capture import capture
 from test_runtime_tp import TP_IN_DP_STAGE, SplitInReplicate, batches as tp_batches, make_plan as make_tp_plan
 
-WORLD = 4
-DIN, HIDDEN, CLASSES = 6, 16, 5
-STEPS = 3
-SPEEDS = (1.0, 1.0, 0.5, 0.25)
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
-}
+from test_runtime_dp import CLASSES, DIN, HIDDEN, OPTIMIZERS, SPEEDS, STEPS, WORLD  # the data-parallel tests' setting
+
 # per rank, its micro-batch sizes: ZeRO 1 may accumulate unevenly, ZeRO 2-3 run equal counts
 SIZES = {
     1: [[4, 4, 3], [5, 4], [3], [1, 1]],
