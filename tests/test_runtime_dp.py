@@ -75,8 +75,9 @@ def batches(n: int, seed: int) -> list[tuple[tuple, torch.Tensor]]:
              torch.randint(0, CLASSES, (n,), generator=g)) for _ in range(STEPS)]
 
 
-def reference(model: nn.Module, data, make_opt):
-    """Losses and gradients of each step, and final parameters, training on whole global batches."""
+def reference(model: nn.Module, data, make_opt, clip: float | None = None, norms: list | None = None):
+    """Losses and gradients of each step, and final parameters, training on whole global batches.
+    ``clip``: clip each step's gradient norm to it (``clip_grad_norm_``), the norms appended to ``norms``."""
     model = copy.deepcopy(model)
     opt = make_opt(model.parameters())
     losses, grads = [], []
@@ -86,6 +87,10 @@ def reference(model: nn.Module, data, make_opt):
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(norm)
         opt.step()
     return losses, grads, model.state_dict()
 

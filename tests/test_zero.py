@@ -37,7 +37,7 @@ from whalelike.cluster import Cluster, Device, Emulation, Network
 from whalelike.graphs.capture import capture
 from test_runtime_tp import TP_IN_DP_STAGE, SplitInReplicate, batches as tp_batches, make_plan as make_tp_plan
 
-from test_runtime_dp import CLASSES, DIN, HIDDEN, OPTIMIZERS, SPEEDS, STEPS, WORLD  # the data-parallel tests' setting
+from test_runtime_dp import CLASSES, DIN, HIDDEN, OPTIMIZERS, SPEEDS, STEPS, WORLD, reference  # their setting
 
 # per rank, its micro-batch sizes: ZeRO 1 may accumulate unevenly, ZeRO 2-3 run equal counts
 SIZES = {
@@ -107,24 +107,8 @@ def batches(n: int, seed: int, steps: int = STEPS) -> list[tuple[tuple, torch.Te
              torch.randint(0, CLASSES, (n,), generator=g)) for _ in range(steps)]
 
 
-def reference(model: nn.Module, data, make_opt, clip: float | None = None):
-    model = copy.deepcopy(model)
-    opt = make_opt(model.parameters())
-    losses, grads, norms = [], [], []
-    for inputs, targets in data:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(*inputs), targets)
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        opt.step()
-    return losses, grads, norms, model.state_dict()
-
-
 def _check_training(engine: Engine, model: nn.Module, data, make_opt, label: str) -> None:
-    losses, grads, _, final = reference(model, data, make_opt)
+    losses, grads, final = reference(model, data, make_opt)
     for step, batch in enumerate(data):
         loss = engine.train_step(batch)
         assert_close(loss, losses[step], msg=f"{label}: loss of step {step}")
@@ -222,7 +206,7 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     engine = Engine(copy.deepcopy(model), sequence[0], optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
                     cluster=make_cluster(), timeout_s=60)
     data = batches(24, seed=40, steps=len(sequence))
-    losses, _, _, final = reference(model, data, OPTIMIZERS["adamw"])
+    losses, _, final = reference(model, data, OPTIMIZERS["adamw"])
     moved = []
     for step, (plan, batch) in enumerate(zip(sequence, data)):
         if step:
@@ -245,7 +229,8 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy,
                     cluster=make_cluster(), timeout_s=60, clip_grad_norm=0.05)
     data = batches(plan.global_batch_size, seed=6)
-    losses, _, norms, final = reference(model, data, OPTIMIZERS["sgd"], clip=0.05)
+    norms: list = []
+    losses, _, final = reference(model, data, OPTIMIZERS["sgd"], clip=0.05, norms=norms)
     for step, batch in enumerate(data):
         assert_close(engine.train_step(batch), losses[step], msg=f"clip: loss of step {step}")
         assert_close(torch.as_tensor(engine.stats[-1].grad_norm, dtype=torch.float64), norms[step].double(),
@@ -265,7 +250,7 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
                         cluster=make_cluster(), timeout_s=60)
         data = batches(8, seed=10 + zero)
-        losses, _, _, final = reference(model, data, OPTIMIZERS["adamw"])
+        losses, _, final = reference(model, data, OPTIMIZERS["adamw"])
         for step, batch in enumerate(data):
             assert_close(engine.train_step(batch), losses[step], msg=f"pipeline zero{zero}: loss of step {step}")
         assert type(engine.executor).__name__ == "PipelineExecutor"
@@ -282,7 +267,7 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         engine = Engine(copy.deepcopy(tp_model), tp_plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
                         cluster=make_cluster(), timeout_s=60)
         data = tp_batches(tp_model, tp_plan.global_batch_size, seed=20 + zero)
-        losses, _, _, final = reference(tp_model, data, OPTIMIZERS["adamw"])
+        losses, _, final = reference(tp_model, data, OPTIMIZERS["adamw"])
         for step, batch in enumerate(data):
             assert_close(engine.train_step(batch), losses[step], msg=f"tp zero{zero}: loss of step {step}")
         for key, value in engine.state_dict().items():
