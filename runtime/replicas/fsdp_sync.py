@@ -56,7 +56,7 @@ removes FSDP2's hooks, so another executor can take the module over.
 """
 from __future__ import annotations
 
-import math
+import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Mapping, Optional, Sequence
 
@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.held_state import NamedState, dtensor_range, module_state
 from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
 from whalelike.errors import WhaleError
 
@@ -113,7 +113,6 @@ class _PaddedReduceScatter(DefaultReduceScatter if DefaultReduceScatter is not N
 
 
 def _sleep_modeled(network, ms: float) -> None:
-    import time
     network.stats.allreduces += 1
     network.stats.allreduce_modeled_s += ms * 1e-3
     time.sleep(ms * 1e-3)
@@ -231,19 +230,6 @@ class FSDPSync(OwnPassenger, WholeParameters):
                 _unshard_permanently(unit)
         self.units = []
         return self.inner
-
-
-def dtensor_range(tensor: DTensor) -> Optional[tuple[int, int, int]]:
-    """``(dim, start, stop)``: the positions along its sharded dimension that this rank holds of
-    ``tensor`` (sharded over a 1-D mesh in torch.chunk's layout); None when it holds none."""
-    (placement,) = tensor.placements
-    dim = placement.dim
-    size = tensor.shape[dim]
-    n = tensor.device_mesh.size()
-    rank = tensor.device_mesh.get_local_rank()
-    chunk = math.ceil(size / n) if size else 0
-    start, stop = min(rank * chunk, size), min((rank + 1) * chunk, size)
-    return (dim, start, stop) if stop > start else None
 
 
 def _within(slab: Slab, dim: int, start: int, stop: int) -> Slab:

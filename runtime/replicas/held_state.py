@@ -17,6 +17,7 @@ layer's own slicing (a tensor-parallel layer's ``shard_of``, FSDP2's row chunks)
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -118,12 +119,26 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def rows_of(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` (a whole tensor) that ``tensor`` holds locally: a ``DTensor`` sharded on
-    dim 0 (FSDP2's row chunks) its rows, else all of it."""
+    """The part of ``full`` (a whole tensor) that ``tensor`` holds locally: a ``DTensor``'s range along
+    its sharded dimension (:func:`dtensor_range`), else all of it."""
     if not isinstance(tensor, DTensor):
         return full
+    held = dtensor_range(tensor)
+    if held is None:
+        (placement,) = tensor.placements
+        return full.narrow(placement.dim, 0, 0)
+    dim, start, stop = held
+    return full.narrow(dim, start, stop - start)
+
+
+def dtensor_range(tensor: DTensor) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, stop)``: the positions along its sharded dimension that this rank holds of
+    ``tensor`` (sharded over a 1-D mesh in torch.chunk's layout); None when it holds none."""
     (placement,) = tensor.placements
     dim = placement.dim
-    n = local(tensor).shape[dim]
-    start = tensor.device_mesh.get_local_rank() * -(-tensor.shape[dim] // tensor.device_mesh.size())
-    return full.narrow(dim, min(start, tensor.shape[dim]), n)
+    size = tensor.shape[dim]
+    n = tensor.device_mesh.size()
+    rank = tensor.device_mesh.get_local_rank()
+    chunk = math.ceil(size / n) if size else 0
+    start, stop = min(rank * chunk, size), min((rank + 1) * chunk, size)
+    return (dim, start, stop) if stop > start else None

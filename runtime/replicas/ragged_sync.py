@@ -44,7 +44,8 @@ rank of the group issues the same collectives in the same order (parameters in m
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -180,7 +181,7 @@ class RaggedSync(OwnPassenger):
 
     def no_sync(self) -> AbstractContextManager:
         """Stage 1: accumulate full gradients (no collective). Stage 2: every backward reduce-scatters."""
-        return self._held() if self.stage == 1 else _null()
+        return self._held() if self.stage == 1 else nullcontext()
 
     @contextmanager
     def _held(self):
@@ -315,16 +316,10 @@ class RaggedSync(OwnPassenger):
         """Under the emulated network: sleep the collective's modeled ring time."""
         if self.ring is None:
             return
-        import time
         seconds = self.ring.allgather_ms(tensor.numel() * tensor.element_size()) * 1e-3
         self.network.stats.allreduces += 1
         self.network.stats.allreduce_modeled_s += seconds
         time.sleep(seconds)
-
-
-@contextmanager
-def _null():
-    yield
 
 
 @torch.no_grad()
