@@ -218,6 +218,7 @@ class DataParallelExecutor:
         if is_sharded(self.module):          # ZeRO: this rank's rows of each parameter
             load_rows(self.module, state)
         else:
+            self.sync.current()              # a sync that frees its whole parameters gives them storage
             self.module.load_state_dict(state)
             self.sync.loaded()
 

@@ -182,13 +182,15 @@ class StageWorker:
 
     # -- state ------------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.stage.module.parameters()
+        """What the optimizer steps: the replica sync's (the stage module's, or this rank's shards of them)."""
+        return iter(self.sync.parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, on every rank (a collective over the plan's
         ranks: the first slot of each stage gathers its tensor-parallel shards, its ``tp_index`` 0
         contributes the stage)."""
         mine = {}
+        self.sync.current()       # a ragged sync gathers its shards (every worker of the group takes part)
         sharded = is_sharded(self.stage.module)
         if sharded:   # ZeRO: every worker of the data-parallel group takes part in the gathers
             gathered = {k: full_tensor(v).detach().clone() for k, v in self.stage.module.state_dict().items()}
@@ -210,7 +212,9 @@ class StageWorker:
         if is_sharded(self.stage.module):     # ZeRO: this worker's rows of its tensor-parallel slice
             load_rows(self.stage.module, tensor_parallel_slices(self.stage.module, mine))
         else:
+            self.sync.current()       # a sync that frees its whole parameters gives them storage
             load_full_state_dict(self.stage.module, mine)
+            self.sync.loaded()
 
     def named_state(self) -> NamedState:
         """This stage's parameters and buffers under the model's names, with the part of each it
@@ -256,7 +260,8 @@ class StageWorker:
         devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
         return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
                                   alone=alone, reduce_dtype=self.reduce_dtype,
-                                  zero_stage=self.plan.stages[self.stage.index].zero_stage)
+                                  zero_stage=self.plan.stages[self.stage.index].zero_stage,
+                                  fractions=self.plan.stages[self.stage.index].state_fractions)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

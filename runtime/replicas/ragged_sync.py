@@ -1,4 +1,4 @@
-"""The ``ragged`` replica sync: ZeRO stages 1 and 2 with memory-proportional (ragged) state shards.
+"""The ``ragged`` replica sync: ZeRO stages 1, 2 and 3 with memory-proportional (ragged) state shards.
 
 Why not FSDP2 (:mod:`runtime.replicas.fsdp_sync`): FSDP2 cuts every parameter into even chunks
 (``torch.chunk``), padded to the largest, so each rank holds 1/n of the state whatever its memory;
@@ -7,9 +7,9 @@ holds a fraction ``f_r`` of every parameter's rows (``StagePlan.state_fractions`
 planner from the memory each device has left after its activations, as Cephalo does), so a 16 GiB
 device next to 80 GiB ones holds a fifth of what they hold.
 
-How it runs (one data-parallel group, a single-stage plan):
+How it runs (one data-parallel group: a data-parallel plan's, or one pipeline stage's):
 
-* The module keeps its parameters whole (the forward and backward run as under DDP). Each rank also
+* At stages 1 and 2 the module keeps its parameters whole (the forward and backward run as under DDP). Each rank also
   holds its rows of each parameter as a parameter of its own (``shards``): the optimizer steps those
   (:meth:`parameters`), so its state is ``f_r`` of the whole. Element-wise optimizers (SGD, Adam,
   AdamW) are exact on any cut of a tensor; one that reads whole tensors (LAMB's trust ratio,
@@ -19,8 +19,8 @@ How it runs (one data-parallel group, a single-stage plan):
   into the rank's rows, and free the whole gradients. Stage 1 does it only in the syncing backward (every micro-batch but
   the rank's last accumulates the full gradient, so ranks may run different micro-batch counts);
   stage 2 in every backward (every rank runs the same number of micro-batches).
-* Parameters: before the first forward after a syncing backward (the optimizer steps the shards in
-  between) or after the shards were handed out (``named_state``: a checkpoint load or a state move
+* Parameters: before the first forward after an optimizer step over the shards (a hook on every
+  optimizer's step; every rank steps at once) or after the shards were handed out (``named_state``: a checkpoint load or a state move
   may write them), the rows are all-gathered back into the whole parameters; the same events on
   every rank, so every rank gathers at the same forward.
 * The collectives are ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` of flat buffers in
@@ -38,7 +38,22 @@ What a rank holds (:meth:`named_state`): each parameter's rows as a dim-0
 :class:`~planner.balance.state_moves.Slab` on its shard tensor (nothing when it holds no row), each
 buffer whole; so checkpoints and re-plans move ragged holdings like any others.
 
-Invariant: the whole parameters always equal the concatenation of the shards before any forward
+Stage 3 (parameters sharded too): the whole parameters hold no storage between uses
+(``untyped_storage().resize_(0)``, as FSDP does; autograd's saved references see the storage come
+back). The units are the module's layers (``layers``: module paths, as FSDP2's units at stage 3)
+and a root unit of the parameters in no layer. A layer unit is all-gathered (one padded
+collective) before its forward and freed after it, gathered again when the backward reaches its
+outputs (a hook on them) and freed once its gradients are reduce-scattered; the root unit is
+gathered before the module's forward and stays until its gradients are reduced (its embedding
+is the backward's last). A forward run again inside the backward (activation checkpointing) frees
+nothing. Every micro-batch reduce-scatters, one unit per collective (equal micro-batch counts, as at
+stage 2). No prefetch: the next unit's gather is issued when its forward starts (gloo's collectives
+run on the calling thread; overlapping them would need a second stream of work, which CPU ranks
+do not have), so the gathers are on the step's critical path (the planner prices them so).
+A transient of one whole unit plus its padded buffer (``n * max(f)`` times the unit) is what a
+rank holds beyond its fraction.
+
+Invariant: at stages 1-2 the whole parameters always equal the concatenation of the shards before any forward
 (refreshed lazily), the shards are the state of record (optimizer, checkpoints, clipping), and every
 rank of the group issues the same collectives in the same order (parameters in module order).
 """
@@ -51,6 +66,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
@@ -106,20 +122,22 @@ class _Layout:
 
 
 class RaggedSync(OwnPassenger):
-    """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1 or 2
-    (see the module docstring). ``fractions``: the group's state fractions in group rank order."""
+    """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1, 2 or 3
+    (see the module docstring). ``fractions``: the group's state fractions in group rank order;
+    ``layers``: module paths of ``module``'s layers, the units of stage 3 (none: one unit)."""
 
     name = "ragged"
     syncs = True
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,
                  fractions: Sequence[float], emulator: Optional[Emulator] = None,
-                 devices: Optional[Sequence[str]] = None, reduce_dtype: Optional[torch.dtype] = None):
+                 devices: Optional[Sequence[str]] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 layers: Sequence[str] = ()):
         group = group if group is not None else dist.group.WORLD
         n = dist.get_world_size(group)
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise RaggedSyncError(f"StagePlan.zero_stage is {stage!r} for the 'ragged' replica sync; ragged shards run "
-                                  "at ZeRO stages 1 and 2 (stage 3: replica_sync 'fsdp', even shards)")
+                                  "at ZeRO stages 1, 2 and 3 (stage 0: replica_sync 'ddp')")
         if len(fractions) != n or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
             raise RaggedSyncError(f"StagePlan.state_fractions {list(fractions)} must be {n} fractions >= 0 summing to 1 "
                                   f"(one per worker of the data-parallel group); make the plan with `whalelike plan`")
@@ -141,34 +159,54 @@ class RaggedSync(OwnPassenger):
                 a, b = self.rows[id(p)][self.rank]
                 flat = p.reshape(p.shape[0] if p.dim() else 1, -1)
                 self.shards.append(nn.Parameter(flat[a:b].reshape((b - a,) + tuple(p.shape[1:])).clone()))
-        # the whole parameters need the shards gathered before the next forward: after every syncing
-        # backward (the optimizer steps next) and after the shards were handed out by named_state()
+        # the whole parameters need the shards gathered before the next forward: after an optimizer
+        # step over the shards and after the shards were handed out by named_state()
         # (a checkpoint load or a state move may write them); the same events on every rank, so every
         # rank refreshes at the same forward (a rank's own view, such as version counters, would not
         # be: a rank holding no rows sees no change)
         self._stale = False
-        # the buckets of the collectives: parameters in reverse order (as their gradients become ready),
-        # cut at BUCKET_BYTES of whole parameters at stage 1, one parameter each at stage 2 (each full
-        # gradient freed as soon as it is produced: the memory model's u, planner.devices.memory.parameter_share)
-        cap = BUCKET_BYTES if stage == 1 else 0
         self.inner_sizes = [p.numel() // (p.shape[0] if p.dim() else 1) for p in self.params]
-        self.buckets: list[_Layout] = []
-        current: list[int] = []
-        for i in reversed(range(len(self.params))):
-            current.append(i)
-            if sum(self.params[j].numel() * self.params[j].element_size() for j in current) >= cap:
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._hooks = []
+        if stage == 3:
+            # the units (module docstring): layers in reverse forward order, then the root's rest, so
+            # the buckets complete in the order the backward produces their gradients
+            self.buckets, unit_modules = self._units(module, layers)
+        else:
+            # the buckets of the collectives: parameters in reverse order (as their gradients become
+            # ready), cut at BUCKET_BYTES of whole parameters at stage 1, one parameter each at stage 2
+            # (each full gradient freed as soon as it is produced: the memory model's u,
+            # planner.devices.memory.parameter_share)
+            cap = BUCKET_BYTES if stage == 1 else 0
+            self.buckets = []
+            current: list[int] = []
+            for i in reversed(range(len(self.params))):
+                current.append(i)
+                if sum(self.params[j].numel() * self.params[j].element_size() for j in current) >= cap:
+                    self.buckets.append(_Layout(self, current))
+                    current = []
+            if current:
                 self.buckets.append(_Layout(self, current))
-                current = []
-        if current:
-            self.buckets.append(_Layout(self, current))
         self._bucket_of = {i: b for b, layout in enumerate(self.buckets) for i in layout.indices}
         self._ready: list[set] = [set() for _ in self.buckets]
         self._next_bucket = 0
         self._callback_queued = False
         self._syncing = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
-        self._hooks.append(module.register_forward_pre_hook(lambda _m, _a: self.refresh()))
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._hooks += [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
+        # an optimizer step over the shards changes them: gather again before the next use (every
+        # rank steps at once, a rank holding no rows too: its empty shards are the optimizer's)
+        self._shard_ids = {id(s) for s in self.shards}
+        self._hooks.append(register_optimizer_step_post_hook(self._stepped))
+        self._gathered: set[int] = set()       # stage 3: the buckets whose whole parameters hold storage
+        if stage == 3:
+            for b in range(len(self.buckets)):
+                self._free(b)
+            for b, unit in unit_modules.items():
+                self._hooks.append(unit.register_forward_pre_hook(lambda _m, _a, b=b: self._gather(b)))
+                self._hooks.append(unit.register_forward_hook(
+                    lambda _m, _a, out, b=b, root=unit is module: self._after_forward(b, out, root)))
+        else:
+            self._hooks.append(module.register_forward_pre_hook(lambda _m, _a: self.refresh()))
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -197,7 +235,7 @@ class RaggedSync(OwnPassenger):
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Each parameter's rows (its shard tensor, a dim-0 Slab; none when it holds no row), buffers whole."""
         out: NamedState = {}
-        self._stale = True            # the caller may write the shards (a checkpoint load, a state move)
+        self._invalidate()            # the caller may write the shards (a checkpoint load, a state move)
         shard_of = {id(p): s for p, s in zip(self.params, self.shards)}
         for name, (tensor, slab) in module_state(self.inner, names).items():
             if id(tensor) in shard_of:
@@ -213,12 +251,18 @@ class RaggedSync(OwnPassenger):
         return out
 
     def current(self) -> None:
-        """Make the whole parameters current (after an optimizer step or a load of the shards)."""
-        self.refresh()
+        """Make the whole parameters current (after an optimizer step or a load of the shards); at
+        stage 3 they are gathered, and stay so until the next forward's units free them."""
+        if self.stage == 3:
+            for b in range(len(self.buckets)):
+                self._gather(b)
+        else:
+            self.refresh()
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """The whole parameters were overwritten (every rank the same values): take the shards from them."""
+        """The whole parameters were overwritten (every rank the same values; at stage 3 after
+        :meth:`current` gave them storage): take the shards from them."""
         for p, shard in zip(self.params, self.shards):
             a, b = self.rows[id(p)][self.rank]
             flat = p.reshape(p.shape[0] if p.dim() else 1, -1)
@@ -227,7 +271,11 @@ class RaggedSync(OwnPassenger):
 
     def release(self) -> nn.Module:
         """The whole parameters made current, every hook removed; this sync is not used again."""
-        self.refresh(force=True)
+        if self.stage == 3:
+            self._invalidate()
+            self.current()
+        else:
+            self.refresh(force=True)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -236,28 +284,109 @@ class RaggedSync(OwnPassenger):
     # -- the work -------------------------------------------------------------------------------
     @torch.no_grad()
     def refresh(self, force: bool = False) -> None:
-        """All-gather the shards into the whole parameters (one padded collective) when they may have
-        changed (see ``_stale``), or always with ``force``."""
+        """Stages 1-2: all-gather the shards into the whole parameters (one padded collective per
+        bucket) when they may have changed (see ``_stale``), or always with ``force``."""
         if not (force or self._stale):
             return
         for layout in self.buckets:
-            if not layout.width:
-                continue
-            mine = torch.zeros(layout.width, dtype=layout.dtype, device=layout.device)
-            for i, (offset, size) in layout.slots[self.rank].items():
-                if size:
-                    mine[offset: offset + size].copy_(self.shards[i].detach().reshape(-1))
-            out = torch.empty(self.size * layout.width, dtype=layout.dtype, device=layout.device)
-            dist.all_gather_into_tensor(out, mine, group=self.group)
-            self._pad(out)
-            for r in range(self.size):
-                base = r * layout.width
-                for i, (offset, size) in layout.slots[r].items():
-                    if size:
-                        a, b = self.rows[id(self.params[i])][r]
-                        flat = self.params[i].data.reshape(-1, self.inner_sizes[i])
-                        flat[a:b].copy_(out[base + offset: base + offset + size].view(b - a, -1))
+            self._gather_layout(layout)
         self._stale = False
+
+    @torch.no_grad()
+    def _gather_layout(self, layout: "_Layout") -> None:
+        """All-gather every rank's rows of ``layout``'s parameters into the whole parameters."""
+        if not layout.width:
+            return
+        mine = torch.zeros(layout.width, dtype=layout.dtype, device=layout.device)
+        for i, (offset, size) in layout.slots[self.rank].items():
+            if size:
+                mine[offset: offset + size].copy_(self.shards[i].detach().reshape(-1))
+        out = torch.empty(self.size * layout.width, dtype=layout.dtype, device=layout.device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        self._pad(out)
+        for r in range(self.size):
+            base = r * layout.width
+            for i, (offset, size) in layout.slots[r].items():
+                if size:
+                    a, b = self.rows[id(self.params[i])][r]
+                    flat = self.params[i].data.reshape(-1, self.inner_sizes[i])
+                    flat[a:b].copy_(out[base + offset: base + offset + size].view(b - a, -1))
+
+    # -- stage 3: units gathered for use and freed after --------------------------------------------
+    def _units(self, module: nn.Module, layers: Sequence[str]) -> tuple[list["_Layout"], dict[int, nn.Module]]:
+        """Stage 3's buckets, one per unit (each layer's parameters not claimed by an earlier one, in
+        reverse order, then the rest: the root), and the module whose forward gathers each."""
+        claimed: set[int] = set()
+        units: list[tuple[nn.Module, list[int]]] = []
+        for path in layers:
+            sub = module.get_submodule(path)
+            indices = [self._index[id(p)] for p in sub.parameters() if id(p) in self._index and id(p) not in claimed]
+            claimed.update(id(self.params[i]) for i in indices)
+            if indices and sub is not module:
+                units.append((sub, indices))
+        rest = [i for i, p in enumerate(self.params) if id(p) not in claimed]
+        storages: dict[int, str] = {}
+        for i, p in enumerate(self.params):
+            key = p.untyped_storage().data_ptr()
+            if p.numel() and key in storages:
+                raise RaggedSyncError(f"parameters {storages[key]} and #{i} of {type(module).__name__} share one storage; "
+                                      "ZeRO stage 3 frees each parameter's storage between uses: give each parameter "
+                                      "its own (or plan zero_stage 2)")
+            storages[key] = f"#{i}"
+        buckets, modules = [], {}
+        for sub, indices in reversed(units):
+            modules[len(buckets)] = sub
+            buckets.append(_Layout(self, indices))
+        modules[len(buckets)] = module         # the root: its forward gathers the rest
+        buckets.append(_Layout(self, rest))
+        return buckets, modules
+
+    @torch.no_grad()
+    def _gather(self, b: int) -> None:
+        """Give bucket ``b``'s whole parameters storage and gather them, unless they hold it."""
+        if b in self._gathered:
+            return
+        layout = self.buckets[b]
+        for i in layout.indices:
+            p = self.params[i]
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        self._gather_layout(layout)
+        self._gathered.add(b)
+
+    def _free(self, b: int) -> None:
+        """Free bucket ``b``'s whole parameters' storage (stage 3)."""
+        for i in self.buckets[b].indices:
+            self.params[i].untyped_storage().resize_(0)
+        self._gathered.discard(b)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+        if any(id(p) in self._shard_ids for group in optimizer.param_groups for p in group["params"]):
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        """The shards may change next (an optimizer step, a load): gather again before use."""
+        self._stale = True
+        if self.stage == 3:
+            for b in list(self._gathered):
+                self._free(b)
+
+    def _after_forward(self, b: int, output, root: bool) -> None:
+        """After unit ``b``'s forward: free a layer's parameters (not in a forward run again inside
+        the backward, which needs them next), and have the backward gather them again when it
+        reaches the unit's outputs."""
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if tensors:
+            fired = [False]
+
+            def gather_for_backward(grad, b=b):
+                if not fired[0]:
+                    fired[0] = True
+                    self._gather(b)
+                return grad
+            for t in tensors:
+                t.register_hook(gather_for_backward)
+        if not root and torch._C._current_graph_task_id() == -1:
+            self._free(b)
 
     @torch.no_grad()
     def _reduce(self, p: torch.Tensor) -> None:
@@ -281,7 +410,6 @@ class RaggedSync(OwnPassenger):
         while self._next_bucket < len(self.buckets):
             self._reduce_bucket(self._next_bucket)
         self._next_bucket, self._callback_queued = 0, False
-        self._stale = True            # the optimizer steps the shards next (on every rank alike)
         self._ready = [set() for _ in self.buckets]
 
     @torch.no_grad()
@@ -299,7 +427,7 @@ class RaggedSync(OwnPassenger):
                     a, b_ = self.rows[id(self.params[i])][r]
                     padded[base + offset: base + offset + size].copy_(grad.reshape(-1, self.inner_sizes[i])[a:b_].reshape(-1))
         out = torch.empty(layout.width, dtype=layout.dtype, device=layout.device)
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        _reduce_scatter(out, padded, group=self.group)
         self._pad(padded)
         for i, (offset, size) in layout.slots[self.rank].items():
             shard = self.shards[i]
@@ -310,6 +438,8 @@ class RaggedSync(OwnPassenger):
                 else:
                     shard.grad.add_(mine)
             self.params[i].grad = None
+        if self.stage == 3:
+            self._free(b)
         self._next_bucket = b + 1
 
     def _pad(self, tensor: torch.Tensor) -> None:
@@ -320,6 +450,21 @@ class RaggedSync(OwnPassenger):
         self.network.stats.allreduces += 1
         self.network.stats.allreduce_modeled_s += seconds
         time.sleep(seconds)
+
+
+# torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single; older torch has only the former
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists, dicts and ModelOutputs of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 @torch.no_grad()

@@ -122,7 +122,7 @@ def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers,
 
 def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> RaggedSync:
     return RaggedSync(module, group, stage=zero_stage, fractions=fractions, emulator=emulator, devices=devices,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, layers=layers)
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp, "ragged": _ragged}

@@ -115,17 +115,29 @@ class LiveBytes(TorchDispatchMode):
 
 
 def state_tensors(modules: Iterable[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    """The tensors a step starts with: parameters, their gradients, buffers, optimizer state."""
+    """The tensors a step starts with: parameters, their gradients, buffers, the optimizer's
+    parameters (a ragged sync's shards, which are not the module's) with their gradients, and its state."""
     out = []
+    params = [p for module in modules for p in module.parameters()]
+    if optimizer is not None:
+        params += [p for group in optimizer.param_groups for p in group["params"]]
+    for param in params:
+        out.append(local(param))
+        if param.grad is not None:
+            out.append(local(param.grad))
     for module in modules:
-        for param in module.parameters():
-            out.append(local(param))
-            if param.grad is not None:
-                out.append(local(param.grad))
         out.extend(module.buffers())
     if optimizer is not None:
         out.extend(local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
     return out
+
+
+def frees_storage(module: nn.Module) -> bool:
+    """Whether a sync frees and re-allocates ``module``'s parameters in place
+    (``untyped_storage().resize_``): FSDP2's DTensor parameters, or a parameter whose storage is
+    now smaller than the tensor (the ragged sync at ZeRO 3 between gathers)."""
+    return is_sharded(module) or any(p.untyped_storage().nbytes() < p.numel() * p.element_size()
+                                     for p in module.parameters() if not isinstance(p, DTensor))
 
 
 class MemoryMeter:
@@ -150,7 +162,7 @@ class MemoryMeter:
             yield
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        counter = LiveBytes(state_tensors(modules, optimizer), resizes=any(is_sharded(m) for m in modules))
+        counter = LiveBytes(state_tensors(modules, optimizer), resizes=any(frees_storage(m) for m in modules))
         try:
             with counter:
                 yield
