@@ -82,14 +82,6 @@ class StageWorker:
         self._state_names = self._model_names(names)
         # before sharding: creates the tied parameters' groups and makes their copies equal
         self.tied = TiedParameters(split, plan, rank, group, names)
-        zero = plan.stages[self.stage.index].zero_stage
-        tied_here = [t.name for t in self.tied.ties if self.stage.index in t.stages and len(t.stages) > 1]
-        if zero and tied_here:
-            # the tied sum adds whole gradients across stages; ZeRO holds each stage's rows in its own layout
-            raise StageError(f"rank {rank}: stage {self.stage.index} runs ZeRO stage {zero} and holds parameters tied to "
-                             f"another stage ({', '.join(tied_here)}); ZeRO with weights tied across pipeline stages is "
-                             "not supported yet: plan it with zero_stage=0 (wl.Config(zero_stage=0), whalelike plan "
-                             "--zero 0) or keep the tied modules in one stage")
         # the reported loss has the model's dtype; every rank must agree on it for the all-reduce
         self.loss_dtype = next((p.dtype for p in graph_module.parameters() if p.is_floating_point()),
                                torch.get_default_dtype())
@@ -98,6 +90,12 @@ class StageWorker:
         self.loss_fn = loss_fn if self.segments_per_stage else self._shard(sharding, graph_module, loss_fn)
         keep_outputs_sharded(self.stage.module, [v for v in feature_shards if v.stage == self.stage.index])
         self.tied.attach(self.stage.module)
+        # under ZeRO, weights tied to another stage stay whole (the tied sum adds whole gradients
+        # across stages, whose ZeRO layouts differ): this worker sums their gradients over its
+        # data-parallel group itself, before the tied sum (finish_step)
+        self.zero = plan.stages[self.stage.index].zero_stage
+        self.kept_whole = ([p for tie, copies in self.tied.held() if len(tie.stages) > 1
+                            for _, p in copies] if self.zero else [])
         peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
@@ -177,7 +175,16 @@ class StageWorker:
         return any(p.requires_grad for p in self.stage.module.parameters())
 
     def finish_step(self) -> None:
-        """After the step's last backward: sum tied parameters' gradients over their holders."""
+        """After the step's last backward: sum tied parameters' gradients over their holders (under
+        ZeRO first over this worker's data-parallel group, whose sync left them whole)."""
+        if self.kept_whole and self.sync.syncs:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.kept_whole]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self._dp_group)
+            offset = 0
+            for p in self.kept_whole:
+                p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
         self.tied.sum_gradients()
 
     # -- state ------------------------------------------------------------------------------------
@@ -258,10 +265,12 @@ class StageWorker:
             raise StageError(f"rank {self.rank}: stage {self.stage.index} runs on {len(peers)} workers; pass their "
                              f"process group as dp_group (runtime.groups.build_groups(plan, rank).dp.group)")
         devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
+        self._dp_group = dp_group
         return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
                                   alone=alone, reduce_dtype=self.reduce_dtype,
                                   zero_stage=self.plan.stages[self.stage.index].zero_stage,
-                                  fractions=self.plan.stages[self.stage.index].state_fractions)
+                                  fractions=self.plan.stages[self.stage.index].state_fractions,
+                                  keep_whole=self.kept_whole)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

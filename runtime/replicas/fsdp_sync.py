@@ -50,6 +50,10 @@ Emulation enters here, at the seam: under an emulated network each all-gather an
 is padded to its ring time on the group's devices (FSDP2's ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``), inside the compute segment it falls in.
 
+Parameters tied to another pipeline stage (``keep_whole``) stay whole, outside FSDP2
+(``ignored_params``): their gradients are summed over the group and then over the stages by
+:mod:`runtime.parallel.tied_weights`, which adds whole gradients; their optimizer state is whole.
+
 Invariant: every rank of the group wraps the same units in the same order with the same stage, so
 FSDP2's collectives match; :meth:`release` gathers every parameter back into a plain tensor and
 removes FSDP2's hooks, so another executor can take the module over.
@@ -133,7 +137,8 @@ class FSDPSync(OwnPassenger, WholeParameters):
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,
                  emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
-                 layers: Sequence[str] = (), reduce_dtype: Optional[torch.dtype] = None):
+                 layers: Sequence[str] = (), reduce_dtype: Optional[torch.dtype] = None,
+                 keep_whole: Sequence[nn.Parameter] = ()):
         if stage not in (1, 2, 3):
             raise FSDPSyncError(f"StagePlan.zero_stage is {stage!r} for the 'fsdp' replica sync; it shards at ZeRO "
                                 "stages 1, 2 or 3 (stage 0 is replica_sync 'ddp'); make the plan with this version")
@@ -153,14 +158,18 @@ class FSDPSync(OwnPassenger, WholeParameters):
         # holds stays one range along one dimension (a Slab); everything else along dim 0
         dims = tensor_parallel_dims(module)
         placement = (lambda p: Shard(dims.get(p, 0))) if dims else None
+        # parameters the caller syncs itself (tied to another pipeline stage): FSDP2 leaves them whole
+        ignored = set(keep_whole) or None
         self.units: list[FSDPModule] = []
         for path in layers:
             sub = module.get_submodule(path)
             if sub is module or not any(p.requires_grad for p in sub.parameters()):
                 continue
-            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement)
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
+                        ignored_params=ignored)
             self.units.append(sub)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
+                    ignored_params=ignored)
         self.units.append(module)
         network = self.emulator.network if self.emulator.enabled and devices is not None else None
         for unit in self.units:

@@ -124,7 +124,9 @@ class _Layout:
 class RaggedSync(OwnPassenger):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1, 2 or 3
     (see the module docstring). ``fractions``: the group's state fractions in group rank order;
-    ``layers``: module paths of ``module``'s layers, the units of stage 3 (none: one unit)."""
+    ``layers``: module paths of ``module``'s layers, the units of stage 3 (none: one unit);
+    ``keep_whole``: parameters left whole and unsynced (the caller sums their gradients: weights
+    tied to another pipeline stage, :mod:`runtime.parallel.tied_weights`)."""
 
     name = "ragged"
     syncs = True
@@ -132,7 +134,7 @@ class RaggedSync(OwnPassenger):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,
                  fractions: Sequence[float], emulator: Optional[Emulator] = None,
                  devices: Optional[Sequence[str]] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 layers: Sequence[str] = ()):
+                 layers: Sequence[str] = (), keep_whole: Sequence[nn.Parameter] = ()):
         group = group if group is not None else dist.group.WORLD
         n = dist.get_world_size(group)
         if stage not in (1, 2, 3):
@@ -151,7 +153,9 @@ class RaggedSync(OwnPassenger):
         self.ring = network.ring(tuple(devices)) if network is not None else None
         self.network = network
         _broadcast(module, group)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        # parameters the caller syncs itself (tied to another pipeline stage) stay whole, outside the shards
+        self.whole = [p for p in module.parameters() if any(p is q for q in keep_whole)]
+        self.params = [p for p in module.parameters() if p.requires_grad and not any(p is q for q in keep_whole)]
         self.rows = {id(p): ragged_rows(p.shape[0] if p.dim() else 1, fractions) for p in self.params}
         self.shards: list[nn.Parameter] = []
         with torch.no_grad():
@@ -214,8 +218,8 @@ class RaggedSync(OwnPassenger):
         return self.inner
 
     def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps: this rank's rows of each parameter."""
-        return list(self.shards)
+        """What the optimizer steps: this rank's rows of each parameter (and the parameters kept whole)."""
+        return list(self.shards) + list(self.whole)
 
     def no_sync(self) -> AbstractContextManager:
         """Stage 1: accumulate full gradients (no collective). Stage 2: every backward reduce-scatters."""

@@ -20,8 +20,10 @@ replicas in step, and nothing else:
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
 :data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
-summed gradients: ZeRO stage 0) and ``fsdp`` (:mod:`runtime.replicas.fsdp_sync`, ZeRO stages 1-3 on torch's
-FSDP2, ``StagePlan.zero_stage`` says which). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
+summed gradients: ZeRO stage 0), ``fsdp`` (:mod:`runtime.replicas.fsdp_sync`, ZeRO stages 1-3 on torch's
+FSDP2, even shards, ``StagePlan.zero_stage`` says which) and ``ragged``
+(:mod:`runtime.replicas.ragged_sync`, ZeRO stages 1-3 with memory-proportional shards,
+``StagePlan.state_fractions``). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
 the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce), so
 the executors never branch on it. A new implementation (Prague's partial all-reduce) registers here
 and no executor changes.
@@ -108,21 +110,21 @@ class AloneSync(OwnPassenger, WholeParameters):
         return self.inner
 
 
-def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> DDPSync:
+def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> DDPSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'ddp' with zero_stage {zero_stage}; DDP is ZeRO stage 0 "
                          "(make the plan with this version of whalelike: stages 1-3 use replica_sync 'fsdp')")
     return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)
 
 
-def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> FSDPSync:
+def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> FSDPSync:
     return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
-                    reduce_dtype=reduce_dtype)
+                    reduce_dtype=reduce_dtype, keep_whole=keep_whole)
 
 
-def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions) -> RaggedSync:
+def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> RaggedSync:
     return RaggedSync(module, group, stage=zero_stage, fractions=fractions, emulator=emulator, devices=devices,
-                      reduce_dtype=reduce_dtype, layers=layers)
+                      reduce_dtype=reduce_dtype, layers=layers, keep_whole=keep_whole)
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp, "ragged": _ragged}
@@ -132,7 +134,8 @@ assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SY
 def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.ProcessGroup], *,
                        emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
                        alone: bool = False, reduce_dtype: Optional[torch.dtype] = None,
-                       zero_stage: int = 0, layers: Sequence[str] = (), fractions: Sequence[float] = ()) -> ReplicaSync:
+                       zero_stage: int = 0, layers: Sequence[str] = (), fractions: Sequence[float] = (),
+                       keep_whole: Sequence[nn.Parameter] = ()) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
@@ -141,7 +144,9 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     (None: their own; ``Engine(grad_reduce_dtype="bf16")``). ``zero_stage``: the plan's
     ``StagePlan.zero_stage`` (0 for ``ddp``, 1-3 for ``fsdp``); ``layers``: module paths of
     ``module`` that ZeRO shards as units of their own (stage 3 gathers one at a time); ``fractions``:
-    ``StagePlan.state_fractions`` (the ragged sync's share of the state per group rank).
+    ``StagePlan.state_fractions`` (the ragged sync's share of the state per group rank);
+    ``keep_whole``: parameters a ZeRO sync leaves whole and does not reduce (the caller sums their
+    gradients over the group: weights tied across pipeline stages; DDP reduces everything).
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
@@ -149,4 +154,4 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     if alone or not any(p.requires_grad for p in module.parameters()):
         return AloneSync(module, group)
     return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
-                                  zero_stage=zero_stage, layers=layers, fractions=fractions)
+                                  zero_stage=zero_stage, layers=layers, fractions=fractions, keep_whole=keep_whole)
