@@ -29,7 +29,14 @@ Devices get ranks in the order they are listed (hosts in order; torchrun numbers
 host) and readable unique names: ``v100-0`` ... ``p100-7`` (the full kind, ``a100-80gb-0``, when
 two kinds share a short name). An optional ``emulation`` block turns the cluster into emulated
 hardware for testing; then *every* device needs an ``emulated_speed``, and ``emulated_speed`` is
-an error without the block: a half-emulated cluster would pad some ranks and not others.
+an error without the block: a half-emulated cluster would pad some ranks and not others. Two more
+device fields make an emulated device behave like a real one, both off by default and, like
+``emulated_speed``, an error without the block: ``emulated_half_efficiency_batch`` (the micro-batch
+at which this device's matmuls run at half their peak; default the block's
+``half_efficiency_batch``) and ``emulated_memory_gbps`` (the bandwidth, GB/s, at which it moves the
+bytes of its non-matmul operators). They let a spec sheet be wrong the ways real ones are:
+``emulated-equal-peak`` (equal peaks, unequal bandwidth, memory and small-batch efficiency) and
+``emulated-slow-bf16`` (a kind whose spec sheet claims fast bf16 that it does not have).
 
 The dataclass fields double as the file schema: each field carries a :class:`whalelike.spec.Rule`
 (type, bounds, meaning), so a value is checked by the same rule whether it comes from a file (the
@@ -71,6 +78,10 @@ MAX_GBPS_WHY = ("a petabyte per second, far above any link; values like 1e300 ov
                 "every transfer time becomes zero")
 MAX_LATENCY_US = 1e6
 MAX_LATENCY_WHY = "one second per message; the field is in microseconds, larger values are a unit mistake"
+MAX_HALF_EFFICIENCY_BATCH = 1e6
+MAX_HALF_EFFICIENCY_BATCH_WHY = ("a device that needs a million samples per micro-batch to reach half its speed "
+                                 "runs every real micro-batch at almost zero speed: its emulated segments would "
+                                 "sleep for hours (values like 1e300 sleep forever)")
 # A spec of the most devices allowed, 8 per host, is about 250 KiB; parsing a 40 MiB spec took PyYAML
 # (libyaml) 100 s and 3 GiB on the development machine. Larger files are refused before parsing.
 MAX_FILE_BYTES = 1 << 20
@@ -100,6 +111,14 @@ class Device:
     A mapping given from Python may include ``fp32`` when it equals the scalar field (it is then
     dropped). The dict fields are left out of the hash (the hash reads a subset of what equality
     compares, so equal devices hash equal).
+
+    Beside the speed, the emulator's hidden truth (None: off, today's behaviour):
+    ``emulated_half_efficiency_batch`` is this device's efficiency curve, ``b / (b + h)`` at
+    micro-batch ``b`` (None: the emulation block's ``half_efficiency_batch``), so small
+    micro-batches run below peak differently on different devices; ``emulated_memory_gbps`` prices
+    the bytes of a segment's non-matmul operators at ``bytes / bandwidth`` on top of its matmul
+    FLOPs (None: those bytes cost nothing). Neither depends on the data type: a bf16 tensor has
+    half the bytes of an fp32 one, so the same bandwidth moves it twice as fast.
     """
 
     name: str = rule(str, "unique device name, e.g. 'v100-0'")
@@ -116,6 +135,14 @@ class Device:
     dtype_tflops: Optional[dict[str, float]] = field(default=None, hash=False)
     measured_dtype_tflops: dict[str, float] = field(default_factory=dict, hash=False)
     emulated_dtype_speed: Optional[dict[str, float]] = field(default=None, hash=False)
+    # the emulated device's efficiency curve and memory bandwidth (runtime only; off when None)
+    emulated_half_efficiency_batch: Optional[float] = rule(
+        float, "micro-batch size at which the emulated device's matmuls run at half their peak speed, e.g. 8; "
+        "default the emulation block's half_efficiency_batch", gt=0, le=MAX_HALF_EFFICIENCY_BATCH,
+        le_why=MAX_HALF_EFFICIENCY_BATCH_WHY, default=None)
+    emulated_memory_gbps: Optional[float] = rule(
+        float, "GB/s at which the emulated device moves the bytes of non-matmul operators (element-wise, norms, "
+        "softmax), e.g. 0.5 where speed 1 is 2 GFLOP/s", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY, default=None)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ")
@@ -312,13 +339,18 @@ class Straggler:
 class Emulation:
     """How the runtime emulates unequal devices on homogeneous hardware.
 
-    modeled time of a segment = flops / (emulated_speed * base_gflops * 1e9) / efficiency(batch),
-    efficiency(b) = b / (b + half_efficiency_batch) when ``half_efficiency_batch`` is set, else 1.
+    modeled time of a segment = (flops / (emulated_speed * base_gflops * 1e9) / efficiency(batch)
+    + non-matmul bytes / (emulated_memory_gbps * 1e9)) x straggler factors, efficiency(b) =
+    b / (b + h) where h is the device's ``emulated_half_efficiency_batch``, else
+    ``half_efficiency_batch`` here, else efficiency is 1; the bytes term only where the device sets
+    ``emulated_memory_gbps`` (:meth:`runtime.emulation.compute.Emulator.modeled_seconds`).
     """
 
     base_gflops: float = rule(float, "GFLOP/s of an emulated device of speed 1", gt=0)
     half_efficiency_batch: Optional[float] = rule(
-        float, "batch size at which an emulated device runs at half efficiency", gt=0, default=None)
+        float, "batch size at which an emulated device runs at half efficiency (the default of each device's "
+        "emulated_half_efficiency_batch)", gt=0, le=MAX_HALF_EFFICIENCY_BATCH, le_why=MAX_HALF_EFFICIENCY_BATCH_WHY,
+        default=None)
     stragglers: tuple[Straggler, ...] = ()
     enforce_memory: bool = rule(bool, "each emulated device enforces its memory_gib: a rank whose measured peak "
                                 "exceeds it raises an emulated out-of-memory error (memory is then measured on CPU)",
@@ -409,7 +441,9 @@ class Cluster:
     def without_emulation(self) -> "Cluster":
         """The same cluster with emulation off: every device runs at the machine's real speed
         (for exactness tests and for profiling the real hardware)."""
-        devices = tuple(dataclasses.replace(d, emulated_speed=None, emulated_dtype_speed=None) for d in self.devices)
+        devices = tuple(dataclasses.replace(d, emulated_speed=None, emulated_dtype_speed=None,
+                                            emulated_half_efficiency_batch=None, emulated_memory_gbps=None)
+                        for d in self.devices)
         return dataclasses.replace(self, devices=devices, emulation=None)
 
     # -- loading ---------------------------------------------------------------------------------
@@ -492,9 +526,14 @@ class Cluster:
     def summary(self) -> str:
         """An aligned per-device table plus the network and, if any, the emulation settings."""
         emulated = self.emulation is not None
+        # the efficiency curve and bandwidth columns only where a device sets them (older specs print as before)
+        curves = emulated and any(d.emulated_half_efficiency_batch is not None for d in self.devices)
+        bandwidths = emulated and any(d.emulated_memory_gbps is not None for d in self.devices)
         headers = ["rank", "device", "kind", "host", *(f"peak {dtype}" for dtype in DTYPES), "memory",
                    "measured TFLOPS"]
         headers += ["emulated speed"] if emulated else []
+        headers += ["half-efficiency batch"] if curves else []
+        headers += ["emulated GB/s"] if bandwidths else []
         rows = []
         for rank, d in enumerate(self.devices):
             measured = {**({} if d.measured_tflops is None else {"fp32": d.measured_tflops}), **d.measured_dtype_tflops}
@@ -505,6 +544,13 @@ class Cluster:
             if emulated:
                 row.append(f"{d.emulated_speed:g}x" if d.emulated_dtype_speed is None
                            else ", ".join(f"{t} {v:g}x" for t, v in d.emulated_rates.items()))
+            if curves:
+                batch = d.emulated_half_efficiency_batch
+                if batch is None:
+                    batch = self.emulation.half_efficiency_batch
+                row.append("-" if batch is None else f"{batch:g}")
+            if bandwidths:
+                row.append("-" if d.emulated_memory_gbps is None else f"{d.emulated_memory_gbps:g}")
             rows.append(row)
         total_tflops = sum(d.peak_tflops for d in self.devices)
         total_gib = sum(d.memory_gib for d in self.devices)
@@ -519,6 +565,8 @@ class Cluster:
             em = self.emulation
             curve = ("" if em.half_efficiency_batch is None
                      else f", half efficiency at batch {em.half_efficiency_batch:g}")
+            curve += ("" if not bandwidths else
+                      "; non-matmul bytes at each device's emulated GB/s ('-': free)")
             lines.append(f"emulation (testing): speed 1 = {em.base_gflops:g} GFLOP/s{curve}")
             lines.extend(f"  straggler: rank {s.rank} x{s.factor:g}" + (" (matmuls only)" if s.ops == "matmul" else "")
                          + f" from step {s.start_step}" + ("" if s.end_step is None else f" to {s.end_step}")
@@ -571,9 +619,11 @@ def _check_cluster(c: Cluster) -> None:
                                 f"{d.name!r}); list each host's devices together, torchrun numbers ranks host by host")
     if c.emulation is None:
         for d in c.devices:
-            if d.emulated_speed is not None:
-                raise SpecError(f"cluster {c.name!r}: device {d.name!r} sets emulated_speed but the cluster has no "
-                                "emulation block; add `emulation: {base_gflops: 2.0}` or remove emulated_speed")
+            for name in _EMULATED_FIELDS:
+                if getattr(d, name) is not None:
+                    raise SpecError(f"cluster {c.name!r}: device {d.name!r} sets {name} but the cluster has no "
+                                    "emulation block; add `emulation: {base_gflops: 2.0}` or remove "
+                                    f"{name} ({getattr(d, name):g}, a figure of emulated hardware only)")
         return
     for d in c.devices:
         if d.emulated_speed is None:
@@ -583,6 +633,10 @@ def _check_cluster(c: Cluster) -> None:
         if s.rank >= len(c.devices):
             raise SpecError(f"cluster {c.name!r}: straggler rank {s.rank} does not exist; ranks are "
                             f"0..{len(c.devices) - 1}")
+
+
+# the device fields that are the emulator's hidden truth, each an error on a cluster without emulation
+_EMULATED_FIELDS = ("emulated_speed", "emulated_half_efficiency_batch", "emulated_memory_gbps")
 
 
 # -- the file schema -------------------------------------------------------------------------------

@@ -2,9 +2,30 @@
 
 docs/ARCHITECTURE.md section 4. Each compute segment (a forward or backward of a stage for one micro-batch)
 takes ``max(real time, modeled time)``: the real computation runs (results stay exact), then the
-rank sleeps for the rest of the modeled time. Modeled time comes from the segment's FLOPs and the
-emulated device's speed, never from measured wall time, so waiting on other ranks can never feed
-back into it. Segments whose real time overran the model are counted and reported; a segment with
+rank sleeps for the rest of the modeled time. Modeled time comes from the segment's FLOPs (and the
+bytes of its non-matmul operators) and the emulated device's figures, never from measured wall
+time, so waiting on other ranks can never feed back into it.
+
+The device model (:meth:`Emulator.modeled_seconds`), so that an emulated device is wrong about its
+spec sheet the ways a real one is::
+
+    modeled = (flops / (speed[precision] * base_gflops * 1e9 * b / (b + h))
+               + memory_bytes / (memory_gbps * 1e9)) * straggler factors
+
+* ``speed[precision]``: the device's emulated speed at the plan's precision
+  (``Device.emulated_speed``, a number or a per-dtype mapping), so a kind whose spec sheet claims
+  fast bf16 can run bf16 at its FP32 speed or slower (``emulated-slow-bf16``);
+* ``b / (b + h)``: the efficiency of a micro-batch of ``b`` samples, ``h`` the device's
+  ``emulated_half_efficiency_batch`` (default the emulation block's ``half_efficiency_batch``; none:
+  efficiency 1), so small micro-batches run below peak and each device saturates at its own batch;
+* ``memory_bytes / memory_gbps``: the segment's non-matmul operators (element-wise, norms,
+  softmax, casts) are memory-bound, priced by the bytes they read and write, counted with
+  :class:`whalelike.graphs.memory_traffic.MemoryTrafficMode`, a dispatch mode, not derived from
+  the activations (see that module for why), and passed in by the caller beside the FLOPs
+  (``begin``/``segment``/``pad_forward``'s ``memory_bytes``) exactly as the FLOPs are: the emulator
+  never looks inside the computation it pads. Not divided by the efficiency (an element-wise
+  kernel streams at bandwidth whatever the batch). Off (0 s) for a device without
+  ``emulated_memory_gbps``, so existing clusters model what they always did. Segments whose real time overran the model are counted and reported; a segment with
 no modeled work (no FLOPs, or no samples: a FLOP-free stage, a rank with an empty share) has no
 model to overrun and is never counted as an overrun, else such a rank would warn on every run.
 
@@ -115,15 +136,23 @@ class Emulator:
     """Pads compute segments of one rank to their modeled duration on the emulated device.
 
     A disabled emulator (no ``emulation`` block, or a device without ``emulated_speed``) runs
-    segments as they are.
+    segments as they are. ``half_efficiency_batch`` and ``memory_gbps`` are the device's
+    efficiency curve and memory bandwidth (``Device.emulated_half_efficiency_batch``,
+    ``Device.emulated_memory_gbps``; :meth:`for_device` reads them): None takes the emulation
+    block's ``half_efficiency_batch``, and prices no bytes, respectively.
     """
 
     def __init__(self, speed: Optional[float], emulation: Optional[Emulation], rank: int = 0,
-                 network: Optional[NetworkEmulator] = None):
+                 network: Optional[NetworkEmulator] = None, *, half_efficiency_batch: Optional[float] = None,
+                 memory_gbps: Optional[float] = None):
         self.enabled = emulation is not None and speed is not None
         self.network = network   # the emulated network (runtime.emulation.network), None when off
         self.speed = speed
         self.emulation = emulation
+        if half_efficiency_batch is None and emulation is not None:
+            half_efficiency_batch = emulation.half_efficiency_batch
+        self.half_efficiency_batch = half_efficiency_batch   # the device's curve; None: efficiency 1
+        self.memory_gbps = memory_gbps                       # None: non-matmul bytes cost nothing
         self.rank = rank
         self.step = 0
         self.stats = EmulationStats()
@@ -146,13 +175,16 @@ class Emulator:
         device = cluster.device(device_name)
         speed = device.emulated(precision)
         network = NetworkEmulator.of_cluster(cluster, device_name) if speed is not None else None
-        emulator = cls(speed, cluster.emulation, rank, network)
+        emulator = cls(speed, cluster.emulation, rank, network,
+                       half_efficiency_batch=device.emulated_half_efficiency_batch,
+                       memory_gbps=device.emulated_memory_gbps)
         emulator.device_name = device.name
         if emulator.enabled and cluster.emulation.enforce_memory:
             emulator.capacity_bytes = int(device.memory_gib * 2**30)
         if emulator.enabled:
-            log.info("rank %d: emulating device %s at speed %.3g in %s (testing feature)", rank, device.name, speed,
-                     precision)
+            log.info("rank %d: emulating device %s at speed %.3g in %s, half efficiency at batch %s, non-matmul "
+                     "bytes at %s GB/s (testing feature)", rank, device.name, speed, precision,
+                     emulator.half_efficiency_batch, emulator.memory_gbps)
         return emulator
 
     @classmethod
@@ -167,22 +199,35 @@ class Emulator:
                 factor *= s.factor
         return factor
 
-    def modeled_seconds(self, flops: float, samples: int, kind: str = "stage") -> float:
-        """Modeled duration of a segment of ``flops`` on ``samples`` samples on this device."""
+    def efficiency(self, samples: int) -> float:
+        """The fraction of its peak at which this device runs the matmuls of a micro-batch of
+        ``samples``: ``samples / (samples + h)`` with ``h`` its half-efficiency batch, else 1."""
+        h = self.half_efficiency_batch
+        return samples / (samples + h) if h else 1.0
+
+    def modeled_seconds(self, flops: float, samples: int, kind: str = "stage", memory_bytes: float = 0.0) -> float:
+        """Modeled duration of a segment of ``flops`` (matmul FLOPs) and ``memory_bytes`` (the
+        bytes its non-matmul operators move) on ``samples`` samples on this device (the formula
+        in the module docstring)."""
         _check_kind(kind)
-        if not self.enabled or flops <= 0 or samples <= 0:   # no work: nothing to model
+        if memory_bytes < 0:
+            raise ValueError(f"emulator segment memory_bytes must be >= 0 (bytes moved by the segment's non-matmul "
+                             f"operators), got {memory_bytes!r}")
+        bytes_priced = self.memory_gbps is not None and memory_bytes > 0
+        if not self.enabled or samples <= 0 or (flops <= 0 and not bytes_priced):   # no work: nothing to model
             return 0.0
-        em = self.emulation
-        efficiency = 1.0
-        if em.half_efficiency_batch:
-            efficiency = samples / (samples + em.half_efficiency_batch)
-        return flops / (self.speed * em.base_gflops * 1e9 * efficiency) * self.straggle_factor(kind)
+        seconds = 0.0
+        if flops > 0:
+            seconds += flops / (self.speed * self.emulation.base_gflops * 1e9 * self.efficiency(samples))
+        if bytes_priced:
+            seconds += memory_bytes / (self.memory_gbps * 1e9)
+        return seconds * self.straggle_factor(kind)
 
     # -- deadline API (for computations that launch collectives from inside) ----------------
-    def begin(self, flops: float, samples: int, kind: str = "stage") -> None:
+    def begin(self, flops: float, samples: int, kind: str = "stage", memory_bytes: float = 0.0) -> None:
         """Start a segment of ``kind`` (see :data:`SEGMENT_KINDS`) now; it may not end before its
-        modeled duration has passed."""
-        self._modeled = self.modeled_seconds(flops, samples, kind)
+        modeled duration has passed (``memory_bytes``: its non-matmul operators' bytes)."""
+        self._modeled = self.modeled_seconds(flops, samples, kind, memory_bytes)
         self._flops = float(flops)
         self._kind = kind
         self._begun_at = time.monotonic()
@@ -233,17 +278,19 @@ class Emulator:
         return None if since is None else time.monotonic() - since
 
     @contextmanager
-    def segment(self, flops: float, samples: int, kind: str = "stage"):
+    def segment(self, flops: float, samples: int, kind: str = "stage", memory_bytes: float = 0.0):
         """Run the enclosed computation as one compute segment of ``kind`` (no collectives inside)."""
-        self.begin(flops, samples, kind)
+        self.begin(flops, samples, kind, memory_bytes)
         try:
             yield
         finally:
             self.wait_deadline()
 
-    def pad_forward(self, module: nn.Module, flops_per_sample: float) -> Callable[[], None]:
+    def pad_forward(self, module: nn.Module, flops_per_sample: float,
+                    memory_bytes_per_sample: float = 0.0) -> Callable[[], None]:
         """Make every forward of ``module`` one compute segment of ``flops_per_sample`` x batch
-        (dimension 0 of its first tensor argument). Returns a function that removes the padding.
+        and ``memory_bytes_per_sample`` x batch (batch: dimension 0 of its first tensor argument).
+        Returns a function that removes the padding.
 
         Hooks on the module itself, not on a wrapper around it: DDP's pre-forward may communicate
         (bucket rebuild on the second iteration), and that must stay outside the segment.
@@ -251,7 +298,7 @@ class Emulator:
 
         def begin(_module, args, kwargs):
             samples = _batch_size(args, kwargs)
-            self.begin(flops_per_sample * samples, samples, "stage")
+            self.begin(flops_per_sample * samples, samples, "stage", memory_bytes_per_sample * samples)
 
         def end(_module, _args, _kwargs, _output):
             self.wait_deadline()
