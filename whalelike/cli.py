@@ -2,7 +2,8 @@
 
 This is the one place that ties ``whalelike``, ``planner`` (and, for training, ``runtime``)
 together (docs/ARCHITECTURE.md section 1); the planner is imported only by the commands that need it.
-Training itself is launched with the ordinary ``torchrun``.
+Training itself is launched with the ordinary ``torchrun``, and so is ``profile`` (one rank per
+device; it imports ``runtime.profiling`` inside the command, the one command that runs the runtime).
 
 Errors a user can cause (:class:`~whalelike.errors.WhaleError`, or a file that cannot be read or
 written) print one line, ``whalelike: error: ...``, and exit with status 2; ``--debug`` shows the
@@ -48,6 +49,8 @@ examples:
   whalelike plan examples/gpt.py:build --cluster emulated-4 --global-batch 32 \\
       --micro-batches 4 -o plan.yaml --timeline plan.png
   whalelike simulate plan.yaml --timeline plan.png    replay a saved plan's step
+  torchrun --nproc-per-node 4 -m whalelike.cli profile examples/gpt.py:build --cluster emulated-4 \
+      -o profile.yaml --plot curves.png               measure every device (one rank each)
 
 MODEL names a function in your file that takes no arguments, for example:
 
@@ -133,6 +136,7 @@ def _status(what: str) -> Iterator[None]:
 # -- writing files: all or none (whalelike.files) -------------------------------------------------
 PLAN_OUTPUTS = {"-o": ("output", "yaml"), "--timeline": ("timeline", "png"), "--trace": ("trace", "json")}
 SIMULATE_OUTPUTS = {"--timeline": ("timeline", "png"), "--trace": ("trace", "json")}
+PROFILE_OUTPUTS = {"-o": ("output", "yaml"), "--plot": ("plot", "png")}
 
 
 def _check_outputs(args: argparse.Namespace, options: dict[str, tuple[str, str]],
@@ -225,6 +229,34 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             write(result, tmp)
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    """Under torchrun, one rank per device: every rank checks the outputs (local checks, so all fail
+    alike before the rendezvous), measures its device (runtime.profiling), and rank 0 writes."""
+    model_file = args.model.rpartition(":")[0] or None
+    outputs = _check_outputs(args, PROFILE_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster})
+    cluster = Cluster.load(args.cluster)
+    workload = load_workload(args.model)
+    import planner.devices.speed_curves   # after the checks: importing torch takes seconds
+    from runtime.profiling import profile_cluster
+
+    rank = int(os.environ.get("RANK", "0"))
+    launch = (f"torchrun --nproc-per-node {len(cluster.devices)} -m whalelike.cli profile {args.model} "
+              f"--cluster {args.cluster} -o {args.output}")
+    writers = {"-o": lambda profile, path: profile.to_yaml(path), "--plot": planner.devices.speed_curves.write_png}
+    with _outputs() if rank == 0 else contextlib.nullcontext() as out:
+        staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()] \
+            if rank == 0 else []
+        profile = profile_cluster(workload, cluster, precision=args.precision, optimizer=args.optimizer,
+                                  unit="layer" if args.per_layer else "taskgraph", cap=args.max_batch,
+                                  warmup=args.warmup, repeats=args.repeats, cache_directory=args.cache_dir,
+                                  refresh=args.refresh, timeout_s=args.timeout, progress=not args.no_progress,
+                                  command=launch)
+        if rank == 0:
+            print(profile.summary())
+            for tmp, write in staged:
+                write(profile, tmp)
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -315,6 +347,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="FILE.png", help="draw the step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json", help="write the step as a Chrome trace (open in ui.perfetto.dev)")
     p.set_defaults(run=cmd_simulate)
+
+    p = command("profile", "measure every device of a cluster for a model (run under torchrun)",
+                "One rank per device, all at once (Poplar's online profiling): each TaskGraph's (or layer's) "
+                "forward and backward time against micro-batch size at powers of two up to the largest that "
+                "fits, the out-of-memory edge by binary search, and each link's latency and bandwidth from timed "
+                "transfers. Devices of a kind already measured for the model at the precision come from the "
+                "cache. Rank 0 prints the table and writes the profile (and the speed curves).",
+                "  torchrun --nproc-per-node 4 -m whalelike.cli profile examples/gpt.py:build --cluster emulated-4 \\\n"
+                "      -o profile.yaml --plot curves.png\n"
+                "  torchrun --nproc-per-node 2 -m whalelike.cli profile my.py:build --cluster my.yaml -o p.yaml "
+                "--precision bf16 --per-layer")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--cluster", required=True, metavar="NAME_OR_YAML",
+                   help="preset name or cluster YAML file: rank r runs its r-th device")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.yaml",
+                   help="where rank 0 writes the profile (.yaml or .yml; every rank checks the path first)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw each device's speed curve with its measured points")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="precision to measure at (default: fp32)")
+    p.add_argument("--optimizer", **optimizer)
+    p.add_argument("--per-layer", action="store_true",
+                   help="time every layer instead of every TaskGraph (what the partitioner moves)")
+    p.add_argument("--max-batch", type=int, default=1024, metavar="N",
+                   help="largest micro-batch tried (default: 1024); a device that fits it is recorded at the cap")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before each batch's timing (default: 1)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="timed steps per batch; the median is kept (default: 3)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="profile cache (default: $WHALELIKE_CACHE, else ~/.cache/whalelike/profiles)")
+    p.add_argument("--refresh", action="store_true", help="measure every device, even the kinds the cache holds")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="bound on every collective, the rendezvous included (default: 300)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_profile)
     return parser
 
 

@@ -43,6 +43,8 @@ import stat
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+import yaml
+
 from whalelike.errors import WhaleError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -318,3 +320,12 @@ def flush_to_disk(path: PathLike) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_yaml(path: PathLike, data: object, header: str = "") -> None:
+    """Write plain ``data`` (dicts, lists, numbers, strings) to ``path`` as YAML, atomically
+    (:func:`write_atomic`, kind ``yaml``): mappings in block style and lists of plain values inline
+    (``[0.012, 0.025]``), keys in the order given; ``header`` becomes ``#`` comment lines on top.
+    The profile (:mod:`planner.devices.profile`) and its cache entries are written through it."""
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    write_atomic(path, comment + yaml.safe_dump(data, sort_keys=False, default_flow_style=None), kind="yaml")

@@ -473,3 +473,127 @@ class _Checked:
 
     def add(self, name: str, against: Any) -> None:
         self.passed.append((name, against))
+
+
+# -- measured device profiles (planner.devices.profile) --------------------------------------------
+# The checks of a :class:`planner.devices.profile.Profile` (its ``spec_checks``), here because this
+# module is the one validation layer; whalelike/ imports nothing of planner/, so they read the
+# profile's fields by name. What each rule protects: the planner interpolates each device's speed
+# curve over the batches measured for every unit, so every unit of a device must have the same
+# batches, max_batch among them, every time finite and >= 0; a profile answers for one model
+# (fingerprint), one cluster (its devices by name, kind and host, in rank order) and one precision.
+class ProfileError(SpecError):
+    """A device profile that is malformed, or was measured for another model, cluster or precision."""
+
+
+PROFILE_UNITS = ("taskgraph", "layer")       # what one measured unit is: a TaskGraph, or a Layer
+PROFILE_EDGES = ("memory", "cap")             # how max_batch was found (see DeviceProfile.edge)
+PROFILE_LINK_KINDS = ("intra-host", "inter-host")   # planner.devices.network's INTRA_HOST, INTER_HOST
+
+
+def _profile_fix(profile: Any) -> str:
+    world = len(profile.devices)
+    return (f"measure it again: torchrun --nproc-per-node {world} -m whalelike.cli profile MODEL --cluster CLUSTER "
+            "-o PROFILE.yaml (README, 'Measuring your devices')")
+
+
+def check_profile(profile: Any) -> None:
+    """Cross-field rules of a Profile; a :class:`ProfileError` naming the device, unit or batch."""
+    if not profile.devices:
+        raise ProfileError("profile.devices is empty; a profile holds one entry per device of its cluster")
+    names: set[str] = set()
+    units: Optional[set] = None
+    for d in profile.devices:
+        where = f"profile device {d.name!r}"
+        if d.name in names:
+            raise ProfileError(f"{where} appears twice; each device of the cluster has one entry")
+        names.add(d.name)
+        if not d.times:
+            raise ProfileError(f"{where} has no measured times; {_profile_fix(profile)}")
+        batches: Optional[set] = None
+        for unit, points in d.times.items():
+            if unit < 0:
+                raise ProfileError(f"{where}: unit index {unit} is negative; units are numbered from 0")
+            if not points:
+                raise ProfileError(f"{where}: unit {unit} has no measured batch; {_profile_fix(profile)}")
+            for batch, pair in points.items():
+                if not 1 <= batch <= d.max_batch:
+                    raise ProfileError(f"{where}: unit {unit} is timed at batch {batch}, outside 1..max_batch "
+                                       f"({d.max_batch}); a batch that does not fit cannot have been timed")
+                if len(pair) != 2:
+                    raise ProfileError(f"{where}: unit {unit} at batch {batch} holds {shown(list(pair))}; each point "
+                                       "is [forward seconds, backward seconds]")
+            if batches is None:
+                batches = set(points)
+            elif set(points) != batches:
+                raise ProfileError(f"{where}: unit {unit} is timed at batches {sorted(points)} but unit "
+                                   f"{min(d.times)} at {sorted(batches)}; every unit of a device is timed at the "
+                                   f"same batches (one training step times them all)")
+        if d.max_batch not in batches:
+            raise ProfileError(f"{where}: max_batch {d.max_batch} is not among its timed batches {sorted(batches)}; "
+                               "the largest batch that fits is always timed")
+        if units is None:
+            units = set(d.times)
+        elif set(d.times) != units:
+            raise ProfileError(f"{where} times units {sorted(d.times)} but device {profile.devices[0].name!r} times "
+                               f"{sorted(units)}; every device measures the same model")
+        for batch, peak in d.memory_bytes.items():
+            if not 1 <= batch <= d.max_batch:
+                raise ProfileError(f"{where}: memory measured at batch {batch}, outside 1..max_batch ({d.max_batch})")
+            if d.capacity_bytes is not None and peak > d.capacity_bytes:
+                raise ProfileError(f"{where}: batch {batch} peaked at {peak:,} bytes, more than the capacity "
+                                   f"{d.capacity_bytes:,}; such a batch does not fit and cannot be in the profile")
+    if profile.unit not in PROFILE_UNITS:
+        raise ProfileError(f"profile.unit must be one of {', '.join(PROFILE_UNITS)}, got {shown(profile.unit)}")
+    kinds: set[str] = set()
+    for link in profile.links:
+        if link.kind in kinds:
+            raise ProfileError(f"profile.links holds two {link.kind} links; one fit per kind of link")
+        kinds.add(link.kind)
+        for end in (link.src, link.dst):
+            if end not in names:
+                raise ProfileError(f"profile {link.kind} link names device {end!r}, which the profile does not "
+                                   f"have (devices: {', '.join(sorted(names))})")
+        if link.src == link.dst:
+            raise ProfileError(f"profile {link.kind} link goes from {link.src!r} to itself; a link joins two devices")
+        if len(link.points) < 2:
+            raise ProfileError(f"profile {link.kind} link has {len(link.points)} timed size(s); an alpha-beta fit "
+                               "needs at least two")
+
+
+def check_profile_model(profile: Any, graphs: Any) -> None:
+    """The profile was measured for the model ``graphs`` were captured from (its fingerprint, and
+    one timed unit per TaskGraph or Layer)."""
+    fingerprint = getattr(graphs, "fingerprint", None)
+    if fingerprint != profile.model_fingerprint:
+        raise ProfileError(f"the profile was measured for another model (fingerprint {profile.model_fingerprint[:12]}, "
+                           f"this model's is {str(fingerprint)[:12]}); {_profile_fix(profile)}")
+    count = len(graphs.graphs) if profile.unit == "taskgraph" else len(graphs.layers)
+    units = set(profile.devices[0].times)
+    if units != set(range(count)):
+        raise ProfileError(f"the profile times {profile.unit}s {sorted(units)} but the model has {count} "
+                           f"{profile.unit}s (0..{count - 1}); {_profile_fix(profile)}")
+
+
+def check_profile_cluster(profile: Any, cluster: Any) -> None:
+    """The profile was measured on ``cluster``: its name, and its devices by name, kind and host in
+    rank order."""
+    if profile.cluster != cluster.name:
+        raise ProfileError(f"the profile was measured on cluster {profile.cluster!r}, not {cluster.name!r}; "
+                           f"{_profile_fix(profile)}")
+    mine = [(d.name, d.kind, d.host) for d in profile.devices]
+    theirs = [(d.name, d.kind, d.host) for d in cluster.devices]
+    if mine != theirs:
+        diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        got = "nothing" if diff >= len(mine) else "{} ({} on {})".format(*mine[diff])
+        want = "nothing" if diff >= len(theirs) else "{} ({} on {})".format(*theirs[diff])
+        raise ProfileError(f"the profile's devices differ from cluster {cluster.name!r}'s at rank {diff}: the profile "
+                           f"has {got}, the cluster {want}; {_profile_fix(profile)}")
+
+
+def check_profile_precision(profile: Any, precision: str) -> None:
+    """The profile was measured at ``precision`` (times and memory both depend on it)."""
+    if profile.precision != precision:
+        raise ProfileError(f"the profile was measured at precision {profile.precision}, not {precision}; profile at "
+                           f"{precision} (whalelike profile ... --precision {precision}), or plan at "
+                           f"{profile.precision}")

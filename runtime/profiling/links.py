@@ -1,0 +1,156 @@
+"""Link latency and bandwidth from timed transfers: an alpha-beta fit per kind of link.
+
+The planner prices a message of ``b`` bytes at ``alpha + b * beta`` (:mod:`planner.devices.network`:
+latency plus bytes over bandwidth), one figure for every link within a host and one between hosts.
+This module measures both where the cluster has them: for each kind, one pair of devices (the
+first pair in rank order on one host; the first device and the first device of another host)
+exchanges messages of growing size with ``torch.distributed`` point-to-point operations, the ones
+the pipeline's boundaries use (``batch_isend_irecv``), stamped and padded by the emulated network
+(:meth:`runtime.emulation.network.NetworkEmulator.stamp_sends`) exactly as a pipeline's transfers
+are, so on emulated hardware the figures are the emulated network's and on real hardware the real
+links' (software overheads included, which the planner should count too).
+
+Timing is a ping-pong: the first device sends ``b`` bytes, the second sends them back, and half the
+round trip (the median of ``repeats``, after one untimed exchange) is the one-way time; a round trip
+needs no clock shared between hosts. Sizes grow eightfold from 4 KiB until a transfer takes
+:data:`SPAN` times the smallest one (the bandwidth term then dominates, so beta is measured, not
+guessed) or reaches :data:`MAX_BYTES`; at least :data:`MIN_SIZES` sizes are timed.
+
+The fit is a least-squares fit of ``t = alpha + beta * b`` weighted by ``1 / t`` (relative
+residuals: the times span orders of magnitude, and an unweighted fit would let the largest message's
+noise decide the latency), with ``alpha, beta >= 0`` (scipy's ``nnls``).
+
+Invariant: every rank takes part in every exchange's barrier and ends with the same fitted links
+(each fit is broadcast from the device that timed it), so the profile is identical on every rank.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
+
+from planner.devices.network import INTER_HOST, INTRA_HOST
+from planner.devices.profile import LinkProfile
+from runtime.emulation.network import NetworkEmulator
+from whalelike.cluster import Cluster
+
+FIRST_BYTES = 4096
+GROWTH = 8
+SPAN = 8.0                  # stop growing once a transfer takes this many times the smallest
+MAX_BYTES = 64 << 20
+MIN_SIZES = 3
+TAG = 7                     # below runtime.emulation.network.STAMP_TAG, like every data tag
+
+
+def link_pairs(cluster: Cluster) -> list[tuple[str, int, int]]:
+    """``(kind, src rank, dst rank)`` of the pairs measured: the first two devices of one host
+    (intra-host), and device 0 with the first device of another host (inter-host); a kind the
+    cluster lacks is left out."""
+    devices = cluster.devices
+    pairs = []
+    same = next(((i, j) for i in range(len(devices)) for j in range(i + 1, len(devices))
+                 if devices[i].host == devices[j].host), None)
+    if same is not None:
+        pairs.append((INTRA_HOST, *same))
+    other = next((j for j in range(1, len(devices)) if devices[j].host != devices[0].host), None)
+    if other is not None:
+        pairs.append((INTER_HOST, 0, other))
+    return pairs
+
+
+def fit_alpha_beta(points: dict[int, float]) -> tuple[float, float]:
+    """``(alpha seconds, beta seconds per byte)`` of ``t = alpha + beta * b`` through ``points``
+    (bytes -> seconds), weighted least squares with both >= 0 (see the module docstring)."""
+    if len(points) < 2:
+        raise ValueError(f"fit_alpha_beta: needs at least two sizes, got {len(points)}")
+    sizes = np.array(sorted(points), dtype=float)
+    times = np.array([points[int(s)] for s in sizes], dtype=float)
+    if np.any(times <= 0):
+        raise ValueError(f"fit_alpha_beta: every time must be > 0, got {dict(points)}")
+    weights = 1.0 / times
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
+    (alpha, beta), _ = nnls(design, times * weights)
+    if beta <= 0:   # times that do not grow with size (a link far faster than its latency): bound it by the largest
+        beta = max(times[-1] - alpha, 1e-12) / sizes[-1]
+    return float(alpha), float(beta)
+
+
+def measure_links(cluster: Cluster, rank: int, device: torch.device, network: Optional[NetworkEmulator],
+                  repeats: int = 5, on_size=None) -> list[LinkProfile]:
+    """Time and fit each kind of link the cluster has (collective: every rank calls it);
+    ``network``: this rank's emulated network (None on real hardware); ``on_size()`` is called on
+    every rank after each timed size (the progress bar)."""
+    out = []
+    for kind, src, dst in link_pairs(cluster):
+        points: dict[int, float] = {}
+        size = FIRST_BYTES
+        while True:
+            dist.barrier()
+            seconds = _ping_pong(rank, src, dst, size, repeats, device, network, cluster)
+            # the sender's figure decides, on every rank alike, whether to grow
+            decision = [seconds if rank == src else None]
+            dist.broadcast_object_list(decision, src=src)
+            points[size] = decision[0]
+            if on_size is not None:
+                on_size()
+            smallest = points[FIRST_BYTES]
+            if (len(points) >= MIN_SIZES and points[size] >= SPAN * smallest) or size * GROWTH > MAX_BYTES:
+                break
+            size *= GROWTH
+        alpha, beta = fit_alpha_beta(points)
+        out.append(LinkProfile(kind=kind, src=cluster.devices[src].name, dst=cluster.devices[dst].name,
+                               latency_s=alpha, seconds_per_byte=beta, points=points))
+    return out
+
+
+def _ping_pong(rank: int, src: int, dst: int, size: int, repeats: int, device: torch.device,
+               network: Optional[NetworkEmulator], cluster: Cluster) -> Optional[float]:
+    """Median one-way seconds of ``size`` bytes between ranks ``src`` and ``dst`` (on ``src``;
+    None elsewhere, where nothing happens)."""
+    if rank not in (src, dst):
+        return None
+    peer = dst if rank == src else src
+    peer_device = cluster.devices[peer].name
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    times = []
+    for attempt in range(repeats + 1):   # the first exchange is not timed (connections, buffers)
+        start = time.perf_counter()
+        if rank == src:
+            _send(buffer, peer, peer_device, network)
+            _receive(buffer, peer, network)
+        else:
+            _receive(buffer, peer, network)
+            _send(buffer, peer, peer_device, network)
+        if attempt:
+            times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times) if rank == src else None
+
+
+def _send(tensor: torch.Tensor, peer: int, peer_device: str, network: Optional[NetworkEmulator]) -> None:
+    ops = [dist.P2POp(dist.isend, tensor, peer, None, TAG)]
+    if network is not None:   # priced and stamped by the sender, as runtime.parallel.pipeline's sends
+        ops = network.stamp_sends(ops, [peer_device])
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _receive(tensor: torch.Tensor, peer: int, network: Optional[NetworkEmulator]) -> None:
+    ops, arrival = [dist.P2POp(dist.irecv, tensor, peer, None, TAG)], None
+    if network is not None:   # sleeps until the sender's modeled arrival
+        ops, arrival = network.stamp_receives(ops)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if arrival is not None:
+        arrival.wait()
+
+
+def link_sizes(points: Sequence[int]) -> str:
+    """'4 KiB .. 2 MiB' for messages."""
+    def text(n: int) -> str:
+        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    return f"{text(min(points))} .. {text(max(points))}"

@@ -1,0 +1,278 @@
+"""``profile_cluster``: every device of a cluster measured at once, one rank per device, under torchrun.
+
+The run, on every rank (Poplar's online profiling, seed paper 002, section "Online Profiling"):
+
+1. checks that need no peer (world size against the cluster's devices, the precision, the
+   settings), so a bad run fails alike on every rank before the rendezvous;
+2. the process group, this rank's device and its emulator (:meth:`runtime.emulation.compute.Emulator.for_device`
+   at the precision: on emulated hardware the emulation is what gets measured);
+3. the model captured on the device (every rank the same :class:`~whalelike.graphs.taskgraph.TaskGraphs`);
+4. rank 0 looks each device kind up in the cache (:mod:`runtime.profiling.cache`) and tells the
+   others; a rank whose kind is cached takes those figures;
+5. every other rank measures its device (:func:`measure_device`): the largest batch by Poplar's
+   Algorithm 1 (:mod:`runtime.profiling.search`) over whole training steps that fit or run out of
+   memory (:meth:`runtime.profiling.steps.UnitStep.fits`), then each unit's forward and backward
+   time at the powers of two up to it and at it, ``warmup`` steps then the median of ``repeats``;
+6. all ranks gather the devices' figures, then time the links (:mod:`runtime.profiling.links`);
+7. rank 0 stores what was measured in the cache. Every rank returns the same
+   :class:`planner.devices.profile.Profile`.
+
+Rank 0 draws a progress bar while the ranks work (:mod:`runtime.profiling.progress`) and prints
+the total time. Every collective is bounded by ``timeout_s`` (the process group's timeout).
+
+Invariant: a rank measures only its own device, and every rank ends with the identical profile
+(device figures gathered, link fits and the elapsed time broadcast), so whichever rank writes it,
+the file is the same.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from planner.devices.profile import DeviceProfile, Profile
+from runtime import distributed
+from runtime.emulation.compute import Emulator
+from runtime.profiling import cache
+from runtime.profiling.links import measure_links
+from runtime.profiling.progress import Board
+from runtime.profiling.search import NothingFitsError, find_max_batch, timed_batches
+from runtime.profiling.steps import UnitStep
+from runtime.training.precision import Precision
+from whalelike.cluster import Cluster
+from whalelike.errors import WhaleError
+from whalelike.spec import check_fields
+from whalelike.workload import Workload
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAP = 1024
+_runs = 0     # profiling runs of this process (the progress keys of each run are its own)
+
+
+class ProfilingError(WhaleError):
+    """A profiling run cannot start or cannot finish (the message names the device or value and the fix)."""
+
+
+def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "fp32", optimizer: str = "adamw",
+                    unit: str = "taskgraph", cap: int = DEFAULT_CAP, warmup: int = 1, repeats: int = 3,
+                    cache_directory: Optional[str] = None, refresh: bool = False, timeout_s: float = 300.0,
+                    progress: bool = True, command: str = "") -> Profile:
+    """Measure every device of ``cluster`` for ``workload``'s model (collective: every rank of the
+    torchrun world calls it; see the module docstring). ``unit``: time each ``"taskgraph"`` or
+    ``"layer"``; ``cap``: the largest batch tried; ``refresh``: measure even what the cache holds;
+    ``command``: how the user launched it, for error messages."""
+    global _runs
+    started = time.perf_counter()
+    rank, world = _launched(cluster, command)
+    settings = cache.Settings(optimizer=optimizer, unit=unit, cap=cap, warmup=warmup, repeats=repeats)
+    check_fields(settings, "profile: ", ProfilingError)
+    cluster.check_precision(precision)
+    recipe = Precision(precision)
+    if workload.example_kwargs:
+        raise ProfilingError(f"profile: the model is called with keyword inputs ({', '.join(workload.example_kwargs)}); "
+                             "profiling cuts it into units as the pipeline does, which passes positional inputs only: "
+                             "make the factory's example_args carry every input")
+    distributed.init(timeout_s)
+    device = distributed.device()
+    recipe.check_device(device)
+    me = cluster.devices[rank]
+    emulator = Emulator.for_device(cluster, me.name, rank, precision=precision)
+    _runs += 1
+    board = Board(rank, world, run=_runs, enabled=progress)
+    board.report(0, 1, "capturing the model")
+
+    from whalelike.graphs.capture import capture   # imports the tracing passes: seconds, only when profiling
+
+    model = workload.model.to(device).train()
+    example = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in workload.example_args)
+    graphs = capture(model, example, optimizer=optimizer)
+    fingerprint = graphs.fingerprint
+
+    directory = cache.cache_dir(cache_directory)
+    found = _cached(rank, cluster, directory, fingerprint, precision, settings, refresh)
+    entry = found.get(me.kind)
+    if entry is not None:
+        mine = entry.for_device(me.name, me.host)
+        board.report(1, 1, "done")
+    else:
+        step = UnitStep(graphs, unit, workload.loss_fn, emulator, device, recipe)
+        mine = measure_device(step, workload, me, emulator, settings, device, board)
+    if rank == 0:
+        board.wait(timeout_s)
+    devices: list[Any] = [None] * world
+    dist.all_gather_object(devices, mine)
+    board.report(0, 1, "timing links")
+    links = measure_links(cluster, rank, device, emulator.network)
+    board.report(1, 1, "done")
+    elapsed = [time.perf_counter() - started]
+    dist.broadcast_object_list(elapsed, src=0)
+    profile = Profile(model_fingerprint=fingerprint, cluster=cluster.name, precision=precision, optimizer=optimizer,
+                      unit=unit, warmup=warmup, repeats=repeats, seconds=round(elapsed[0], 3), devices=tuple(devices),
+                      links=tuple(links))
+    profile.validate(graphs=graphs, cluster=cluster)
+    if rank == 0:
+        _store(directory, profile, cluster, settings, found)
+    if emulator.network is not None:
+        emulator.network.close()
+    measured = sum(not d.cached for d in profile.devices)
+    board.close(f"profiled {len(profile.devices)} devices ({measured} measured, {len(profile.devices) - measured} "
+                f"from the cache) in {profile.seconds:.1f} s (Poplar reports 67-174 s on its clusters)")
+    return profile
+
+
+def _launched(cluster: Cluster, command: str) -> tuple[int, int]:
+    """``(rank, world size)`` from torchrun's environment, checked against the cluster's devices."""
+    n = len(cluster.devices)
+    launch = command or f"torchrun --nproc-per-node {n} -m whalelike.cli profile MODEL --cluster {cluster.name} -o PROFILE.yaml"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ProfilingError(f"profile runs one process per device of cluster {cluster.name!r} ({n}): launch it with "
+                             f"torchrun, e.g. {launch}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != n:
+        raise ProfilingError(f"rank {rank}: cluster {cluster.name!r} has {n} devices but this run has {world} ranks; "
+                             f"launch one rank per device: torchrun --nproc-per-node {n} ...")
+    return rank, world
+
+
+def _cached(rank: int, cluster: Cluster, directory: str, fingerprint: str, precision: str,
+            settings: "cache.Settings", refresh: bool) -> dict[str, "cache.Entry"]:
+    """Kind -> the cache entry that answers this run (rank 0 reads, every rank gets the same);
+    a broken entry is the same error on every rank."""
+    answer: list[Any] = [None]
+    if rank == 0:
+        try:
+            found = {}
+            for kind in dict.fromkeys(d.kind for d in cluster.devices):
+                entry = None if refresh else cache.load(directory, fingerprint, kind, precision)
+                why = None if entry is None else entry.answers(settings)
+                if why is not None:
+                    log.info("profile cache: %s at %s is measured again: %s", kind, precision, why)
+                    entry = None
+                found[kind] = entry
+            answer[0] = found
+        except cache.CacheError as e:
+            answer[0] = e
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return {kind: entry for kind, entry in answer[0].items() if entry is not None}
+
+
+def _store(directory: str, profile: Profile, cluster: Cluster, settings: "cache.Settings", found: dict) -> None:
+    """Keep each measured kind's figures (its first device's) for the next run."""
+    stored = set(found)
+    for d in profile.devices:
+        if d.cached or d.kind in stored:
+            continue
+        stored.add(d.kind)
+        path = cache.store(directory, cache.Entry(model_fingerprint=profile.model_fingerprint, kind=d.kind,
+                                                  precision=profile.precision, cluster=cluster.name,
+                                                  settings=settings, device=d))
+        log.info("profile cache: %s stored in %s", d.kind, path)
+
+
+# -- one device ---------------------------------------------------------------------------------------
+def measure_device(step: UnitStep, workload: Workload, device_spec, emulator: Emulator, settings: "cache.Settings",
+                   device: torch.device, board: Optional[Board] = None) -> DeviceProfile:
+    """This rank's device: the largest batch (memory trials), then the unit times at the timed
+    batches (``settings.warmup`` steps, then the median of ``settings.repeats``)."""
+    batches = _Batches(workload, device)
+    memory: dict[int, int] = {}
+    counts = {"done": 0, "total": 1}
+
+    def tick(note: str, extra_total: int = 0) -> None:
+        counts["done"] += 1
+        counts["total"] = max(counts["total"] + extra_total, counts["done"])
+        if board is not None:
+            board.report(counts["done"], counts["total"], note)
+
+    def fits(batch: int) -> bool:
+        ok, peak = step.fits(*batches.get(batch))
+        if ok:
+            memory[batch] = peak
+        tick(f"batch {batch}: {'fits' if ok else 'out of memory'}")
+        return ok
+
+    capacity = emulator.capacity_bytes
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    estimate = step.estimate(batches.get(1)[0], capacity)
+    guess = min(estimate or settings.cap, settings.cap)
+    per_step = settings.warmup + settings.repeats
+    counts["total"] = 2 * int(math.log2(guess)) + 2 + (int(math.log2(guess)) + 2) * per_step
+    if capacity is None:
+        log.warning("device %s (%s): nothing limits its memory here (on CPU only an emulation with enforce_memory "
+                    "does), so its largest batch is the cap, %d", device_spec.name, device_spec.kind, settings.cap)
+    try:
+        edge = find_max_batch(fits, estimate, settings.cap)
+    except NothingFitsError:
+        raise ProfilingError(
+            f"device {device_spec.name} ({device_spec.kind}) cannot run a training step of one sample at "
+            f"{step.precision.name}: the whole model, its gradients and optimizer state do not fit in its "
+            f"{device_spec.memory_gib:g} GiB; profiling measures whole-model steps (Poplar's data-parallel setting), "
+            "so profile a smaller model or on devices with more memory") from None
+    timed = timed_batches(edge.max_batch)
+    counts["total"] = counts["done"] + len(timed) * per_step + sum(b not in memory for b in timed)
+    times: dict[int, dict[int, tuple[float, float]]] = {u: {} for u in range(step.units)}
+    before = emulator.stats.snapshot()
+    for batch in timed:
+        if batch not in memory:   # a power of two the search jumped over (fits: below the edge)
+            fits(batch)
+        inputs, targets = batches.get(batch)
+        runs = []
+        for attempt in range(per_step):
+            measured = step.timed(inputs, targets, batch)
+            if attempt >= settings.warmup:
+                runs.append(measured)
+            tick(f"batch {batch}: timing ({attempt + 1}/{per_step})")
+        for u in range(step.units):
+            times[u][batch] = (statistics.median(r[u][0] for r in runs), statistics.median(r[u][1] for r in runs))
+        batches.drop(batch)
+    ran = emulator.stats.since(before)
+    if ran.overruns:
+        log.warning("device %s: %d of %d timed segments took longer than their modeled time (worst %.2fx): real compute "
+                    "leaked into the emulated figures; lower the emulation's base_gflops (runtime.calibrate)",
+                    device_spec.name, ran.overruns, ran.segments, ran.worst_overrun)
+    if board is not None:
+        board.report(counts["done"], counts["done"], "done")
+    return DeviceProfile(name=device_spec.name, kind=device_spec.kind, host=device_spec.host,
+                         max_batch=edge.max_batch, edge=edge.edge, times=times,
+                         memory_bytes={b: memory[b] for b in timed if memory.get(b) is not None},
+                         capacity_bytes=capacity)
+
+
+class _Batches:
+    """Inputs of any batch size: the workload's ``make_batch`` (fixed seed), else its example
+    inputs repeated along the batch dimension (no targets: the backward starts from the outputs)."""
+
+    def __init__(self, workload: Workload, device: torch.device, seed: int = 0):
+        self.workload, self.device, self.seed = workload, device, seed
+        self._made: dict[int, tuple[tuple, Optional[torch.Tensor]]] = {}
+
+    def get(self, batch: int) -> tuple[tuple, Optional[torch.Tensor]]:
+        if batch not in self._made:
+            self._made[batch] = self._make(batch)
+        return self._made[batch]
+
+    def drop(self, batch: int) -> None:
+        self._made.pop(batch, None)
+
+    def _make(self, batch: int) -> tuple[tuple, Optional[torch.Tensor]]:
+        move = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x
+        if self.workload.make_batch is not None:
+            inputs, targets = self.workload.make_batch(batch, torch.Generator().manual_seed(self.seed + batch))
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            return tuple(move(x) for x in inputs), move(targets)
+        out = []
+        for x in self.workload.example_args:
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                x = x[torch.arange(batch) % x.shape[0]]
+            out.append(move(x))
+        return tuple(out), None
