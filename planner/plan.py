@@ -96,8 +96,8 @@ class StagePlan:
                              default="ddp")
     # ZeRO (runtime.replicas.fsdp_sync): what the stage's data-parallel group shards over its workers
     zero_stage: int = rule(int, "ZeRO stage of the data-parallel group: 0 (DDP, nothing sharded), 1 (optimizer "
-                           "state sharded), 2 (and gradients), 3 (and parameters); replica_sync 'fsdp' (or 'ragged' "
-                           "at 1-2) when above 0", ge=0, le=3, default=0)
+                           "state sharded), 2 (and gradients), 3 (and parameters); replica_sync 'fsdp' (or 'ragged') "
+                           "when above 0", ge=0, le=3, default=0)
     # runtime.replicas.ragged_sync: each worker's fraction of the state, in the group's rank order (empty: even)
     state_fractions: list[float] = rule(float, "each data-parallel worker's fraction of the stage's sharded state, in "
                                         "rank order (replica_sync 'ragged'; empty for even shards)", ge=0,

@@ -207,7 +207,7 @@ def _check_batches(plan: Plan) -> None:
 
 def _check_zero(plan: Plan) -> None:
     """A stage's replica sync and ZeRO stage agree (``ddp`` exactly at ``zero_stage`` 0, ``fsdp`` or
-    ``ragged`` at 1-2, ``fsdp`` at 3; a reason other than ``none`` only with a ZeRO stage), ragged
+    ``ragged`` at 1-3; a reason other than ``none`` only with a ZeRO stage), ragged
     shards have their fractions (:func:`_check_state_fractions`), a ZeRO stage has someone to shard
     with (more than one worker per ``tp_index``), and at ZeRO stages 2 and 3 every worker of the stage
     runs the same number of micro-batches (each micro-batch issues collectives over the data-parallel
@@ -216,11 +216,10 @@ def _check_zero(plan: Plan) -> None:
     for st in plan.stages:
         where = f"plan.stages[{st.index}]"
         want = "fsdp" if st.zero_stage else "ddp"
-        if st.replica_sync == "ragged" and st.zero_stage in (1, 2):   # memory-proportional shards at ZeRO 1-2
+        if st.replica_sync == "ragged" and st.zero_stage:   # memory-proportional shards at ZeRO 1-3
             want = "ragged"
         if st.replica_sync != want:
-            ragged = (" or 'ragged' (ragged state shards, with state_fractions)" if st.zero_stage in (1, 2) else
-                      "; 'ragged' shards run at zero_stage 1 or 2 only" if st.replica_sync == "ragged" else "")
+            ragged = " or 'ragged' (ragged state shards, with state_fractions)" if st.zero_stage else ""
             raise PlanError(f"{where}.replica_sync is {st.replica_sync!r} with zero_stage {st.zero_stage}; it must be "
                             f"{want!r}{ragged} ('ddp' exactly when zero_stage is 0): re-create the plan with "
                             "`whalelike plan`")
@@ -247,8 +246,8 @@ def _check_zero(plan: Plan) -> None:
 
 
 def _check_state_fractions(plan: Plan, st, where: str) -> None:
-    """``state_fractions`` exactly with replica sync ``ragged``, which runs on a single-stage plan
-    without ``split`` (``runtime.replicas.ragged_sync``): one fraction per worker of the stage's
+    """``state_fractions`` exactly with replica sync ``ragged``, which runs on stages without
+    ``split`` (``runtime.replicas.ragged_sync``; each pipeline stage's group its own): one fraction per worker of the stage's
     data-parallel group in rank order, summing to 1 (within
     :data:`planner.shares.state_fractions.SUM_TOLERANCE`); each is >= 0 by its field rule."""
     fractions = list(st.state_fractions)
@@ -265,12 +264,10 @@ def _check_state_fractions(plan: Plan, st, where: str) -> None:
                         "set replica_sync 'fsdp' for even shards, or re-create the plan with `whalelike plan`")
     members = plan.stage_workers(st.index)
     tp = max(w.tp_size for w in members)
-    if len(plan.stages) > 1 or tp > 1:
-        shape = (f"a pipeline of {len(plan.stages)} stages" if len(plan.stages) > 1
-                 else f"a stage under split({tp})")
-        raise PlanError(f"{where}.replica_sync is 'ragged' on {shape}; ragged state shards run on a single-stage "
-                        "plan without split only: set replica_sync 'fsdp' and state_fractions [] (even shards), or "
-                        "re-create the plan with `whalelike plan`")
+    if tp > 1:
+        raise PlanError(f"{where}.replica_sync is 'ragged' on a stage under split({tp}); ragged state shards run on "
+                        "stages without split only: set replica_sync 'fsdp' and state_fractions [] (even shards, "
+                        "each tensor-parallel slice sharded), or re-create the plan with `whalelike plan`")
     group = sorted(w.rank for w in members if w.tp_index == 0)
     if len(fractions) != len(group):
         raise PlanError(f"{where}.state_fractions has {len(fractions)} entries "

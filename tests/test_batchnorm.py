@@ -224,6 +224,11 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
     return seen
 
 
+def _fractions(n: int) -> list[float]:
+    """Uneven state fractions 1:2:...:n, for ragged shards."""
+    return [(i + 1) / (n * (n + 1) / 2) for i in range(n)]
+
+
 def test_synchronised_batchnorm_matches_single_process_reference():
     plans = {"cnn/pipeline": _plan("cnn", sync=True), f"{RESNET}/pipeline": _plan(RESNET, sync=True)}
     assert len({w.batch_share for w in plans["cnn/pipeline"].workers if w.stage == 1}) > 1
@@ -237,6 +242,13 @@ def test_synchronised_batchnorm_matches_single_process_reference():
         workers=[dataclasses.replace(w, stage=0, dp_index=w.rank, micro_batch_sizes=[n])
                  for w, n in zip(pipeline.workers, (6, 5, 3, 2))], boundaries=[])
     plans["cnn/data-parallel"] = single
+    # under ZeRO (runtime.replicas): FSDP2's ZeRO 3 on the data-parallel stage, ragged ZeRO 2 in the pipeline
+    plans["cnn/data-parallel-zero3"] = dataclasses.replace(
+        single, stages=[dataclasses.replace(single.stages[0], replica_sync="fsdp", zero_stage=3)])
+    plans["cnn/pipeline-ragged-zero2"] = dataclasses.replace(pipeline, stages=[
+        dataclasses.replace(st, replica_sync="ragged", zero_stage=2,
+                            state_fractions=_fractions(len(pipeline.stage_workers(st.index))))
+        for st in pipeline.stages])
     results = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=400)
     for label, losses in results[0].items():
         assert len(losses) == STEPS and all(r[label] == losses for r in results), label

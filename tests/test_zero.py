@@ -9,6 +9,9 @@ gradient (gathered) and the final parameters compared:
 * what each rank holds: its rows of every parameter (``torch.chunk``'s layout over the group), its
   gradient and optimizer-state rows the same, counted in bytes against the layout;
 * ZeRO 3 with the model's layers as FSDP units (gathered one at a time), under emulation;
+* ragged (memory-proportional) shards at ZeRO 1, 2 and 3, a rank holding nothing, in pipelines too;
+* weights tied across pipeline stages under ZeRO (kept whole, summed over each stage's group);
+* activation checkpointing under ZeRO 3 (synchronised BatchNorm under ZeRO: tests/test_batchnorm.py);
 * bf16 autocast with global-norm clipping (the norm counted once over the shards, equal to the
   reference's);
 * a checkpoint written under ZeRO 3 on 4 ranks, read under ZeRO 0 (DDP) on 2 ranks and on 1 rank
@@ -21,7 +24,6 @@ import dataclasses
 import math
 import os
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -177,7 +179,7 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
             out[f"zero{zero}"] = held
 
     # ragged shards (runtime.replicas.ragged_sync): memory-proportional fractions, one rank holding nothing
-    for zero, fractions in ((1, [0.4, 0.3, 0.2, 0.1]), (2, [0.5, 0.3, 0.2, 0.0])):
+    for zero, fractions in ((1, [0.4, 0.3, 0.2, 0.1]), (2, [0.5, 0.3, 0.2, 0.0]), (3, [0.4, 0.3, 0.2, 0.1])):
         plan = make_plan(model, SIZES[zero], zero)
         plan.stages[0] = dataclasses.replace(plan.stages[0], replica_sync="ragged", state_fractions=fractions)
         for opt_name, make_opt in OPTIMIZERS.items():
@@ -193,6 +195,10 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
             assert held == expected, (zero, held, expected)
             assert held_optim == (2 if opt_name == "adamw" else 1) * expected, (zero, held_optim, expected)
             out[f"ragged{zero}"] = held
+            if zero == 3:     # between steps no whole parameter holds storage (each layer is gathered for use)
+                engine.train_step(batches(plan.global_batch_size, seed=39)[0])
+                whole = sum(p.untyped_storage().nbytes() for p in engine.executor.module.parameters())
+                assert whole == 0, whole
 
     # re-plans under ZeRO (Engine.apply_plan): other shares in place at ZeRO 1, then other state layouts
     # (ragged fractions, even FSDP2 shards, DDP) moved point to point; training continues exactly
@@ -224,6 +230,17 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     units = [m for m in engine.executor.module.modules() if type(m).__name__.startswith("FSDP")]
     assert len(units) == 5, [type(m).__name__ for m in units]     # inp, the two blocks, head and the root
 
+    # activation checkpointing under ZeRO 3 (runtime.training.recompute): each layer recomputed inside
+    # its unit, which the recomputing forward finds gathered
+    for sync, fractions in (("fsdp", []), ("ragged", [0.4, 0.3, 0.2, 0.1])):
+        plan = make_plan(model, SIZES[3], 3)
+        plan.stages[0] = dataclasses.replace(plan.stages[0], replica_sync=sync, state_fractions=fractions,
+                                             recompute=True, recompute_reason="asked")
+        engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
+                        cluster=make_cluster(), timeout_s=60)
+        _check_training(engine, model, batches(plan.global_batch_size, seed=11), OPTIMIZERS["adamw"],
+                        f"recompute {sync}3")
+
     # bf16 autocast and global-norm clipping under ZeRO 2: the norm is the reference's
     plan = make_plan(model, SIZES[2], 2)
     engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy,
@@ -238,24 +255,29 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     for key, value in engine.state_dict().items():
         assert_close(value, final[key], msg=f"clip: final {key}")
 
-    # inside a pipeline: two stages of two workers each, each stage's pair sharding its state
+    # inside a pipeline: two stages of two workers each, each stage's pair sharding its state, evenly
+    # (FSDP2) or raggedly with fractions of each stage's own
     graphs = capture(model, (torch.randn(2, DIN),))
     layers = list(range(len(graphs.layers)))
-    for zero in (1, 2, 3):
+    for zero, sync in ((1, "fsdp"), (2, "fsdp"), (3, "fsdp"), (1, "ragged"), (2, "ragged"), (3, "ragged")):
+        fractions = ([0.7, 0.3], [0.2, 0.8]) if sync == "ragged" else ([], [])
         plan = dataclasses.replace(
             make_plan(model, [[3, 2], [1, 2], [2, 2], [2, 2]], zero), num_micro_batch=2, global_batch_size=8,
-            stages=[StagePlan(0, [0], layers[:2], "replicate(2)", replica_sync="fsdp", zero_stage=zero),
-                    StagePlan(1, [0], layers[2:], "replicate(2)", replica_sync="fsdp", zero_stage=zero)])
+            stages=[StagePlan(0, [0], layers[:2], "replicate(2)", replica_sync=sync, zero_stage=zero,
+                              state_fractions=fractions[0]),
+                    StagePlan(1, [0], layers[2:], "replicate(2)", replica_sync=sync, zero_stage=zero,
+                              state_fractions=fractions[1])])
         plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
         engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
                         cluster=make_cluster(), timeout_s=60)
         data = batches(8, seed=10 + zero)
         losses, _, final = reference(model, data, OPTIMIZERS["adamw"])
         for step, batch in enumerate(data):
-            assert_close(engine.train_step(batch), losses[step], msg=f"pipeline zero{zero}: loss of step {step}")
+            assert_close(engine.train_step(batch), losses[step], msg=f"pipeline {sync}{zero}: loss of step {step}")
         assert type(engine.executor).__name__ == "PipelineExecutor"
+        assert engine.executor.stage_worker.sync.name == sync
         for key, value in engine.state_dict().items():
-            assert_close(value, final[key], msg=f"pipeline zero{zero}: final {key}")
+            assert_close(value, final[key], msg=f"pipeline {sync}{zero}: final {key}")
 
     # tensor parallel inside the replicas (HSDP's shape): each tensor-parallel slice sharded by ZeRO
     # over the workers of its tp_index, along the slice's own dimension
@@ -276,19 +298,31 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         held = engine.executor.named_state()
         out[f"tp{zero}"] = {n: (s.dim, s.ranges) for n, (_, s) in held.items() if n.startswith(("fc1.w", "fc2.w"))}
 
-    # weights tied across pipeline stages under ZeRO: refused with the fix (not supported yet)
+    # weights tied across pipeline stages under ZeRO (an embedding in stage 0, the classifier sharing
+    # it in stage 1): the tied weight stays whole, summed over each stage's pair and then over the stages
     tied = TiedNet().double()
     graphs = capture(tied, (torch.zeros(2, 3, dtype=torch.long),))
     layers = list(range(len(graphs.layers)))
-    plan = dataclasses.replace(
-        make_plan(model, [[2], [2], [2], [2]], 1), num_micro_batch=1, global_batch_size=4,
-        model_fingerprint=graphs.fingerprint,
-        stages=[StagePlan(0, [0], layers[:1], "replicate(2)", replica_sync="fsdp", zero_stage=1),
-                StagePlan(1, [0], layers[1:], "replicate(2)", replica_sync="fsdp", zero_stage=1)])
-    plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
-    with pytest.raises(Exception, match=r"tied to another stage \(.*weight.*\).*zero_stage=0"):
-        Engine(tied, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=F.cross_entropy, cluster=make_cluster(), timeout_s=60,
-               example_args=(torch.zeros(4, 3, dtype=torch.long),))
+    g = torch.Generator().manual_seed(3)
+    data = [((torch.randint(0, CLASSES, (8, 3), generator=g),), torch.randint(0, CLASSES, (8,), generator=g))
+            for _ in range(STEPS)]
+    losses, _, final = reference(tied, data, OPTIMIZERS["adamw"])
+    for zero, sync, fractions in ((1, "fsdp", ([], [])), (3, "fsdp", ([], [])), (2, "ragged", ([0.7, 0.3], [0.25, 0.75])),
+                                  (3, "ragged", ([0.7, 0.3], [0.25, 0.75]))):
+        plan = dataclasses.replace(
+            make_plan(model, [[3, 1], [2, 2], [2, 2], [3, 1]], zero), num_micro_batch=2, global_batch_size=8,
+            model_fingerprint=graphs.fingerprint,
+            stages=[StagePlan(0, [0], layers[:1], "replicate(2)", replica_sync=sync, zero_stage=zero,
+                              state_fractions=fractions[0]),
+                    StagePlan(1, [0], layers[1:], "replicate(2)", replica_sync=sync, zero_stage=zero,
+                              state_fractions=fractions[1])])
+        plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
+        engine = Engine(copy.deepcopy(tied), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
+                        cluster=make_cluster(), timeout_s=60, example_args=(torch.zeros(4, 3, dtype=torch.long),))
+        for step, batch in enumerate(data):
+            assert_close(engine.train_step(batch), losses[step], msg=f"tied {sync}{zero}: loss of step {step}")
+        for key, value in engine.state_dict().items():
+            assert_close(value, final[key], msg=f"tied {sync}{zero}: final {key}")
 
     # bf16 autocast: ZeRO 3 trains as DDP does at the same precision (both float32 master weights;
     # SGD: Adam's normalised update would turn a rounding of a tiny gradient into a step of lr)

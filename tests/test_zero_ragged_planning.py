@@ -307,8 +307,7 @@ def test_plan_yaml_round_trip_old_files_and_checks(gpt2_model, small, tmp_path):
         (dict(state_fractions=[1.1, -0.1, 0.0, 0.0]), r"plan.stages\[0\].state_fractions\[1\] must be >= 0"),
         (dict(replica_sync="fsdp"), r"plan.stages\[0\].state_fractions is .* with replica_sync 'fsdp'; state "
                                     r"fractions are ragged shards'.*set state_fractions to \[\]"),
-        (dict(zero_stage=3), r"plan.stages\[0\].replica_sync is 'ragged' with zero_stage 3; it must be 'fsdp'; "
-                             r"'ragged' shards run at zero_stage 1 or 2 only"),
+        (dict(zero_stage=0), r"plan.stages\[0\].replica_sync is 'ragged' with zero_stage 0; it must be 'ddp'"),
     ]
     for change, message in cases:
         data = plan.to_dict()
@@ -323,13 +322,17 @@ def test_plan_yaml_round_trip_old_files_and_checks(gpt2_model, small, tmp_path):
     with pytest.raises(PlanError, match=r"replica_sync is 'ddp' with zero_stage 0.*state_fractions"
                                         r"|state_fractions is .* with replica_sync 'ddp'"):
         Plan.from_dict(data).validate()
-    # ragged on a pipeline and under split
+    ragged3 = plan.to_dict()   # ragged at ZeRO 3 (runtime.replicas.ragged_sync gathers layer by layer)
+    ragged3["stages"][0].update(zero_stage=3)
+    Plan.from_dict(ragged3).validate()
+    # ragged on a pipeline (each stage's group its own fractions) and under split (refused)
     piped = synthetic_model(num_layers=4, strategies=[wl.replicate(2), wl.replicate(2)], hidden=64, seq=8, heads=4)
     data = planner.plan(piped, synthetic_cluster([(4, 10.0, 16)]),
                         wl.Config(global_batch_size=8, num_micro_batch=2, zero_stage=1)).to_dict()
     data["stages"][0].update(replica_sync="ragged", state_fractions=[0.75, 0.25])
-    with pytest.raises(PlanError, match=r"plan.stages\[0\].replica_sync is 'ragged' on a pipeline of 2 stages; ragged "
-                                        r"state shards run on a single-stage plan without split only"):
+    Plan.from_dict(data).validate()
+    data["stages"][0].update(state_fractions=[0.75, 0.2])
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].state_fractions 0.75, 0.2 sum to"):
         Plan.from_dict(data).validate()
     with wl.replicate(2, zero=1):
         with wl.split(2) as hybrid:
