@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 from whalelike.cluster import Cluster
 from whalelike.config import Config
@@ -36,8 +37,11 @@ from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
+from planner.balance.replan import repriced
 from planner.decisions import check_trainable, naive_decisions
+from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout
+from planner.devices.profile import Profile
 from planner.devices.placement_search import best_aware_plan
 from planner.plan import Plan
 from planner.plan_checks import check_precision
@@ -47,8 +51,13 @@ from planner.shares.batchnorm_statistics import log_batchnorm_warnings
 log = logging.getLogger(__name__)
 
 
-def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional[Profile] = None) -> Plan:
     """The hardware-aware plan of ``graphs`` on ``cluster`` under ``config``.
+
+    ``profile``: the cluster measured on this model at ``config.precision`` (``whalelike profile``):
+    device speeds and links come from it instead of the spec sheet
+    (:mod:`planner.devices.measured_speeds`; the plan's ``speeds`` says which). A profile of another
+    model, cluster or precision is a :class:`~planner.devices.profile.ProfileError`.
 
     Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (a precision
     some device cannot run, too many devices, batch too small or indivisible, memory infeasible),
@@ -56,17 +65,49 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """
     check_trainable(graphs)
     check_precision(cluster, config.precision)
+    if profile is not None:
+        profile.validate(graphs=graphs, cluster=cluster)
+        profile.check_precision(config.precision)
     graphs = _for_precision(graphs, config)
     layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
-    naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
-    prediction, result = best_aware_plan(graphs, cluster, config)
-    result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive, cluster))
+    if profile is None:
+        naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
+        prediction, result = best_aware_plan(graphs, cluster, config)
+        result = dataclasses.replace(result, prediction=prediction, naive_prediction=predict(naive, cluster))
+    else:
+        result = _profiled_plan(graphs, cluster, config, profile)
     result.validate(graphs=graphs, cluster=cluster)
     log_batchnorm_warnings(result)
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result
+
+
+def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Profile) -> Plan:
+    """Plan on the measured cluster, re-rating each device at the sizes and units each plan gives
+    it until they repeat (:mod:`planner.devices.measured_speeds`); the fastest plan as predicted at
+    its own sizes, next to the naive plan priced the same way."""
+    measured = measured_cluster(cluster, profile, graphs, config.precision)
+    seen, best = set(), None
+    for _ in range(ROUNDS):
+        _, candidate = best_aware_plan(graphs, measured, config)
+        signature = sizes_signature(candidate)
+        if signature in seen:
+            break
+        seen.add(signature)
+        own = measured_cluster(cluster, profile, graphs, config.precision, plan=candidate)
+        candidate = dataclasses.replace(candidate, prediction=repriced(candidate, graphs, own))
+        if best is None or candidate.prediction.step_time_ms < best[0].prediction.step_time_ms:
+            best = (candidate, own)
+        measured = own
+    result, own = best
+    layout = build_layout(graphs, measured, precision=config.precision)
+    naive = build_plan(graphs, measured, config, naive_decisions(graphs, config, layout))
+    naive_own = measured_cluster(cluster, profile, graphs, config.precision, plan=naive)
+    log.info("planned from the profile of %s (measured in %.0f s): device rates %s TFLOPS", profile.cluster,
+             profile.seconds, ", ".join(f"{d.name} {d.measured(config.precision):.3g}" for d in own.devices))
+    return dataclasses.replace(result, naive_prediction=repriced(naive, graphs, naive_own), speeds="profile")
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:

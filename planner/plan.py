@@ -37,6 +37,7 @@ from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (
 from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
+SPEED_SOURCES = ("spec", "profile")   # Plan.speeds: the cluster spec's figures, or whalelike profile's measurements
 RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
 RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
 ZERO_REASONS = ("none", "asked", "fit")   # StagePlan.zero_reason: no ZeRO, the user's stage, the planner's
@@ -159,6 +160,9 @@ class Plan:
     # runtime.training.precision: autocast dtype (float32 master weights); planner.devices.cost_model prices it
     precision: str = rule(str, "training precision: fp32, or autocast to bf16/fp16 with float32 master weights",
                           choices=PRECISIONS, default="fp32")
+    # planner.devices.measured_speeds: the device speeds and links priced from the spec sheet or a profile
+    speeds: str = rule(str, "where the device speeds and links came from: 'spec' (the cluster spec) or 'profile' "
+                       "(measured by whalelike profile)", choices=SPEED_SOURCES, default="spec")
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks (looked up at each

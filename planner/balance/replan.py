@@ -159,6 +159,20 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     return Replan(dataclasses.replace(new, naive_prediction=naive), in_force, tuple(kept))
 
 
+def repriced(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Prediction:
+    """The prediction of ``plan`` as it stands (its stage layers, shards, micro-batch sizes, ZeRO and
+    recompute choices) on ``cluster``'s device rates and network: what it would take on devices
+    whose speeds differ from those it was planned with (a spec-sheet plan on measured devices)."""
+    if plan.precision != "fp32":
+        graphs = with_autocast(graphs)
+    layout = plan_layout(plan, graphs, cluster)
+    config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
+                    sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
+                    delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision)
+    return _in_force(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
+                     _plan_shards(plan, graphs))
+
+
 def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:
     """``cluster`` with each plan device's measured TFLOPS at the plan's precision set from ``speeds``
     (per rank; :meth:`whalelike.cluster.Device.with_measured`), normalised so that they sum to the

@@ -1,0 +1,118 @@
+"""Planning from a profile (planner.devices.measured_speeds, ``planner.plan(..., profile=)``).
+
+The profiles here are what a perfect measurement of the emulated preset would give: each unit's
+seconds are the emulator's own modeled time (runtime.emulation.compute.Emulator.modeled_seconds) on
+each device, so the planner is tested on what it does with measurements; measuring them is
+tests/test_profile.py's subject. The preset ``emulated-equal-peak`` lies: its two kinds have equal
+spec-sheet peaks, but one reaches half its peak at a micro-batch of 2 and the other only at 16.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import planner
+import whalelike as wl
+from planner.devices.measured_speeds import best_batch, device_rate, measured_cluster, unit_flops
+from planner.devices.profile import DeviceProfile, LinkProfile, Profile, ProfileError
+from planner.balance.replan import repriced
+from planner.plan import Plan
+from runtime.emulation.compute import Emulator
+from synthetic import synthetic_model
+from whalelike.cluster import Cluster
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+GLOBAL_BATCH = 64
+
+
+def _graphs():
+    return synthetic_model(num_layers=4, strategies=[wl.replicate(4)], hidden=64, seq=8, heads=4)
+
+
+def _cluster() -> Cluster:
+    return Cluster.preset("emulated-equal-peak")
+
+
+def emulated_profile(graphs, cluster: Cluster, precision: str = "fp32", latency_s: float = 20e-6,
+                     gbps: float = 4.0) -> Profile:
+    """The profile a perfect measurement of ``cluster``'s emulation would give (per TaskGraph)."""
+    devices = []
+    for rank, d in enumerate(cluster.devices):
+        emulator = Emulator.for_device(cluster, d.name, rank, precision)
+        times = {g.index: {b: (emulator.modeled_seconds(g.forward_flops * b, b),
+                               emulator.modeled_seconds(g.backward_flops * b, b)) for b in BATCHES}
+                 for g in graphs.graphs}
+        devices.append(DeviceProfile(d.name, d.kind, d.host, max_batch=BATCHES[-1], edge="cap", times=times,
+                                     memory_bytes={b: 1 << 20 for b in BATCHES}))
+    points = {n: latency_s + n / (gbps * 1e9) for n in (1 << 10, 1 << 16, 1 << 20)}
+    link = LinkProfile("intra-host", cluster.devices[0].name, cluster.devices[1].name, latency_s, 1 / (gbps * 1e9),
+                       points)
+    return Profile(graphs.fingerprint, cluster.name, precision, "adamw", "taskgraph", warmup=1, repeats=3,
+                   seconds=12.0, devices=tuple(devices), links=(link,))
+
+
+def _samples(plan: Plan, kind: str, cluster: Cluster) -> int:
+    kinds = {d.name: d.kind for d in cluster.devices}
+    return sum(w.batch_share for w in plan.workers if kinds[w.device] == kind)
+
+
+def test_a_profile_rates_devices_by_what_they_measured():
+    graphs, cluster = _graphs(), _cluster()
+    profile = emulated_profile(graphs, cluster)
+    flops = unit_flops(graphs, profile)
+    hbm, gddr = profile.device("emu-hbm-0"), profile.device("emu-gddr-0")
+    # the best-throughput batch is the largest measured (both saturate towards it)
+    assert best_batch(hbm, flops, [0]) == best_batch(gddr, flops, [0]) == 32
+    # at a micro-batch of 8: b/(b+2) against b/(b+16), 0.8 against 1/3: 2.4x, where the spec says 1x
+    assert device_rate(hbm, flops, sizes=[8]) / device_rate(gddr, flops, sizes=[8]) == pytest.approx(2.4)
+    measured = measured_cluster(cluster, profile, graphs, "fp32")
+    assert measured.network.intra_host_gbps == pytest.approx(4.0) and measured.network.latency_us == pytest.approx(20)
+    # the spec sheet's figures are left alone; the measured rate is what the planner reads
+    assert [d.peak_tflops for d in measured.devices] == [d.peak_tflops for d in cluster.devices]
+    assert all(d.measured("fp32") for d in measured.devices)
+
+
+def test_the_plan_from_a_profile_gives_the_faster_kind_more_and_is_faster_where_the_spec_lies():
+    graphs, cluster = _graphs(), _cluster()
+    profile = emulated_profile(graphs, cluster)
+    config = wl.Config(global_batch_size=GLOBAL_BATCH)
+    spec = planner.plan(graphs, cluster, config)
+    measured = planner.plan(graphs, cluster, config, profile=profile)
+    assert spec.speeds == "spec" and measured.speeds == "profile"
+    # equal peaks: the spec sheet splits evenly; the profile gives the kind that measured faster more
+    assert _samples(spec, "emu-hbm", cluster) == _samples(spec, "emu-gddr", cluster)
+    assert _samples(measured, "emu-hbm", cluster) > _samples(measured, "emu-gddr", cluster)
+    # both priced at the speeds each runs at (its own micro-batch sizes): the profiled plan is faster
+    spec_at_measured = repriced(spec, graphs, measured_cluster(cluster, profile, graphs, "fp32", plan=spec))
+    assert measured.prediction.step_time_ms < spec_at_measured.step_time_ms
+    # and its prediction is its own sizes' (re-rating it changes nothing)
+    again = repriced(measured, graphs, measured_cluster(cluster, profile, graphs, "fp32", plan=measured))
+    assert again.step_time_ms == pytest.approx(measured.prediction.step_time_ms)
+
+
+def test_plan_files_say_where_the_speeds_came_from(tmp_path):
+    graphs, cluster = _graphs(), _cluster()
+    plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=GLOBAL_BATCH),
+                        profile=emulated_profile(graphs, cluster))
+    plan.to_yaml(tmp_path / "p.yaml")
+    assert Plan.from_yaml(tmp_path / "p.yaml").speeds == "profile"
+    data = plan.to_dict()
+    del data["speeds"]          # a plan file written before profiles: spec-sheet speeds
+    assert Plan.from_dict(data).speeds == "spec"
+    data["speeds"] = "guessed"
+    with pytest.raises(wl.SpecError, match=r"plan.speeds must be one of .*'spec'.*'profile'.*got 'guessed'"):
+        Plan.from_dict(data)
+
+
+def test_a_profile_of_another_model_cluster_or_precision_is_refused():
+    graphs, cluster = _graphs(), _cluster()
+    profile = emulated_profile(graphs, cluster)
+    config = wl.Config(global_batch_size=GLOBAL_BATCH)
+    other = synthetic_model(num_layers=5, strategies=[wl.replicate(4)], hidden=64, seq=8, heads=4)
+    with pytest.raises(ProfileError, match="fingerprint|another model|model"):
+        planner.plan(other, cluster, config, profile=profile)
+    with pytest.raises(ProfileError, match="cluster"):
+        planner.plan(graphs, Cluster.preset("emulated-4"), config, profile=profile)
+    with pytest.raises(ProfileError, match="precision|fp32|bf16"):
+        planner.plan(graphs, cluster, dataclasses.replace(config, precision="bf16"), profile=profile)
