@@ -54,7 +54,8 @@ def plan_summary(plan: Plan, cluster=None) -> str:
         title, *stages, "", format_table(headers, rows), "", *memory_lines(plan),
         f"solver: {plan.solver}{gap}",
         f"predicted step time {p.step_time_ms:.2f} ms, bubble {p.bubble_fraction:.1%}, "
-        f"throughput {p.throughput:.1f} samples/s",
+        f"throughput {p.throughput:.1f} samples/s "
+        f"({'device speeds and links measured by whalelike profile' if plan.speeds == 'profile' else 'device speeds from the cluster spec'})",
         f"naive plan (capacity-blind)  {n.step_time_ms:.2f} ms, bubble {n.bubble_fraction:.1%}, "
         f"throughput {n.throughput:.1f} samples/s",
         f"predicted speed-up over naive: {speedup:.2f}x",

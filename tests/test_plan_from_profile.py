@@ -116,3 +116,22 @@ def test_a_profile_of_another_model_cluster_or_precision_is_refused():
         planner.plan(graphs, Cluster.preset("emulated-4"), config, profile=profile)
     with pytest.raises(ProfileError, match="precision|fp32|bf16"):
         planner.plan(graphs, cluster, dataclasses.replace(config, precision="bf16"), profile=profile)
+
+
+def test_whalelike_plan_with_a_profile(tmp_path, capsys):
+    from whalelike.cli import load_workload, main
+    from whalelike.graphs.capture import capture
+
+    workload = load_workload("examples/wide_mlp.py:build")
+    graphs = capture(workload.model, workload.example_args, workload.example_kwargs, optimizer="adamw")
+    cluster = _cluster()
+    emulated_profile(graphs, cluster).to_yaml(tmp_path / "profile.yaml")
+    argv = ["plan", "examples/wide_mlp.py:build", "--cluster", "emulated-equal-peak", "--global-batch", "32"]
+    assert main([*argv, "--profile", str(tmp_path / "profile.yaml"), "-o", str(tmp_path / "plan.yaml")]) == 0
+    assert "device speeds and links measured by whalelike profile" in capsys.readouterr().out
+    assert Plan.from_yaml(tmp_path / "plan.yaml").speeds == "profile"
+    # a profile measured at another precision: one line naming the file and how to measure the right one
+    assert main([*argv, "--profile", str(tmp_path / "profile.yaml"), "--precision", "bf16",
+                 "-o", str(tmp_path / "bf16.yaml")]) != 0
+    error = capsys.readouterr().err
+    assert "profile.yaml" in error and "bf16" in error and not (tmp_path / "bf16.yaml").exists()

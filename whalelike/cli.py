@@ -180,7 +180,8 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     model_file = args.model.rpartition(":")[0] or None
-    outputs = _check_outputs(args, PLAN_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster})
+    outputs = _check_outputs(args, PLAN_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster,
+                                                         "--profile": args.profile})
     import planner  # after the checks: importing torch takes seconds
     import planner.schedule.timeline
 
@@ -195,8 +196,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
         graphs = capture_workload(args)
-        with _status(f"planning on {cluster.name} ({cluster.inventory()})"):
-            plan = planner.plan(graphs, cluster, config)
+        profile = None
+        if args.profile is not None:
+            from planner.devices.profile import Profile
+            profile = Profile.from_yaml(args.profile, graphs=graphs, cluster=cluster, precision=config.precision)
+        speeds = f", speeds measured in {args.profile}" if profile is not None else ""
+        with _status(f"planning on {cluster.name} ({cluster.inventory()}{speeds})"):
+            plan = planner.plan(graphs, cluster, config, profile=profile)
         print(plan.summary(cluster))
         for tmp, write in staged:
             write(plan, tmp)
@@ -331,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-2 of a single stage where even "
                         "shards do not fit, each device holds a fraction of the state in proportion to the memory "
                         "it has left (ragged shards)")
+    p.add_argument("--profile", metavar="PROFILE.yaml",
+                   help="device speeds and links measured by `whalelike profile` for this model, cluster and "
+                        "precision, instead of the cluster spec's figures")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
     p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json",
