@@ -258,6 +258,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     segments = sum(s.segments for s in engine.stats)
     mean_step = sum(step_times) / len(step_times) if step_times else float("nan")
     return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
+            "predicted_ms": plan.prediction.step_time_ms, "speeds": plan.speeds,
             "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
             "save_ms": [t * 1e3 for t in save_times], "memory": gather_memory(engine),
             "norms": [s.grad_norm for s in engine.stats], "skipped": sum(s.skipped for s in engine.stats)}
@@ -462,10 +463,13 @@ def report(results: list[dict], steps: int) -> None:
                        [[m + 1, *(f"{r['losses'][m]:.4f}" for r in results)] for m in marks],
                        title="loss curve"))
     print()
-    print(format_table(["plan", "ms/step", "samples/s", "re-plans", "emulation overruns"],
-                       [[r["name"], f"{r['step_ms']:.1f}", f"{r['throughput']:.1f}", r["replans"], r["overruns"]]
+    print(format_table(["plan", "ms/step", "predicted ms/step", "error", "samples/s", "re-plans", "emulation overruns"],
+                       [[r["name"], f"{r['step_ms']:.1f}", f"{r['predicted_ms']:.1f} ({r['speeds']})",
+                         f"{r['step_ms'] / r['predicted_ms'] - 1:+.1%}" if r["predicted_ms"] > 0 else "-",
+                         f"{r['throughput']:.1f}", r["replans"], r["overruns"]]
                         for r in results],
-                       title=f"measured throughput (mean over the steps this run trained, after step {WARMUP_STEPS})"))
+                       title=f"measured throughput (mean over the steps this run trained, after step {WARMUP_STEPS}) "
+                             "against the plan's prediction (error: measured / predicted - 1)"))
     saves = results[0]["save_ms"]
     if saves:
         print(f"\ncheckpoints: {len(saves)} saved in the background; training stalled {sum(saves) / len(saves):.1f} ms "
