@@ -69,10 +69,12 @@ class SpeedCurve:
         b = np.asarray(batch, dtype=float)
         if np.any(~np.isfinite(b)) or np.any(b < 1):
             raise ValueError(f"speed curve{_of(self.label)}: batch sizes are >= 1, got {batch!r}")
-        x = np.clip(np.log2(b), self._x[0], self._x[-1])    # flat outside the measured batches
+        x = np.clip(np.log2(b), self._x[0], self._x[-1])
         y = np.full(x.shape, self._y[0]) if self._spline is None else self._spline(x)
-        # PCHIP stays between adjacent points; the clip only removes rounding below the smallest one
+        # PCHIP stays between adjacent points; the clip only removes rounding past the extreme ones
         y = np.clip(y, self._y.min(), self._y.max())
+        # at and beyond the end points, their measured values exactly (flat outside)
+        y = np.where(x <= self._x[0], self._y[0], np.where(x >= self._x[-1], self._y[-1], y))
         return float(y) if scalar else y
 
     def step_seconds(self, batch: float) -> float:

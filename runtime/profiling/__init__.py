@@ -19,6 +19,6 @@ Invariant: profiling only measures: it never changes the model's parameters (the
 at learning rate 0), reads no emulation figure (only the emulator does), and every rank ends with
 the same Profile.
 """
-from runtime.profiling.run import DEFAULT_CAP, ProfilingError, measure_device, profile_cluster
+from runtime.profiling.run import DEFAULT_CAP, DeviceMeasurement, ProfilingError, profile_cluster
 
-__all__ = ["DEFAULT_CAP", "ProfilingError", "measure_device", "profile_cluster"]
+__all__ = ["DEFAULT_CAP", "DeviceMeasurement", "ProfilingError", "profile_cluster"]

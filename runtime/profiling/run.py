@@ -9,10 +9,11 @@ The run, on every rank (Poplar's online profiling, seed paper 002, section "Onli
 3. the model captured on the device (every rank the same :class:`~whalelike.graphs.taskgraph.TaskGraphs`);
 4. rank 0 looks each device kind up in the cache (:mod:`runtime.profiling.cache`) and tells the
    others; a rank whose kind is cached takes those figures;
-5. every other rank measures its device (:func:`measure_device`): the largest batch by Poplar's
+5. every other rank measures its device (:class:`DeviceMeasurement`): the largest batch by Poplar's
    Algorithm 1 (:mod:`runtime.profiling.search`) over whole training steps that fit or run out of
-   memory (:meth:`runtime.profiling.steps.UnitStep.fits`), then each unit's forward and backward
-   time at the powers of two up to it and at it, ``warmup`` steps then the median of ``repeats``;
+   memory (:meth:`runtime.profiling.steps.UnitStep.fits`), then, once every rank has its largest
+   batch, each unit's forward and backward time at the powers of two up to it and at it,
+   ``warmup`` steps then the median of ``repeats``;
 6. all ranks gather the devices' figures, then time the links (:mod:`runtime.profiling.links`);
 7. rank 0 stores what was measured in the cache. Every rank returns the same
    :class:`planner.devices.profile.Profile`.
@@ -98,12 +99,18 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     directory = cache.cache_dir(cache_directory)
     found = _cached(rank, cluster, directory, fingerprint, precision, settings, refresh)
     entry = found.get(me.kind)
-    if entry is not None:
+    measurement = None
+    if entry is None:
+        step = UnitStep(graphs, unit, workload.loss_fn, emulator, device, recipe)
+        measurement = DeviceMeasurement(step, workload, me, emulator, settings, device, board)
+        measurement.find_edge()
+    # every rank's memory trials end before any rank times (DeviceMeasurement's docstring)
+    dist.barrier()
+    if measurement is not None:
+        mine = measurement.time()
+    else:
         mine = entry.for_device(me.name, me.host)
         board.report(1, 1, "done")
-    else:
-        step = UnitStep(graphs, unit, workload.loss_fn, emulator, device, recipe)
-        mine = measure_device(step, workload, me, emulator, settings, device, board)
     if rank == 0:
         board.wait(timeout_s)
     devices: list[Any] = [None] * world
@@ -179,73 +186,98 @@ def _store(directory: str, profile: Profile, cluster: Cluster, settings: "cache.
 
 
 # -- one device ---------------------------------------------------------------------------------------
-def measure_device(step: UnitStep, workload: Workload, device_spec, emulator: Emulator, settings: "cache.Settings",
-                   device: torch.device, board: Optional[Board] = None) -> DeviceProfile:
-    """This rank's device: the largest batch (memory trials), then the unit times at the timed
-    batches (``settings.warmup`` steps, then the median of ``settings.repeats``)."""
-    batches = _Batches(workload, device)
-    memory: dict[int, int] = {}
-    counts = {"done": 0, "total": 1}
+class DeviceMeasurement:
+    """This rank's device, in two phases that every measuring rank runs together: :meth:`find_edge`
+    (the largest batch, by memory trials), then :meth:`time` (the unit times at the timed batches:
+    ``settings.warmup`` steps, then the median of ``settings.repeats``). Between them the caller
+    waits for every rank (:func:`profile_cluster`): a memory trial on CPU runs the dispatch-mode
+    counter and keeps a core busy, which would slow the timed segments of ranks sharing the cores."""
 
-    def tick(note: str, extra_total: int = 0) -> None:
-        counts["done"] += 1
-        counts["total"] = max(counts["total"] + extra_total, counts["done"])
-        if board is not None:
-            board.report(counts["done"], counts["total"], note)
+    def __init__(self, step: UnitStep, workload: Workload, device_spec, emulator: Emulator,
+                 settings: "cache.Settings", device: torch.device, board: Optional[Board] = None):
+        self.step, self.spec, self.emulator, self.settings, self.device, self.board = \
+            step, device_spec, emulator, settings, device, board
+        self.batches = _Batches(workload, device)
+        self.memory: dict[int, int] = {}
+        self.done, self.total = 0, 1
+        self.edge = None
+        self.capacity = emulator.capacity_bytes
+        if device.type == "cuda":
+            self.capacity = torch.cuda.get_device_properties(device).total_memory
 
-    def fits(batch: int) -> bool:
-        ok, peak = step.fits(*batches.get(batch))
+    def _tick(self, note: str) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        if self.board is not None:
+            self.board.report(self.done, self.total, note)
+
+    def _fits(self, batch: int) -> bool:
+        ok, peak = self.step.fits(*self.batches.get(batch))
         if ok:
-            memory[batch] = peak
-        tick(f"batch {batch}: {'fits' if ok else 'out of memory'}")
+            self.memory[batch] = peak
+        self._tick(f"batch {batch}: {'fits' if ok else 'out of memory'}")
         return ok
 
-    capacity = emulator.capacity_bytes
-    if device.type == "cuda":
-        capacity = torch.cuda.get_device_properties(device).total_memory
-    estimate = step.estimate(batches.get(1)[0], capacity)
-    guess = min(estimate or settings.cap, settings.cap)
-    per_step = settings.warmup + settings.repeats
-    counts["total"] = 2 * int(math.log2(guess)) + 2 + (int(math.log2(guess)) + 2) * per_step
-    if capacity is None:
-        log.warning("device %s (%s): nothing limits its memory here (on CPU only an emulation with enforce_memory "
-                    "does), so its largest batch is the cap, %d", device_spec.name, device_spec.kind, settings.cap)
-    try:
-        edge = find_max_batch(fits, estimate, settings.cap)
-    except NothingFitsError:
-        raise ProfilingError(
-            f"device {device_spec.name} ({device_spec.kind}) cannot run a training step of one sample at "
-            f"{step.precision.name}: the whole model, its gradients and optimizer state do not fit in its "
-            f"{device_spec.memory_gib:g} GiB; profiling measures whole-model steps (Poplar's data-parallel setting), "
-            "so profile a smaller model or on devices with more memory") from None
-    timed = timed_batches(edge.max_batch)
-    counts["total"] = counts["done"] + len(timed) * per_step + sum(b not in memory for b in timed)
-    times: dict[int, dict[int, tuple[float, float]]] = {u: {} for u in range(step.units)}
-    before = emulator.stats.snapshot()
-    for batch in timed:
-        if batch not in memory:   # a power of two the search jumped over (fits: below the edge)
-            fits(batch)
-        inputs, targets = batches.get(batch)
-        runs = []
-        for attempt in range(per_step):
-            measured = step.timed(inputs, targets, batch)
-            if attempt >= settings.warmup:
-                runs.append(measured)
-            tick(f"batch {batch}: timing ({attempt + 1}/{per_step})")
-        for u in range(step.units):
-            times[u][batch] = (statistics.median(r[u][0] for r in runs), statistics.median(r[u][1] for r in runs))
-        batches.drop(batch)
-    ran = emulator.stats.since(before)
-    if ran.overruns:
-        log.warning("device %s: %d of %d timed segments took longer than their modeled time (worst %.2fx): real compute "
-                    "leaked into the emulated figures; lower the emulation's base_gflops (runtime.calibrate)",
-                    device_spec.name, ran.overruns, ran.segments, ran.worst_overrun)
-    if board is not None:
-        board.report(counts["done"], counts["done"], "done")
-    return DeviceProfile(name=device_spec.name, kind=device_spec.kind, host=device_spec.host,
-                         max_batch=edge.max_batch, edge=edge.edge, times=times,
-                         memory_bytes={b: memory[b] for b in timed if memory.get(b) is not None},
-                         capacity_bytes=capacity)
+    def find_edge(self) -> None:
+        """Poplar's Algorithm 1 over whole training steps, and the peak memory of every timed batch."""
+        step, settings = self.step, self.settings
+        if not step.prepare(*self.batches.get(1)):
+            raise _nothing_fits(self.spec, step)
+        estimate = step.estimate(self.batches.get(1)[0], self.capacity)
+        guess = min(estimate or settings.cap, settings.cap)
+        self.total = 2 * int(math.log2(guess)) + 2 + (int(math.log2(guess)) + 2) * (settings.warmup + settings.repeats)
+        if self.capacity is None:
+            log.warning("device %s (%s): nothing limits its memory here (on CPU only an emulation with enforce_memory "
+                        "does), so its largest batch is the cap, %d", self.spec.name, self.spec.kind, settings.cap)
+        try:
+            self.edge = find_max_batch(self._fits, estimate, settings.cap)
+        except NothingFitsError:
+            raise _nothing_fits(self.spec, step) from None
+        timed = timed_batches(self.edge.max_batch)
+        self.total = self.done + sum(b not in self.memory for b in timed) + len(timed) * (settings.warmup + settings.repeats)
+        for batch in timed:
+            if batch not in self.memory:   # a power of two the search jumped over (below the edge: it fits)
+                self._fits(batch)
+        if self.board is not None:
+            self.board.report(self.done, self.total, "waiting for the other ranks' largest batch")
+
+    def time(self) -> DeviceProfile:
+        """The unit times at the timed batches; the device's figures."""
+        step, settings = self.step, self.settings
+        per_step = settings.warmup + settings.repeats
+        timed = timed_batches(self.edge.max_batch)
+        times: dict[int, dict[int, tuple[float, float]]] = {u: {} for u in range(step.units)}
+        before = self.emulator.stats.snapshot()
+        for batch in timed:
+            inputs, targets = self.batches.get(batch)
+            runs = []
+            for attempt in range(per_step):
+                measured = step.timed(inputs, targets, batch)
+                if attempt >= settings.warmup:
+                    runs.append(measured)
+                self._tick(f"batch {batch}: timing ({attempt + 1}/{per_step})")
+            for u in range(step.units):
+                times[u][batch] = (statistics.median(r[u][0] for r in runs), statistics.median(r[u][1] for r in runs))
+            self.batches.drop(batch)
+        ran = self.emulator.stats.since(before)
+        if ran.overruns:
+            log.warning("device %s: %d of %d timed segments took longer than their modeled time (worst %.2fx): real "
+                        "compute leaked into the emulated figures; lower the emulation's base_gflops (runtime.calibrate)",
+                        self.spec.name, ran.overruns, ran.segments, ran.worst_overrun)
+        if self.board is not None:
+            self.board.report(self.done, self.done, "done")
+        return DeviceProfile(name=self.spec.name, kind=self.spec.kind, host=self.spec.host,
+                             max_batch=self.edge.max_batch, edge=self.edge.edge, times=times,
+                             memory_bytes={b: self.memory[b] for b in timed if self.memory.get(b) is not None},
+                             capacity_bytes=self.capacity)
+
+
+def _nothing_fits(device_spec, step: UnitStep) -> ProfilingError:
+    return ProfilingError(
+        f"device {device_spec.name} ({device_spec.kind}) cannot run a training step of one sample at "
+        f"{step.precision.name}: the whole model, its gradients and optimizer state do not fit in its "
+        f"{device_spec.memory_gib:g} GiB; profiling measures whole-model steps (Poplar's data-parallel setting), "
+        "so profile a smaller model or on devices with more memory")
 
 
 class _Batches:

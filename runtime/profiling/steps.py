@@ -159,6 +159,23 @@ class UnitStep:
         return leaves, [torch.ones_like(t) for t in leaves]
 
     # -- memory --------------------------------------------------------------------------------------
+    def prepare(self, inputs: tuple, targets: Optional[torch.Tensor]) -> bool:
+        """A first training step, neither timed nor measured: the optimizer makes its state (as in
+        the first step of a training run), so every trial after it starts from the steady state.
+        False when it ran out of (real) memory."""
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with self.precision.autocast(self.device):
+                roots, grads = self._loss_roots(self._model_output(inputs), targets)
+                torch.autograd.backward(roots, grads)
+            del roots, grads
+            self.optimizer.step()
+        except torch.OutOfMemoryError:
+            self._release()
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
     def fits(self, inputs: tuple, targets: Optional[torch.Tensor]) -> tuple[bool, Optional[int]]:
         """Whether a whole training step (forward, loss, backward, optimizer step) fits on the device
         at the batch of ``inputs``, and its measured peak bytes when it does (see the module docstring)."""
