@@ -147,10 +147,3 @@ def _receive(tensor: torch.Tensor, peer: int, network: Optional[NetworkEmulator]
         work.wait()
     if arrival is not None:
         arrival.wait()
-
-
-def link_sizes(points: Sequence[int]) -> str:
-    """'4 KiB .. 2 MiB' for messages."""
-    def text(n: int) -> str:
-        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-    return f"{text(min(points))} .. {text(max(points))}"

@@ -48,6 +48,7 @@ from runtime.profiling.steps import UnitStep
 from runtime.training.precision import Precision
 from whalelike.cluster import Cluster
 from whalelike.errors import WhaleError
+from whalelike.graphs.capture import capture
 from whalelike.spec import check_fields
 from whalelike.workload import Workload
 
@@ -88,8 +89,6 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     _runs += 1
     board = Board(rank, world, run=_runs, enabled=progress)
     board.report(0, 1, "capturing the model")
-
-    from whalelike.graphs.capture import capture   # imports the tracing passes: seconds, only when profiling
 
     model = workload.model.to(device).train()
     example = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in workload.example_args)
@@ -241,6 +240,21 @@ class DeviceMeasurement:
         if self.board is not None:
             self.board.report(self.done, self.total, "waiting for the other ranks' largest batch")
 
+    def _timed(self, inputs: tuple, targets: Optional[torch.Tensor], batch: int) -> list[tuple[float, float]]:
+        """One timed step; a real out-of-memory error (a GPU's allocator holds the unit-cut step's
+        blocks otherwise than the whole step's) is retried once with the cache emptied, then named."""
+        try:
+            return self.step.timed(inputs, targets, batch)
+        except torch.OutOfMemoryError:
+            self.step.release()
+        try:
+            return self.step.timed(inputs, targets, batch)
+        except torch.OutOfMemoryError:
+            self.step.release()
+            raise ProfilingError(
+                f"device {self.spec.name} ({self.spec.kind}): the timed step at batch {batch} ran out of memory although "
+                f"the whole step fitted; profile with --max-batch {max(batch - 1, 1)}") from None
+
     def time(self) -> DeviceProfile:
         """The unit times at the timed batches; the device's figures."""
         step, settings = self.step, self.settings
@@ -252,7 +266,7 @@ class DeviceMeasurement:
             inputs, targets = self.batches.get(batch)
             runs = []
             for attempt in range(per_step):
-                measured = step.timed(inputs, targets, batch)
+                measured = self._timed(inputs, targets, batch)
                 if attempt >= settings.warmup:
                     runs.append(measured)
                 self._tick(f"batch {batch}: timing ({attempt + 1}/{per_step})")

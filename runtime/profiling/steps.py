@@ -171,7 +171,7 @@ class UnitStep:
             del roots, grads
             self.optimizer.step()
         except torch.OutOfMemoryError:
-            self._release()
+            self.release()
             return False
         self.optimizer.zero_grad(set_to_none=True)
         return True
@@ -193,7 +193,7 @@ class UnitStep:
                 self.optimizer.step()
             check_capacity(self.emulator, meter.peak_bytes, self.trials)
         except (torch.OutOfMemoryError, EmulatedOutOfMemoryError):
-            self._release()
+            self.release()
             return False, None
         self.optimizer.zero_grad(set_to_none=True)
         return True, meter.peak_bytes
@@ -204,7 +204,7 @@ class UnitStep:
         spec = self.split.output_spec   # an exported graph returns flat outputs
         return returned if spec is None else tree_unflatten(list(returned), spec)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """After an out-of-memory trial: drop what it allocated (gradients, cached blocks)."""
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
