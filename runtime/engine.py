@@ -107,6 +107,7 @@ class ExecutorContext:
     cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.parallel.boundaries)
     scaler: Optional[PlanLossScaler] = None   # fp16's loss scale, applied where the executors weight the loss
     reduce_dtype: Optional[torch.dtype] = None   # the dtype replicas reduce gradients in (None: their own)
+    precision: str = "fp32"     # what runs (Engine.precision): which captured non-matmul bytes the emulator prices
 
 
 def plan_kind(plan: Plan) -> str:
@@ -115,10 +116,27 @@ def plan_kind(plan: Plan) -> str:
     return "pipeline" if len(plan.stages) > 1 else "data_parallel"
 
 
+def _stage_memory_bytes(ctx: ExecutorContext) -> list[tuple[float, float]]:
+    """Per stage of ``ctx.plan``: (forward, backward) non-matmul bytes per sample, which the
+    emulator prices at the device's memory bandwidth beside the FLOPs
+    (:func:`runtime.parallel.stage_split.stage_memory_bytes_from_plan`). At bf16/fp16 on a device
+    whose bandwidth is emulated, the bytes measured under autocast (the capture's graph run again
+    on fake tensors once, :func:`whalelike.graphs.capture.with_autocast`); elsewhere no bytes are
+    priced and the float32 figures serve."""
+    from runtime.parallel.stage_split import stage_memory_bytes_from_plan
+    from whalelike.graphs.capture import with_autocast
+
+    graphs = ctx.graphs
+    if ctx.precision != "fp32" and ctx.emulator.enabled and ctx.emulator.memory_gbps is not None:
+        graphs = with_autocast(graphs)
+    return stage_memory_bytes_from_plan(graphs, ctx.plan, ctx.precision)
+
+
 def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
     flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
     return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
                                 recompute_layers=[layer.name for layer in ctx.graphs.layers],
+                                memory_bytes_per_sample=_stage_memory_bytes(ctx)[0],
                                 scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
 
 
@@ -130,6 +148,7 @@ def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
 
     return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
                             ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
+                            stage_memory_bytes=_stage_memory_bytes(ctx),
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
                             network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
                             scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
@@ -479,7 +498,8 @@ class Engine:
                              f"(runtime.engine.register_executor); this plan has strategies "
                              f"{[s.strategy for s in self.plan.stages]}")
         ctx = ExecutorContext(self.model, self.plan, self.rank, self.worker, graphs, self.groups, self.loss_fn,
-                              self.emulator, self.device, self.cluster, self.scaler, self.precision.reduce_dtype)
+                              self.emulator, self.device, self.cluster, self.scaler, self.precision.reduce_dtype,
+                              self.precision.name)
         self.graphs, self._context = graphs, ctx
         self.executor = self._collective(lambda: _BUILDERS[kind](ctx))
         self.optimizer = self._make_optimizer(list(self.executor.parameters()))

@@ -1,25 +1,38 @@
 """Emulated devices behave like real ones (issue 20, item 4): each device's efficiency curve, a
 memory-bandwidth-bound cost for the non-matmul work, per-dtype rates that may be slower than the
-spec sheet claims, the presets whose spec sheets lie, and the errors for bad figures.
+spec sheet claims, the presets whose spec sheets lie, and the errors for bad figures; then the
+bytes wired through: capture gives every Layer its non-matmul bytes (against MemoryTrafficMode on
+the real model), the stages sum them, and one short 2-rank spawn runs the Engine on a
+data-parallel and a pipeline plan whose steps are modeled with them.
 
 Every time checked is the emulator's *modeled* time against the formula worked out by hand from
 the spec (no wall time, no timing thresholds); every byte count against the tensors' sizes.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
+import plans
+from dist_utils import run_ranks
+from planner.plan import StagePlan
+from runtime import Engine
 from runtime.emulation.compute import Emulator
-from whalelike import Cluster, Device, SpecError
+from runtime.engine import ExecutorContext, _stage_memory_bytes
+from runtime.parallel.stage_split import stage_flops_from_plan, stage_memory_bytes_from_plan
+from whalelike import Cluster, Device, Network, SpecError
 from whalelike.cluster import Emulation
+from whalelike.graphs.capture import capture, with_autocast
 from whalelike.graphs.memory_traffic import MemoryTrafficMode, forward_backward_bytes, operator_bytes
+from whalelike.graphs.taskgraph import TaskGraphs
 
 GIGA = 1e9
 
@@ -238,3 +251,147 @@ def test_the_new_figures_need_an_emulation_block(field):
     with pytest.raises(SpecError, match=rf"device 'emu-hbm-0' sets {field} but the cluster has no emulation block; "
                                         rf"add `emulation: \{{base_gflops: 2.0\}}` or remove {field} \(2, "):
         dataclasses.replace(plain, devices=(device, *plain.devices[1:]))
+
+
+# -- the bytes captured per layer, and the runs that pass them --------------------------------------
+class Block(nn.Module):
+    """Matmuls with element-wise and norm work between them: every kind of layer the bytes count."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.act, self.norm = nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16)
+        self.l1, self.head = nn.Linear(16, 16, bias=False), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l1(self.norm(self.act(self.l0(x))))))
+
+
+def test_capture_gives_each_layer_the_bytes_its_operators_move_and_pure_matmuls_none():
+    """Per layer, the forward and backward non-matmul bytes per sample; summed over the layers, times
+    the batch, what MemoryTrafficMode counts on the real model (the single-process reference)."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(4, 6)
+    graphs = capture(model, (x,))
+    layers = {layer.name: layer for layer in graphs.layers}
+    forward, backward = forward_backward_bytes(model, (x,))
+    assert_close(sum(l.forward_memory_bytes for l in graphs.layers) * 4, float(forward))
+    assert_close(sum(l.backward_memory_bytes for l in graphs.layers) * 4, float(backward))
+    # element-wise and norm work moves bytes both ways (GELU joins the norm's layer, tanh the head's);
+    # a projection moves none, but for its bias (added inside addmm forward, summed over the batch backward)
+    assert list(layers) == ["l0", "norm", "l1", "head"]
+    for name in ("norm", "head"):
+        assert layers[name].forward_memory_bytes > 0 and layers[name].backward_memory_bytes > 0, name
+    assert layers["head"].forward_memory_bytes == 2 * 16 * 4          # tanh reads and writes 16 floats a sample
+    assert layers["l0"].forward_memory_bytes == 0 < layers["l0"].backward_memory_bytes
+    assert (layers["l1"].forward_memory_bytes, layers["l1"].backward_memory_bytes) == (0.0, 0.0)
+    only_matmuls = capture(nn.Sequential(nn.Linear(6, 16, bias=False), nn.Linear(16, 5, bias=False)), (x,))
+    assert [(l.forward_memory_bytes, l.backward_memory_bytes) for l in only_matmuls.layers] == [(0.0, 0.0)] * 2
+    assert all(l.forward_flops > 0 for l in only_matmuls.layers)
+
+
+def test_the_bytes_round_trip_old_captures_load_and_the_fingerprint_ignores_them():
+    graphs = capture(Block(), (torch.randn(4, 6),))
+    data = graphs.to_dict()
+    back = TaskGraphs.from_dict(data)
+    assert back.layers == graphs.layers and back.fingerprint == graphs.fingerprint
+    # a capture file written before the fields existed loads, pricing no bytes
+    for layer in data["layers"]:
+        del layer["forward_memory_bytes"], layer["backward_memory_bytes"]
+    old = TaskGraphs.from_dict(data)
+    assert all(l.forward_memory_bytes == l.backward_memory_bytes == 0.0 for l in old.layers)
+    # measured costs, like the FLOPs, are not what a fingerprint identifies
+    assert old.fingerprint == graphs.fingerprint
+
+
+def test_stage_bytes_follow_the_plans_layers_and_the_precision_that_runs():
+    """Per stage, the layers' bytes summed as their FLOPs are; at bf16 the bytes measured under
+    autocast (narrower tensors, plus the casts), which the Engine asks for where bandwidth is priced."""
+    graphs = capture(Block(), (torch.randn(4, 6),))
+    n = len(graphs.layers)
+    plan = plans.make_plan([StagePlan(0, [0], list(range(2)), "replicate(1)"),
+                            StagePlan(1, [0], list(range(2, n)), "replicate(1)")],
+                           [plans.worker(0, 0, sizes=[2]), plans.worker(1, 1, sizes=[2])])
+    fp32 = stage_memory_bytes_from_plan(graphs, plan)
+    ls = graphs.layers
+    assert fp32 == [(sum(l.forward_memory_bytes for l in ls[:2]), sum(l.backward_memory_bytes for l in ls[:2])),
+                    (sum(l.forward_memory_bytes for l in ls[2:]), sum(l.backward_memory_bytes for l in ls[2:]))]
+    assert len(stage_flops_from_plan(graphs, plan)) == len(fp32)
+    assert stage_memory_bytes_from_plan(graphs, plan, "bf16") == fp32   # not measured under autocast: float32's
+    cluster = Cluster.preset("emulated-equal-peak")
+    priced = Emulator.for_device(cluster, "emu-gddr-0", 0, "bf16")
+
+    def context(precision, emulator):
+        return ExecutorContext(None, plan, 0, plan.workers[0], graphs, None, None, emulator, torch.device("cpu"),
+                               precision=precision)
+
+    assert _stage_memory_bytes(context("fp32", priced)) == fp32
+    assert _stage_memory_bytes(context("bf16", Emulator.disabled())) == fp32   # nothing priced: nothing measured
+    low = _stage_memory_bytes(context("bf16", priced))
+    measured = [layer.autocast for layer in with_autocast(graphs).layers]
+    assert low == [(sum(m["forward_memory"] for m in measured[:2]), sum(m["backward_memory"] for m in measured[:2])),
+                   (sum(m["forward_memory"] for m in measured[2:]), sum(m["backward_memory"] for m in measured[2:]))]
+    assert low != fp32 and all(b > 0 for pair in low for b in pair)
+
+
+DEVICES = {"emu-0": dict(emulated_speed=1.0, emulated_memory_gbps=2e-5, emulated_half_efficiency_batch=2.0),
+           "emu-1": dict(emulated_speed=0.5, emulated_memory_gbps=5e-5)}
+BASE_GFLOPS = 1e-4
+
+
+def _bytes_cluster() -> Cluster:
+    devices = tuple(Device(name, "emu", "localhost", peak_tflops=1.0, memory_gib=4, **fields)
+                    for name, fields in DEVICES.items())
+    return Cluster("test", devices, Network(2.0, 2.0, 50.0), Emulation(base_gflops=BASE_GFLOPS))
+
+
+def _modeled(device: str, flops: tuple, memory: tuple, sizes) -> tuple[float, float]:
+    """A step's modeled seconds on ``device``, micro-batches of ``sizes``, by the formula; and its bytes term."""
+    fields = DEVICES[device]
+    total = term = 0.0
+    for b in sizes:
+        for f, m in zip(flops, memory):
+            total += expected_seconds(fields["emulated_speed"], BASE_GFLOPS,
+                                      fields.get("emulated_half_efficiency_batch"), fields["emulated_memory_gbps"],
+                                      f * b, b, m * b)
+            term += m * b / (fields["emulated_memory_gbps"] * GIGA)
+    return total, term
+
+
+def _bytes_ranks(rank: int, world_size: int) -> dict:
+    """The Engine on a data-parallel plan, then on a two-stage pipeline: each step's modeled time
+    includes the bytes term of the layers the rank runs."""
+    torch.manual_seed(0)
+    model = Block()
+    g = torch.Generator().manual_seed(1)
+    data = [((torch.randn(5, 6, generator=g),), torch.randint(0, 5, (5,), generator=g)) for _ in range(2)]
+    fingerprint = capture(model, data[0][0]).fingerprint
+    runs = {
+        # both ranks run every layer: rank 0 micro-batches of 3, rank 1 two of 1
+        "dp": ([StagePlan(0, [0], [0, 1, 2, 3], "replicate(2)")], [plans.worker(0, 0, 0, sizes=[3]),
+                                                                  plans.worker(1, 0, 1, sizes=[1, 1])]),
+        # rank 0 the first projection and the element-wise and norm work, rank 1 the rest
+        "pipeline": ([StagePlan(0, [0], [0, 1], "replicate(1)"), StagePlan(1, [0], [2, 3], "replicate(1)")],
+                     [plans.worker(0, 0, sizes=[3, 2]), plans.worker(1, 1, sizes=[3, 2])]),
+    }
+    out = {}
+    for name, (stages, workers) in runs.items():
+        plan = plans.make_plan(stages, workers, model_fingerprint=fingerprint)
+        engine = Engine(copy.deepcopy(model), plan, loss_fn=F.cross_entropy, cluster=_bytes_cluster(), balance="off",
+                        example_args=data[0][0], timeout_s=60)
+        for batch in data:
+            engine.train_step(batch)
+        stage = plan.worker(rank).stage
+        out[name] = {"modeled": [s.modeled_s for s in engine.stats], "sizes": plan.worker(rank).micro_batch_sizes,
+                     "flops": stage_flops_from_plan(engine.graphs, plan)[stage],
+                     "memory": stage_memory_bytes_from_plan(engine.graphs, plan)[stage]}
+    return out
+
+
+def test_engine_steps_are_modeled_with_their_layers_bytes_on_two_ranks():
+    results = run_ranks(_bytes_ranks, 2, init_process_group=False)
+    for rank, result in enumerate(results):
+        for name, run in result.items():
+            want, term = _modeled(f"emu-{rank}", run["flops"], run["memory"], run["sizes"])
+            assert term > 0.1 * want, (rank, name, term, want)   # the bandwidth is a real part of the step
+            for modeled in run["modeled"]:
+                assert_close(modeled, want, msg=f"rank {rank}, {name}")

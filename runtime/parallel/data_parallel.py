@@ -52,7 +52,11 @@ log = logging.getLogger(__name__)
 class DataParallelExecutor:
     """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring).
 
-    ``flops_per_sample`` is ``(forward, backward)`` of the whole model, used only for emulation.
+    ``flops_per_sample`` is ``(forward, backward)`` of the whole model, used only for emulation;
+    ``memory_bytes_per_sample`` the same for the bytes its non-matmul operators move
+    (:func:`runtime.parallel.stage_split.stage_memory_bytes_from_plan`), which the emulator prices at
+    the device's memory bandwidth: both are passed to every forward and backward segment, scaled by
+    the micro-batch's samples.
     ``recompute_layers``: the capture's ``Layer.name`` s, in order; when the plan recomputes, the
     submodule of each that is a module path is checkpointed on its own
     (:func:`runtime.training.recompute.wrap_layers`; none given: the module recomputes whole).
@@ -61,6 +65,7 @@ class DataParallelExecutor:
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
                  emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0),
                  recompute_layers: Sequence[str] = (),
+                 memory_bytes_per_sample: tuple[float, float] = (0.0, 0.0),
                  scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
         self.rank = rank
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
@@ -68,6 +73,7 @@ class DataParallelExecutor:
         self.loss_fn = loss_fn
         self.emulator = emulator or Emulator.disabled()
         self.backward_flops = flops_per_sample[1]
+        self.backward_memory_bytes = memory_bytes_per_sample[1]
         self.module = module
         self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
         self._adopt(plan)
@@ -79,6 +85,7 @@ class DataParallelExecutor:
         if self.recomputes:
             recompute.wrap_stage(module, plan.stages[0].recompute_unit, recompute_layers)
             self.backward_flops += flops_per_sample[0]
+            self.backward_memory_bytes += memory_bytes_per_sample[0]
         # ZeRO shards each of the model's layer modules as a unit of its own (stage 3 gathers one at a time)
         zero = plan.stages[0].zero_stage
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
@@ -90,7 +97,7 @@ class DataParallelExecutor:
                                                     if zero else ())
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
-        self._unpad = self.emulator.pad_forward(module, flops_per_sample[0])
+        self._unpad = self.emulator.pad_forward(module, flops_per_sample[0], memory_bytes_per_sample[0])
 
     @property
     def shares(self) -> list[int]:
@@ -188,7 +195,7 @@ class DataParallelExecutor:
                     if passenger is not None:   # and so does the Engine's passenger, written at send time
                         carrier, fill = passenger.load(total)
                     self.sync.carry(carrier, fill)
-                self.emulator.begin(self.backward_flops * size, size)
+                self.emulator.begin(self.backward_flops * size, size, memory_bytes=self.backward_memory_bytes * size)
                 loss.backward()
                 self.emulator.wait_deadline()  # no-op if the comm hook already waited
                 self.emulator.wait_communication()   # the overlapped all-reduce's modeled end, if any

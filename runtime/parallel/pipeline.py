@@ -37,7 +37,7 @@ both sides post their messages in one global order (:mod:`runtime.parallel.bound
 by peer and tag) and NCCL (by order) agree.
 
 Emulation: each F and each B of a micro-batch is one compute segment of the rank's
-:class:`~runtime.emulation.compute.Emulator` (stage FLOPs per sample times samples), outside every
+:class:`~runtime.emulation.compute.Emulator` (stage FLOPs and non-matmul bytes per sample times samples), outside every
 send and receive (:class:`runtime.parallel.stage_worker.StageWorker` opens them); the replica
 sync's all-reduce of the last backward overlaps it bucket by bucket (:mod:`runtime.replicas.ddp_sync`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
@@ -47,7 +47,7 @@ Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1
 half of backward covering the backward's sends): each B computes the received values' gradients,
 posts their sends, then the parameters' gradients (:mod:`runtime.parallel.split_backward`; the last B arms
 the replica sync before both halves, and DDP's all-reduce fires in the weight half). Emulated as two
-segments that split the stage's backward FLOPs (``_input_share``: half each, none for the input
+segments that split the stage's backward FLOPs and bytes (``_input_share``: half each, none for the input
 half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
 stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
 which the weight half would run again).
@@ -116,7 +116,10 @@ class PipelineExecutor:
 
     ``graph_module``/``node_stage``: the captured model and each node's stage (see
     :func:`runtime.parallel.stage_split.node_stages_from_plan`). ``stage_flops``: per stage, forward and
-    backward FLOPs per sample, for the emulator (:func:`runtime.parallel.stage_split.stage_flops_from_plan`).
+    backward FLOPs per sample, for the emulator (:func:`runtime.parallel.stage_split.stage_flops_from_plan`);
+    ``stage_memory_bytes``: the same for the bytes of the stages' non-matmul operators, which the
+    emulator prices at the device's memory bandwidth
+    (:func:`runtime.parallel.stage_split.stage_memory_bytes_from_plan`; default none).
     ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is rank
     ``r`` of ``group``. ``dp_group``: the process group of every worker of this rank's stage in
     every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
@@ -136,6 +139,7 @@ class PipelineExecutor:
         *,
         emulator: Optional[Emulator] = None,
         stage_flops: Optional[Sequence[tuple[float, float]]] = None,
+        stage_memory_bytes: Optional[Sequence[tuple[float, float]]] = None,
         group: Optional[dist.ProcessGroup] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
         names: Optional[nn.Module] = None,
@@ -173,7 +177,8 @@ class PipelineExecutor:
             flops=stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0),
             sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
             micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler,
-            reduce_dtype=reduce_dtype)
+            reduce_dtype=reduce_dtype,
+            memory_bytes=stage_memory_bytes[self.stage.index] if stage_memory_bytes is not None else (0.0, 0.0))
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)

@@ -215,6 +215,30 @@ def stage_flops_from_plan(graphs, plan) -> list[tuple[float, float]]:
     ]
 
 
+def stage_memory_bytes_from_plan(graphs, plan, precision: str = "fp32") -> list[tuple[float, float]]:
+    """Per stage: (forward, backward) bytes per sample that the stage's non-matmul operators read
+    and write (``Layer.forward_memory_bytes``/``backward_memory_bytes``, summed over the stage's
+    layers as :func:`stage_flops_from_plan` sums FLOPs), for the emulator's memory-bandwidth term
+    (:mod:`runtime.emulation.compute`). At ``precision`` other than ``"fp32"``, the figures captured
+    under autocast (``Layer.autocast``) when every layer has them (what
+    :func:`whalelike.graphs.capture.with_autocast` adds), else the float32 ones. A capture without
+    the fields (a file written before they existed) gives 0: no bytes priced."""
+    by_index = {layer.index: layer for layer in graphs.layers}
+    measured = precision != "fp32" and all(layer.autocast is not None and "forward_memory" in layer.autocast
+                                           for layer in graphs.layers)
+
+    def of(layer) -> tuple[float, float]:
+        if measured:
+            return layer.autocast["forward_memory"], layer.autocast["backward_memory"]
+        return layer.forward_memory_bytes, layer.backward_memory_bytes
+
+    out = []
+    for sp in sorted(plan.stages, key=lambda sp: sp.index):
+        pairs = [of(by_index[i]) for i in sp.layers]
+        out.append((float(sum(f for f, _ in pairs)), float(sum(b for _, b in pairs))))
+    return out
+
+
 # -- internals ------------------------------------------------------------------------------------
 def _is_input_size(node: fx.Node) -> bool:
     """``x.size(...)`` of a model input: torch.export's dynamic batch size (``aten.sym_size.int``)."""

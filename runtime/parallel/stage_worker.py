@@ -13,9 +13,10 @@ room and each analysis runs once, here, at construction:
   (:mod:`runtime.replicas.replica_sync`: DDP today), tied parameters shared with other stages
   (:mod:`runtime.parallel.tied_weights`) and BatchNorm statistics over its data-parallel group
   (:mod:`runtime.parallel.sync_batchnorm`);
-* its compute segments for the emulator: one per forward and backward of a micro-batch, or, on a
-  tensor-parallel stage, none here (its layers pad matmul by matmul, since a stage-wide segment
-  would span their collectives);
+* its compute segments for the emulator: one per forward and backward of a micro-batch, with the
+  stage's FLOPs and non-matmul bytes per sample times its samples, or, on a tensor-parallel stage,
+  none here (its layers pad matmul by matmul, since a stage-wide segment would span their
+  collectives; those matmul segments move no non-matmul bytes);
 * its backward, whole or in the two halves of delayed weight gradients
   (:mod:`runtime.parallel.split_backward`).
 
@@ -64,21 +65,25 @@ class StageWorker:
     names the state uses (shares its tensors with ``graph_module``); ``feature_shards``: the
     boundary values that leave their (tensor-parallel) stage as feature shards, from the unsharded
     graphs; ``dp_group``: every worker of this stage in every replica; ``micro_batches``: rank ->
-    its number of micro-batches (the BatchNorm sync needs equal counts).
+    its number of micro-batches (the BatchNorm sync needs equal counts). ``flops`` and
+    ``memory_bytes``: the stage's (forward, backward) FLOPs and non-matmul bytes per sample, for
+    the emulator (:func:`runtime.parallel.stage_split.stage_flops_from_plan`,
+    :func:`~runtime.parallel.stage_split.stage_memory_bytes_from_plan`).
     """
 
     def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: dist.ProcessGroup,
                  graph_module: fx.GraphModule, names: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
                  dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int],
-                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
+                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 memory_bytes: tuple[float, float] = (0.0, 0.0)):
         self.plan, self.rank, self.group, self.split = plan, rank, group, split
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.reduce_dtype = reduce_dtype   # the dtype the replica sync reduces gradients in (None: their own)
         self.worker = plan.worker(rank)
         self.stage = split.stages[self.worker.stage]
         self.is_last = self.stage.index == split.num_stages - 1
-        self.emulator, self.flops = emulator, flops
+        self.emulator, self.flops, self.memory_bytes = emulator, flops, memory_bytes
         self._state_names = self._model_names(names)
         # before sharding: creates the tied parameters' groups and makes their copies equal
         self.tied = TiedParameters(split, plan, rank, group, names)
@@ -106,6 +111,7 @@ class StageWorker:
         if self.recomputes:
             recompute.wrap_stage(self.stage.module, plan.stages[self.stage.index].recompute_unit)
             self.flops = (flops[0], flops[1] + flops[0])
+            self.memory_bytes = (memory_bytes[0], memory_bytes[1] + memory_bytes[0])
         self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
 
     # -- compute ----------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ class StageWorker:
         """The stage's outputs on ``n`` samples (one compute segment); on the last stage, the loss
         weighted by ``n / global_batch_size`` under the key ``None``, and what this worker adds to
         the reported loss (the members of a tensor-parallel group share one)."""
-        with self._segment(self.flops[0] * n, n):
+        with self._segment(self.flops[0] * n, n, self.memory_bytes[0] * n):
             with self.sync.no_sync():
                 outputs = self.stage.unpack(self.module(*args))
             if not self.is_last:
@@ -133,25 +139,28 @@ class StageWorker:
         ``send_input_grads({value: gradient})`` for the ``received`` values. ``last``: the step's
         last backward, which the replica sync arms (forwards ran under ``no_sync``). With delayed
         weight gradients the input gradients are sent between the two halves; ``input_share`` is
-        the input half's share of the backward FLOPs (:meth:`PipelineExecutor._input_share`)."""
+        the input half's share of the backward FLOPs (:meth:`PipelineExecutor._input_share`), and of
+        its non-matmul bytes, which are split the same way."""
         arm = self.sync.syncs and last
         if arm:
             self.sync.arm(roots)
         if self.splits_backward():
             values = list(received)
             with self.sync.no_sync() if not arm else nullcontext():
-                self.emulator.begin(self.flops[1] * n * input_share, n)
+                self.emulator.begin(self.flops[1] * n * input_share, n,
+                                    memory_bytes=self.memory_bytes[1] * n * input_share)
                 input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
                                                        self.stage.module.parameters())
                 self.emulator.wait_deadline()
                 send_input_grads(dict(zip(values, input_grads)))
-                self.emulator.begin(self.flops[1] * n * (1.0 - input_share), n)
+                self.emulator.begin(self.flops[1] * n * (1.0 - input_share), n,
+                                    memory_bytes=self.memory_bytes[1] * n * (1.0 - input_share))
                 weights.run()
                 self.emulator.wait_deadline()   # no-op if the sync's hook already waited
             self.emulator.wait_communication()
             return
         if self.segments_per_stage:
-            self.emulator.begin(self.flops[1] * n, n)
+            self.emulator.begin(self.flops[1] * n, n, memory_bytes=self.memory_bytes[1] * n)
         if arm:
             torch.autograd.backward(roots, grads)
         elif roots:
@@ -300,5 +309,6 @@ class StageWorker:
             out[key] = names[id(t)]
         return out
 
-    def _segment(self, flops: float, samples: int):
-        return self.emulator.segment(flops, samples) if self.segments_per_stage else nullcontext()
+    def _segment(self, flops: float, samples: int, memory_bytes: float = 0.0):
+        return (self.emulator.segment(flops, samples, memory_bytes=memory_bytes) if self.segments_per_stage
+                else nullcontext())

@@ -7,9 +7,12 @@ The pipeline, one module per step:
 2. :mod:`whalelike.graphs.regions` assigns every node a TaskGraph and a Layer, and
    :mod:`whalelike.graphs.constant_copies` copies values derived only from constants (position ids, masks,
    rotary tables) into each TaskGraph that uses them;
-3. :mod:`whalelike.graphs.costs` measures FLOPs, saved activations and value shapes on meta tensors;
-4. this module sums those per Layer and per TaskGraph, attributes parameters (each shared parameter
-   once, to the first Layer that uses it), and finds the tensors crossing TaskGraph boundaries.
+3. :mod:`whalelike.graphs.costs` measures FLOPs, the non-matmul operators' memory traffic
+   (:mod:`whalelike.graphs.memory_traffic`), saved activations and value shapes on fake tensors;
+4. this module sums those per Layer (FLOPs and activations per TaskGraph too; the memory traffic
+   stays per Layer: the emulator prices it per stage, the planner never reads it), attributes
+   parameters (each shared parameter once, to the first Layer that uses it), and finds the tensors
+   crossing TaskGraph boundaries.
 """
 from __future__ import annotations
 
@@ -163,6 +166,8 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             index=i, name=name, taskgraph=regions.layer_taskgraph[i],
             forward_flops=sum(costs.forward_flops.get(n.name, 0) for n in nodes) / batch,
             backward_flops=sum(costs.backward_flops.get(n.name, 0) for n in nodes) / batch,
+            forward_memory_bytes=sum(costs.forward_memory_bytes.get(n.name, 0) for n in nodes) / batch,
+            backward_memory_bytes=sum(costs.backward_memory_bytes.get(n.name, 0) for n in nodes) / batch,
             param_bytes=sum(p.numel() * p.element_size() for p in owned),
             param_count=sum(p.numel() for p in owned),
             max_param_bytes=max((p.numel() * p.element_size() for p in owned), default=0),
@@ -177,7 +182,9 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             autocast=None if low is None else {
                 "activation": sum(autocast_costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
                 "input_activation": low["input_activation"][i], "cut": low["cut"][i], "output": low["output"][i],
-                "param_copy": float(sum(autocast_costs.param_copy_bytes.get(n.name, 0) for n in nodes))},
+                "param_copy": float(sum(autocast_costs.param_copy_bytes.get(n.name, 0) for n in nodes)),
+                "forward_memory": sum(autocast_costs.forward_memory_bytes.get(n.name, 0) for n in nodes) / batch,
+                "backward_memory": sum(autocast_costs.backward_memory_bytes.get(n.name, 0) for n in nodes) / batch},
         ))
 
     graphs = []

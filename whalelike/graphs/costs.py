@@ -1,4 +1,4 @@
-"""Measure per-node costs of a captured graph on fake tensors: FLOPs, saved activations, output shapes.
+"""Measure per-node costs of a captured graph on fake tensors: FLOPs, memory traffic, saved activations, output shapes.
 
 One forward and one backward of a *fake* copy of the graph (``FakeTensorMode``: tensors that know
 their shape, dtype and device but own no memory, so no real compute and nothing allocated for a big
@@ -20,14 +20,26 @@ charges the difference to
   (``torch._C._current_autograd_node()``; autograd sequence numbers grow in creation order, so the
   sequence number locates the creating graph node).
 
-So the per-node numbers sum exactly to FlopCounterMode's totals. Activations are what autograd
-saves for backward (``saved_tensors_hooks``), each storage counted once per group (TaskGraph: a
-tensor saved in two TaskGraphs lives on two devices) and parameters/buffers never, charged to the
-node that first saved it. Each saved tensor is also recorded with the node that produced it
-(``NodeCosts.saved``: the node whose output it is, or the node inside whose operators it was made),
-so capture can tell a stage's inputs that its first layer saves (a pipeline's received buffer, held
-by the caller whatever the stage saves) and the tensors a ``split`` group divides from the ones
-every tensor-parallel rank holds whole.
+So the per-node numbers sum exactly to FlopCounterMode's totals.
+
+Memory traffic: :class:`whalelike.graphs.memory_traffic.MemoryTrafficMode` runs beside the counter
+(the bytes the non-matmul operators read and write: element-wise, norms, softmax, casts, gathers;
+matmuls count 0 there, being priced by their FLOPs), and its running ``total`` is attributed per
+node exactly as the FLOPs are, forward and backward (``NodeCosts.forward_memory_bytes``,
+``backward_memory_bytes``). What runs outside every node and every autograd node is charged to
+``"<unattributed>"``, as for FLOPs: the seed gradients of ones made here for the graph's outputs
+(a pipeline's next stage sends those; a loss makes them), so the per-node bytes are the layers'
+own traffic (``total_backward_memory_bytes`` includes the seeds). It is the emulator's bandwidth
+term (:mod:`runtime.emulation.compute`), never read by the planner; why it is not derived from
+the activations: :mod:`whalelike.graphs.memory_traffic`.
+
+Activations are what autograd saves for backward (``saved_tensors_hooks``), each storage counted
+once per group (TaskGraph: a tensor saved in two TaskGraphs lives on two devices) and
+parameters/buffers never, charged to the node that first saved it. Each saved tensor is also
+recorded with the node that produced it (``NodeCosts.saved``: the node whose output it is, or the
+node inside whose operators it was made), so capture can tell a stage's inputs that its first layer
+saves (a pipeline's received buffer, held by the caller whatever the stage saves) and the tensors a
+``split`` group divides from the ones every tensor-parallel rank holds whole.
 
 Mixed precision (``measure(..., autocast_dtype=torch.bfloat16)``): the same run under
 ``torch.autocast``, so each saved tensor and each output has the dtype autocast gives it: matmul
@@ -102,8 +114,13 @@ class NodeCosts:
     # node's output rather than a tensor made inside it, bytes); saved_bytes sums it by saver
     saved: list[tuple[str, str, bool, int]] = field(default_factory=list)
     param_copy_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # autocast's weight casts
+    # bytes read and written by the non-matmul operators (whalelike.graphs.memory_traffic), attributed as the FLOPs
+    forward_memory_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    backward_memory_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     total_forward_flops: float = 0.0
     total_backward_flops: float = 0.0
+    total_forward_memory_bytes: int = 0
+    total_backward_memory_bytes: int = 0
 
 
 def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int],
@@ -129,6 +146,9 @@ def _device_type(fake_gm: fx.GraphModule, fake_inputs: list[Any]) -> str:
 
 def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, int],
              autocast_dtype: Optional[torch.dtype] = None) -> NodeCosts:
+    # imported here: memory_traffic imports this module's ATTENTION_FLOP_FORMULAS (the matmuls it leaves to FLOPs)
+    from whalelike.graphs.memory_traffic import MemoryTrafficMode
+
     costs = NodeCosts()
     persistent = {id(t): t for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
     interp = _Recorder(fake_gm, costs)
@@ -149,18 +169,21 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
         return t
 
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
+    traffic = MemoryTrafficMode()
     casting = (torch.autocast(_device_type(fake_gm, fake_inputs), dtype=autocast_dtype)
                if autocast_dtype is not None else contextlib.nullcontext())
     try:
-        with counter, _Attribution(counter, interp, costs, persistent, param_copies), casting, \
+        with counter, traffic, _Attribution(counter, interp, costs, persistent, param_copies, traffic), casting, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = interp.run(*fake_inputs, enable_io_processing=False)
             interp.current = None
             costs.total_forward_flops = counter.get_total_flops()
+            costs.total_forward_memory_bytes = traffic.total
             roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
             costs.total_backward_flops = counter.get_total_flops() - costs.total_forward_flops
+            costs.total_backward_memory_bytes = traffic.total - costs.total_forward_memory_bytes
     except Exception as e:  # noqa: BLE001 - name the node that failed
         where = interp.current or "backward"
         raise CaptureError(
@@ -225,18 +248,21 @@ class _Recorder(fx.Interpreter):
 
 
 class _Attribution(TorchDispatchMode):
-    """Charges each operator's FLOPs (as FlopCounterMode counted them) to a graph node."""
+    """Charges each operator's FLOPs (as FlopCounterMode counted them) and its bytes (as the
+    ``traffic`` mode, a :class:`whalelike.graphs.memory_traffic.MemoryTrafficMode` entered below
+    this one, counted them) to a graph node."""
 
     def __init__(self, counter: FlopCounterMode, interp: _Recorder, costs: NodeCosts,
-                 persistent: Optional[dict] = None, param_copies: Optional[dict] = None):
+                 persistent: Optional[dict] = None, param_copies: Optional[dict] = None, traffic: Any = None):
         super().__init__()
-        self.counter, self.interp, self.costs = counter, interp, costs
+        self.counter, self.interp, self.costs, self.traffic = counter, interp, costs, traffic
         self.persistent = persistent if persistent is not None else {}
         self.param_copies = param_copies if param_copies is not None else {}
         self._cast: set[int] = set()   # parameters already cast (autocast casts each once per region)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.counter.get_total_flops()
+        bytes_before = self.traffic.total if self.traffic is not None else 0
         out = func(*args, **(kwargs or {}))
         if (func is aten._to_copy.default and args and id(args[0]) in self.persistent
                 and isinstance(out, torch.Tensor) and torch._C._current_autograd_node() is None):
@@ -245,11 +271,17 @@ class _Attribution(TorchDispatchMode):
                 self._cast.add(id(args[0]))
                 self.costs.param_copy_bytes[self.interp.current] += out.numel() * out.element_size()
         delta = self.counter.get_total_flops() - before
-        if delta:
+        moved = self.traffic.total - bytes_before if self.traffic is not None else 0
+        if delta or moved:
             autograd_node = torch._C._current_autograd_node()
             if autograd_node is not None:
-                owner = self.interp.creator(autograd_node._sequence_nr())
-                self.costs.backward_flops[owner or "<unattributed>"] += delta
+                owner = self.interp.creator(autograd_node._sequence_nr()) or "<unattributed>"
+                flops, memory = self.costs.backward_flops, self.costs.backward_memory_bytes
             else:
-                self.costs.forward_flops[self.interp.current or "<unattributed>"] += delta
+                owner = self.interp.current or "<unattributed>"
+                flops, memory = self.costs.forward_flops, self.costs.forward_memory_bytes
+            if delta:
+                flops[owner] += delta
+            if moved:
+                memory[owner] += moved
         return out

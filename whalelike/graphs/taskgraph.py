@@ -79,7 +79,17 @@ class Layer:
     ``max_param_bytes``: the largest single parameter the layer owns (0: not recorded, a layer made
     by hand or captured before it was; the planner then takes ``param_bytes``), what ragged ZeRO
     shards hold of one full gradient at a time (:func:`planner.devices.memory.parameter_share`);
-    ``param_tensors``: how many parameters it owns (0: not recorded), one collective each there."""
+    ``param_tensors``: how many parameters it owns (0: not recorded), one collective each there.
+
+    ``forward_memory_bytes`` / ``backward_memory_bytes``: per sample, the bytes the layer's
+    non-matmul operators (element-wise, norms, softmax, casts, gathers) read and write in its
+    forward and its backward (:class:`whalelike.graphs.memory_traffic.MemoryTrafficMode`, attributed
+    per node as the FLOPs are); a layer of matmuls alone moves 0. The emulator prices them at a
+    device's ``emulated_memory_gbps`` (:mod:`runtime.emulation.compute`); the planner does not read
+    them. Measured costs like the FLOPs, so not in the fingerprint; 0 in a layer made by hand or
+    captured before they were (such a capture file still loads, and its segments price no bytes).
+    ``autocast``, when measured, holds them under bf16/fp16 autocast too (keys ``forward_memory``,
+    ``backward_memory``)."""
 
     index: int
     name: str
@@ -98,6 +108,8 @@ class Layer:
     autocast: Optional[dict[str, float]] = None
     max_param_bytes: int = 0
     param_tensors: int = 0
+    forward_memory_bytes: float = 0.0
+    backward_memory_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
