@@ -25,9 +25,9 @@ spec sheet the ways a real one is::
   (``begin``/``segment``/``pad_forward``'s ``memory_bytes``) exactly as the FLOPs are: the emulator
   never looks inside the computation it pads. Not divided by the efficiency (an element-wise
   kernel streams at bandwidth whatever the batch). Off (0 s) for a device without
-  ``emulated_memory_gbps``, so existing clusters model what they always did. The executors do not
-  pass ``memory_bytes`` yet (capture does not count them per layer: docs/ARCHITECTURE.md section 4,
-  "Not emulated"), so today the bandwidth prices only segments given their bytes directly.
+  ``emulated_memory_gbps``, so existing clusters model what they always did. The executors pass
+  each stage's captured bytes per sample times the micro-batch (``Layer.forward_memory_bytes`` /
+  ``backward_memory_bytes``, summed by ``runtime.parallel.stage_split.stage_memory_bytes_from_plan``).
 
 Segments whose real time overran the model are counted and reported; a segment with
 no modeled work (no FLOPs, or no samples: a FLOP-free stage, a rank with an empty share) has no
