@@ -124,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("model", help="path/to/file.py:factory returning a whalelike.Workload with loss_fn and make_batch")
     p.add_argument("--plan", help="plan YAML written by `whalelike plan` (optional when resuming: the checkpoint's)")
     p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
+    p.add_argument("--profile", metavar="PROFILE.yaml",
+                   help="the cluster as `whalelike profile` measured it for this model (the one the plan was made "
+                        "from with `whalelike plan --profile`): re-plans for measured speeds start from its rates")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the peak of a --schedule; default 1e-3)")
     p.add_argument("--precision", choices=list(PRECISIONS),
@@ -192,6 +195,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
+    """The profile of ``--profile`` (checked against the cluster and the plan's precision; the
+    Engine checks the model), or None."""
+    if args.profile is None:
+        return None
+    from planner.devices.profile import Profile
+    return Profile.from_yaml(args.profile, cluster=cluster, precision=args.precision or plan.precision)
+
+
 def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.Plan, cluster: wl.Cluster,
           args, resume: "checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
     """Train a fresh copy of the model under ``plan`` (continuing ``resume`` if given); return its
@@ -205,7 +217,8 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             batch_check_every=args.batch_check_every, precision=args.precision,
                             clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
                             measure_memory=True if args.measure_memory else None,
-                            grad_reduce_dtype=args.grad_reduce_dtype)
+                            grad_reduce_dtype=args.grad_reduce_dtype,
+                            profile=_profile(args, cluster, plan) if name == "whalelike" else None)
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
     losses, step_times, save_times = [], [], []

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkabl
 import torch
 import torch.nn as nn
 
+from planner.devices.profile import Profile
 from planner.plan import Plan, PlanError, Worker
 from planner.plan_checks import check_same_workers
 from planner.shares.layout import check_global_batch
@@ -222,7 +223,9 @@ class Engine:
     a factory ``optimizer -> LR scheduler``, stepped after every optimizer step that happened and
     saved in checkpoints (:mod:`runtime.training.schedules`); ``measure_memory``: record each
     step's peak memory in ``StepStats.peak_memory_bytes`` (default: on GPUs; on CPU it costs a
-    dispatch-mode tracker, :mod:`runtime.training.memory_meter`).
+    dispatch-mode tracker, :mod:`runtime.training.memory_meter`); ``profile``: the cluster as
+    ``whalelike profile`` measured it for this model (:class:`planner.devices.profile.Profile`):
+    re-plans for measured speeds start from its rates and links instead of the spec sheet's.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
@@ -231,7 +234,8 @@ class Engine:
                  balance: "BalanceConfig | str | None" = None, on_nonfinite: str = "raise",
                  batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY, precision: Optional[str] = None,
                  clip_grad_norm: Optional[float] = None, scheduler: Optional[Callable] = None,
-                 measure_memory: Optional[bool] = None, grad_reduce_dtype: str = "fp32"):
+                 measure_memory: Optional[bool] = None, grad_reduce_dtype: str = "fp32",
+                 profile: Optional[Profile] = None):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
@@ -255,6 +259,15 @@ class Engine:
         distributed.check_world_size(plan, world_size, rank)
         self.cluster = cluster if cluster is not None else _preset(plan)
         plan.validate(cluster=self.cluster)
+        # the measured speeds re-plans start from (planner.devices.measured_speeds); checked against
+        # the model once it is captured
+        self.profile = profile
+        if profile is not None:
+            profile.validate(cluster=self.cluster)
+            profile.check_precision(self.precision.name)
+        elif plan.speeds == "profile":
+            log.warning("runtime.Engine runs a plan made from a profile without it (Engine(profile=...), train.py "
+                        "--profile): a re-plan prices the devices from the cluster spec")
         # a precision some device of the plan cannot run (bf16 on a V100): every rank refuses alike
         self.cluster.check_precision(self.precision.name, [w.device for w in plan.workers])
         self.rank = distributed.init(timeout_s)
@@ -492,6 +505,8 @@ class Engine:
 
         graphs = capture(self.model, example_inputs)
         self.plan.validate(graphs=graphs, cluster=self.cluster)
+        if self.profile is not None:
+            self.profile.validate(graphs=graphs)
         kind = plan_kind(self.plan)
         if kind not in _BUILDERS:
             raise WhaleError(f"rank {self.rank}: no step executor for {kind.replace('_', ' ')} plans is registered "

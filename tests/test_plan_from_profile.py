@@ -135,3 +135,27 @@ def test_whalelike_plan_with_a_profile(tmp_path, capsys):
                  "-o", str(tmp_path / "bf16.yaml")]) != 0
     error = capsys.readouterr().err
     assert "profile.yaml" in error and "bf16" in error and not (tmp_path / "bf16.yaml").exists()
+
+
+def test_re_plans_for_measured_speeds_start_from_the_profile():
+    """runtime.Engine(profile=...): the straggler monitor's speeds re-plan on the profile's rates and
+    links (runtime.balance.rebalance), not on the spec sheet's."""
+    from runtime.balance.rebalance import BalanceConfig, Rebalancer
+
+    graphs, cluster = _graphs(), _cluster()
+    profile = emulated_profile(graphs, cluster, gbps=0.05)    # links far slower than the spec's 2 GB/s
+    plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=GLOBAL_BATCH), profile=profile)
+
+    class Owner:      # what the Rebalancer reads of its Engine
+        rank, graphs = 0, _graphs()
+
+        def __init__(self, profile):
+            self.plan, self.cluster, self.profile = plan, cluster, profile
+
+    speeds = [3.0, 3.0, 1.0, 1.0]     # as measured: the first two ranks three times faster
+    owners = Owner(profile), Owner(None)      # held here: the Rebalancer holds its Engine weakly
+    with_profile = Rebalancer(owners[0], BalanceConfig.of("exact"))._new_plan(speeds)[0]
+    without = Rebalancer(owners[1], BalanceConfig.of("exact"))._new_plan(speeds)[0]
+    # the same shares (the measured speeds decide them), priced on the measured links: slower
+    assert [w.micro_batch_sizes for w in with_profile.workers] == [w.micro_batch_sizes for w in without.workers]
+    assert with_profile.prediction.step_time_ms > without.prediction.step_time_ms

@@ -290,7 +290,11 @@ class Rebalancer:
         from planner.balance.replan import plan_changes, rebalance
 
         engine = self.engine
-        new = rebalance(engine.plan, engine.graphs, engine.cluster, list(speeds))
+        cluster = engine.cluster
+        if engine.profile is not None:   # the measured speeds are relative to the profile's rates, not the spec's
+            from planner.devices.measured_speeds import measured_cluster
+            cluster = measured_cluster(cluster, engine.profile, engine.graphs, engine.plan.precision, plan=engine.plan)
+        new = rebalance(engine.plan, engine.graphs, cluster, list(speeds))
         return new, plan_changes(engine.plan, new)
 
     def _apply(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
