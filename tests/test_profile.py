@@ -1,7 +1,8 @@
 """Online profiling (issue 20, items 1-2): ``whalelike profile`` recovers what the emulation was given.
 
-On an emulated cluster of two ranks on two hosts, under the CLI as a user runs it (twice, the
-second run from the cache): the largest batch of each device exactly (against a plain PyTorch
+On an emulated cluster of two ranks on two hosts (one device with its own efficiency curve and a
+memory bandwidth for its non-matmul bytes), under the CLI as a user runs it (twice, the second run
+from the cache): the largest batch of each device exactly (against a plain PyTorch
 training step's peak memory, measured in this process: the emulated capacity sits between the
 peaks of that batch and the next), each unit's time per sample within 5% of the emulator's own
 model of its segments at every measured batch, the link's latency and bandwidth within 10% of the
@@ -95,6 +96,8 @@ def _reference_peaks(batches) -> dict[int, int]:
 LATENCY_US, GBPS = 5000.0, 0.05
 EDGES = {"emu-a-0": 6, "emu-b-0": 3}           # the largest batch each device is given
 SPEEDS = {"emu-a-0": 1.0, "emu-b-0": 0.5}
+# emu-b also has an efficiency curve of its own and a memory bandwidth for its non-matmul bytes
+REALISM = {"emu-a-0": {}, "emu-b-0": {"emulated_half_efficiency_batch": 4, "emulated_memory_gbps": 0.02}}
 
 
 def _cluster_file(tmp_path: Path) -> Path:
@@ -105,7 +108,7 @@ def _cluster_file(tmp_path: Path) -> Path:
         capacity = (peaks[edge] + peaks[edge + 1]) // 2      # between the peak that fits and the next
         devices.append({"name": f"host-{kind}", "devices": [
             {"kind": kind, "peak_tflops": SPEEDS[name] * 0.1 / 1000 / 0.4, "memory_gib": capacity / 2**30,
-             "emulated_speed": SPEEDS[name]}]})
+             "emulated_speed": SPEEDS[name], **REALISM[name]}]})
     spec = {"name": "profile-test", "network": {"intra_host_gbps": GBPS, "inter_host_gbps": GBPS,
                                                 "latency_us": LATENCY_US},
             "emulation": {"base_gflops": 0.1, "half_efficiency_batch": 2, "enforce_memory": True},
@@ -142,9 +145,12 @@ def test_profile_recovers_what_the_emulation_was_given(tmp_path):
         emulator = Emulator.for_device(cluster, device.name, rank)
         try:
             for unit, tg in enumerate(graphs.graphs):
+                layers = [graphs.layers[i] for i in tg.layers]
+                moved = (sum(l.forward_memory_bytes for l in layers), sum(l.backward_memory_bytes for l in layers))
                 for batch, (forward, backward) in device.times[unit].items():
-                    modeled = (emulator.modeled_seconds(tg.forward_flops * batch, batch)
-                               + emulator.modeled_seconds(tg.backward_flops * batch, batch))
+                    modeled = (emulator.modeled_seconds(tg.forward_flops * batch, batch, memory_bytes=moved[0] * batch)
+                               + emulator.modeled_seconds(tg.backward_flops * batch, batch,
+                                                          memory_bytes=moved[1] * batch))
                     # a padded segment lasts its modeled time plus the sleep's wake-up: within 5%
                     assert_close((forward + backward) / batch, modeled / batch, rtol=0.05, atol=0.0,
                                  msg=f"{device.name}, unit {unit}, batch {batch}")

@@ -6,8 +6,8 @@ into one stage module per unit with the pipeline's own cutter
 (:func:`runtime.parallel.stage_split.split_stages`, as the pipeline executor builds a stage from a
 range of layers) and runs a training step through them in one process: each unit's forward (the
 last one's with the loss) and each backward is one compute segment of the device's
-:class:`runtime.emulation.compute.Emulator` (``Emulator.segment`` with the unit's FLOPs, as
-:class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and its wall time is the figure
+:class:`runtime.emulation.compute.Emulator` (``Emulator.segment`` with the unit's FLOPs and
+non-matmul bytes, as :class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and its wall time is the figure
 kept. So on emulated hardware a unit takes whatever the emulation makes a stage take, and on a real
 device what the device takes (the device is synchronised before the clock is read). Boundary
 values are detached between units, as between pipeline stages, and their gradients handed back:
@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -44,9 +45,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from runtime.emulation.compute import EmulatedOutOfMemoryError, Emulator, check_capacity
-from runtime.parallel.stage_split import ModelInput, split_stages
+from runtime.parallel.stage_split import ModelInput, split_stages, stage_memory_bytes_from_plan
 from runtime.training.memory_meter import LiveBytes, MemoryMeter, state_tensors
 from runtime.training.precision import Precision
+from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 # the capture's optimizer names (whalelike.config.OPTIMIZERS), at learning rate 0: state made and
@@ -58,6 +60,21 @@ OPTIMIZERS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.0),
 }
 UNITS = ("taskgraph", "layer")
+
+
+def _unit_memory_bytes(graphs: TaskGraphs, unit: str, emulator: Emulator, precision: str) -> list[tuple[float, float]]:
+    """Per unit: (forward, backward) bytes per sample its non-matmul operators move, which the
+    emulator prices at the device's memory bandwidth, taken as the Engine takes each stage's
+    (:func:`runtime.parallel.stage_split.stage_memory_bytes_from_plan`, the one owner of which
+    figures a precision reads; a unit is a stage of its own layers here): under bf16/fp16 on a
+    device whose bandwidth is emulated, the bytes measured under autocast."""
+    if precision != "fp32" and emulator.enabled and emulator.memory_gbps is not None:
+        graphs = with_autocast(graphs)
+    if unit == "taskgraph":
+        stages = [SimpleNamespace(index=g.index, layers=list(g.layers)) for g in graphs.graphs]
+    else:
+        stages = [SimpleNamespace(index=l.index, layers=[l.index]) for l in graphs.layers]
+    return stage_memory_bytes_from_plan(graphs, SimpleNamespace(stages=stages), precision)
 
 
 class UnitStep:
@@ -78,6 +95,7 @@ class UnitStep:
             self.flops = [(g.forward_flops, g.backward_flops) for g in graphs.graphs]
         else:
             self.flops = [(l.forward_flops, l.backward_flops) for l in graphs.layers]
+        self.memory_bytes = _unit_memory_bytes(graphs, unit, emulator, precision.name)
         self.module: nn.Module = self.split.root
         self.optimizer = OPTIMIZERS[graphs.optimizer]([p for p in self.module.parameters() if p.requires_grad])
         self.trials = 0
@@ -109,7 +127,7 @@ class UnitStep:
                             received[source] = value
                     args.append(value)
                 last = stage.index == self.split.num_stages - 1
-                with self._segment(self.flops[stage.index][0], batch, forward, stage.index):
+                with self._segment(stage.index, 0, batch, forward):
                     outputs = stage.unpack(stage.module(*args))
                     roots, grads = (self._loss_roots(self.split.model_output(outputs), targets) if last
                                     else ([], []))
@@ -124,7 +142,7 @@ class UnitStep:
                     pairs = [(outputs[v], incoming[v]) for v in stage.outputs
                              if v in incoming and isinstance(outputs[v], torch.Tensor) and outputs[v].requires_grad]
                     roots, grads = [r for r, _ in pairs], [g for _, g in pairs]
-                with self._segment(self.flops[stage.index][1], batch, backward, stage.index):
+                with self._segment(stage.index, 1, batch, backward):
                     if roots:
                         torch.autograd.backward(roots, grads)
                 for source, tensor in received.items():
@@ -133,21 +151,26 @@ class UnitStep:
         return list(zip(forward, backward))
 
     @contextmanager
-    def _segment(self, flops_per_sample: float, batch: int, into: list, index: int) -> Iterator[None]:
-        """One compute segment of ``flops_per_sample * batch`` FLOPs on ``batch`` samples (the
-        stage worker's ``Emulator.segment``), its wall time added to ``into[index]``."""
+    def _segment(self, unit: int, phase: int, batch: int, into: list) -> Iterator[None]:
+        """Unit ``unit``'s forward (``phase`` 0) or backward (1) on ``batch`` samples as one compute
+        segment (the stage worker's ``Emulator.segment``: the unit's FLOPs and non-matmul bytes per
+        sample times ``batch``), its wall time added to ``into[unit]``."""
         start = time.perf_counter()
-        with self.emulator.segment(flops_per_sample * batch, batch):
+        with self.emulator.segment(**self._costs(unit, phase, batch)):
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # the kernels, not their launch
-        into[index] += time.perf_counter() - start
+        into[unit] += time.perf_counter() - start
+
+    def _costs(self, unit: int, phase: int, batch: int) -> dict:
+        return dict(flops=self.flops[unit][phase] * batch, samples=batch,
+                    memory_bytes=self.memory_bytes[unit][phase] * batch)
 
     def modeled(self, batch: int) -> list[tuple[float, float]]:
         """What the emulator models each unit's forward and backward segment at ``batch`` to take
         (``Emulator.modeled_seconds`` of the same segments; 0 on real hardware)."""
-        return [(self.emulator.modeled_seconds(f * batch, batch), self.emulator.modeled_seconds(b * batch, batch))
-                for f, b in self.flops]
+        return [(self.emulator.modeled_seconds(**self._costs(u, 0, batch)),
+                 self.emulator.modeled_seconds(**self._costs(u, 1, batch))) for u in range(self.units)]
 
     def _loss_roots(self, prediction: Any, targets: Optional[torch.Tensor]) -> tuple[list, list]:
         """What the backward starts from: the loss, or without a loss function (a workload that
