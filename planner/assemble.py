@@ -18,7 +18,8 @@ step's all-gathers and reduce-scatters of that shard instead
 (:meth:`planner.devices.cost_model.CommModel.zero_ms`), ``gradient_bytes`` 0, so the simulator runs
 them after the backward, not overlapped (FSDP2's prefetch is not modeled: an upper bound); under
 ragged shards (``StagePlan.replica_sync`` ``"ragged"``, ``StagePlan.state_fractions`` in rank order)
-one collective per parameter, padded to the largest rank's rows;
+one collective per bucket (:func:`~planner.devices.cost_model.ragged_collectives`), padded to the largest
+rank's rows;
 ``weights_gib`` ... ``activations_gib`` the memory model's terms at the worker's peak; ``BoundaryPlan.transfer_ms`` is the predicted
 time of the boundary's forward resharding of that micro-batch, every sender ready at once
 (:mod:`planner.schedule.boundary_traffic`: the plan :func:`planner.resharding.reshard.boundary_resharding` makes
@@ -39,7 +40,9 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions, zero_shards
-from planner.devices.cost_model import ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms
+from planner.devices.cost_model import (
+    ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms, ragged_collectives,
+)
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.state_fractions import in_rank_order, padded_scale
@@ -126,8 +129,10 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     backward_of = {b: compute_ms(backward_flops(cost, again) * b * fraction, device, cost.precision) + c * (2 if again else 1)
                    for b, c in tp_comm.items()}
     forward, backward = [forward_of[b] for b in sizes], [backward_of[b] for b in sizes]
+    # a worker of one micro-batch per step holds less under ZeRO 1-2 (planner.devices.memory, "ZeRO")
+    zero = dataclasses.replace(zero_of(dec, s, group), single=len(sizes) == 1)
     memory = stage_memory(cost, dec.in_flight[s], fraction, recompute=again, unit_share=dec.shards[s].unit_share(t),
-                          zero=zero_of(dec, s, group))
+                          zero=zero)
     terms = memory.term_bytes(max(sizes))
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
@@ -144,7 +149,7 @@ def zero_of(dec: Decisions, s: int, group: tuple[Device, ...] | None = None) -> 
     """What stage ``s``'s data-parallel group shards under its ZeRO stage (:class:`ZeroShards`); under
     ragged shards, with ``group``'s own fraction of the state (``Decisions.state_fractions``)."""
     fractions = dec.fractions(s)
-    zero = zero_shards(dec.layout, s, dec.costs[s], dec.zero_stage(s), ragged=bool(fractions))
+    zero = zero_shards(dec.layout, s, dec.costs[s], dec.zero_stage(s), fractions)
     if not fractions or group is None:
         return zero
     return dataclasses.replace(zero, share=fractions[dec.layout.stage_groups(s).index(group)])
@@ -166,9 +171,9 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
         z = dec.zero_stage(s)
         if z:
             units = len(fsdp_units(dec.costs[s], layout.num_stages == 1))
-            if dec.fractions(s):   # ragged: one collective per parameter, padded to the largest rank's rows
+            if dec.fractions(s):   # ragged: one collective per bucket, padded to the largest rank's rows
                 nbytes *= padded_scale(dec.fractions(s))
-                units = dec.costs[s].param_tensors or units
+                units = ragged_collectives(dec.costs[s], z, layout.num_stages == 1)
             ms = comm.zero_ms(z, nbytes, max(len(w.micro_batch_sizes) for w in ws), ring, units)
         else:
             ms = comm.allreduce_ms(nbytes, ring)

@@ -39,13 +39,15 @@ again, so it is the lowest that fits recomputing. A single stage at ZeRO 2-3 run
 micro-batches on every device (:func:`fit_batch`).
 
 Ragged shards (``Decisions.state_fractions``; Cephalo, :mod:`planner.shares.state_fractions`). A
-single-stage plan without ``split`` over two workers or more may, at ZeRO 1 or 2 and with
+single-stage plan without ``split`` over two workers or more may, at ZeRO 1, 2 or 3 and with
 ``Config.ragged_shards`` (the default), give each worker its own fraction of the sharded state, in
 proportion to the memory it has left after what does not shrink with it. The planner chooses them
 exactly when FSDP2's even shards do not fit at that ZeRO stage and ragged ones do, and the fractions
 are not even: per ZeRO stage even shards first, then ragged ones (:func:`_single_stage`), so the
-escalation runs ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even and stops at the first that fits
-(an asked ZeRO stage 1 or 2: even, then ragged). Where even shards fit they are kept, even if ragged
+escalation runs ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even, 3 ragged and stops at the first
+that fits (an asked ZeRO stage: even, then ragged). A pipeline's stages run ragged shards only when
+the plan says so (a plan written by hand, and its re-plans: each stage's group its own fractions);
+the planner's pipeline escalation keeps FSDP2's even shards. Where even shards fit they are kept, even if ragged
 ones would leave more slack. A re-plan keeps the plan's shards, ragged or even. The naive plan takes per stage the lowest ZeRO
 stage at which its equal shares fit (FSDP2 with even shards and even batches, the bench's baseline).
 The pipeline partitioner prices layer ranges at ZeRO 0 (a run that fits only under ZeRO keeps its
@@ -53,6 +55,7 @@ TaskGraph boundaries, as for recompute); a re-plan keeps the plan's ZeRO stages.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -60,8 +63,8 @@ from whalelike.config import ZERO_STAGES, Config
 from whalelike.display import human_bytes
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.cost_model import GIB, CommModel, StageCost, device_tflops
-from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, parameter_share, stage_memory
+from planner.devices.cost_model import GIB, CommModel, StageCost, device_tflops, ragged_collectives
+from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, ragged_unit, stage_memory
 from planner.devices.placement import Layout
 from planner.partition.stage_layers import equal_stage_layers, partition_stage_layers
 from planner.plan import PlanError
@@ -161,7 +164,7 @@ def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_laye
         in_flight = in_flight_per[s]
         again = bool(recompute and recompute[s])
         mine = tuple(fractions[s]) if fractions else ()
-        sharded = zero_shards(layout, s, cost, zero[s] if zero else 0, ragged=bool(mine))
+        sharded = zero_shards(layout, s, cost, zero[s] if zero else 0, mine)
         owners, shardable, groups = stage_shardable(graphs, layers)
         tp = layout.shapes[s].tp
         check_shardable(layout, s, owners, shardable, groups)
@@ -174,7 +177,10 @@ def priced_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_laye
             shards = even_layout(shardable, tp, groups, cost.flops_per_sample)
         else:
             expected = -(-config.global_batch_size // (num_micro_batch * len(layout.stage_groups(s))))
-            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again, sharded)
+            # without split the one shard is the whole stage: only a check that it fits, at the least a
+            # worker holds (one micro-batch per step); the batch fitting prices what each one holds
+            caps = dataclasses.replace(sharded, single=True) if tp == 1 and sharded.stage else sharded
+            shards = aware_shards(layout, s, cost, in_flight, shardable, groups, expected, again, caps)
         out.append(PricedStage(s, cost, in_flight, shards, again, sharded, ragged))
     return out
 
@@ -281,14 +287,14 @@ def _single_stage(graphs, config, layout, network, stage_layers, shards, reasons
 
     At each ZeRO stage of the ladder, lowest first: FSDP2's even shards (skipped at a stage that
     holds no less than the last one tried with even shards, :func:`next_zero`), then, when they do not
-    fit and the stage may run them (:func:`ragged_allowed`: ZeRO 1 or 2, ``Config.ragged_shards``, no
+    fit and the stage may run them (:func:`ragged_allowed`: ZeRO 1-3, ``Config.ragged_shards``, no
     ``split``, two workers or more, not a re-plan), ragged shards with the fractions of
     :func:`planner.shares.state_fractions.ragged_fractions` (:func:`_ragged`), unless those are even.
-    So the order is ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even: ragged shards are chosen
-    exactly when even shards do not fit at that ZeRO stage and ragged ones do, which keeps the plan
-    at a lower ZeRO stage, or fits a model even ZeRO 3 cannot (ragged ZeRO 2 holds the whole weights
-    but only ``f_r`` of the rest, 0 on a device with no room). A re-plan (``kept``) keeps the plan's
-    shards, ragged or even."""
+    So the order is ZeRO 0, 1 even, 1 ragged, 2 even, 2 ragged, 3 even, 3 ragged: ragged shards are
+    chosen exactly when even shards do not fit at that ZeRO stage and ragged ones do, which keeps the
+    plan at a lower ZeRO stage, or fits a model even ZeRO 3 cannot (ragged ZeRO 3 holds ``f_r`` of
+    everything but one layer unit and the root; ragged ZeRO 2 the whole weights but only ``f_r`` of
+    the rest). A re-plan (``kept``) keeps the plan's shards, ragged or even."""
     gbs, m = config.global_batch_size, config.num_micro_batch
     error, ragged_tried = None, False
     while True:
@@ -329,10 +335,11 @@ def _single_stage(graphs, config, layout, network, stage_layers, shards, reasons
 
 
 def ragged_allowed(config: Config, layout: Layout, s: int, zero_stage: int) -> bool:
-    """Whether stage ``s`` may run ragged state shards at ``zero_stage``: ZeRO 1 or 2, ``Config.ragged_shards``,
-    a single-stage plan without ``split`` (what ``runtime.replicas.ragged_sync`` runs) over two workers or more."""
-    return (config.ragged_shards and zero_stage in (1, 2) and layout.num_stages == 1 and layout.shapes[s].tp == 1
-            and len(layout.stage_groups(s)) >= 2)
+    """Whether the planner may give stage ``s`` ragged state shards at ``zero_stage``: ZeRO 1-3,
+    ``Config.ragged_shards``, a single-stage plan (the one the escalation chooses them for) without
+    ``split`` (what ``runtime.replicas.ragged_sync`` runs) over two workers or more."""
+    return (config.ragged_shards and zero_stage in (1, 2, 3) and layout.num_stages == 1
+            and layout.shapes[s].tp == 1 and len(layout.stage_groups(s)) >= 2)
 
 
 def _ragged(graphs, config, layout, network, stage_layers, reasons, zeros, z: int, decided) -> Decisions | None:
@@ -343,7 +350,7 @@ def _ragged(graphs, config, layout, network, stage_layers, reasons, zeros, z: in
     gbs, m = config.global_batch_size, config.num_micro_batch
     cost = StageCost.of_layers(graphs, stage_layers[0], config.precision)
     groups = layout.stage_groups(0)
-    most = MAX_MICRO_BATCHES if z < 2 else min(gbs // len(groups), MAX_MICRO_BATCHES)   # ZeRO 2: a sample each
+    most = MAX_MICRO_BATCHES if z < 2 else min(gbs // len(groups), MAX_MICRO_BATCHES)   # ZeRO 2-3: a sample each
     found = ragged_fractions(cost, in_flight_per_stage(config.schedule, 1, m)[0], bool(reasons[0]), z,
                              [g[0].memory_gib * GIB for g in groups],
                              [device_tflops(g[0], config.precision) for g in groups], gbs, m, most)
@@ -370,28 +377,35 @@ def fit_batch(layout: Layout, st: PricedStage, gbs: int, m: int, network) -> tup
 def zero_comm(layout: Layout, st: PricedStage, network):
     """``k -> ms``: stage ``st``'s ZeRO collectives per step with ``k`` micro-batches, the slowest
     tensor-parallel index's ring (:meth:`planner.devices.cost_model.CommModel.zero_ms`); under ragged
-    shards one collective per parameter, each padded to the largest rank's rows
+    shards one collective per bucket (:func:`~planner.devices.cost_model.ragged_collectives`), each
+    padded to the largest rank's rows
     (:func:`~planner.shares.state_fractions.padded_scale`)."""
     comm = CommModel(network)
     groups = layout.stage_groups(st.index)
     units = len(fsdp_units(st.cost, layout.num_stages == 1))
     rings = [[g[t] for g in groups] for t in range(len(groups[0]))]
     scale = 1.0
-    if st.ragged:   # one padded collective per parameter (runtime.replicas.ragged_sync)
-        scale, units = padded_scale(st.state_fractions), st.cost.param_tensors or units
+    if st.ragged:   # one padded collective per bucket (runtime.replicas.ragged_sync)
+        scale = padded_scale(st.state_fractions)
+        units = ragged_collectives(st.cost, st.zero.stage, layout.num_stages == 1)
     return lambda k: max(comm.zero_ms(st.zero.stage, st.cost.param_bytes * st.shards.fractions[t] * scale, k, ring,
                                       units)
                          for t, ring in enumerate(rings))
 
 
 # -- ZeRO stages ------------------------------------------------------------------------------------
-def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int, ragged: bool = False) -> ZeroShards:
+def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int, fractions=()) -> ZeroShards:
     """What stage ``s``'s data-parallel group (its groups over every replica) shards at ZeRO ``stage``;
-    ``ragged``: under ragged shards, whose ``u`` is the largest parameter's share
-    (:func:`~planner.devices.memory.parameter_share`; each worker's own fraction:
-    :meth:`~planner.shares.batch_fit.PricedStage.zero_of`)."""
-    unit = parameter_share(cost) if ragged else fsdp_unit_share(cost, layout.num_stages == 1)
-    return ZeroShards(stage, len(layout.stage_groups(s)), unit)
+    ``fractions``: the group's ragged state fractions (empty: FSDP2's even shards), whose buckets
+    (:func:`~planner.devices.memory.ragged_unit`) and padding (``n * max(f)``,
+    :func:`~planner.shares.state_fractions.padded_scale`) every worker's buffers follow (each
+    worker's own fraction: :meth:`~planner.shares.batch_fit.PricedStage.zero_of`)."""
+    whole_model = layout.num_stages == 1
+    if fractions and stage:
+        unit, root = ragged_unit(cost, stage, whole_model)
+        return ZeroShards(stage, len(layout.stage_groups(s)), unit, share=1.0 / len(fractions),
+                          padding=padded_scale(fractions), root=root)
+    return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, whole_model))
 
 
 def asked_zero(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[int | None]:
@@ -460,7 +474,7 @@ def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool, r
     """What the ZeRO escalation tried for stage ``s`` (``ragged``: ragged state shards too), for the
     error that follows."""
     workers = len(layout.stage_groups(s))
-    shards = ", with even and with ragged state shards at ZeRO 1-2" if ragged else ""
+    shards = ", with even and with ragged state shards at ZeRO 1-3" if ragged else ""
     if replanning:
         return f" (a re-plan keeps ZeRO stage {zeros[s]} of the plan in force)" if zeros[s] else ""
     if fixed[s] is not None:

@@ -6,7 +6,7 @@ zero-blind fingerprint, nesting), ``Config.zero_stage`` and ``whalelike plan --z
 model's three static fractions per ZeRO stage against the formulas (FSDP units of a real GPT-2 and
 of a pipeline stage); Poplar's escalation on a real ``transformers`` GPT-2 whose full replica does not
 fit the smallest device (the lowest ZeRO stage that fits, before activation checkpointing; the
-naive plan too); equal micro-batch counts at ZeRO 2-3 with larger micro-batches on faster devices;
+naive plan too; a worker of one micro-batch per step priced as such); equal micro-batch counts at ZeRO 2-3 with larger micro-batches on faster devices;
 the ZeRO collectives in ``Worker.allreduce_ms``; a pipeline's escalation; a re-plan keeping the
 ZeRO stage; plan YAML round trip, old plan files, and the plan checks; the errors (a ZeRO stage on a
 stage of one worker, values out of range, a model too big for any ZeRO stage naming the device and
@@ -25,7 +25,7 @@ import whalelike as wl
 from hf_models import gpt2
 from planner.balance.replan import rebalance
 from planner.devices.cost_model import GIB, CommModel, StageCost, zero_collectives
-from planner.devices.memory import ZeroShards, fsdp_unit_share, fsdp_units, stage_memory
+from planner.devices.memory import REDUCE_SCATTER_COPIES, ZeroShards, fsdp_unit_share, fsdp_units, stage_memory
 from planner.plan import Plan, PlanError
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike.cluster import Cluster, Device, Network
@@ -51,10 +51,11 @@ def whole(graphs: TaskGraphs) -> StageCost:
     return StageCost.of_layers(graphs, list(range(len(graphs.layers))))
 
 
-def need(graphs: TaskGraphs, zero: int, samples: int = 1, workers: int = 4) -> float:
-    """Bytes a worker of the whole model's single stage holds at ZeRO ``zero`` with ``samples`` samples."""
+def need(graphs: TaskGraphs, zero: int, samples: int = 1, workers: int = 4, single: bool = False) -> float:
+    """Bytes a worker of the whole model's single stage holds at ZeRO ``zero`` with ``samples`` samples
+    (``single``: running one micro-batch per step; else accumulating over several)."""
     cost = whole(graphs)
-    return stage_memory(cost, 1, zero=ZeroShards(zero, workers, fsdp_unit_share(cost, True))).total(samples)
+    return stage_memory(cost, 1, zero=ZeroShards(zero, workers, fsdp_unit_share(cost, True), single=single)).total(samples)
 
 
 def cluster_of(memories_bytes, speeds=SPEEDS, name: str = "hetero") -> Cluster:
@@ -126,13 +127,18 @@ def test_memory_terms_per_zero_stage_equal_the_formulas(gpt2_graphs):
     # a pipeline stage is one unit, the stage module
     assert fsdp_units(cost, False) == (cost.param_bytes,) and fsdp_unit_share(cost, False) == 1.0
     W, G, O = cost.param_bytes + cost.param_copy_bytes, cost.param_bytes, cost.optimizer_bytes
-    for n in (2, 4):
+    c = REDUCE_SCATTER_COPIES
+    assert c == 1   # gloo copies a reduce-scatter's input (planner.devices.memory, "ZeRO")
+    for n, single in ((2, False), (4, False), (4, True)):
         f = 1 / n
-        formulas = {0: (1, 1, 1), 1: (1 + f, 1 + f, f), 2: (1 + f, f + u, f), 3: (f + 2 * u, f + u, f)}
+        # accumulating over micro-batches: stage 1 holds the whole gradients, stage 2 the sharded one
+        # through the later backwards; one micro-batch per step: only a unit's buffers beyond the rest
+        formulas = {0: (1, 1, 1), 1: (1 + f, (1 + c) * u if single else 1 + c * u, f),
+                    2: (1 + f, (1 + c) * u if single else f + (1 + c) * u, f), 3: (f + 2 * u, f + (1 + c) * u, f)}
         assert 2 * u < 1   # so stage 3's gathered units are the two largest blocks
         for z, (w, g, o) in formulas.items():
             for shard in (1.0, 0.5):   # times the tensor-parallel shard, as every term
-                memory = stage_memory(cost, 1, shard, zero=ZeroShards(z, n, u))
+                memory = stage_memory(cost, 1, shard, zero=ZeroShards(z, n, u, single=single))
                 terms = memory.term_bytes(3)
                 assert terms["weight"] == pytest.approx(shard * w * W, rel=1e-12)
                 assert terms["gradient"] == pytest.approx(shard * g * G, rel=1e-12)
@@ -141,9 +147,9 @@ def test_memory_terms_per_zero_stage_equal_the_formulas(gpt2_graphs):
                 assert memory.total(3) == pytest.approx(sum(terms.values()), rel=1e-12)
                 assert memory.max_samples(memory.total(3)) == 3   # max_samples stays the inverse
     # one unit gathered at stage 3 is the whole stage once, never twice
-    assert ZeroShards(3, 4, 1.0).fractions() == (0.25 + 1.0, 1.25, 0.25)
+    assert ZeroShards(3, 4, 1.0).fractions() == (0.25 + 1.0, 0.25 + 1.0 + c, 0.25)
     assert ZeroShards(0, 4, 0.3).fractions() == (1.0, 1.0, 1.0)
-    for bad in (dict(stage=4), dict(group=0), dict(unit=0.0), dict(unit=1.5)):
+    for bad in (dict(stage=4), dict(group=0), dict(unit=0.0), dict(unit=1.5), dict(single=1)):
         with pytest.raises(ValueError):
             ZeroShards(**bad)
 
@@ -154,8 +160,9 @@ def test_escalation_picks_the_lowest_zero_stage_that_fits(gpt2_graphs, zero):
     cluster = small_last(gpt2_graphs, zero)
     smallest = cluster.devices[-1].memory_gib * GIB
     assert need(gpt2_graphs, 0) > smallest   # not even a full replica's state and one sample fits it
-    # FSDP2's even shards only (ragged ones fit a stage lower: tests/test_zero_ragged_planning.py)
-    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32, ragged_shards=False))
+    # FSDP2's even shards only (ragged ones fit a stage lower: tests/test_zero_ragged_planning.py), two
+    # micro-batches per step (a worker of one holds less at ZeRO 1-2: the next test)
+    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32, num_micro_batch=2, ragged_shards=False))
     (st,) = plan.stages
     assert (st.zero_stage, st.zero_reason, st.replica_sync) == (zero, "fit", "fsdp")
     assert not st.recompute   # ZeRO first, activation checkpointing only as the last resort
@@ -165,6 +172,7 @@ def test_escalation_picks_the_lowest_zero_stage_that_fits(gpt2_graphs, zero):
     # the worker's figures are the memory model's under that stage, term by term
     cost, u = whole(gpt2_graphs), fsdp_unit_share(whole(gpt2_graphs), True)
     last = plan.workers[-1]
+    assert len(last.micro_batch_sizes) == 2
     terms = stage_memory(cost, 1, zero=ZeroShards(zero, 4, u)).term_bytes(max(last.micro_batch_sizes))
     assert last.weights_gib * GIB == pytest.approx(terms["weight"], rel=1e-12)
     assert last.gradients_gib * GIB == pytest.approx(terms["gradient"], rel=1e-12)
@@ -175,6 +183,29 @@ def test_escalation_picks_the_lowest_zero_stage_that_fits(gpt2_graphs, zero):
     assert "memory per device at its peak (GiB):" in summary and "optimizer" in summary and "activations" in summary
     if zero >= 2:   # every device runs the same number of micro-batches
         assert len({len(w.micro_batch_sizes) for w in plan.workers}) == 1
+
+
+def test_one_micro_batch_per_step_holds_less_at_zero_1_and_is_priced_so(gpt2_graphs):
+    # the last device holds one micro-batch per step at ZeRO 1 (each unit's gradients reduce-scattered
+    # and freed as the backward goes), not the whole gradients an accumulating worker holds
+    single, accumulating = need(gpt2_graphs, 1, single=True), need(gpt2_graphs, 1)
+    assert single < need(gpt2_graphs, 2) < accumulating
+    big = 8 * need(gpt2_graphs, 0)
+    cluster = cluster_of([big, big, big / 2, (single + need(gpt2_graphs, 2)) / 2])
+    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=4, ragged_shards=False))
+    (st,) = plan.stages
+    assert (st.zero_stage, plan.num_micro_batch) == (1, 1)
+    assert [len(w.micro_batch_sizes) for w in plan.workers] == [1] * 4
+    cost, u = whole(gpt2_graphs), fsdp_unit_share(whole(gpt2_graphs), True)
+    for w in plan.workers:
+        terms = stage_memory(cost, 1, zero=ZeroShards(1, 4, u, single=True)).term_bytes(w.micro_batch_sizes[0])
+        assert w.gradients_gib * GIB == pytest.approx(terms["gradient"], rel=1e-12)
+        assert w.gradients_gib * GIB == pytest.approx((1 + REDUCE_SCATTER_COPIES) * u * cost.param_bytes, rel=1e-12)
+        assert w.memory_gib <= w.capacity_gib
+    # accumulating over two micro-batches it fits neither ZeRO 1 (the whole gradients) nor ZeRO 2 (the
+    # sharded gradient held through the second backward) there: ZeRO 3
+    two = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=8, num_micro_batch=2, ragged_shards=False))
+    assert two.stages[0].zero_stage == 3 and all(len(w.micro_batch_sizes) == 2 for w in two.workers)
 
 
 def test_a_roomy_cluster_keeps_ddp_and_the_naive_plan_escalates_under_its_equal_shares(gpt2_graphs):
@@ -245,10 +276,14 @@ def test_a_pipeline_stage_escalates_too_and_stages_2_3_hold_no_less_there():
     assert fsdp_unit_share(cost, False) == 1.0
     z0 = stage_memory(cost, 2, zero=ZeroShards(0, 4, 1.0))
     z1 = stage_memory(cost, 2, zero=ZeroShards(1, 4, 1.0))
-    # stages 2 and 3 over one unit hold what stage 1 holds
+    # stages 2 and 3 over one unit hold no less than stage 1: the whole stage's gradients and
+    # reduce-scatter buffers at every micro-batch, besides the sharded gradient (and its parameters)
     for z in (2, 3):
-        assert stage_memory(cost, 2, zero=ZeroShards(z, 4, 1.0)).static() == pytest.approx(z1.static())
-    capacity = (z1.total(2) + z0.total(2)) / 2 / GIB
+        assert stage_memory(cost, 2, zero=ZeroShards(z, 4, 1.0)).static() >= z1.static()
+    # between ZeRO 1 with one sample per micro-batch and ZeRO 0's state alone: no micro-batch count
+    # makes ZeRO 0 fit, ZeRO 1 fits with small micro-batches
+    assert z1.total(1) < z0.static()
+    capacity = (z1.total(1) + z0.static()) / 2 / GIB
     cluster = synthetic_cluster([(8, 10.0, capacity)])
     config = wl.Config(global_batch_size=16, num_micro_batch=2)
     plan = planner.plan(graphs, cluster, config)
@@ -345,7 +380,7 @@ def test_a_model_too_big_for_every_zero_stage_names_the_device_and_the_bytes_mis
 # -- the plan file ----------------------------------------------------------------------------------
 def test_plan_yaml_round_trip_old_files_and_checks(gpt2_graphs, tmp_path):
     cluster = small_last(gpt2_graphs, 2)
-    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32, ragged_shards=False))
+    plan = planner.plan(gpt2_graphs, cluster, wl.Config(global_batch_size=32, num_micro_batch=2, ragged_shards=False))
     assert plan.stages[0].zero_stage == 2
     path = tmp_path / "plan.yaml"
     plan.to_yaml(path)

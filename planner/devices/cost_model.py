@@ -33,6 +33,8 @@ residual adds), measured by FLOPs, so unsharded work is never predicted to speed
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,7 +42,9 @@ from whalelike.cluster import Device, Network
 from whalelike.graphs.regions import ROOT_LAYER
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.memory import UNBOUNDED_SAMPLES, stage_memory  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
+from planner.devices.memory import (  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
+    RAGGED_BUCKET_BYTES, UNBOUNDED_SAMPLES, fsdp_units, stage_memory,
+)
 from planner.devices.network import NetworkModel, Ring
 
 DEFAULT_EFFICIENCY = 0.4
@@ -143,6 +147,19 @@ def zero_collectives(zero_stage: int, micro_batches: int) -> tuple[int, int]:
     return {0: (0, 0), 1: (1, 1), 2: (1, k), 3: (2 * k, k)}[zero_stage]
 
 
+def ragged_collectives(cost: "StageCost", zero_stage: int, whole_model: bool) -> int:
+    """How many collectives (buckets) ragged shards split one pass over stage ``cost``'s parameters
+    into (``runtime.replicas.ragged_sync``): at ZeRO 1 buckets of at least
+    :data:`planner.devices.memory.RAGGED_BUCKET_BYTES` (at most one per parameter), at ZeRO 2 one per
+    parameter, at ZeRO 3 one per FSDP unit (:func:`planner.devices.memory.fsdp_units`)."""
+    tensors = cost.param_tensors or len(fsdp_units(cost, whole_model))
+    if zero_stage == 1:
+        return max(1, min(tensors, math.ceil(cost.param_bytes / RAGGED_BUCKET_BYTES)))
+    if zero_stage == 2:
+        return max(1, tensors)
+    return len(fsdp_units(cost, whole_model))
+
+
 @dataclass(frozen=True)
 class StageCost:
     """Per-sample compute and memory of a contiguous range of layers (one pipeline stage).
@@ -200,6 +217,9 @@ class StageCost:
     fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
     max_param_bytes: float = 0.0             # its largest single parameter (0: unknown; memory.parameter_share)
     param_tensors: int = 0                   # how many parameters it holds (0: unknown; ragged: a collective each)
+    # per layer in order: (its parameter bytes, its largest parameter's; 0: unknown): ragged ZeRO 1's buckets
+    param_layers: tuple[tuple[float, float], ...] = ()
+    root_param_bytes: float = 0.0            # parameter bytes in no FSDP layer unit (ragged ZeRO 3's root unit)
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -279,6 +299,8 @@ class StageCost:
                                       + [size for _, size in copies.values()])),
             param_tensors=sum(l.param_tensors for l in chosen) + len(copies)
             if all(l.param_tensors or not l.param_bytes for l in chosen) else 0,
+            param_layers=tuple((float(l.param_bytes), float(l.max_param_bytes)) for l in chosen),
+            root_param_bytes=params - sum(fsdp_layer_unit_bytes(chosen)),
         )
 
     @property
@@ -301,6 +323,16 @@ class StageCost:
         return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
 
 
+def fsdp_layer_unit_bytes(chosen) -> tuple[float, ...]:
+    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out)."""
+    by_name: dict[str, float] = {}
+    for layer in chosen:
+        if layer.name and layer.name != ROOT_LAYER:
+            by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
+    names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
+    return tuple(by_name[n] for n in names if by_name[n] > 0)
+
+
 def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     """Parameter bytes of each FSDP unit when ``chosen`` (a stage's Layers) run as the whole model,
     wrapped as ``runtime.replicas.fsdp_sync`` wraps a single-stage plan and as
@@ -310,12 +342,7 @@ def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     only modules with parameters; a tied weight counts with the Layer that owns it), then the root
     unit with every other parameter (left out when it holds none). A model without module Layers is
     one unit."""
-    by_name: dict[str, float] = {}
-    for layer in chosen:
-        if layer.name and layer.name != ROOT_LAYER:
-            by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
-    names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
-    units = [by_name[n] for n in names if by_name[n] > 0]
+    units = fsdp_layer_unit_bytes(chosen)
     if not units:
         return (float(param_bytes),)
     root = float(param_bytes) - sum(units)

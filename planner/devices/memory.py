@@ -36,29 +36,67 @@ whole stage's activations once); ``recompute=True`` prices the stage with that u
 runs the unit the plan says.
 
 ZeRO (:class:`ZeroShards`, :func:`worker_fractions`). A stage whose data-parallel group (its workers
-of one ``tp_index`` over all replicas, ``n`` of them) runs ZeRO on FSDP2 (``runtime.replicas.fsdp_sync``)
-holds, at its peak, these shares of the whole stage's weights ``w``, gradients ``g`` and optimizer
-state ``o`` (then times its tensor-parallel shard, as every term), with ``f = 1/n`` (FSDP2's even
-shards: each parameter chunked on dim 0) and ``u`` the largest FSDP unit's share of the stage's
-parameter bytes (:func:`fsdp_unit_share`):
+of one ``tp_index`` over all replicas, ``n`` of them) runs ZeRO holds, at its peak, these shares of the
+whole stage's weights ``w``, gradients ``g`` and optimizer state ``o`` (then times its tensor-parallel
+shard, as every term). They are what the runtime holds at the moment of its peak, read off
+``runtime.replicas.fsdp_sync`` and ``runtime.replicas.ragged_sync`` and checked against the measured
+peak per rank (``tests/test_zero_memory.py``, ``bench/zero_hetero.py``): the collectives' buffers
+count with the term they move (all-gathers with the weights, reduce-scatters with the gradients), and
+a worker that runs one micro-batch per step (``ZeroShards.single``, known once its micro-batches are)
+holds less than one that accumulates over several, which is the figure used while they are not
+known (the batch fitting): an upper bound. ``c`` (:data:`REDUCE_SCATTER_COPIES`) is the collective
+backend's copy of a reduce-scatter's input: gloo, which the CPU tests and benches run, copies it (1);
+NCCL reduces in place, so on GPUs the figures below are high by that one buffer.
+
+Even shards (FSDP2, replica sync ``fsdp``): ``f = 1/n`` (each parameter chunked on dim 0) and ``u`` the
+largest FSDP unit's share of the stage's parameter bytes (:func:`fsdp_unit_share`). With one unit
+being computed at a time, the unit's own buffers come on top of what is held: in the forward its
+all-gather output besides its gathered parameters, in the backward its unsharded gradients and the
+reduce-scatter input they are copied into (FSDP2 frees the unit's gathered parameters first), each
+``u``, plus gloo's copy: ``(1 + c) u``.
 
 * stage 0 (DDP): ``w = g = o = 1``;
-* stage 1: ``w = 1 + f`` (the sharded parameters plus the unsharded ones held through forward and
-  backward), ``g = 1 + f`` (gradients accumulate unsharded over the micro-batches, then are
-  reduce-scattered into a sharded gradient), ``o = f``;
-* stage 2: ``w = 1 + f``, ``g = f + u`` (each micro-batch reduce-scatters unit by unit: the sharded
-  gradient plus one unit's full gradient), ``o = f``;
-* stage 3: ``w = f + min(2u, 1)`` (the unit being computed plus the prefetched one, never more than
-  the whole stage gathered), ``g = f + u``, ``o = f``.
+* stage 1: ``w = 1 + f`` (the sharded parameters plus every unit gathered from the first forward to
+  the last backward), ``o = f``; ``g = 1 + c u`` when accumulating (the whole gradients accumulate over
+  the micro-batches; the last backward reduce-scatters them unit by unit, each unit's input taking the
+  place of its freed parameters), ``g = (1 + c) u`` with one micro-batch (the only backward frees each
+  unit's parameters as it reduce-scatters it, which pays for the sharded gradient it adds; the
+  forward's all-gathers hold as much);
+* stage 2: as stage 1, but ``g = f + (1 + c) u`` when accumulating (the sharded gradient of the
+  earlier micro-batches is held through the later ones' backward);
+* stage 3: ``w = f + min(2u, 1)`` (the unit being computed plus the one FSDP2 prefetches, never more
+  than the whole stage), ``g = f + (1 + c) u``, ``o = f``.
+
+Ragged shards (Cephalo; replica sync ``ragged``, ``runtime.replicas.ragged_sync``, any stage without
+``split``): worker ``r`` holds its own fraction ``f = f_r`` of the sharded state (``ZeroShards.share``,
+``StagePlan.state_fractions``, chosen by :mod:`planner.shares.state_fractions`). Every collective moves
+one bucket in a flat buffer padded to the largest rank's rows, so every rank, the smallest included,
+holds while it reduce-scatters ``T = (1 + c) p + p / n`` times the bucket (the padded input, gloo's
+copy, its own segment of the output), ``p = n max(f)`` (``ZeroShards.padding``,
+:func:`planner.shares.state_fractions.padded_scale`); ``u`` is the largest bucket's share:
+
+* stages 1 and 2: the parameters stay whole, ``w = 1 + f``, ``o = f``. Stage 1's buckets are 1 MiB of
+  parameters in reverse order (:data:`RAGGED_BUCKET_BYTES`; :func:`ragged_bucket_share` bounds the
+  largest from the stage's layers): ``g = 1 + T u`` when accumulating (the whole gradients; each
+  bucket's are freed as it is reduce-scattered), ``g = f (1 - u) + (1 + T) u`` with one micro-batch
+  (the rank's rows of every other bucket, the last bucket's whole gradients and its buffers). Stage 2's
+  bucket is one parameter (``u``: the largest, :func:`parameter_share`) reduce-scattered in every
+  backward: ``g = f + (1 + T) u``.
+* stage 3: the rows are all the rank holds between uses; each layer unit (FSDP2's units: ``u`` the
+  largest layer unit's share) is gathered whole for its forward and again for its backward and freed
+  after its reduce-scatter, while the root unit (the parameters in no layer, ``ZeroShards.root``)
+  stays gathered from the module's forward to the end of its backward, its gradients held whole till
+  then; no prefetch. ``w = f + root + u``, ``g = f + root + u + T max(u, root)``, ``o = f``.
 
 So a ZeRO stage changes the three static fractions and nothing else; the activations are as without.
-
-Ragged shards (Cephalo; ``StagePlan.replica_sync`` ``"ragged"``, ``runtime.replicas.ragged_sync``, ZeRO
-stages 1-2 of a single-stage plan without ``split``): each worker ``r`` holds its own fraction ``f_r``
-of the sharded state (``ZeroShards.share``, ``StagePlan.state_fractions``, chosen by
-:mod:`planner.shares.state_fractions`) instead of ``1/n``, and the formulas above hold with ``f = f_r``.
-The runtime reduce-scatters each parameter's gradient on its own (not an FSDP unit's), so at stage 2
-``u`` is the largest single parameter's share of the stage's parameter bytes (:func:`parameter_share`).
+What is not priced exactly: the all-gathers' buffers of ragged stages 1-2 (at the first forward after
+the optimizer step, when no gradient is held: below the backward's peak); the gathered weights freed
+unit by unit in the backward at ZeRO 1-2 (``w`` counts them all, so with a long backward the figure is
+high by up to the activations); the activations freed by the time the last buckets are reduced (the
+activations term counts them whole); FSDP2's padding of each parameter to ``n`` rows; weights tied
+across pipeline stages, which ragged shards keep whole outside the rows (priced as sharded). Checked
+(test and bench, gloo): within 10% of the measured peak on every rank for even ZeRO 1-3 and ragged
+ZeRO 1-3 of single-stage plans; a pipeline stage (one unit) is priced by the same rules, not measured.
 
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
@@ -193,23 +231,35 @@ def fits(need_bytes: float, capacity_bytes: float) -> bool:
     return need_bytes <= capacity_bytes * (1 + FIT_TOLERANCE)
 
 
+# the collective backend's copies of a reduce-scatter's input (module docstring, ``c``): gloo copies it
+REDUCE_SCATTER_COPIES = 1
+# ragged ZeRO 1's buckets: whole parameters per reduce-scatter (runtime.replicas.ragged_sync.BUCKET_BYTES;
+# the planner does not import the runtime, tests/test_zero_memory.py checks the two agree)
+RAGGED_BUCKET_BYTES = 2**20
+
+
 @dataclass(frozen=True)
 class ZeroShards:
-    """What a stage's data-parallel group shards (ZeRO, run by FSDP2 in ``runtime.replicas.fsdp_sync``):
-    ``stage`` 0-3 (``StagePlan.zero_stage``), ``group`` the workers of the group (the stage's workers of
-    one ``tp_index`` over all replicas: each holds ``1 / group`` of what is sharded, FSDP2's even
-    shards), ``unit`` the largest FSDP unit's share of the stage's parameter bytes
-    (:func:`fsdp_unit_share`).
+    """What a stage's data-parallel group shards under ZeRO (module docstring, "ZeRO"): ``stage`` 0-3
+    (``StagePlan.zero_stage``), ``group`` the workers of the group (the stage's workers of one
+    ``tp_index`` over all replicas: each holds ``1 / group`` of what is sharded, FSDP2's even shards),
+    ``unit`` the largest unit's share of the stage's parameter bytes (even shards: the largest FSDP
+    unit, :func:`fsdp_unit_share`; ragged ones: the largest bucket, :func:`ragged_unit`).
 
-    ``share``: under ragged shards (module docstring, "Ragged shards"), the fraction of the sharded
-    state this one worker holds (``StagePlan.state_fractions``, 0 to 1) instead of ``1 / group``, at
-    ZeRO stage 1 or 2 only; ``unit`` is then the largest single parameter's share
-    (:func:`parameter_share`). None: even shards."""
+    ``share``: under ragged shards, the fraction of the sharded state this one worker holds
+    (``StagePlan.state_fractions``, 0 to 1) instead of ``1 / group``; None: even shards. ``padding``:
+    under ragged shards, ``n * max(f)`` of the group (every collective's buffer is padded to the
+    largest rank's rows; 0 leaves the buffers out, to tell them apart). ``root``: ragged ZeRO 3's
+    root unit, the share of the parameters in no layer unit. ``single``: the worker runs one
+    micro-batch per step (False: one or more, the upper bound)."""
 
     stage: int = 0
     group: int = 1
     unit: float = 1.0
     share: float | None = None
+    padding: float = 1.0
+    root: float = 0.0
+    single: bool = False
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -222,9 +272,15 @@ class ZeroShards:
             if isinstance(self.share, bool) or not (isinstance(self.share, (int, float)) and 0 <= self.share <= 1):
                 raise ValueError(f"ZeroShards.share must be None (even shards) or in [0, 1] (the worker's fraction "
                                  f"of the sharded state), got {self.share!r}")
-            if self.stage not in (1, 2):
-                raise ValueError(f"ZeroShards.share is {self.share!r} at ZeRO stage {self.stage}: ragged shards run "
-                                 "at ZeRO stages 1 and 2 only (stage 3 keeps FSDP2's even shards)")
+            if self.stage == 0:
+                raise ValueError(f"ZeroShards.share is {self.share!r} at ZeRO stage 0: ragged shards run at ZeRO "
+                                 "stages 1-3 (stage 0 shards nothing)")
+        for name, low, high in (("padding", 0.0, float(self.group)), ("root", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value <= high):
+                raise ValueError(f"ZeroShards.{name} must be in [{low:g}, {high:g}], got {value!r}")
+        if not isinstance(self.single, bool):
+            raise ValueError(f"ZeroShards.single must be True or False, got {self.single!r}")
 
     @property
     def ragged(self) -> bool:
@@ -236,18 +292,31 @@ class ZeroShards:
         """``f``: the worker's fraction of the sharded state (``share``, else ``1 / group``)."""
         return 1.0 / self.group if self.share is None else float(self.share)
 
+    @property
+    def buffers(self) -> float:
+        """``T``: a ragged rank's reduce-scatter buffers per byte of its bucket (module docstring)."""
+        return (1 + REDUCE_SCATTER_COPIES) * self.padding + self.padding / self.group
+
     def fractions(self) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer state)``: the share of the whole stage's bytes of each a
         worker holds at its peak, before its tensor-parallel shard (module docstring, "ZeRO"; ``f`` the
         worker's :attr:`fraction`)."""
-        f, u, z = self.fraction, self.unit, self.stage
+        f, u, z, c = self.fraction, self.unit, self.stage, REDUCE_SCATTER_COPIES
         if z == 0:
             return 1.0, 1.0, 1.0
+        if not self.ragged:
+            if z == 3:
+                return f + min(2.0 * u, 1.0), f + (1 + c) * u, f
+            if self.single:
+                return 1.0 + f, (1 + c) * u, f
+            return 1.0 + f, (1.0 + c * u if z == 1 else f + (1 + c) * u), f
+        t = self.buffers
         if z == 1:
-            return 1.0 + f, 1.0 + f, f
+            return 1.0 + f, (f * (1.0 - u) + (1.0 + t) * u if self.single else 1.0 + t * u), f
         if z == 2:
-            return 1.0 + f, f + u, f
-        return f + min(2.0 * u, 1.0), f + u, f
+            return 1.0 + f, f + (1.0 + t) * u, f
+        r = self.root
+        return f + r + u, f + r + u + t * max(u, r), f
 
 
 NO_ZERO = ZeroShards()
@@ -282,6 +351,57 @@ def parameter_share(cost: "StageCost") -> float:
     if not largest or largest <= 0:
         return fsdp_unit_share(cost, True)
     return min(max(largest / cost.param_bytes, 1e-12), 1.0)
+
+
+def ragged_bucket_bytes(cost: "StageCost", cap: float = RAGGED_BUCKET_BYTES) -> float:
+    """The largest bucket ragged ZeRO 1 reduce-scatters (``runtime.replicas.ragged_sync``: parameters in
+    reverse order, a bucket closed as soon as it holds ``cap`` bytes or more), bounded from the stage's
+    layers in reverse (``StageCost.param_layers``: each layer's parameter bytes and largest parameter),
+    the layers' parameters taken in the order they run: a bucket that closes inside a layer holds less
+    than ``cap`` plus the parameter that closed it, and no more than what was open plus the layer; what a
+    layer leaves open is at most what it brought beyond the bucket it closed. Exact when every
+    layer ends a bucket; never below the true largest when the parameters are registered in the order
+    the layers run. Without the layers' figures: ``cap`` plus the largest parameter."""
+    whole = float(cost.param_bytes)
+    layers = getattr(cost, "param_layers", ())
+    largest_param = float(getattr(cost, "max_param_bytes", 0.0) or whole)
+    if not layers:
+        return min(whole, cap + largest_param)
+    largest, low, high = 0.0, 0.0, 0.0    # the open bucket's bytes lie in [low, high]
+    for nbytes, top in reversed(layers):
+        if nbytes <= 0:
+            continue
+        top = top or nbytes
+        if high + nbytes < cap:             # no bucket closes inside this layer
+            low, high = low + nbytes, high + nbytes
+            continue
+        largest = max(largest, min(high + nbytes, cap + top))
+        if low + nbytes >= cap:             # one closes for sure: what stays open came after it
+            low, high = 0.0, min(high + nbytes - cap, cap)
+        else:                               # it may not close: all of it may still be open
+            low, high = 0.0, min(high + nbytes, cap)
+    return min(max(largest, high), whole)
+
+
+def ragged_unit(cost: "StageCost", stage: int, whole_model: bool) -> tuple[float, float]:
+    """``(unit, root)`` of :class:`ZeroShards` under ragged shards at ZeRO ``stage``: the largest
+    bucket's share of the stage's parameter bytes (stage 1: :func:`ragged_bucket_bytes`; stage 2: the
+    largest parameter, :func:`parameter_share`; stage 3: the largest layer unit, FSDP2's units of a
+    single-stage plan, the whole stage module in a pipeline) and, at stage 3, the root unit's share."""
+    if cost.param_bytes <= 0:
+        return 1.0, 0.0
+    if stage == 1:
+        return min(max(ragged_bucket_bytes(cost) / cost.param_bytes, 1e-12), 1.0), 0.0
+    if stage == 2:
+        return parameter_share(cost), 0.0
+    root = float(getattr(cost, "root_param_bytes", 0.0)) if whole_model else 0.0
+    layer_units = [b for b in fsdp_units(cost, whole_model)]
+    if whole_model and root > 0 and len(layer_units) > 1:
+        layer_units = layer_units[:-1]     # fsdp_units ends with the root unit when it holds anything
+    else:
+        root = 0.0                         # one unit: the stage module, gathered whole
+    unit = min(max(max(layer_units) / cost.param_bytes, 1e-12), 1.0)
+    return unit, min(max(root / cost.param_bytes, 0.0), 1.0)
 
 
 def worker_fractions(shard: float = 1.0, batch_share: float = 1.0,

@@ -245,13 +245,17 @@ def group_shares(st: PricedStage, groups, samples: int, micro_batch: int) -> lis
 def fit_single_stage(layout: Layout, st: PricedStage, gbs: int, m: int) -> tuple[list, int]:
     """``(Decisions.sizes, micro-batch count)`` of a single stage: shares of each of ``m``
     near-equal micro-batches; if they do not fit, Poplar's per-device gradient accumulation over
-    the whole batch."""
-    check_fit(layout, st, samples=1)
+    the whole batch. With ``m`` 1 every worker runs one micro-batch, priced so (under ZeRO 1-2 it
+    holds less: :class:`planner.devices.memory.ZeroShards` ``single``); accumulating workers are priced
+    as such."""
+    first = one_micro_batch(st) if m == 1 else st
+    check_fit(layout, first, samples=1)
     groups = layout.stage_groups(0)
     try:
-        per_group = _by_group([group_shares(st, groups, n, n) for n in equal_batches(gbs, m)])
+        per_group = _by_group([group_shares(first, groups, n, n) for n in equal_batches(gbs, m)])
         count = m
     except StageDoesNotFit:
+        check_fit(layout, st, samples=1)
         speeds = [st.group_speed(g) for g in groups]
         totals = proportional_shares(gbs, speeds, minimum=1)
         check_accumulation(layout, st, totals, groups, gbs)
@@ -260,6 +264,13 @@ def fit_single_stage(layout: Layout, st: PricedStage, gbs: int, m: int) -> tuple
         log.warning("the global batch does not fit in %d micro-batch(es); per-device gradient accumulation "
                     "(Poplar): up to %d micro-batches", m, count)
     return single_stage_sizes(layout, per_group), count
+
+
+def one_micro_batch(st: PricedStage) -> PricedStage:
+    """``st`` priced for workers that run one micro-batch per step (``ZeroShards.single``)."""
+    if not st.zero.stage or st.zero.single:
+        return st
+    return dataclasses.replace(st, zero=dataclasses.replace(st.zero, single=True))
 
 
 def fit_equal_counts(layout: Layout, st: PricedStage, gbs: int, m: int, comm_ms: Callable[[int], float]
