@@ -26,7 +26,8 @@ The API the planner reads (every figure in seconds, bytes and samples; units are
 * ``profile.links``: one :class:`LinkProfile` per kind of link measured (``"intra-host"``,
   ``"inter-host"``: :data:`planner.devices.network.INTRA_HOST`, ``INTER_HOST``), ``profile.link(kind)``:
   ``latency_s`` (alpha) and ``seconds_per_byte`` (beta), ``time_s(nbytes)``, ``gbps``, ``latency_us``
-  (the cluster spec's units), and the timed ``points`` (bytes -> one-way seconds).
+  (the cluster spec's units), and the timed ``points`` (bytes -> one-way seconds, the fastest of
+  the repeats: :mod:`runtime.profiling.links`).
 
 A profile answers for one model (``model_fingerprint``, :attr:`whalelike.graphs.taskgraph.TaskGraphs.fingerprint`),
 one cluster (its devices by name, kind and host) and one ``precision``: :meth:`Profile.validate`
@@ -101,7 +102,7 @@ class LinkProfile:
     dst: str = rule(str, "device that received them")
     latency_s: float = rule(float, "fitted latency (alpha), seconds", ge=0)
     seconds_per_byte: float = rule(float, "fitted inverse bandwidth (beta), seconds per byte", gt=0)
-    points: dict[int, float] = rule(float, "message bytes -> median one-way seconds", gt=0)
+    points: dict[int, float] = rule(float, "message bytes -> fastest one-way seconds of the repeats", gt=0)
 
     def time_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes * self.seconds_per_byte
