@@ -52,6 +52,32 @@ machine's cores; otherwise real time leaks into the measurement and the emulated
 largest safe ``base_gflops``; at run time every overrun is counted (``EmulationStats.overruns``)
 and the worst ratio of real to modeled time is kept, so a bad calibration is visible.
 
+Segment clocks (:class:`HostClock`, :class:`DeviceEvents`, chosen by :func:`segment_clock`):
+a segment's measured time is what the straggler monitor divides its FLOPs by, so it must be the
+*device's* time. On the CPU the host's clock is the device's (``time.monotonic()``, as always). On
+a CUDA device the host only launches kernels, which run asynchronously: the host's time between a
+segment's start and end measures the launches, not the work (a tensor-parallel matmul segment
+would read microseconds whatever the GPU's speed). There, an emulator that does not pad (no
+``emulation`` block: a real device) records a pair of ``torch.cuda.Event(enable_timing=True)`` in
+the current stream around each segment and keeps the pair; the elapsed time is read lazily, when
+the stats are asked for (:attr:`Emulator.stats`: the Engine reads them when the step's compute is
+done, the straggler monitor through it), waiting on each segment's end event only
+(``Event.synchronize``). Why events and not ``torch.cuda.synchronize()`` around each segment: a
+synchronize stalls the host at every segment, so the GPU idles while the host launches the next
+kernels (the queue the host keeps ahead of the device is what makes a GPU fast) and the measured
+time then includes the launches; it also waits for every stream, the collectives' included.
+Recording an event costs the host nothing and the device nothing, and the time between two events is
+the time the stream took to run what was queued between them. Reading adds no synchronisation to a
+step: the stats are read when the step's compute is done, either at the step's end (after the
+loss's finiteness check, a synchronisation every step has) or, on a step whose figures ride the
+last collective (:class:`runtime.balance.straggler_monitor.Passenger`), right before the
+passenger's host-to-device copy, which synchronises the stream anyway and after the same work.
+An emulator that pads keeps the host clock on any device: its padding is a host-side sleep to a
+host-side deadline, and the modeled time is the emulated device's truth. :attr:`Emulator.device_timed`
+says which clock runs; :attr:`Emulator.measures` whether segments are worth recording at all
+(padded, or timed on a real device), which is what a caller that opens segments only to measure
+(the tensor-parallel matmuls) asks.
+
 Network: on an emulated cluster each emulator also carries a
 :class:`runtime.emulation.network.NetworkEmulator` (``Emulator.network``), which pads transfers
 between emulated hosts and the overlapped gradient all-reduce (:meth:`Emulator.wait_communication`)
@@ -84,6 +110,64 @@ from whalelike.errors import WhaleError
 log = logging.getLogger(__name__)
 
 
+class HostClock:
+    """The host's clock, ``time.monotonic()``: a segment's time on the CPU, and the clock every
+    padding deadline is kept on. Read at once (``deferred`` False)."""
+
+    deferred = False
+
+    def mark(self) -> float:
+        return time.monotonic()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+def _cuda_timing_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+class DeviceEvents:
+    """A CUDA device's clock: a timing event recorded in the current stream at each mark, the
+    seconds between two marks read from the device when asked (``deferred``: see the module
+    docstring, "Segment clocks"). ``event_factory`` makes an unrecorded event with ``record()``,
+    ``synchronize()`` and ``elapsed_time(end)`` in milliseconds (default
+    ``torch.cuda.Event(enable_timing=True)``; tests pass another)."""
+
+    deferred = True
+
+    def __init__(self, event_factory: Optional[Callable[[], object]] = None):
+        self.event_factory = event_factory or _cuda_timing_event
+
+    def mark(self):
+        event = self.event_factory()
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()   # this event only: the work queued before it, not the device or other streams
+        return start.elapsed_time(end) / 1e3
+
+
+def segment_clock(device: Optional[torch.device] = None):
+    """The clock a real (unpadded) ``device``'s segments are timed by: :class:`DeviceEvents` on a
+    CUDA device, else :class:`HostClock`. ``None``: the device a rank of this process computes on,
+    by :func:`runtime.distributed.device`'s rule (CUDA whenever it is available)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return DeviceEvents() if torch.device(device).type == "cuda" else HostClock()
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A segment timed by device events whose time has not been read yet."""
+
+    start: object
+    end: object
+    modeled: float
+    kind: str
+
+
 @dataclass
 class EmulationStats:
     """Cumulative over an emulator's life; subtract two snapshots for one step's figures.
@@ -92,7 +176,8 @@ class EmulationStats:
     ``padded_s`` the time the segments occupied (``max(real, modeled)`` each); ``worst_overrun``
     is the largest real/modeled ratio among overrunning segments (0 when none overran); ``flops``
     the FLOPs of the recorded segments, ``matmul_s`` the padded time of the segments of kind
-    ``"matmul"`` (part of ``padded_s``).
+    ``"matmul"`` (part of ``padded_s``). On a device timed by events (:class:`DeviceEvents`) the
+    times are the device's, read when :attr:`Emulator.stats` is asked for.
     """
 
     segments: int = 0
@@ -143,13 +228,22 @@ class Emulator:
     segments as they are. ``half_efficiency_batch`` and ``memory_gbps`` are the device's
     efficiency curve and memory bandwidth (``Device.emulated_half_efficiency_batch``,
     ``Device.emulated_memory_gbps``; :meth:`for_device` reads them): None takes the emulation
-    block's ``half_efficiency_batch``, and prices no bytes, respectively.
+    block's ``half_efficiency_batch``, and prices no bytes, respectively. ``clock`` times the
+    segments of a disabled emulator (default :class:`HostClock`; :meth:`for_device` gives a CUDA
+    rank :class:`DeviceEvents`); an enabled one pads on the host's clock and takes no other.
     """
 
     def __init__(self, speed: Optional[float], emulation: Optional[Emulation], rank: int = 0,
                  network: Optional[NetworkEmulator] = None, *, half_efficiency_batch: Optional[float] = None,
-                 memory_gbps: Optional[float] = None):
+                 memory_gbps: Optional[float] = None, clock=None):
         self.enabled = emulation is not None and speed is not None
+        if self.enabled and clock is not None and clock.deferred:
+            raise ValueError(f"Emulator: clock {type(clock).__name__} times a real device's segments, but this "
+                             f"emulator pads them (emulated speed {speed}), which it does on the host's clock; "
+                             "leave clock out for an emulated device")
+        self.clock = clock if clock is not None else HostClock()
+        self._pending: list[_Pending] = []
+        self._started = None       # the clock's mark at the current segment's start (device clocks)
         self.network = network   # the emulated network (runtime.emulation.network), None when off
         self.speed = speed
         self.emulation = emulation
@@ -159,7 +253,7 @@ class Emulator:
         self.memory_gbps = memory_gbps                       # None: non-matmul bytes cost nothing
         self.rank = rank
         self.step = 0
-        self.stats = EmulationStats()
+        self._stats = EmulationStats()
         self._deadline: Optional[float] = None
         self._begun_at = 0.0
         self._modeled = 0.0
@@ -171,17 +265,22 @@ class Emulator:
         self.device_name = ""
 
     @classmethod
-    def for_device(cls, cluster: Cluster, device_name: str, rank: int, precision: str = "fp32") -> "Emulator":
+    def for_device(cls, cluster: Cluster, device_name: str, rank: int, precision: str = "fp32",
+                   compute_device: Optional[torch.device] = None) -> "Emulator":
         """The emulator of ``device_name`` (run by ``rank``) training at ``precision`` (the plan's
         ``Plan.precision``): its emulated speed for that precision
         (:meth:`whalelike.cluster.Device.emulated`, a number or a per-dtype mapping in the spec).
-        A SpecError names the device when it cannot run ``precision``."""
+        A SpecError names the device when it cannot run ``precision``. Without emulation its
+        segments are timed by ``compute_device``'s clock (:func:`segment_clock`; None: this
+        process's, CUDA events when CUDA is available)."""
         device = cluster.device(device_name)
         speed = device.emulated(precision)
         network = NetworkEmulator.of_cluster(cluster, device_name) if speed is not None else None
+        enabled = cluster.emulation is not None and speed is not None
         emulator = cls(speed, cluster.emulation, rank, network,
                        half_efficiency_batch=device.emulated_half_efficiency_batch,
-                       memory_gbps=device.emulated_memory_gbps)
+                       memory_gbps=device.emulated_memory_gbps,
+                       clock=None if enabled else segment_clock(compute_device))
         emulator.device_name = device.name
         if emulator.enabled and cluster.emulation.enforce_memory:
             emulator.capacity_bytes = int(device.memory_gib * 2**30)
@@ -192,8 +291,46 @@ class Emulator:
         return emulator
 
     @classmethod
-    def disabled(cls) -> "Emulator":
-        return cls(None, None)
+    def disabled(cls, clock=None) -> "Emulator":
+        return cls(None, None, clock=clock)
+
+    # -- the segments' times ------------------------------------------------------------------------
+    @property
+    def device_timed(self) -> bool:
+        """Whether segment times come from device events, read when :attr:`stats` is asked for."""
+        return self.clock.deferred
+
+    @property
+    def measures(self) -> bool:
+        """Whether a segment opened only to measure (not to pad) tells the monitor anything: the
+        emulation pads it, or a device clock times it. Host-timed real segments on the CPU do too,
+        but a caller that never opened them there keeps doing so (see the module docstring)."""
+        return self.enabled or self.device_timed
+
+    @property
+    def stats(self) -> EmulationStats:
+        """The cumulative figures, with every segment's time read (see the module docstring,
+        "Segment clocks": on a device clock this waits for the last recorded segment's end event)."""
+        self.settle()
+        return self._stats
+
+    @property
+    def pending(self) -> int:
+        """Segments whose device time has not been read yet."""
+        return len(self._pending)
+
+    def settle(self) -> None:
+        """Read the device time of every segment recorded since the last read, in order."""
+        while self._pending:
+            segment = self._pending.pop(0)
+            real = self.clock.seconds(segment.start, segment.end)
+            self._add_time(real, segment.modeled, segment.kind)
+
+    def _add_time(self, real: float, modeled: float, kind: str) -> None:
+        self._stats.real_s += real
+        self._stats.padded_s += max(real, modeled)
+        if kind == "matmul":
+            self._stats.matmul_s += max(real, modeled)
 
     def straggle_factor(self, kind: str = "stage") -> float:
         """Product of the factors of the stragglers slowing a segment of ``kind`` on this rank now."""
@@ -237,25 +374,29 @@ class Emulator:
         self._begun_at = time.monotonic()
         self._deadline = self._begun_at + self._modeled
         self._busy_since = self._begun_at
+        self._started = self.clock.mark() if self.clock.deferred else None
 
     def wait_deadline(self) -> None:
-        """Sleep until the current segment's modeled end (no-op once reached). Records the segment."""
+        """Sleep until the current segment's modeled end (no-op once reached). Records the segment
+        (on a device clock: its end event, the time read later, see :attr:`stats`)."""
         if self._deadline is None:
+            return
+        modeled = self._modeled
+        stats = self._stats
+        stats.segments += 1
+        stats.modeled_s += modeled
+        stats.flops += self._flops
+        if self.clock.deferred:   # a real device (never padded): the time is the device's, read later
+            self._pending.append(_Pending(self._started, self.clock.mark(), modeled, self._kind))
+            self._deadline = self._busy_since = self._started = None
             return
         now = time.monotonic()
         real = now - self._begun_at
-        modeled = self._modeled
-        self.stats.segments += 1
-        self.stats.real_s += real
-        self.stats.modeled_s += modeled
-        self.stats.padded_s += max(real, modeled)
-        self.stats.flops += self._flops
-        if self._kind == "matmul":
-            self.stats.matmul_s += max(real, modeled)
+        self._add_time(real, modeled, self._kind)
         if self.enabled and modeled > 0:   # a segment without modeled work cannot overrun it
             if now > self._deadline:
-                self.stats.overruns += 1
-                self.stats.worst_overrun = max(self.stats.worst_overrun, real / modeled)
+                stats.overruns += 1
+                stats.worst_overrun = max(stats.worst_overrun, real / modeled)
             else:
                 time.sleep(self._deadline - now)
         self._deadline = None
