@@ -322,7 +322,8 @@ def test_a_profile_of_another_model_cluster_or_precision_is_refused(tmp_path, me
     path = tmp_path / "p.yaml"
     profile.to_yaml(path)
     other = wl.capture(nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),))
-    with pytest.raises(ProfileError, match=r"p\.yaml: the profile was measured for another model.*whalelike.cli profile"):
+    with pytest.raises(ProfileError,
+                       match=r"p\.yaml: the profile was measured for another model.*whalelike.cli profile"):
         Profile.from_yaml(path, graphs=other)
     with pytest.raises(ProfileError, match="measured on cluster 'emulated-2', not 'emulated-4'"):
         Profile.from_yaml(path, cluster=Cluster.preset("emulated-4"))

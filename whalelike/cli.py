@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every layer instead of every TaskGraph (what the partitioner moves)")
     p.add_argument("--max-batch", type=int, default=1024, metavar="N",
                    help="largest micro-batch tried (default: 1024); a device that fits it is recorded at the cap")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before each batch's timing (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="untimed steps before each batch's timing (default: 1)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed steps per batch; the median is kept (default: 3)")
     p.add_argument("--cache-dir", metavar="DIR",

@@ -59,7 +59,8 @@ __all__ = ["DeviceProfile", "LinkProfile", "Profile", "ProfileError", "PROFILE_S
 PROFILE_SCHEMA_VERSION = 1
 # 1,000 devices x 50 units x 12 batches is about 20 MiB of YAML; larger files are refused before parsing
 MAX_FILE_BYTES = 32 << 20
-MAX_FILE_WHY = "a profile of a thousand devices with fifty units each is about 20 MiB, and YAML this large takes minutes to parse"
+MAX_FILE_WHY = ("a profile of a thousand devices with fifty units each is about 20 MiB, and YAML this large takes "
+                "minutes to parse")
 
 
 @dataclass(frozen=True)
@@ -193,12 +194,14 @@ class Profile:
                                                 f"(planner.devices.profile; seconds, bytes, samples)")
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike, graphs=None, cluster=None, precision: Optional[str] = None) -> "Profile":
+    def from_yaml(cls, path: str | os.PathLike, graphs=None, cluster=None,
+                  precision: Optional[str] = None) -> "Profile":
         """Load a profile file and check it against ``graphs``, ``cluster`` and ``precision`` when
         given; every error is a :class:`ProfileError` starting with the file's path."""
         origin = os.fspath(path)
         data = load_yaml(origin, what="profile", limit=MAX_FILE_BYTES, limit_why=MAX_FILE_WHY, error=ProfileError,
-                         missing="measure one with `whalelike profile MODEL --cluster C -o PROFILE.yaml` under torchrun")
+                         missing="measure one with `whalelike profile MODEL --cluster C -o PROFILE.yaml` under "
+                                 "torchrun")
         profile = cls.from_dict(data, origin=origin)
         try:
             profile.validate(graphs=graphs, cluster=cluster)

@@ -15,7 +15,8 @@ round trip is the one-way time (a round trip needs no clock shared between hosts
 ``repeats``, after one untimed exchange. The fastest, not the median (compute segments keep the
 median): a transfer's time is the link's plus whatever else delays the two processes (a busy core,
 a late wake-up), which only ever adds, and a small message is all delay; on the emulated network
-the link's own time is a floor the padding guarantees, so the fastest exchange is the closest to it. Sizes grow eightfold from 4 KiB until a transfer takes
+the link's own time is a floor the padding guarantees, so the fastest exchange is the closest to it.
+Sizes grow eightfold from 4 KiB until a transfer takes
 :data:`SPAN` times the smallest one (the bandwidth term then dominates, so beta is measured, not
 guessed) or reaches :data:`MAX_BYTES`; at least :data:`MIN_SIZES` sizes are timed.
 

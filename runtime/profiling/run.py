@@ -78,7 +78,8 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     cluster.check_precision(precision)
     recipe = Precision(precision)
     if workload.example_kwargs:
-        raise ProfilingError(f"profile: the model is called with keyword inputs ({', '.join(workload.example_kwargs)}); "
+        keywords = ", ".join(workload.example_kwargs)
+        raise ProfilingError(f"profile: the model is called with keyword inputs ({keywords}); "
                              "profiling cuts it into units as the pipeline does, which passes positional inputs only: "
                              "make the factory's example_args carry every input")
     distributed.init(timeout_s)
@@ -136,7 +137,8 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
 def _launched(cluster: Cluster, command: str) -> tuple[int, int]:
     """``(rank, world size)`` from torchrun's environment, checked against the cluster's devices."""
     n = len(cluster.devices)
-    launch = command or f"torchrun --nproc-per-node {n} -m whalelike.cli profile MODEL --cluster {cluster.name} -o PROFILE.yaml"
+    launch = command or (f"torchrun --nproc-per-node {n} -m whalelike.cli profile MODEL --cluster {cluster.name} "
+                         "-o PROFILE.yaml")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ProfilingError(f"profile runs one process per device of cluster {cluster.name!r} ({n}): launch it with "
                              f"torchrun, e.g. {launch}")
@@ -233,7 +235,8 @@ class DeviceMeasurement:
         except NothingFitsError:
             raise _nothing_fits(self.spec, step) from None
         timed = timed_batches(self.edge.max_batch)
-        self.total = self.done + sum(b not in self.memory for b in timed) + len(timed) * (settings.warmup + settings.repeats)
+        per_step = settings.warmup + settings.repeats
+        self.total = self.done + sum(b not in self.memory for b in timed) + len(timed) * per_step
         for batch in timed:
             if batch not in self.memory:   # a power of two the search jumped over (below the edge: it fits)
                 self._fits(batch)
@@ -252,8 +255,8 @@ class DeviceMeasurement:
         except torch.OutOfMemoryError:
             self.step.release()
             raise ProfilingError(
-                f"device {self.spec.name} ({self.spec.kind}): the timed step at batch {batch} ran out of memory although "
-                f"the whole step fitted; profile with --max-batch {max(batch - 1, 1)}") from None
+                f"device {self.spec.name} ({self.spec.kind}): the timed step at batch {batch} ran out of memory "
+                f"although the whole step fitted; profile with --max-batch {max(batch - 1, 1)}") from None
 
     def time(self) -> DeviceProfile:
         """The unit times at the timed batches; the device's figures."""
@@ -276,7 +279,8 @@ class DeviceMeasurement:
         ran = self.emulator.stats.since(before)
         if ran.overruns:
             log.warning("device %s: %d of %d timed segments took longer than their modeled time (worst %.2fx): real "
-                        "compute leaked into the emulated figures; lower the emulation's base_gflops (runtime.calibrate)",
+                        "compute leaked into the emulated figures; lower the emulation's base_gflops "
+                        "(runtime.calibrate)",
                         self.spec.name, ran.overruns, ran.segments, ran.worst_overrun)
         if self.board is not None:
             self.board.report(self.done, self.done, "done")

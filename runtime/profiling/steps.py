@@ -7,8 +7,8 @@ into one stage module per unit with the pipeline's own cutter
 range of layers) and runs a training step through them in one process: each unit's forward (the
 last one's with the loss) and each backward is one compute segment of the device's
 :class:`runtime.emulation.compute.Emulator` (``Emulator.segment`` with the unit's FLOPs and
-non-matmul bytes, as :class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and its wall time is the figure
-kept. So on emulated hardware a unit takes whatever the emulation makes a stage take, and on a real
+non-matmul bytes, as :class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and its
+wall time is the figure kept. So on emulated hardware a unit takes whatever the emulation makes a stage take, and on a real
 device what the device takes (the device is synchronised before the clock is read). Boundary
 values are detached between units, as between pipeline stages, and their gradients handed back:
 no collective runs inside a segment (Poplar subtracts the collectives from its step times).
