@@ -2,7 +2,8 @@
 
 On an emulated cluster of two ranks on two hosts (one device with its own efficiency curve and a
 memory bandwidth for its non-matmul bytes), under the CLI as a user runs it (twice, the second run
-from the cache): the largest batch of each device exactly (against a plain PyTorch
+from the cache, then on a cluster where one device cannot hold one sample, which stops both ranks
+with its error): the largest batch of each device exactly (against a plain PyTorch
 training step's peak memory, measured in this process: the emulated capacity sits between the
 peaks of that batch and the next), each unit's time per sample within 5% of the emulator's own
 model of its segments at every measured batch, the link's latency and bandwidth within 10% of the
@@ -100,12 +101,13 @@ SPEEDS = {"emu-a-0": 1.0, "emu-b-0": 0.5}
 REALISM = {"emu-a-0": {}, "emu-b-0": {"emulated_half_efficiency_batch": 4, "emulated_memory_gbps": 0.02}}
 
 
-def _cluster_file(tmp_path: Path) -> Path:
+def _cluster_file(tmp_path: Path, edges: dict = EDGES, file: str = "cluster.yaml") -> Path:
     peaks = _reference_peaks(range(1, max(EDGES.values()) + 2))
     devices = []
     for name, kind in (("emu-a-0", "emu-a"), ("emu-b-0", "emu-b")):
-        edge = EDGES[name]
-        capacity = (peaks[edge] + peaks[edge + 1]) // 2      # between the peak that fits and the next
+        edge = edges[name]
+        # between the peak that fits and the next (edge 0: less than one sample's step)
+        capacity = (peaks[edge] + peaks[edge + 1]) // 2 if edge else peaks[1] // 2
         devices.append({"name": f"host-{kind}", "devices": [
             {"kind": kind, "peak_tflops": SPEEDS[name] * 0.1 / 1000 / 0.4, "memory_gib": capacity / 2**30,
              "emulated_speed": SPEEDS[name], **REALISM[name]}]})
@@ -113,15 +115,25 @@ def _cluster_file(tmp_path: Path) -> Path:
                                                 "latency_us": LATENCY_US},
             "emulation": {"base_gflops": 0.1, "half_efficiency_batch": 2, "enforce_memory": True},
             "hosts": devices}
-    path = tmp_path / "cluster.yaml"
+    path = tmp_path / file
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
-def _profile_twice(rank, world_size, first, second):
+def _profile_runs(rank, world_size, runs):
+    """``whalelike profile`` with each argument list in turn on this rank: exit codes and stderr."""
+    import contextlib
+    import io
+
     from whalelike.cli import main
 
-    return main(first), main(second)
+    out = []
+    for argv in runs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        out.append((code, err.getvalue()))
+    return out
 
 
 def test_profile_recovers_what_the_emulation_was_given(tmp_path):
@@ -131,8 +143,17 @@ def test_profile_recovers_what_the_emulation_was_given(tmp_path):
               "--max-batch", "64"]
     first = [*common, "-o", str(tmp_path / "profile.yaml"), "--plot", str(tmp_path / "curves.png")]
     second = [*common, "-o", str(tmp_path / "again.yaml")]
-    codes = run_ranks(_profile_twice, 2, args=(first, second), init_process_group=False, timeout_s=240)
-    assert codes == [(0, 0), (0, 0)]
+    # then a cluster whose emu-b cannot hold one sample's step: both ranks stop with rank 1's error
+    small = _cluster_file(tmp_path, {**EDGES, "emu-b-0": 0}, file="small.yaml")
+    third = ["profile", f"{HERE}:build", "--cluster", str(small), "--cache-dir", str(tmp_path / "other-cache"),
+             "-o", str(tmp_path / "never.yaml"), "--timeout", "60"]
+    results = run_ranks(_profile_runs, 2, args=([first, second, third],), init_process_group=False, timeout_s=240)
+    for rank, runs in enumerate(results):
+        assert [code for code, _ in runs] == [0, 0, 2], runs
+        assert "rank 1: device emu-b-0 (emu-b) cannot run a training step of one sample" in runs[2][1]
+    assert "profiled 2 devices (2 measured, 0 from the cache)" in results[0][0][1]      # rank 0's total time
+    assert "profiled 2 devices (0 measured, 2 from the cache)" in results[0][1][1]
+    assert not (tmp_path / "never.yaml").exists()
 
     workload = build()
     graphs = wl.capture(workload.model, workload.example_args)

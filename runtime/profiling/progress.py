@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 KEY = "whalelike/profile/{run}/progress/{rank}"   # run: the how-manieth profiling of this process group
 WIDTH = 28
+FAILED = "failed"   # a rank's last note when its measurement raised (it is finished too)
 
 
 class Board:
@@ -56,7 +57,7 @@ class Board:
         return out
 
     def finished(self) -> bool:
-        return all(done >= total and note == "done" for done, total, note in self.states())
+        return all(done >= total and note in ("done", FAILED) for done, total, note in self.states())
 
     def wait(self, timeout_s: float) -> None:
         """Rank 0: draw until every rank reports ``done`` (at most ``timeout_s``; the gather that

@@ -42,7 +42,7 @@ from runtime import distributed
 from runtime.emulation.compute import Emulator
 from runtime.profiling import cache
 from runtime.profiling.links import measure_links
-from runtime.profiling.progress import Board
+from runtime.profiling.progress import FAILED, Board
 from runtime.profiling.search import NothingFitsError, find_max_batch, timed_batches
 from runtime.profiling.steps import UnitStep
 from runtime.training.precision import Precision
@@ -100,19 +100,30 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     found = _cached(rank, cluster, directory, fingerprint, precision, settings, refresh)
     entry = found.get(me.kind)
     measurement = None
-    if entry is None:
-        step = UnitStep(graphs, unit, workload.loss_fn, emulator, device, recipe)
-        measurement = DeviceMeasurement(step, workload, me, emulator, settings, device, board)
-        measurement.find_edge()
-    # every rank's memory trials end before any rank times (DeviceMeasurement's docstring)
-    dist.barrier()
-    if measurement is not None:
-        mine = measurement.time()
-    else:
-        mine = entry.for_device(me.name, me.host)
-        board.report(1, 1, "done")
+    failure: Optional[str] = None
+    try:
+        if entry is None:
+            step = UnitStep(graphs, unit, workload.loss_fn, emulator, device, recipe)
+            measurement = DeviceMeasurement(step, workload, me, emulator, settings, device, board)
+            measurement.find_edge()
+    except WhaleError as e:
+        failure = str(e)
+    # every rank's memory trials end before any rank times (DeviceMeasurement's docstring), and a
+    # rank that failed stops them all (its peers would otherwise wait for it until the timeout)
+    _agree(failure, world)
+    mine: Any = None
+    try:
+        if measurement is not None:
+            mine = measurement.time()
+        else:
+            mine = entry.for_device(me.name, me.host)
+            board.report(1, 1, "done")
+    except WhaleError as e:
+        failure = str(e)
+        board.report(1, 1, FAILED)
     if rank == 0:
         board.wait(timeout_s)
+    _agree(failure, world)
     devices: list[Any] = [None] * world
     dist.all_gather_object(devices, mine)
     board.report(0, 1, "timing links")
@@ -132,6 +143,15 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     board.close(f"profiled {len(profile.devices)} devices ({measured} measured, {len(profile.devices) - measured} "
                 f"from the cache) in {profile.seconds:.1f} s (Poplar reports 67-174 s on its clusters)")
     return profile
+
+
+def _agree(failure: Optional[str], world: int) -> None:
+    """Every rank's failure so far (None: none), gathered; the first is raised on every rank."""
+    failures: list[Any] = [None] * world
+    dist.all_gather_object(failures, failure)
+    for rank, message in enumerate(failures):
+        if message is not None:
+            raise ProfilingError(message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}")
 
 
 def _launched(cluster: Cluster, command: str) -> tuple[int, int]:
