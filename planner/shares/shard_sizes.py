@@ -7,7 +7,9 @@ here and the runtime builds its sharded Linears from them.
 What is cut is a shard group (``TaskGraph.shard_groups``, :mod:`whalelike.sharding.groups`): an
 attention block into heads (grouped-query attention: key/value heads with their query heads;
 multi-query attention: query heads, its k/v projections replicated, outside every group and so
-priced as unsharded work), an MLP or a lone projection into features. Every member of a group
+priced as unsharded work), an MLP or a lone projection into features, a mixture-of-experts layer
+into whole experts (expert parallelism, :mod:`whalelike.sharding.experts`: a faster device holds
+more experts; its router runs whole on every device). Every member of a group
 gets the same units per device, so q/k/v/o (or gate/up/down, or GPT-2's fused ``c_attn``) line
 up. Feature units are cut in granules of 8 when the dimension is a multiple of 8 with at least 8 per
 device (tensor cores and vectorised kernels want aligned sizes), heads one by one; each device gets
@@ -82,14 +84,15 @@ def groups_of(shardable: dict[str, int], groups: Sequence[ShardGroup] = ()) -> l
 
 
 def split_group(group: ShardGroup, speeds: Sequence[float], max_fractions: Sequence[float]) -> list[int]:
-    """Units of ``group`` per device. Attention heads (and any unit wider than one feature) are cut
-    one by one; feature units in granules of 8 where they allow it."""
+    """Units of ``group`` per device. Attention heads (and any unit wider than one feature) and the
+    experts of a mixture-of-experts layer (kind ``"experts"``) are cut one by one; feature units in
+    granules of 8 where they allow it."""
     if group.units < len(speeds):
         raise PlanError(
             f"split over {len(speeds)} devices: the {group.describe()} cannot give every device a unit; "
             f"use split({group.units}) or fewer devices for this region"
         )
-    features = all(m.per_unit == 1 for m in group.members)
+    features = all(m.per_unit == 1 for m in group.members) and group.kind != "experts"
     return split_dimension(group.units, speeds, max_fractions, None if features else 1)
 
 

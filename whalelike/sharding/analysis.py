@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch.fx as fx
 
 from whalelike.graphs.regions import ATTACHED_META
+from whalelike.sharding.experts import experts_groups, find_experts, log_skipped
 from whalelike.sharding.groups import ShardGroup, ShardMember
 from whalelike.sharding.propagation import _SDPA, SHAPES_META, Sharded, _Propagation, _target_is, projection_dims
 from whalelike.sharding.propagation import full_shapes  # noqa: F401 - re-exported: public here before the split
@@ -254,7 +255,8 @@ def _divided_bytes(group: Group, costs, batch: int) -> float:
 
 def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], index: int, strategy,
                      costs=None, batch: int = 1, autocast_costs=None) -> dict[str, Any]:
-    """``TaskGraph.shardable`` and ``TaskGraph.shard_groups`` of TaskGraph ``index`` at capture.
+    """``TaskGraph.shardable`` and ``TaskGraph.shard_groups`` of TaskGraph ``index`` at capture
+    (the projections' groups, then one ``"experts"`` group per recognised mixture-of-experts layer).
 
     Records every node's full output shapes in its meta first (from ``costs.outputs``), for this
     analysis and for the runtime's replay on the stage graphs. ``autocast_costs``: the same graph
@@ -278,5 +280,9 @@ def shardable_fields(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], inde
     groups = tuple(dataclasses.replace(g, activation_bytes_per_sample=_divided_bytes(a, costs, batch),
                                        autocast_activation_bytes_per_sample=_divided_bytes(a, autocast_costs, batch))
                    for g, a in zip(groups, analysis.groups)) + groups[len(analysis.groups):]
+    # mixture-of-experts layers: their experts as units (whalelike.sharding.experts), the rest logged
+    found, skipped = find_experts(gm, region)
+    log_skipped(skipped, "capture")
+    groups += experts_groups(found, costs, batch, autocast_costs)
     shardable = {m.path: g.dim(m) * 1 for g in groups for m in g.members}
     return {"shardable": shardable, "shard_groups": groups}
