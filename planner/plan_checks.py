@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from whalelike.errors import SpecError
+from whalelike.graphs.output_tree import OutputRouteError, route_outputs
 from whalelike.spec import check_rules
 
 # memory_gib (planner.devices.memory's estimate) is compared with the capacity by the model's fit
@@ -305,7 +306,8 @@ def _check_boundaries(plan: Plan) -> None:
 
 
 def check_model(plan: Plan, graphs) -> None:
-    """The plan was made for this model (its TaskGraphs): fingerprint, layers, shardable modules."""
+    """The plan was made for this model (its TaskGraphs): fingerprint, layers, shardable modules,
+    and every model output computed before the last stage can reach the loss (:func:`_check_outputs`)."""
     fp = fingerprint_of(graphs)
     if fp != plan.model_fingerprint:
         raise PlanError(
@@ -342,6 +344,23 @@ def check_model(plan: Plan, graphs) -> None:
                 f"plan.stages[{st.index}].recompute is false but TaskGraph(s) {asking} of this stage ask for "
                 "recompute=True (activation checkpointing); re-plan for this model with `whalelike plan`"
             )
+    _check_outputs(plan, graphs)
+
+
+def _check_outputs(plan: Plan, graphs) -> None:
+    """Model outputs computed before the last stage: the rule the runtime's stage split applies
+    (:func:`whalelike.graphs.output_tree.route_outputs`, on the capture's ``TaskGraphs.outputs`` and
+    ``loss_reads``), so a plan accepted here runs: each is sent on to the last stage, or left out
+    where the loss does not read it; one the loss reads (or may read) that is not a batched tensor
+    cannot reach it. Graphs without the record (a file from before it) are not checked."""
+    leaves = getattr(graphs, "outputs", ())
+    if not leaves or len(plan.stages) < 2:
+        return
+    stage_of_layer = {layer: st.index for st in plan.stages for layer in st.layers}
+    try:
+        route_outputs(leaves, lambda leaf: stage_of_layer.get(leaf.layer), len(plan.stages), graphs.loss_reads)
+    except OutputRouteError as e:
+        raise PlanError(f"plan.stages: {e}; then re-plan with `whalelike plan`") from None
 
 
 def _check_group(st, group) -> None:

@@ -71,6 +71,10 @@ which the planner warns about); with ``Plan.sync_batchnorm`` the stage's BatchNo
 its data-parallel group (:mod:`runtime.parallel.sync_batchnorm`). Those syncs are collectives inside the forward
 and backward, so under emulation they fall inside the stage's compute segments.
 
+Model outputs computed before the last stage (an encoder-decoder's encoder output): the split
+routes them (:func:`whalelike.graphs.output_tree.route_outputs`, the rule the plan checks apply):
+sent on to the last stage where the loss reads them, left out (None) where it does not.
+
 Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
 model inputs and targets are tensors batched along dimension 0; ``split`` shards projections
 (``nn.Linear``, GPT-2's ``Conv1D``) and the attention between them, nothing else
@@ -156,7 +160,8 @@ class PipelineExecutor:
             raise PipelineError(f"the plan has {plan.world_size} workers, the process group has "
                                 f"{dist.get_world_size(self.group)} ranks; launch one process per plan worker")
         self.worker = plan.worker(self.rank)
-        self.split: PipelineSplit = split_stages(graph_module, node_stage)
+        # model outputs of earlier stages: sent on to the last stage, or left out where the loss does not read them
+        self.split: PipelineSplit = split_stages(graph_module, node_stage, loss_fn=loss_fn)
         if self.split.num_stages != len(plan.stages):
             raise PipelineError(f"node_stage defines {self.split.num_stages} stages, the plan has {len(plan.stages)}")
         self.stage = self.split.stages[self.worker.stage]

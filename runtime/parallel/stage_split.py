@@ -13,7 +13,15 @@
   same ``nn.Parameter``, and :mod:`runtime.parallel.tied_weights` keeps the ranks' copies in sync. A buffer used by
   several stages is copied to each (buffers carry no gradient);
 * infers each boundary value's per-sample shape, dtype and whether it carries a gradient back, by
-  running the split graph on fake tensors (no real compute), so receivers can allocate buffers.
+  running the split graph on fake tensors (no real compute), so receivers can allocate buffers;
+* routes the model outputs computed before the last stage (an encoder-decoder's
+  ``encoder_last_hidden_state``) by :func:`whalelike.graphs.output_tree.route_outputs`, the rule
+  ``planner.plan_checks`` applies to a plan, on the capture's record of the outputs
+  (``GraphModule.meta["wl_outputs"]``) and the loss: one the loss reads (or may read) is sent on to
+  the last stage (an ``aten.alias`` of it there, so it crosses like any boundary value and its
+  gradient comes back), one it does not read is left out (None in the output the loss receives).
+  A graph without that record (not made by ``whalelike.capture``) keeps the old rule: every model
+  output must come from the last stage.
 
 The stage modules share their parameters with the model they were split from (no copies).
 """
@@ -24,7 +32,7 @@ from contextlib import nullcontext
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +43,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputRoutes, loss_reads, output_leaves, \
+    route_outputs
+from whalelike.graphs.taskgraph import LAYER_META
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +114,7 @@ class PipelineSplit:
     output_structure: Any       # the model's output with ValueIds at its leaves
     output_spec: Optional[TreeSpec] = None   # export graphs return flat outputs; this rebuilds the model's
     source: Optional[fx.GraphModule] = None  # the captured graph the stages were cut from
+    routes: OutputRoutes = OutputRoutes()    # model outputs of earlier stages sent on to the last, or left out
 
     @property
     def num_stages(self) -> int:
@@ -150,16 +163,19 @@ class PipelineSplit:
         return specs
 
 
-def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineSplit:
+def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Optional[Callable] = None) -> PipelineSplit:
     """Cut ``gm`` into stages 0..S-1: ``node_stage`` maps every computing node's name to its stage.
 
     Placeholders, ``get_attr`` and the output node need no entry. A node must not use a value
-    computed in a later stage.
+    computed in a later stage. Model outputs of earlier stages are routed (module docstring) by
+    what ``loss_fn(outputs, targets)`` reads (traced, not run), else by the capture's record of it.
     """
     num_stages = 1 + max(node_stage.values(), default=-1)
     # torch.export's module returns a flat output list and unflattens it in generated code
     output_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
-    original, (gm, node_stage) = gm, _localize_input_sizes(gm, node_stage)
+    original = gm
+    gm, node_stage, routes = _route_outputs(gm, node_stage, num_stages, loss_fn)
+    gm, node_stage = _localize_input_sizes(gm, node_stage)
 
     def stage_of(node: fx.Node) -> int:
         try:
@@ -189,6 +205,7 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> PipelineS
     split = _describe(root, num_stages)
     split.output_spec = output_spec
     split.source = original
+    split.routes = routes
     for stage in split.stages:
         log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
                   [str(v) for v in stage.outputs])
@@ -240,6 +257,53 @@ def stage_memory_bytes_from_plan(graphs, plan, precision: str = "fp32") -> list[
 
 
 # -- internals ------------------------------------------------------------------------------------
+def _route_outputs(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages: int,
+                   loss_fn: Optional[Callable]) -> tuple[fx.GraphModule, dict, OutputRoutes]:
+    """Apply :func:`whalelike.graphs.output_tree.route_outputs` to ``gm``'s output: on a copy of the
+    graph (sharing ``gm``'s modules), each leaf sent on to the last stage is read there through an
+    ``aten.alias`` node of the last stage (in its last Layer, for per-layer recompute), each leaf left
+    out becomes None. ``gm`` unchanged when nothing routes (or it has no capture record)."""
+    record = gm.meta.get(OUTPUTS_META)
+    if record is None or num_stages < 2:
+        return gm, dict(node_stage), OutputRoutes()
+    leaves, spec = output_leaves(gm)
+    if len(leaves) != len(record.leaves):
+        raise StageSplitError(f"the graph returns {len(leaves)} output leaves but its capture recorded "
+                              f"{len(record.leaves)}; re-capture the model with whalelike.capture")
+    reads = loss_reads(loss_fn, spec) if loss_fn is not None else record.loss_reads
+    try:
+        routes = route_outputs(record.leaves, lambda leaf: node_stage.get(leaf.node), num_stages, reads)
+    except OutputRouteError as e:
+        raise StageSplitError(str(e)) from None
+    if not routes.forwarded and not routes.dropped:
+        return gm, dict(node_stage), routes
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    stages = dict(node_stage)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    last = num_stages - 1
+    last_layer = max((n.meta[LAYER_META] for n in gm.graph.nodes
+                      if stages.get(n.name) == last and LAYER_META in n.meta), default=None)
+    replacement: dict[fx.Node, Any] = {nodes[leaf.node]: None for leaf, _ in routes.dropped}
+    for leaf, _ in routes.forwarded:   # a node that is also a dropped leaf is forwarded: some leaf reads it
+        value = nodes[leaf.node]
+        with gm.graph.inserting_before(output):
+            alias = gm.graph.call_function(torch.ops.aten.alias.default, (value,))
+        stages[alias.name] = last
+        if last_layer is not None:
+            alias.meta[LAYER_META] = last_layer
+        replacement[value] = alias
+    output.args = (map_arg(output.args[0], lambda n: replacement.get(n, n)),)
+    gm.recompile()
+    for leaf, stage in routes.forwarded:
+        log.debug("model output %r of stage %d is sent on to the last stage %d", leaf.name, stage, last)
+    if routes.dropped:
+        log.info("model output(s) %s, computed before the last stage and not read by the loss, are left out of the "
+                 "output the loss receives (None in their place)",
+                 ", ".join(f"{leaf.name!r} (stage {stage})" for leaf, stage in routes.dropped))
+    return gm, stages, routes
+
+
 def _is_input_size(node: fx.Node) -> bool:
     """``x.size(...)`` of a model input: torch.export's dynamic batch size (``aten.sym_size.int``)."""
     reads_size = ((node.op == "call_function" and node.target is torch.ops.aten.sym_size.int)
@@ -353,7 +417,9 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
     if early:
         raise StageSplitError(
             f"model output(s) {', '.join(map(str, early))} are computed before the last stage "
-            f"{num_stages - 1}; every model output must come from the last stage (the one computing the loss)"
+            f"{num_stages - 1}; every model output must come from the last stage (the one computing the loss) "
+            "unless the graph comes from whalelike.capture, whose record of the outputs lets them be sent on "
+            "to the last stage or left out when the loss does not read them"
         )
     return PipelineSplit(stages, root, result)
 

@@ -12,13 +12,18 @@ The pipeline, one module per step:
 4. this module sums those per Layer (FLOPs and activations per TaskGraph too; the memory traffic
    stays per Layer: the emulator prices it per stage, the planner never reads it), attributes
    parameters (each shared parameter once, to the first Layer that uses it), and finds the tensors
-   crossing TaskGraph boundaries.
+   crossing TaskGraph boundaries;
+5. :mod:`whalelike.graphs.output_tree` records the model output's leaves (their Layers, batched or
+   not) and, given the loss, which of them it reads: ``TaskGraphs.outputs``/``loss_reads``, also
+   kept on the graph module (``meta["wl_outputs"]``) for the stage split, so that plan checks and
+   the runtime decide where each output goes from the same record. A leaf the loss is known not to
+   read is not live to the end of the model in the cut bytes.
 """
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -31,6 +36,7 @@ from whalelike.graphs.costs import NodeCosts, measure
 from whalelike.errors import CaptureError
 from whalelike.graphs.nodes import attribute
 from whalelike.graphs.constant_copies import recompute_constants
+from whalelike.graphs.output_tree import OUTPUTS_META, OutputRecord, loss_reads, output_leaves, record_outputs
 from whalelike.graphs.regions import Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
 from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
@@ -44,13 +50,16 @@ assert set(OPTIMIZER_STATE_FACTOR) == set(OPTIMIZERS)
 
 
 def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None,
-            optimizer: str = "adamw") -> TaskGraphs:
+            optimizer: str = "adamw", loss_fn: Optional[Callable] = None) -> TaskGraphs:
     """Capture ``model(*example_args, **example_kwargs)`` into costed TaskGraphs.
 
     ``example_args``: a tensor or tuple of inputs whose first dimension is the batch; costs are
     reported per sample (totals over this batch divided by its size). ``optimizer`` is one of
-    ``sgd``, ``sgd_momentum``, ``adam``, ``adamw`` and sets the optimizer-state bytes. The model is
-    not modified; the returned ``graph_module`` shares its parameters.
+    ``sgd``, ``sgd_momentum``, ``adam``, ``adamw`` and sets the optimizer-state bytes. ``loss_fn``
+    (``loss_fn(outputs, targets)``, optional) is traced, never run, to record which model outputs
+    it reads (``TaskGraphs.loss_reads``): a pipeline then leaves out an output computed before its
+    last stage that the loss does not read, where it would otherwise send it on to the loss. The
+    model is not modified; the returned ``graph_module`` shares its parameters.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture: model must be an nn.Module, got {type(model).__name__}")
@@ -68,10 +77,13 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
     if unattributed:
         log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-    graphs = _assemble(gm, model, method, regions, costs, batch, optimizer)
+    outputs = OutputRecord(record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch),
+                           loss_reads(loss_fn, output_leaves(gm)[1]))
+    gm.meta[OUTPUTS_META] = outputs
+    graphs = _assemble(gm, model, method, regions, costs, batch, optimizer, outputs=outputs)
     # the autocast figures (what a bf16 or fp16 plan holds) cost a second run of the whole graph,
     # doubling capture's time: measured when a plan first asks for them (with_autocast)
-    graphs._autocast_source = (gm, model, method, regions, costs, batch, optimizer, values)
+    graphs._autocast_source = (gm, model, method, regions, costs, batch, optimizer, values, outputs)
     return graphs
 
 
@@ -87,10 +99,10 @@ def with_autocast(graphs: TaskGraphs) -> TaskGraphs:
     source = getattr(graphs, "_autocast_source", None)
     if source is None or all(layer.autocast is not None for layer in graphs.layers):
         return graphs
-    gm, model, method, regions, costs, batch, optimizer, values = source
+    gm, model, method, regions, costs, batch, optimizer, values, outputs = source
     autocast_costs = _measure_autocast(gm, values, regions)
     result = graphs if autocast_costs is None else \
-        _assemble(gm, model, method, regions, costs, batch, optimizer, autocast_costs)
+        _assemble(gm, model, method, regions, costs, batch, optimizer, autocast_costs, outputs)
     graphs._with_autocast = result
     return result
 
@@ -142,7 +154,8 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
 
 
 def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Regions, costs: NodeCosts,
-              batch: int, optimizer: str, autocast_costs: Optional[NodeCosts] = None) -> TaskGraphs:
+              batch: int, optimizer: str, autocast_costs: Optional[NodeCosts] = None,
+              outputs: OutputRecord = OutputRecord(())) -> TaskGraphs:
     layer_nodes: dict[int, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if node.name in regions.node_layer:
@@ -151,11 +164,13 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             node.meta[LAYER_META] = regions.node_layer[node.name]
     params, borrowed = _parameter_owners(gm, regions)
     batchnorms = training_batchnorms(gm)
-    cuts = _cut_bytes(gm, regions, costs, batch)
+    unread = _unread_outputs(outputs)
+    cuts = _cut_bytes(gm, regions, costs, batch, unread)
     extra = _layer_bytes(gm, regions, costs, batch)
     low = None
     if autocast_costs is not None:
-        low = {"cut": _cut_bytes(gm, regions, autocast_costs, batch), **_layer_bytes(gm, regions, autocast_costs, batch)}
+        low = {"cut": _cut_bytes(gm, regions, autocast_costs, batch, unread),
+               **_layer_bytes(gm, regions, autocast_costs, batch)}
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
 
     layers = []
@@ -206,7 +221,16 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     return TaskGraphs(
         graphs=graphs, layers=layers, boundaries=_boundaries(gm, regions, costs, batch), optimizer=optimizer,
         example_batch_size=batch, method=method, graph_module=gm, node_taskgraph=dict(regions.node_taskgraph),
+        outputs=outputs.leaves, loss_reads=None if outputs.loss_reads is None else tuple(sorted(outputs.loss_reads)),
     )
+
+
+def _unread_outputs(outputs: OutputRecord) -> frozenset[str]:
+    """Nodes whose every leaf of the model output the loss is known not to read."""
+    if outputs.loss_reads is None:
+        return frozenset()
+    read = {leaf.node for leaf in outputs.leaves if leaf.index in outputs.loss_reads}
+    return frozenset(leaf.node for leaf in outputs.leaves if leaf.node and leaf.node not in read)
 
 
 def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, list[nn.Parameter]], dict[int, dict]]:
@@ -250,13 +274,16 @@ def _value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
 
 
-def _cut_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> list[float]:
-    """Per layer: bytes per sample of every value produced at or before it and used after it."""
+def _cut_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int,
+               unread: frozenset[str] = frozenset()) -> list[float]:
+    """Per layer: bytes per sample of every value produced at or before it and used after it (a
+    model output by the last layer, where the loss runs, unless the loss does not read it)."""
     count = len(regions.layer_names)
     delta = [0.0] * (count + 1)
     for node in _value_nodes(gm):
         produced = regions.node_layer[node.name]
-        consumers = [regions.node_layer.get(u.name, count - 1) for u in node.users]  # output -> last layer
+        consumers = [regions.node_layer.get(u.name, count - 1) for u in node.users
+                     if u.op != "output" or node.name not in unread]
         last = max(consumers, default=produced)
         if last > produced:
             size = sum(_tensor_bytes(s) for s in costs.outputs.get(node.name, ())) / batch

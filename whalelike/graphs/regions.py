@@ -16,10 +16,12 @@ The rule, in order of precedence, for a node's scope:
    tensor-parallel rank and is priced so.
    So un-annotated code never forms a pipeline stage nobody asked for; its Layer keeps its own name;
 4. else the node is *glue* (reshapes, the positional ``arange``, the attention-mask arithmetic in
-   a model's own ``forward``, ``getitem`` on a block's tuple output): it follows its data, joining
-   the scope and layer of its first scoped consumer, else of its last scoped producer, else the
-   operators of its own module, else the default strategy. Otherwise every ``view`` between two
-   annotated blocks would become a TaskGraph of its own.
+   a model's own ``forward``, ``getitem`` on a block's tuple output, a bias buffer added to the
+   logits): it follows its data, joining the scope and layer of its first scoped consumer, else of
+   its last scoped producer, through chains of glue (a buffer reshaped, then added to the head's
+   output, joins the head), else the operators of its own module, else the default strategy.
+   Otherwise every ``view`` between two annotated blocks, or the model's own arithmetic on its
+   logits, would become a TaskGraph of its own (no FLOPs, a whole device).
 
 Nodes are then stably re-ordered (a topological order that prefers earlier scopes and layers, and
 keeps in-place operators in their original order relative to the other users of what they mutate),
@@ -150,37 +152,58 @@ def _uses_parameters(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 def _resolve_glue(body: list[fx.Node], scope: dict, layer: dict) -> None:
-    """Glue follows its first scoped consumer, else its last scoped producer, else the other
-    operators of its own module (a BatchNorm's ``num_batches_tracked += 1`` has no data
-    neighbours), else the default."""
+    """Glue follows its first scoped consumer, else its last scoped producer, until nothing changes;
+    only glue that no scoped node reaches that way takes the other operators of its own module's
+    scope (a BatchNorm's ``num_batches_tracked += 1`` has no data neighbours), else the default,
+    one node at a time in graph order (what follows it may then follow it).
+
+    Until nothing changes: glue fed only by a buffer or constant whose consumer is glue too (a bias
+    buffer reshaped and scaled in the model's own ``forward`` before it is added to the logits) is
+    reached through that consumer once the consumer has followed its producer (the head). Deciding
+    it in one sweep instead gave it the default strategy: a TaskGraph of its own with no FLOPs,
+    which took a whole device."""
     position = {n: i for i, n in enumerate(body)}
-    explicit = {n for n in body if scope[n] is not None}
-    for node in reversed(body):
-        if node in explicit:
-            continue
-        users = sorted((u for u in node.users if u in position and scope.get(u) is not None), key=position.get)
-        if users:
-            scope[node], layer[node] = scope[users[0]], layer[users[0]]
     module_scope: dict[str, fx.Node] = {}
     for node in body:
         if scope[node] is not None:
             module_scope.setdefault(node.meta.get("wl_path", ""), node)
-    for node in body:
-        if scope[node] is not None or node.op == "get_attr":
-            continue
-        inputs = [a for a in node.all_input_nodes if a in position and scope[a] is not None and a.op != "get_attr"]
-        sibling = module_scope.get(node.meta.get("wl_path", ""))
-        if inputs:
-            last = max(inputs, key=position.get)
-            scope[node], layer[node] = scope[last], layer[last]
-        elif sibling is not None and node.meta.get("wl_path"):  # a buffer update: its module's scope
-            scope[node], layer[node] = scope[sibling], layer[sibling]
+    while True:
+        _follow_data(body, scope, layer, position)
+        pending = next((n for n in body if scope[n] is None and n.op != "get_attr"), None)
+        if pending is None:
+            break
+        sibling = module_scope.get(pending.meta.get("wl_path", ""))
+        if sibling is not None and pending.meta.get("wl_path"):  # a buffer update: its module's scope
+            scope[pending], layer[pending] = scope[sibling], layer[sibling]
         else:
-            scope[node] = default_strategy()
+            scope[pending] = default_strategy()
     for node in body:  # a parameter or buffer read goes where it is used
         if scope[node] is None:
             users = sorted((u for u in node.users if u in position), key=position.get)
             scope[node], layer[node] = (scope[users[0]], layer[users[0]]) if users else (default_strategy(), layer[node])
+
+
+def _follow_data(body: list[fx.Node], scope: dict, layer: dict, position: dict) -> None:
+    """Give unscoped nodes the scope and layer of their first scoped consumer (a ``get_attr``
+    too), else of their last scoped producer (not a ``get_attr``), sweeping until nothing changes."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(body):
+            if scope[node] is not None:
+                continue
+            users = sorted((u for u in node.users if u in position and scope.get(u) is not None), key=position.get)
+            if users:
+                scope[node], layer[node] = scope[users[0]], layer[users[0]]
+                changed = True
+        for node in body:
+            if scope[node] is not None or node.op == "get_attr":
+                continue
+            inputs = [a for a in node.all_input_nodes if a in position and scope[a] is not None and a.op != "get_attr"]
+            if inputs:
+                last = max(inputs, key=position.get)
+                scope[node], layer[node] = scope[last], layer[last]
+                changed = True
 
 
 def _attach_root_code(body: list[fx.Node], scope: dict, layer: dict, gm: fx.GraphModule) -> None:

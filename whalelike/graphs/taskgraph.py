@@ -55,6 +55,26 @@ class Boundary:
         return sum(t.bytes_per_sample for t in self.tensors)
 
 
+@dataclass(frozen=True)
+class ModelOutputLeaf:
+    """One leaf of what the model returns (``tree_flatten`` order, ``index``), as capture saw it:
+    ``name`` its path in the output (``logits``, ``encoder_last_hidden_state``, ``[1]``), ``node``
+    the captured node computing it, ``layer``/``layer_name`` the Layer of that node (None: a model
+    input, a parameter or a constant, which no stage computes), ``shape`` per sample when
+    ``batched`` (a tensor batched along dimension 0, the only kind that may cross pipeline stages),
+    else whole, and ``dtype``. Where each leaf goes in a pipeline is decided by
+    :func:`whalelike.graphs.output_tree.route_outputs`."""
+
+    index: int
+    name: str
+    node: str = ""
+    layer: Optional[int] = None
+    layer_name: str = ""
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    batched: bool = False
+
+
 LAYER_META = "wl_layer"   # node.meta key: the node's Layer index (node names change when stages are cut)
 
 
@@ -145,6 +165,13 @@ class TaskGraphs:
     ``graph_module`` and ``node_taskgraph`` are the live capture (an ``fx.GraphModule`` and the
     TaskGraph index of each of its nodes) that the runtime splits into stages; they are not part of
     the serialised form.
+
+    ``outputs``: the leaves of the model's output (:class:`ModelOutputLeaf`); ``loss_reads``: the
+    indices of those the loss reads, when capture was given the loss
+    (:func:`whalelike.graphs.output_tree.loss_reads`), else None (unknown: every leaf may be read).
+    Both decide where model outputs computed before a pipeline's last stage go
+    (:func:`whalelike.graphs.output_tree.route_outputs`, at plan time and at run time alike); they
+    are not in the fingerprint (a plan does not depend on the loss, and its layers pin the model).
     """
 
     graphs: list[TaskGraph]
@@ -155,6 +182,8 @@ class TaskGraphs:
     method: str  # "fx" or "export": how the model was captured
     graph_module: Any = field(default=None, repr=False, compare=False)
     node_taskgraph: Optional[dict[str, int]] = field(default=None, repr=False, compare=False)
+    outputs: tuple[ModelOutputLeaf, ...] = ()
+    loss_reads: Optional[tuple[int, ...]] = None
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -206,6 +235,8 @@ class TaskGraphs:
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "boundaries": [dataclasses.asdict(b) for b in self.boundaries],
             "node_taskgraph": self.node_taskgraph,
+            "outputs": [dataclasses.asdict(leaf) for leaf in self.outputs],
+            "loss_reads": None if self.loss_reads is None else list(self.loss_reads),
         }
 
     @classmethod
@@ -223,8 +254,11 @@ class TaskGraphs:
             boundaries = [Boundary(b["src"], b["dst"], tuple(
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
                 for b in data["boundaries"]]
+            outputs = tuple(ModelOutputLeaf(**{**o, "shape": tuple(o["shape"])}) for o in data.get("outputs", ()))
+            reads = data.get("loss_reads")
             out = cls(graphs, layers, boundaries, data["optimizer"], data["example_batch_size"], data["method"],
-                      node_taskgraph=data.get("node_taskgraph"))
+                      node_taskgraph=data.get("node_taskgraph"), outputs=outputs,
+                      loss_reads=None if reads is None else tuple(reads))
         except (KeyError, TypeError) as e:
             raise SpecError(f"TaskGraphs.from_dict: malformed data ({type(e).__name__}: {e})") from None
         if "fingerprint" in data and data["fingerprint"] != out.fingerprint:
