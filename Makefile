@@ -23,12 +23,17 @@ demo-balance: $(STAMP)
 	$(BIN)/whalelike plan $(DEMO_MODEL) --cluster examples/clusters/emulated-straggler.yaml --global-batch 64 --micro-batches 4 -o out/plan-straggler.yaml
 	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan-straggler.yaml --cluster examples/clusters/emulated-straggler.yaml --steps 24 --run-timeline out/run.png
 
-# On a machine with one CUDA GPU and a CUDA build of torch (not this venv's CPU build): the training
-# recipe on the device (precisions, clipping, schedule, recompute) against plain PyTorch, matrix rates
-# per dtype and measured against predicted memory (bench/gpu_check.py). GPU_PY: that torch's python.
+# On a machine with one CUDA GPU and a CUDA build of torch (not this venv's CPU build), under 5 minutes,
+# nothing downloaded (bench/gpu_check.py): matrix rates per dtype; the training recipe on the device
+# (precisions, clipping, schedule, recompute) against plain PyTorch, measured against predicted memory;
+# the suite's tests one GPU can run (pytest, CUDA visible); `whalelike profile` of the examples on the
+# GPU (largest batch by a real out-of-memory error, speed curves in GPU_CHECK_OUT); predicted against
+# measured step time from the profile, compute segments timed by CUDA events. GPU_PY: that torch's
+# python, with the project's dependencies and its dev extra (pytest, hypothesis, transformers).
 GPU_PY ?= python3
+GPU_CHECK_OUT ?= out/gpu-check
 gpu-check:
-	PYTHONPATH=. $(GPU_PY) -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py
+	PYTHONPATH=. $(GPU_PY) -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py --out $(GPU_CHECK_OUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

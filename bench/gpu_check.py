@@ -410,7 +410,9 @@ def predict_and_train(workload: Workload, cluster, profile, args) -> dict:
     steps through the Engine, and compare the median step time with the plan's prediction."""
     batches = profile.devices[0].batches
     batch = max([b for b in batches if b <= max(1, profile.devices[0].max_batch // 2)] or [batches[0]])
-    graphs = wl.capture(workload.model, workload.example_args)
+    # the profile left the model on the device: capture it there (fake tensors of one device)
+    example = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in workload.example_args)
+    graphs = wl.capture(workload.model, example)
     plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=batch, num_micro_batch=1,
                                                    precision=args.precision), profile=profile)
     engine = Engine(workload.model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
@@ -463,9 +465,11 @@ def checks_beyond_the_recipe(args, device_name: str, memory_gib: float) -> tuple
                          f"{r['large_ms']:.4g}", "-" if r["peak"] is None else f"{r['peak'] / GIB:.2f}",
                          f"{r['seconds']:.1f}",
                          "-" if "error" not in r else f"{r['predicted_ms']:.1f} / {r['measured_ms']:.1f} "
-                                                      f"({r['error']:+.1%}) at {r['batch']}"])
+                                                      f"({r['error']:+.1%}) at {r['micro']}",
+                         "-" if "error" not in r else f"{r['compute_ms']:.1f}"])
     print(format_table(["model", "largest batch (edge)", "points", "ms/sample @ smallest", "ms/sample @ largest",
-                        "peak GiB", "profile s", "step ms predicted / measured (error) at batch"], rows,
+                        "peak GiB", "profile s", "step ms predicted / measured (error) at micro-batches",
+                        "segments ms (last step)"], rows,
                        title=f"whalelike profile on {device_name} at {args.precision} (profiles and curves in "
                              f"{args.out})"), flush=True)
     timed = [r for r in profiled if "error" in r]
