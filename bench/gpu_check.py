@@ -58,6 +58,7 @@ import argparse
 import copy
 import gc
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -67,7 +68,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
