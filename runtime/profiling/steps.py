@@ -7,9 +7,13 @@ into one stage module per unit with the pipeline's own cutter
 range of layers) and runs a training step through them in one process: each unit's forward (the
 last one's with the loss) and each backward is one compute segment of the device's
 :class:`runtime.emulation.compute.Emulator` (``Emulator.segment`` with the unit's FLOPs and
-non-matmul bytes, as :class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and its
-wall time is the figure kept. So on emulated hardware a unit takes whatever the emulation makes a stage take, and on a real
-device what the device takes (the device is synchronised before the clock is read). Boundary
+non-matmul bytes, as :class:`runtime.parallel.stage_worker.StageWorker` pads a stage), and the
+figure kept is the time the runtime records for that segment (``EmulationStats.padded_s``, what
+the straggler monitor reads): the wall clock from its start to its end, ``max(real compute,
+modeled time)`` on emulated hardware, the real compute on a real device (synchronised before the
+segment ends). So on emulated hardware a unit takes whatever the emulation makes a stage take,
+and on a real device what the device takes. Not in it: how late the process wakes from the
+segment's sleep, which is the machine's scheduler (busy cores), not the device. Boundary
 values are detached between units, as between pipeline stages, and their gradients handed back:
 no collective runs inside a segment (Poplar subtracts the collectives from its step times).
 
@@ -35,7 +39,6 @@ same loss, same autocast), and a memory trial leaves nothing allocated behind it
 from __future__ import annotations
 
 import gc
-import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
@@ -107,7 +110,7 @@ class UnitStep:
     # -- timing --------------------------------------------------------------------------------------
     def timed(self, inputs: tuple, targets: Optional[torch.Tensor], batch: int) -> list[tuple[float, float]]:
         """One training step, every unit's forward and backward a padded compute segment; returns
-        ``(forward_s, backward_s)`` per unit, the wall time of each segment. The parameters' ``.grad``
+        ``(forward_s, backward_s)`` per unit, the time the runtime records for each segment. The parameters' ``.grad``
         hold the step's gradients afterwards, as after a training step's backward."""
         self.optimizer.zero_grad(set_to_none=True)
         forward, backward = [0.0] * self.units, [0.0] * self.units
@@ -154,13 +157,13 @@ class UnitStep:
     def _segment(self, unit: int, phase: int, batch: int, into: list) -> Iterator[None]:
         """Unit ``unit``'s forward (``phase`` 0) or backward (1) on ``batch`` samples as one compute
         segment (the stage worker's ``Emulator.segment``: the unit's FLOPs and non-matmul bytes per
-        sample times ``batch``), its wall time added to ``into[unit]``."""
-        start = time.perf_counter()
+        sample times ``batch``); the time the runtime records for it is added to ``into[unit]``."""
+        before = self.emulator.stats.padded_s
         with self.emulator.segment(**self._costs(unit, phase, batch)):
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # the kernels, not their launch
-        into[unit] += time.perf_counter() - start
+        into[unit] += self.emulator.stats.padded_s - before
 
     def _costs(self, unit: int, phase: int, batch: int) -> dict:
         return dict(flops=self.flops[unit][phase] * batch, samples=batch,
