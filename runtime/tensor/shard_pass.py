@@ -13,6 +13,9 @@ parallel counterpart from :mod:`runtime.tensor.layers`:
   stay whole on every rank (no plan entry, logged as replicated).
 * **column + gather**: any other projection. Its output is all-gathered (uneven, padded) so what
   follows sees the full tensor.
+* **expert parallel**: a recognised mixture-of-experts layer's experts, whole, spread over the
+  group by the plan's expert counts, tokens dispatched and combined by all-to-all
+  (:mod:`runtime.tensor.experts`); an unrecognised one is logged and runs whole on every rank.
 * **class-sharded classifier**: a lone Linear whose output is the model output, or one leaf of it
   (in a ModelOutput, tuple or dict), when the loss is a plain cross-entropy of that leaf
   (:mod:`runtime.tensor.sharded_loss`). Its logits stay sharded and the returned :class:`ShardedLoss`
@@ -33,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from runtime.tensor.block_sharding import group_layout, shard_groups
+from runtime.tensor.experts import experts_layers, shard_experts
 from runtime.emulation.compute import Emulator
 from runtime.emulation.network import price_group
 from runtime.tensor.sharded_loss import OutputLayout, ShardedLoss, choose_classifier, plain_cross_entropy  # noqa: F401
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ShardedModule:
     """What :func:`shard_module` returns. ``roles`` maps each sharded module path to
-    ``"column"`` (paired), ``"row"``, ``"column+gather"`` or ``"classifier"``; ``sharded_loss`` is
+    ``"column"`` (paired), ``"row"``, ``"column+gather"``, ``"classifier"`` or ``"experts"``; ``sharded_loss`` is
     set when the model output stays class-sharded and must be fed to it instead of the loss."""
 
     module: fx.GraphModule
@@ -136,6 +140,7 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
         setattr(gm.get_submodule(parent) if parent else gm, leaf, layer)
         roles[path] = role
     roles.update(shard_groups(gm, analysis, layouts, tp_index, group, emulator, path_of))
+    roles.update(shard_experts(gm, region, shard_sizes, tp_index, group, emulator))   # mixture-of-experts layers
     for name, reason in analysis.fallbacks.items():
         node = next((n for n in candidates if n.name == name), None)
         if node is not None and roles.get(path_of(node)) == "column+gather":
@@ -273,6 +278,9 @@ def full_state_dict(module: nn.Module, state: Optional[Mapping[str, torch.Tensor
             values = {param: state[key] for param, key in keys.items() if given and key in state}
             for param, value in layer.full_tensors(values).items():
                 state[keys[param]] = value
+    for base, layer in experts_layers(module):     # expert-parallel layers: their experts' rows
+        for target in layer.targets.values():
+            state[base + target] = layer.full_tensor(state[base + target])
     return state
 
 
@@ -290,4 +298,8 @@ def tensor_parallel_slices(module: nn.Module, state_dict: Mapping[str, torch.Ten
                 key = f"{prefix}.{param}" if prefix else param
                 if key in local:
                     local[key] = layer.shard_of(param, local[key])
+    for base, layer in experts_layers(module):
+        for target in layer.targets.values():
+            if base + target in local:
+                local[base + target] = layer.shard_of(local[base + target])
     return local

@@ -121,15 +121,18 @@ def find_experts(gm: fx.GraphModule, region: Iterable[str]) -> tuple[list[FoundE
     is not (the module docstring). Pure."""
     region = set(region)
     by_path: dict[str, list[fx.Node]] = {}
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         path = node.meta.get("wl_path", "")
         if path and node.op not in ("placeholder", "output", "get_attr") and not _is_shape(node):
             by_path.setdefault(path, []).append(node)
     found, skipped = [], {}
     for path in _candidates(gm, by_path):
-        nodes = [n for p, ns in by_path.items() if p == path or p.startswith(path + ".") for n in ns]
-        if not any(n.name in region for n in nodes):
-            continue
+        nodes = sorted((n for p, ns in by_path.items() if p == path or p.startswith(path + ".") for n in ns),
+                       key=position.get)   # graph order
+        readers = [n for n in nodes if any(_stacked(gm, a) for a in n.all_input_nodes)]
+        if not any(n.name in region for n in readers):
+            continue      # its weights live outside the split region (an un-annotated or replicated layer)
         try:
             found.append(_recognise(gm, path, nodes, region))
         except _NotRecognised as e:
@@ -144,7 +147,7 @@ def _candidates(gm: fx.GraphModule, by_path: dict[str, list[fx.Node]]) -> list[s
     out = []
     for path, nodes in by_path.items():
         inside = set(nodes)
-        stacked = any(_param(gm, a) is not None and _param(gm, a).dim() == 3 for n in nodes for a in n.all_input_nodes)
+        stacked = any(_stacked(gm, a) for n in nodes for a in n.all_input_nodes)
         routed = any(a not in inside and _dtype(a) is not None and not _dtype(a).is_floating_point
                      and not _is_shape(a) for n in nodes for a in n.all_input_nodes)
         named = any(word in _class_name(path, nodes).lower() for word in ("expert", "moe"))
@@ -160,6 +163,12 @@ def _class_name(path: str, nodes: list[fx.Node]) -> str:
             if isinstance(value, tuple) and value[0] == path:
                 return value[1] if isinstance(value[1], str) else f"{value[1].__module__}.{value[1].__qualname__}"
     return ""
+
+
+def _stacked(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` reads a 3-D parameter (stacked expert weights)."""
+    value = _param(gm, node)
+    return value is not None and value.dim() == 3
 
 
 def _param(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.Tensor]:
@@ -182,8 +191,8 @@ def _recognise(gm: fx.GraphModule, path: str, nodes: list[fx.Node], region: set[
             if arg in inside or _is_shape(arg):
                 continue
             if arg.op == "get_attr":
-                owner, _, name = arg.target.rpartition(".")
-                if _param(gm, arg) is None or name not in _WEIGHTS + _BIASES or params.get(name, arg) is not arg:
+                name = _own_name(path, arg.target)
+                if _param(gm, arg) is None or name is None or params.get(name, arg) is not arg:
                     raise _NotRecognised(f"it reads {arg.target!r}, which is not one of its stacked expert weights "
                                          f"({', '.join(_WEIGHTS)}) or their biases (a norm after each expert, or "
                                          "another module's tensor)")
@@ -203,6 +212,17 @@ def _recognise(gm: fx.GraphModule, path: str, nodes: list[fx.Node], region: set[
     act_inputs(act)
     return FoundExperts(layout, nodes, act, hidden, index, weights, escaping[0],
                         {name: params[name] for name in layout.param_names})
+
+
+def _own_name(path: str, target: str) -> Optional[str]:
+    """Which of the module's weights ``target`` is: ``<path>.<name>`` in the captured graph, or
+    ``_<path with dots as underscores>_<name>`` in a stage graph (``split_module`` flattens
+    targets); None for another module's tensor."""
+    flat = path.replace(".", "_")
+    for name in sorted(_WEIGHTS + _BIASES, key=len, reverse=True):
+        if target == f"{path}.{name}" or target.endswith(f"{flat}_{name}") and target[:-len(name) - 1].lstrip("_") == flat:
+            return name
+    return None
 
 
 def _check_class(path: str, nodes: list[fx.Node]) -> None:
