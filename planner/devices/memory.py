@@ -76,7 +76,7 @@ copy, its own segment of the output), ``p = n max(f)`` (``ZeroShards.padding``,
 :func:`planner.shares.state_fractions.padded_scale`); ``u`` is the largest bucket's share:
 
 * stages 1 and 2: the parameters stay whole, ``w = 1 + f``, ``o = f``. Stage 1's buckets are 1 MiB of
-  parameters in reverse order (:data:`RAGGED_BUCKET_BYTES`; :func:`ragged_bucket_share` bounds the
+  parameters in reverse order (:data:`RAGGED_BUCKET_BYTES`; :func:`ragged_bucket_bytes` bounds the
   largest from the stage's layers): ``g = 1 + T u`` when accumulating (the whole gradients; each
   bucket's are freed as it is reduce-scattered), ``g = f (1 - u) + (1 + T) u`` with one micro-batch
   (the rank's rows of every other bucket, the last bucket's whole gradients and its buffers). Stage 2's
@@ -96,7 +96,10 @@ high by up to the activations); the activations freed by the time the last bucke
 activations term counts them whole); FSDP2's padding of each parameter to ``n`` rows; weights tied
 across pipeline stages, which ragged shards keep whole outside the rows (priced as sharded). Checked
 (test and bench, gloo): within 10% of the measured peak on every rank for even ZeRO 1-3 and ragged
-ZeRO 1-3 of single-stage plans; a pipeline stage (one unit) is priced by the same rules, not measured.
+ZeRO 1-3 of single-stage plans (0.94-1.01 in ``tests/test_zero_memory.py``). A pipeline stage (one
+unit) is priced by the same rules and is not in the test; measured once on a two-stage WideMLP:
+ragged 0.99-1.01, FSDP2 1.0 at ZeRO 2 but 0.88-0.89 at ZeRO 1 and 3, high there because the one unit's
+reduce-scatter buffers partly take the place of its freed parameters.
 
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
