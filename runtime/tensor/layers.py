@@ -189,8 +189,9 @@ class _EmulatedLinear(torch.autograd.Function):
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  emulator: Optional[Emulator]) -> torch.Tensor:
-    """This rank's matmul; an emulation segment forward and backward when ``emulator`` is enabled."""
-    if emulator is None or not emulator.enabled:
+    """This rank's matmul; a segment forward and backward when ``emulator`` pads or times them
+    (:attr:`runtime.emulation.compute.Emulator.measures`: emulation, or CUDA events on a GPU)."""
+    if emulator is None or not emulator.measures:
         return F.linear(x, weight, bias)
     return _EmulatedLinear.apply(x, weight, bias, emulator)
 
@@ -212,7 +213,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         rows = x.numel() // x.shape[-1]
         ctx.unit_flops = 2.0 * rows * weight.shape[0] * weight.shape[1]
         ctx.samples = _samples(x)
-        ctx.emulator = emulator if emulator is not None and emulator.enabled else None
+        ctx.emulator = emulator if emulator is not None and emulator.measures else None
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
         with _maybe_segment(ctx.emulator, ctx.unit_flops, ctx.samples):
