@@ -29,6 +29,7 @@ Invariant: every rank takes part in every exchange's barrier and ends with the s
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional, Sequence
 
@@ -41,6 +42,8 @@ from planner.devices.network import INTER_HOST, INTRA_HOST
 from planner.devices.profile import LinkProfile
 from runtime.emulation.network import NetworkEmulator
 from whalelike.cluster import Cluster
+
+log = logging.getLogger(__name__)
 
 FIRST_BYTES = 4096
 GROWTH = 8
@@ -90,6 +93,7 @@ def measure_links(cluster: Cluster, rank: int, device: torch.device, network: Op
     every rank after each timed size (the progress bar)."""
     out = []
     for kind, src, dst in link_pairs(cluster):
+        late = network.stats.unpadded if network is not None else 0
         points: dict[int, float] = {}
         size = FIRST_BYTES
         while True:
@@ -105,6 +109,11 @@ def measure_links(cluster: Cluster, rank: int, device: torch.device, network: Op
             if (len(points) >= MIN_SIZES and points[size] >= SPAN * smallest) or size * GROWTH > MAX_BYTES:
                 break
             size *= GROWTH
+        if network is not None and network.stats.unpadded > late and rank == src:
+            log.warning("%s link %s -> %s: %d timed transfers outlasted their modeled time (the machine's own "
+                        "transfer, or a busy core, was slower than the emulated link): the figures are the machine's "
+                        "there", kind, cluster.devices[src].name, cluster.devices[dst].name,
+                        network.stats.unpadded - late)
         alpha, beta = fit_alpha_beta(points)
         out.append(LinkProfile(kind=kind, src=cluster.devices[src].name, dst=cluster.devices[dst].name,
                                latency_s=alpha, seconds_per_byte=beta, points=points))
