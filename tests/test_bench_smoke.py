@@ -43,6 +43,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
     "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
                  rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",
+    "profile_vs_spec": rf"profile_vs_spec: .*: profiled plan {_X} the spec plan's speed, step predicted [+-]\d+\.\d% "
+                       rf"\(spec plan [+-]\d+\.\d%\), profiled in \d+ s.* \(targets >= 1\.2x, within 3%; Poplar "
+                       r"profiles in 67-174 s\)",
     "replan_speed": r"rebalance\(\) on 8 devices, .*: median \d+\.\d ms .*takes \d+\.\dx as long \(median\)",
     "resharding": rf"headline: broadcast is {_X} faster than send/recv .*, {_X} with 8 receivers .*",
     "straggler_dp": rf"straggler_dp: adaptive \d+\.\d\d of ideal .*, {_X} over static, .*, losses identical",
