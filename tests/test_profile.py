@@ -205,6 +205,18 @@ def test_profile_outside_torchrun_says_how_to_launch_it(tmp_path, capsys, monkey
     assert not (tmp_path / "p.yaml").exists()
     code = main(["profile", f"{HERE}:build", "--cluster", "emulated-4", "-o", str(tmp_path / "p.txt")])
     assert code == 2 and "expected a YAML file" in capsys.readouterr().err
+    # under torchrun: every check that needs no peer fails alike on every rank, before the rendezvous
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bad = {("--cluster", "emulated-4"): "has 4 devices but this run has 2 ranks; launch one rank per device",
+           ("--max-batch", "0"): "profile: cap must be >= 1",
+           ("--timeout", "0"): "timeout_s (--timeout) must be a positive, finite number of seconds",
+           ("--precision", "bf16"): "emu-half cannot run bf16"}
+    for (option, value), message in bad.items():
+        argv = {"--cluster": "emulated-2", **{option: value}}
+        flags = [x for kv in argv.items() for x in kv]
+        code = main(["profile", f"{HERE}:build", "-o", str(tmp_path / "p.yaml"), *flags])
+        assert code == 2 and message in capsys.readouterr().err, (option, value)
 
 
 # -- the search: Poplar's Algorithm 1 ----------------------------------------------------------------

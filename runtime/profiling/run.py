@@ -76,6 +76,9 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     rank, world = _launched(cluster, command)
     settings = cache.Settings(optimizer=optimizer, unit=unit, cap=cap, warmup=warmup, repeats=repeats)
     check_fields(settings, "profile: ", ProfilingError)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ProfilingError(f"profile: timeout_s (--timeout) must be a positive, finite number of seconds (how long "
+                             f"a collective may wait for a peer), got {timeout_s!r}; e.g. 300")
     cluster.check_precision(precision)
     recipe = Precision(precision)
     if workload.example_kwargs:
