@@ -69,6 +69,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.balance.state_moves import Slab
+from planner.devices.memory import RAGGED_BUCKET_BYTES
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, module_state
 from runtime.replicas.sync_parts import OwnPassenger
@@ -96,8 +97,9 @@ def ragged_rows(rows: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
 
 # whole parameters per bucket at ZeRO 1: a bucket's collective needs a padded buffer of n * max(f) times its
 # bytes on every rank, the smallest device's too, so buckets stay small (1 MiB: 1.6 MiB padded with 4 ranks
-# at 41% for the largest, next to a 20 MiB device) while still merging a model's many small parameters
-BUCKET_BYTES = 2**20
+# at 41% for the largest, next to a 20 MiB device) while still merging a model's many small parameters;
+# the planner's memory model prices the same buckets (one constant, owned there)
+BUCKET_BYTES = RAGGED_BUCKET_BYTES
 
 
 class _Layout:
