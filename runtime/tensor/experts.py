@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from runtime.emulation.compute import Emulator
 from runtime.emulation.network import pad_collective
@@ -196,6 +197,11 @@ class ExpertParallel(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 up: torch.Tensor, down: torch.Tensor, up_bias: Optional[torch.Tensor] = None,
                 down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        held = [p for p in (up, down, up_bias, down_bias) if p is not None]
+        if isinstance(hidden, FakeTensor):
+            # the pipeline's fake run for its boundary shapes: the routing is data-dependent, and only
+            # the output's shape, dtype and requires_grad are asked for (every rank skips it alike)
+            return (hidden + sum(p.sum() for p in held) * 0 + top_k_weights.sum() * 0).to(hidden.dtype)
         routes = _Routes.of(top_k_index, self.counts, self.tp_index)
         x = _Dispatch.apply(hidden, routes, self.group)
         order = torch.sort(routes.local_expert, stable=True).indices
@@ -206,11 +212,12 @@ class ExpertParallel(nn.Module):
                 outputs.append(self._expert(rows, e, up, down, up_bias, down_bias))
         # every rank runs both collectives' backward, and every held weight gets a gradient (zero
         # for an expert no token chose, as unsharded), even when no pair came here
-        touch = x.sum() + sum(p.sum() for p in (up, down, up_bias, down_bias) if p is not None)
+        touch = x.sum() + sum(p.sum() for p in held)
         sorted_out = torch.cat(outputs) if outputs else x.new_zeros((0, self.layout.hidden))
         sorted_out = sorted_out + touch * 0
         local = sorted_out.index_select(0, torch.argsort(order))
-        return _Combine.apply(local, top_k_weights, routes, self.group)
+        # the unsharded layer returns its input's dtype (under autocast the weighted sum is float32)
+        return _Combine.apply(local, top_k_weights, routes, self.group).to(hidden.dtype)
 
     def _expert(self, x, e, up, down, up_bias, down_bias):
         lay = self.layout

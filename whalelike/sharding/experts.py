@@ -142,15 +142,15 @@ def find_experts(gm: fx.GraphModule, region: Iterable[str]) -> tuple[list[FoundE
 
 def _candidates(gm: fx.GraphModule, by_path: dict[str, list[fx.Node]]) -> list[str]:
     """Module paths whose own operators read a 3-D parameter (stacked expert weights) and that
-    take an integer tensor (a routing index) or whose class names experts; outermost first. A
-    Conv1d's 3-D weight alone does not make a candidate."""
+    take an integer tensor (a routing index) or whose class or name says experts (or MoE);
+    outermost first. A Conv1d's 3-D weight alone does not make a candidate."""
     out = []
     for path, nodes in by_path.items():
         inside = set(nodes)
         stacked = any(_stacked(gm, a) for n in nodes for a in n.all_input_nodes)
         routed = any(a not in inside and _dtype(a) is not None and not _dtype(a).is_floating_point
                      and not _is_shape(a) for n in nodes for a in n.all_input_nodes)
-        named = any(word in _class_name(path, nodes).lower() for word in ("expert", "moe"))
+        named = any(word in f"{_class_name(path, nodes)} {path.rpartition('.')[2]}".lower() for word in ("expert", "moe"))
         if stacked and (routed or named):
             out.append(path)
     return sorted((p for p in out if not any(p.startswith(q + ".") for q in out if q != p)), key=len)
