@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from whalelike.errors import CaptureError
+from whalelike.graphs.memory_traffic import FUSED_ATTENTION, MemoryTrafficMode
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -86,10 +87,7 @@ def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shap
 
 
 # Fused attention kernels FlopCounterMode does not count (CPU), with torch's own shape formulas.
-ATTENTION_FLOP_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _attention_forward_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
-}
+ATTENTION_FLOP_FORMULAS = dict(zip(FUSED_ATTENTION, (_attention_forward_flops, _attention_backward_flops)))
 
 
 @dataclass(frozen=True)
@@ -146,9 +144,6 @@ def _device_type(fake_gm: fx.GraphModule, fake_inputs: list[Any]) -> str:
 
 def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, int],
              autocast_dtype: Optional[torch.dtype] = None) -> NodeCosts:
-    # imported here: memory_traffic imports this module's ATTENTION_FLOP_FORMULAS (the matmuls it leaves to FLOPs)
-    from whalelike.graphs.memory_traffic import MemoryTrafficMode
-
     costs = NodeCosts()
     persistent = {id(t): t for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
     interp = _Recorder(fake_gm, costs)

@@ -22,8 +22,9 @@ bandwidth-bound kernel does):
 
 * an operator reads each distinct tensor argument once and writes each tensor result once, each
   ``numel x element size`` (the tensor's elements, not its storage: a slice reads only the slice);
-* matmul-like operators (those FlopCounterMode or :data:`whalelike.graphs.costs.ATTENTION_FLOP_FORMULAS`
-  price) count 0: their time is their FLOPs, and an operator is priced by one or the other, never both;
+* matmul-like operators (those FlopCounterMode prices, and the CPU fused-attention kernels
+  :data:`FUSED_ATTENTION` it misses, which :data:`whalelike.graphs.costs.ATTENTION_FLOP_FORMULAS`
+  prices; listed here, below ``costs``, which imports this module) count 0: their time is their FLOPs, and an operator is priced by one or the other, never both;
 * views (``OpOverload.is_view``: view, transpose, expand, detach, ...), ``_unsafe_view``,
   allocations without a write (``empty``, ``new_empty``, ...) and operators returning no tensor
   (size queries) count 0;
@@ -47,9 +48,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from whalelike.graphs.costs import ATTENTION_FLOP_FORMULAS
-
 aten = torch.ops.aten
+
+# the CPU fused-attention kernels FlopCounterMode does not count: (forward, backward)
+FUSED_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu,
+                   aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
 
 def _packet(op: Any) -> Any:
@@ -57,7 +60,7 @@ def _packet(op: Any) -> Any:
 
 
 # priced by their FLOPs (what the segment's FLOPs already count), so no bytes
-MATMUL_OPERATORS = frozenset({*map(_packet, flop_registry), *map(_packet, ATTENTION_FLOP_FORMULAS)})
+MATMUL_OPERATORS = frozenset({*map(_packet, flop_registry), *map(_packet, FUSED_ATTENTION)})
 # memory is allocated, not written
 _ALLOCATIONS = frozenset({aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided})
 # a view whose schema does not say so
