@@ -287,6 +287,8 @@ def _route_outputs(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages
     replacement: dict[fx.Node, Any] = {nodes[leaf.node]: None for leaf, _ in routes.dropped}
     for leaf, _ in routes.forwarded:   # a node that is also a dropped leaf is forwarded: some leaf reads it
         value = nodes[leaf.node]
+        if replacement.get(value) is not None:   # two leaves of one node: one alias
+            continue
         with gm.graph.inserting_before(output):
             alias = gm.graph.call_function(torch.ops.aten.alias.default, (value,))
         stages[alias.name] = last
