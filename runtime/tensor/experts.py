@@ -185,7 +185,8 @@ class ExpertParallel(nn.Module):
     """A recognised experts module on one rank of its ``split`` group: experts
     ``[first, first + counts[tp_index])`` of ``layout.experts``. Holds no parameter of its own:
     the stage graph passes the (cut) stacked weights, which stay under their state-dict keys
-    (``targets``: parameter name -> its attribute path in the stage module)."""
+    (``targets``: parameter name -> its attribute path in the stage module). ``last_pairs``: the
+    pairs its experts ran in the last forward (the load the routing gave this rank)."""
 
     def __init__(self, layout: ExpertsLayout, counts: Sequence[int], tp_index: int, group: ProcessGroup,
                  act: fx.GraphModule, targets: Mapping[str, str], emulator: Optional[Emulator] = None):
@@ -193,6 +194,7 @@ class ExpertParallel(nn.Module):
         self.layout, self.counts, self.tp_index, self.group = layout, list(counts), tp_index, group
         self.first = sum(self.counts[:tp_index])
         self.act, self.targets, self.emulator = act, dict(targets), emulator
+        self.last_pairs = 0     # (token, expert) pairs this rank's experts ran in the last forward
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 up: torch.Tensor, down: torch.Tensor, up_bias: Optional[torch.Tensor] = None,
@@ -203,6 +205,7 @@ class ExpertParallel(nn.Module):
             # the output's shape, dtype and requires_grad are asked for (every rank skips it alike)
             return (hidden + sum(p.sum() for p in held) * 0 + top_k_weights.sum() * 0).to(hidden.dtype)
         routes = _Routes.of(top_k_index, self.counts, self.tp_index)
+        self.last_pairs = int(routes.local.numel())
         x = _Dispatch.apply(hidden, routes, self.group)
         order = torch.sort(routes.local_expert, stable=True).indices
         per_expert = torch.bincount(routes.local_expert, minlength=self.counts[self.tp_index]).tolist()
