@@ -413,7 +413,8 @@ def main(argv=None) -> int:
         initial_state = copy.deepcopy(workload.model.state_dict())
         runs = [("whalelike", plan)]
         if args.compare_naive:
-            graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs)
+            graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
+                                loss_fn=workload.loss_fn)
             config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
                                schedule=plan.schedule, precision=plan.precision)
             runs.append(("naive", planner.naive_plan(graphs, cluster, config)))

@@ -120,7 +120,7 @@ def capture_workload(args: argparse.Namespace):
     from whalelike.graphs.capture import capture  # after the factory's checks: they fail fast, capture imports more
 
     with _status(f"capturing {args.model}"):
-        graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer)
+        graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer, loss_fn=wl.loss_fn)
     return graphs
 
 
