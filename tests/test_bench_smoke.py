@@ -43,6 +43,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
     "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
                  rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",
+    "profile_examples": r"profile_examples: \d+ of \d+ examples within 3% of the predicted step time; errors .*; worst "
+                        r"\w+ [+-]\d+\.\d%",
     "profile_vs_spec": rf"profile_vs_spec: .*: profiled plan {_X} the spec plan's speed, step predicted [+-]\d+\.\d% "
                        rf"\(spec plan [+-]\d+\.\d%\), profiled in \d+ s.* \(targets >= 1\.2x, within 3%; Poplar "
                        r"profiles in 67-174 s\)",
