@@ -63,6 +63,10 @@ class Rule:
     def problem(self, value: Any, spelling: str = "python") -> Optional[str]:
         """Why ``value`` breaks this rule ('must be ..., got ...'), or None. ``spelling`` is
         ``"python"`` or ``"yaml"`` (how true and false are written in the message)."""
+        if (_is_kind(self.kind, value, strict=True) and (self.choices is None or value in self.choices)
+                and (self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.le is None or value <= self.le)):
+            return None   # the common case, without building a message
         doc = f" ({self.doc})" if self.doc else ""
         wanted = self.says or (_kind_text(self.kind, spelling, strict=True) + doc)
         if not _is_kind(self.kind, value, strict=True):
@@ -156,28 +160,78 @@ def check_fields(obj: Any, prefix: str, error: type = SpecError) -> None:
 
 def check_rules(obj: Any, path: str, error: type = SpecError) -> None:
     """Check every rule in ``obj`` and the records, lists and dicts it holds (for :func:`validate`
-    of records that are not checked at construction, like a Plan); errors name the field path."""
-    for f in fields(obj):
-        spec_rule = rule_of(f)
-        where = f"{path}.{f.name}"
-        _check_value(getattr(obj, f.name), spec_rule, where, error)
+    of records that are not checked at construction, like a Plan); errors name the field path.
+
+    Speed (a 1024-device plan holds ~4 * 10^5 numbers, most in per-micro-batch lists): a list of
+    plain numbers is checked in one pass (:func:`_plain_items_pass`); only a list that fails it is
+    walked item by item, so the error still names the first bad item by its path."""
+    for name, step, spec_rule in _field_rules(type(obj)):
+        _check_value(getattr(obj, name), spec_rule, path, step, error)
 
 
-def _check_value(value: Any, spec_rule: Optional[Rule], where: str, error: type) -> None:
+@functools.lru_cache(maxsize=None)
+def _field_rules(cls: type) -> tuple[tuple[str, str, Optional[Rule]], ...]:
+    """(name, path step ``.name``, rule) of each field of a record class."""
+    return tuple((f.name, f".{f.name}", rule_of(f)) for f in fields(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_record(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls)
+
+
+def _check_value(value: Any, spec_rule: Optional[Rule], path: str, step: str, error: type) -> None:
+    """Check ``value``, found at ``path + step`` (``step``: a field's ``.name`` or an item's
+    ``[i]``); the joined path is built only where it is passed on or named in an error."""
     if value is None:
         return
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        check_rules(value, where, error)
+    if _is_record(type(value)) and not isinstance(value, type):
+        check_rules(value, path + step, error)
     elif isinstance(value, (list, tuple)):
+        if spec_rule is not None and _plain_items_pass(spec_rule, value):
+            return
+        where = path + step
         for i, item in enumerate(value):
-            _check_value(item, spec_rule, f"{where}[{i}]", error)
+            _check_value(item, spec_rule, where, f"[{i}]", error)
     elif isinstance(value, dict):
+        where = path + step
         for key, item in value.items():
-            _check_value(item, spec_rule, f"{where}[{shown(key)}]", error)
+            _check_value(item, spec_rule, where, f"[{shown(key)}]", error)
     elif spec_rule is not None:
         problem = spec_rule.problem(value)
         if problem:
-            raise error(f"{where} {problem}")
+            raise error(f"{path}{step} {problem}")
+
+
+def _plain_items_pass(spec_rule: Rule, items: Any) -> bool:
+    """True when every item of ``items`` is a plain ``int`` (or, for a float rule, a finite plain
+    ``float``) that ``spec_rule`` accepts; False when any is not, or may not be (the caller then
+    checks item by item with :meth:`Rule.problem`, which decides). Never True for a value
+    :meth:`Rule.problem` refuses."""
+    kind = spec_rule.kind
+    if kind is float:
+        for x in items:
+            t = type(x)
+            if t is float:
+                if x - x != 0.0:   # inf or nan
+                    return False
+            elif t is not int:
+                return False
+    elif kind is int:
+        for x in items:
+            if type(x) is not int:
+                return False
+    else:
+        return False
+    if not items:
+        return True
+    if spec_rule.choices is not None and not all(x in spec_rule.choices for x in items):
+        return False
+    if spec_rule.gt is not None or spec_rule.ge is not None:
+        low = min(items)
+        if (spec_rule.gt is not None and not low > spec_rule.gt) or (spec_rule.ge is not None and not low >= spec_rule.ge):
+            return False
+    return spec_rule.le is None or max(items) <= spec_rule.le
 
 
 # -- reading files ---------------------------------------------------------------------------------
