@@ -28,6 +28,7 @@ TIMEOUT_S = 300   # a smoke run takes seconds; the rest is headroom for a machin
 
 _X = r"\d+\.\d\dx"   # a ratio as the benches print it: 1.49x
 HEADLINES = {        # bench: its last line (re.fullmatch)
+    "tp_moe": rf"whalelike / equal experts per rank speed-up: speeds 1/0\.5 {_X} .*; equal speeds {_X} .*",
     "checkpoint_cost": rf"checkpoint cost: whalelike save .* ms = {_X} DDP\+DCP's, async stall .* = {_X} "
                        rf"dcp\.async_save's \(.* steps\), load {_X}",
     "dp_vs_ddp": rf"headline: emulated-4 {_X} = .* of the ideal {_X}; emulated-4-equal {_X} = .*; "

@@ -314,6 +314,13 @@ class Emulator:
         self.settle()
         return self._stats
 
+    @stats.setter
+    def stats(self, fresh: EmulationStats) -> None:
+        """Start counting afresh (a bench resets after its warm-up): pending segments are read first,
+        so their times land in the figures being replaced, not in the new ones."""
+        self.settle()
+        self._stats = fresh
+
     @property
     def pending(self) -> int:
         """Segments whose device time has not been read yet."""
