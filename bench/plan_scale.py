@@ -45,6 +45,7 @@ KINDS = {  # kind: (peak bf16/fp16 TFLOPS, memory GiB)
     "A100-80GB": (312.0, 80.0),
     "V100-32GB": (125.0, 32.0),
     "T4-16GB": (65.0, 16.0),
+    "H100-80GB": (989.4, 80.0),   # the device-kind sweep's fourth kind only
 }
 # devices of each kind, and pipeline stages, per cluster size
 CLUSTERS = {
@@ -70,7 +71,10 @@ def gpt3_layers() -> list[LayerCost]:
 
 
 def cluster_of(size: int) -> Cluster:
-    counts, _ = CLUSTERS[size]
+    return cluster_of_counts(CLUSTERS[size][0], f"mixed-{size}")
+
+
+def cluster_of_counts(counts: dict[str, int], name: str) -> Cluster:
     devices = []
     for kind, n in counts.items():
         peak, mem = KINDS[kind]
@@ -78,7 +82,7 @@ def cluster_of(size: int) -> Cluster:
         for _ in range(n):
             i = len(devices)
             devices.append(Device(f"{short}-{i}", kind, f"host{i // TP}", peak, mem))
-    return Cluster(f"mixed-{size}", tuple(devices), NETWORK)
+    return Cluster(name, tuple(devices), NETWORK)
 
 
 def stage_slots(cluster: Cluster, stages: int) -> list[StageSlot]:
@@ -146,36 +150,68 @@ def gpt3_taskgraphs(stage_layers: list[list[int]], strategy):
     return TaskGraphs(graphs, layers, bounds, optimizer="adamw", example_batch_size=1, method="fx")
 
 
+def timed_plan(cluster: Cluster, stages: int) -> tuple[float, str]:
+    """Seconds of one ``planner.plan`` of the GPT-3 TaskGraphs on ``cluster`` with ``stages``
+    ``replicate(dp)+split(8)`` stages (layers from the partitioner, see :func:`plan_rows`), and its
+    outcome. The planner's memoised reshardings are cleared first, so every call plans from nothing."""
+    import planner
+    from planner.schedule.boundary_traffic import clear_caches
+    from whalelike import Config, split
+    from whalelike.strategy import Strategy
+
+    dp = len(cluster.devices) // (stages * TP)
+    problem = PartitionProblem.for_schedule(
+        gpt3_layers(), stage_slots(cluster, stages), [StageLink(NETWORK.inter_host_gbps * 1e9, 5e-6)] * (stages - 1),
+        micro_batch=dp, num_micro_batch=2 * stages, schedule="1f1b")
+    graphs = gpt3_taskgraphs(partition(problem).stage_layers(), Strategy("replicate", dp, split(TP)))
+    config = Config(global_batch_size=2 * stages * dp, num_micro_batch=2 * stages, schedule="1f1b")
+    clear_caches()
+    start = time.perf_counter()
+    try:
+        result = planner.plan(graphs, cluster, config)
+        outcome = (f"{result.prediction.step_time_ms / 1e3:.1f} s/step, naive "
+                   f"{result.naive_prediction.step_time_ms / 1e3:.1f} s/step")
+    except planner.PlanError as e:
+        outcome = f"PlanError: {str(e)[:100]}"
+    return time.perf_counter() - start, outcome
+
+
 def plan_rows(sizes: list[int]) -> list[list[str]]:
     """Whole ``planner.plan`` on TaskGraphs of the same model: one ``replicate(dp)+split(8)``
     TaskGraph per stage, with the layers the partitioner gives each stage in the order the planner
     places them (largest memory first). Every stage is tensor parallel, so the planner keeps these
     layer ranges; the time measured is its device layout, shard and batch balancing, plan assembly,
     simulation of one step, and the same for the naive plan."""
-    import planner
-    from whalelike import Config, split
-    from whalelike.strategy import Strategy
-
     rows = []
     for size in sizes:
         cluster = cluster_of(size)
         _, stages = CLUSTERS[size]
         dp = len(cluster.devices) // (stages * TP)
-        problem = PartitionProblem.for_schedule(
-            gpt3_layers(), stage_slots(cluster, stages), [StageLink(NETWORK.inter_host_gbps * 1e9, 5e-6)] * (stages - 1),
-            micro_batch=dp, num_micro_batch=2 * stages, schedule="1f1b")
-        graphs = gpt3_taskgraphs(partition(problem).stage_layers(), Strategy("replicate", dp, split(TP)))
-        config = Config(global_batch_size=2 * stages * dp, num_micro_batch=2 * stages, schedule="1f1b")
-        start = time.perf_counter()
-        try:
-            result = planner.plan(graphs, cluster, config)
-            outcome = (f"{result.prediction.step_time_ms / 1e3:.1f} s/step, naive "
-                       f"{result.naive_prediction.step_time_ms / 1e3:.1f} s/step")
-        except planner.PlanError as e:
-            outcome = f"PlanError: {str(e)[:100]}"
-        elapsed = time.perf_counter() - start
+        elapsed, outcome = timed_plan(cluster, stages)
         rows.append([f"{size}", f"{stages} x replicate({dp})+split({TP})", f"{elapsed:.2f} s",
                      "yes" if elapsed < 5 else "NO", outcome])
+    return rows
+
+
+# -- (1c) device kinds: Sailor's sweep -------------------------------------------------------------
+PER_KIND = 256        # devices of each kind (Sailor, SOSP'25: 256 GPUs per kind)
+KIND_STAGES = 32      # pipeline stages at every kind count: replicate(kinds)+split(8) each
+SAILOR_S = {1: "0.3 s", 2: "6.2 s", 3: "4900 s"}   # Sailor's reported planning time at 256 GPUs per kind
+
+
+def kind_rows(counts: list[int]) -> list[list[str]]:
+    """``planner.plan`` with 1 to 4 device kinds of :data:`PER_KIND` devices each (A100, V100, T4,
+    H100 in that order; hosts of 8 devices of one kind), :data:`KIND_STAGES` stages of the GPT-3
+    TaskGraphs, next to Sailor's reported planning time for the same kind count."""
+    rows = []
+    for count in counts:
+        kinds = list(KINDS)[:count]
+        cluster = cluster_of_counts({kind: PER_KIND for kind in kinds}, f"kinds-{count}")
+        elapsed, outcome = timed_plan(cluster, KIND_STAGES)
+        target = "yes" if elapsed < 2 else "NO"
+        rows.append([f"{count}", f"{len(cluster.devices)}", ", ".join(k.split("-")[0] for k in kinds),
+                     f"{KIND_STAGES} x replicate({count})+split({TP})", f"{elapsed:.2f} s",
+                     SAILOR_S.get(count, "-"), target if count == 4 else "", outcome])
     return rows
 
 
@@ -232,7 +268,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ilp-time-limit", type=float, default=20.0)
     parser.add_argument("--skip-plan", action="store_true", help="time only the partition step")
-    args = parse_args(parser, smoke=dict(sizes=[64], instances=3, ilp_time_limit=5.0))
+    parser.add_argument("--kinds", type=int, nargs="*", default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
+                        help="device-kind counts of the sweep (1c); none skips it")
+    args = parse_args(parser, smoke=dict(sizes=[64], instances=3, ilp_time_limit=5.0, kinds=[1]))
     logging.basicConfig(level=logging.ERROR)
 
     print(format_table(
@@ -243,6 +281,11 @@ def main() -> None:
         print()
         print(format_table(["devices", "TaskGraphs", "planner.plan time", "< 5 s", "result"], plan_rows(args.sizes),
                            title="(1b) whole planner.plan(...) on synthetic TaskGraphs of the same model"))
+    if not args.skip_plan and args.kinds:
+        print()
+        print(format_table(["kinds", "devices", "which", "TaskGraphs", "planner.plan time", "Sailor", "< 2 s",
+                            "result"], kind_rows(args.kinds),
+                           title=f"(1c) whole planner.plan(...) with 1-4 device kinds, {PER_KIND} devices each"))
     print()
     rows = [gap_row(order, args.instances, args.seed + i, args.ilp_time_limit) for i, order in enumerate(("search", "fixed"))]
     print(format_table(["order", "instances", "mean gap", "max gap", "equal", "ILP proven", "greedy missed",

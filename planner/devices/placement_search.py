@@ -6,6 +6,8 @@ is planned and simulated (:func:`best_aware_plan`), and the fastest is then impr
 the devices of two stages (:func:`swap_search`). Each candidate is the full hardware-aware plan
 (:func:`planner.decisions.aware_decisions`, :func:`planner.assemble.build_plan`) priced by the
 simulator (:func:`planner.assemble.predict`), so a placement is kept only when the prediction says so.
+Two rules that deal the same devices (a cluster of one device kind) give one layout, planned once:
+planning is a pure function of the layout, so the plan and its prediction would be the same.
 """
 from __future__ import annotations
 
@@ -33,10 +35,14 @@ def best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> tup
     """The fastest predicted hardware-aware plan and its prediction: one per device placement that
     fits (:data:`~planner.devices.placement.PLACEMENTS`), the best improved by :func:`swap_search`.
     Raises the error of the Whale-rule placement when none fits."""
-    scored, first_error = [], None
+    scored, first_error, tried = [], None, []
     for placement in PLACEMENTS:
         try:
-            scored.append(aware_plan(graphs, cluster, config, build_layout(graphs, cluster, placement, config.precision)))
+            layout = build_layout(graphs, cluster, placement, config.precision)
+            if layout in tried:   # both rules dealt the same devices: the same plan, planned once
+                continue
+            tried.append(layout)
+            scored.append(aware_plan(graphs, cluster, config, layout))
         except PlanError as e:
             first_error = first_error or e
     if not scored:

@@ -82,10 +82,18 @@ SCHEDULES = {name: _BUILDERS[name] for name in SCHEDULE_NAMES}
 
 
 def build_schedule(kind: str, num_stages: int, num_micro_batch: int) -> list[list[Action]]:
-    try:
-        return SCHEDULES[kind](num_stages, num_micro_batch)
-    except KeyError:
-        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}") from None
+    """Each stage's action list under schedule ``kind``: new lists (a caller may edit them) of
+    the same frozen actions, built once per (kind, stages, micro-batches)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    return [list(stage) for stage in _built(kind, num_stages, num_micro_batch)]
+
+
+@functools.lru_cache(maxsize=64)
+def _built(kind: str, num_stages: int, num_micro_batch: int) -> tuple[tuple[Action, ...], ...]:
+    # a 64-stage, 128-micro-batch pipeline is 16k validated Actions: the planner simulates such a
+    # plan, checks it for deadlocks and prices its memory with the same lists
+    return tuple(tuple(stage) for stage in SCHEDULES[kind](num_stages, num_micro_batch))
 
 
 def max_in_flight(actions: list[Action]) -> int:

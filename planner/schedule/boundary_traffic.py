@@ -15,7 +15,8 @@ sorted order, so every name comparison the planner makes comes out the same; the
 rows renumbered from 0 without the other micro-batches' rows between the replicas' blocks, which
 nobody holds or needs: :meth:`planner.shares.layout.SampleLayout.micro_batch_rows`, the layout
 being the one owner of which rank holds which samples) and the plan of each canonical form is
-computed once and mapped back.
+computed once and mapped back. A plan's whole traffic is kept too, keyed on everything it is
+computed from (:func:`_traffic_key`), for the next call on an equal plan.
 
 Invariant: every :class:`BoundarySend` is a transfer of the :class:`~planner.resharding.reshard.ReshardPlan`
 that :func:`~planner.resharding.reshard.boundary_resharding` gives for the same micro-batch and strategy,
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from planner.devices.network import NetworkModel
+from planner.resharding.reshard import _CACHE as reshard_cache
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
 from planner.resharding.spec import ShardingSpec
 from planner.shares.layout import SampleLayout
@@ -84,6 +86,31 @@ def plan_traffic(plan, network: NetworkModel, strategy: Optional[str] = None,
     ``(global_batch_size, bytes_per_sample)`` byte tensor, each worker holding (needing) its rows of
     the micro-batch (:func:`planner.resharding.spec.stage_output_spec`)."""
     strategy = getattr(plan, "resharding", "auto") if strategy is None else strategy
+    key = _traffic_key(plan, network, strategy, max_nodes)
+    if key in _TRAFFIC:
+        return {k: list(v) for k, v in _TRAFFIC[key].items()}
+    out = _plan_traffic(plan, network, strategy, max_nodes)
+    if len(_TRAFFIC) >= _TRAFFIC_SIZE:
+        _TRAFFIC.pop(next(iter(_TRAFFIC)))
+    _TRAFFIC[key] = out
+    return {k: list(v) for k, v in out.items()}
+
+
+def _traffic_key(plan, network: NetworkModel, strategy: str, max_nodes: int) -> tuple:
+    """Everything :func:`plan_traffic` reads of ``plan`` (the workers' placement and micro-batch
+    sizes, which fix the sample layout; the boundaries' stages and row bytes), the network and the
+    search settings: plans equal in these have the same traffic. A 1024-device plan is planned,
+    priced and simulated with the same traffic several times (``planner.plan``: the plan's
+    ``transfer_ms``, then its simulation; the naive plan's)."""
+    workers = tuple((w.rank, w.device, w.host, w.stage, w.replica, w.dp_index, w.tp_index, tuple(w.micro_batch_sizes))
+                    for w in plan.workers)
+    boundaries = tuple((b.src_stage, b.dst_stage, int(round(b.bytes_per_sample))) for b in plan.boundaries)
+    return (strategy, max_nodes, network.key(), plan.global_batch_size, plan.num_micro_batch, len(plan.stages),
+            boundaries, workers)
+
+
+def _plan_traffic(plan, network: NetworkModel, strategy: str, max_nodes: int
+                  ) -> dict[tuple[int, str], list[Optional[BoundaryTraffic]]]:
     by_stage: dict[int, list] = {}
     for w in plan.workers:
         by_stage.setdefault(w.stage, []).append(w)
@@ -206,3 +233,13 @@ def _sends(reshard: ReshardPlan, names: dict[str, str], hosts: dict[str, str]) -
 
 _CACHE: dict = {}
 _CACHE_SIZE = 1024
+_TRAFFIC: dict = {}   # _traffic_key -> plan_traffic's answer (the lists are copied out: callers may edit them)
+_TRAFFIC_SIZE = 8
+
+
+def clear_caches() -> None:
+    """Forget every memoised boundary plan and traffic, here and in
+    :mod:`planner.resharding.reshard` (a benchmark times planning from nothing)."""
+    _CACHE.clear()
+    _TRAFFIC.clear()
+    reshard_cache.clear()

@@ -16,6 +16,8 @@ Hanging a multi-process job is the costliest way to find these bugs, hence a che
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -94,8 +96,16 @@ def validate_plan(plan: Plan) -> None:
     num_stages = len(plan.stages)
     if num_stages == 1:
         return  # gradient accumulation: no stage waits on another
+    _validated_schedule(plan.schedule, num_stages, plan.num_micro_batch, tuple(edges))
+
+
+@functools.lru_cache(maxsize=64)
+def _validated_schedule(kind: str, num_stages: int, num_micro_batch: int, edges: tuple[Edge, ...]) -> None:
+    """:func:`validate_schedule` of a named schedule's lists: a pure function of its arguments,
+    run once for each (a planner simulates many plans of one pipeline shape). An error is raised
+    each time, never remembered."""
     try:
-        schedule = build_schedule(plan.schedule, num_stages, plan.num_micro_batch)
+        schedule = build_schedule(kind, num_stages, num_micro_batch)
     except ValueError as e:
         raise ScheduleError(f"plan.schedule: {e}") from None
     validate_schedule(schedule, edges)

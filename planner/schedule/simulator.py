@@ -178,33 +178,45 @@ class _Group:
     traffic: dict[str, list[tuple[int, str, int]]] = field(default_factory=lambda: {"F": [], "B": []})
     pc: int = 0
     free_ms: float = 0.0
+    longest: dict[str, list[float]] = field(default_factory=dict)   # kind -> per micro-batch, slowest member
+    last_backward: Optional[tuple[int, float]] = None                # (micro-batch, start) of the last B run
 
 
 class _Resources:
     """Busy intervals of each device and host interface; a send takes the earliest gap, at or after
     its ready time, in which all of its resources are free (first fit: the order in which the
-    simulator happens to place sends does not make an early one wait behind a later one)."""
+    simulator happens to place sends does not make an early one wait behind a later one).
+    :meth:`slots` resolves a send's resources to their interval lists once (sends repeat every
+    micro-batch)."""
 
     def __init__(self):
         self.busy: dict[tuple, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        self._slots: dict[tuple, tuple] = {}
 
-    def place(self, resources: Sequence[tuple], ready: float, duration: float) -> float:
+    def slots(self, resources: tuple) -> tuple:
+        """The (starts, ends) interval lists of ``resources``, in their order."""
+        found = self._slots.get(resources)
+        if found is None:
+            found = self._slots[resources] = tuple(self.busy[r] for r in resources)
+        return found
+
+    @staticmethod
+    def place_on(slots: tuple, ready: float, duration: float) -> float:
+        """Place a send of ``duration`` holding the interval lists ``slots`` (:meth:`slots`) at the
+        first gap at or after ``ready``; returns its start."""
         if duration <= 0:
             return ready
-        busy = self.busy
         start, moved = ready, True
         while moved:
             moved = False
-            for resource in resources:
-                starts, ends = busy[resource]
+            for starts, ends in slots:
                 if not ends or ends[-1] <= start:   # the common case: free from here on
                     continue
                 k = bisect_right(ends, start)
                 if starts[k] < start + duration:
                     start, moved = ends[k], True
         end = start + duration
-        for resource in resources:
-            starts, ends = busy[resource]
+        for starts, ends in slots:
             if not starts or starts[-1] <= start:
                 starts.append(start)
                 ends.append(end)
@@ -239,18 +251,15 @@ def simulate(plan: Plan, record_events: bool = True,
         traffic = plan_traffic(plan, network)
         if buckets is None:
             buckets = plan_buckets(plan, network)
-    groups = _groups(plan, traffic)
-    group_of_device = {w.device: g.index for g in groups for w in g.members}
+    resources = _Resources()
+    place_on = resources.place_on
+    groups, routes = _groups(plan, traffic, resources)
     rank_of_device = {w.device: w.rank for w in plan.workers}
-    routes = _routes(traffic, group_of_device)
     events: list[SimEvent] = []
-    compute: dict[int, float] = defaultdict(float)
     # (channel, micro_batch) -> [arrivals, latest arrival ms]
     arrivals: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     waiting: dict[tuple, list[_Group]] = defaultdict(list)
     link_free: dict[tuple[int, str], float] = defaultdict(float)
-    resources = _Resources()
-    last_backward: dict[int, tuple[float, float]] = {}
     delay_weights = getattr(plan, "delay_weight_gradients", False)
     ready = deque(groups)
 
@@ -264,38 +273,41 @@ def simulate(plan: Plan, record_events: bool = True,
     def run(g: _Group, a: Action) -> bool:
         """Run ``a`` on ``g`` if its inputs have all arrived, else park ``g`` on the first missing one."""
         m = a.micro_batch
+        kind = a.kind
         start = g.free_ms
-        for channel, expected in g.inputs[a.kind]:
+        for channel, expected in g.inputs[kind]:
             arrived = arrivals[channel, m]
             if arrived[0] < expected[m]:
                 waiting[channel, m].append(g)
                 return False
-            start = max(start, arrived[1])
-        end = start
-        for w in g.members:
-            took = (w.forward_ms if a.kind == "F" else w.backward_ms)[m]
-            compute[w.rank] += took
-            if a.kind == "B":
-                # delayed weight gradients: the weight half (where DDP's buckets fill) comes second
-                last_backward[w.rank] = (start + took / 2 if delay_weights else start, start + took)
-            if record_events:
-                events.append(SimEvent(w.rank, g.stage, a.kind, m, start, start + took))
-            end = max(end, start + took)
+            if arrived[1] > start:
+                start = arrived[1]
+        if record_events:
+            end = start
+            for w in g.members:
+                took = (w.forward_ms if kind == "F" else w.backward_ms)[m]
+                events.append(SimEvent(w.rank, g.stage, kind, m, start, start + took))
+                end = max(end, start + took)
+        else:   # the slowest member's time, priced once per group (see _Group.longest)
+            end = start + g.longest[kind][m]
+        if kind == "B":
+            g.last_backward = (m, start)
         g.free_ms = end
         # the input gradients leave after the input-gradient half of a backward when weights wait
-        sent = start + (end - start) / 2 if a.kind == "B" and delay_weights else end
-        sender = g.members[0].rank
-        for channel, peer, transfer_ms, senders in g.outputs[a.kind]:
-            begin = max(sent, link_free[sender, a.kind])
-            done = begin + (transfer_ms[m] if transfer_ms else 0.0)
-            link_free[sender, a.kind] = done
-            if record_events:
-                events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
-            arrive(channel, m, done, senders)
-        for index, direction, peer in g.traffic[a.kind]:
+        sent = start + (end - start) / 2 if kind == "B" and delay_weights else end
+        if g.outputs[kind]:
+            sender = g.members[0].rank
+            for channel, peer, transfer_ms, senders in g.outputs[kind]:
+                begin = max(sent, link_free[sender, kind])
+                done = begin + (transfer_ms[m] if transfer_ms else 0.0)
+                link_free[sender, kind] = done
+                if record_events:
+                    events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
+                arrive(channel, m, done, senders)
+        for index, direction, peer in g.traffic[kind]:
             own, counts = routes[index, direction, m]
-            for send, receivers in own.get(g.index, ()):
-                begin = resources.place(send.resources, sent + send.offset_ms, send.duration_ms)
+            for send, slots, receivers in own.get(g.index, ()):
+                begin = place_on(slots, sent + send.offset_ms, send.duration_ms)
                 done = begin + send.duration_ms
                 if record_events:
                     events.append(SimEvent(rank_of_device[send.sender], g.stage, "send", m, begin, done, peer,
@@ -315,10 +327,30 @@ def simulate(plan: Plan, record_events: bool = True,
             f"replica {g.replica} stage {g.stage} at {g.actions[g.pc]}" for g in stalled))
 
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
+    compute, last_backward = _member_times(groups, delay_weights)
     allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
     step_ms = max(finish.values())
     reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
     return _result(plan, groups, events, compute, allreduce, step_ms, reshardings)
+
+
+def _member_times(groups: list[_Group], delay_weights: bool) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
+    """Per rank, after the run: its compute time (summed in its action order, as it ran) and its
+    last backward's (weight-gradient half start, end), from the group's last backward start."""
+    compute: dict[int, float] = {}
+    last_backward: dict[int, tuple[float, float]] = {}
+    for g in groups:
+        for w in g.members:
+            total = 0.0
+            forward, backward = w.forward_ms, w.backward_ms
+            for a in g.actions:
+                total += (forward if a.kind == "F" else backward)[a.micro_batch]
+            compute[w.rank] = total
+            if g.last_backward is not None:
+                m, start = g.last_backward
+                took = backward[m]
+                last_backward[w.rank] = (start + took / 2 if delay_weights else start, start + took)
+    return compute, last_backward
 
 
 def _send_detail(send) -> str:
@@ -331,9 +363,10 @@ def _nics(send) -> tuple[str, ...]:
     return tuple(f"{host} {way}" for way in ("out", "in") for kind, host in send.resources if kind == way)
 
 
-def _routes(traffic: dict, group_of_device: dict[str, int]) -> dict[tuple[int, str, int], tuple[dict, dict]]:
-    """``(boundary, direction, micro-batch) -> (sending group -> [(send, receiving groups)],
-    receiving group -> number of sends it waits for)``."""
+def _routes(traffic: dict, group_of_device: dict[str, int], resources: _Resources
+            ) -> dict[tuple[int, str, int], tuple[dict, dict]]:
+    """``(boundary, direction, micro-batch) -> (sending group -> [(send, its resources' interval
+    lists, receiving groups)], receiving group -> number of sends it waits for)``."""
     out = {}
     shared: dict[int, tuple[dict, dict]] = {}   # micro-batches that look alike share one traffic object
     for (index, direction), per_micro_batch in traffic.items():
@@ -345,7 +378,7 @@ def _routes(traffic: dict, group_of_device: dict[str, int]) -> dict[tuple[int, s
                 counts: dict[int, int] = defaultdict(int)
                 for send in boundary.sends:
                     receivers = sorted({group_of_device[d] for d in send.receivers})
-                    own[group_of_device[send.sender]].append((send, receivers))
+                    own[group_of_device[send.sender]].append((send, resources.slots(send.resources), receivers))
                     for receiver in receivers:
                         counts[receiver] += 1
                 shared[id(boundary)] = (dict(own), dict(counts))
@@ -353,15 +386,23 @@ def _routes(traffic: dict, group_of_device: dict[str, int]) -> dict[tuple[int, s
     return out
 
 
-def _groups(plan: Plan, traffic: dict) -> list[_Group]:
-    """The tensor-parallel groups of ``plan`` with their action lists and channels. Without a
-    network (or for a boundary that carries nothing) a channel is one direction of one boundary in
-    one replica: forwards of the boundary's source stage send on it, forwards of its destination
-    receive; backwards the other way round. With one, a receiving group has a channel per boundary
-    and direction, completed by the resharding sends that name one of its members."""
+def _groups(plan: Plan, traffic: dict, resources: _Resources) -> tuple[list[_Group], dict]:
+    """The tensor-parallel groups of ``plan`` with their action lists and channels, and the
+    resharding sends between them (:func:`_routes`). Without a network (or for a boundary that
+    carries nothing) a channel is one direction of one boundary in one replica: forwards of the
+    boundary's source stage send on it, forwards of its destination receive; backwards the other
+    way round. With one, a receiving group has a channel per boundary and direction, completed by
+    the resharding sends that name one of its members."""
     members = defaultdict(list)
     for w in plan.workers:
         members[w.replica, w.stage, w.dp_index].append(w)
+    group_of_device = {w.device: index for index, key in enumerate(sorted(members)) for w in members[key]}
+    routes = _routes(traffic, group_of_device, resources)
+
+    def expected(boundary: int, direction: str, group: int) -> list[int]:
+        """How many resharding sends name one of ``group``'s members, per micro-batch."""
+        return [routes[boundary, direction, m][1].get(group, 0) for m in range(num_micro_batch)]
+
     num_groups = defaultdict(int)
     for replica, stage, _ in members:
         num_groups[replica, stage] += 1
@@ -384,30 +425,22 @@ def _groups(plan: Plan, traffic: dict) -> list[_Group]:
             shipped = i in shipped_boundaries
             if b.dst_stage == stage:
                 if shipped:
-                    inputs["F"].append((("reshard", i, "forward", index), _expected(traffic[i, "forward"], ws)))
+                    inputs["F"].append((("reshard", i, "forward", index), expected(i, "forward", index)))
                     sends["B"].append((i, "backward", b.src_stage))
                 else:
                     inputs["F"].append((forward, [src_groups] * num_micro_batch))
                     outputs["B"].append((backward, b.src_stage, b.transfer_ms, dst_groups))
             if b.src_stage == stage:
                 if shipped:
-                    inputs["B"].append((("reshard", i, "backward", index), _expected(traffic[i, "backward"], ws)))
+                    inputs["B"].append((("reshard", i, "backward", index), expected(i, "backward", index)))
                     sends["F"].append((i, "forward", b.dst_stage))
                 else:
                     outputs["F"].append((forward, b.dst_stage, b.transfer_ms, src_groups))
                     inputs["B"].append((backward, [dst_groups] * num_micro_batch))
-        out.append(_Group(index, replica, stage, ws, actions, inputs, outputs, sends))
-    return out
-
-
-def _expected(per_micro_batch: list, members: list[Worker]) -> list[int]:
-    """How many resharding sends name one of ``members`` as a receiver, per micro-batch."""
-    devices = {w.device for w in members}
-    counted: dict[int, int] = {}
-    for t in per_micro_batch:
-        if id(t) not in counted:
-            counted[id(t)] = sum(1 for send in t.sends if devices.intersection(send.receivers))
-    return [counted[id(t)] for t in per_micro_batch]
+        longest = {"F": [max(times) for times in zip(*(w.forward_ms for w in ws))],
+                   "B": [max(times) for times in zip(*(w.backward_ms for w in ws))]}
+        out.append(_Group(index, replica, stage, ws, actions, inputs, outputs, sends, longest=longest))
+    return out, routes
 
 
 def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tuple[float, float]],
@@ -464,7 +497,13 @@ def _check_buckets(plan: Plan, buckets: Optional[Mapping[GroupKey, Sequence[Grad
 
 def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], compute: dict[int, float],
             allreduce: dict[int, float], step_ms: float, reshardings: tuple = ()) -> SimResult:
-    in_flight = {w.rank: max_in_flight(g.actions) for g in groups for w in g.members}
+    peaks: dict[int, int] = {}   # groups of one stage share its action list: one count per list
+    in_flight: dict[int, int] = {}
+    for g in groups:
+        if id(g.actions) not in peaks:
+            peaks[id(g.actions)] = max_in_flight(g.actions)
+        for w in g.members:
+            in_flight[w.rank] = peaks[id(g.actions)]
     workers = [
         WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank][0],
                    max(step_ms - compute[w.rank] - allreduce[w.rank][0], 0.0), in_flight[w.rank],
