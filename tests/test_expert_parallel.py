@@ -39,7 +39,9 @@ import whalelike as wl
 from planner.devices.cost_model import device_tflops
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from runtime import Engine, checkpoint
 from runtime.tensor.experts import ExpertParallel
+from torch.testing import assert_close
 from whalelike.cluster import Cluster
 
 pytest.importorskip("transformers")  # a pinned test dependency (pyproject [dev]); never skipped in CI
@@ -187,7 +189,7 @@ def _held(engine) -> list[tuple]:
     return out
 
 
-def _ranks(rank: int, world_size: int, plans: dict) -> dict:
+def _ranks(rank: int, world_size: int, plans: dict, directory: str) -> dict:
     lines = _Lines()
     logger = logging.getLogger("runtime.tensor.experts")
     logger.addHandler(lines)
@@ -199,6 +201,17 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
             engine, _, _ = assert_engine_trains_like_reference(build(name, torch.float64), plans[name], data,
                                                                OPTIMIZERS[opt], loss_fn, _cluster(), f"{name}/{opt}")
             out[name] = _held(engine)
+        if name == "olmoe-aux-loss":
+            # a checkpoint of uneven expert shards (3, 3, 1, 1) read back into a fresh engine: every
+            # rank's experts come back, and both go on alike
+            checkpoint.save(engine, directory)
+            fresh = Engine(build(name, torch.float64), plans[name], optimizer=OPTIMIZERS[optimizers[-1]],
+                           loss_fn=loss_fn, cluster=_cluster(), timeout_s=60, example_args=data[0][0])
+            checkpoint.load(fresh, checkpoint.latest(directory))
+            saved = engine.state_dict()
+            for key, value in fresh.state_dict().items():
+                assert_close(value, saved[key], msg=f"{name}: {key} after loading the checkpoint")
+            assert_close(fresh.train_step(data[0]), engine.train_step(data[0]), msg=f"{name}: a step after loading")
         out[name + "/log"] = [line for line in lines.lines if "stays whole" in line]
         lines.lines.clear()
     return out
@@ -212,7 +225,7 @@ def _expected(plan, rank: int) -> list[tuple]:
                   for path, counts in sizes.items() if path.endswith("mlp.experts"))
 
 
-def test_experts_spread_by_speed_train_exactly_and_unrecognised_layers_fall_back(caplog):
+def test_experts_spread_by_speed_train_exactly_and_unrecognised_layers_fall_back(caplog, tmp_path):
     with caplog.at_level(logging.WARNING, logger="whalelike.sharding.experts"):
         plans = {name: make_plan(name) for name in CASES}
     # capture names the layout it does not recognise, and why, in one line
@@ -237,7 +250,7 @@ def test_experts_spread_by_speed_train_exactly_and_unrecognised_layers_fall_back
     assert mixtral_sizes == [(3, 3), (4, 2)]          # 0.5 and 0.25 devices: 4 and 2; two full ones: 3 each
     assert plans["olmoe-aux-loss"].stages[0].shard_sizes["model.layers.1.mlp.experts"] == [3, 3, 1, 1]
 
-    results = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=600)
+    results = run_ranks(_ranks, 4, args=(plans, str(tmp_path / "ckpt")), init_process_group=False, timeout_s=600)
     for rank, got in enumerate(results):
         for name in ("mixtral-pipeline", "olmoe-aux-loss"):
             expected = _expected(plans[name], rank)

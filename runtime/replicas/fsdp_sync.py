@@ -260,6 +260,7 @@ def _within(slab: Slab, dim: int, start: int, stop: int) -> Slab:
 
 def tensor_parallel_dims(module: nn.Module) -> dict:
     """Each tensor-parallel parameter of ``module`` -> the dimension its slice is cut along."""
+    from runtime.tensor.experts import experts_layers
     from runtime.tensor.layers import ParallelLinear
 
     dims = {}
@@ -269,6 +270,9 @@ def tensor_parallel_dims(module: nn.Module) -> dict:
                 param, dim = getattr(layer, name), layer.sharded_dim(name)
                 if param is not None and dim is not None:
                     dims[param] = dim
+    for base, layer in experts_layers(module):    # an expert-parallel layer's experts: rows along dim 0
+        for target in layer.targets.values():
+            dims[module.get_parameter(base + target)] = 0
     return dims
 
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from planner.balance.state_moves import Slab
+from runtime.tensor.experts import experts_layers
 from runtime.tensor.layers import ParallelLinear
 
 NamedState = dict[str, tuple[torch.Tensor, Slab]]
@@ -33,7 +34,8 @@ NamedState = dict[str, tuple[torch.Tensor, Slab]]
 
 def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
     """``module``'s parameters and persistent buffers under the model's names, with what each
-    holds: tensor-parallel weights their shard (:func:`parallel_slab`), all else whole.
+    holds: tensor-parallel weights their shard (:func:`parallel_slab`), an expert-parallel layer's
+    stacked weights this rank's experts (rows along dim 0), all else whole.
 
     ``names`` maps ``module``'s state-dict keys to the model's names of the same tensor (first
     one canonical, as ``StageWorker._state_names`` does); default: the keys are the model's
@@ -48,6 +50,11 @@ def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]]
             for param in ("weight", "bias"):
                 if getattr(layer, param) is not None:
                     slabs[id(getattr(layer, param))] = parallel_slab(layer, param)
+    for base, layer in experts_layers(module):    # expert parallel: this rank's experts, rows along dim 0
+        for target in layer.targets.values():
+            local = module.get_parameter(base + target)
+            full = (sum(layer.counts),) + tuple(local.shape[1:])
+            slabs[id(local)] = Slab(full, 0, ((layer.first, layer.first + layer.counts[layer.tp_index]),))
     seen: set[int] = set()
     out: NamedState = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
