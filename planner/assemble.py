@@ -39,7 +39,7 @@ from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.decisions import Decisions, zero_shards
+from planner.decisions import Decisions, stage_syncs, zero_shards
 from planner.devices.cost_model import (
     ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms, ragged_collectives,
 )
@@ -57,6 +57,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
     """A Plan from ``dec`` with timings and memory filled in; predictions are left at zero."""
     comm = CommModel(cluster.network)
     layout = dec.layout
+    syncs = stage_syncs(graphs, config, dec)   # replica_sync (P-Reduce's settings with it), planner.decisions
     stages = [
         StagePlan(
             index=s,
@@ -68,7 +69,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             recompute=dec.recomputes(s),
             recompute_reason=(dec.recompute[s] if dec.recompute else "") or "none",
             recompute_unit=recompute_unit(dec.costs[s], dec.in_flight[s]) if dec.recomputes(s) else "layer",
-            replica_sync=("ragged" if dec.fractions(s) else "fsdp") if dec.zero_stage(s) else "ddp",
+            **syncs[s],
             zero_stage=dec.zero_stage(s),
             zero_reason=dec.zero_reason[s] if dec.zero_reason else "none",
         )

@@ -52,6 +52,11 @@ ones would leave more slack. A re-plan keeps the plan's shards, ragged or even. 
 stage at which its equal shares fit (FSDP2 with even shards and even batches, the bench's baseline).
 The pipeline partitioner prices layer ranges at ZeRO 0 (a run that fits only under ZeRO keeps its
 TaskGraph boundaries, as for recompute); a re-plan keeps the plan's ZeRO stages.
+
+Prague's partial all-reduce (:func:`partial_stages`, :func:`stage_syncs`): a stage runs it when a
+region asks (``replicate(n, sync="partial")``) or ``Config.dp_sync`` is ``"partial"``, on two or more
+data-parallel workers without ``split``; its ZeRO stage is 0 (P-Reduce averages whole parameters) and
+its shares stay speed-proportional, as any stage's.
 """
 from __future__ import annotations
 
@@ -408,6 +413,74 @@ def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int, fractions=(
     return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, whole_model))
 
 
+def partial_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[bool]:
+    """Per stage whether it runs Prague's partial all-reduce (``StagePlan.replica_sync`` ``"partial"``):
+    a TaskGraph of it asks (``replicate(n, sync="partial")``), or ``Config.dp_sync`` is ``"partial"``
+    and none of its TaskGraphs asks ``sync="exact"``, on a stage of two or more data-parallel workers
+    without ``split`` (``Config.dp_sync`` leaves other stages exact). Pure: a re-plan gets the same
+    answer from the same model and config. Raises PlanError for a region asking P-Reduce on a stage of
+    one data-parallel worker or under ``split``, for both ``sync`` values on one stage, and for
+    ``Config.dp_sync`` ``"partial"`` where no stage can run it."""
+    out = []
+    for s, layers in enumerate(stage_layers):
+        owners = sorted({graphs.layers[i].taskgraph for i in layers})
+        asks = {t: getattr(graphs[t].strategy, "sync", None) for t in owners}
+        asks = {t: v for t, v in asks.items() if v is not None}
+        if len(set(asks.values())) > 1:
+            raise PlanError(f"stage {s} runs TaskGraphs asking sync='exact' and sync='partial' ({asks}); one stage "
+                            "keeps its replicas in step one way: give the regions the same sync=, or put them on "
+                            "different devices")
+        workers, tp = len(layout.stage_groups(s)), layout.shapes[s].tp
+        wanted = next(iter(asks.values())) if asks else config.dp_sync
+        if wanted != "partial":
+            out.append(False)
+            continue
+        if asks and (workers < 2 or tp > 1):
+            t = next(iter(asks))
+            why = (f"is under split({tp}): P-Reduce runs on stages without split" if tp > 1 else
+                   "has one data-parallel worker: P-Reduce averages replicas and there is none to average with")
+            raise PlanError(f"TaskGraph {t} ({graphs[t].strategy}) asks for sync='partial', but stage {s} "
+                            f"({layout.shapes[s].label}) {why}; give the region two or more devices of its own, "
+                            "or drop sync='partial'")
+        out.append(workers >= 2 and tp == 1)
+    if config.dp_sync == "partial" and not any(out):
+        raise PlanError(f"Config.dp_sync is 'partial', but no stage of the plan has two or more data-parallel workers "
+                        f"without split ({', '.join(sh.label for sh in layout.shapes)}): P-Reduce averages "
+                        "replicas and no stage has any to average; use dp_sync 'exact' (whalelike plan --dp-sync "
+                        "exact) or give a replicate region more devices")
+    if any(out):
+        for s, partial in enumerate(out):
+            if partial and config.partial_group_size > len(layout.stage_groups(s)):
+                raise PlanError(
+                    f"Config.partial_group_size is {config.partial_group_size}, larger than stage {s}'s "
+                    f"{len(layout.stage_groups(s))} data-parallel workers ({layout.shapes[s].label}): a P-Reduce "
+                    f"group holds at most all of them; set partial_group_size to 2..{len(layout.stage_groups(s))}")
+    return out
+
+
+def stage_syncs(graphs: TaskGraphs, config: Config, dec: "Decisions") -> list[dict]:
+    """Per stage of ``dec`` the :class:`~planner.plan.StagePlan` fields of its replica sync:
+    ``replica_sync`` (``"partial"`` where :func:`partial_stages` says, else ``"ragged"`` with state
+    fractions, ``"fsdp"`` at ZeRO 1-3, ``"ddp"``) and P-Reduce's generator, group size and threshold
+    from ``config`` (the defaults on exact stages; a pipeline's stages take the static generator)."""
+    partial = partial_stages(graphs, config, dec.layout, dec.stage_layers)
+    out = []
+    for s in range(len(dec.stage_layers)):
+        exact = ("ragged" if dec.fractions(s) else "fsdp") if dec.zero_stage(s) else "ddp"
+        fields = {"replica_sync": "partial" if partial[s] else exact}
+        if partial[s]:
+            # a pipeline's loss all-reduce meets every rank in every step: the smart generator's groups
+            # across steps would wait across it, the static schedule's never do (planner.plan_checks)
+            generator = config.partial_generator if len(dec.stage_layers) == 1 else "static"
+            if generator != config.partial_generator:
+                log.info("stage %d: P-Reduce in a pipeline runs the static group generator (Config asks %r)",
+                         s, config.partial_generator)
+            fields.update(partial_generator=generator, partial_group_size=config.partial_group_size,
+                          partial_delta_c=config.partial_delta_c)
+        out.append(fields)
+    return out
+
+
 def asked_zero(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[int | None]:
     """Per stage the ZeRO stage the user fixed, or None (the planner chooses): the highest a
     TaskGraph of the stage asks (``replicate(n, zero=k)``), else ``Config.zero_stage`` (0 on a stage
@@ -415,10 +488,19 @@ def asked_zero(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers:
     region asking a ZeRO stage on a stage of one data-parallel worker, or a ``Config.zero_stage``
     above 0 where no stage has more than one."""
     out: list[int | None] = []
+    partial = partial_stages(graphs, config, layout, stage_layers)
     for s, layers in enumerate(stage_layers):
         owners = sorted({graphs.layers[i].taskgraph for i in layers})
         asks = {t: graphs[t].strategy.zero for t in owners if graphs[t].strategy.zero is not None}
         workers = len(layout.stage_groups(s))
+        if partial[s]:   # P-Reduce averages whole parameters: ZeRO stage 0
+            if any(asks.values()):
+                t = next(t for t, z in asks.items() if z)
+                raise PlanError(f"TaskGraph {t} ({graphs[t].strategy}) asks for ZeRO stage {asks[t]}, but stage {s} "
+                                "runs P-Reduce (sync='partial' or Config.dp_sync 'partial'), which averages whole "
+                                "parameters; drop zero= from the region or use sync='exact' on it")
+            out.append(0)
+            continue
         if asks:
             k = max(asks.values())
             if k and workers == 1:

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from whalelike.files import write_atomic
-from whalelike.config import PRECISIONS, REPLICA_SYNCS, RESHARDING, SCHEDULES
+from whalelike.config import GROUP_GENERATORS, PRECISIONS, REPLICA_SYNCS, RESHARDING, SCHEDULES
 from whalelike.spec import Reader, load_yaml, rule, validate
 
 from planner import plan_checks
@@ -103,6 +103,15 @@ class StagePlan:
     state_fractions: list[float] = rule(float, "each data-parallel worker's fraction of the stage's sharded state, in "
                                         "rank order (replica_sync 'ragged'; empty for even shards)", ge=0,
                                         default_factory=list)
+    # runtime.replicas.partial_sync (replica_sync 'partial', Prague's P-Reduce): who forms the groups, their size
+    # and the smart generator's threshold; the defaults on every other stage (they are read only under 'partial')
+    partial_generator: str = rule(str, "P-Reduce's group generator (replica_sync 'partial'): 'smart' (randomized "
+                                  "divisions, threshold rule) or 'static' (a fixed conflict-free schedule)",
+                                  choices=GROUP_GENERATORS, default="smart")
+    partial_group_size: int = rule(int, "workers per P-Reduce group (replica_sync 'partial'), at most the stage's "
+                                   "data-parallel workers", ge=2, default=2)
+    partial_delta_c: int = rule(int, "the smart generator's threshold: a worker joins a requester's group only if "
+                                "it lags it by fewer than this many requests (replica_sync 'partial')", ge=1, default=2)
     zero_reason: str = rule(str, "why the stage runs its ZeRO stage: 'asked' (a region's replicate(zero=k) or "
                             "Config.zero_stage), 'fit' (the lowest stage at which every device fits, chosen by the "
                             "planner), 'none' (zero_stage 0, or a plan written by hand)", choices=ZERO_REASONS,
@@ -227,5 +236,18 @@ class Plan:
     def summary(self, cluster=None) -> str:
         """Aligned per-device table plus the predicted step time against the naive plan; with the
         ``cluster`` (its link figures), also the resharding chosen for each stage boundary
-        (:func:`planner.summary.plan_summary`)."""
-        return plan_summary(self, cluster)
+        (:func:`planner.summary.plan_summary`). A stage that runs Prague's partial all-reduce
+        (``replica_sync`` ``"partial"``) is named APPROXIMATE on a line of its own."""
+        return plan_summary(self, cluster) + "".join(f"\n{line}" for line in partial_lines(self))
+
+
+def partial_lines(plan: Plan) -> list[str]:
+    """One line per stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``): its
+    generator, group size and threshold, and that its steps are approximate (each replica steps on
+    its own gradient and averages with a group, which is not the synchronous SGD of one device)."""
+    return [f"stage {st.index}: P-Reduce (partial all-reduce), {st.partial_generator} group generator, groups of "
+            f"{st.partial_group_size}" + (f", threshold Δc {st.partial_delta_c}" if st.partial_generator == "smart"
+                                          else "") +
+            ": APPROXIMATE, each replica steps on its own gradient and averages its parameters with its group "
+            "(not the synchronous SGD of one device)"
+            for st in plan.stages if st.replica_sync == "partial"]

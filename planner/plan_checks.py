@@ -51,6 +51,7 @@ def check_alone(plan: Plan) -> None:
     _check_workers(plan)
     _check_batches(plan)
     _check_zero(plan)
+    _check_partial(plan)
     _check_shards(plan)
     _check_boundaries(plan)
 
@@ -219,11 +220,13 @@ def _check_zero(plan: Plan) -> None:
         want = "fsdp" if st.zero_stage else "ddp"
         if st.replica_sync == "ragged" and st.zero_stage:   # memory-proportional shards at ZeRO 1-3
             want = "ragged"
+        if st.replica_sync == "partial" and not st.zero_stage:   # P-Reduce averages whole parameters
+            want = "partial"
         if st.replica_sync != want:
             ragged = " or 'ragged' (ragged state shards, with state_fractions)" if st.zero_stage else ""
             raise PlanError(f"{where}.replica_sync is {st.replica_sync!r} with zero_stage {st.zero_stage}; it must be "
-                            f"{want!r}{ragged} ('ddp' exactly when zero_stage is 0): re-create the plan with "
-                            "`whalelike plan`")
+                            f"{want!r}{ragged} ('ddp', or 'partial' for P-Reduce, exactly when zero_stage is 0): "
+                            "re-create the plan with `whalelike plan`")
         _check_state_fractions(plan, st, where)
         if not st.zero_stage and st.zero_reason != "none":   # 'none' with a ZeRO stage: a plan written by hand
             raise PlanError(f"{where}.zero_reason is {st.zero_reason!r} with zero_stage 0; it must be 'none' (a "
@@ -244,6 +247,41 @@ def _check_zero(plan: Plan) -> None:
                 "same count on every worker of the data-parallel group (each micro-batch reduce-scatters over it); "
                 "re-create the plan with `whalelike plan`"
             )
+
+
+def _check_partial(plan: Plan) -> None:
+    """A stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``,
+    ``runtime.replicas.partial_sync``) has replicas to average (two or more data-parallel workers),
+    no ``split`` (a tensor-parallel slice's replicas would average apart from the other slices of their
+    model), groups no larger than its data-parallel group, and in a pipeline the static generator
+    (the smart one's groups may span steps, and a pipeline's loss all-reduce meets every rank in every
+    step: :mod:`runtime.replicas.group_generator`). Its ZeRO stage is 0 (:func:`_check_zero`)."""
+    for st in plan.stages:
+        if st.replica_sync != "partial":
+            continue
+        where = f"plan.stages[{st.index}]"
+        members = plan.stage_workers(st.index)
+        tp = max(w.tp_size for w in members)
+        if tp > 1:
+            raise PlanError(f"{where}.replica_sync is 'partial' on a stage under split({tp}); P-Reduce runs on "
+                            "stages without split only: set replica_sync 'ddp', or drop sync='partial' from the "
+                            "region, or re-create the plan with `whalelike plan`")
+        if len(plan.stages) > 1 and st.partial_generator != "static":
+            raise PlanError(f"{where}.partial_generator is {st.partial_generator!r} in a pipeline of "
+                            f"{len(plan.stages)} stages; the pipeline's loss all-reduce meets every rank in every "
+                            "step, and the smart generator's groups may span steps and wait across it: set "
+                            "partial_generator 'static', or re-create the plan with `whalelike plan`")
+        n = len(members)
+        if n < 2:
+            raise PlanError(f"{where}.replica_sync is 'partial' but the stage runs on one device "
+                            f"({members[0].device}): P-Reduce averages replicas and there is none to average with; "
+                            "set replica_sync 'ddp', give the region two or more devices, or re-create the plan "
+                            "with `whalelike plan`")
+        if st.partial_group_size > n:
+            raise PlanError(f"{where}.partial_group_size is {st.partial_group_size}, larger than the stage's "
+                            f"{n} data-parallel workers (ranks {_some([str(w.rank) for w in members])}); a P-Reduce "
+                            f"group holds at most all of them: set 2..{n} ({n}: every worker, every step), or "
+                            "re-create the plan with `whalelike plan`")
 
 
 def _check_state_fractions(plan: Plan, st, where: str) -> None:
@@ -337,6 +375,12 @@ def check_model(plan: Plan, graphs) -> None:
                 f"plan.stages[{st.index}].zero_stage is {st.zero_stage} but TaskGraph(s) {sorted(asked_zero)} of this "
                 f"stage ask for zero={max(asked_zero.values())} (replicate(n, zero=k)); re-plan for this model with "
                 "`whalelike plan`"
+            )
+        partial = sorted(t for t in st.taskgraphs if getattr(graphs[t].strategy, "sync", None) == "partial")
+        if partial and st.replica_sync != "partial":
+            raise PlanError(
+                f"plan.stages[{st.index}].replica_sync is {st.replica_sync!r} but TaskGraph(s) {partial} of this "
+                "stage ask for sync='partial' (P-Reduce); re-plan for this model with `whalelike plan`"
             )
         asking = [t for t in st.taskgraphs if graphs[t].strategy.asks_recompute]
         if asking and not st.recompute:

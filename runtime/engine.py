@@ -72,6 +72,7 @@ from runtime.parallel.data_parallel import DataParallelExecutor
 from runtime.emulation.compute import EmulatedOutOfMemoryError, EmulationStats, Emulator, check_capacity  # noqa: F401
 from runtime.groups import PlanGroups, build_groups
 from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
+from runtime.replicas.replica_sync import after_step, runs_exact
 from runtime.training.clipping import GlobalGradNorm, check_max_norm
 from runtime.training.memory_meter import MemoryMeter
 from runtime.training.precision import PlanLossScaler, Precision
@@ -185,6 +186,7 @@ class StepStats:
     overruns: int
     flops: float = 0.0              # FLOPs of the step's compute segments (what the monitor divides by time)
     approximate: bool = False       # the step ran with ZERO-resizing (runtime.balance.rebalance policies semi/resize)
+    #                                 or Prague's partial all-reduce (replica_sync 'partial', runtime.replicas.partial_sync)
     plan_version: int = 0           # how many re-plans were in force before this step
     skipped: bool = False           # no update: a NaN or inf loss or gradient norm (on_nonfinite="skip"), or an fp16 overflow
     overflow: bool = False          # fp16: some rank's gradients overflowed; every rank skipped and halved the scale
@@ -300,6 +302,9 @@ class Engine:
         self.compute_plan: Optional[Plan] = None    # the layout that computes while a migration runs
         self._context: Optional[ExecutorContext] = None
         self.rebalancer = Rebalancer(self, balance)
+        # callables engine -> None run on every rank at each step boundary, after the re-plan check
+        # (collective: every rank holds the same hooks); runtime.balance.sync_policy attaches itself here
+        self.step_hooks: list[Callable[["Engine"], None]] = []
         if example_args is not None:
             self._build(example_args if isinstance(example_args, tuple) else (example_args,))
 
@@ -342,6 +347,8 @@ class Engine:
                 passenger.fill()
                 self._collective(lambda: _sum_alone(passenger.vector))
             outcome = self._optimizer_step(loss)
+            # the replica sync's hook after the optimizer step (or its skip): P-Reduce averages with its group
+            self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer))
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em, outcome, scale)
         check_capacity(self.emulator, self.meter.peak_bytes, self.step)   # an emulated device's memory, if enforced
@@ -349,6 +356,8 @@ class Engine:
         # starts the next one must not be reported as having begun it)
         carried = passenger.vector if passenger is not None else None
         self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
+        for hook in list(self.step_hooks):   # e.g. runtime.balance.sync_policy.SyncPolicy (collective)
+            self._collective(lambda: hook(self))
         self.step += 1
         return loss
 
@@ -553,7 +562,8 @@ class Engine:
     def _record(self, wall: float, em: EmulationStats, outcome: "_Outcome", scale: Optional[float]) -> StepStats:
         stats = StepStats(step=self.step, wall_s=wall, compute_s=em.real_s, modeled_s=em.modeled_s,
                           padded_s=em.padded_s, wait_s=max(0.0, wall - em.padded_s), segments=em.segments,
-                          overruns=em.overruns, flops=em.flops, approximate=self.rebalancer.approximate,
+                          overruns=em.overruns, flops=em.flops,
+                          approximate=self.rebalancer.approximate or not runs_exact(self.executor),
                           plan_version=self.rebalancer.plan_version, skipped=outcome.skipped,
                           overflow=outcome.overflow, grad_norm=outcome.norm, loss_scale=scale, lr=outcome.lr,
                           peak_memory_bytes=self.meter.peak_bytes)

@@ -95,7 +95,7 @@ def test_ddp_sync_keeps_uneven_replicas_in_step_on_two_ranks():
 
 
 def test_an_unknown_replica_sync_is_named_with_the_choices():
-    with pytest.raises(WhaleError, match=r"replica_sync is 'zero3'; the replica syncs are \['ddp', 'fsdp', 'ragged'\]"):
+    with pytest.raises(WhaleError, match=r"replica_sync is 'zero3'; the replica syncs are \['ddp', 'fsdp', 'partial', 'ragged'\]"):
         build_replica_sync("zero3", _model(), None)
 
 

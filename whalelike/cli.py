@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster
-from whalelike.config import OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULES, ZERO_STAGES, Config
+from whalelike.config import DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULES, ZERO_STAGES, Config
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
@@ -189,7 +189,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients,
-                    precision=args.precision, zero_stage=args.zero, ragged_shards=not args.even_shards)
+                    precision=args.precision, zero_stage=args.zero, ragged_shards=not args.even_shards,
+                    dp_sync=args.dp_sync)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
                "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
@@ -337,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-2 of a single stage where even "
                         "shards do not fit, each device holds a fraction of the state in proportion to the memory "
                         "it has left (ragged shards)")
+    p.add_argument("--dp-sync", choices=DP_SYNCS, default="exact",
+                   help="how data-parallel replicas stay in step: exact (summed gradients, the default) or partial "
+                        "(Prague's P-Reduce: each replica steps on its own gradient, then averages with a small "
+                        "group; tolerates short slowdowns, APPROXIMATE)")
     p.add_argument("--profile", metavar="PROFILE.yaml",
                    help="device speeds and links measured by `whalelike profile` for this model, cluster and "
                         "precision, instead of the cluster spec's figures")

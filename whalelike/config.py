@@ -23,8 +23,17 @@ RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest 
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.replicas.replica_sync
 # builds each): "ddp" (ZeRO stage 0: every rank holds everything), "fsdp" (ZeRO stages 1-3 on torch's FSDP2,
 # StagePlan.zero_stage says which), "ragged" (ZeRO stages 1-2 with memory-proportional shards,
-# StagePlan.state_fractions)
-REPLICA_SYNCS = ("ddp", "fsdp", "ragged")
+# StagePlan.state_fractions), "partial" (Prague's P-Reduce: each replica steps on its own gradient, then
+# averages its parameters with a small group; approximate, runtime.replicas.partial_sync)
+REPLICA_SYNCS = ("ddp", "fsdp", "ragged", "partial")
+# what a user asks of a data-parallel region (Config.dp_sync, replicate(n, sync=...), whalelike plan
+# --dp-sync): "exact" (the gradient of the global-batch mean loss: ddp, fsdp or ragged, as the planner
+# decides) or "partial" (P-Reduce, StagePlan.replica_sync "partial")
+DP_SYNCS = ("exact", "partial")
+# who forms P-Reduce's groups (StagePlan.partial_generator, runtime.replicas.group_generator): "static" (a
+# fixed conflict-free schedule, alternating inter- and intra-host groups) or "smart" (randomized group
+# divisions with Prague's threshold rule, served from the rendezvous store)
+GROUP_GENERATORS = ("static", "smart")
 ZERO_STAGES = (0, 1, 2, 3)   # StagePlan.zero_stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
 # training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or
 # autocast to bfloat16 / float16 with float32 master weights and optimizer state (fp16 with a loss scaler)
@@ -63,6 +72,17 @@ class Config:
                        state, in proportion to the memory it has left (Cephalo; ``StagePlan.replica_sync``
                        ``"ragged"``, ``planner.shares.state_fractions``) where FSDP2's even shards do not
                        fit; False: even shards only (``whalelike plan --even-shards``, for comparisons).
+    dp_sync:           ``"exact"`` (the default: replicas sum gradients, exact against one device) or
+                       ``"partial"``: every data-parallel stage of more than one worker without ``split``
+                       runs Prague's partial all-reduce (P-Reduce, ``StagePlan.replica_sync`` ``"partial"``,
+                       ``runtime.replicas.partial_sync``): each worker steps on its own gradient, then
+                       averages its parameters with a group of ``partial_group_size`` workers that a
+                       ``partial_generator`` (``"smart"`` or ``"static"``) forms; APPROXIMATE (not the
+                       synchronous SGD of one device). A region's ``replicate(n, sync=...)`` overrides it.
+    partial_generator, partial_group_size, partial_delta_c: P-Reduce's group generator, its groups'
+                       size (at most the stage's data-parallel workers) and the smart generator's threshold
+                       Δc (a worker ``w`` joins requester ``i``'s group only if ``c_w > c_i - Δc``, ``c``
+                       counting each worker's requests; ``runtime.replicas.group_generator``).
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -77,6 +97,12 @@ class Config:
                                      says="None (the planner chooses) or one of 0, 1, 2, 3 (the ZeRO stage of "
                                           "every data-parallel stage)")
     ragged_shards: bool = rule(bool, default=True)
+    dp_sync: str = rule(str, choices=DP_SYNCS, says=f"one of {', '.join(DP_SYNCS)}", default="exact")
+    partial_generator: str = rule(str, choices=GROUP_GENERATORS, says=f"one of {', '.join(GROUP_GENERATORS)}",
+                                  default="smart")
+    partial_group_size: int = rule(int, ge=2, says="an integer >= 2 (workers per P-Reduce group)", default=2)
+    partial_delta_c: int = rule(int, ge=1, says="an integer >= 1 (Prague's threshold: how many requests a worker "
+                                "may lag the requester and still join its group)", default=2)
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}
@@ -87,6 +113,11 @@ class Config:
 
 
 def _check_config(config: Config) -> None:
+    if config.dp_sync == "partial" and config.zero_stage:
+        raise SpecError(
+            f"Config.dp_sync is 'partial' with zero_stage {config.zero_stage}: P-Reduce averages whole parameters, "
+            "which ZeRO stages 1-3 shard; use zero_stage 0 or None with dp_sync 'partial', or dp_sync 'exact'"
+        )
     if config.num_micro_batch > config.global_batch_size:
         raise SpecError(
             f"Config.num_micro_batch ({config.num_micro_batch}) exceeds global_batch_size "

@@ -25,6 +25,14 @@ and parameters sharded) of every pipeline stage running the region (``StagePlan.
 ``runtime.replicas.fsdp_sync``); without it the planner chooses (``Config.zero_stage``, else the lowest
 stage that fits). A ``split`` nested in it keeps it on the top level (tensor parallel inside, ZeRO
 across the replicas). Like ``recompute`` it is no structure: the fingerprint ignores it.
+
+How the replicas stay in step is asked the same way, on ``replicate`` only: ``replicate(n,
+sync="partial")`` runs the region's stages with Prague's partial all-reduce (P-Reduce: each replica
+steps on its own gradient, then averages its parameters with a small group; approximate,
+``runtime.replicas.partial_sync``), ``sync="exact"`` keeps the exact gradient sum whatever
+``Config.dp_sync`` says, and None (the default) follows ``Config.dp_sync``. P-Reduce averages
+replicas, so it needs two or more (``replicate(1, sync="partial")`` is an error) and whole parameters
+(not with ``zero`` above 0). No structure either.
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ from typing import Literal, Optional
 
 import torch.nn as nn
 
-from whalelike.config import ZERO_STAGES
+from whalelike.config import DP_SYNCS, ZERO_STAGES
 from whalelike.errors import AnnotationError
 
 Kind = Literal["replicate", "split"]
@@ -52,7 +60,8 @@ class Strategy:
     backward instead of kept (activation checkpointing); it takes part in equality
     (``replicate(2) != replicate(2, recompute=True)``), not in :attr:`structure`. ``zero``: the ZeRO
     stage the region fixes (0-3, ``replicate`` only), None to let the planner choose; like
-    ``recompute``, in equality and not in :attr:`structure`.
+    ``recompute``, in equality and not in :attr:`structure`. ``sync``: how the region's replicas stay
+    in step (``"exact"``, ``"partial"``: P-Reduce; None follows ``Config.dp_sync``); the same.
     """
 
     kind: Kind
@@ -61,6 +70,7 @@ class Strategy:
     scope_id: int = field(default=-1, compare=False)
     recompute: bool = False
     zero: Optional[int] = None
+    sync: Optional[str] = None
 
     def __post_init__(self):
         if self.kind not in ("replicate", "split"):
@@ -73,6 +83,7 @@ class Strategy:
                 "activations in the backward"
             )
         _check_zero(self.kind, self.zero)
+        _check_sync(self.kind, self.device_count, self.zero, self.sync)
 
     def __str__(self) -> str:
         return self._text(with_recompute=True)
@@ -95,6 +106,8 @@ class Strategy:
             options.append("recompute")
         if with_recompute and self.zero is not None:
             options.append(f"zero={self.zero}")
+        if with_recompute and self.sync is not None:
+            options.append(f"sync={self.sync}")
         text = f"{self.kind}({','.join(options)})"
         return f"{text}+{self.inner._text(with_recompute)}" if self.inner is not None else text
 
@@ -156,11 +169,40 @@ def _check_zero(kind: str, zero) -> None:
         )
 
 
-def replicate(device_count: Optional[int] = None, *, recompute: bool = False, zero: Optional[int] = None) -> Strategy:
+def _check_sync(kind: str, device_count, zero, sync) -> None:
+    if sync is None:
+        return
+    if kind != "replicate":
+        raise AnnotationError(
+            f"{kind}(sync={sync!r}): sync is an option of replicate only (it says how data-parallel replicas stay "
+            f"in step, {kind} has none); write replicate(n, sync={sync!r}) around the {kind}"
+        )
+    if not isinstance(sync, str) or sync not in DP_SYNCS:
+        raise AnnotationError(
+            f"replicate(sync=...): sync must be one of {', '.join(map(repr, DP_SYNCS))} or None, got {sync!r}; "
+            "write replicate(n, sync='partial') for Prague's partial all-reduce (approximate), sync='exact' for "
+            "the exact gradient sum, or leave it out to follow Config.dp_sync"
+        )
+    if sync == "partial" and device_count == 1:
+        raise AnnotationError(
+            "replicate(1, sync='partial'): P-Reduce averages a region's replicas, and one device has none to "
+            "average with; give the region two or more devices (replicate(n, sync='partial'), n >= 2) or drop sync="
+        )
+    if sync == "partial" and zero:
+        raise AnnotationError(
+            f"replicate(zero={zero}, sync='partial'): P-Reduce averages whole parameters, which ZeRO stage {zero} "
+            "shards over the replicas; drop zero= (P-Reduce runs at ZeRO stage 0) or sync='partial'"
+        )
+
+
+def replicate(device_count: Optional[int] = None, *, recompute: bool = False, zero: Optional[int] = None,
+              sync: Optional[str] = None) -> Strategy:
     """Data parallel: the code under this scope forms one TaskGraph replicated on ``device_count`` devices.
     ``recompute=True``: its activations are recomputed in the backward (activation checkpointing).
-    ``zero=k`` (0-3): the ZeRO stage of its data-parallel groups (None: the planner chooses)."""
-    return Strategy("replicate", device_count, recompute=recompute, zero=zero)
+    ``zero=k`` (0-3): the ZeRO stage of its data-parallel groups (None: the planner chooses).
+    ``sync="partial"``: Prague's partial all-reduce instead of the exact gradient sum (approximate;
+    ``"exact"``: the exact sum whatever ``Config.dp_sync`` says; None: follow it)."""
+    return Strategy("replicate", device_count, recompute=recompute, zero=zero, sync=sync)
 
 
 def split(device_count: Optional[int] = None, *, recompute: bool = False) -> Strategy:
@@ -202,10 +244,11 @@ def _nest(outer: Optional[Strategy], inner: Strategy) -> Strategy:
     The effective strategy carries ``recompute`` on its top level: asked by either scope."""
     sid = next(_scope_ids)
     if outer is None:
-        return Strategy(inner.kind, inner.device_count, None, sid, recompute=inner.recompute, zero=inner.zero)
+        return Strategy(inner.kind, inner.device_count, None, sid, recompute=inner.recompute, zero=inner.zero,
+                        sync=inner.sync)
     if outer.kind == "replicate" and outer.inner is None and inner.kind == "split":
         return Strategy("replicate", outer.device_count, Strategy("split", inner.device_count), sid,
-                        recompute=outer.recompute or inner.recompute, zero=outer.zero)
+                        recompute=outer.recompute or inner.recompute, zero=outer.zero, sync=outer.sync)
     raise AnnotationError(
         f"cannot open {inner} inside {outer}: the only allowed nesting is split inside replicate "
         "(tensor parallel inside each data-parallel replica)"
@@ -234,7 +277,7 @@ def set_default_strategy(strategy: Optional[Strategy]) -> None:
     if not isinstance(strategy, Strategy):
         raise AnnotationError(f"set_default_strategy expects wl.replicate(...), wl.split(...) or None, got {strategy!r}")
     _STACK.default = Strategy(strategy.kind, strategy.device_count, strategy.inner, scope_id=-1,
-                              recompute=strategy.recompute, zero=strategy.zero)
+                              recompute=strategy.recompute, zero=strategy.zero, sync=strategy.sync)
     _STACK.default_is_set = True
 
 

@@ -16,17 +16,25 @@ replicas in step, and nothing else:
 * ``parameters()``: what the optimizer steps (the module's parameters, or this rank's shards of
   them); ``current()``: make the module's parameters current before they are read whole (a sync
   that refreshes them lazily); ``loaded()``: the module's parameters were overwritten whole, take
-  what the sync keeps from them.
+  what the sync keeps from them;
+* ``after_step(plan, step, optimizer)``, optional: called by the Engine on every rank after each
+  step's optimizer step (or its skip), with the plan in force and the optimizer (:func:`after_step` calls it where a sync has
+  it; the exact syncs have nothing to do there and leave it out). Prague's partial all-reduce
+  averages its parameters with its group here: its replicas step apart and meet afterwards;
+* ``exact``, optional (default True): False for a sync whose steps are not the synchronous SGD of
+  one device (P-Reduce); the Engine marks such steps approximate (:func:`runs_exact`).
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
 :data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
 summed gradients: ZeRO stage 0), ``fsdp`` (:mod:`runtime.replicas.fsdp_sync`, ZeRO stages 1-3 on torch's
 FSDP2, even shards, ``StagePlan.zero_stage`` says which) and ``ragged``
 (:mod:`runtime.replicas.ragged_sync`, ZeRO stages 1-3 with memory-proportional shards,
-``StagePlan.state_fractions``). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
-the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce), so
-the executors never branch on it. A new implementation (Prague's partial all-reduce) registers here
-and no executor changes.
+``StagePlan.state_fractions``) and ``partial`` (:mod:`runtime.replicas.partial_sync`, Prague's
+partial all-reduce: each replica steps on its own gradient, then averages with a group, in
+``after_step``; approximate). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
+the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce,
+P-Reduce stamps its messages), so the executors never branch on it. P-Reduce registered here and no
+executor changed; the Engine reaches each executor's syncs through :func:`executor_syncs`.
 
 Why a protocol of our own and not torch's: DDP, FSDP2's ``fully_shard`` and a partial all-reduce
 have no common interface in torch (``no_sync`` vs ``set_requires_gradient_sync``, a reducer armed by
@@ -49,6 +57,7 @@ from runtime.replicas.ddp_sync import DDPSync
 from runtime.replicas.fsdp_sync import FSDPSync
 from runtime.replicas.ragged_sync import RaggedSync
 from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.partial_sync import PartialSync
 from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
@@ -127,7 +136,19 @@ def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layer
                       reduce_dtype=reduce_dtype, layers=layers, keep_whole=keep_whole)
 
 
-_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp, "ragged": _ragged}
+def _partial(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions,
+             keep_whole) -> PartialSync:
+    if zero_stage:
+        raise WhaleError(f"StagePlan.replica_sync is 'partial' with zero_stage {zero_stage}; P-Reduce averages whole "
+                         "parameters (ZeRO stage 0): re-create the plan with `whalelike plan`")
+    if keep_whole:
+        raise WhaleError("P-Reduce (replica_sync 'partial') on a ZeRO stage's kept-whole parameters: P-Reduce runs "
+                         "at ZeRO stage 0; re-create the plan with `whalelike plan`")
+    return PartialSync(module, group, emulator=emulator, devices=devices)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[..., ReplicaSync]] = {"ddp": _ddp, "fsdp": _fsdp, "ragged": _ragged,
+                                                           "partial": _partial}
 assert set(_IMPLEMENTATIONS) == set(REPLICA_SYNCS), "whalelike.config.REPLICA_SYNCS names every implementation"
 
 
@@ -155,3 +176,33 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
         return AloneSync(module, group)
     return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
                                   zero_stage=zero_stage, layers=layers, fractions=fractions, keep_whole=keep_whole)
+
+
+def executor_syncs(executor) -> list[ReplicaSync]:
+    """The replica syncs ``executor`` runs on this rank: a data-parallel executor's ``sync``, a
+    pipeline's stage worker's (``stage_worker.sync``), a migration's owner and compute executors'."""
+    found: list[ReplicaSync] = []
+    for holder in (executor, getattr(executor, "stage_worker", None)):
+        sync = getattr(holder, "sync", None) if holder is not None else None
+        if sync is not None and not any(sync is s for s in found):
+            found.append(sync)
+    for attr in ("owner", "compute"):
+        inner = getattr(executor, attr, None)
+        if inner is not None and inner is not executor:
+            found.extend(s for s in executor_syncs(inner) if not any(s is f for f in found))
+    return found
+
+
+def after_step(executor, plan, step: int, optimizer=None) -> None:
+    """The seam's hook after an optimizer step: each of ``executor``'s syncs that has ``after_step``
+    runs it (P-Reduce averages with its group; the exact syncs have none). Every rank calls it at
+    every step, skipped or not."""
+    for sync in executor_syncs(executor):
+        hook = getattr(sync, "after_step", None)
+        if hook is not None:
+            hook(plan, step, optimizer)
+
+
+def runs_exact(executor) -> bool:
+    """Whether every sync of ``executor`` is exact (its ``exact`` attribute, True when absent)."""
+    return all(getattr(sync, "exact", True) for sync in executor_syncs(executor))

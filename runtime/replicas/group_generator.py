@@ -1,0 +1,516 @@
+"""P-Reduce's group generators (Prague, Luo et al., ASPLOS'20): who averages with whom after each step.
+
+Under Prague's partial all-reduce (:mod:`runtime.replicas.partial_sync`) every worker of a
+data-parallel group, after its own optimizer step, asks a *group generator* for a group and averages
+its parameters with that group's members only. Behind one interface (:class:`GroupGenerator`:
+``group(iteration)`` gives this rank's group for its ``iteration``-th P-Reduce, global ranks in
+ascending order, itself included) there are the paper's two generators:
+
+* **static** (:class:`StaticGenerator`, :func:`static_division`): a fixed, conflict-free schedule,
+  every worker computing it alone from its own iteration count (no communication at all, the
+  paper's "cost of conflict avoidance is cheaper"). Iterations alternate inter-host groups (even
+  iterations: consecutive members of the hosts interleaved) and intra-host groups (odd: each host's
+  members among themselves), rotating who meets whom (the circle method) so that the groups of a
+  period connect every worker. One host: every iteration is a new rotation. A group size of the
+  whole data-parallel group gives one group of everyone every iteration: synchronous averaging.
+  Its weakness is the paper's: a worker waits for its scheduled partners, slow or not.
+* **smart** (:class:`SmartGroups` served by :class:`GeneratorService`, asked by
+  :class:`SmartGenerator`): the paper's randomized group division, inter-intra alternation and
+  threshold rule. A *division* (:func:`random_division`) partitions all workers at once
+  (inter-host and intra-host divisions alternate); a request takes the requester's group of the
+  division in force (a new division when the requester has none left), keeping only the members
+  that (a) are free (not already assigned a group they have not fetched, not in a group some member
+  has not fetched yet) and (b) pass the threshold rule ``c_w > c_i - Δc``, where ``c`` counts each
+  worker's requests and ``i`` is the requester: a worker ``Δc`` requests behind (a straggler) is
+  left out of a fast worker's group and catches up on its own requests. The kept members get the
+  group as *pending* and fetch it at their next request, so every worker has at most one group
+  ahead of it and every member of a group is bound to arrive: no deadlock (a worker whose group is
+  only itself skips averaging that step). A lagging requester may so give a group to a worker that
+  is ahead of it, which fetches it at its next request: Prague's leeway for slow workers, which keep
+  averaging with the fast ones. Before a *barrier* (a collective of every member at one step: a
+  whole-group average, the straggler monitor's exchange, the sync policy's decision) a worker
+  *parks* (:meth:`SmartGroups.park`): it takes such a group at once and is given none until its next
+  request, so no lagging worker waits for a rank that waits in the barrier. The end of a run is such
+  a barrier too: end it with a whole-group average (``engine.state_dict()``, a checkpoint), else a
+  lagging rank may wait for a last average with a rank that has left. A pipeline's loss all-reduce
+  is a barrier in every step, so pipelines run the static generator
+  (:mod:`planner.plan_checks`).
+
+Why no process group per subset: groups form at run time, and a group per possible subset is
+``2^N`` communicators. P-Reduce runs point-to-point operations on the data-parallel group
+(:mod:`runtime.replicas.partial_sync`); the smart generator runs on the rendezvous store every rank
+already has (torch's ``TCPStore``), not on a collective: a request is one ``queue_push``, the answer
+one blocking ``queue_pop`` on a connection of the rank's own (``Store.clone``; a blocking pop on a
+shared connection would stall the Engine's progress records and heartbeats). The service is two
+daemon threads on the group's lowest rank: one pops requests and pushes answers, one writes a
+heartbeat every :data:`BEAT_S` and watches the members' Engine heartbeats
+(:mod:`runtime.distributed`). Requests and answers are logged at debug level.
+
+Failures end every rank with a :class:`GroupGeneratorError`, never a hang: a member whose process
+died is reported by the service in every later answer (the threshold rule would otherwise leave it
+behind for ever and the others would train on without it); a service that dies (an exception, its
+threads stopped) leaves an error key or stops its heartbeat, and every waiting client raises once
+the heartbeat is ``silence_s`` old or ``timeout_s`` has passed, naming the generator's rank; an
+unreachable store (its host, rank 0, gone) is said so.
+
+Invariant: every worker of a group gets that same group (static: one pure function of the
+iteration; smart: one service deciding each request in arrival order), each worker at most one group
+ahead of it, and every worker named in a group it has not fetched yet fetches it at its next request
+or park, before any barrier.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+from collections import defaultdict
+from typing import Optional, Protocol, Sequence
+
+from whalelike.errors import WhaleError
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.25            # the smart generator's heartbeat period
+SILENCE_S = 10.0         # a heartbeat this old (or none this long) means the generator is gone
+WAIT_SLICE_S = 1.0       # a client re-checks the generator's health this often while it waits for an answer
+REQUESTS, BEAT, ERROR = "requests", "beat", "error"
+
+
+class GroupGeneratorError(WhaleError):
+    """P-Reduce's group generator failed, or a member of the group died; the message names which."""
+
+
+class GroupGenerator(Protocol):
+    """This rank's source of P-Reduce groups (see the module docstring)."""
+
+    name: str
+
+    def group(self, iteration: int) -> tuple[int, ...]: ...
+
+    def park(self, iteration: int) -> Optional[tuple[int, ...]]: ...
+
+    def close(self) -> None: ...
+
+
+def check_settings(members: Sequence[int], group_size: int, delta_c: int = 1) -> None:
+    """The settings every generator needs: two or more members (P-Reduce on one device has nothing to
+    average), a group size of 2 up to the members' count, a threshold ``Δc >= 1``."""
+    if len(members) < 2:
+        raise GroupGeneratorError(f"P-Reduce on ranks {list(members)}: a stage on one device has no replica to "
+                                  "average with; use replica_sync 'ddp' (or give the region two or more devices)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= len(members):
+        raise GroupGeneratorError(f"P-Reduce group size {group_size!r} on {len(members)} workers (ranks "
+                                  f"{list(members)}): it must be an integer in 2..{len(members)} "
+                                  f"({len(members)}: every worker, every step)")
+    if isinstance(delta_c, bool) or not isinstance(delta_c, int) or delta_c < 1:
+        raise GroupGeneratorError(f"P-Reduce threshold Δc {delta_c!r}: it must be an integer >= 1 (a worker joins "
+                                  "a requester's group only if it lags it by fewer than Δc requests; 2 lets "
+                                  "workers in step join each other)")
+
+
+def _by_host(members: Sequence[int], hosts: Sequence[str]) -> dict[str, list[int]]:
+    if len(members) != len(hosts):
+        raise GroupGeneratorError(f"P-Reduce: {len(members)} members {list(members)} but {len(hosts)} hosts "
+                                  f"{list(hosts)}; give one host per member")
+    out: dict[str, list[int]] = defaultdict(list)
+    for rank, host in sorted(zip(members, hosts)):
+        out[host].append(rank)
+    return dict(out)
+
+
+def _chunks(seq: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    return [tuple(sorted(seq[i:i + size])) for i in range(0, len(seq), size)]
+
+
+def _rotation(ranks: list[int], r: int) -> list[int]:
+    """The circle method: the first rank stays, the others turn by ``r`` places, so consecutive
+    pairs change every round and the first rank meets everyone within ``len - 1`` rounds."""
+    if len(ranks) < 3:
+        return list(ranks)
+    rest = ranks[1:]
+    k = r % len(rest)
+    return [ranks[0], *rest[k:], *rest[:k]]
+
+
+def static_division(members: Sequence[int], hosts: Sequence[str], group_size: int,
+                    iteration: int) -> list[tuple[int, ...]]:
+    """The static generator's groups at ``iteration``: a partition of ``members`` (every member in
+    exactly one group; the last group of a host or of the interleaving may be smaller, a group of one
+    skips averaging). Even iterations group across hosts, odd ones within hosts (one host: every
+    iteration within it, a new rotation each time); ``iteration // 2`` turns the rotation. A group
+    size of every member gives one group of all of them at every iteration."""
+    check_settings(members, group_size)
+    if not isinstance(iteration, int) or iteration < 0:
+        raise GroupGeneratorError(f"P-Reduce iteration {iteration!r}: an integer >= 0")
+    by_host = _by_host(members, hosts)
+    if group_size >= len(members):   # everyone, every iteration: synchronous averaging
+        return [tuple(sorted(members))]
+    if len(by_host) == 1:
+        return _chunks(_rotation(next(iter(by_host.values())), iteration), group_size)
+    r = iteration // 2
+    if iteration % 2 == 1:   # intra-host
+        return [g for ranks in by_host.values() for g in _chunks(_rotation(ranks, r), group_size)]
+    names = list(by_host)
+    order = names[r % len(names):] + names[:r % len(names)]
+    turned = {h: by_host[h][(i * r) % len(by_host[h]):] + by_host[h][:(i * r) % len(by_host[h])]
+              for i, h in enumerate(names)}
+    longest = max(len(v) for v in by_host.values())
+    seq = [turned[h][j] for j in range(longest) for h in order if j < len(turned[h])]
+    return _chunks(seq, group_size)
+
+
+class StaticGenerator:
+    """The static generator on ``rank``: :func:`static_division` at this rank's own iteration count."""
+
+    name = "static"
+
+    def __init__(self, rank: int, members: Sequence[int], hosts: Sequence[str], group_size: int):
+        check_settings(members, group_size)
+        if rank not in members:
+            raise GroupGeneratorError(f"P-Reduce: rank {rank} is not a member of {list(members)}")
+        self.rank, self.members, self.hosts, self.group_size = rank, tuple(members), tuple(hosts), group_size
+
+    def group(self, iteration: int) -> tuple[int, ...]:
+        group = next(g for g in static_division(self.members, self.hosts, self.group_size, iteration)
+                     if self.rank in g)
+        log.debug("static group generator: rank %d iteration %d -> %s", self.rank, iteration, group)
+        return group
+
+    def park(self, iteration: int) -> Optional[tuple[int, ...]]:
+        """Nothing to take at a barrier: a static group's members all average at the same iteration."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop: the schedule is computed locally."""
+
+
+def random_division(members: Sequence[int], hosts: Sequence[str], group_size: int, rng: random.Random,
+                    inter: bool) -> list[tuple[int, ...]]:
+    """A randomized group division of every member at once (a partition into groups of
+    ``group_size``, the last ones possibly smaller): ``inter`` interleaves the hosts (shuffled, and
+    each host's members shuffled) so that a group spans hosts; otherwise each host's members are
+    shuffled and grouped among themselves. One host: a shuffle of all members."""
+    check_settings(members, group_size)
+    by_host = {h: list(v) for h, v in _by_host(members, hosts).items()}
+    if group_size >= len(members):
+        return [tuple(sorted(members))]
+    for ranks in by_host.values():
+        rng.shuffle(ranks)
+    if len(by_host) == 1:
+        return _chunks(next(iter(by_host.values())), group_size)
+    if not inter:
+        return [g for ranks in by_host.values() for g in _chunks(ranks, group_size)]
+    order = list(by_host)
+    rng.shuffle(order)
+    longest = max(len(v) for v in by_host.values())
+    return _chunks([by_host[h][j] for j in range(longest) for h in order if j < len(by_host[h])], group_size)
+
+
+class SmartGroups:
+    """The smart generator's decisions (pure: no threads, no store), in request order.
+
+    ``members``: the data-parallel group's global ranks; ``hosts``: each member's host (same order);
+    ``group_size``, ``delta_c``: the groups' size and the threshold rule's Δc; ``seed``: the
+    divisions' random stream (every run of the same requests gives the same groups).
+    """
+
+    def __init__(self, members: Sequence[int], hosts: Sequence[str], group_size: int, delta_c: int, seed: int = 0):
+        check_settings(members, group_size, delta_c)
+        order = sorted(zip(members, hosts))
+        self.members = tuple(m for m, _ in order)
+        self.hosts = tuple(h for _, h in order)
+        self.group_size, self.delta_c = group_size, delta_c
+        self.count = {r: 0 for r in self.members}       # c_w: requests so far
+        self.parked: set[int] = set()                    # ranks at a barrier: given no group until they ask again
+        self.pending: dict[int, int] = {}                # rank -> id of the group it fetches next
+        self.open: dict[int, tuple[tuple[int, ...], set]] = {}   # id -> (group, members that fetched it)
+        self.division: dict[int, tuple[int, ...]] = {}   # the division in force: rank -> its group in it
+        self.divisions = 0
+        self._ids = itertools.count()
+        self._rng = random.Random(seed)
+
+    def divide(self) -> list[tuple[int, ...]]:
+        """The next division: inter-host first, then intra-host, alternating."""
+        inter = self.divisions % 2 == 0
+        self.divisions += 1
+        return random_division(self.members, self.hosts, self.group_size, self._rng, inter)
+
+    def free(self, rank: int) -> bool:
+        """Whether ``rank`` may be given a group now: not parked, none pending, and every group it
+        fetched fetched by all."""
+        return (rank not in self.parked and rank not in self.pending
+                and not any(rank in group for group, _ in self.open.values()))
+
+    def _member(self, rank: int) -> None:
+        if rank not in self.count:
+            raise GroupGeneratorError(f"P-Reduce group generator: rank {rank} asked for a group, but the members "
+                                      f"are {list(self.members)}")
+
+    def _fetch(self, rank: int) -> tuple[int, ...]:
+        self.count[rank] += 1
+        gid = self.pending.pop(rank)
+        group, fetched = self.open[gid]
+        fetched.add(rank)
+        if len(fetched) == len(group):
+            del self.open[gid]
+        return group
+
+    def park(self, rank: int) -> Optional[tuple[int, ...]]:
+        """``rank`` reaches a barrier (a collective of every member at one step: a whole-group average,
+        the straggler monitor's exchange, the sync policy's decision): it takes the group a lagging
+        worker gave it, if any (it averages in it now, so the lagging worker is not left waiting for
+        a rank that waits in the barrier), and is given no group until its next :meth:`request`."""
+        self._member(rank)
+        self.parked.add(rank)
+        return self._fetch(rank) if rank in self.pending else None
+
+    def request(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s group for its next P-Reduce (see the module docstring)."""
+        self._member(rank)
+        self.parked.discard(rank)
+        if rank in self.pending:
+            return self._fetch(rank)
+        self.count[rank] += 1
+        if rank not in self.division:
+            self.division = {w: g for g in self.divide() for w in g}
+        mine = self.count[rank]
+        kept = [w for w in self.division[rank]
+                if w != rank and self.free(w) and self.count[w] > mine - self.delta_c]
+        group = tuple(sorted([rank, *kept]))
+        for w in group:
+            self.division.pop(w, None)
+        if len(group) > 1:
+            gid = next(self._ids)
+            self.open[gid] = (group, {rank})
+            for w in kept:
+                self.pending[w] = gid
+        return group
+
+
+# -- the smart generator on the rendezvous store ----------------------------------------------------------
+def _store_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _own_connection(store, timeout_s: float):
+    """A connection of its own to ``store`` (same keys and prefix), so a blocking pop on it stalls
+    no other user of the store; ``timeout_s`` bounds each blocking call."""
+    try:
+        clone = store.clone()
+        clone.set_timeout(datetime.timedelta(seconds=timeout_s))
+        clone.queue_len("whalelike/preduce/probe")
+    except RuntimeError as e:   # NotImplementedError is one
+        if not isinstance(e, NotImplementedError) and "not implemented" not in str(e).lower():
+            raise
+        raise GroupGeneratorError(
+            f"P-Reduce's smart group generator needs a rendezvous store with queues and connections of its own "
+            f"(torch's TCPStore: torchrun, or init_process_group with env:// or tcp://); this run's store is "
+            f"{type(store).__name__} ({e}); start the run with torchrun / env://, or use the static generator "
+            "(StagePlan.partial_generator 'static', Config(partial_generator='static'))") from None
+    return clone
+
+
+class GeneratorService:
+    """The smart generator, served on the data-parallel group's lowest rank (see the module docstring).
+
+    ``store``: the rendezvous store (its keys under ``prefix``); ``groups``: the decisions. Threads
+    start at once; :meth:`close` stops them. ``heartbeats``: reads a member's Engine heartbeat (JSON
+    of :mod:`runtime.distributed`, None when it has none) for the dead-member check.
+    """
+
+    def __init__(self, store, prefix: str, groups: SmartGroups, *, host_rank: int,
+                 heartbeat_key=None, beat_s: float = BEAT_S, silent_after: float = SILENCE_S):
+        from torch.distributed import PrefixStore
+
+        self.prefix, self.groups, self.host_rank, self.beat_s = prefix, groups, host_rank, beat_s
+        self.silent_after = silent_after
+        self._heartbeat_key = heartbeat_key
+        self._raw = _own_connection(store, 3600.0)
+        self._serve_store = PrefixStore(prefix, self._raw)
+        self._beat_raw = _own_connection(store, 60.0)
+        self._beat_store = PrefixStore(prefix, self._beat_raw)
+        self.failure: Optional[str] = None
+        self.served = 0
+        self._stop = threading.Event()
+        self._beat_store.set(BEAT, repr(time.time()))
+        self._threads = [threading.Thread(target=self._serve, name=f"whalelike-preduce-generator-{prefix}", daemon=True),
+                         threading.Thread(target=self._beat, name=f"whalelike-preduce-beat-{prefix}", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._serve_store.queue_pop(REQUESTS, block=True).decode()
+                except RuntimeError as e:
+                    if _store_timeout(e):
+                        continue
+                    raise
+                if item == "stop" or self._stop.is_set():
+                    return
+                rank, count, kind = item.split()
+                rank = int(rank)
+                if self.failure is not None:
+                    answer = "error " + self.failure
+                elif kind == "park":
+                    group = self.groups.park(rank)
+                    answer = ",".join(map(str, group)) if group is not None else "none"
+                else:
+                    answer = ",".join(map(str, self.groups.request(rank)))
+                log.debug("P-Reduce group generator %s: rank %d request %d -> %s", self.prefix, rank, count, answer)
+                self._serve_store.queue_push(f"answers/{rank}", answer)
+                self.served += 1
+        except Exception as e:   # noqa: BLE001 (any failure must reach the waiting ranks, not vanish with the thread)
+            self._fail(f"P-Reduce's group generator on rank {self.host_rank} failed: {type(e).__name__}: {e}")
+
+    def _beat(self) -> None:
+        next_check = 0.0
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._beat_store.set(BEAT, repr(time.time()))
+                if self._heartbeat_key is not None and time.monotonic() >= next_check and self.failure is None:
+                    next_check = time.monotonic() + 1.0
+                    dead = self._dead_member()
+                    if dead is not None:
+                        self._fail(dead)
+            except Exception as e:  # noqa: BLE001 (the store is gone: the clients will say so)
+                log.debug("P-Reduce group generator %s: heartbeat stopped: %s", self.prefix, e)
+                return
+
+    def _dead_member(self) -> Optional[str]:
+        """A line naming the members whose processes died (from their Engine heartbeats), or None."""
+        from runtime.distributed import _liveness
+
+        now = time.time()
+        dead = []
+        for rank in self.groups.members:
+            key = self._heartbeat_key(rank)
+            if not self._beat_raw.check([key]):
+                continue
+            kind, detail = _liveness(json.loads(self._beat_raw.get(key)), now, self.silent_after)
+            if kind == "dead":
+                dead.append(f"rank {rank}: {detail}")
+        if not dead:
+            return None
+        return (f"{'; '.join(dead)}. A dead member of the P-Reduce group {list(self.groups.members)} never averages "
+                f"again, so the group generator (rank {self.host_rank}) stopped forming groups; restart the run from "
+                "its last checkpoint")
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        log.error("%s", message)
+        try:
+            self._beat_store.set(ERROR, message)
+        except Exception as e:  # noqa: BLE001
+            log.debug("P-Reduce group generator %s: could not record its failure: %s", self.prefix, e)
+
+    def kill(self) -> None:
+        """Stop serving and beating without a word, as if the generator had died (for fault tests)."""
+        self._stop.set()
+        try:
+            self._beat_store.queue_push(REQUESTS, "stop")
+        except Exception as e:  # noqa: BLE001
+            log.debug("P-Reduce group generator %s: stop request failed: %s", self.prefix, e)
+
+    def close(self) -> None:
+        """Stop the service (its threads end; a client asking afterwards times out with an error)."""
+        self.kill()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+
+class SmartGenerator:
+    """A rank's client of the smart generator: each :meth:`group` pushes a request and waits for the
+    answer on a connection of its own, checking every :data:`WAIT_SLICE_S` that the generator lives.
+
+    ``service``: the :class:`GeneratorService` when this rank hosts it (closed with this client).
+    ``silence_s``: a heartbeat this old means the generator is gone; ``timeout_s``: the longest wait
+    for one answer.
+    """
+
+    name = "smart"
+
+    def __init__(self, store, prefix: str, rank: int, members: Sequence[int], *, host_rank: int,
+                 service: Optional[GeneratorService] = None, silence_s: float = SILENCE_S, timeout_s: float = 300.0):
+        from torch.distributed import PrefixStore
+
+        self.rank, self.members, self.host_rank = rank, tuple(members), host_rank
+        self.prefix, self.service, self.silence_s, self.timeout_s = prefix, service, silence_s, timeout_s
+        self._raw = _own_connection(store, WAIT_SLICE_S)
+        self._store = PrefixStore(prefix, self._raw)
+        self.requests = 0
+        self._started = time.monotonic()
+
+    def group(self, iteration: int) -> tuple[int, ...]:
+        """This rank's group for its next P-Reduce."""
+        return self._ask("request", iteration)
+
+    def park(self, iteration: int) -> Optional[tuple[int, ...]]:
+        """At a barrier: the group a lagging worker gave this rank (average in it now), or None; no
+        group is given to this rank until its next :meth:`group` (:meth:`SmartGroups.park`)."""
+        return self._ask("park", iteration)
+
+    def _ask(self, kind: str, iteration: int) -> Optional[tuple[int, ...]]:
+        self.requests += 1
+        start = time.monotonic()
+        try:
+            self._store.queue_push(REQUESTS, f"{self.rank} {self.requests} {kind}")
+            while True:
+                try:
+                    answer = self._store.queue_pop(f"answers/{self.rank}", block=True).decode()
+                    break
+                except RuntimeError as e:
+                    if not _store_timeout(e):
+                        raise
+                    self._check(start, iteration)
+        except GroupGeneratorError:
+            raise
+        except RuntimeError as e:
+            raise GroupGeneratorError(
+                f"rank {self.rank}, P-Reduce iteration {iteration}: the rendezvous store is unreachable ({e}); its "
+                "host, rank 0, has likely died or stopped") from e
+        if answer.startswith("error "):
+            raise GroupGeneratorError(f"rank {self.rank}, P-Reduce iteration {iteration}: {answer[6:]}")
+        if answer == "none":
+            log.debug("P-Reduce rank %d parked (iteration %d): no group", self.rank, iteration)
+            return None
+        group = tuple(int(v) for v in answer.split(","))
+        if self.rank not in group:
+            raise GroupGeneratorError(f"rank {self.rank}, P-Reduce iteration {iteration}: the group generator "
+                                      f"answered {group}, which does not hold this rank")
+        log.debug("P-Reduce rank %d %s %d (iteration %d) -> %s", self.rank, kind, self.requests, iteration, group)
+        return group
+
+    def _check(self, start: float, iteration: int) -> None:
+        """While waiting for an answer: raise if the generator reported a failure, went silent, or
+        left this request unanswered past ``timeout_s``."""
+        where = (f"rank {self.rank}, P-Reduce iteration {iteration}: the group generator on rank {self.host_rank} "
+                 f"has not answered request {self.requests} for {time.monotonic() - start:.1f} s")
+        if self._store.check([ERROR]):
+            raise GroupGeneratorError(f"{where}; it reported: {self._store.get(ERROR).decode()}")
+        if self.service is not None and self.service._stop.is_set():
+            raise GroupGeneratorError(f"{where}; it was stopped on this rank (it died)")
+        now = time.time()
+        beat = float(self._store.get(BEAT).decode()) if self._store.check([BEAT]) else None
+        if beat is None and time.monotonic() - self._started > self.silence_s:
+            raise GroupGeneratorError(f"{where}, and it never started (no heartbeat in {self.silence_s:g} s): rank "
+                                      f"{self.host_rank} failed before serving; its own error says why")
+        if beat is not None and now - beat > self.silence_s:
+            raise GroupGeneratorError(f"{where}, and its heartbeat stopped {now - beat:.1f} s ago: the generator "
+                                      f"died (rank {self.host_rank} is dead, stopped or its generator thread "
+                                      "ended); every rank of the group stops here")
+        if time.monotonic() - start > self.timeout_s:
+            raise GroupGeneratorError(f"{where} (timeout {self.timeout_s:g} s) although its heartbeat goes on: it is "
+                                      "stuck; every rank of the group stops here")
+
+    def close(self) -> None:
+        """Stop the service if this rank hosts it."""
+        if self.service is not None:
+            self.service.close()
+            self.service = None

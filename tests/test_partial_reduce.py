@@ -1,0 +1,471 @@
+"""Prague's partial all-reduce (issue 22): the group generators, P-Reduce through the Engine, the policy.
+
+In process: the static schedule is conflict-free (every worker in exactly one group per iteration),
+alternates inter- and intra-host groups and covers every worker (the union of a period's groups
+connects them); a randomized division gives every worker exactly one group; the threshold rule
+keeps a worker Δc requests behind out of a fast requester's group while a slow requester still
+pulls fast workers in, and a parked worker is given nothing; bad input (Δc negative, a group larger
+than the world, P-Reduce on one device, with ZeRO, the smart generator in a pipeline); the plan
+plumbing (``Config(dp_sync=...)``, ``replicate(sync=...)``, ``whalelike plan --dp-sync``, the summary's
+APPROXIMATE line, YAML); the policy's rule (:func:`runtime.balance.sync_policy.choose`).
+
+Spawn 1, 4 ranks through ``runtime.Engine``: (a) a group of every worker every step (static
+generator, group size 4) on uneven shares with SGD (momentum, weight decay) in float64 equals the
+single-process reference exactly, every step, and the ranks' losses average to the reference's;
+(b) the same in a pipeline of 2 data-parallel stages x 2 replicas (P-Reduce inside each stage's
+replica group); (c) convergence: on a learnable task (a random teacher's labels), with every rank
+slowed 5x with probability 1/4 per step on emulated devices and an emulated network of two hosts,
+the smart generator (groups of 2) reaches the synchronous run's final held-out loss within the stated
+tolerance, its messages are stamped and padded, every step is marked approximate, and a checkpoint
+stores the replicas' average (read from every rank before it) and loads onto an exact plan;
+(d) a killed generator: every rank ends with a GroupGeneratorError naming it.
+Spawn 2: a killed worker ends every survivor with an error naming it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import planner
+import plans
+import whalelike as wl
+from dist_utils import run_ranks, spawn_ranks
+from planner.plan import Plan, PlanError, StagePlan
+from runtime.balance.sync_policy import SyncPolicy, choose, slow_steps
+from runtime.replicas.group_generator import (
+    GroupGeneratorError, SmartGroups, StaticGenerator, check_settings, random_division, static_division,
+)
+from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler
+from whalelike.errors import AnnotationError, SpecError
+from whalelike.graphs.capture import capture
+
+WORLD = 4
+DIN, HIDDEN, CLASSES = 8, 24, 4
+SHARES = [[8], [8], [4], [4]]
+CONVERGENCE_STEPS = 40
+# P-Reduce under random stragglers must reach the synchronous run's final held-out loss within this
+# share of the loss the synchronous run removed (initial - final), or 0.02 absolute, whichever is larger
+CONVERGENCE_TOLERANCE = 0.15
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.head = nn.Linear(DIN, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l1(torch.tanh(self.l0(x)))))
+
+
+def teacher_batches(n: int, steps: int, seed: int, dtype=torch.float64):
+    """A learnable task: labels are a fixed random teacher's argmax."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(DIN, CLASSES, generator=g, dtype=dtype)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(n, DIN, generator=g, dtype=dtype)
+        out.append(((x,), (x @ teacher).argmax(dim=1)))
+    return out
+
+
+def random_stragglers(world: int, steps: int, factor: float = 5.0, seed: int = 3) -> tuple[Straggler, ...]:
+    """The paper's slowdown model: each rank slows ``factor``x with probability 1/world at each step."""
+    rng = random.Random(seed)
+    return tuple(Straggler(rank=r, factor=factor, start_step=k, end_step=k + 1)
+                 for k in range(steps) for r in range(world) if rng.random() < 1.0 / world)
+
+
+def cluster(emulation: Emulation | None = None, hosts=("localhost",) * WORLD) -> Cluster:
+    devices = tuple(Device(f"emu-{r}", "emu", hosts[r], peak_tflops=1.0, memory_gib=4,
+                           emulated_speed=1.0 if emulation else None) for r in range(WORLD))
+    return Cluster("test-4", devices, Network(2.0, 0.5, 20.0), emulation)
+
+
+def partial_plan(graphs, *, generator="static", group_size=WORLD, shares=SHARES, hosts=("localhost",) * WORLD,
+                 delta_c=2) -> Plan:
+    st = StagePlan(0, [0], list(range(len(graphs.layers))), f"replicate({WORLD})", replica_sync="partial",
+                   partial_generator=generator, partial_group_size=group_size, partial_delta_c=delta_c)
+    return plans.make_plan([st], [plans.worker(r, 0, r, sizes=m, host=hosts[r]) for r, m in enumerate(shares)],
+                           model_fingerprint=graphs.fingerprint, cluster="test-4")
+
+
+# -- the generators on their own ------------------------------------------------------------------------
+HOST_LAYOUTS = {"one host": ["a"] * 4, "2x2": ["a", "a", "b", "b"], "3+2": ["a", "a", "a", "b", "b"],
+                "2x4": ["a"] * 4 + ["b"] * 4, "4x2": ["a", "a", "b", "b", "c", "c", "d", "d"]}
+
+
+def _connected(members, groups) -> bool:
+    reach, todo = {members[0]}, [members[0]]
+    while todo:
+        r = todo.pop()
+        for g in groups:
+            if r in g:
+                for w in g:
+                    if w not in reach:
+                        reach.add(w)
+                        todo.append(w)
+    return reach == set(members)
+
+
+@pytest.mark.parametrize("layout", list(HOST_LAYOUTS))
+def test_static_schedule_is_conflict_free_alternates_and_covers_every_worker(layout):
+    hosts = HOST_LAYOUTS[layout]
+    members = list(range(len(hosts)))
+    for g in range(2, len(members) + 1):
+        seen = []
+        for it in range(2 * len(members)):
+            division = static_division(members, hosts, g, it)
+            flat = sorted(r for group in division for r in group)
+            assert flat == members, f"{layout}, g={g}, iteration {it}: not a partition: {division}"
+            assert all(1 <= len(group) <= g for group in division), division
+            if len(set(hosts)) > 1 and it % 2 == 1 and g < len(members):   # intra-host: one host per group
+                assert all(len({hosts[r] for r in group}) == 1 for group in division), (it, division)
+            seen.extend(division)
+            if g == len(members):
+                assert division == [tuple(members)], f"a group of every worker every step, got {division}"
+        assert _connected(members, seen), f"{layout}, g={g}: the schedule never connects {members}: {seen}"
+        # every worker gets its own group from its own iteration count, the same on every member
+        for it in range(4):
+            for r in members:
+                group = StaticGenerator(r, members, hosts, g).group(it)
+                assert all(StaticGenerator(w, members, hosts, g).group(it) == group for w in group)
+    if layout == "2x2":   # inter-host iterations pair across the hosts
+        assert all({hosts[r] for r in group} == {"a", "b"} for group in static_division(members, hosts, 2, 0))
+
+
+@pytest.mark.parametrize("layout", list(HOST_LAYOUTS))
+def test_a_randomized_division_gives_every_worker_one_group(layout):
+    hosts = HOST_LAYOUTS[layout]
+    members = list(range(len(hosts)))
+    rng = random.Random(0)
+    for g in range(2, len(members) + 1):
+        for inter in (True, False):
+            for _ in range(20):
+                division = random_division(members, hosts, g, rng, inter)
+                assert sorted(r for group in division for r in group) == members, division
+                assert all(len(group) <= g for group in division)
+                if len(set(hosts)) > 1 and not inter and g < len(members):
+                    assert all(len({hosts[r] for r in group}) == 1 for group in division), division
+                if layout == "2x2" and inter and g == 2:
+                    assert all(len({hosts[r] for r in group}) == 2 for group in division), division
+    groups = SmartGroups(members, hosts, 2, 2)   # the divisions alternate inter and intra
+    assert [groups.divisions, len(groups.divide()), groups.divisions] == [0, (len(members) + 1) // 2, 1]
+
+
+def test_the_threshold_rule_keeps_a_lagging_worker_out_of_a_fast_workers_group():
+    for delta_c, joins in ((2, False), (4, False), (5, True)):
+        groups = SmartGroups([0, 1], ["a", "a"], 2, delta_c)
+        assert groups.request(0) == (0, 1) and groups.request(1) == (0, 1)       # c0 = c1 = 1
+        assert groups.park(1) is None                                            # 1 parks (a barrier)
+        assert [groups.request(0) for _ in range(3)] == [(0,)] * 3, "a parked worker is given no group"
+        assert groups.count == {0: 4, 1: 1}
+        group = groups.request(1)                                                # c1 = 2: behind 0 by 2
+        assert group == (0, 1), "a slow requester pulls the fast worker in: Prague's leeway"
+        assert groups.park(0) == (0, 1), "a worker parking takes the group given to it at once"   # c0 = 5
+        assert groups.count == {0: 5, 1: 2}
+        # 0 asks again (c0 = 6): 1 lags it by 4 requests, kept out while c1 = 2 <= c0 - Δc (Δc <= 4)
+        assert groups.request(0) == ((0, 1) if joins else (0,)), f"Δc={delta_c}"
+    with pytest.raises(GroupGeneratorError, match="rank 7 asked for a group"):
+        SmartGroups([0, 1], ["a", "a"], 2, 2).request(7)
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(GroupGeneratorError, match="Δc -1: it must be an integer >= 1"):
+        check_settings([0, 1, 2], 2, -1)
+    with pytest.raises(GroupGeneratorError, match="group size 5 on 4 workers .* 2..4"):
+        check_settings([0, 1, 2, 3], 5, 2)
+    with pytest.raises(GroupGeneratorError, match="a stage on one device has no replica to average with"):
+        StaticGenerator(0, [0], ["a"], 2)
+    with pytest.raises(SpecError, match="Config.partial_delta_c must be an integer >= 1"):
+        wl.Config(global_batch_size=8, dp_sync="partial", partial_delta_c=-1)
+    with pytest.raises(SpecError, match="dp_sync is 'partial' with zero_stage 2"):
+        wl.Config(global_batch_size=8, dp_sync="partial", zero_stage=2)
+    with pytest.raises(AnnotationError, match=r"replicate\(1, sync='partial'\): .* one device has none"):
+        wl.replicate(1, sync="partial")
+    with pytest.raises(AnnotationError, match="sync is an option of replicate only"):
+        wl.Strategy("split", 2, sync="partial")
+    with pytest.raises(AnnotationError, match="zero=2, sync='partial'"):
+        wl.replicate(2, zero=2, sync="partial")
+    with pytest.raises(SpecError, match="mode=.* must be one of auto, partial"):
+        SyncPolicy("sometimes")
+    with pytest.raises(SpecError, match="persist_steps=9.* exceeds window=8"):
+        SyncPolicy(persist_steps=9)
+
+
+def test_plans_carry_p_reduce_and_refuse_what_it_cannot_run(tmp_path):
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    four = Cluster.preset("emulated-4")
+    plan = planner.plan(graphs, four, wl.Config(global_batch_size=16, dp_sync="partial", partial_group_size=3))
+    st = plan.stages[0]
+    assert (st.replica_sync, st.partial_generator, st.partial_group_size, st.zero_stage) == ("partial", "smart", 3, 0)
+    assert "stage 0: P-Reduce (partial all-reduce), smart group generator, groups of 3, threshold Δc 2: APPROXIMATE" \
+        in plan.summary()
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path, graphs=graphs, cluster=four).to_dict() == plan.to_dict()
+    # a region asks for it; Config.dp_sync "exact" does not override it
+    with wl.replicate(4, sync="partial"):
+        asked = MLP()
+    asked_graphs = capture(asked, (torch.randn(2, DIN),))
+    assert planner.plan(asked_graphs, four, wl.Config(global_batch_size=16)).stages[0].replica_sync == "partial"
+    exact = planner.plan(asked_graphs, four, wl.Config(global_batch_size=16))
+    exact.stages[0] = dataclasses.replace(exact.stages[0], replica_sync="ddp")
+    with pytest.raises(PlanError, match=r"ask for sync='partial' \(P-Reduce\)"):
+        exact.validate(graphs=asked_graphs)
+    # bad input: a group larger than the world, a stage of one device, ZeRO, the smart generator in a pipeline
+    with pytest.raises(PlanError, match="partial_group_size is 5, larger than stage 0's 4 data-parallel workers"):
+        planner.plan(graphs, four, wl.Config(global_batch_size=16, dp_sync="partial", partial_group_size=5))
+    bad = copy.deepcopy(plan)
+    bad.stages[0].partial_group_size = 6
+    with pytest.raises(PlanError, match=r"partial_group_size is 6, larger than the stage's 4 data-parallel workers"):
+        bad.validate()
+    one = Cluster("one", (Device("emu-0", "emu", "localhost", peak_tflops=1.0, memory_gib=4),), Network(2, 2, 20))
+    with pytest.raises(PlanError, match="dp_sync is 'partial', but no stage of the plan has two or more"):
+        planner.plan(graphs, one, wl.Config(global_batch_size=4, dp_sync="partial"))
+    single = plans.make_plan([StagePlan(0, [0], [0, 1, 2], "replicate(1)", replica_sync="partial")],
+                             [plans.worker(0, sizes=[4])])
+    with pytest.raises(PlanError, match=r"replica_sync is 'partial' but the stage runs on one device \(emu-0\)"):
+        single.validate()
+    zero = copy.deepcopy(plan)
+    zero.stages[0].zero_stage, zero.stages[0].zero_reason = 1, "asked"
+    with pytest.raises(PlanError, match="replica_sync is 'partial' with zero_stage 1"):
+        zero.validate()
+    pipe = plans.make_plan([StagePlan(0, [0], [0], "replicate(2)", replica_sync="partial"),
+                            StagePlan(1, [0], [1, 2], "replicate(2)", replica_sync="partial")],
+                           [plans.worker(r, r // 2, r % 2, sizes=[2]) for r in range(4)])
+    with pytest.raises(PlanError, match="partial_generator is 'smart' in a pipeline of 2 stages"):
+        pipe.validate()
+
+
+def test_whalelike_plan_takes_dp_sync(tmp_path):
+    from whalelike.cli import main
+
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text("import torch, torch.nn as nn\nfrom whalelike import Workload\n"
+                          "def build():\n    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+                          "    return Workload(model=m, example_args=(torch.randn(2, 8),))\n")
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", f"{model_file}:build", "--cluster", "emulated-4", "--global-batch", "16",
+                 "--dp-sync", "partial", "-o", str(out)]) in (0, None)
+    assert Plan.from_yaml(out).stages[0].replica_sync == "partial"
+
+
+def test_the_policy_rule():
+    normal = [1.0, 1.0, 1.0, 1.0]
+    transient = [[1.0, 5.0, 1.0, 1.0] if k % 3 == 0 else normal for k in range(8)]
+    persistent = [[1.0, 1.0, 1.0, 4.0] if k >= 2 else normal for k in range(8)]
+    calm = [normal] * 8
+    assert slow_steps([[1.0, 1.4, 1.6, 1.0, 1.0]], 1.5) == [[False, False, True, False, False]]
+    c = choose(transient, "exact", 0)
+    assert c.mode == "partial" and c.persistent == () and c.slow_fraction == pytest.approx(3 / 8)
+    c = choose(persistent, "partial", 0)
+    assert c.mode == "exact" and c.persistent == (3,), c
+    assert choose(calm, "exact", 5).mode == "exact"
+    assert [choose(calm, "partial", k).mode for k in range(3)] == ["partial", "partial", "exact"]
+    assert choose([normal] + [[1.0, 1.0, 1.0, 1.7]] * 5, "partial", 0).mode == "partial", "5 slow steps: not yet lasting"
+
+
+# -- through the Engine ----------------------------------------------------------------------------------
+def _reference(model, data, make_opt):
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for (x,), y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _exact_cases(rank: int) -> None:
+    """(a) data parallel and (b) a pipeline: a group of every worker every step equals synchronous SGD."""
+    from runtime import Engine
+
+    torch.manual_seed(0)
+    model = MLP().double()
+    graphs = capture(model, (torch.randn(2, DIN, dtype=torch.float64),))
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, weight_decay=0.01)  # noqa: E731
+    data = teacher_batches(24, 4, seed=1)
+    losses, final = _reference(model, data, make_opt)
+    engine = Engine(copy.deepcopy(model), partial_plan(graphs), optimizer=make_opt, loss_fn=F.cross_entropy,
+                    cluster=cluster(), timeout_s=60)
+    SyncPolicy("partial").attach(engine)
+    for step, batch in enumerate(data):
+        loss = engine.train_step(batch)
+        mean = loss.clone()
+        dist.all_reduce(mean)
+        assert_close(mean / WORLD, losses[step], msg=lambda m: f"mean loss of step {step}: {m}")
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(final)
+    for name, p in engine.executor.module.named_parameters():   # every replica, before any consensus
+        assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), msg=lambda m: f"{name}: {m}")
+    assert all(s.approximate for s in engine.stats)
+    assert engine.executor.sync.stats.sizes == {WORLD: len(data)}
+    # (b) a pipeline of 2 data-parallel stages x 2 replicas, P-Reduce inside each stage's replica group
+    layers = list(range(len(graphs.layers)))
+    stages = [StagePlan(0, [0], layers[:2], "replicate(2)", replica_sync="partial", partial_generator="static"),
+              StagePlan(1, [0], layers[2:], "replicate(2)", replica_sync="partial", partial_generator="static")]
+    workers = [plans.worker(r, r // 2, 0, sizes=[3, 3], replica=r % 2) for r in range(WORLD)]
+    pipe = plans.make_plan(stages, workers, model_fingerprint=graphs.fingerprint, cluster="test-4")
+    engine = Engine(copy.deepcopy(model), pipe, optimizer=make_opt, loss_fn=F.cross_entropy, cluster=cluster(),
+                    timeout_s=60)
+    SyncPolicy("partial").attach(engine)
+    data = teacher_batches(12, 3, seed=2)
+    losses, final = _reference(model, data, make_opt)
+    for step, batch in enumerate(data):
+        assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"pipeline loss of step {step}: {m}")
+    assert type(engine.executor).__name__ == "PipelineExecutor" and all(s.approximate for s in engine.stats)
+    for key, value in engine.state_dict().items():
+        assert_close(value, final[key], msg=lambda m: f"pipeline final {key}: {m}")
+
+
+def _convergence(rank: int, checkpoint_dir: str) -> dict:
+    """(c) the smart generator under random stragglers on emulated devices and network, then a checkpoint."""
+    from runtime import Engine, checkpoint
+
+    torch.manual_seed(0)
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    hosts = ("h0", "h0", "h1", "h1")
+    emulation = Emulation(base_gflops=0.002, stragglers=random_stragglers(WORLD, CONVERGENCE_STEPS))
+    emulated = cluster(emulation, hosts)
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=0.02)  # noqa: E731
+    data = teacher_batches(24, CONVERGENCE_STEPS, seed=4, dtype=torch.float32)
+    (held_x,), held_y = teacher_batches(256, 1, seed=4, dtype=torch.float32)[0]
+    plan = partial_plan(graphs, generator="smart", group_size=2, shares=[[6]] * WORLD, hosts=hosts)
+    engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=F.cross_entropy, cluster=emulated,
+                    timeout_s=60)
+    SyncPolicy("partial").attach(engine)
+    for batch in data:
+        engine.train_step(batch)
+    sync = engine.executor.sync
+    sync.drain()   # a barrier follows (the all-gather below): no rank may wait for this one's last average
+    mine = torch.cat([p.detach().reshape(-1) for p in engine.executor.module.parameters()])
+    every = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    average = torch.stack(every).mean(dim=0)
+    differed = max(float((v - average).abs().max()) for v in every)
+    info = checkpoint.save(engine, checkpoint_dir)           # averages first: the replicas' mean is stored
+    state = engine.state_dict()
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(state)
+    assert_close(torch.cat([p.detach().reshape(-1) for p in trained.parameters()]), average)
+    with torch.no_grad():
+        final = float(F.cross_entropy(trained(held_x), held_y))
+    # the checkpoint loads onto an exact (DDP) plan of the same workers
+    exact_plan = copy.deepcopy(plan)
+    exact_plan.stages[0].replica_sync = "ddp"
+    restored = Engine(copy.deepcopy(model), exact_plan, optimizer=make_opt, loss_fn=F.cross_entropy,
+                      cluster=cluster(None, hosts), timeout_s=60, example_args=(held_x[:2],))
+    checkpoint.load(restored, info)
+    for key, value in restored.state_dict().items():
+        assert_close(value, state[key], msg=lambda m: f"checkpoint onto DDP, {key}: {m}")
+    network = engine.emulator.network.stats
+    return {"final": final, "differed": differed, "approximate": all(s.approximate for s in engine.stats),
+            "stats": dataclasses.asdict(sync.stats), "sent": network.sent, "received": network.received,
+            "waited_s": network.waited_s, "slow_steps": sum(1 for s in engine.stats if s.modeled_s > 2 * min(
+                t.modeled_s for t in engine.stats))}
+
+
+def _killed_generator(rank: int) -> str:
+    """(d) the smart generator stops (its threads end without a word) after step 2: every rank fails."""
+    from runtime import Engine
+    from runtime.replicas.partial_sync import PartialSync
+
+    torch.manual_seed(0)
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    engine = Engine(copy.deepcopy(model), partial_plan(graphs, generator="smart", group_size=2, shares=[[2]] * WORLD),
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=F.cross_entropy, cluster=cluster(),
+                    timeout_s=20, example_args=(torch.randn(2, DIN),))
+    SyncPolicy("partial").attach(engine)
+    sync: PartialSync = engine.executor.sync
+    sync.generator_silence_s = 2.0
+    data = teacher_batches(8, 6, seed=5, dtype=torch.float32)
+    for batch in data[:3]:
+        engine.train_step(batch)
+    sync.drain()      # a barrier follows: take any group a lagging rank gave this one, then park
+    dist.barrier()    # every group given so far is complete: nobody waits in a P-Reduce
+    if rank == 0:
+        sync.generator.service.kill()
+    dist.barrier()    # the generator is dead before anyone asks it again
+    with pytest.raises(GroupGeneratorError) as error:
+        for batch in data[3:]:
+            engine.train_step(batch)
+    dist.barrier()    # rank 0 hosts the store: it stays until every rank has failed on its own
+    return str(error.value)
+
+
+def _spawn_one(rank: int, world_size: int, checkpoint_dir: str) -> dict:
+    _exact_cases(rank)
+    result = _convergence(rank, checkpoint_dir)
+    result["killed_generator"] = _killed_generator(rank)
+    return result
+
+
+def test_p_reduce_through_the_engine(tmp_path):
+    results = run_ranks(_spawn_one, WORLD, args=(str(tmp_path / "ckpt"),), init_process_group=False, timeout_s=300)
+    # (c) convergence: the synchronous run on the same batches, from the same weights
+    torch.manual_seed(0)
+    model = MLP()
+    data = teacher_batches(24, CONVERGENCE_STEPS, seed=4, dtype=torch.float32)
+    (held_x,), held_y = teacher_batches(256, 1, seed=4, dtype=torch.float32)[0]
+    with torch.no_grad():
+        initial = float(F.cross_entropy(model(held_x), held_y))
+    _, final_state = _reference(model, data, lambda ps: torch.optim.AdamW(ps, lr=0.02))
+    model.load_state_dict(final_state)
+    with torch.no_grad():
+        synchronous = float(F.cross_entropy(model(held_x), held_y))
+    got = results[0]["final"]
+    assert all(r["final"] == got for r in results), "every rank holds the same average after the checkpoint"
+    tolerance = max(0.02, CONVERGENCE_TOLERANCE * (initial - synchronous))
+    assert abs(got - synchronous) <= tolerance, (
+        f"P-Reduce under stragglers: held-out loss {got:.4f}, synchronous {synchronous:.4f} (initial {initial:.4f}, "
+        f"tolerance {tolerance:.4f})")
+    for r in results:
+        assert r["approximate"] and r["differed"] > 0, "replicas differ between averages; every step is approximate"
+        stats = r["stats"]
+        assert stats["rounds"] >= CONVERGENCE_STEPS and set(stats["sizes"]) <= {1, 2} and stats["consensus"] >= 1
+        assert r["sent"] > 0 and r["received"] > 0, "P-Reduce's messages are stamped on the emulated network"
+    assert sum(r["slow_steps"] for r in results) > 0, "the random stragglers slowed some steps"
+    # (d) the killed generator: every rank names it
+    for rank, r in enumerate(results):
+        message = r["killed_generator"]
+        assert "the group generator on rank 0 has not answered" in message, message
+        assert ("it was stopped on this rank" if rank == 0 else "its heartbeat stopped") in message, message
+
+
+def _worker_dies(rank: int, world_size: int) -> None:
+    from runtime import Engine
+
+    torch.manual_seed(0)
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    engine = Engine(copy.deepcopy(model), partial_plan(graphs, generator="smart", group_size=2, shares=[[2]] * WORLD),
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss_fn=F.cross_entropy, cluster=cluster(),
+                    timeout_s=8)
+    SyncPolicy("partial").attach(engine)
+    for step, batch in enumerate(teacher_batches(8, 400, seed=6, dtype=torch.float32)):
+        if rank == 3 and step == 3:
+            os._exit(17)   # dies without a word
+        engine.train_step(batch)
+
+
+def test_a_killed_worker_ends_every_rank_with_a_clear_error():
+    outcomes = spawn_ranks(_worker_dies, WORLD, init_process_group=False, timeout_s=120)
+    assert outcomes[3].exitcode == 17
+    for o in outcomes[:3]:
+        assert o.exitcode == 1 and o.error_type in ("GroupGeneratorError", "DistributedStepError"), o
+        assert "rank 3" in o.error and ("died" in o.error or "dead" in o.error), o.error
