@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="profiling: timed steps per batch (median)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (after one untimed)")
     parser.add_argument("--rounds", type=int, default=2)
-    args = parse_args(parser, smoke=dict(examples="gpt,wide_mlp", max_batch=4, repeats=1, steps=1, rounds=1))
+    args = parse_args(parser, smoke=dict(examples="gpt", max_batch=4, repeats=1, steps=1, rounds=1))
     args.examples = [e.strip() for e in args.examples.split(",")]
     unknown = [e for e in args.examples if e not in EXAMPLES]
     if unknown:
