@@ -39,7 +39,7 @@ from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
-from planner.balance.replan import repriced
+from planner.balance.replan import repriced, repriced_plan
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout
@@ -112,7 +112,8 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
             break
         seen.add(signature)
         own = measured_cluster(cluster, profile, graphs, config.precision, plan=candidate)
-        candidate = dataclasses.replace(candidate, prediction=repriced(candidate, graphs, own))
+        # every worker's timing fields and the prediction at the rates of its own sizes
+        candidate = repriced_plan(candidate, graphs, own)
         if best is None or candidate.prediction.step_time_ms < best[0].prediction.step_time_ms:
             best = (candidate, own)
         measured = own

@@ -16,7 +16,7 @@ import planner
 import whalelike as wl
 from planner.devices.measured_speeds import best_batch, device_rate, measured_cluster, unit_flops
 from planner.devices.profile import DeviceProfile, LinkProfile, Profile, ProfileError
-from planner.balance.replan import repriced
+from planner.balance.replan import repriced, repriced_plan
 from planner.plan import Plan
 from runtime.emulation.compute import Emulator
 from synthetic import synthetic_model
@@ -89,6 +89,9 @@ def test_the_plan_from_a_profile_gives_the_faster_kind_more_and_is_faster_where_
     # and its prediction is its own sizes' (re-rating it changes nothing)
     again = repriced(measured, graphs, measured_cluster(cluster, profile, graphs, "fp32", plan=measured))
     assert again.step_time_ms == pytest.approx(measured.prediction.step_time_ms)
+    # and so are its workers' timing fields (what the summary shows)
+    rebuilt = repriced_plan(measured, graphs, measured_cluster(cluster, profile, graphs, "fp32", plan=measured))
+    assert [w.compute_ms for w in measured.workers] == pytest.approx([w.compute_ms for w in rebuilt.workers])
 
 
 def test_plan_files_say_where_the_speeds_came_from(tmp_path):

@@ -163,14 +163,22 @@ def repriced(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Prediction:
     """The prediction of ``plan`` as it stands (its stage layers, shards, micro-batch sizes, ZeRO and
     recompute choices) on ``cluster``'s device rates and network: what it would take on devices
     whose speeds differ from those it was planned with (a spec-sheet plan on measured devices)."""
+    return repriced_plan(plan, graphs, cluster).prediction
+
+
+def repriced_plan(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Plan:
+    """``plan`` as it stands rebuilt on ``cluster``'s device rates and network: every worker's
+    timing fields and the prediction at those rates (:func:`repriced`)."""
     if plan.precision != "fp32":
         graphs = with_autocast(graphs)
     layout = plan_layout(plan, graphs, cluster)
     config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
                     sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
                     delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision)
-    return _in_force(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
-                     _plan_shards(plan, graphs))
+    rebuilt = _rebuilt(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
+                       _plan_shards(plan, graphs))
+    return dataclasses.replace(rebuilt, solver=plan.solver, optimality_gap=plan.optimality_gap,
+                               naive_prediction=plan.naive_prediction, speeds=plan.speeds)
 
 
 def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:
@@ -379,7 +387,13 @@ def _priced(graphs: TaskGraphs, cluster: Cluster, config: Config, decisions: Dec
 
 def _in_force(plan, graphs, measured, config, layout, old_layers, old_shards) -> Prediction:
     """The plan in force re-priced at the measured speeds."""
+    return _rebuilt(plan, graphs, measured, config, layout, old_layers, old_shards).prediction
+
+
+def _rebuilt(plan, graphs, measured, config, layout, old_layers, old_shards) -> Plan:
+    """The plan in force rebuilt (every worker's timing fields) and predicted at the measured speeds."""
     kept = aware_decisions(graphs, config, layout, measured.network, stage_layers=old_layers,
                            shards=old_shards, sizes=_plan_sizes(plan, layout),
                            **_choices_in_force(plan, layout))
-    return predict(build_plan(graphs, measured, config, kept), measured)
+    rebuilt = build_plan(graphs, measured, config, kept)
+    return dataclasses.replace(rebuilt, prediction=predict(rebuilt, measured))
