@@ -28,7 +28,8 @@ The step-executor protocol (:class:`StepExecutor`), all collective on the ranks 
 * optional ``eval_step(inputs, targets) -> loss``, ``load_full_state_dict(state)`` and
   ``train_share(share: runtime.data.Share) -> loss`` (a rank-local batch from ``UnevenLoader``);
 * for dynamic balancing (:mod:`runtime.balance.rebalance`): ``set_plan(plan)`` when a new plan of the same
-  workers needs no state moved (data-parallel shares), else ``named_state()`` and ``close()`` so
+  workers needs no state moved (other shares: data parallel, or a pipeline's micro-batch sizes), which
+  the executor's ``takes_in_place(plan)`` (or ``keeps_sync(plan)``) answers, else ``named_state()`` and ``close()`` so
   :func:`runtime.balance.state_transfer.switch_executor` can build the new plan's executor and move the
   parameters and optimizer state that change hands; and a ``passenger`` slot: when the Engine puts
   a :class:`runtime.balance.straggler_monitor.Passenger` there, the executor fills it right before the
@@ -154,6 +155,20 @@ def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
                             network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
                             scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
+
+
+def takes_in_place(executor, plan: Plan) -> bool:
+    """The one rule of :meth:`Engine.apply_plan`: ``executor`` adopts ``plan`` in place (its
+    ``set_plan``) when it says it can: ``takes_in_place(plan)`` (the pipeline executor: only
+    micro-batch sizes and counts differ, :func:`runtime.parallel.pipeline.in_place_differences`),
+    or, for an executor that answers with ``keeps_sync(plan)`` instead (the data-parallel one: the
+    same replica sync, ZeRO stage and fractions), that. An executor with no ``set_plan``, or that
+    answers neither, is rebuilt. Each answer is a pure function of the two plans, so every rank
+    takes the same path."""
+    if not hasattr(executor, "set_plan"):
+        return False
+    ask = getattr(executor, "takes_in_place", None) or getattr(executor, "keeps_sync", None)
+    return ask is not None and bool(ask(plan))
 
 
 _BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
@@ -424,9 +439,11 @@ class Engine:
     def apply_plan(self, plan: Plan):
         """Switch to ``plan``, a plan of the same workers (rank, device, stage, groups) with other
         amounts of work, at a step boundary (collective: every rank calls it with the same plan).
-        Shares change in place; moved layers and re-sized shards move their parameters and
-        optimizer state P2P (:mod:`runtime.balance.state_transfer`). Returns the transfer report, or None
-        when nothing had to move."""
+        Shares change in place when the executor takes the plan so (:func:`takes_in_place`: the
+        executor object, its modules, syncs and optimizer stay); moved layers, re-sized shards or
+        another replica sync build the new plan's executor and move their parameters and
+        optimizer state P2P (:mod:`runtime.balance.state_transfer`). Returns the transfer report, or
+        None when nothing had to move."""
         from runtime.balance.state_transfer import switch_executor
 
         check_same_workers(self.plan, plan, "Engine.apply_plan")
@@ -435,16 +452,15 @@ class Engine:
             self.plan, self.worker = plan, plan.worker(self.rank)
             return None
         report = None
-        if plan_kind(plan) == "data_parallel" and hasattr(self.executor, "set_plan") and \
-                getattr(self.executor, "keeps_sync", lambda _: True)(plan):
+        context = dataclasses.replace(self._context, plan=plan, worker=plan.worker(self.rank))
+        if takes_in_place(self.executor, plan):
             self._collective(lambda: self.executor.set_plan(plan))
         else:
-            context = dataclasses.replace(self._context, plan=plan, worker=plan.worker(self.rank))
             kind = plan_kind(plan)
             self.executor, report = self._collective(lambda: switch_executor(
                 self.executor, lambda: _BUILDERS[kind](context), self.optimizer, self._make_optimizer,
                 None))
-            self._context = context
+        self._context = context
         self.plan, self.worker, self.compute_plan = plan, plan.worker(self.rank), None
         return report
 

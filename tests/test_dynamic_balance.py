@@ -8,7 +8,8 @@ scenarios: data parallel (shares move; also fed by ``UnevenLoader.follow``), a t
 (layers move with their parameters and optimizer state; also with a weight tied across the
 stages), tensor parallel (lossless migration, then
 a permanent re-shard; migration alone), split inside replicate, and a hybrid (a data-parallel
-stage feeding a second stage). Approximate scenarios (ZERO-resizing, SEMI with two stragglers,
+stage feeding a second stage; and a pipeline whose shares ``Engine.apply_plan`` changes in place,
+twice, keeping the executor object). Approximate scenarios (ZERO-resizing, SEMI with two stragglers,
 SEMI in a hybrid plan) must train and mark their steps and events approximate. Detection is
 checked on the events: a rank slowed 2x is flagged within 3 steps of the onset, a 5% slowdown
 triggers nothing, and the policy ``"off"`` only records. Bad input: invalid policy, thresholds out
@@ -17,6 +18,7 @@ of range, a schedule naming a missing rank. One 2-rank, one 3-rank and one 4-ran
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -216,8 +218,57 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     # SEMI in a hybrid: a replicate stage on rank 0 feeding a split(2) stage on ranks 1-2
     mixed = cluster([1.0, 1.0, 1.0], (Straggler(rank=2, factor=3.0, start_step=ONSET, ops="matmul"),))
     return {"hybrid": scenario(Mlp(two, wl.replicate), spec, num_micro_batch=2),
+            "shares_in_place": shares_in_place(rank),
             "semi_two_stragglers": approximate_run(Block(ways=3), skewed, "semi"),
             "semi_hybrid": approximate_run(Block(ways=2, stem=True), mixed, "semi", num_micro_batch=2)}
+
+
+def shares_in_place(rank: int) -> dict:
+    """A pipeline (``replicate(2)`` on ranks 0 and 2 feeding rank 1) whose shares change mid-run:
+    ``Engine.apply_plan`` with the plan :func:`planner.balance.replan.rebalance` makes for rank 0
+    slowed 3x (layers kept: shares only) after step 3, and back to the first plan after step 6.
+    Each step equals the single-process reference, with SGD and AdamW; the executor and optimizer
+    objects are the ones built at the first step; the boundary programs of the first shares are
+    reused when they return; ``set_plan`` refuses a plan that moves layers, naming them."""
+    from torch.testing import assert_close
+
+    from planner.balance.replan import plan_changes, rebalance
+    from planner.plan import PlanError
+    from reference import train_reference
+    from runtime import Engine
+
+    model = Mlp(lambda: wl.replicate(2), wl.replicate).double()
+    spec, data = cluster([1.0, 1.0, 2.0]), batches(seed=2)
+    graphs = capture(model, data[0][0])
+    first = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=2))
+    slowed = rebalance(first, graphs, spec, [1e7 / 3, 1e7, 2e7], move_layers=False)
+    changes = plan_changes(first, slowed)
+    assert changes.kinds == {"shares"}, changes.describe()
+    moved = rebalance(first, graphs, spec, [1e7, 1e7, 1e7])   # equal speeds: a layer moves to stage 1
+    out = {"sizes": [], "programs": []}
+    for name, make_opt in OPTIMIZERS.items():
+        losses, final = train_reference(model, data, make_opt, loss_fn)
+        engine = Engine(copy.deepcopy(model), first, optimizer=make_opt, loss_fn=loss_fn, cluster=spec,
+                        balance=BalanceConfig(policy="off"))
+        built = None
+        for step, batch in enumerate(data):
+            if step in (3, 6):
+                out["programs"].append(engine.executor.boundaries.program_count)
+                assert engine.apply_plan(slowed if step == 3 else first) is None   # nothing moved
+                assert engine.executor is built[0] and engine.optimizer is built[1], f"{name}: rebuilt at step {step}"
+                out["sizes"].append(engine.executor.worker.micro_batch_sizes)
+            assert_close(engine.train_step(batch), losses[step], msg=lambda m: f"{name}: loss of step {step}: {m}")
+            built = built or (engine.executor, engine.optimizer)
+        out["programs"].append(engine.executor.boundaries.program_count)
+        with pytest.raises(PlanError, match=r"set_plan: stages\[0\]\.layers is \[0, 1, 2, 3\] in the new plan, "
+                                            r"\[0, 1, 2, 3, 4\] in the running one.*Engine\.apply_plan"):
+            engine.executor.set_plan(moved)
+        assert not engine.executor.takes_in_place(moved) and engine.executor.plan is first
+        state = engine.state_dict()
+        for key, value in final.items():
+            assert_close(state[key], value, msg=lambda m: f"{name}: final {key}: {m}")
+    out["expected"] = [slowed.worker(rank).micro_batch_sizes, first.worker(rank).micro_batch_sizes]
+    return out
 
 
 class ReplicatedSplit(nn.Module):
@@ -329,6 +380,43 @@ def test_zero_resizing_marks_its_steps_and_events_approximate(two):
 def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
     step, action, exact, ranks = _first(three["hybrid"])
     assert exact and 0 in ranks
+
+
+def test_pipeline_shares_change_in_place_exactly(three):
+    """Shares-only re-plans of a pipeline keep the executor (checked on every rank in the spawn,
+    with the losses and final state against the reference); the sizes are the new plan's, and the
+    first shares' boundary programs serve again when they return (none compiled after step 6)."""
+    run = three["shares_in_place"]
+    assert run["sizes"] == run["expected"] * 2, run
+    for before, middle, after in (run["programs"][:3], run["programs"][3:]):
+        assert before < middle == after, run["programs"]
+
+
+def test_what_a_pipeline_takes_in_place_is_sizes_and_counts_only():
+    """The one rule (``runtime.parallel.pipeline.in_place_differences``), on planner-made plans:
+    micro-batch sizes and counts are adopted in place; a moved layer, another ZeRO stage or
+    another schedule is named, with both values."""
+    from runtime.parallel.pipeline import in_place_differences
+
+    model = Mlp(lambda: wl.replicate(2), wl.replicate).double()
+    graphs = capture(model, batches()[0][0])
+    first = planner.plan(graphs, cluster([1.0, 1.0, 2.0]), wl.Config(global_batch_size=BATCH, num_micro_batch=2))
+    more = copy.deepcopy(first)   # four micro-batches of other sizes, the predictions left stale
+    more.num_micro_batch = 4
+    for w, sizes in zip(more.workers, ([1, 1, 1, 1], [4, 4, 4, 4], [3, 3, 3, 3])):
+        w.micro_batch_sizes, w.forward_ms, w.backward_ms = sizes, w.forward_ms[:1] * 4, w.backward_ms[:1] * 4
+    for b in more.boundaries:
+        b.transfer_ms = b.transfer_ms[:1] * 4
+    more.validate(graphs=graphs)
+    assert in_place_differences(first, more) == []
+    other = copy.deepcopy(first)
+    other.stages[1].layers, other.stages[0].layers = [4, 5], [0, 1, 2, 3]
+    other.stages[0].zero_stage, other.schedule = 1, "gpipe"
+    assert in_place_differences(first, other) == [
+        "schedule is 'gpipe' in the new plan, '1f1b' in the running one",
+        "stages[0].layers is [0, 1, 2, 3] in the new plan, [0, 1, 2, 3, 4] in the running one",
+        "stages[0].zero_stage is 1 in the new plan, 0 in the running one",
+        "stages[1].layers is [4, 5] in the new plan, [5] in the running one"]
 
 
 def test_semi_migrates_the_worst_straggler_and_resizes_the_mild_one(three):

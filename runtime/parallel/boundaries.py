@@ -120,16 +120,25 @@ class BoundaryExchange:
         self.emulated = emulated
         self.network = emulated.model if emulated is not None else (network or default_network(plan))
         self.max_nodes = max_nodes
-        self.layout = SampleLayout.of(plan)
         self.ranks = device_ranks(plan, self.group)
         self.global_rank = dist.get_global_rank(self.group, rank) if self.group is not dist.group.WORLD else rank
         pairs = sorted({(v, c) for stage in split.stages for v in stage.outputs for c in split.consumers(v)},
                        key=lambda vc: (vc[0].stage, vc[0].index, vc[1]))
         self.pairs: tuple[tuple[ValueId, int], ...] = tuple(pairs)
-        count = max(1, plan.num_micro_batch * 2 * len(pairs))
-        self.stride = STAMP_TAG // count
-        self._programs: dict[tuple, ReshardProgram] = {}
         self._compiled: dict[tuple, ReshardProgram] = {}   # (source spec, destination spec, item size) -> program
+        self.set_plan(plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Take ``plan``'s micro-batch sizes and count: a plan of the same workers, stages, shards,
+        resharding strategy and boundary values as the one in force, which only moves samples
+        (:meth:`runtime.parallel.pipeline.PipelineExecutor.set_plan` checks that). What depends on
+        the sizes is derived again (the sample layout, the tag stride, which program each crossing
+        runs); the compiled programs stay, keyed by their source and destination specs, which hold
+        the rows, so shares seen before (a straggler that recovers) reuse theirs. No communication."""
+        self.plan = plan
+        self.layout = SampleLayout.of(plan)
+        self.stride = STAMP_TAG // max(1, plan.num_micro_batch * 2 * len(self.pairs))
+        self._programs: dict[tuple, ReshardProgram] = {}
 
     # -- what this rank does at each action -----------------------------------------------------------
     def crossings(self, stage: int, micro_batch: int, direction: str, side: str) -> list[Crossing]:

@@ -91,7 +91,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from planner.devices.network import NetworkModel
-from planner.plan import Plan
+from planner.plan import Plan, PlanError
+from planner.plan_checks import check_same_workers
 from planner.schedule.actions import Action, build_schedule, gradient_accumulation
 from planner.shares.layout import SampleLayout, check_global_batch
 from runtime.emulation.compute import Emulator
@@ -107,6 +108,42 @@ log = logging.getLogger(__name__)
 
 class PipelineError(RuntimeError):
     """A pipeline step failed; the message names rank, stage, schedule step and micro-batch."""
+
+
+# What a pipeline executor is built from, besides its workers (planner.plan_checks.check_same_workers):
+# a plan that changes any of these needs a new executor; one that changes only the workers'
+# micro-batch sizes, the micro-batch count and what is priced or recorded about them (predictions,
+# timings, memory figures, transfer times, the solver, the reasons for a choice) is adopted in place.
+FIXED_PLAN_FIELDS = ("model_fingerprint", "global_batch_size", "schedule", "sync_batchnorm", "resharding",
+                     "delay_weight_gradients", "precision")
+FIXED_STAGE_FIELDS = ("index", "taskgraphs", "layers", "strategy", "shard_sizes", "batchnorm", "replica_sync",
+                      "zero_stage", "state_fractions", "recompute", "recompute_unit")
+FIXED_BOUNDARY_FIELDS = ("src_stage", "dst_stage", "tensors")
+
+
+def in_place_differences(old: Plan, new: Plan) -> list[str]:
+    """What ``new`` changes, beyond micro-batch sizes and counts, in what an executor of ``old`` was
+    built from (each as ``field is X in the new plan, Y in the running one``); empty when ``new``
+    can be adopted in place (:meth:`PipelineExecutor.set_plan`). A pure function of the two plans:
+    every rank decides alike, so all adopt in place or all build anew."""
+    try:
+        check_same_workers(old, new, "the workers")
+    except PlanError as e:
+        return [str(e)]
+    out = [f"{name} is {getattr(new, name)!r} in the new plan, {getattr(old, name)!r} in the running one"
+           for name in FIXED_PLAN_FIELDS if getattr(old, name) != getattr(new, name)]
+    for a, b in zip(old.stages, new.stages):
+        out += [f"stages[{a.index}].{name} is {getattr(b, name)!r} in the new plan, {getattr(a, name)!r} in the "
+                "running one" for name in FIXED_STAGE_FIELDS if getattr(a, name) != getattr(b, name)]
+    before, after = _boundary_structure(old), _boundary_structure(new)
+    if before != after:
+        out.append(f"the boundaries (source, destination, tensors) are {after} in the new plan, {before} in the "
+                   "running one")
+    return out
+
+
+def _boundary_structure(plan: Plan) -> list[tuple]:
+    return [tuple(getattr(b, name) for name in FIXED_BOUNDARY_FIELDS) for b in plan.boundaries]
 
 
 def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
@@ -167,12 +204,9 @@ class PipelineExecutor:
         self.stage = self.split.stages[self.worker.stage]
         self.is_last = self.stage.index == self.split.num_stages - 1
         self.emulator = emulator or Emulator.disabled()
-        self._all_ranges = sample_ranges(plan)
+        # what depends on the micro-batch sizes (derived again by set_plan)
+        self._all_ranges, self.schedule = self._sizes(plan)
         self._ranges = self._all_ranges[self.rank]
-        # one stage alone accumulates gradients micro-batch by micro-batch, as planner.schedule.simulator runs it
-        self.schedule: list[Action] = (
-            gradient_accumulation(len(self._ranges)) if len(plan.stages) == 1
-            else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
         # before sharding (from the unsharded graphs): every rank derives the same boundary layouts
         feature_shards = self._outputs_leaving_sharded(sharding, graph_module)
         # what this rank runs of its stage: module, sharding, replica sync, tied weights, BatchNorm sync
@@ -199,6 +233,38 @@ class PipelineExecutor:
     # -- the step-executor protocol ---------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage_worker.parameters()
+
+    def takes_in_place(self, plan: Plan) -> bool:
+        """Whether :meth:`set_plan` can adopt ``plan``: it differs from the plan in force only in
+        micro-batch sizes and counts (:func:`in_place_differences`, a pure function of the two
+        plans, so every rank answers alike)."""
+        return not in_place_differences(self.plan, plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Adopt ``plan`` from the next step on, in place: a plan of the same workers, stages,
+        layers, shard sizes, replica syncs (ZeRO stages and fractions), schedule and boundary values
+        whose micro-batch sizes (and counts) differ, as a shares-only re-plan makes it
+        (:func:`planner.balance.replan.rebalance`). The sample ranges, the action list, the stage
+        worker's figures (loss weights, the BatchNorm sync's equal counts) and which resharding each
+        crossing runs are derived again; the stage module, its sharding, replica sync, tied groups
+        and the optimizer's parameters are kept, so nothing moves and no collective runs. Every rank
+        must adopt the same plan at the same step boundary. Raises :class:`planner.plan.PlanError`
+        naming what else differs (that needs a new executor and moves state: Engine.apply_plan)."""
+        differences = in_place_differences(self.plan, plan)
+        if differences:
+            raise PlanError(f"PipelineExecutor.set_plan: {'; '.join(differences)}; only micro-batch sizes and counts "
+                            "change in place: build a new executor for this plan (Engine.apply_plan does it, moving "
+                            "the state that changes hands)")
+        plan.validate()
+        all_ranges, schedule = self._sizes(plan)
+        # checked first (the BatchNorm sync's equal counts), so a refused plan leaves this executor as it was
+        self.stage_worker.set_plan(plan, {r: len(ranges) for r, ranges in all_ranges.items()})
+        self.boundaries.set_plan(plan)
+        old = self.worker.micro_batch_sizes
+        self.plan, self.worker = plan, plan.worker(self.rank)
+        self._all_ranges, self._ranges, self.schedule = all_ranges, all_ranges[self.rank], schedule
+        log.info("rank %d: pipeline stage %d samples per micro-batch %s -> %s in place, schedule %s: %s", self.rank,
+                 self.stage.index, old, self.worker.micro_batch_sizes, plan.schedule, " ".join(map(str, schedule)))
 
     def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch of the global batch under the plan's schedule;
@@ -339,6 +405,15 @@ class PipelineExecutor:
         return torch.empty((n, *shape), dtype=spec.dtype, device=self.stage_worker.device)
 
     # -- set-up -----------------------------------------------------------------------------------
+    def _sizes(self, plan: Plan) -> tuple[dict[int, list[tuple[int, int]]], list[Action]]:
+        """What ``plan``'s micro-batch sizes decide: every rank's sample ranges and this stage's
+        action list (one stage alone accumulates gradients micro-batch by micro-batch, as
+        :mod:`planner.schedule.simulator` runs it)."""
+        all_ranges = sample_ranges(plan)
+        schedule = (gradient_accumulation(len(all_ranges[self.rank])) if len(plan.stages) == 1
+                    else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
+        return all_ranges, schedule
+
     def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
         """Every tensor-parallel stage's outputs that leave as feature shards, without a gather
         (:func:`runtime.tensor.shard_pass.outputs_leaving_sharded`), computed on every rank."""

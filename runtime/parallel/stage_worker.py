@@ -102,6 +102,7 @@ class StageWorker:
         self.kept_whole = ([p for tie, copies in self.tied.held() if len(tie.stages) > 1
                             for _, p in copies] if self.zero else [])
         peers = [w for w in plan.stage_workers(self.stage.index) if w.tp_index == self.worker.tp_index]
+        self._peers = [w.rank for w in peers]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
         # activation checkpointing (runtime.training.recompute) of the stage module as sharded and
@@ -195,6 +196,19 @@ class StageWorker:
                 p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
         self.tied.sum_gradients()
+
+    def set_plan(self, plan: Plan, micro_batches: dict[int, int]) -> None:
+        """Take ``plan``, whose micro-batch sizes (and counts) differ from the plan in force and
+        nothing else this worker was built from (its stage's layers, shards, replica sync, ZeRO
+        stage and fractions, recompute; :meth:`runtime.parallel.pipeline.PipelineExecutor.set_plan`
+        checks it): the module, its sharding, the sync, the tied groups and the optimizer's
+        parameters stay. What reads the sizes is this worker's plan (the loss weights
+        ``samples / global_batch_size`` per micro-batch as it comes) and the synchronised
+        BatchNorm's rule, checked again here: every worker of the group runs the same number of
+        micro-batches (``micro_batches``: rank -> its count)."""
+        if plan.sync_batchnorm and len(self._peers) > 1:
+            check_equal_micro_batches([micro_batches[r] for r in self._peers], self._peers)
+        self.plan, self.worker = plan, plan.worker(self.rank)
 
     # -- state ------------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
