@@ -469,12 +469,13 @@ def stage_syncs(graphs: TaskGraphs, config: Config, dec: "Decisions") -> list[di
         exact = ("ragged" if dec.fractions(s) else "fsdp") if dec.zero_stage(s) else "ddp"
         fields = {"replica_sync": "partial" if partial[s] else exact}
         if partial[s]:
-            # a pipeline's loss all-reduce meets every rank in every step: the smart generator's groups
-            # across steps would wait across it, the static schedule's never do (planner.plan_checks)
-            generator = config.partial_generator if len(dec.stage_layers) == 1 else "static"
+            # a pipeline's loss all-reduce and fp16's overflow vote meet every rank in every step: the
+            # smart generator's groups across steps would wait across them, the static ones never do
+            generator = ("static" if len(dec.stage_layers) > 1 or config.precision == "fp16"
+                         else config.partial_generator)
             if generator != config.partial_generator:
-                log.info("stage %d: P-Reduce in a pipeline runs the static group generator (Config asks %r)",
-                         s, config.partial_generator)
+                log.info("stage %d: P-Reduce in a pipeline or at fp16 runs the static group generator (Config "
+                         "asks %r)", s, config.partial_generator)
             fields.update(partial_generator=generator, partial_group_size=config.partial_group_size,
                           partial_delta_c=config.partial_delta_c)
         out.append(fields)

@@ -253,9 +253,10 @@ def _check_partial(plan: Plan) -> None:
     """A stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``,
     ``runtime.replicas.partial_sync``) has replicas to average (two or more data-parallel workers),
     no ``split`` (a tensor-parallel slice's replicas would average apart from the other slices of their
-    model), groups no larger than its data-parallel group, and in a pipeline the static generator
-    (the smart one's groups may span steps, and a pipeline's loss all-reduce meets every rank in every
-    step: :mod:`runtime.replicas.group_generator`). Its ZeRO stage is 0 (:func:`_check_zero`)."""
+    model), groups no larger than its data-parallel group, and in a pipeline or an fp16 plan the static
+    generator (the smart one's groups may span steps, and a pipeline's loss all-reduce and fp16's
+    overflow vote meet every rank in every step: :mod:`runtime.replicas.group_generator`). Its ZeRO
+    stage is 0 (:func:`_check_zero`)."""
     for st in plan.stages:
         if st.replica_sync != "partial":
             continue
@@ -271,6 +272,11 @@ def _check_partial(plan: Plan) -> None:
                             f"{len(plan.stages)} stages; the pipeline's loss all-reduce meets every rank in every "
                             "step, and the smart generator's groups may span steps and wait across it: set "
                             "partial_generator 'static', or re-create the plan with `whalelike plan`")
+        if plan.precision == "fp16" and st.partial_generator != "static":
+            raise PlanError(f"{where}.partial_generator is {st.partial_generator!r} in an fp16 plan; fp16's overflow "
+                            "decision is an all-reduce of every rank in every step, and the smart generator's groups "
+                            "may span steps and wait across it: set partial_generator 'static', or plan in bf16 "
+                            "(no loss scaling), or re-create the plan with `whalelike plan`")
         n = len(members)
         if n < 2:
             raise PlanError(f"{where}.replica_sync is 'partial' but the stage runs on one device "

@@ -363,7 +363,9 @@ class Engine:
                 self._collective(lambda: _sum_alone(passenger.vector))
             outcome = self._optimizer_step(loss)
             # the replica sync's hook after the optimizer step (or its skip): P-Reduce averages with its group
-            self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer))
+            # (park: the next step opens with the batch check, a collective of every rank)
+            self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer,
+                                                park=guards.batch_check_due(self.step + 1, self.batch_check_every)))
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em, outcome, scale)
         check_capacity(self.emulator, self.meter.peak_bytes, self.step)   # an emulated device's memory, if enforced

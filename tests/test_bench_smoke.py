@@ -42,6 +42,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "memory": rf"memory: largest global batch fp32 \d+, bf16 \d+ \({_X}\), bf16\+recompute \d+ \({_X}\); measured / "
               r"predicted per rank \d+\.\d\d-\d+\.\d\d \(target within 10%: (yes|NO)\)",
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
+    "prague": rf"prague: under \d+x slowdowns smart P-Reduce {_X} all-reduce's throughput \(target >= 1\.8x; "
+              rf"no-wait bound {_X}\), static {_X}; .*; calm smart {_X}, static {_X} \(target >= 0\.95x\); time to "
+              r"target smart .*; policy \d+\.\d\d of the best side \(target >= 0\.95\)",
     "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
                  rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",
     "profile_examples": r"profile_examples: \d+ of \d+ examples within 3% of the predicted step time; errors .*; worst "

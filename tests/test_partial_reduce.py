@@ -18,7 +18,9 @@ slowed 5x with probability 1/4 per step on emulated devices and an emulated netw
 the smart generator (groups of 2) reaches the synchronous run's final held-out loss within the stated
 tolerance, its messages are stamped and padded, every step is marked approximate, and a checkpoint
 stores the replicas' average (read from every rank before it) and loads onto an exact plan;
-(d) a killed generator: every rank ends with a GroupGeneratorError naming it.
+(e) ``SyncPolicy("auto")`` switches an exact plan to P-Reduce under short slowdowns and back to exact
+sync, with re-planned shares, when one rank stays slow, the replicas identical afterwards, optimizer
+state included; (d) a killed generator: every rank ends with a GroupGeneratorError naming it.
 Spawn 2: a killed worker ends every survivor with an error naming it.
 """
 from __future__ import annotations
@@ -272,7 +274,7 @@ def test_the_policy_rule():
     assert c.mode == "exact" and c.persistent == (3,), c
     assert choose(calm, "exact", 5).mode == "exact"
     assert [choose(calm, "partial", k).mode for k in range(3)] == ["partial", "partial", "exact"]
-    assert choose([normal] + [[1.0, 1.0, 1.0, 1.7]] * 5, "partial", 0).mode == "partial", "5 slow steps: not yet lasting"
+    assert choose([normal] + [[1.0, 1.0, 1.0, 1.7]] * 5, "partial", 0).mode == "partial", "5 slow steps: not lasting"
 
 
 # -- through the Engine ----------------------------------------------------------------------------------
@@ -379,6 +381,35 @@ def _convergence(rank: int, checkpoint_dir: str) -> dict:
                 t.modeled_s for t in engine.stats))}
 
 
+def _policy_switches(rank: int) -> dict:
+    """(e) SyncPolicy("auto") from an exact plan: short slowdowns in steps 1-6 switch it to P-Reduce,
+    rank 1 slowed 4x from step 10 on switches it back to exact sync with a re-plan of the shares;
+    afterwards the replicas (parameters and momentum) are identical on every rank."""
+    from runtime import Engine
+
+    torch.manual_seed(0)
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    short = tuple(Straggler(rank=r, factor=5.0, start_step=k, end_step=k + 1) for k, r in ((1, 0), (2, 2), (5, 1), (6, 3)))
+    emulation = Emulation(base_gflops=0.002, stragglers=(*short, Straggler(rank=1, factor=4.0, start_step=10)))
+    emulated = cluster(emulation)
+    exact = planner.plan(graphs, emulated, wl.Config(global_batch_size=32))
+    engine = Engine(copy.deepcopy(model), exact, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                    loss_fn=F.cross_entropy, cluster=emulated, timeout_s=60, example_args=(torch.randn(2, DIN),))
+    policy = SyncPolicy("auto").attach(engine)
+    for batch in teacher_batches(32, 24, seed=7, dtype=torch.float32):
+        engine.train_step(batch)
+    module = engine.executor.module
+    mine = torch.cat([p.detach().reshape(-1) for p in module.parameters()] +
+                     [engine.optimizer.state[p]["momentum_buffer"].reshape(-1) for p in module.parameters()])
+    every = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    return {"events": [(e.step, e.from_mode, e.to_mode) for e in policy.history],
+            "replica_sync": engine.plan.stages[0].replica_sync, "shares": [w.batch_share for w in engine.plan.workers],
+            "identical": all(torch.equal(v, every[0]) for v in every),
+            "approximate": [s.approximate for s in engine.stats]}
+
+
 def _killed_generator(rank: int) -> str:
     """(d) the smart generator stops (its threads end without a word) after step 2: every rank fails."""
     from runtime import Engine
@@ -411,6 +442,7 @@ def _killed_generator(rank: int) -> str:
 def _spawn_one(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     _exact_cases(rank)
     result = _convergence(rank, checkpoint_dir)
+    result["policy"] = _policy_switches(rank)
     result["killed_generator"] = _killed_generator(rank)
     return result
 
@@ -440,6 +472,14 @@ def test_p_reduce_through_the_engine(tmp_path):
         assert stats["rounds"] >= CONVERGENCE_STEPS and set(stats["sizes"]) <= {1, 2} and stats["consensus"] >= 1
         assert r["sent"] > 0 and r["received"] > 0, "P-Reduce's messages are stamped on the emulated network"
     assert sum(r["slow_steps"] for r in results) > 0, "the random stragglers slowed some steps"
+    # (e) the policy: P-Reduce for the short slowdowns, exact re-planning for the lasting one
+    policy = results[0]["policy"]
+    assert [(frm, to) for _, frm, to in policy["events"]] == [("exact", "partial"), ("partial", "exact")], policy
+    switched_in, switched_out = (step for step, _, _ in policy["events"])
+    assert switched_in <= 7 and 10 + 6 <= switched_out <= 10 + 6 + 8, policy["events"]
+    assert policy["replica_sync"] == "ddp" and policy["shares"][1] < min(policy["shares"][0], *policy["shares"][2:])
+    assert policy["identical"], "after P-Reduce the exact sync starts from identical replicas, momentum included"
+    assert policy["approximate"] == [switched_in < k <= switched_out for k in range(24)], policy["approximate"]
     # (d) the killed generator: every rank names it
     for rank, r in enumerate(results):
         message = r["killed_generator"]

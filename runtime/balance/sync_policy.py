@@ -42,10 +42,14 @@ is held inert (its config's exchanges, one global all-reduce each, would synchro
 the very thing P-Reduce avoids); the policy restores the Engine's own config when it goes back to
 exact. The figures are gathered with an all-gather launched at one decision step and read at the
 next, on a process group of the policy's own, so under P-Reduce no rank waits at a decision step
-for ranks that are behind (they have ``decide_every`` steps to catch up).
+for ranks that are behind (they have ``decide_every`` steps to catch up); under the exact sync the
+ranks are in step anyway, and the window is gathered and decided at once.
 
 ``mode="partial"`` never switches: it only keeps the exact re-planner inert while the plan runs
 P-Reduce (the way to run a ``sync="partial"`` plan under the Engine).
+
+A window holds the steps since the last switch only, so the steps a re-plan has just cured (or a
+sync that no longer runs) never decide the next switch.
 
 Invariant: every decision is a pure function of the all-gathered figures (identical on every
 rank), the mode in force and the count of calm decisions, so every rank switches at the same step.
@@ -96,7 +100,8 @@ class PolicyEvent:
 
     def line(self) -> str:
         kind = "APPROXIMATE (P-Reduce)" if self.to_mode == "partial" else "exact"
-        return f"step {self.step}: sync {self.from_mode} -> {self.to_mode} ({kind}, {self.cost_ms:.1f} ms): {self.reason}"
+        return (f"step {self.step}: sync {self.from_mode} -> {self.to_mode} ({kind}, {self.cost_ms:.1f} ms): "
+                f"{self.reason}")
 
 
 def slow_steps(times: Sequence[Sequence[float]], slow_factor: float) -> list[list[bool]]:
@@ -125,7 +130,8 @@ def choose(times: Sequence[Sequence[float]], current: str, calm: int, *, slow_fa
     fraction = sum(any(row) for row in slow) / len(slow)
     if persistent:
         return Choice("exact", f"rank(s) {list(persistent)} slower than {slow_factor:g}x the median for their last "
-                      f"{persist_steps} steps: a lasting slowdown, which an exact re-plan removes", persistent, fraction)
+                      f"{persist_steps} steps: a lasting slowdown, which an exact re-plan removes",
+                      persistent, fraction)
     if fraction >= transient_fraction:
         return Choice("partial", f"{fraction:.0%} of the last {len(slow)} steps had a rank slower than "
                       f"{slow_factor:g}x the median, none for {persist_steps} steps in a row: short-lived "
@@ -138,7 +144,8 @@ def choose(times: Sequence[Sequence[float]], current: str, calm: int, *, slow_fa
 
 
 def _check(name: str, value, kind, minimum, meaning: str, maximum=None) -> None:
-    ok = isinstance(value, kind) and not isinstance(value, bool) and (not isinstance(value, float) or math.isfinite(value))
+    ok = (isinstance(value, kind) and not isinstance(value, bool)
+          and (not isinstance(value, float) or math.isfinite(value)))
     if not ok or value < minimum or (maximum is not None and value > maximum):
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise SpecError(f"SyncPolicy({name}=...): {meaning}; it must be {bound}, got {value!r}")
@@ -170,7 +177,8 @@ class SyncPolicy:
             raise SpecError(f"SyncPolicy(persist_steps={persist_steps}) exceeds window={window}: a lasting slowdown "
                             "must fit in the window; raise window or lower persist_steps")
         if generator is not None and generator not in GROUP_GENERATORS:
-            raise SpecError(f"SyncPolicy(generator=...) must be one of {', '.join(GROUP_GENERATORS)}, got {generator!r}")
+            raise SpecError(f"SyncPolicy(generator=...) must be one of {', '.join(GROUP_GENERATORS)}, "
+                            f"got {generator!r}")
         if group_size is not None:
             _check("group_size", group_size, int, 2, "workers per P-Reduce group")
         if delta_c is not None:
@@ -185,6 +193,7 @@ class SyncPolicy:
         self._engine_config = None
         self._group = None
         self._pending: Optional[tuple[object, list[torch.Tensor], int]] = None
+        self._since = 0   # the first step of the sync in force: a window never mixes two syncs
 
     # -- attaching ------------------------------------------------------------------------------------
     def attach(self, engine) -> "SyncPolicy":
@@ -195,12 +204,11 @@ class SyncPolicy:
             raise SpecError("SyncPolicy: the plan has no stage P-Reduce can run on (two or more data-parallel "
                             f"workers, no split, ZeRO stage 0; stages {[st.strategy for st in engine.plan.stages]}); "
                             "attach it to a plan with such a replicate stage")
-        every = engine.batch_check_every
-        if every and every % self.decide_every:
-            raise SpecError(f"SyncPolicy(decide_every={self.decide_every}) with runtime.Engine(batch_check_every="
-                            f"{every}): the batch check is a barrier of every rank, and P-Reduce's ranks park for "
-                            f"barriers at the policy's decision steps only; make batch_check_every a multiple of "
-                            f"decide_every (or 0)")
+        if engine.clip_grad_norm is not None or engine.scaler is not None:
+            raise SpecError("SyncPolicy: runtime.Engine(clip_grad_norm=...) and fp16's loss scaling reduce over every "
+                            "rank inside every step, where the smart generator's groups (which may span steps) would "
+                            "wait across them, and P-Reduce would gain nothing from ranks held in step; run P-Reduce "
+                            "without clipping, in fp32 or bf16")
         self._engine_config = engine.rebalancer.config
         self._group = dist.new_group(backend="gloo")
         if self.current(engine) == "partial":
@@ -226,18 +234,22 @@ class SyncPolicy:
     def __call__(self, engine) -> None:
         if (engine.step + 1) % self.decide_every:
             return
-        # a decision step is a barrier (the figures' all-gather; the Engine's batch checks fall on
-        # multiples of decide_every): P-Reduce's ranks park first (runtime.replicas.group_generator)
+        # a decision step is a barrier (the figures' all-gather): P-Reduce's ranks park first
+        # (runtime.replicas.group_generator)
         drain(engine.executor)
         if self.mode == "partial":
             return
         self._check_pins(engine)
+        current = self.current(engine)
+        if current == "exact":   # the ranks are in step (DDP): gather this window now
+            self._collect()
+            self._launch(engine)
         figures = self._collect()
-        self._launch(engine)
+        if current == "partial":   # read at the next decision: no rank waits here for one behind
+            self._launch(engine)
         if figures is None:
             return
         times, flops = figures
-        current = self.current(engine)
         choice = choose(times, current, self.calm, **self.rule)
         self.choices.append((engine.step, choice))
         self.calm = self.calm + 1 if choice.slow_fraction == 0 else 0
@@ -249,14 +261,17 @@ class SyncPolicy:
         else:
             self._to_exact(engine, _speeds(times, flops, self.rule["persist_steps"]))
         self.calm = 0
+        self._collect()   # a window launched under the old sync is not read
+        self._since = engine.step + 1
         event = PolicyEvent(engine.step, current, choice.mode, choice.reason, (time.perf_counter() - start) * 1e3)
         self.history.append(event)
         if engine.rank == 0:
             (log.warning if choice.mode == "partial" else log.info)("sync policy %s", event.line())
 
     def _launch(self, engine) -> None:
-        """Start the all-gather of this rank's last ``window`` steps (compute seconds, FLOPs)."""
-        recent = engine.stats[-self.window:]
+        """Start the all-gather of this rank's last ``window`` steps (compute seconds, FLOPs), on the
+        policy's process group."""
+        recent = [st for st in engine.stats[-self.window:] if st.step >= self._since]   # none from before a switch
         mine = torch.zeros(2, self.window, dtype=torch.float64)
         if recent:
             mine[0, -len(recent):] = torch.tensor([s.padded_s for s in recent], dtype=torch.float64)
@@ -289,11 +304,14 @@ class SyncPolicy:
 
     def _to_partial(self, engine) -> None:
         generator, size, delta = self.settings
+        plan = engine.plan
+        pinned = len(plan.stages) > 1 or plan.precision == "fp16"   # the static generator only (plan checks)
         stages = []
-        for st in engine.plan.stages:
-            n = len({w.rank for w in engine.plan.stage_workers(st.index) if w.tp_index == 0})
-            if st.index in eligible_stages(engine.plan):
-                st = dataclasses.replace(st, replica_sync="partial", partial_generator=generator or st.partial_generator,
+        for st in plan.stages:
+            n = len({w.rank for w in plan.stage_workers(st.index) if w.tp_index == 0})
+            if st.index in eligible_stages(plan):
+                st = dataclasses.replace(st, replica_sync="partial",
+                                         partial_generator="static" if pinned else generator or st.partial_generator,
                                          partial_group_size=min(size or st.partial_group_size, n),
                                          partial_delta_c=delta or st.partial_delta_c)
             stages.append(st)

@@ -28,13 +28,14 @@ ascending order, itself included) there are the paper's two generators:
   only itself skips averaging that step). A lagging requester may so give a group to a worker that
   is ahead of it, which fetches it at its next request: Prague's leeway for slow workers, which keep
   averaging with the fast ones. Before a *barrier* (a collective of every member at one step: a
-  whole-group average, the straggler monitor's exchange, the sync policy's decision) a worker
-  *parks* (:meth:`SmartGroups.park`): it takes such a group at once and is given none until its next
-  request, so no lagging worker waits for a rank that waits in the barrier. The end of a run is such
+  whole-group average, the straggler monitor's exchange, the sync policy's decision, the Engine's
+  batch check, an evaluation) a worker *parks* (:meth:`SmartGroups.park`): it takes such a group at
+  once and is given none until its next request, so no lagging worker waits for a rank that waits in the barrier. The end of a run is such
   a barrier too: end it with a whole-group average (``engine.state_dict()``, a checkpoint), else a
-  lagging rank may wait for a last average with a rank that has left. A pipeline's loss all-reduce
-  is a barrier in every step, so pipelines run the static generator
-  (:mod:`planner.plan_checks`).
+  lagging rank may wait for a last average with a rank that has left; a collective of the caller's
+  own between steps needs ``PartialSync.drain()`` first. A pipeline's loss all-reduce and fp16's
+  overflow vote are barriers inside every step, so those plans run the static generator
+  (:mod:`planner.plan_checks`), as should runs with global-norm clipping (the sync policy refuses it).
 
 Why no process group per subset: groups form at run time, and a group per possible subset is
 ``2^N`` communicators. P-Reduce runs point-to-point operations on the data-parallel group
@@ -338,7 +339,8 @@ class GeneratorService:
         self.served = 0
         self._stop = threading.Event()
         self._beat_store.set(BEAT, repr(time.time()))
-        self._threads = [threading.Thread(target=self._serve, name=f"whalelike-preduce-generator-{prefix}", daemon=True),
+        self._threads = [threading.Thread(target=self._serve, name=f"whalelike-preduce-generator-{prefix}",
+                                          daemon=True),
                          threading.Thread(target=self._beat, name=f"whalelike-preduce-beat-{prefix}", daemon=True)]
         for t in self._threads:
             t.start()

@@ -137,6 +137,10 @@ class PartialSync(WholeParameters):
                 dist.broadcast(t.data, src=self.ranks[0], group=self.group)
         size = self.size   # the hooks must not keep this sync alive
         self._hooks = [p.register_hook(lambda g: g * size) for p in module.parameters() if p.requires_grad]
+        # an evaluation ends in a collective of the group (the executor's loss all-reduce): park first
+        drain = weakref.WeakMethod(self.drain)
+        self._hooks.append(module.register_forward_pre_hook(
+            lambda m, args: None if m.training or drain() is None else drain()()))
 
     # -- the seam ---------------------------------------------------------------------------------------
     @property
@@ -166,9 +170,11 @@ class PartialSync(WholeParameters):
         self.drain()   # a barrier of the whole group (runtime.replicas.group_generator: parking)
         dist.all_reduce(tensor, group=self.group)
 
-    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None,
+                   park: bool = False) -> None:
         """After this step's optimizer step (or its skip): average with this iteration's group.
-        ``optimizer``: the one stepping :meth:`parameters`, whose state :meth:`consensus` averages too."""
+        ``optimizer``: the one stepping :meth:`parameters`, whose state :meth:`consensus` averages too;
+        ``park``: the next step opens with a collective of every rank, so :meth:`drain` after it."""
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self.generator is None:
@@ -178,6 +184,8 @@ class PartialSync(WholeParameters):
         self.stats.generator_s += time.perf_counter() - start
         self.iteration += 1
         self.average(group)
+        if park:
+            self.drain()
         self.stats.seconds += time.perf_counter() - start
 
     def drain(self) -> None:
