@@ -380,7 +380,8 @@ def _same_plan(info, plan: planner.Plan) -> bool:
 def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None,
              show_lr: bool = False) -> None:
     """A bar redrawn in place on a terminal; every fifth step on its own line in a log. Losses of
-    steps run with ZERO-resizing (policies semi/resize) are marked approximate; the gradient norm
+    steps run with ZERO-resizing (policies semi/resize) or Prague's partial all-reduce (a plan whose
+    stages run replica_sync 'partial', whalelike plan --dp-sync partial) are marked approximate; the gradient norm
     (with --clip-grad-norm), a scheduled learning rate and a skipped step are shown."""
     done = step * 30 // steps
     extra = ""

@@ -48,6 +48,13 @@ rank's measured compute speed is recorded and shared; a sustained change re-plan
 boundary (:mod:`runtime.balance.rebalance`). ``Engine.plan`` is always the plan in force and
 ``Engine.replans`` the history of re-plans.
 
+After the optimizer step (or its skip) the Engine calls the replica syncs' optional
+``after_step(plan, step, optimizer)`` (:func:`runtime.replicas.replica_sync.after_step`): Prague's
+partial all-reduce averages each replica with its group there, and its steps are marked
+``StepStats.approximate``. ``Engine.step_hooks`` are callables ``engine -> None`` run on every rank at
+each step boundary after the re-plan check (:class:`runtime.balance.sync_policy.SyncPolicy` attaches
+itself there).
+
 A builder ``(ExecutorContext) -> StepExecutor`` makes one; :func:`register_executor` adds or
 replaces the builder of a plan kind (``"data_parallel"``, ``"pipeline"``, ``"tensor_parallel"``).
 """
@@ -363,9 +370,7 @@ class Engine:
                 self._collective(lambda: _sum_alone(passenger.vector))
             outcome = self._optimizer_step(loss)
             # the replica sync's hook after the optimizer step (or its skip): P-Reduce averages with its group
-            # (park: the next step opens with the batch check, a collective of every rank)
-            self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer,
-                                                park=guards.batch_check_due(self.step + 1, self.batch_check_every)))
+            self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer))
         em = self.emulator.stats.since(before)
         self._record(time.perf_counter() - start, em, outcome, scale)
         check_capacity(self.emulator, self.meter.peak_bytes, self.step)   # an emulated device's memory, if enforced

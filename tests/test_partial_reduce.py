@@ -167,8 +167,9 @@ def test_the_threshold_rule_keeps_a_lagging_worker_out_of_a_fast_workers_group()
     for delta_c, joins in ((2, False), (4, False), (5, True)):
         groups = SmartGroups([0, 1], ["a", "a"], 2, delta_c)
         assert groups.request(0) == (0, 1) and groups.request(1) == (0, 1)       # c0 = c1 = 1
-        assert groups.park(1) is None                                            # 1 parks (a barrier)
+        assert groups.park(1) is None                                            # 1 parks (between steps)
         assert [groups.request(0) for _ in range(3)] == [(0,)] * 3, "a parked worker is given no group"
+        groups.unpark(1)                                                         # 1's next step opens
         assert groups.count == {0: 4, 1: 1}
         group = groups.request(1)                                                # c1 = 2: behind 0 by 2
         assert group == (0, 1), "a slow requester pulls the fast worker in: Prague's leeway"

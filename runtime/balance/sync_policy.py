@@ -232,12 +232,7 @@ class SyncPolicy:
 
     # -- the step hook --------------------------------------------------------------------------------
     def __call__(self, engine) -> None:
-        if (engine.step + 1) % self.decide_every:
-            return
-        # a decision step is a barrier (the figures' all-gather): P-Reduce's ranks park first
-        # (runtime.replicas.group_generator)
-        drain(engine.executor)
-        if self.mode == "partial":
+        if self.mode == "partial" or (engine.step + 1) % self.decide_every:
             return
         self._check_pins(engine)
         current = self.current(engine)
@@ -359,13 +354,3 @@ def _speeds(times: list[list[float]], flops: list[list[float]], last: int) -> li
                         "with emulated devices or a GPU clock (runtime.emulation.compute)")
     return out
 
-
-def drain(executor) -> None:
-    """Before a barrier: every P-Reduce sync of ``executor`` parks
-    (:meth:`runtime.replicas.partial_sync.PartialSync.drain`); exact syncs have nothing to do."""
-    from runtime.replicas.replica_sync import executor_syncs
-
-    for sync in executor_syncs(executor):
-        hook = getattr(sync, "drain", None)
-        if hook is not None:
-            hook()

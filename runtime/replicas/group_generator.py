@@ -27,15 +27,16 @@ ascending order, itself included) there are the paper's two generators:
   ahead of it and every member of a group is bound to arrive: no deadlock (a worker whose group is
   only itself skips averaging that step). A lagging requester may so give a group to a worker that
   is ahead of it, which fetches it at its next request: Prague's leeway for slow workers, which keep
-  averaging with the fast ones. Before a *barrier* (a collective of every member at one step: a
-  whole-group average, the straggler monitor's exchange, the sync policy's decision, the Engine's
-  batch check, an evaluation) a worker *parks* (:meth:`SmartGroups.park`): it takes such a group at
-  once and is given none until its next request, so no lagging worker waits for a rank that waits in the barrier. The end of a run is such
-  a barrier too: end it with a whole-group average (``engine.state_dict()``, a checkpoint), else a
-  lagging rank may wait for a last average with a rank that has left; a collective of the caller's
-  own between steps needs ``PartialSync.drain()`` first. A pipeline's loss all-reduce and fp16's
-  overflow vote are barriers inside every step, so those plans run the static generator
-  (:mod:`planner.plan_checks`), as should runs with global-norm clipping (the sync policy refuses it).
+  averaging with the fast ones. Such a group must never wait for a worker that is in a *barrier*
+  (a collective of every member: a checkpoint, an evaluation, the Engine's batch check, the sync
+  policy's decision, the caller's own collective) or gone (the end of the run): so every worker
+  *parks* after its own average at the end of each step (:meth:`SmartGroups.park`: it takes at
+  once a group it was given meanwhile, and is given none until it *unparks*, one message at its
+  next step's first forward), and before the barriers inside a step (the straggler monitor's
+  exchange). A worker is thus only given a group while it computes a step, and fetches it at that
+  step's end. A pipeline's loss all-reduce and fp16's overflow vote are barriers inside every step
+  before the request, so those plans run the static generator (:mod:`planner.plan_checks`), as
+  should runs with global-norm clipping (the sync policy refuses it).
 
 Why no process group per subset: groups form at run time, and a group per possible subset is
 ``2^N`` communicators. P-Reduce runs point-to-point operations on the data-parallel group
@@ -90,9 +91,11 @@ class GroupGenerator(Protocol):
 
     name: str
 
-    def group(self, iteration: int) -> tuple[int, ...]: ...
+    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]: ...
 
     def park(self, iteration: int) -> Optional[tuple[int, ...]]: ...
+
+    def unpark(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -175,7 +178,7 @@ class StaticGenerator:
             raise GroupGeneratorError(f"P-Reduce: rank {rank} is not a member of {list(members)}")
         self.rank, self.members, self.hosts, self.group_size = rank, tuple(members), tuple(hosts), group_size
 
-    def group(self, iteration: int) -> tuple[int, ...]:
+    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]:
         group = next(g for g in static_division(self.members, self.hosts, self.group_size, iteration)
                      if self.rank in g)
         log.debug("static group generator: rank %d iteration %d -> %s", self.rank, iteration, group)
@@ -184,6 +187,9 @@ class StaticGenerator:
     def park(self, iteration: int) -> Optional[tuple[int, ...]]:
         """Nothing to take at a barrier: a static group's members all average at the same iteration."""
         return None
+
+    def unpark(self) -> None:
+        """Nothing to announce: the schedule is fixed."""
 
     def close(self) -> None:
         """Nothing to stop: the schedule is computed locally."""
@@ -269,10 +275,22 @@ class SmartGroups:
         self.parked.add(rank)
         return self._fetch(rank) if rank in self.pending else None
 
-    def request(self, rank: int) -> tuple[int, ...]:
-        """``rank``'s group for its next P-Reduce (see the module docstring)."""
+    def unpark(self, rank: int) -> None:
+        """``rank`` computes a step again: it may be given a group (fetched at its next request)."""
         self._member(rank)
         self.parked.discard(rank)
+
+    def request(self, rank: int, park: bool = False) -> tuple[int, ...]:
+        """``rank``'s group for its next P-Reduce (see the module docstring); ``park``: and park it
+        right after (:meth:`park`: the end of its step), in the same decision."""
+        self._member(rank)
+        self.parked.discard(rank)
+        group = self._request(rank)
+        if park:
+            self.parked.add(rank)
+        return group
+
+    def _request(self, rank: int) -> tuple[int, ...]:
         if rank in self.pending:
             return self._fetch(rank)
         self.count[rank] += 1
@@ -360,11 +378,15 @@ class GeneratorService:
                 rank = int(rank)
                 if self.failure is not None:
                     answer = "error " + self.failure
+                elif kind == "unpark":
+                    self.groups.unpark(rank)
+                    log.debug("P-Reduce group generator %s: rank %d unparked", self.prefix, rank)
+                    continue
                 elif kind == "park":
                     group = self.groups.park(rank)
                     answer = ",".join(map(str, group)) if group is not None else "none"
                 else:
-                    answer = ",".join(map(str, self.groups.request(rank)))
+                    answer = ",".join(map(str, self.groups.request(rank, park=kind == "request+park")))
                 log.debug("P-Reduce group generator %s: rank %d request %d -> %s", self.prefix, rank, count, answer)
                 self._serve_store.queue_push(f"answers/{rank}", answer)
                 self.served += 1
@@ -449,14 +471,22 @@ class SmartGenerator:
         self.requests = 0
         self._started = time.monotonic()
 
-    def group(self, iteration: int) -> tuple[int, ...]:
-        """This rank's group for its next P-Reduce."""
-        return self._ask("request", iteration)
+    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]:
+        """This rank's group for its next P-Reduce; ``park``: and park right after, in one round trip."""
+        return self._ask("request+park" if park else "request", iteration)
 
     def park(self, iteration: int) -> Optional[tuple[int, ...]]:
         """At a barrier: the group a lagging worker gave this rank (average in it now), or None; no
         group is given to this rank until its next :meth:`group` (:meth:`SmartGroups.park`)."""
         return self._ask("park", iteration)
+
+    def unpark(self) -> None:
+        """This rank's step opens: it may be given groups again (one message, no answer)."""
+        try:
+            self._store.queue_push(REQUESTS, f"{self.rank} {self.requests} unpark")
+        except RuntimeError as e:
+            raise GroupGeneratorError(f"rank {self.rank}: the rendezvous store is unreachable ({e}); its host, "
+                                      "rank 0, has likely died or stopped") from e
 
     def _ask(self, kind: str, iteration: int) -> Optional[tuple[int, ...]]:
         self.requests += 1

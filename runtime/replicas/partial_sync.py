@@ -21,7 +21,9 @@ What a step does here, against the seam (:mod:`runtime.replicas.replica_sync`):
   averages the parameters over it (:meth:`average`): point-to-point sends and receives of the
   flattened parameters among the group's members only (``batch_isend_irecv`` on the data-parallel
   process group: no process group per subset), each member summing the members' vectors in rank
-  order, so the members end bit-identical. On an emulated network every message is stamped and
+  order, so the members end bit-identical. The same request parks the rank until its next step's
+  first training forward (a forward pre-hook unparks it), so a lagging worker's group never waits
+  for a rank that is between steps: in a collective of everyone, or gone at the end of the run. On an emulated network every message is stamped and
   padded as the pipeline's transfers are (:meth:`runtime.emulation.network.NetworkEmulator.stamp_sends`).
 
 When it equals the exact run: a group of every worker every step (the static generator with
@@ -129,6 +131,7 @@ class PartialSync(WholeParameters):
         self.generator: Optional[GroupGenerator] = None
         self.iteration = 0
         self.stats = PartialStats()
+        self._parked = False   # given no group by the generator until this rank's next step opens
         self._optimizer: Optional[Callable[[], Optional[torch.optim.Optimizer]]] = None   # a weak reference
         self._passenger: Optional[tuple[torch.Tensor, Optional[Callable[[torch.Tensor], None]]]] = None
         # the replicas start equal (DDP does the same at construction): a collective of the group
@@ -137,10 +140,10 @@ class PartialSync(WholeParameters):
                 dist.broadcast(t.data, src=self.ranks[0], group=self.group)
         size = self.size   # the hooks must not keep this sync alive
         self._hooks = [p.register_hook(lambda g: g * size) for p in module.parameters() if p.requires_grad]
-        # an evaluation ends in a collective of the group (the executor's loss all-reduce): park first
-        drain = weakref.WeakMethod(self.drain)
+        # a training forward opens a step: the rank may be given a group again (runtime.replicas.group_generator)
+        opened = weakref.WeakMethod(self._step_opens)
         self._hooks.append(module.register_forward_pre_hook(
-            lambda m, args: None if m.training or drain() is None else drain()()))
+            lambda m, args: None if not m.training or opened() is None else opened()()))
 
     # -- the seam ---------------------------------------------------------------------------------------
     @property
@@ -170,35 +173,44 @@ class PartialSync(WholeParameters):
         self.drain()   # a barrier of the whole group (runtime.replicas.group_generator: parking)
         dist.all_reduce(tensor, group=self.group)
 
-    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None,
-                   park: bool = False) -> None:
-        """After this step's optimizer step (or its skip): average with this iteration's group.
-        ``optimizer``: the one stepping :meth:`parameters`, whose state :meth:`consensus` averages too;
-        ``park``: the next step opens with a collective of every rank, so :meth:`drain` after it."""
+    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """After this step's optimizer step (or its skip): average with this iteration's group. The
+        same request parks this rank until its next step's first forward (:meth:`drain`), so nobody
+        waits for it between steps. ``optimizer``: the one stepping :meth:`parameters`, whose state
+        :meth:`consensus` averages too."""
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self.generator is None:
             self.generator = self._build_generator(plan)
         start = time.perf_counter()
-        group = self.generator.group(self.iteration)
+        group = self.generator.group(self.iteration, park=True)   # parked until the next step opens
+        self._parked = True
         self.stats.generator_s += time.perf_counter() - start
         self.iteration += 1
         self.average(group)
-        if park:
-            self.drain()
         self.stats.seconds += time.perf_counter() - start
 
     def drain(self) -> None:
-        """Before a barrier of the whole group (this rank waits there for every member): average now
-        in a group a lagging member gave this rank, if any, and take no new one until the next step
-        (:meth:`runtime.replicas.group_generator.SmartGroups.park`). Nothing to do before the generator
-        exists (no step yet) or with the static one."""
-        if self.generator is None:
+        """Park (:meth:`runtime.replicas.group_generator.SmartGroups.park`): average now in a group a
+        lagging member gave this rank, if any, and be given none until this rank's next step opens.
+        Every step ends so, so no rank can be waited for while it is between steps: in a collective
+        of the whole group (a checkpoint, an evaluation, the batch check, the caller's own), or gone
+        at the end of the run. Nothing to do before the generator exists, when already parked, or with
+        the static generator (its groups never span steps)."""
+        if self.generator is None or self._parked:
             return
         group = self.generator.park(self.iteration)
+        self._parked = True
         if group is not None:
             self.iteration += 1
             self.average(group)
+
+    def _step_opens(self) -> None:
+        """A training forward: this rank computes a step, and may be given a group again (one message,
+        no answer awaited)."""
+        if self.generator is not None and self._parked:
+            self.generator.unpark()
+            self._parked = False
 
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Every replica holds the stage's state whole; first averaged over the whole group (collective)."""

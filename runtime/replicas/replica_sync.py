@@ -17,9 +17,8 @@ replicas in step, and nothing else:
   them); ``current()``: make the module's parameters current before they are read whole (a sync
   that refreshes them lazily); ``loaded()``: the module's parameters were overwritten whole, take
   what the sync keeps from them;
-* ``after_step(plan, step, optimizer, park)``, optional: called by the Engine on every rank after
-  each step's optimizer step (or its skip), with the plan in force, the optimizer and whether the
-  next step opens with a collective of every rank (:func:`after_step` calls it where a sync has
+* ``after_step(plan, step, optimizer)``, optional: called by the Engine on every rank after each
+  step's optimizer step (or its skip), with the plan in force and the optimizer (:func:`after_step` calls it where a sync has
   it; the exact syncs have nothing to do there and leave it out). Prague's partial all-reduce
   averages its parameters with its group here: its replicas step apart and meet afterwards;
 * ``exact``, optional (default True): False for a sync whose steps are not the synchronous SGD of
@@ -194,15 +193,14 @@ def executor_syncs(executor) -> list[ReplicaSync]:
     return found
 
 
-def after_step(executor, plan, step: int, optimizer=None, park: bool = False) -> None:
+def after_step(executor, plan, step: int, optimizer=None) -> None:
     """The seam's hook after an optimizer step: each of ``executor``'s syncs that has ``after_step``
     runs it (P-Reduce averages with its group; the exact syncs have none). Every rank calls it at
-    every step, skipped or not; ``park``: the next step opens with a collective of every rank (the
-    Engine's batch check), for which P-Reduce's ranks park (:mod:`runtime.replicas.group_generator`)."""
+    every step, skipped or not."""
     for sync in executor_syncs(executor):
         hook = getattr(sync, "after_step", None)
         if hook is not None:
-            hook(plan, step, optimizer, park)
+            hook(plan, step, optimizer)
 
 
 def runs_exact(executor) -> bool:
