@@ -32,10 +32,15 @@ host holding the slice are fed locally (the paper's meshes are disjoint); the gl
 variant is not offered (on 2-host meshes it is the host-local one plus cross-host ring steps that
 broadcast already beats).
 
-:func:`lower_bound_ms`: no schedule beats the bytes that must cross the busiest interface (a
-receiving host's ``in``; a host's ``out`` for slices only it holds; all bytes leaving the holding
-hosts, spread over their interfaces' total bandwidth) or enter the busiest device (over the fastest
-link from a holder's host), plus one latency. Per-host interface figures (``nic_gbps``) count.
+:func:`lower_bound_ms`: no schedule beats the time the busiest resource must be held: a
+receiving host's ``in`` (one transfer per unit task it needs from another host), a host's ``out``
+for slices only it holds (one per such task), the interfaces of the holding hosts together (every
+task that leaves a host, spread over them by bandwidth), or a receiving device (one transfer per
+task it needs, over the fastest link from a holder's host, plus one per task that only it holds
+and another device needs: a device runs one transfer at a time, sending or receiving). Every transfer holds its resources
+for at least one latency plus its bytes over the link, so each counts ``latency + bytes / bandwidth``
+(a chunked broadcast, an all-gather's parts and the send/recv copies all take longer); at least one
+latency is added to the spread bytes. Per-host interface figures (``nic_gbps``) count.
 """
 from __future__ import annotations
 
@@ -190,30 +195,44 @@ def _pipelined_ms(nbytes: float, ms_per_byte: Sequence[float], latency_ms: float
 def lower_bound_ms(tasks: Sequence[UnitTask], src_hosts: Mapping[str, str], dst_hosts: Mapping[str, str],
                    network: NetworkModel, itemsize: int) -> float:
     """No schedule of any strategy finishes sooner (see the module docstring)."""
+    latency = network.latency_ms
     into_host: dict[str, float] = {}     # ms through each receiving host's incoming interface
     only_out: dict[str, float] = {}      # ms through a host's outgoing interface for slices only it holds
-    into_device: dict[str, float] = {}   # ms of bytes entering each receiving device
-    leaving, senders = 0.0, set()
+    into_device: dict[str, float] = {}   # ms of transfers holding each receiving device
+    out_of_device: dict[str, float] = {}  # ms of transfers holding a device for slices only it holds
+    leaving, crossing, senders = 0.0, 0, set()
     for task in tasks:
         nbytes = float(task.elements * itemsize)
         holder_hosts = {src_hosts[d] for d in task.holders}
         remote_hosts = {dst_hosts[d] for d in task.needers if dst_hosts[d] not in holder_hosts}
+        fastest = None   # ms per byte over the fastest link from a holder to a receiver that lacks the slice
         for device in task.needers:
             if device not in task.holders:
                 per_byte = min(network.host_link(host, dst_hosts[device]).ms_per_byte for host in holder_hosts)
-                into_device[device] = into_device.get(device, 0.0) + nbytes * per_byte
+                into_device[device] = into_device.get(device, 0.0) + latency + nbytes * per_byte
+                fastest = per_byte if fastest is None else min(fastest, per_byte)
+        if fastest is not None and len(task.holders) == 1:   # its one holder sends it at least once
+            (holder,) = task.holders
+            out_of_device[holder] = out_of_device.get(holder, 0.0) + latency + nbytes * fastest
         if not remote_hosts:
             continue
         for host in remote_hosts:
-            into_host[host] = into_host.get(host, 0.0) + nbytes * network.nic_ms_per_byte(host)
+            into_host[host] = into_host.get(host, 0.0) + latency + nbytes * network.nic_ms_per_byte(host)
         if len(holder_hosts) == 1:
             (host,) = holder_hosts
-            only_out[host] = only_out.get(host, 0.0) + nbytes * network.nic_ms_per_byte(host)
+            only_out[host] = only_out.get(host, 0.0) + latency + nbytes * network.nic_ms_per_byte(host)
         leaving += nbytes
+        crossing += 1
         senders |= holder_hosts
     if not into_device:
         return 0.0   # every receiver already holds what it needs
-    # the bytes leaving all sender hosts share their interfaces at best evenly
-    spread = leaving / sum(1.0 / network.nic_ms_per_byte(host) for host in senders) if senders else 0.0
-    busiest = max([spread, *into_host.values(), *only_out.values()])
-    return max(busiest, *into_device.values()) + network.latency_ms
+    # the transfers leaving the sender hosts share their interfaces at best evenly: bandwidth-weighted,
+    # each busy for at least (latency + bytes / bandwidth) per task that leaves through it
+    spread = spread_latency = 0.0
+    if senders:
+        rates = [1.0 / network.nic_ms_per_byte(host) for host in senders]   # bytes per ms
+        spread = leaving / sum(rates)
+        spread_latency = (leaving + crossing * latency * min(rates)) / sum(rates)
+    # a device runs one transfer at a time, sending or receiving: its receives and its sole sends add up
+    device_busy = [into_device.get(d, 0.0) + out_of_device.get(d, 0.0) for d in {*into_device, *out_of_device}]
+    return max(spread + latency, spread_latency, *into_host.values(), *only_out.values(), *device_busy)

@@ -8,7 +8,7 @@ transfer starts when every resource it needs is free after the transfers before 
 hosts"), so no device or interface runs two transfers at once. The goal is the earliest finish of
 the last transfer (the paper's Eq. 1-3).
 
-Three searches, the best kept (ties to the earlier):
+Four searches, the best kept (ties to the earlier):
 
 * ``greedy``: longest transfer first, each on the route that finishes it earliest (then the
   least-loaded sender host): the paper's "load balance only" plus its order.
@@ -18,16 +18,32 @@ Three searches, the best kept (ties to the earlier):
 * ``dfs``: depth-first search over (next transfer, route), pruned when the partial schedule's
   bound (a resource's free time plus the remaining transfers that need it on every route) reaches
   the best makespan found, and symmetric siblings (same routes, same durations) skipped.
+* ``firstfit``: each transfer, longest first, at the earliest time one of its routes finds all of
+  its resources free for its whole duration, *gaps left by earlier placements included*, on the
+  route that finishes first; then up to seven more passes in other orders (bottleneck resources
+  first, then seeded random ties) while the work budget lasts. The three searches above append each transfer
+  after the last one on its resources, so on a large plan one early misplacement idles an
+  interface for good: an all-to-all over 8 hosts (64 devices batch-split to feature-split, 4096
+  transfers) came out at 8x its lower bound, where first fit lands within 1.1x (each resource's
+  free time kept as a sorted list of gaps: a transfer costs a few probes, ~40k for those 4096).
+  Every schedule is list-scheduled from its order (:func:`evaluate`): a first-fit schedule is its
+  placements in start order, which starts nothing later than first fit placed it.
 
-Departure: the paper budgets the DFS in seconds; here the budget is a count of search nodes (DFS
-nodes; for the randomized search, transfers looked at: it stops restarting past it), so a
-plan is the same on every machine for a given seed (an optional wall-clock cap is the caller's
-choice and makes the result machine-dependent when it bites).
+Work, not seconds, bounds the searches, so a plan is the same on every machine for a given seed
+(the paper budgets the DFS in seconds; an optional wall-clock cap on the DFS is the caller's choice
+and makes the result machine-dependent when it bites). ``max_nodes`` bounds the DFS (nodes) and
+the randomized search (transfers looked at: it stops restarting past it; past :data:`LARGE_PLAN`
+transfers both shrink so that nodes x transfers stays within :data:`LARGE_PLAN_WORK`). First fit
+counts probes (one look at one resource's gap list, one route tried): its first pass always
+completes (a few probes per route and resource: linear in the plan), the others stop once
+:data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes are spent. :func:`best_schedule` reports each search's work.
 """
 from __future__ import annotations
 
+import heapq
 import random
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -38,6 +54,9 @@ Step = tuple[int, int]   # (transfer index, route index)
 
 LARGE_PLAN = 128            # transfers past which the searches' budgets count work, not nodes
 LARGE_PLAN_WORK = 100_000   # nodes x transfers for such a plan: ~0.1 s per search
+FIRST_FIT_WORK_PER_NODE = 10   # first fit's work after its first two passes, per search node
+FIRST_FIT_WORK = FIRST_FIT_WORK_PER_NODE * 20_000   # at plan_resharding's default budget (~0.1 s)
+FIRST_FIT_PASSES = 16       # first fit's passes at most (the dispatch counts as one)
 
 
 @dataclass(frozen=True)
@@ -86,7 +105,7 @@ def greedy(transfers: Sequence[SliceTransfer]) -> Schedule:
 
 
 def randomized(transfers: Sequence[SliceTransfer], seed: int, restarts: int = 4, tries: int = 8,
-               max_nodes: Optional[int] = None) -> Schedule:
+               max_nodes: Optional[int] = None, work: Optional[dict] = None) -> Schedule:
     """Up to ``restarts`` seeded restarts of ``tries`` random orders per round. With ``max_nodes``,
     once the transfers looked at (``tries`` per remaining transfer per round) reach it, rounds
     try one order and no new restart begins (the first always finishes; past
@@ -137,6 +156,8 @@ def randomized(transfers: Sequence[SliceTransfer], seed: int, restarts: int = 4,
         schedule = evaluate(transfers, order, "randomized")
         if best is None or schedule.makespan_ms < best.makespan_ms:
             best = schedule
+    if work is not None:
+        work["randomized"] = spent
     return best
 
 
@@ -144,11 +165,13 @@ MAX_DFS_DEPTH = 400   # transfers the recursive DFS descends through: well insid
 
 
 def dfs(transfers: Sequence[SliceTransfer], incumbent: Schedule, max_nodes: int = 20_000,
-        time_budget_s: Optional[float] = None) -> Schedule:
+        time_budget_s: Optional[float] = None, work: Optional[dict] = None) -> Schedule:
     """Depth-first search started from ``incumbent``'s makespan; returns a better schedule or it.
     Past :data:`MAX_DFS_DEPTH` transfers it returns ``incumbent`` (one level per transfer would
     exhaust the recursion limit, and a node budget cannot reach far into such a tree anyway)."""
     count = len(transfers)
+    if work is not None:
+        work["dfs"] = 0
     if count > MAX_DFS_DEPTH:
         return incumbent
     # resources a transfer holds on every route, and its shortest duration: for the bound
@@ -175,6 +198,8 @@ def dfs(transfers: Sequence[SliceTransfer], incumbent: Schedule, max_nodes: int 
         nodes[0] += 1
         if nodes[0] > max_nodes or (deadline is not None and time.monotonic() > deadline):
             return
+        if work is not None:
+            work["dfs"] += len(remaining)
         if bound(free, remaining, makespan) >= best_makespan[0] - 1e-12:
             return
         tried: set = set()
@@ -209,20 +234,191 @@ def dfs(transfers: Sequence[SliceTransfer], incumbent: Schedule, max_nodes: int 
     return evaluate(transfers, best_order[0], "dfs")
 
 
+def first_fit(transfers: Sequence[SliceTransfer], sequence: Sequence[int]) -> tuple[list[tuple[float, int, int]], int]:
+    """Place the transfers in ``sequence`` order, each at the earliest time at which every resource
+    of one of its routes is free for the route's whole duration (gaps between earlier placements
+    count), on the route that ends first (ties: the lower route index). Returns ``(start, transfer,
+    route)`` per transfer and the probes spent. Each resource's free time is a sorted list of gaps
+    ``[lo, hi)`` (the last one endless), so a placement looks at a few gaps, not at every transfer
+    already placed on its resources."""
+    gaps: dict = {}   # resource -> (gap starts, gap ends), sorted
+    placed = []
+    probes = 0
+    for index in sequence:
+        best = None
+        for route_index, route in enumerate(transfers[index].routes):
+            duration = route.duration_ms
+            lists = [gaps.get(r) or gaps.setdefault(r, ([0.0], [_ENDLESS])) for r in route.resources]
+            start, moved = 0.0, bool(lists) and duration > 0
+            while moved:   # until one start fits every resource's gaps
+                moved = False
+                for los, his in lists:
+                    k = bisect_right(his, start)   # the first gap ending after start
+                    while True:
+                        probes += 1
+                        fits = start if start > los[k] else los[k]
+                        if fits + duration <= his[k]:
+                            break
+                        k += 1
+                    if fits > start:
+                        start, moved = fits, True
+            probes += 1
+            if best is None or start + duration < best[0]:
+                best = (start + duration, start, route_index, lists)
+        end, start, route_index, lists = best
+        if end > start:
+            for los, his in lists:   # cut [start, end) out of the gap holding it
+                k = bisect_right(his, start)
+                lo, hi = los[k], his[k]
+                keep = [(a, b) for a, b in ((lo, start), (end, hi)) if b > a]
+                los[k:k + 1] = [a for a, _ in keep]
+                his[k:k + 1] = [b for _, b in keep]
+        placed.append((start, index, route_index))
+    return placed, probes
+
+
+_ENDLESS = float("inf")
+
+
+def dispatch(transfers: Sequence[SliceTransfer], max_work: int, rule: str = "busiest"
+             ) -> tuple[Optional[list[tuple[float, int, int]]], int]:
+    """Non-delay list scheduling by most work remaining: whenever transfers end, every transfer
+    one of whose routes finds all of its resources free starts, those with the most work left on
+    their fixed resources first (``rule`` ``"busiest"``: on the busiest one; ``"interfaces"``: on
+    their host interfaces together), then longest, each on its shortest free route. Returns
+    ``(start, transfer, route)`` per transfer and the work spent (transfers looked at), or None
+    for the placements once ``max_work`` is spent (each time only the transfers that use a resource
+    just freed are looked at, but on a large plan there are many). Open-shop practice: serving
+    the busiest interface first keeps the bottlenecks busy where first fit's fixed order may not."""
+    count = len(transfers)
+    shortest = [_shortest(t) for t in transfers]
+    fixed = [tuple(frozenset.intersection(*(r.resources for r in t.routes))) for t in transfers]
+    left_work: dict = {}
+    users: dict = {}
+    for index, transfer in enumerate(transfers):
+        for resource in fixed[index]:
+            left_work[resource] = left_work.get(resource, 0.0) + shortest[index]
+        for resource in frozenset().union(*(r.resources for r in transfer.routes)):
+            users.setdefault(resource, []).append(index)
+    free_at: dict = {}
+    waiting = set(range(count))
+    placed: list[tuple[float, int, int]] = []
+    ends: list[float] = []   # a heap of end times
+    now, candidates, spent = 0.0, list(range(count)), 0
+    while True:
+        spent += len(candidates)
+        if spent > max_work:
+            return None, spent
+        if rule == "busiest":
+            candidates.sort(key=lambda i: (-max((left_work[r] for r in fixed[i]), default=0.0), -shortest[i], i))
+        else:
+            candidates.sort(key=lambda i: (-sum(left_work[r] for r in fixed[i] if r[0] != "dev"), -shortest[i], i))
+        for index in candidates:
+            routes = transfers[index].routes
+            free = [k for k, route in enumerate(routes) if all(free_at.get(r, 0.0) <= now for r in route.resources)]
+            if not free:
+                continue
+            route_index = min(free, key=lambda k: (routes[k].duration_ms, k))
+            route = routes[route_index]
+            for resource in route.resources:
+                free_at[resource] = now + route.duration_ms
+            for resource in fixed[index]:
+                left_work[resource] -= shortest[index]
+            waiting.discard(index)
+            placed.append((now, index, route_index))
+            if route.duration_ms > 0:
+                heapq.heappush(ends, now + route.duration_ms)
+        if not waiting:
+            return placed, spent
+        if not ends:   # cannot happen: a transfer with no resource busy always starts
+            return None, spent
+        now = heapq.heappop(ends)
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        freed = [r for r, at in free_at.items() if at == now]
+        candidates = sorted({i for r in freed for i in users.get(r, ()) if i in waiting})
+
+
+def first_fit_search(transfers: Sequence[SliceTransfer], seed: int, max_work: int = FIRST_FIT_WORK
+                     ) -> tuple[Schedule, int]:
+    """The best of several first-fit passes and two :func:`dispatch` runs, and the work spent
+    (probes, transfers looked at). Passes: longest first; the transfers on the busiest resources
+    first (a transfer's fixed resources, those of every route, by total shortest duration; then
+    longest), both with ties in seeded random order (index order, sender by sender, idles the
+    receivers' interfaces: 1.5x the bound on a batch-to-feature layout where random ties give
+    1.01x); then, while fewer than ``max_work`` are spent, :data:`FIRST_FIT_PASSES` passes at
+    most and the best schedule still above the resource bound (no resource can be busier than the
+    transfers that need it on every route; a schedule that meets it is optimal): the dispatch by
+    busiest resource, the dispatch by busiest interfaces, then longest first with other seeds. No one order wins everywhere: on tight all-to-all-like layouts (every interface and some
+    devices near the bound) the dispatch does best, on others a first-fit pass."""
+    count = len(transfers)
+    shortest = [_shortest(t) for t in transfers]
+    fixed = [frozenset.intersection(*(r.resources for r in t.routes)) for t in transfers]
+    load: dict = {}
+    for index in range(count):
+        for resource in fixed[index]:
+            load[resource] = load.get(resource, 0.0) + shortest[index]
+    floor = max(load.values(), default=0.0)
+    pressure = [max((load[r] for r in fixed[i]), default=0.0) for i in range(count)]
+    best: Optional[Schedule] = None
+    spent, attempt = 0, 0
+    rules = ["busiest", "interfaces"]   # the dispatches, after the first two passes
+    while attempt < FIRST_FIT_PASSES:
+        if attempt >= 2 and (spent >= max_work or best.makespan_ms <= floor * (1 + 1e-9) or count <= 1):
+            break
+        rng = random.Random(seed * 1_000_003 + attempt)
+        noise = [rng.random() for _ in range(count)]   # ties in seeded random order, not index order:
+        # unit tasks come sender by sender, so index order queues a sender's transfers back to back
+        if attempt == 0:
+            sequence = sorted(range(count), key=lambda i: (-shortest[i], noise[i]))
+        elif attempt == 1:
+            sequence = sorted(range(count), key=lambda i: (-pressure[i], -shortest[i], noise[i]))
+        elif rules:
+            found, used = dispatch(transfers, max_work - spent, rules.pop(0))
+            spent += used
+            attempt += 1
+            if found is not None:
+                best = _better(transfers, found, best, "dispatch")
+            continue
+        else:
+            sequence = sorted(range(count), key=lambda i: (-shortest[i], noise[i]))
+        placed, probes = first_fit(transfers, sequence)
+        spent += probes
+        best = _better(transfers, placed, best, "firstfit")
+        attempt += 1
+    return best, spent
+
+
+def _better(transfers: Sequence[SliceTransfer], placed: list[tuple[float, int, int]], best: Optional[Schedule],
+            algorithm: str) -> Schedule:
+    """The placements list-scheduled in start order (:func:`evaluate`), if better than ``best``."""
+    schedule = evaluate(transfers, [(index, route) for _, index, route in sorted(placed)], algorithm)
+    return schedule if best is None or schedule.makespan_ms < best.makespan_ms else best
+
+
 def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: int = 20_000,
-                  time_budget_s: Optional[float] = None) -> tuple[Schedule, dict[str, float]]:
-    """The best of greedy, randomized greedy and DFS (ties to the earlier), and every makespan.
-    ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
+                  time_budget_s: Optional[float] = None, work: Optional[dict] = None
+                  ) -> tuple[Schedule, dict[str, float]]:
+    """The best of greedy, randomized greedy, DFS and first fit (ties to the earlier), and every
+    makespan. ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
     :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
     :data:`LARGE_PLAN_WORK` (each node costs one pass over the transfers: a 512-device boundary
-    planned at plan time took seconds otherwise)."""
+    planned at plan time took seconds otherwise). First fit's passes after its first two stop at
+    :data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes (:data:`FIRST_FIT_WORK` by default). ``work``, when given, receives each search's work (greedy:
+    routes tried; randomized: transfers looked at; dfs: nodes x transfers left; firstfit: probes)."""
+    fit_work = FIRST_FIT_WORK_PER_NODE * max_nodes
     if len(transfers) > LARGE_PLAN:
         max_nodes = max(1, min(max_nodes, LARGE_PLAN_WORK // len(transfers)))
-    candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes)]
+    spent: dict = {} if work is None else work
+    candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes, work=spent)]
+    spent["greedy"] = sum(len(t.routes) for t in transfers)
     incumbent = min(candidates, key=lambda s: s.makespan_ms)
-    candidates.append(dfs(transfers, incumbent, max_nodes, time_budget_s))
+    candidates.append(dfs(transfers, incumbent, max_nodes, time_budget_s, work=spent))
+    fitted, spent["firstfit"] = first_fit_search(transfers, seed, fit_work)
+    candidates.append(fitted)
     makespans = {s.algorithm: s.makespan_ms for s in candidates[:2]}
     makespans["dfs"] = candidates[2].makespan_ms
+    makespans["firstfit"] = fitted.makespan_ms
     best = min(candidates, key=lambda s: s.makespan_ms)
     return best, makespans
 

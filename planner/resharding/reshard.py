@@ -73,6 +73,7 @@ class ReshardPlan:
     predicted_ms: float
     lower_bound_ms: float
     alternatives_ms: dict               # strategy -> predicted ms of its best schedule
+    search_work: int = 0                # the schedule searches' work, summed (planner.resharding.order)
 
     def deliveries(self) -> dict[str, list[Box]]:
         """Destination device -> the boxes it ends up with (kept, or received), one per transfer."""
@@ -129,8 +130,17 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel,
     if strategy == "auto":
         candidates["mixed"] = _cheapest_per_task(tasks, per_strategy)
     results: dict[str, tuple[Schedule, list[SliceTransfer]]] = {}
+    searched: dict[tuple, str] = {}   # what the search sees of a candidate's transfers -> its name
+    work = 0
     for name, pieces in candidates.items():
-        schedule, _ = best_schedule(pieces, seed=seed, max_nodes=max_nodes, time_budget_s=time_budget_s)
+        seen = _search_input(pieces)
+        if seen in searched:   # e.g. every task has one receiver: the strategies make the same transfers
+            results[name] = (results[searched[seen]][0], pieces)
+            continue
+        searched[seen] = name
+        spent: dict = {}
+        schedule, _ = best_schedule(pieces, seed=seed, max_nodes=max_nodes, time_budget_s=time_budget_s, work=spent)
+        work += sum(spent.values())
         results[name] = (schedule, pieces)
     winner = min(results, key=lambda name: results[name][0].makespan_ms)
     schedule, pieces = results[winner]
@@ -143,7 +153,13 @@ def plan_resharding(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel,
     scheduled.sort(key=lambda t: (t.start_ms, t.task, t.receivers))
     return ReshardPlan(src.shape, itemsize, winner, schedule.algorithm, tuple(tasks), tuple(scheduled),
                        schedule.makespan_ms, lower_bound_ms(tasks, src_hosts, dst_hosts, network, itemsize),
-                       {name: results[name][0].makespan_ms for name in results})
+                       {name: results[name][0].makespan_ms for name in results}, work)
+
+
+def _search_input(pieces: list[SliceTransfer]) -> tuple:
+    """Everything the schedule search reads of ``pieces``: per transfer, each route's duration
+    and resources (the strategy's name and the copies' layout it does not read)."""
+    return tuple(tuple((r.duration_ms, r.resources) for r in t.routes) for t in pieces)
 
 
 BOUNDARY_MAX_NODES = 2_000   # search nodes per strategy at a plan's boundaries: ~15-45 ms each up to 256 devices
@@ -195,9 +211,14 @@ def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, ma
 
 def _cheapest_per_task(tasks, per_strategy: dict[str, list[SliceTransfer]]) -> list[SliceTransfer]:
     """Each task under the strategy whose transfers take the least time in total when run alone."""
+    by_task: dict[str, dict[int, list[SliceTransfer]]] = {}
+    for name in STRATEGIES:
+        grouped = by_task[name] = {}
+        for piece in per_strategy[name]:
+            grouped.setdefault(piece.task, []).append(piece)
     out: list[SliceTransfer] = []
     for task in tasks:
-        options = [[t for t in per_strategy[name] if t.task == task.index] for name in STRATEGIES]
+        options = [by_task[name].get(task.index, []) for name in STRATEGIES]
         out += min(options, key=lambda pieces: sum(min(r.duration_ms for r in t.routes) for t in pieces))
     return out
 
