@@ -41,6 +41,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                  r"-?\d+%; all losses match their references",
     "memory": rf"memory: largest global batch fp32 \d+, bf16 \d+ \({_X}\), bf16\+recompute \d+ \({_X}\); measured / "
               r"predicted per rank \d+\.\d\d-\d+\.\d\d \(target within 10%: (yes|NO)\)",
+    "pipeline_shares": r"pipeline_shares \((demo|hf_gpt2)\): a shares-only re-plan's switch takes \d+\.\d ms in place vs "
+                       rf"\d+\.\d ms rebuilding the executor \(\d+x\); .*; executor kept, losses identical",
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
     "prague": rf"prague: under \d+x slowdowns smart P-Reduce {_X} all-reduce's throughput \(target >= 1\.8x; "
               rf"no-wait bound {_X}\), static {_X}; .*; calm smart {_X}, static {_X} \(target >= 0\.95x\); time to "
