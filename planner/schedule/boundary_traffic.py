@@ -41,8 +41,10 @@ Resource = tuple[str, str]   # ("dev", device) | ("out", host) | ("in", host), a
 class BoundarySend(NamedTuple):
     """One transfer of a boundary's resharding: ``sender`` (a device) delivers a slice of
     ``nbytes`` to ``receivers`` by ``strategy`` (``chunks`` pipelined pieces for a broadcast),
-    ``offset_ms`` after the sender's value is ready at the earliest (its planned start), holding
-    ``resources`` for ``duration_ms``."""
+    holding ``resources`` for ``duration_ms``; ``offset_ms`` is its planned start with every
+    sender ready at once (the plan's, for its description). The runtime posts a pipeline
+    boundary's sends as soon as the sender's value is ready, unpaced, and the simulator places
+    them so (:mod:`planner.schedule.simulator`)."""
 
     sender: str
     receivers: tuple[str, ...]

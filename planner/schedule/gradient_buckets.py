@@ -103,9 +103,12 @@ def ddp_buckets(gradient_bytes: float, ring: Ring, first_bucket_bytes: float = D
     """The buckets of ``gradient_bytes`` all-reduced over ``ring`` (a :class:`planner.devices.network.Ring`),
     each ready at its cumulative byte share of the backward (module docstring)."""
     out, done = [], 0.0
+    priced: dict[float, float] = {}   # the buckets but the first and last have one size: priced once
     for nbytes, _ in fill_buckets([(1.0, gradient_bytes)], first_bucket_bytes, bucket_bytes):
         done += nbytes
-        out.append(GradientBucket(min(done / gradient_bytes, 1.0), ring.allreduce_ms(nbytes), nbytes))
+        if nbytes not in priced:
+            priced[nbytes] = ring.allreduce_ms(nbytes)
+        out.append(GradientBucket(min(done / gradient_bytes, 1.0), priced[nbytes], nbytes))
     return out
 
 

@@ -13,11 +13,12 @@ model of execution is the runtime's:
   (``isend``). With ``network`` (what :func:`planner.assemble.predict` and the CLI pass: the
   cluster's network) a boundary is the cross-mesh resharding the runtime runs under
   ``Plan.resharding`` (:mod:`planner.schedule.boundary_traffic`; backward: the same boundary reversed):
-  each of its transfers leaves its sender's group when the action ends, no earlier than its
-  planned start after that (the runtime posts it so), and takes the first gap at or after that
-  in which its devices and the host network interfaces it crosses are all free (interfaces are
-  serial, :mod:`planner.devices.network`); a receiving group's input is complete when every transfer to
-  one of its members has arrived. Without ``network`` (or on a boundary that carries no bytes),
+  each of its transfers leaves its sender's group when the action ends (the runtime posts a
+  boundary's sends at once then, in the plan's order, unpaced: ``ReshardProgram.post_sends``; the
+  plan's start offsets assume every sender ready at once, which a pipeline's senders are not) and
+  takes the first gap at or after that in which its devices and the host network interfaces it
+  crosses are all free (interfaces are serial, :mod:`planner.devices.network`); a receiving group's
+  input is complete when every transfer to one of its members has arrived. Without ``network`` (or on a boundary that carries no bytes),
   a group sends once per boundary and micro-batch, through its first member, to every group of
   the peer stage in its replica; one worker's sends in one direction share its link and go one
   after another, each taking ``BoundaryPlan.transfer_ms`` (free when the plan left it empty).
@@ -307,7 +308,7 @@ def simulate(plan: Plan, record_events: bool = True,
         for index, direction, peer in g.traffic[kind]:
             own, counts = routes[index, direction, m]
             for send, slots, receivers in own.get(g.index, ()):
-                begin = place_on(slots, sent + send.offset_ms, send.duration_ms)
+                begin = place_on(slots, sent, send.duration_ms)
                 done = begin + send.duration_ms
                 if record_events:
                     events.append(SimEvent(rank_of_device[send.sender], g.stage, "send", m, begin, done, peer,
@@ -459,17 +460,20 @@ def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tu
             own = [GradientBucket(1.0, max(w.allreduce_ms for w in ws))]
         spans = []
         previous_end = 0.0
+        backwards = [(start, end - start) for start, end in (last_backward[w.rank] for w in ws)]
         for bucket in own:
-            ready = max(start + bucket.ready_fraction * (end - start)
-                        for start, end in (last_backward[w.rank] for w in ws))
+            fraction = bucket.ready_fraction
+            ready = max(start + fraction * length for start, length in backwards)
             start = max(ready, previous_end)
             previous_end = start + bucket.allreduce_ms
             if bucket.allreduce_ms > 0:
                 spans.append((start, previous_end))
+        ends = [end for _, end in spans]   # non-decreasing: one process group runs the buckets in order
+        total = sum(end - start for start, end in spans)
         for w in ws:
             compute_end = finish[w.rank]
-            exposed = sum(end - max(start, compute_end) for start, end in spans if end > compute_end)
-            took[w.rank] = (exposed, sum(end - start for start, end in spans) - exposed)
+            exposed = sum(end - max(start, compute_end) for start, end in spans[bisect_right(ends, compute_end):])
+            took[w.rank] = (exposed, total - exposed)
             if spans:
                 if events is not None:
                     events.extend(SimEvent(w.rank, w.stage, "allreduce", None, start, end) for start, end in spans)
