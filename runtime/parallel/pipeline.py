@@ -71,6 +71,16 @@ which the planner warns about); with ``Plan.sync_batchnorm`` the stage's BatchNo
 its data-parallel group (:mod:`runtime.parallel.sync_batchnorm`). Those syncs are collectives inside the forward
 and backward, so under emulation they fall inside the stage's compute segments.
 
+Re-planned shares (:meth:`PipelineExecutor.set_plan`): a plan that differs only in micro-batch
+sizes and counts (:func:`in_place_differences`, the one rule, a pure function of the two plans so
+every rank takes the same path) is adopted in place: the sample ranges, the action list, the
+boundary layout (which resharding each crossing runs; programs already compiled for a layout are
+kept) and the stage worker's figures are derived again, and the stage module, its sharding,
+replica sync, tied groups and the optimizer's parameters stay. Why not a new executor, as for
+moved layers: it moves no tensor, yet splitting the graph, analysing and sharding the split stages,
+wrapping the sync and planning the boundaries again cost a transformer pipeline seconds
+(BENCHMARKS.md, ``pipeline_shares``).
+
 Model outputs computed before the last stage (an encoder-decoder's encoder output): the split
 routes them (:func:`whalelike.graphs.output_tree.route_outputs`, the rule the plan checks apply):
 sent on to the last stage where the loss reads them, left out (None) where it does not.
