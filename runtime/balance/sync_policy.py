@@ -9,8 +9,8 @@ falls behind its group for good. :class:`SyncPolicy` measures which kind of slow
 switches the plan's data-parallel stages between them, so a user who does not know their cluster
 gets the better one.
 
-**The rule** (:func:`choose`, a pure function of the gathered figures). Every ``decide_every`` steps
-each rank's compute time per step (``StepStats.padded_s``: its compute segments, waiting excluded,
+**The rule** (:func:`choose`, a pure function of the gathered figures). Every ``decide_every`` (2)
+steps under the exact sync, every ``partial_every`` (8) under P-Reduce, each rank's compute time per step (``StepStats.padded_s``: its compute segments, waiting excluded,
 as the straggler monitor measures) and FLOPs over the last ``window`` steps are gathered. A rank's
 step is *slow* when its time exceeds ``slow_factor`` (1.5) times the median rank's time of that step:
 the plan's shares are speed-proportional, so every rank's compute time per step is about equal
@@ -28,8 +28,8 @@ under the plan in force, and a rank well above the median is slower than its pla
 
 The thresholds come from the cases they separate: a rank slowed ``5x`` with probability ``1/N`` per
 step (the paper's model, ``N = 4``) is slow 6 steps in a row with probability ``4^-6`` (never in
-practice), while a lasting slowdown is named within ``persist_steps + decide_every`` steps, about
-when the exact re-planner itself (two slow steps out of three, then its exchange) acts; 10% of
+practice), while a lasting slowdown is named within ``persist_steps + 2 partial_every`` steps (the
+figures are read one decision late under P-Reduce, below); 10% of
 steps with a slow rank is where all-reduce already loses a tenth of its time to waiting, and a
 1.5x threshold leaves a rank's ordinary jitter (a few percent) out.
 
@@ -42,8 +42,9 @@ is held inert (its config's exchanges, one global all-reduce each, would synchro
 the very thing P-Reduce avoids); the policy restores the Engine's own config when it goes back to
 exact. The figures are gathered with an all-gather launched at one decision step and read at the
 next, on a process group of the policy's own, so under P-Reduce no rank waits at a decision step
-for ranks that are behind (they have ``decide_every`` steps to catch up); under the exact sync the
-ranks are in step anyway, and the window is gathered and decided at once.
+for ranks that are behind (they have ``partial_every`` steps to catch up); under the exact sync the
+ranks are in step anyway, and the window is gathered and decided at once, every ``decide_every``
+steps, so short slowdowns are answered within a few steps.
 
 ``mode="partial"`` never switches: it only keeps the exact re-planner inert while the plan runs
 P-Reduce (the way to run a ``sync="partial"`` plan under the Engine).
@@ -155,19 +156,21 @@ class SyncPolicy:
     """The policy of the module docstring, attached to an Engine with :meth:`attach` (every rank).
 
     ``mode``: ``"auto"`` (choose) or ``"partial"`` (stay on P-Reduce, the exact re-planner inert);
-    ``decide_every``, ``window``, ``slow_factor``, ``persist_steps``, ``transient_fraction``,
+    ``decide_every``, ``partial_every``, ``window``, ``slow_factor``, ``persist_steps``, ``transient_fraction``,
     ``calm_decisions``: the rule's figures; ``generator``, ``group_size``, ``delta_c``: P-Reduce's
     settings when the policy switches a stage to it (None: the plan's, if it runs P-Reduce, else
     ``"smart"``, 2 and 2).
     """
 
-    def __init__(self, mode: str = "auto", *, decide_every: int = 4, window: int = 8, slow_factor: float = 1.5,
+    def __init__(self, mode: str = "auto", *, decide_every: int = 2, partial_every: int = 8, window: int = 8,
+                 slow_factor: float = 1.5,
                  persist_steps: int = 6, transient_fraction: float = 0.1, calm_decisions: int = 3,
                  generator: Optional[str] = None, group_size: Optional[int] = None, delta_c: Optional[int] = None):
         if mode not in MODES:
             raise SpecError(f"SyncPolicy(mode=...) must be one of {', '.join(MODES)}, got {mode!r}: 'auto' chooses "
                             "between P-Reduce and exact re-planning, 'partial' stays on P-Reduce")
-        _check("decide_every", decide_every, int, 1, "steps between decisions")
+        _check("decide_every", decide_every, int, 1, "steps between decisions under the exact sync")
+        _check("partial_every", partial_every, int, 1, "steps between decisions under P-Reduce")
         _check("window", window, int, 1, "steps of history a decision reads")
         _check("persist_steps", persist_steps, int, 1, "slow steps in a row that make a slowdown lasting")
         _check("calm_decisions", calm_decisions, int, 1, "calm decisions before P-Reduce gives way")
@@ -183,7 +186,7 @@ class SyncPolicy:
             _check("group_size", group_size, int, 2, "workers per P-Reduce group")
         if delta_c is not None:
             _check("delta_c", delta_c, int, 1, "the smart generator's threshold Δc")
-        self.mode, self.decide_every, self.window = mode, decide_every, window
+        self.mode, self.decide_every, self.partial_every, self.window = mode, decide_every, partial_every, window
         self.rule = dict(slow_factor=float(slow_factor), persist_steps=persist_steps,
                          transient_fraction=float(transient_fraction), calm_decisions=calm_decisions)
         self.settings = (generator, group_size, delta_c)
@@ -232,10 +235,12 @@ class SyncPolicy:
 
     # -- the step hook --------------------------------------------------------------------------------
     def __call__(self, engine) -> None:
-        if self.mode == "partial" or (engine.step + 1) % self.decide_every:
+        if self.mode == "partial":
+            return
+        current = self.current(engine)
+        if (engine.step + 1) % (self.decide_every if current == "exact" else self.partial_every):
             return
         self._check_pins(engine)
-        current = self.current(engine)
         if current == "exact":   # the ranks are in step (DDP): gather this window now
             self._collect()
             self._launch(engine)
