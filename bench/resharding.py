@@ -6,7 +6,18 @@ hosts usable (the tensor replicated on both), (c) sharded to differently sharded
 halves per host, column halves per device, to column halves per host, replicated inside it), (d)
 uneven batch shares to replicated; plus (a8), case (a) with 8 receivers (2 hosts x 4 devices): with 4 receivers
 send/recv pushes 4 copies through the sender's NIC and broadcast one, so 4x is the ceiling of
-their ratio there (less the broadcast's pipeline fill); with 8 the ceiling is 8x.
+their ratio there (less the broadcast's pipeline fill); with 8 the ceiling is 8x; and (e), an
+all-to-all on one mesh (8 devices on 4 hosts, row eighths to column eighths on the same devices:
+every device sends one slice to every other, 48 of the 56 across hosts), which every strategy runs
+as the same transfers (each slice has one receiver).
+
+The large all-to-all (issue 21, item 6) is planned, not run (64 ranks on 2 cores would measure the
+machine): 64 devices on 8 hosts, a 64 x 1024 x 1024 float32 tensor from batch-split (one row each)
+to feature-split (16 columns each) on the same devices, 4096 unit tasks of 64 KiB, on the seed
+paper's testbed figures (1.25 GB/s between hosts, 100 GB/s inside, 5 us). Printed: the makespan of
+each search (greedy, the randomized search under its large-plan budget and the DFS, which alone
+made the plan before first fit, and first fit) over the lower bound, the planning time and the
+work the searches counted.
 
 Each strategy is forced (``plan_resharding(..., strategy=...)``) and executed for real by
 :meth:`runtime.parallel.resharding.ReshardProgram.run` on spawned gloo ranks, one rank per plan device
@@ -27,7 +38,7 @@ lower bound (bytes over the busiest link / its bandwidth, plus one latency), mea
 The last line: broadcast over send/recv where the sender's link is the bottleneck (a, a8), and
 broadcast's measured time over the lower bound (target within 1.1x).
 
-Run (spawns its 10 ranks itself; ~1 minute on 2 cores)::
+Run (spawns its 10 ranks itself; ~1.5 minutes on 2 cores)::
 
     .venv/bin/python bench/resharding.py [--rounds 5]
     .venv/bin/python bench/resharding.py --smoke   # a 64x64 tensor, 1 round: checks that it runs
@@ -45,6 +56,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import smoke  # noqa: E402
 from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
 
@@ -83,7 +95,52 @@ def cases(shape: tuple[int, int] = SHAPE) -> list[tuple[str, ShardingSpec, Shard
          replicated),
         ("a8: one sender host -> 8 receivers", ShardingSpec.replicated(shape, mesh("a", tag="s")),
          ShardingSpec.replicated(shape, mesh("c", "d", tag="r", per_host=4))),
+        ("e: all-to-all, 8 devices on 4 hosts", ShardingSpec.split(shape, mesh("a", "b", "c", "d", tag="x"), dim=0,
+                                                                   sizes=[rows // 8] * 8),
+         ShardingSpec.split(shape, mesh("a", "b", "c", "d", tag="x"), dim=1, sizes=[cols // 8] * 8)),
     ]
+
+
+def large_all_to_all() -> list[str]:
+    """The 64-device all-to-all, planned: each search's makespan over the bound, time and work."""
+    from planner.resharding.cost import lower_bound_ms, transfers
+    from planner.resharding.order import best_schedule
+    from planner.resharding.tasks import unit_tasks
+
+    hosts = [f"h{i}" for i in range(8)]
+    links = NetworkModel.of_hosts(intra_host_gbps=100.0, inter_host_gbps=1.25, latency_us=5.0, hosts=hosts)
+    devices = [(f"{host}-d{i}", host) for host in hosts for i in range(8)]
+    shape = (64, 1024, 1024)
+    src = ShardingSpec.split(shape, devices, dim=0, sizes=[1] * 64)
+    dst = ShardingSpec.split(shape, devices, dim=2, sizes=[16] * 64)
+    start = time.perf_counter()
+    plan = plan_resharding(src, dst, links, itemsize=ITEMSIZE)
+    seconds = time.perf_counter() - start
+    tasks = unit_tasks(src, dst)
+    pieces = [p for task in tasks for p in transfers(task, plan.strategy, src.device_hosts, dst.device_hosts, links,
+                                                     ITEMSIZE)]
+    _, makespans = best_schedule(pieces)
+    bound = plan.lower_bound_ms
+    byte_bound = lower_bound_bytes_only(tasks, src.device_hosts, dst.device_hosts, links)
+    before = min(makespans[name] for name in ("greedy", "randomized", "dfs"))
+    return [f"large all-to-all, planned (64 devices on 8 hosts, {len(tasks)} unit tasks of "
+            f"{shape[1] * shape[2] // 64 * ITEMSIZE // 1024} KiB): lower bound {bound:.2f} ms "
+            f"({byte_bound:.2f} ms counting bytes only, one latency)",
+            "  " + ", ".join(f"{name} {ms:.2f} ms = {ms / bound:.2f}x" for name, ms in makespans.items()),
+            f"  plan: {plan.algorithm} {plan.predicted_ms:.2f} ms = {plan.predicted_ms / bound:.3f}x the bound "
+            f"({plan.predicted_ms / byte_bound:.3f}x the bytes-only bound); before first fit {before / bound:.2f}x; "
+            f"planned in {seconds:.2f} s, {plan.search_work:,} units of search work"]
+
+
+def lower_bound_bytes_only(tasks, src_hosts, dst_hosts, network) -> float:
+    """The bound as it was before it counted a latency per transfer: the bytes through the
+    busiest receiving interface over its bandwidth, plus one latency (the issue's "8x")."""
+    into: dict[str, float] = {}
+    for task in tasks:
+        holders = {src_hosts[d] for d in task.holders}
+        for host in {dst_hosts[d] for d in task.needers if dst_hosts[d] not in holders}:
+            into[host] = into.get(host, 0.0) + task.elements * ITEMSIZE * network.nic_ms_per_byte(host)
+    return max(into.values()) + network.latency_ms
 
 
 def network_model(all_cases) -> NetworkModel:
@@ -95,8 +152,9 @@ def network_model(all_cases) -> NetworkModel:
 
 
 def device_ranks(src: ShardingSpec, dst: ShardingSpec) -> dict[str, int]:
-    """One rank per plan device: source devices first, then destination devices."""
-    return {device: rank for rank, device in enumerate([*src.devices, *dst.devices])}
+    """One rank per plan device: source devices first, then destination devices (a device on both
+    meshes, as in the all-to-all, is one rank)."""
+    return {device: rank for rank, device in enumerate(dict.fromkeys([*src.devices, *dst.devices]))}
 
 
 def box_of(tensor: torch.Tensor, box) -> torch.Tensor:
@@ -181,10 +239,13 @@ def main() -> None:
     ratio = {key: median[names[key], "send_recv"] / median[names[key], "broadcast"] for key in ("a", "a8")}
     over_bound = {key: median[name, "broadcast"] / results["plans"][name, "broadcast"][1] for key, name in names.items()}
     worst = max(over_bound, key=over_bound.get)
+    if not smoke.active():
+        for line in large_all_to_all():
+            print(line)
     print(f"headline: broadcast is {ratio['a']:.2f}x faster than send/recv with one sender host and 4 receivers "
           f"(ceiling 4x; target >= 4x), {ratio['a8']:.2f}x with 8 receivers (ceiling 8x); broadcast measured / "
           f"lower bound {over_bound['a']:.2f}x in case a (target <= 1.1x), worst {over_bound[worst]:.2f}x "
-          f"(case {worst})")
+          f"(case {worst}); all-to-all measured / bound {over_bound['e']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,35 +8,39 @@ transfer starts when every resource it needs is free after the transfers before 
 hosts"), so no device or interface runs two transfers at once. The goal is the earliest finish of
 the last transfer (the paper's Eq. 1-3).
 
-Four searches, the best kept (ties to the earlier):
+Four searches, the best kept (ties to the earlier, in this order; the DFS starts from the best of
+the other three and is skipped when one of them already meets :func:`resource_floor`):
 
 * ``greedy``: longest transfer first, each on the route that finishes it earliest (then the
   least-loaded sender host): the paper's "load balance only" plus its order.
 * ``randomized``: the paper's "greedy search with randomization": repeatedly pick, among a few
   seeded random orders, the largest set of transfers that share no resource (most devices), each
   on its least-loaded free route, and append it; restarted with several seeds.
+* ``firstfit``: each transfer at the earliest time one of its routes finds all of its resources
+  free for its whole duration, *gaps left by earlier placements included*, on the route that
+  finishes first; passes in several orders (longest first and busiest resources first, ties in
+  seeded random order), and most-work-remaining dispatches (:func:`dispatch`), within a work
+  budget (:func:`first_fit_search`). Greedy and randomized append each transfer after the last one
+  on its resources, so on a large plan one early misplacement idles an interface for good: an
+  all-to-all over 8 hosts (64 devices batch-split to feature-split, 4096 transfers) came out at
+  8x its lower bound; first fit lands at 1.03x. Each resource's free time is a sorted list of
+  gaps, so a transfer costs a few probes (~40k for those 4096). Every schedule is list-scheduled
+  from its order (:func:`evaluate`): a first-fit schedule is its placements in start order, which
+  starts nothing later than first fit placed it.
 * ``dfs``: depth-first search over (next transfer, route), pruned when the partial schedule's
   bound (a resource's free time plus the remaining transfers that need it on every route) reaches
   the best makespan found, and symmetric siblings (same routes, same durations) skipped.
-* ``firstfit``: each transfer, longest first, at the earliest time one of its routes finds all of
-  its resources free for its whole duration, *gaps left by earlier placements included*, on the
-  route that finishes first; then up to seven more passes in other orders (bottleneck resources
-  first, then seeded random ties) while the work budget lasts. The three searches above append each transfer
-  after the last one on its resources, so on a large plan one early misplacement idles an
-  interface for good: an all-to-all over 8 hosts (64 devices batch-split to feature-split, 4096
-  transfers) came out at 8x its lower bound, where first fit lands within 1.1x (each resource's
-  free time kept as a sorted list of gaps: a transfer costs a few probes, ~40k for those 4096).
-  Every schedule is list-scheduled from its order (:func:`evaluate`): a first-fit schedule is its
-  placements in start order, which starts nothing later than first fit placed it.
 
 Work, not seconds, bounds the searches, so a plan is the same on every machine for a given seed
 (the paper budgets the DFS in seconds; an optional wall-clock cap on the DFS is the caller's choice
-and makes the result machine-dependent when it bites). ``max_nodes`` bounds the DFS (nodes) and
-the randomized search (transfers looked at: it stops restarting past it; past :data:`LARGE_PLAN`
-transfers both shrink so that nodes x transfers stays within :data:`LARGE_PLAN_WORK`). First fit
-counts probes (one look at one resource's gap list, one route tried): its first pass always
-completes (a few probes per route and resource: linear in the plan), the others stop once
-:data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes are spent. :func:`best_schedule` reports each search's work.
+and makes the result machine-dependent when it bites). ``max_nodes`` bounds the DFS (nodes; nodes x
+transfers also within :data:`DFS_WORK`) and the randomized search (transfers looked at: it stops
+restarting past it); past :data:`LARGE_PLAN` transfers both shrink so that nodes x transfers stays
+within :data:`LARGE_PLAN_WORK`. First fit counts probes (one look at one resource's gap list, one
+route tried) and the dispatch transfers looked at: its first two passes always complete (a few
+probes per route and resource: linear in the plan), the rest stop once
+:data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` are spent. :func:`best_schedule` reports each
+search's work.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ Step = tuple[int, int]   # (transfer index, route index)
 
 LARGE_PLAN = 128            # transfers past which the searches' budgets count work, not nodes
 LARGE_PLAN_WORK = 100_000   # nodes x transfers for such a plan: ~0.1 s per search
+DFS_WORK = 400_000          # DFS nodes x transfers at most, at any size (~0.25 s; a 64-transfer all-to-all spent 1.1M)
 FIRST_FIT_WORK_PER_NODE = 10   # first fit's work after its first two passes, per search node
 FIRST_FIT_WORK = FIRST_FIT_WORK_PER_NODE * 20_000   # at plan_resharding's default budget (~0.1 s)
 FIRST_FIT_PASSES = 16       # first fit's passes at most (the dispatch counts as one)
@@ -339,6 +344,17 @@ def dispatch(transfers: Sequence[SliceTransfer], max_work: int, rule: str = "bus
         candidates = sorted({i for r in freed for i in users.get(r, ()) if i in waiting})
 
 
+def resource_floor(transfers: Sequence[SliceTransfer]) -> float:
+    """No schedule of ``transfers`` ends sooner than its busiest resource is busy: each transfer's
+    shortest route on the resources every route holds. A schedule that meets it is optimal."""
+    load: dict = {}
+    for transfer in transfers:
+        shortest = _shortest(transfer)
+        for resource in frozenset.intersection(*(r.resources for r in transfer.routes)):
+            load[resource] = load.get(resource, 0.0) + shortest
+    return max(load.values(), default=0.0)
+
+
 def first_fit_search(transfers: Sequence[SliceTransfer], seed: int, max_work: int = FIRST_FIT_WORK
                      ) -> tuple[Schedule, int]:
     """The best of several first-fit passes and two :func:`dispatch` runs, and the work spent
@@ -358,7 +374,7 @@ def first_fit_search(transfers: Sequence[SliceTransfer], seed: int, max_work: in
     for index in range(count):
         for resource in fixed[index]:
             load[resource] = load.get(resource, 0.0) + shortest[index]
-    floor = max(load.values(), default=0.0)
+    floor = resource_floor(transfers)
     pressure = [max((load[r] for r in fixed[i]), default=0.0) for i in range(count)]
     best: Optional[Schedule] = None
     spent, attempt = 0, 0
@@ -399,11 +415,13 @@ def _better(transfers: Sequence[SliceTransfer], placed: list[tuple[float, int, i
 def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: int = 20_000,
                   time_budget_s: Optional[float] = None, work: Optional[dict] = None
                   ) -> tuple[Schedule, dict[str, float]]:
-    """The best of greedy, randomized greedy, DFS and first fit (ties to the earlier), and every
+    """The best of greedy, randomized greedy, first fit and DFS (ties to the earlier; the DFS starts
+    from the best of the others and runs only when none meets :func:`resource_floor`), and every
     makespan. ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
     :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
     :data:`LARGE_PLAN_WORK` (each node costs one pass over the transfers: a 512-device boundary
-    planned at plan time took seconds otherwise). First fit's passes after its first two stop at
+    planned at plan time took seconds otherwise), and the DFS's nodes x transfers stay within
+    :data:`DFS_WORK` at any size. First fit's passes after its first two stop at
     :data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes (:data:`FIRST_FIT_WORK` by default). ``work``, when given, receives each search's work (greedy:
     routes tried; randomized: transfers looked at; dfs: nodes x transfers left; firstfit: probes)."""
     fit_work = FIRST_FIT_WORK_PER_NODE * max_nodes
@@ -412,13 +430,18 @@ def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: 
     spent: dict = {} if work is None else work
     candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes, work=spent)]
     spent["greedy"] = sum(len(t.routes) for t in transfers)
-    incumbent = min(candidates, key=lambda s: s.makespan_ms)
-    candidates.append(dfs(transfers, incumbent, max_nodes, time_budget_s, work=spent))
     fitted, spent["firstfit"] = first_fit_search(transfers, seed, fit_work)
     candidates.append(fitted)
+    incumbent = min(candidates, key=lambda s: s.makespan_ms)
+    if incumbent.makespan_ms <= resource_floor(transfers) * (1 + 1e-9):   # optimal: nothing left to search
+        spent["dfs"] = 0
+        candidates.append(incumbent)
+    else:
+        candidates.append(dfs(transfers, incumbent, max(1, min(max_nodes, DFS_WORK // max(1, len(transfers)))),
+                              time_budget_s, work=spent))
     makespans = {s.algorithm: s.makespan_ms for s in candidates[:2]}
-    makespans["dfs"] = candidates[2].makespan_ms
     makespans["firstfit"] = fitted.makespan_ms
+    makespans["dfs"] = candidates[3].makespan_ms
     best = min(candidates, key=lambda s: s.makespan_ms)
     return best, makespans
 
