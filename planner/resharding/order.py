@@ -8,8 +8,8 @@ transfer starts when every resource it needs is free after the transfers before 
 hosts"), so no device or interface runs two transfers at once. The goal is the earliest finish of
 the last transfer (the paper's Eq. 1-3).
 
-Four searches, the best kept (ties to the earlier, in this order; the DFS starts from the best of
-the other three and is skipped when one of them already meets :func:`resource_floor`):
+Four searches, the best kept (ties to the earlier, in this order; a search is skipped once greedy
+or first fit meets :func:`resource_floor`, and the DFS starts from the best of the other three):
 
 * ``greedy``: longest transfer first, each on the route that finishes it earliest (then the
   least-loaded sender host): the paper's "load balance only" plus its order.
@@ -415,9 +415,10 @@ def _better(transfers: Sequence[SliceTransfer], placed: list[tuple[float, int, i
 def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: int = 20_000,
                   time_budget_s: Optional[float] = None, work: Optional[dict] = None
                   ) -> tuple[Schedule, dict[str, float]]:
-    """The best of greedy, randomized greedy, first fit and DFS (ties to the earlier; the DFS starts
-    from the best of the others and runs only when none meets :func:`resource_floor`), and every
-    makespan. ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
+    """The best of greedy, randomized greedy, first fit and DFS (ties to the earlier; the randomized
+    search runs only when neither greedy nor first fit meets :func:`resource_floor`, the DFS only
+    when none of them does, starting from the best), and every makespan (a skipped search's is
+    the best schedule's before it). ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
     :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
     :data:`LARGE_PLAN_WORK` (each node costs one pass over the transfers: a 512-device boundary
     planned at plan time took seconds otherwise), and the DFS's nodes x transfers stay within
@@ -428,20 +429,23 @@ def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: 
     if len(transfers) > LARGE_PLAN:
         max_nodes = max(1, min(max_nodes, LARGE_PLAN_WORK // len(transfers)))
     spent: dict = {} if work is None else work
-    candidates = [greedy(transfers), randomized(transfers, seed, max_nodes=max_nodes, work=spent)]
+    floor = resource_floor(transfers) * (1 + 1e-9)
+    first = greedy(transfers)
     spent["greedy"] = sum(len(t.routes) for t in transfers)
     fitted, spent["firstfit"] = first_fit_search(transfers, seed, fit_work)
-    candidates.append(fitted)
+    if min(first.makespan_ms, fitted.makespan_ms) <= floor:   # optimal already: the randomized search is skipped
+        spent["randomized"] = 0
+        candidates = [first, first if first.makespan_ms <= floor else fitted, fitted]
+    else:
+        candidates = [first, randomized(transfers, seed, max_nodes=max_nodes, work=spent), fitted]
     incumbent = min(candidates, key=lambda s: s.makespan_ms)
-    if incumbent.makespan_ms <= resource_floor(transfers) * (1 + 1e-9):   # optimal: nothing left to search
+    if incumbent.makespan_ms <= floor:   # optimal: nothing left to search
         spent["dfs"] = 0
         candidates.append(incumbent)
     else:
         candidates.append(dfs(transfers, incumbent, max(1, min(max_nodes, DFS_WORK // max(1, len(transfers)))),
                               time_budget_s, work=spent))
-    makespans = {s.algorithm: s.makespan_ms for s in candidates[:2]}
-    makespans["firstfit"] = fitted.makespan_ms
-    makespans["dfs"] = candidates[3].makespan_ms
+    makespans = {name: candidates[k].makespan_ms for k, name in enumerate(("greedy", "randomized", "firstfit", "dfs"))}
     best = min(candidates, key=lambda s: s.makespan_ms)
     return best, makespans
 
