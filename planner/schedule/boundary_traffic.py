@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 from planner.devices.network import NetworkModel
 from planner.resharding.reshard import _CACHE as reshard_cache
+from planner.schedule.gradient_buckets import _BUCKETS as bucket_cache
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
 from planner.resharding.spec import ShardingSpec
 from planner.shares.layout import SampleLayout
@@ -241,7 +242,9 @@ _TRAFFIC_SIZE = 8
 
 def clear_caches() -> None:
     """Forget every memoised boundary plan and traffic, here and in
-    :mod:`planner.resharding.reshard` (a benchmark times planning from nothing)."""
+    :mod:`planner.resharding.reshard`, and the DDP buckets of :mod:`planner.schedule.gradient_buckets`
+    (a benchmark times planning from nothing)."""
     _CACHE.clear()
     _TRAFFIC.clear()
     reshard_cache.clear()
+    bucket_cache.clear()

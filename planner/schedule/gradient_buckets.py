@@ -121,16 +121,25 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
     for w in plan.workers:
         members.setdefault((w.stage, w.tp_index), []).append(w)
     out: dict[GroupKey, list[GradientBucket]] = {}
-    rings: dict[tuple[str, ...], Ring] = {}
+    network_key = network.key()
     for key, ws in members.items():
         nbytes = max(w.gradient_bytes for w in ws)
         if nbytes <= 0 or len(ws) < 2 or plan.stages[key[0]].zero_stage:
             continue
         devices = tuple(w.device for w in sorted(ws, key=lambda w: w.rank))
-        if devices not in rings:
-            rings[devices] = network.ring(devices)
-        out[key] = ddp_buckets(nbytes, rings[devices], first_bucket_bytes, bucket_bytes)
+        memo = (network_key, devices, nbytes, first_bucket_bytes, bucket_bytes)
+        if memo not in _BUCKETS:
+            if len(_BUCKETS) >= _BUCKETS_SIZE:
+                _BUCKETS.pop(next(iter(_BUCKETS)))
+            _BUCKETS[memo] = tuple(ddp_buckets(nbytes, network.ring(devices), first_bucket_bytes, bucket_bytes))
+        out[key] = list(_BUCKETS[memo])
     return out
+
+
+# (network, ring devices, gradient bytes, bucket sizes) -> the ring's buckets: a plan and its naive
+# plan, or a re-plan and the plan in force, have the same groups, and a 1024-device plan ~500 of them
+_BUCKETS: dict = {}
+_BUCKETS_SIZE = 4096
 
 
 def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,

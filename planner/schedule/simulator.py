@@ -367,7 +367,24 @@ def _nics(send) -> tuple[str, ...]:
 def _routes(traffic: dict, group_of_device: dict[str, int], resources: _Resources
             ) -> dict[tuple[int, str, int], tuple[dict, dict]]:
     """``(boundary, direction, micro-batch) -> (sending group -> [(send, its resources' interval
-    lists, receiving groups)], receiving group -> number of sends it waits for)``."""
+    lists, receiving groups)], receiving group -> number of sends it waits for)``.
+
+    Resources that every send holds together (a tensor-parallel group receiving a broadcast: its
+    devices appear in the same sends and no other) have the same busy intervals at every moment,
+    so one interval list stands for all of them: a send is placed at the same time (the earliest
+    start free on all of its resources, whatever their order) on a third of the lists."""
+    users: dict[tuple, list[int]] = defaultdict(list)
+    seen: set[int] = set()
+    for per_micro_batch in traffic.values():
+        for boundary in per_micro_batch:
+            if boundary is None or id(boundary) in seen:
+                continue
+            seen.add(id(boundary))
+            for send in boundary.sends:
+                for resource in send.resources:
+                    users[resource].append(id(send))
+    standing_for: dict[tuple, tuple] = {}   # the sends that hold a resource -> the resource that stands for it
+    stands = {r: standing_for.setdefault(tuple(ids), r) for r, ids in users.items()}
     out = {}
     shared: dict[int, tuple[dict, dict]] = {}   # micro-batches that look alike share one traffic object
     for (index, direction), per_micro_batch in traffic.items():
@@ -379,7 +396,8 @@ def _routes(traffic: dict, group_of_device: dict[str, int], resources: _Resource
                 counts: dict[int, int] = defaultdict(int)
                 for send in boundary.sends:
                     receivers = sorted({group_of_device[d] for d in send.receivers})
-                    own[group_of_device[send.sender]].append((send, resources.slots(send.resources), receivers))
+                    held = tuple(dict.fromkeys(stands[r] for r in send.resources))
+                    own[group_of_device[send.sender]].append((send, resources.slots(held), receivers))
                     for receiver in receivers:
                         counts[receiver] += 1
                 shared[id(boundary)] = (dict(own), dict(counts))
