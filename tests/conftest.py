@@ -59,6 +59,7 @@ COMPUTING = {
 WAITING = {
     "test_restart.py::": 72,
     "test_profile.py::test_profile_recovers_what_the_emulation_was_given": 15,
+    "test_partial_reduce.py::": 25,
     "test_dynamic_balance.py::": 36,
     "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run": 35,
     "test_runtime_faults.py::": 31,

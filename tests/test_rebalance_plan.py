@@ -315,3 +315,19 @@ def test_layout_maps_back_to_the_same_ranks():
     for w in plan.workers:
         assert layout.groups[w.replica][w.stage][w.dp_index][w.tp_index].name == w.device
     assert rebalance(plan, graphs, cluster, [1.0] * plan.world_size) == plan
+
+
+def test_a_re_plan_keeps_p_reduce():
+    """A plan made with Config(dp_sync='partial') stays P-Reduce, with its generator's settings, after a
+    re-plan for measured speeds (it used to come back as DDP)."""
+    from synthetic import synthetic_cluster, synthetic_model
+
+    graphs = synthetic_model(num_layers=2, strategies=[replicate(4)], hidden=64, seq=8, heads=4)
+    cluster = synthetic_cluster([(4, 10.0, 16)])
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=16, dp_sync="partial", partial_group_size=3,
+                                                   partial_generator="static"))
+    assert plan.stages[0].replica_sync == "partial"
+    new = rebalance(plan, graphs, cluster, [3.0, 1.0, 1.0, 1.0])
+    st = new.stages[0]
+    assert (st.replica_sync, st.partial_generator, st.partial_group_size) == ("partial", "static", 3)
+    assert new.workers[0].batch_share > new.workers[1].batch_share

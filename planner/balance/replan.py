@@ -107,9 +107,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         graphs = with_autocast(graphs)
     measured = measured_cluster(plan, cluster, speeds)
     layout = plan_layout(plan, graphs, measured)
-    config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
-                    sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
-                    delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision)
+    config = _config_of(plan)
     network = measured.network
     old_layers = [list(st.layers) for st in plan.stages]
     old_shards = _plan_shards(plan, graphs)
@@ -172,13 +170,25 @@ def repriced_plan(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Plan:
     if plan.precision != "fp32":
         graphs = with_autocast(graphs)
     layout = plan_layout(plan, graphs, cluster)
-    config = Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
-                    sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
-                    delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision)
+    config = _config_of(plan)
     rebuilt = _rebuilt(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
                        _plan_shards(plan, graphs))
     return dataclasses.replace(rebuilt, solver=plan.solver, optimality_gap=plan.optimality_gap,
                                naive_prediction=plan.naive_prediction, speeds=plan.speeds)
+
+
+def _config_of(plan: Plan) -> Config:
+    """The Config a re-plan of ``plan`` plans under: its batch, schedule and recipe, and its
+    replicas' sync (P-Reduce with its generator's settings when a stage runs it, so a re-plan keeps it)."""
+    partial = [st for st in plan.stages if st.replica_sync == "partial"]
+    settings = {}
+    if partial:
+        first = partial[0]
+        settings = dict(dp_sync="partial", partial_generator=first.partial_generator,
+                        partial_group_size=first.partial_group_size, partial_delta_c=first.partial_delta_c)
+    return Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
+                  sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
+                  delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision, **settings)
 
 
 def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:
