@@ -233,8 +233,12 @@ class _Pool:
         self.position = cluster.positions
         self.last: str | None = None
         self.free: dict[str, dict[tuple, list[Device]]] = defaultdict(lambda: defaultdict(list))
+        # class -> the hosts with a free device of it: a group's fitting hosts are looked for among
+        # those with its first class, not among all hosts (a 1024-device cluster has 128)
+        self.holding: dict[tuple, dict[str, None]] = defaultdict(dict)
         for d in cluster.devices:
             self.free[d.host][_device_class(d)].append(d)
+            self.holding[_device_class(d)][d.host] = None
 
     def _room(self, host: str, need: Counter) -> bool:
         return all(len(self.free[host][c]) >= n for c, n in need.items())
@@ -250,7 +254,7 @@ class _Pool:
         if candidates:
             hosts = candidates[:1]
         else:
-            fitting = [h for h in self.free if self._room(h, need)]
+            fitting = [h for h in self.holding[classes[0]] if self._room(h, need)]
             if fitting:
                 hosts = [min(fitting, key=lambda h: (self._size(h), self.host_order[h]))]
             else:
@@ -259,6 +263,8 @@ class _Pool:
         for c in classes:
             host = next(h for h in hosts if self.free[h][c])
             group.append(self.free[host][c].pop(0))
+            if not self.free[host][c]:
+                self.holding[c].pop(host, None)
         self.last = group[-1].host
         # in cluster order: tensor-parallel ranks grow with the global rank (see planner.assemble)
         return tuple(sorted(group, key=lambda d: self.position[d.name]))
