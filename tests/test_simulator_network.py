@@ -47,9 +47,10 @@ def starts(result, kind, stage):
 def test_one_sender_nic_feeding_two_receivers_takes_twice_as_long():
     """Stage 0 on host A sends one 1 MB row to each of two stage-1 devices on host B: the two
     transfers queue on A's outgoing interface, so the second arrives 2 ms after the forward ends.
-    Backward: the gradients leave B at 4 and 5; each goes no earlier than its planned start (0 or
-    1 ms, as the runtime posts them) and they queue on B's outgoing interface, so the second
-    arrives at 7 whichever is planned first. The plan of the boundary predicts the same 2 ms."""
+    Backward: the gradients leave B at 4 and 5, when each backward ends (the runtime posts a
+    boundary's sends unpaced, not at the plan's start offsets, which assume every sender ready at
+    once), and queue on B's outgoing interface: the second arrives at 6. The plan of the boundary
+    predicts the same 2 ms."""
     plan = two_stage_plan([worker(0, "a0", "A", 0, [2]), worker(1, "b0", "B", 1, [1], dp=0),
                            worker(2, "b1", "B", 1, [1], dp=1)], resharding="send_recv")
     network = network_of(plan)
@@ -57,8 +58,8 @@ def test_one_sender_nic_feeding_two_receivers_takes_twice_as_long():
     assert starts(result, "F", 1) == pytest.approx([2.0, 3.0])
     assert starts(result, "B", 1) == pytest.approx([3.0, 4.0])
     assert sorted(s.offset_ms for s in plan_traffic(plan, network)[0, BACKWARD][0].sends) == pytest.approx([0, 1])
-    assert starts(result, "B", 0) == pytest.approx([7.0])
-    assert result.step_time_ms == pytest.approx(8.0)
+    assert starts(result, "B", 0) == pytest.approx([6.0])
+    assert result.step_time_ms == pytest.approx(7.0)
     sends = [e for e in result.events if e.kind == "send"]
     assert len(sends) == 4 and all("send_recv" in e.detail for e in sends)
     assert {e.nics for e in sends if e.stage == 0} == {("A out", "B in")}
