@@ -230,7 +230,9 @@ def _plain_items_pass(spec_rule: Rule, items: Any) -> bool:
         return False
     if spec_rule.gt is not None or spec_rule.ge is not None:
         low = min(items)
-        if (spec_rule.gt is not None and not low > spec_rule.gt) or (spec_rule.ge is not None and not low >= spec_rule.ge):
+        if spec_rule.gt is not None and not low > spec_rule.gt:
+            return False
+        if spec_rule.ge is not None and not low >= spec_rule.ge:
             return False
     return spec_rule.le is None or max(items) <= spec_rule.le
 

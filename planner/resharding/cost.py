@@ -32,15 +32,15 @@ host holding the slice are fed locally (the paper's meshes are disjoint); the gl
 variant is not offered (on 2-host meshes it is the host-local one plus cross-host ring steps that
 broadcast already beats).
 
-:func:`lower_bound_ms`: no schedule beats the time the busiest resource must be held: a
-receiving host's ``in`` (one transfer per unit task it needs from another host), a host's ``out``
-for slices only it holds (one per such task), the interfaces of the holding hosts together (every
-task that leaves a host, spread over them by bandwidth), or a receiving device (one transfer per
-task it needs, over the fastest link from a holder's host, plus one per task that only it holds
-and another device needs: a device runs one transfer at a time, sending or receiving). Every transfer holds its resources
-for at least one latency plus its bytes over the link, so each counts ``latency + bytes / bandwidth``
-(a chunked broadcast, an all-gather's parts and the send/recv copies all take longer); at least one
-latency is added to the spread bytes. Per-host interface figures (``nic_gbps``) count.
+:func:`lower_bound_ms`: no schedule beats the time the busiest resource must be held: a receiving
+host's ``in`` (one transfer per unit task it needs from another host), a host's ``out`` for slices
+only it holds (one per such task), the interfaces of the holding hosts together (every task that
+leaves a host, spread over them by bandwidth), or a receiving device (one transfer per task it
+needs, over the fastest link from a holder's host, plus one per task that only it holds and another
+device needs: a device runs one transfer at a time, sending or receiving). Every transfer holds its
+resources for at least one latency plus its bytes over the link, so each counts ``latency + bytes /
+bandwidth`` (a chunked broadcast, an all-gather's parts and the send/recv copies all take longer);
+at least one latency is added to the spread bytes. Per-host interface figures (``nic_gbps``) count.
 """
 from __future__ import annotations
 

@@ -362,11 +362,12 @@ def first_fit_search(transfers: Sequence[SliceTransfer], seed: int, max_work: in
     first (a transfer's fixed resources, those of every route, by total shortest duration; then
     longest), both with ties in seeded random order (index order, sender by sender, idles the
     receivers' interfaces: 1.5x the bound on a batch-to-feature layout where random ties give
-    1.01x); then, while fewer than ``max_work`` are spent, :data:`FIRST_FIT_PASSES` passes at
-    most and the best schedule still above the resource bound (no resource can be busier than the
+    1.01x); then, while fewer than ``max_work`` are spent, :data:`FIRST_FIT_PASSES` passes at most
+    and the best schedule still above the resource bound (no resource can be busier than the
     transfers that need it on every route; a schedule that meets it is optimal): the dispatch by
-    busiest resource, the dispatch by busiest interfaces, then longest first with other seeds. No one order wins everywhere: on tight all-to-all-like layouts (every interface and some
-    devices near the bound) the dispatch does best, on others a first-fit pass."""
+    busiest resource, the dispatch by busiest interfaces, then longest first with other seeds. No
+    one order wins everywhere: on tight all-to-all-like layouts (every interface and some devices
+    near the bound) the dispatch does best, on others a first-fit pass."""
     count = len(transfers)
     shortest = [_shortest(t) for t in transfers]
     fixed = [frozenset.intersection(*(r.resources for r in t.routes)) for t in transfers]
@@ -417,14 +418,15 @@ def best_schedule(transfers: Sequence[SliceTransfer], seed: int = 0, max_nodes: 
                   ) -> tuple[Schedule, dict[str, float]]:
     """The best of greedy, randomized greedy, first fit and DFS (ties to the earlier; the randomized
     search runs only when neither greedy nor first fit meets :func:`resource_floor`, the DFS only
-    when none of them does, starting from the best), and every makespan (a skipped search's is
-    the best schedule's before it). ``max_nodes`` bounds the DFS and the randomized search's restarts alike; past
-    :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
+    when none of them does, starting from the best), and every makespan (a skipped search's is the
+    best schedule's before it). ``max_nodes`` bounds the DFS and the randomized search's restarts
+    alike; past :data:`LARGE_PLAN` transfers it shrinks so that nodes x transfers stays within
     :data:`LARGE_PLAN_WORK` (each node costs one pass over the transfers: a 512-device boundary
     planned at plan time took seconds otherwise), and the DFS's nodes x transfers stay within
     :data:`DFS_WORK` at any size. First fit's passes after its first two stop at
-    :data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes (:data:`FIRST_FIT_WORK` by default). ``work``, when given, receives each search's work (greedy:
-    routes tried; randomized: transfers looked at; dfs: nodes x transfers left; firstfit: probes)."""
+    :data:`FIRST_FIT_WORK_PER_NODE` x ``max_nodes`` probes (:data:`FIRST_FIT_WORK` by default).
+    ``work``, when given, receives each search's work (greedy: routes tried; randomized: transfers
+    looked at; dfs: nodes x transfers left; firstfit: probes)."""
     fit_work = FIRST_FIT_WORK_PER_NODE * max_nodes
     if len(transfers) > LARGE_PLAN:
         max_nodes = max(1, min(max_nodes, LARGE_PLAN_WORK // len(transfers)))

@@ -12,16 +12,17 @@ model of execution is the runtime's:
   backward ``m`` needs the gradients from the stages it feeds. Sends do not block compute
   (``isend``). With ``network`` (what :func:`planner.assemble.predict` and the CLI pass: the
   cluster's network) a boundary is the cross-mesh resharding the runtime runs under
-  ``Plan.resharding`` (:mod:`planner.schedule.boundary_traffic`; backward: the same boundary reversed):
-  each of its transfers leaves its sender's group when the action ends (the runtime posts a
-  boundary's sends at once then, in the plan's order, unpaced: ``ReshardProgram.post_sends``; the
+  ``Plan.resharding`` (:mod:`planner.schedule.boundary_traffic`; backward: the same boundary
+  reversed): each of its transfers leaves its sender's group when the action ends (the runtime posts
+  a boundary's sends at once then, in the plan's order, unpaced: ``ReshardProgram.post_sends``; the
   plan's start offsets assume every sender ready at once, which a pipeline's senders are not) and
   takes the first gap at or after that in which its devices and the host network interfaces it
   crosses are all free (interfaces are serial, :mod:`planner.devices.network`); a receiving group's
-  input is complete when every transfer to one of its members has arrived. Without ``network`` (or on a boundary that carries no bytes),
-  a group sends once per boundary and micro-batch, through its first member, to every group of
-  the peer stage in its replica; one worker's sends in one direction share its link and go one
-  after another, each taking ``BoundaryPlan.transfer_ms`` (free when the plan left it empty).
+  input is complete when every transfer to one of its members has arrived. Without ``network`` (or
+  on a boundary that carries no bytes), a group sends once per boundary and micro-batch, through its
+  first member, to every group of the peer stage in its replica; one worker's sends in one direction
+  share its link and go one after another, each taking ``BoundaryPlan.transfer_ms`` (free when the
+  plan left it empty).
 * ``Plan.delay_weight_gradients``: a backward's input gradients leave after its first half (the
   input-gradient half, as the runtime splits it) and the group stays busy for the second (the
   weight-gradient half, in which DDP's buckets fill).
