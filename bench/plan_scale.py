@@ -13,13 +13,17 @@ on 64 to 1024 mixed devices, and how far the greedy partitioner lands from the I
     their bf16/fp16 peak times the cost model's efficiency factor. The partitioner searches the
     order of the groups; the stage count grows with the cluster (8, 32, 64 stages).
     The whole :func:`planner.plan` is timed too, on TaskGraphs of the same model (one
-    ``replicate(dp)+split(8)`` TaskGraph per stage) on the same cluster.
+    ``replicate(dp)+split(8)`` TaskGraph per stage) on the same cluster (1b), and on 256 devices
+    of each of 1 to 4 kinds (A100, V100, T4, H100-80GB at 989 TFLOPS; 32 stages, data parallel over
+    as many hosts as kinds), Sailor's (SOSP'25) sweep of 256 GPUs per kind, with its reported
+    planning times beside ours (1c; target: under 2 s at 4 kinds). Each call starts from empty
+    resharding memos (:func:`planner.schedule.boundary_traffic.clear_caches`).
 (2) 100 random small instances (4-12 layers, 2-5 stages, groups of 1-2 devices of three kinds)
     solved by both solvers with the order searched: relative gap ``greedy / ilp - 1``. With a
     fixed order the greedy dynamic program is exact; the second table checks that on another 100.
 
-Run: ``.venv/bin/python bench/plan_scale.py`` (``--smoke``: the 64-device cluster and 3 instances,
-seconds: checks that it runs)
+Run: ``.venv/bin/python bench/plan_scale.py`` (``--kinds 1 4`` picks the kind counts of (1c);
+``--smoke``: the 64-device cluster, one kind and 3 instances, seconds: checks that it runs)
 """
 from __future__ import annotations
 
