@@ -24,6 +24,13 @@ and the repeat_kv ``expand``/``reshape`` are cut to the rank's query heads. Only
 do q/k/v/o fall back to lone projections. Grouped-query attention whose key/value heads can be
 cut never reaches the retry, so it keeps key/value heads as units.
 
+A projection with one output feature (a gate ``Linear(d, 1)``: Qwen2-MoE's ``shared_expert_gate``)
+has nothing to cut: as a group's column it would leave the group no unit (gcd 1), as a lone
+projection it would cap the whole region at one device. It is replicated from the start like
+multi-query k/v (``replicated_projections``, with its reason in ``whole_reasons``): every rank
+computes it whole on the same input, its output a replicated value (broadcast along a sharded
+dimension if it meets one, its gradient then summed over the group), priced as unsharded work.
+
 The views: :class:`BlockAnalysis` (groups, lone projections, what the runtime rewrites),
 :func:`shard_groups_of` / :func:`shardable_fields` (the TaskGraph's plain data at capture),
 :func:`stamp_nodes` / :func:`taskgraph_of` (node meta the stage graphs keep).
@@ -77,7 +84,8 @@ class BlockAnalysis:
     splits: dict[fx.Node, tuple[int, tuple[int, ...]]]
     replicated_operands: list[tuple[fx.Node, fx.Node]]
     fallbacks: dict[str, str]   # projection node name -> why it was not sharded with a group
-    replicated_projections: list[fx.Node] = field(default_factory=list)   # whole on every rank (MQA's k/v)
+    replicated_projections: list[fx.Node] = field(default_factory=list)   # whole on every rank (MQA's k/v, gates)
+    whole_reasons: dict[str, str] = field(default_factory=dict)   # replicated projection node name -> why
 
     def group_of(self, node: fx.Node) -> Optional[Group]:
         for g in self.groups:
@@ -114,12 +122,13 @@ def analyse_blocks(gm: fx.GraphModule, region: Iterable[str]) -> BlockAnalysis:
     Pure: ``gm`` is not modified.
     """
     region = set(region)
+    narrow = _one_output_projections(gm, region)
     demoted: set[str] = set()
     fallbacks: dict[str, str] = {}
     attempts: dict[str, set[str]] = {}   # attention node -> its k/v projections, replicated while it holds
     tried: set[str] = set()
     while True:
-        prop = _Propagation(gm, region, demoted, frozenset().union(*attempts.values()), frozenset(attempts))
+        prop = _Propagation(gm, region, demoted, frozenset(narrow).union(*attempts.values()), frozenset(attempts))
         prop.run()
         bad = {}
         for root in {prop.find(g) for g in prop.parent}:
@@ -153,7 +162,25 @@ def analyse_blocks(gm: fx.GraphModule, region: Iterable[str]) -> BlockAnalysis:
             for column in prop.columns[root]:
                 demoted.add(column.name)
                 fallbacks[column.name] = reason
-    return _result(prop, fallbacks, set().union(*attempts.values()))
+    whole = {name: "one output feature: nothing to cut, computed whole on every rank" for name in narrow}
+    whole.update({name: "key/value of multi-query attention" for name in set().union(*attempts.values())})
+    return _result(prop, fallbacks, whole)
+
+
+def _one_output_projections(gm: fx.GraphModule, region: set[str]) -> set[str]:
+    """Projections of the region with one output feature (a gate ``Linear(d, 1)``): as a column
+    projection of a group its single feature leaves the group no unit to cut (gcd 1), and as a
+    lone projection it caps the whole region at one device. It stays whole instead: every rank of
+    the group computes it on the same input (a replicated value), which is exact, and it is
+    priced as unsharded work. One that reads a sharded value as its input features is still a
+    row projection of that value's group (:meth:`_Propagation.visit_projection` checks that first)."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.name in region and node.op == "call_module":
+            dims = projection_dims(gm.get_submodule(node.target))
+            if dims is not None and dims[1] == 1:
+                out.add(node.name)
+    return out
 
 
 def _nodes(gm: fx.GraphModule, names: Iterable[str]) -> list[fx.Node]:
@@ -195,7 +222,7 @@ def _projections_above(prop: _Propagation, values: list) -> set[str]:
     return found
 
 
-def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: set[str]) -> BlockAnalysis:
+def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: Mapping[str, str]) -> BlockAnalysis:
     groups: dict[int, Group] = {}
     for root in sorted({prop.find(g) for g in prop.parent}):
         kind = "attention" if "attention" in prop.kinds[root] else "mlp"
@@ -209,10 +236,10 @@ def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: set[str])
     projections = [n for n in prop.gm.graph.nodes if n.name in prop.region and prop.projection(n) is not None]
     members = {n for g in groups.values() for n in g.columns + g.rows}
     reshapes = {n: state[n] for n in prop.reshapes}
-    whole = [n for n in projections if n.name in replicated]
+    whole = [n for n in projections if n.name in replicated and n not in members]
     return BlockAnalysis(list(groups.values()), [n for n in projections if n not in members and n not in whole],
                          state, reshapes, dict(prop.splits), list(dict.fromkeys(prop.replicated)),
-                         {k: v for k, v in fallbacks.items()}, whole)
+                         {k: v for k, v in fallbacks.items()}, whole, {n.name: replicated[n.name] for n in whole})
 
 
 # -- the TaskGraph view -----------------------------------------------------------------------------
