@@ -59,3 +59,20 @@ def assert_engine_trains_like_reference(model: nn.Module, plan, batches: Sequenc
     for key, value in final.items():
         assert_close(state[key], value, msg=lambda m: f"{label}: final {key}: {m}")
     return engine, got, final
+
+
+def case_model(cases: dict, name: str, dtype: torch.dtype = torch.float32):
+    """``cases[name][0]()`` (a model factory) built from seed 0, in ``dtype``: a case table's model."""
+    torch.manual_seed(0)
+    return cases[name][0]().to(dtype)
+
+
+def case_batches(cases: dict, name: str, seed: int, steps: int, dtype: torch.dtype = torch.float32) -> list:
+    """``steps`` batches of ``cases[name][1](generator)`` (inputs, targets) from ``seed``, floating
+    inputs in ``dtype``: a case table's data."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        inputs, targets = cases[name][1](gen)
+        out.append((tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs), targets))
+    return out

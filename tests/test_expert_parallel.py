@@ -38,7 +38,7 @@ import planner
 import whalelike as wl
 from planner.devices.cost_model import device_tflops
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, case_batches, case_model
 from runtime import Engine, checkpoint
 from runtime.tensor.experts import ExpertParallel
 from torch.testing import assert_close
@@ -150,17 +150,11 @@ CASES = {
 
 
 def build(name: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return CASES[name][0]().to(dtype)
+    return case_model(CASES, name, dtype)
 
 
 def batches(name: str, seed: int, dtype: torch.dtype = torch.float32) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(STEPS):
-        inputs, targets = CASES[name][1](gen)
-        out.append((tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs), targets))
-    return out
+    return case_batches(CASES, name, seed, STEPS, dtype)
 
 
 def make_plan(name: str):

@@ -111,7 +111,7 @@ class FoundExperts:
 
 
 class _NotRecognised(Exception):
-    pass
+    """An experts module whose layout expert parallelism does not follow (the message says why)."""
 
 
 # -- recognition ------------------------------------------------------------------------------------
