@@ -146,7 +146,8 @@ def shard_module(gm: fx.GraphModule, node_taskgraph: Mapping[str, int], split_ta
         if node is not None and roles.get(path_of(node)) == "column+gather":
             log.info("split: %s is not sharded with a group (%s); its output is gathered", path_of(node), reason)
     for node in analysis.replicated_projections:
-        log.info("split: %s stays whole on every rank (key/value of multi-query attention)", path_of(node))
+        log.info("split: %s stays whole on every rank (%s)", path_of(node),
+                 analysis.whole_reasons.get(node.name, "replicated by the analysis"))
     log.info("tensor parallel rank %d: %s", tp_index, ", ".join(f"{p}={r}" for p, r in roles.items()) or "nothing to shard")
     return ShardedModule(gm, roles, sharded_loss)
 
