@@ -180,7 +180,7 @@ class _Propagation:
         self.reshapes: dict[fx.Node, Sharded] = {}
         self.splits: dict[fx.Node, tuple[int, tuple[int, ...]]] = {}
         self.replicated: list[tuple[fx.Node, fx.Node]] = []
-        self.slices: dict[fx.Node, tuple[int, tuple[int, ...], int]] = {}   # fused output slice: dim, pieces, index
+        self.slices: dict[fx.Node, tuple[int, tuple[int, ...], int]] = {}   # slice of a fused output: dim, pieces, which
         self.cut: list[tuple[fx.Node, fx.Node, int]] = []   # (node, replicated operand, its dim cut with the units)
 
     # union-find over groups
