@@ -321,23 +321,3 @@ def test_forms_train_exactly_with_their_projections_sharded():
                      "swin-window-bias"):
             assert got[name + "/log"] == [] or all("lm_head" in line or "classifier" in line
                                                    for line in got[name + "/log"]), (name, got[name + "/log"])
-
-
-def test_unequal_fused_slices_fall_back_with_their_reason():
-    # Phi-3 with 2 key/value heads for 4 query heads: qkv_proj's slices are 32, 16 and 16 features,
-    # which a parallel projection (equal pieces) cannot hold; the projection falls back, saying why
-    from transformers import Phi3Config, Phi3ForCausalLM
-    torch.manual_seed(0)
-    config = Phi3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = Phi3ForCausalLM(config)
-    wl.annotate(model, {"model.layers.0": wl.split(2)})
-    graphs = wl.capture(model, (torch.randint(0, VOCAB, (BATCH, SEQ)),))
-    (split,) = [tg for tg in graphs if tg.strategy.kind == "split"]
-    kinds = {m.path: g.kind for g in split.shard_groups for m in g.members}
-    assert kinds["model.layers.0.self_attn.qkv_proj"] == "lone"
-    assert kinds["model.layers.0.mlp.gate_up_proj"] == kinds["model.layers.0.mlp.down_proj"] == "mlp"
-    region = [n.name for n in graphs.graph_module.graph.nodes if graphs.node_taskgraph.get(n.name) == split.index]
-    reason = analyse_blocks(graphs.graph_module, region).fallbacks["model_layers_0_self_attn_qkv_proj"]
-    assert "unequal pieces [32, 16, 16]" in reason, reason

@@ -8,9 +8,7 @@ parallel ones is not enough: the views in between carry the *full* head count or
 silently mix heads on a rank holding 3 of 4 heads. So each such operator gets its shape argument
 localised at run time (:func:`local_shape`: the entry of the sharded dimension, if it is the full
 size, becomes this rank's size; ``-1`` and the symbolic batch sizes stay), and a fused
-projection's ``split`` gets this rank's piece sizes (its index slices, ``qkv[..., :d]``, become
-``narrow`` at this rank's offsets in its pieces). A replicated operand with the full size of the
-sharded dimension (a per-head bias) enters the region and is narrowed to this rank's units.
+projection's ``split`` gets this rank's piece sizes.
 
 The invariant: rank ``i`` computes exactly the slice of units ``[u_i, u_i + n_i)`` of every
 sharded value that the unsharded block would compute, so the row projections' partial sums add up

@@ -14,10 +14,6 @@ blocks:
 
 * elementwise operators, with replicated operands broadcast along the sharded dimension (a mask
   over heads, rotary ``cos``/``sin``) and products of two sharded values (SwiGLU, ``q @ k^T``);
-  a replicated operand with the sharded dimension's *full* size there (T5's relative position
-  bias, Swin's bias table: ``[.., heads, q, k]``) is cut with the units (``cut``: each rank reads
-  its own heads of it, its gradient summed over the group), which pairs the same elements as the
-  unsharded operator; the same holds for an attention mask and a batched matmul's operand;
 * ``view``/``reshape`` that split the dimension into ``[heads, head_dim]`` or merge it back
   (the sharded dimension is the first of its group of dimensions: blocks stay consecutive);
 * ``transpose``/``permute``/``unsqueeze``/``contiguous``/``clone``/dtype casts, dropout;
@@ -33,12 +29,7 @@ blocks:
   block of a broadcast dimension is the same data. Either way k/v are replicated operands: their
   gradient covers this rank's query heads and is summed over the group;
 * ``split``/``chunk`` of a projection's own output along the sharded dimension: a fused
-  projection (GPT-2's ``c_attn``), each piece cut into the same units; likewise index slices
-  (``aten.slice``, Phi-3's ``qkv[..., :d]``) when every user of the output is such a slice and
-  they cover it once in equal pieces (``slices``; unequal pieces break the group: the parallel
-  projection holds equal pieces only);
-* ``roll`` along dimensions other than the sharded one (a window shift, a token shift): each
-  rank's units move alike; a roll along the sharded dimension (or of the flattened tensor) breaks.
+  projection (GPT-2's ``c_attn``), each piece cut into the same units.
 
 The propagation ends in a *row* projection whose input features are the sharded dimension.
 ``K`` is the gcd of every sharded dimension size the group passes through (heads, for attention;
