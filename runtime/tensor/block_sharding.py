@@ -151,12 +151,7 @@ def shard_groups(gm: fx.GraphModule, analysis: BlockAnalysis, layouts: dict[int,
     for node, (dim, pieces) in analysis.splits.items():
         layout = state_layout[node.args[0]]
         _localise_split(gm, node, dim, [layout.local(p, tp_index) for p in pieces])
-    for node, (dim, pieces, index) in analysis.slices.items():
-        layout = state_layout[node.args[0]]
-        local = [layout.local(p, tp_index) for p in pieces]
-        _localise_slice(gm, node, dim, sum(local[:index]), local[index])
     _enter_regions(gm, analysis, group)
-    _cut_operands(gm, analysis, state_layout, tp_index, group)
     gm.graph.lint()
     gm.recompile()
     return roles
@@ -186,36 +181,6 @@ def _localise_split(gm: fx.GraphModule, node: fx.Node, dim: int, local_pieces: l
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
-
-
-def _localise_slice(gm: fx.GraphModule, node: fx.Node, dim: int, start: int, length: int) -> None:
-    """An index slice of a fused projection's output (``qkv[..., :d]``): this rank's piece, at its
-    local offset (the parallel projection holds its units of each piece, piece after piece)."""
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(torch.narrow, (node.args[0], dim, start, length))
-    new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-
-
-def _cut_operands(gm: fx.GraphModule, analysis: BlockAnalysis, state_layout: Mapping, tp_index: int,
-                  group: ProcessGroup) -> None:
-    """A replicated operand with the full size of the sharded dimension (a per-head attention bias)
-    enters the region (gradient summed over the group) and is narrowed to this rank's units: rank
-    ``i`` pairs its units with the same units of the operand, as the unsharded operator does."""
-    if not analysis.cut_operands:
-        return
-    if not hasattr(gm, "_wl_enter_region"):
-        gm.add_module("_wl_enter_region", EnterRegion(group))
-    for node, operand, dim in analysis.cut_operands:
-        layout = state_layout[node]
-        full = analysis.state[node].size
-        per_unit = full // layout.units
-        with gm.graph.inserting_before(node):
-            entered = gm.graph.call_module("_wl_enter_region", (operand,))
-            cut = gm.graph.call_function(torch.narrow, (entered, dim, per_unit * sum(layout.per_rank[:tp_index]),
-                                                        per_unit * layout.per_rank[tp_index]))
-        node.replace_input_with(operand, cut)
 
 
 def _enter_regions(gm: fx.GraphModule, analysis: BlockAnalysis, group: ProcessGroup) -> None:

@@ -110,7 +110,6 @@ _SDPA = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attenti
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, torch.split, torch.chunk, aten.chunk.default}
 _CATS = {aten.cat.default, torch.cat}
 _IGNORED = {aten._assert_tensor_metadata.default}
-_ROLLS = {aten.roll.default, torch.roll}
 
 
 def _target_is(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
@@ -171,8 +170,6 @@ class _Propagation:
         self.reshapes: dict[fx.Node, Sharded] = {}
         self.splits: dict[fx.Node, tuple[int, tuple[int, ...]]] = {}
         self.replicated: list[tuple[fx.Node, fx.Node]] = []
-        self.slices: dict[fx.Node, tuple[int, tuple[int, ...], int]] = {}   # slice of a fused output: dim, pieces, which
-        self.cut: list[tuple[fx.Node, fx.Node, int]] = []   # (node, replicated operand, its dim cut with the units)
 
     # union-find over groups
     def find(self, g: int) -> int:
@@ -292,22 +289,11 @@ class _Propagation:
                 raise _Unsafe("softmax over the sharded dimension")
             return s
         if _target_is(node, {aten.slice.Tensor}):
-            if node in self.slices:
-                return self.fused_slice(node)
             s = self.only_sharded(node)
             shape = self.shape(x)
             dim = _norm(_arg(node, 1, "dim", 0), len(shape))
             if dim == s.dim and tuple(self.shape(node)) != tuple(shape):
-                self.slice_fused(x, s)
-                return self.fused_slice(node)
-            return s
-        if _target_is(node, _ROLLS, {"roll"}):
-            s = self.only_sharded(node)
-            ndim = len(self.shape(x))
-            dims = _arg(node, 2, "dims", ())
-            dims = [dims] if isinstance(dims, int) else list(dims or ())
-            if not dims or s.dim in [_norm(d, ndim) for d in dims]:
-                raise _Unsafe("rolls along the sharded dimension (or over the flattened tensor)")
+                raise _Unsafe("slices the sharded dimension")
             return s
         if _target_is(node, _CATS, {"cat"}):
             return self.cat(node)
@@ -345,21 +331,15 @@ class _Propagation:
         return group
 
     def broadcast_check(self, node: fx.Node, tensors: list[fx.Node], out_dim: int, out_ndim: int) -> None:
-        """Replicated tensor operands must broadcast along the sharded output dimension, or have its
-        full size there (a per-head bias, a bias over features): then each rank reads its own units
-        of them (``cut``), which is the same element-for-element pairing as the unsharded operator."""
-        full = self.shape(node)[out_dim]
+        """Replicated tensor operands must broadcast along the sharded output dimension."""
         for t in tensors:
             if t in self.state:
                 continue
             shape = self.shape(t)
             aligned = out_dim - (out_ndim - len(shape))
             if 0 <= aligned < len(shape) and shape[aligned] != 1:
-                if shape[aligned] != full or full is None:
-                    raise _Unsafe(f"the replicated operand {t.name!r} has the size {shape[aligned]} along the "
-                                  f"sharded dimension of size {full}")
-                self.cut.append((node, t, aligned))
-                continue
+                raise _Unsafe(f"the replicated operand {t.name!r} has the full size {shape[aligned]} along the "
+                              "sharded dimension")
             self.replicated.append((node, t))
 
     def elementwise(self, node: fx.Node) -> Sharded:
@@ -437,48 +417,6 @@ class _Propagation:
         self.splits[node] = (dim, pieces)
         self.split_state[node] = (self.state[x], dim, pieces)
         return None
-
-    def slice_fused(self, x: fx.Node, s: Sharded) -> None:
-        """Index slices (``qkv[..., :d]``, Phi-3's ``qkv_proj``) that cut a column projection's own
-        output along its sharded dimension into consecutive pieces: like ``split``, when every user
-        of the output is such a slice and together they cover it exactly once, in equal pieces (the
-        parallel projection holds its units of each of equal pieces). Each slice then becomes this
-        rank's piece (:mod:`runtime.tensor.block_sharding` narrows it to the local offsets)."""
-        shape = self.shape(x)
-        size, ndim = shape[s.dim], len(shape)
-        column = self.columns.get(self.find(s.group), [])
-        if x not in column or s.pieces:
-            raise _Unsafe("slices the sharded dimension of something other than a projection's own output")
-        intervals = []
-        for user in x.users:
-            if user.op == "call_function" and user.target in _IGNORED:
-                continue
-            if not _target_is(user, {aten.slice.Tensor}) or user.name not in self.region:
-                raise _Unsafe(f"slices the sharded dimension of {x.name!r}, which {user.name!r} also reads whole")
-            dim, start, end = _norm(_arg(user, 1, "dim", 0), ndim), _arg(user, 2, "start"), _arg(user, 3, "end")
-            step = _arg(user, 4, "step", 1)
-            if dim != s.dim or step != 1 or not all(isinstance(v, int) or v is None for v in (start, end)):
-                raise _Unsafe(f"{user.name!r} slices {x.name!r} other than along its sharded dimension in one step")
-            start, end = _bound(start, 0, size), _bound(end, size, size)
-            intervals.append((start, end, user))
-        intervals.sort(key=lambda i: (i[0], i[1]))
-        edges = [0] + [e for _, e, _ in intervals]
-        if [a for a, _, _ in intervals] != edges[:-1] or edges[-1] != size or any(e <= a for a, e, _ in intervals):
-            raise _Unsafe(f"the slices {[(a, e) for a, e, _ in intervals]} of {x.name!r} do not cover its "
-                          f"{size} features once, in order")
-        pieces = tuple(e - a for a, e, _ in intervals)
-        if len(set(pieces)) != 1:
-            raise _Unsafe(f"slices a fused projection into unequal pieces {list(pieces)} (a parallel projection "
-                          "holds equal pieces only)")
-        self.pieces[x] = pieces
-        self.state[x] = Sharded(s.group, s.dim, s.size, pieces)
-        self.sizes[self.find(s.group)] += list(pieces)
-        for index, (_, _, user) in enumerate(intervals):
-            self.slices[user] = (s.dim, pieces, index)
-
-    def fused_slice(self, node: fx.Node) -> Sharded:
-        dim, pieces, index = self.slices[node]
-        return Sharded(self.state[node.args[0]].group, dim, pieces[index])
 
     def piece(self, node: fx.Node) -> Sharded:
         s, dim, pieces = self.split_state[node.args[0]]
@@ -599,15 +537,6 @@ def _norm(dim: Any, ndim: int) -> int:
     if not isinstance(dim, int):
         raise _Unsafe(f"a dimension that is not a constant ({dim!r})")
     return dim % ndim if ndim else dim
-
-
-def _bound(value: Optional[int], default: int, size: int) -> int:
-    """A slice bound as Python clamps it (``None``: ``default``; negative: from the end)."""
-    if value is None:
-        return default
-    if value < 0:
-        value += size
-    return min(max(value, 0), size)
 
 
 def _moved(s: Sharded, dim: int) -> Sharded:
