@@ -24,7 +24,8 @@ collective of its own (a per-step cost, gloo only) and cannot tell a stopped ran
 its compute; NCCL's watchdog watches its own process only.
 
 Invariant: only the failure path reads the store, so a healthy step costs one ``set`` per
-Engine-level collective plus the heartbeat. Heartbeat ages compare wall clocks across hosts, which
+Engine-level collective plus the heartbeat; a ``set`` that finds the store gone is dropped (rank 0
+may exit after the run's last collective while its peers still record the step's last hooks). Heartbeat ages compare wall clocks across hosts, which
 assumes clocks synchronised to well under ``timeout_s / 2`` (NTP gives milliseconds). The store
 lives on rank 0; if rank 0 is gone, the message says so.
 """
@@ -142,10 +143,11 @@ class Progress:
     heartbeat written by a daemon thread."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = 300.0,
-                 computing: Optional[Callable[[], Optional[float]]] = None):
+                 computing: Optional[Callable[[], Optional[float]]] = None, store: Optional[dist.Store] = None):
         self.rank, self.world_size = rank, world_size
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.step, self.entered = -1, 0
+        self._store_lost = False
         self._entered_at = time.monotonic()
         interval = min(5.0, max(0.1, timeout_s / 12))
         self.silent_after = min(timeout_s / 2, 6 * interval)   # a heartbeat older than this has stopped
@@ -157,7 +159,17 @@ class Progress:
             self.step, self.entered = step, 0
         self.entered += 1
         self._entered_at = time.monotonic()
-        self.store.set(_progress_key(self.rank), f"{step} {self.entered}")
+        if self._store_lost:
+            return
+        try:
+            self.store.set(_progress_key(self.rank), f"{step} {self.entered}")
+        except dist.DistError as e:
+            # the store's host, rank 0, is gone: after the last collective of a run it may exit while
+            # its peers still record this step's hooks, which is no failure; were it a failure, the
+            # next collective fails and :meth:`failure` says the store is unreachable. The record is
+            # a diagnostic only: training must not die of it
+            self._store_lost = True
+            log.debug("rank %d, step %d: progress not recorded, the store is unreachable (%s)", self.rank, step, e)
 
     def failure(self, step: int, timeout_s: float, cause: BaseException) -> DistributedStepError:
         """The error to raise when a collective of ``step`` failed on this rank."""

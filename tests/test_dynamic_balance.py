@@ -428,8 +428,12 @@ def test_semi_migrates_the_worst_straggler_and_resizes_the_mild_one(three):
 
 def test_semi_in_a_hybrid_plan_resizes_inside_the_tensor_parallel_group_only(three):
     run = three["semi_hybrid"]
-    (step, action, exact), *_ = run["events"]
-    assert "resize" in action and not exact, run["events"]
+    # a rank's noise may cross the trigger before the straggler does: the monitor then records an event
+    # whose reaction is "none" (nothing moved, exact); the first event that acts resizes
+    quiet = [e for e in run["events"] if e[1] == "none"]
+    assert all(exact for _, _, exact in quiet), run["events"]
+    (step, action, exact), *_ = [e for e in run["events"] if e[1] != "none"]
+    assert "resize" in action and not exact and step >= ONSET, run["events"]
     assert all(math.isfinite(x) for x in run["losses"])
 
 

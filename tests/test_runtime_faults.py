@@ -178,3 +178,34 @@ def test_failure_lines_from_progress_and_heartbeat():
     assert _diagnose(1, None, silent, step=0, entered=1, waited=3.0).startswith(
         "rank 1 never reached step 0 (last began: none); its heartbeat stopped")
     assert _liveness(None, now, 1.5) == ("unknown", "")
+
+
+def test_progress_survives_the_store_host_exiting_after_the_last_collective():
+    """Rank 0 hosts the store and may exit once the run's last collective is done while a peer still
+    records the step's last hooks: recording is a diagnostic, so it must not raise; a collective that
+    then fails says the store is unreachable (in-process: the store's host is a child process)."""
+    import datetime
+    import subprocess
+    import sys
+
+    from runtime.distributed import Progress, _progress_key
+
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch.distributed as d\n"
+         "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False)\n"
+         "print(s.port, flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+        progress = Progress(1, 2, timeout_s=60.0, store=store)
+        progress.enter(0)
+        assert store.get(_progress_key(1)) == b"0 1"
+    finally:
+        host.stdin.close()
+        host.wait(timeout=30)
+    progress.enter(0)   # the host is gone: dropped, not raised
+    progress.enter(1)
+    assert (progress.step, progress.entered) == (1, 1)
+    error = progress.failure(1, 60.0, RuntimeError("Connection closed by peer"))
+    assert "the progress store on rank 0 is unreachable" in str(error), error
