@@ -18,6 +18,10 @@ The pipeline, one module per step:
    kept on the graph module (``meta["wl_outputs"]``) for the stage split, so that plan checks and
    the runtime decide where each output goes from the same record. A leaf the loss is known not to
    read is not live to the end of the model in the cut bytes.
+
+Steps 1-3 and 5 run once per architecture in a process: capturing an identical model again (same
+classes, configuration, shapes, inputs; :mod:`whalelike.graphs.capture_cache`) copies the first
+capture's graph and figures and binds them to the new model's parameters.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from whalelike.graphs import capture_cache
 from whalelike.graphs.batchnorm_layers import training_batchnorms
 from whalelike.config import OPTIMIZERS
 from whalelike.graphs.costs import NodeCosts, measure
@@ -40,7 +45,7 @@ from whalelike.graphs.output_tree import OUTPUTS_META, OutputRecord, loss_reads,
 from whalelike.graphs.regions import Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
 from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
-from whalelike.graphs.tracing import placeholder_values, trace
+from whalelike.graphs.tracing import placeholder_values, trace_reusable
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +74,32 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     kwargs = dict(example_kwargs or {})
     batch = _batch_size(args, kwargs)
 
-    gm, method = trace(model, args, kwargs)
-    regions = assign_regions(gm, model)
-    recompute_constants(gm, regions)
-    values = placeholder_values(gm, method, model, args, kwargs)
-    costs = measure(gm, values, regions.node_taskgraph)
-    unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
-    if unattributed:
-        log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-    outputs = OutputRecord(record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch),
-                           loss_reads(loss_fn, output_leaves(gm)[1]))
+    keyed = capture_cache.key_of(model, args, kwargs, optimizer, loss_fn)
+    entry = capture_cache.lookup(keyed[0]) if keyed is not None else None
+    if entry is not None:   # the same architecture captured before in this process (capture_cache)
+        gm, method = entry.trace.bind(model), entry.trace.method
+        regions = assign_regions(gm, model)
+        recompute_constants(gm, regions)
+        if regions != entry.regions:
+            capture_cache.reject(keyed[0])
+            entry = None
+    if entry is None:
+        traced = trace_reusable(model, args, kwargs)
+        gm, method = traced.bind(model), traced.method
+        regions = assign_regions(gm, model)
+        recompute_constants(gm, regions)
+        values = placeholder_values(gm, method, model, args, kwargs)
+        costs = measure(gm, values, regions.node_taskgraph)
+        unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
+        if unattributed:
+            log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
+        outputs = OutputRecord(record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch),
+                               loss_reads(loss_fn, output_leaves(gm)[1]))
+        if keyed is not None:
+            capture_cache.store(keyed[0], capture_cache.Entry(traced, regions, costs, outputs, keyed[1]))
+    else:
+        costs, outputs = entry.costs, entry.outputs
+        values = placeholder_values(gm, method, model, args, kwargs)
     gm.meta[OUTPUTS_META] = outputs
     graphs = _assemble(gm, model, method, regions, costs, batch, optimizer, outputs=outputs)
     # the autocast figures (what a bf16 or fp16 plan holds) cost a second run of the whole graph,

@@ -19,9 +19,11 @@ scope or None).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import traceback
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -33,6 +35,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from whalelike.graphs.cleanup import remove_asserts_and_dead_code
 from whalelike.errors import CaptureError
 from whalelike.graphs.leaves import is_conv1d, restore_leaves
+from whalelike.graphs.nodes import attribute
 from whalelike.graphs.output_tree import flatten_output, is_foreign_tree, rebuild_output
 from whalelike.strategy import current_scope
 
@@ -41,14 +44,44 @@ log = logging.getLogger(__name__)
 
 def trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str]:
     """Capture ``model(*args, **kwargs)`` into a GraphModule; returns it and ``"fx"`` or ``"export"``."""
+    traced = trace_reusable(model, args, kwargs)
+    return traced.bind(model), traced.method
+
+
+@dataclass
+class Trace:
+    """A trace with the model left out, so that it can be bound to any model of the same
+    architecture (:mod:`whalelike.graphs.capture_cache`): fx's graph (its output structure
+    restored), or torch.export's program whose state and the model's constants are replaced by
+    meta tensors of their shapes. :meth:`bind` makes the graph module the front end makes, sharing
+    the given model's parameters, buffers and constants; no reference to the traced model is kept."""
+
+    method: str
+    class_name: str
+    graph: Optional[fx.Graph] = None
+    program: Any = None                                     # torch.export.ExportedProgram
+    model_constants: frozenset = frozenset()                # the program's constants that are model attributes
+
+    def bind(self, model: nn.Module) -> fx.GraphModule:
+        if self.method == "fx":
+            return fx.GraphModule(model, _copy_graph(self.graph), self.class_name)
+        program = copy.copy(self.program)
+        program._state_dict = {name: attribute(model, name) for name in self.program.state_dict}
+        program._constants = {name: attribute(model, name) if name in self.model_constants else value
+                              for name, value in self.program.constants.items()}
+        return _finish_export(program, model)
+
+
+def trace_reusable(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
+    """:func:`trace`'s work, as a :class:`Trace` (torch.fx first, else torch.export)."""
     try:
-        return _trace_fx(model, args, kwargs), "fx"
+        return _trace_fx(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - any fx failure sends us to export
         fx_failure = f"{_failing_module(model, e)} ({_first_line(e)})"
         log.info("torch.fx could not trace %s; trying torch.export", fx_failure)
     try:
         with _quiet("torch.fx.experimental.symbolic_shapes"):  # it logs whole graphs on failure
-            return _trace_export(model, args, kwargs), "export"
+            return _trace_export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: torch.fx failed in {fx_failure} and torch.export failed in "
@@ -86,7 +119,7 @@ class _ScopeTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
     tracer = _ScopeTracer()
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -97,7 +130,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
     rebuild_output(gm, *getattr(tracer, "output_tree", (None, None)))
-    return gm
+    return Trace("fx", type(model).__name__, graph=gm.graph)
 
 
 # -- torch.export -----------------------------------------------------------------------------------
@@ -113,14 +146,50 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
     dynamic_shapes = {name: (dynamic[0][i] if i < len(args) else dynamic[1][name]) for i, name in enumerate(names)}
     with fx_traceback.preserve_node_meta():  # lets forward-time scopes annotate nodes (see strategy.py)
         exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    # the program without the model's tensors (Trace): meta tensors of their shapes in their place
+    program = copy.copy(exported)
+    program._state_dict = {name: _meta_like(t) for name, t in exported.state_dict.items()}
+    mine = frozenset(name for name, value in exported.constants.items()
+                     if isinstance(value, torch.Tensor) and _attribute_or_none(model, name) is value)
+    program._constants = {name: _meta_like(v) if name in mine else v for name, v in exported.constants.items()}
+    return Trace("export", type(model).__name__, program=program, model_constants=mine)
+
+
+def _finish_export(program, model: nn.Module) -> fx.GraphModule:
+    """The graph module of an exported ``program`` of ``model``, as the rest of capture expects it."""
     # Guards re-check input shapes on every call; the runtime splits this graph, so keep it pure dataflow.
-    gm = exported.module(check_guards=False)
+    gm = program.module(check_guards=False)
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
         node.meta["wl_scope"] = node.meta.get("custom", {}).get("wl_scope")
     restore_leaves(gm, model)
     remove_asserts_and_dead_code(gm)
     return gm
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """``graph`` copied as ``Graph.__deepcopy__`` copies it, its code generator shared (passes replace
+    a graph's code generator, never change it; copying one warns about pytree specs)."""
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    value, old_output = new.graph_copy(graph, val_map={}, return_output_node=True)
+    new._codegen = graph._codegen
+    output = new.output(value, type_expr=getattr(old_output, "type", None))
+    output.meta = copy.copy(old_output.meta)
+    return new
+
+
+def _meta_like(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    meta = torch.empty_like(t, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def _attribute_or_none(model: nn.Module, name: str) -> Any:
+    try:
+        return attribute(model, name)
+    except AttributeError:
+        return None
 
 
 def placeholder_values(gm: fx.GraphModule, method: str, model: nn.Module, args: tuple, kwargs: dict) -> list[Any]:

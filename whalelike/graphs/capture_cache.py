@@ -1,0 +1,226 @@
+"""Reuse a capture within one process when the same model architecture is captured again.
+
+Why: tracing (``torch.export`` for most ``transformers`` models) and measuring the costs on fake
+tensors take seconds for a small model and minutes for a large one, and one process often
+captures the same architecture more than once: a script captures to plan and then builds the
+Engine (which captures again, to check the plan and build its executor), ``train.py
+--compare-naive`` plans twice, a benchmark builds one Engine per configuration, every rank of a
+test builds one per optimizer. The second capture of an identical model keeps the first one's
+trace (:class:`whalelike.graphs.tracing.Trace`, which holds no tensor of the first model: it is
+bound to the new model's parameters, buffers and constants, as the front end binds a fresh trace)
+and its measured figures (costs, output record: keyed by node name); the cheap passes after the
+trace (regions, constant copies) run again on the new graph module, and must give the cached
+regions, else the capture runs afresh.
+
+Why not torch's caches: ``torch.compile``'s cache keys compiled code on guards over one module
+object, and ``torch.export`` has none; neither carries our regions, costs and output record.
+
+Invariant: a hit is indistinguishable from a fresh capture of the new model. So the key holds
+everything a trace can depend on, and a model the key cannot describe is never cached:
+
+* every module (path; class, kept alive by the entry so that its identity stays unique) and every
+  plain attribute in its ``__dict__``: numbers, strings, dtypes, containers, dataclasses
+  (``Strategy``; a field outside equality, ``scope_id``, by the pattern of its values: which
+  modules share a scope), ``transformers`` configs (their ``to_dict()``), functions without a
+  closure, plain tensors by content (a trace copies them in as constants);
+* every parameter and buffer by name, shape, dtype and device, and ``requires_grad`` (their
+  values never enter a trace: both front ends lift or reference them);
+* the example inputs' structure, tensor shapes, dtypes, devices and ``requires_grad``, and their
+  non-tensor values (fx bakes those in); the optimizer; the loss function; the forward-time scope
+  open at capture; the default dtype.
+
+A forward or backward hook (on a module, or global), a bound method or a closure stored on a
+module, or an attribute of any other type makes a model undescribable: it is captured afresh
+every time. At most :data:`MAX_ENTRIES` entries, least recently used evicted; no entry refers to
+a captured model or its tensors. ``WHALELIKE_CAPTURE_CACHE=0`` in the environment turns it off.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import os
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from whalelike.strategy import current_scope
+
+MAX_ENTRIES = 8
+# a plain tensor attribute larger than this is not hashed: the model is captured afresh
+MAX_HASHED_BYTES = 64 << 20
+
+
+class _Undescribable(Exception):
+    """The model holds something the key cannot describe: no caching."""
+
+
+@dataclass
+class Entry:
+    """One capture's reusable parts: the trace without the model, the regions the passes after it
+    gave (the check on a hit), and what capture measured (node-name keyed)."""
+
+    trace: Any          # whalelike.graphs.tracing.Trace
+    regions: Any        # whalelike.graphs.regions.Regions
+    costs: Any          # whalelike.graphs.costs.NodeCosts
+    outputs: Any        # whalelike.graphs.output_tree.OutputRecord
+    alive: tuple = ()   # the classes and functions the key names by identity
+
+
+_entries: "OrderedDict[tuple, Entry]" = OrderedDict()
+_stats = {"hits": 0, "misses": 0, "undescribable": 0, "rejected": 0}
+
+
+def enabled() -> bool:
+    return os.environ.get("WHALELIKE_CAPTURE_CACHE", "1") != "0"
+
+
+def clear() -> None:
+    _entries.clear()
+
+
+def stats() -> dict[str, int]:
+    """Hits, misses, undescribable models and rejected hits (regions differed) in this process."""
+    return dict(_stats)
+
+
+def key_of(model: nn.Module, args: tuple, kwargs: dict, optimizer: str,
+           loss_fn: Optional[Callable]) -> Optional[tuple[tuple, tuple]]:
+    """``(key, alive)`` for this capture, or None when the cache is off or the model undescribable."""
+    if not enabled():
+        return None
+    alive: list = []
+    try:
+        _global_hooks()
+        modules = tuple((path, _describe_module(m, alive)) for path, m in model.named_modules(remove_duplicate=False))
+        params = tuple((name, _tensor_kind(t), t.requires_grad)
+                       for name, t in model.named_parameters(remove_duplicate=False))
+        buffers = tuple((name, _tensor_kind(t)) for name, t in model.named_buffers(remove_duplicate=False))
+        leaves, spec = tree_flatten((args, kwargs))
+        inputs = (repr(spec), tuple(_tensor_kind(x) + (x.requires_grad,) if isinstance(x, torch.Tensor)
+                                    else _describe(x, alive) for x in leaves))
+        rest = (optimizer, _describe(loss_fn, alive), _describe(current_scope(), alive), str(torch.get_default_dtype()))
+    except _Undescribable:
+        _stats["undescribable"] += 1
+        return None
+    return (modules, params, buffers, inputs, rest), tuple(alive)
+
+
+def lookup(key: tuple) -> Optional[Entry]:
+    entry = _entries.get(key)
+    if entry is None:
+        _stats["misses"] += 1
+        return None
+    _entries.move_to_end(key)
+    _stats["hits"] += 1
+    return entry
+
+
+def reject(key: tuple) -> None:
+    """A hit whose passes gave other regions than the cached ones: dropped, captured afresh."""
+    _stats["rejected"] += 1
+    _entries.pop(key, None)
+
+
+def store(key: tuple, entry: Entry) -> None:
+    _entries[key] = entry
+    _entries.move_to_end(key)
+    while len(_entries) > MAX_ENTRIES:
+        _entries.popitem(last=False)
+
+
+# -- describing ---------------------------------------------------------------------------------------
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# what nn.Module keeps in __dict__ that is not the module's own configuration (the state dict's hooks
+# do not run in forward; the forward and backward hooks make a model undescribable)
+_MODULE_MACHINERY = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                     "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook", *_HOOKS}
+
+
+def _global_hooks() -> None:
+    from torch.nn.modules import module as torch_module
+
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(torch_module, name, None):
+            raise _Undescribable(name)
+
+
+def _describe_module(m: nn.Module, alive: list) -> tuple:
+    if any(getattr(m, name, None) for name in _HOOKS):
+        raise _Undescribable("a forward or backward hook")
+    alive.append(type(m))
+    attrs = tuple(sorted((k, _describe(v, alive)) for k, v in vars(m).items() if k not in _MODULE_MACHINERY))
+    return (id(type(m)), type(m).__qualname__, attrs)
+
+
+def _tensor_kind(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), str(t.dtype), str(t.device))
+
+
+def _describe(v: Any, alive: list, depth: int = 0) -> Any:
+    if depth > 20:
+        raise _Undescribable("nested too deep")
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format, enum.Enum)):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_describe(x, alive, depth + 1) for x in v))
+    if isinstance(v, dict):
+        return (type(v).__name__, tuple(sorted((repr(k), _describe(x, alive, depth + 1)) for k, x in v.items())))
+    if isinstance(v, (set, frozenset)):
+        return (type(v).__name__, tuple(sorted(repr(_describe(x, alive, depth + 1)) for x in v)))
+    if isinstance(v, torch.Tensor):
+        return ("tensor", _tensor_kind(v), v.requires_grad, _content(v))
+    if isinstance(v, nn.Module):
+        raise _Undescribable("a module referenced outside the module tree")
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # a field left out of equality is an identity (Strategy.scope_id: which modules share one
+        # scope): numbered in order of first appearance, so that the key holds the pattern, not the ids
+        alive.append(type(v))
+        return ("dataclass", id(type(v)), tuple(
+            (f.name, _describe(getattr(v, f.name), alive, depth + 1) if f.compare
+             else _identity(alive, type(v), f.name, getattr(v, f.name))) for f in dataclasses.fields(v)))
+    if type(v).__name__.endswith("Config") and callable(getattr(v, "to_dict", None)):   # transformers' configs
+        alive.append(type(v))
+        return ("config", id(type(v)), _describe(v.to_dict(), alive, depth + 1))
+    if isinstance(v, types.FunctionType):
+        if v.__closure__:
+            raise _Undescribable("a function with a closure")
+        alive.append(v)
+        return ("function", id(v))
+    if isinstance(v, (types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        alive.append(v)
+        return ("builtin", id(v))
+    if isinstance(v, type):
+        alive.append(v)
+        return ("type", id(v))
+    raise _Undescribable(type(v).__name__)
+
+
+class _Identities(dict):
+    """The numbering of identity fields within one key (kept at the head of ``alive``)."""
+
+
+def _identity(alive: list, owner: type, name: str, value: Any) -> tuple:
+    if not alive or not isinstance(alive[0], _Identities):
+        alive.insert(0, _Identities())
+    numbers = alive[0]
+    return ("identity", numbers.setdefault((owner, name, value), len(numbers)))
+
+
+def _content(t: torch.Tensor) -> str:
+    if t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter):
+        raise _Undescribable("a tensor subclass or meta tensor")
+    if t.numel() * t.element_size() > MAX_HASHED_BYTES:
+        raise _Undescribable("a large plain tensor attribute")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
