@@ -27,6 +27,16 @@ cluster, other ranks): the state is resharded on load. Under ``torchrun --max-re
 that dies makes the others fail within ``--timeout`` seconds; torchrun restarts them all and they
 resume from the newest checkpoint. ``--no-resume`` starts from step 0 even if checkpoints exist.
 
+Elastic (the default with ``--cluster`` and ``--checkpoint-dir``; ``runtime.elastic.membership``):
+under ``torchrun --nnodes MIN:MAX --rdzv-backend c10d --max-restarts N`` each start of the workers
+finds which devices of the cluster spec are present (each node stands for the spec host named by
+``WHALELIKE_HOST``, or its host name; worker ``LOCAL_RANK`` i for that host's i-th device) and, when
+they are not the plan's, plans the model onto them under the plan's Config and resumes the newest
+checkpoint there: a node lost for good costs a restart, not a person; a node that joins is taken in
+at the next rendezvous. Rank 0 prints each change once (devices lost and gained, both plans, the
+predicted step times). When the devices present cannot hold the model, every rank stops with one
+line naming the memory missing and the devices present. ``--no-elastic`` runs the plan as given.
+
 Real data (``--data FILE``, with ``--seq-len N``, default the workload's ``seq_len``): a language
 model (a workload that sets ``vocab_size``, e.g. ``examples/hf_llama.py:build``) trains on a plain
 text file instead of synthetic batches, byte by byte (or through the workload's ``tokenizer``), in
@@ -73,6 +83,7 @@ import planner
 import runtime
 import whalelike as wl
 from runtime import checkpoint
+from runtime.elastic import membership
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
 from whalelike.cli import load_workload
@@ -160,6 +171,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between checkpoints (default 10; one is also saved at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="newest checkpoints kept (default 2)")
     p.add_argument("--no-resume", action="store_true", help="start at step 0 even if --checkpoint-dir has checkpoints")
+    p.add_argument("--no-elastic", action="store_true",
+                   help="with --cluster and --checkpoint-dir, run the plan as given even if the devices present differ "
+                        "(default: re-plan onto the devices present, runtime.elastic)")
+    p.add_argument("--log-every", type=int, default=5, metavar="N",
+                   help="in a log (not a terminal), print every N-th step's line (default 5)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="bound on every collective: a dead or hung rank fails the others after this (default 300)")
     p.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
@@ -171,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.log_every < 1:
+        p.error(f"--log-every must be at least 1, got {args.log_every}")
     if args.keep_checkpoints < 1:
         p.error(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if not (args.timeout > 0) or args.timeout == float("inf"):
@@ -245,7 +263,8 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
         if show:
-            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None)
+            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None,
+                     every=args.log_every)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
         if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
@@ -378,9 +397,9 @@ def _same_plan(info, plan: planner.Plan) -> bool:
 
 
 def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None,
-             show_lr: bool = False) -> None:
-    """A bar redrawn in place on a terminal; every fifth step on its own line in a log. Losses of
-    steps run with ZERO-resizing (policies semi/resize) or Prague's partial all-reduce (a plan whose
+             show_lr: bool = False, every: int = 5) -> None:
+    """A bar redrawn in place on a terminal; every ``every``-th step (``--log-every``) on its own line
+    in a log. Losses of steps run with ZERO-resizing (policies semi/resize) or Prague's partial all-reduce (a plan whose
     stages run replica_sync 'partial', whalelike plan --dp-sync partial) are marked approximate; the gradient norm
     (with --clip-grad-norm), a scheduled learning rate and a skipped step are shown."""
     done = step * 30 // steps
@@ -393,7 +412,7 @@ def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime
     line = f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}{extra}  {elapsed * 1e3:7.1f} ms"
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if step == steps else "", flush=True)
-    elif step % 5 == 0 or step == steps:
+    elif step % every == 0 or step == steps:
         print(line, flush=True)
 
 
@@ -411,6 +430,13 @@ def main(argv=None) -> int:
                   "(raise --steps to train on)")
         return 0
     try:
+        if elastic(args):
+            try:
+                plan, cluster = elastic_start(args, workload, plan, cluster, resume)
+            except membership.MembershipError as e:
+                # the same on every rank (gathered and broadcast): one line per job
+                _say_once(f"train.py: error: {one_line(e)}")
+                return EXIT_FAILED
         initial_state = copy.deepcopy(workload.model.state_dict())
         runs = [("whalelike", plan)]
         if args.compare_naive:
@@ -432,6 +458,25 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def elastic(args) -> bool:
+    """Whether this run follows the devices present (``runtime.elastic``): given a cluster spec to
+    find them in and a checkpoint directory to resume from, unless ``--no-elastic``."""
+    return args.cluster is not None and args.checkpoint_dir is not None and not args.no_elastic
+
+
+def elastic_start(args, workload: wl.Workload, plan: planner.Plan, spec: wl.Cluster, resume):
+    """The plan and cluster of the devices present at this start (``runtime.elastic.membership``):
+    the plan in force is the checkpoint's when resuming, else ``--plan``'s; ``--plan`` runs as it is
+    when its devices are the ones present. Rank 0 prints the change, if any, once."""
+    in_force = resume.load_plan() if resume is not None else plan
+    started = membership.start(spec, in_force, lambda: wl.capture(workload.model, workload.example_args,
+                                                                   workload.example_kwargs, loss_fn=workload.loss_fn),
+                               args.timeout, given=[plan] if args.plan is not None else [])
+    if started.change is not None and dist.get_rank() == 0:
+        print("\n".join(f"[elastic] {line}" for line in started.change.lines()), flush=True)
+    return started.plan, started.cluster
 
 
 def inputs(args):
@@ -457,9 +502,10 @@ def inputs(args):
                          f"{args.plan}`")
     plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
     cluster = wl.Cluster.load(args.cluster or plan.cluster)
-    plan.validate(cluster=cluster)
+    # elastic: the plan is checked against the devices present once they are known (elastic_start)
+    plan.validate(cluster=None if elastic(args) else cluster)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if plan.world_size != world:
+    if plan.world_size != world and not elastic(args):
         raise WhaleError(f"the plan has {plan.world_size} workers but torchrun started {world} ranks; launch "
                          f"`torchrun --nproc_per_node {plan.world_size} ...`, or make a plan for {world} devices")
     if resume is not None and args.plan is not None:

@@ -114,7 +114,8 @@ def init(timeout_s: float) -> int:
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        dist.init_process_group(backend(), store=_attempt_store(store), rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend(), store=_attempt_store(store, rank, world, timeout_s), rank=rank,
+                                world_size=world, timeout=timeout)
     except (dist.DistError, RuntimeError) as e:
         raise DistributedStepError(
             f"rank {rank}: process-group initialisation failed within timeout_s={timeout_s:g} s: not all {world} "
@@ -125,16 +126,51 @@ def init(timeout_s: float) -> int:
     return rank
 
 
-def _attempt_store(store: "dist.Store") -> "dist.Store":
-    """The rendezvous store seen through a prefix of torchrun's restart attempt.
+def _attempt_store(store: "dist.Store", rank: int, world: int, timeout_s: float) -> "dist.Store":
+    """A store no earlier start of the workers has written to, for this start's process group.
 
-    Why: under ``torchrun --max-restarts`` the agent's store outlives the workers it restarts, and
-    with the static rendezvous (``--master-port``) torch adds no per-attempt prefix, so restarted
-    workers read the previous attempt's gloo addresses and their process group times out
-    connecting to ranks that no longer exist. A prefix per attempt gives every attempt fresh keys
-    (the progress and heartbeat keys of :class:`Progress` included)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return dist.PrefixStore(f"whalelike/attempt{attempt}", store) if attempt is not None else store
+    Why: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``, the static rendezvous of
+    ``--master-port`` and the c10d one of ``--rdzv-backend c10d`` alike) outlives the workers it
+    restarts, so restarted workers would read the previous start's gloo addresses and time out
+    connecting to ranks that no longer exist. A prefix of the restart attempt is not enough: under
+    the elastic agent each node counts its own restarts (a node that joins starts at 0, a survivor
+    does not count a membership change), so ranks of one rendezvous may disagree on it. So rank 0
+    hosts a fresh store of its own for this start (on its node, ``MASTER_ADDR``) and advertises its
+    port under :data:`_FRESH_KEY` in the agent store; the other ranks connect to the port advertised
+    and check its nonce. A port left there by an earlier start belonged to a worker the agent has
+    stopped (every worker of a rendezvous round is stopped before the next round), so connecting
+    fails and they read the key again. Outside torchrun's agent store the store is already fresh."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return store
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host = os.environ["MASTER_ADDR"]
+    if rank == 0:
+        nonce = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        fresh = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        fresh.set(_FRESH_NONCE, nonce)
+        store.set(_FRESH_KEY, f"{fresh.port} {nonce}")
+        return fresh
+    deadline = time.monotonic() + timeout_s
+    while True:
+        store.wait([_FRESH_KEY], timeout)
+        port, nonce = store.get(_FRESH_KEY).decode().split()
+        try:   # a plain connection first: torch's client logs every failed try at length
+            socket.create_connection((host, int(port)), timeout=_FRESH_PROBE_S).close()
+            fresh = dist.TCPStore(host, int(port), world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=_FRESH_PROBE_S))
+            if fresh.get(_FRESH_NONCE).decode() == nonce:
+                fresh.set_timeout(timeout)
+                return fresh
+        except (OSError, dist.DistError, RuntimeError):
+            pass       # an earlier start's rank 0, stopped: this start's rank 0 has not advertised yet
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: rank 0 advertised no store of this start within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+_FRESH_KEY = "whalelike/worker-store"        # in the agent store: "PORT NONCE" of this start's store
+_FRESH_NONCE = "whalelike/worker-store-nonce"
+_FRESH_PROBE_S = 2.0                         # how long a connection to an advertised port is tried
 
 
 class Progress:

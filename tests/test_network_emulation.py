@@ -30,6 +30,7 @@ from runtime.groups import group_ranks
 from runtime.parallel.pipeline import PipelineExecutor
 from runtime.emulation.compute import Emulator
 from runtime.emulation.network import LEDGER_ENV, NetworkEmulationError, NetworkEmulator, price_group
+import runtime.emulation.network as network_module
 from runtime.tensor.layers import reduce_from_region
 
 MB = 1_000_000                       # bytes per message: 125,000 float64
@@ -251,8 +252,23 @@ def test_ledger_directory_that_cannot_be_created_is_a_clear_error(tmp_path):
 def test_ranks_on_several_machines_are_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(network_module, "ONE_MACHINE_WAIT_S", 0.2)   # ranks 1-7 never register here
     with pytest.raises(NetworkEmulationError, match="LOCAL_WORLD_SIZE=4"):
         NetworkEmulator(_model(), "a0", run_id="several", ledger_root=str(tmp_path))
+
+
+def test_agents_on_one_machine_share_the_emulated_network(monkeypatch, tmp_path):
+    """Two torchrun agents on one machine (runtime.elastic's tests): every rank registers in this
+    machine's ledger directory, so rank 0 finds the other agent's ranks there and goes on."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    ranks = tmp_path / "whalelike-agents" / "ranks"
+    ranks.mkdir(parents=True)
+    for rank in (1, 2, 3):
+        (ranks / str(rank)).touch()
+    emulator = NetworkEmulator(_model(), "a0", run_id="agents", ledger_root=str(tmp_path))
+    assert emulator.ledger is not None and (ranks / "0").exists()
 
 
 def test_ddp_all_reduce_overlaps_backward_bucket_by_bucket(results):

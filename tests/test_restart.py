@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -26,51 +24,30 @@ import torch
 
 import planner
 import whalelike as wl
+from dist_utils import free_port as _free_port
+from torchrun_jobs import ROOT, TORCHRUN, env as _env, final_state, load_workload, processes, workload_source
 from whalelike.graphs.capture import capture
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS, EVERY = 24, 4
 
-WORKLOAD = textwrap.dedent("""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    import whalelike as wl
-
-    def build():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
-
-        def make_batch(n, generator):
-            return (torch.randn(n, 32, generator=generator),), torch.randn(n, 32, generator=generator)
-
-        return wl.Workload(model, (torch.randn(8, 32),), loss_fn=F.mse_loss, make_batch=make_batch)
-""")
-
-CLUSTER = textwrap.dedent("""
-    name: restart-test
-    network: {intra_host_gbps: 2.0, inter_host_gbps: 2.0, latency_us: 50.0}
-    emulation: {base_gflops: 0.002}
-    hosts:
-      - name: localhost
-        devices:
-          - {kind: emu-a, count: 1, peak_tflops: 0.000005, memory_gib: 4, emulated_speed: 1.0}
-          - {kind: emu-b, count: 1, peak_tflops: 0.00001, memory_gib: 4, emulated_speed: 2.0}
-""")
+CLUSTER = """
+name: restart-test
+network: {intra_host_gbps: 2.0, inter_host_gbps: 2.0, latency_us: 50.0}
+emulation: {base_gflops: 0.002}
+hosts:
+  - name: localhost
+    devices:
+      - {kind: emu-a, count: 1, peak_tflops: 0.000005, memory_gib: 4, emulated_speed: 1.0}
+      - {kind: emu-b, count: 1, peak_tflops: 0.00001, memory_gib: 4, emulated_speed: 2.0}
+"""
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("restart")
-    (folder / "workload.py").write_text(WORKLOAD)
+    (folder / "workload.py").write_text(workload_source())
     (folder / "cluster.yaml").write_text(CLUSTER)
-    sys.path.insert(0, str(folder))
-    try:
-        from workload import build
-    finally:
-        sys.path.remove(str(folder))
-    workload = build()
+    workload = load_workload(folder)
     spec = wl.Cluster.from_yaml(folder / "cluster.yaml")
     plan = planner.plan(capture(workload.model, workload.example_args), spec, wl.Config(global_batch_size=16))
     plan.to_yaml(folder / "plan.yaml")
@@ -84,39 +61,16 @@ def train_command(folder, checkpoints: str, *extra: str) -> list[str]:
             "--checkpoint-every", str(EVERY), "--balance", "off", "--timeout", "20"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-
-
 def _worker(marker: str, rank: int) -> int:
     """The pid of the train.py worker of ``rank`` whose command line contains ``marker``."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "train.py" in cmdline and marker in cmdline and f"RANK={rank}" in environ and "torchrun" not in cmdline:
-            return int(pid)
-    raise AssertionError(f"no train.py worker of rank {rank} running for {marker}")
+    found = processes(lambda cmdline, environ: "train.py" in cmdline and marker in cmdline and
+                      f"RANK={rank}" in environ and "torchrun" not in cmdline)
+    assert found, f"no train.py worker of rank {rank} running for {marker}"
+    return found[0]
 
 
 def _final(folder, checkpoints: str) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = folder / f"{checkpoints}.pt"
-    dcp_to_torch_save(str(folder / checkpoints / f"step-{STEPS:08d}"), str(out))
-    return torch.load(out, weights_only=False)
+    return final_state(folder / checkpoints / f"step-{STEPS:08d}", folder / f"{checkpoints}.pt")
 
 
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(job):

@@ -38,6 +38,15 @@ bytes of its non-matmul operators). They let a spec sheet be wrong the ways real
 ``emulated-equal-peak`` (equal peaks, unequal bandwidth, memory and small-batch efficiency) and
 ``emulated-slow-bf16`` (a kind whose spec sheet claims fast bf16 that it does not have).
 
+Membership (which devices of the spec a running job has; :mod:`runtime.elastic`): a torchrun node
+stands for one host of the spec, and its worker of local rank ``i`` for that host's ``i``-th device.
+The host is the one named by the environment variable ``WHALELIKE_HOST`` (set per agent, e.g. two
+agents on one machine acting as two hosts), else the host whose name is the machine's host name or
+its first label (``node-a`` for ``node-a.lab.org``), else a host named ``localhost``; with none of
+these (a spec whose hosts are names only, all on one machine) the workers are the spec's devices
+in rank order, as the plan's ranks are (:meth:`Cluster.device_of`). The devices present, in
+torchrun's rank order, are :meth:`Cluster.present`, the cluster a new plan is made on.
+
 The dataclass fields double as the file schema: each field carries a :class:`whalelike.spec.Rule`
 (type, bounds, meaning), so a value is checked by the same rule whether it comes from a file (the
 error names the file and the field path) or from Python code (the error names the object). Upper
@@ -391,6 +400,32 @@ def round_robin_stragglers(ranks: Sequence[int], factor: float, period: int, sta
     return tuple(stragglers)
 
 
+HOST_ENV = "WHALELIKE_HOST"   # the spec host a torchrun agent stands for (membership rule, module docstring)
+
+
+def member_host(cluster: "Cluster", declared: Optional[str], machine: str) -> Optional[str]:
+    """The spec host a node stands for by the membership rule (module docstring): ``declared`` (the
+    value of ``WHALELIKE_HOST``, which must name a host of the spec), else the host named ``machine``
+    (the machine's host name) or its first label, else a host named ``localhost``; None when no
+    host matches (the workers are then the spec's devices in rank order)."""
+    hosts = cluster.hosts
+    if declared:
+        if declared not in hosts:
+            close = difflib.get_close_matches(declared, hosts, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SpecError(f"{HOST_ENV}={declared!r} names no host of cluster {cluster.name!r}; {hint}its hosts are "
+                            f"{', '.join(hosts)}")
+        return declared
+    for candidate in (machine, machine.split(".")[0], "localhost"):
+        if candidate in hosts:
+            return candidate
+    return None
+
+
+def _names(devices: Sequence["Device"]) -> str:
+    return ", ".join(d.name for d in devices) or "none"
+
+
 @dataclass(frozen=True)
 class Cluster:
     name: str
@@ -437,6 +472,45 @@ class Cluster:
         if lacking:
             raise SpecError(f"cluster {self.name!r}: " + cannot_run_message(
                 lacking, precision, self.precisions([d.name for d in chosen])))
+
+    def device_of(self, host: Optional[str], local_rank: int, rank: int) -> Device:
+        """The device a torchrun worker runs, by the membership rule (module docstring): the
+        ``local_rank``-th device of ``host`` (from :func:`member_host`), or with no host the device of
+        ``rank`` in the spec's order. A SpecError names the host's devices when it has too few."""
+        if host is None:
+            if rank >= len(self.devices):
+                raise SpecError(f"cluster {self.name!r} has {len(self.devices)} devices, and rank {rank} matched no "
+                                f"host by name; set {HOST_ENV} on each torchrun agent to the spec host it runs")
+            return self.devices[rank]
+        mine = [d for d in self.devices if d.host == host]
+        if local_rank >= len(mine):
+            raise SpecError(f"cluster {self.name!r}: host {host!r} has {len(mine)} device(s) ({_names(mine)}) and a "
+                            f"worker of local rank {local_rank} runs there; start at most {len(mine)} workers per "
+                            "node (torchrun --nproc-per-node)")
+        return mine[local_rank]
+
+    def present(self, names: Sequence[str]) -> "Cluster":
+        """The cluster of the devices ``names`` (one per torchrun rank, in rank order): their records,
+        the network, and the emulation with its stragglers moved to the ranks their devices have now
+        (a straggler of a device not present is dropped). Named ``<name>[k of n]`` when devices are
+        missing, so a plan made on it is not taken for one of the whole cluster. A SpecError when a
+        device is claimed twice or a host's devices are not consecutive ranks."""
+        seen: dict[str, int] = {}
+        for rank, name in enumerate(names):
+            if name in seen:
+                raise SpecError(f"cluster {self.name!r}: ranks {seen[name]} and {rank} both run device {name!r}; "
+                                f"two torchrun agents stand for one host: set {HOST_ENV} on each agent to a "
+                                f"different host of the spec ({', '.join(self.hosts)})")
+            seen[name] = rank
+        devices = [self.device(name) for name in names]
+        emulation = self.emulation
+        if emulation is not None:
+            moved = tuple(dataclasses.replace(s, rank=seen[self.devices[s.rank].name])
+                          for s in emulation.stragglers if self.devices[s.rank].name in seen)
+            emulation = dataclasses.replace(emulation, stragglers=moved)
+        name = self.name if len(devices) == len(self.devices) else \
+            f"{self.name}[{len(devices)} of {len(self.devices)}]"
+        return dataclasses.replace(self, name=name, devices=tuple(devices), emulation=emulation)
 
     def without_emulation(self) -> "Cluster":
         """The same cluster with emulation off: every device runs at the machine's real speed

@@ -120,6 +120,33 @@ def _ledger_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+ONE_MACHINE_WAIT_S = 30.0   # how long a rank waits for the run's other agents' ranks to register on this machine
+
+
+def _check_one_machine(directory: str) -> None:
+    """Raise unless every rank of the run is on this machine (one clock, one NIC ledger). With one
+    torchrun agent (``LOCAL_WORLD_SIZE == WORLD_SIZE``) that is so; with several (torchrun agents
+    on one machine acting as nodes, ``runtime.elastic``) every rank registers in the ledger
+    directory, which is this machine's own (``/dev/shm``), and waits for the others' registrations:
+    a rank on another machine never appears. Ranks build their emulators at the same point of the
+    Engine's set-up, so the wait is short."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if not local or not world or local == world:
+        return
+    ranks = os.path.join(directory, "ranks")
+    os.makedirs(ranks, exist_ok=True)
+    open(os.path.join(ranks, os.environ.get("RANK", "0")), "w").close()
+    deadline = time.monotonic() + ONE_MACHINE_WAIT_S
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(ranks, str(r))) for r in range(int(world))):
+            return
+        time.sleep(0.05)
+    raise NetworkEmulationError(
+        f"network emulation: WORLD_SIZE={world} ranks but LOCAL_WORLD_SIZE={local}, and the other agents' ranks "
+        f"did not appear on this machine within {ONE_MACHINE_WAIT_S:g} s; the emulated network needs every rank "
+        "on one machine (one clock, one NIC ledger); run on one machine or remove the cluster spec's emulation block")
+
+
 class NicLedger:
     """Free-at times of each emulated host's NIC per direction, shared by the processes of one run.
 
@@ -281,14 +308,9 @@ class NetworkEmulator:
         self.signal_bytes = signal_bytes
         if signal_bytes is not None:
             self._signal_size()   # a bad value fails here, before any message
-        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-        if local and world and local != world:
-            raise NetworkEmulationError(
-                f"network emulation: WORLD_SIZE={world} ranks but LOCAL_WORLD_SIZE={local} on this machine; the "
-                f"emulated network needs every rank on one machine (one clock, one NIC ledger); run on one "
-                f"machine or remove the cluster spec's emulation block")
         directory = os.path.join(ledger_root or _ledger_root(), f"whalelike-{run_id or default_run_id()}")
         self.ledger = NicLedger(directory, model.hosts)
+        _check_one_machine(directory)
         self.stats = NetworkStats()
         self._rings: dict[tuple[str, ...], Ring] = {}
         self._allreduces: list[tuple[torch.Tensor, object, float]] = []   # (ready stamp, its work, ring seconds)

@@ -1,0 +1,190 @@
+"""Elastic membership under torchrun's elastic agent (``runtime.elastic.membership``, issue 23 items 1, 3).
+
+Two torchrun agents on this machine act as two nodes of two ranks each (``--nnodes 1:2
+--rdzv-backend c10d`` on localhost; ``WHALELIKE_HOST`` names the spec host each stands for), and
+``examples/train.py`` trains a float64 MLP with checkpoints. Node B is killed for good (its agent
+and its workers, SIGKILL) after the first checkpoint: node A's workers fail, its agent starts them
+again, they find only node A's devices, plan onto them by themselves and resume the newest
+checkpoint. Once the two-rank run has written a checkpoint, node B starts again: the next
+rendezvous takes it in, the four ranks plan onto all four devices and finish. The losses of every
+step and the final parameters and optimizer state must be those of the single-process float64
+reference (``tests/reference.py``). A survivor set that cannot hold the model stops with one line
+naming the memory missing and the devices present, and a non-zero exit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import planner
+import whalelike as wl
+from dist_utils import free_port
+from reference import train_reference
+from torchrun_jobs import ROOT, TORCHRUN, TRAIN, children, env, final_state, load_workload, workload_source
+from whalelike.graphs.capture import capture
+
+STEPS, EVERY, BATCH = 40, 3, 16
+
+# node-a's devices are twice node-b's speed; base_gflops slows steps so the kill and the return of
+# node B land mid-run (about 0.2 s a step on four ranks, 0.3 s on node A's two)
+CLUSTER = """
+name: elastic-test
+network: {intra_host_gbps: 2.0, inter_host_gbps: 2.0, latency_us: 50.0}
+emulation: {base_gflops: 0.0005}
+hosts:
+  - name: node-a
+    devices:
+      - {kind: emu-a, count: 2, peak_tflops: 0.000002, memory_gib: 4, emulated_speed: 2.0}
+  - name: node-b
+    devices:
+      - {kind: emu-b, count: 2, peak_tflops: 0.000001, memory_gib: %s, emulated_speed: 1.0}
+"""
+# node-b's memory in the second spec: 50 KiB a device, less than the model's weights, gradients and
+# AdamW state (135 KiB in float64) even sharded over both
+TINY_GIB = 0.00005
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("elastic")
+    (folder / "workload.py").write_text(workload_source("float64"))
+    (folder / "cluster.yaml").write_text(CLUSTER % 4)
+    (folder / "small.yaml").write_text(CLUSTER % TINY_GIB)
+    workload = load_workload(folder)
+    graphs = capture(workload.model, workload.example_args)
+    config = wl.Config(global_batch_size=BATCH)
+    planner.plan(graphs, wl.Cluster.from_yaml(folder / "cluster.yaml"), config).to_yaml(folder / "plan.yaml")
+    small = wl.Cluster.from_yaml(folder / "small.yaml")
+    planner.plan(graphs, small.present(["emu-a-0", "emu-a-1"]), config).to_yaml(folder / "plan-a.yaml")
+    return folder, workload
+
+
+# torch 2.13's agents share their rendezvous store with the workers, and a node that joins a running
+# job then waits forever for the store's address, which the other agents wrote in their first round
+# only (torch.distributed.elastic.rendezvous.dynamic_rendezvous.next_rendezvous); README "Elastic"
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+# torchrun's agent in a process that has imported it already and starts it once a file exists: a node
+# that comes back joins at once, rather than after seconds of imports on a busy machine
+WAITING_AGENT = """
+import os, sys, time
+from torch.distributed.run import main
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+main(sys.argv[2:])
+"""
+
+
+def agent(folder, host: str, port: int, *, is_host: bool, plan: str = "plan.yaml", cluster: str = "cluster.yaml",
+          checkpoints: str = "ckpt", restarts: int = 3, trigger=None) -> subprocess.Popen:
+    """One torchrun agent standing for spec host ``host`` (its own session, so it dies with its workers);
+    with ``trigger`` (a path), started once that file exists."""
+    conf = f"is_host={str(is_host).lower()},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
+    launcher = [TORCHRUN] if trigger is None else [sys.executable, "-c", WAITING_AGENT, str(trigger)]
+    command = [*launcher, "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"elastic-{port}", "--rdzv-conf", conf,
+               "--max-restarts", str(restarts), "--monitor-interval", "0.2",
+               TRAIN, f"{folder}/workload.py:build", "--plan", f"{folder}/{plan}", "--cluster", f"{folder}/{cluster}",
+               "--steps", str(STEPS), "--checkpoint-dir", f"{folder}/{checkpoints}", "--checkpoint-every", str(EVERY),
+               "--balance", "off", "--timeout", "10", "--lr", "0.01"]
+    path = folder / f"{host}-{time.monotonic_ns()}.log"
+    with open(path, "w") as log:
+        run = subprocess.Popen(command, cwd=ROOT, env=env(WHALELIKE_HOST=host, **AGENT_ENV), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    run.log_path = path
+    return run
+
+
+def output(run: subprocess.Popen) -> str:
+    return run.log_path.read_text()
+
+
+def kill_node(run: subprocess.Popen) -> None:
+    """SIGKILL the agent and its workers (which torchrun starts in sessions of their own)."""
+    for pid in [run.pid, *children(run.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    run.wait(timeout=30)
+
+
+def wait_for(condition, runs, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for run in runs:
+            assert run.poll() is None, f"{what}: an agent exited ({run.returncode}):\n{output(run)[-4000:]}"
+        assert time.monotonic() < deadline, f"{what}: timed out:\n" + "\n".join(output(r)[-3000:] for r in runs)
+        time.sleep(0.05)
+
+
+def saved_by(folder, world_size: int) -> list:
+    """The complete checkpoints in ``folder`` written by a plan of ``world_size`` workers."""
+    from runtime import checkpoint
+
+    return [c for c in checkpoint.complete(folder) if c.world_size == world_size]
+
+
+def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
+    folder, workload = job
+    port = free_port()
+    a = agent(folder, "node-a", port, is_host=True)
+    b = agent(folder, "node-b", port, is_host=False)
+    runs = [a, b]
+    try:
+        # the first checkpoint of the four-rank plan, then node B is gone for good
+        wait_for(lambda: saved_by(folder / "ckpt", 4), runs, "the first checkpoint")
+        kill_node(b)
+        b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns")
+        runs = [a, b]
+        # node A's workers fail, start again, plan onto node A alone and write a checkpoint there
+        wait_for(lambda: saved_by(folder / "ckpt", 2), runs, "a checkpoint of the two-rank plan")
+        two_rank = saved_by(folder / "ckpt", 2)[0].load_plan()   # before newer checkpoints replace it
+        (folder / "node-b-returns").touch()
+        for run in runs:
+            run.wait(timeout=180)
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                kill_node(run)
+    text = output(a) + output(b)
+    assert a.returncode == 0 and b.returncode == 0, text[-6000:]
+    assert two_rank.world_size == 2 and {w.host for w in two_rank.workers} == {"node-a"}
+    # each change logged once, by rank 0: the loss, then the return
+    assert text.count("[elastic] membership changed: devices lost: emu-b-0 (node-b), emu-b-1 (node-b); gained: none") \
+        == 1, text[-6000:]
+    assert text.count("devices lost: none; gained: emu-b-0 (node-b), emu-b-1 (node-b)") == 1, text[-6000:]
+    last = saved_by(folder / "ckpt", 4)[-1]
+    assert last.step == STEPS and last.load_plan().world_size == 4, last
+    final = final_state(last.path, folder / "final.pt")
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [workload.make_batch(BATCH, generator) for _ in range(STEPS)]
+    losses, state = train_reference(workload.model, batches, lambda ps: torch.optim.AdamW(ps, lr=0.01),
+                                    workload.loss_fn)
+    assert_close(torch.tensor(final["meta"]["extra"]["losses"], dtype=torch.float64), torch.stack(losses))
+    for name, value in state.items():
+        assert_close(final[f"model/{name}"], value, msg=lambda m: f"{name}: {m}")
+
+
+def test_survivors_that_cannot_hold_the_model_stop_with_one_line(job):
+    folder, _ = job
+    # the job ran on node A (plan-a.yaml); only node B, whose devices are too small, is present
+    run = agent(folder, "node-b", free_port(), is_host=True, plan="plan-a.yaml", cluster="small.yaml",
+                checkpoints="small-ckpt", restarts=0)
+    try:
+        run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            kill_node(run)
+    text = output(run)
+    lines = [line for line in text.splitlines() if line.startswith("train.py")]
+    assert run.returncode != 0, text[-4000:]
+    assert len(lines) == 1, text[-4000:]
+    assert "the 2 device(s) present cannot hold the model under any plan: emu-b-0" in lines[0], lines[0]
+    assert "short by" in lines[0] and "lost since the plan: emu-a-0, emu-a-1" in lines[0], lines[0]
+    assert 'train.py", line' not in text, text[-4000:]

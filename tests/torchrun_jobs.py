@@ -1,0 +1,90 @@
+"""What the tests that launch ``examples/train.py`` under real torchrun share: the torchrun
+binary, the environment its workers need, a small MLP workload (float32 or float64) written to a
+folder, the final state of a checkpoint, and finding a job's worker processes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+
+
+def workload_source(dtype: str = "float32") -> str:
+    """A 4-layer MLP workload file (``build``) whose model, example and batches are of ``dtype``."""
+    return textwrap.dedent(f"""
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+        import whalelike as wl
+
+        def build():
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)]).to(torch.{dtype})
+
+            def make_batch(n, generator):
+                return ((torch.randn(n, 32, generator=generator, dtype=torch.{dtype}),),
+                        torch.randn(n, 32, generator=generator, dtype=torch.{dtype}))
+
+            return wl.Workload(model, (torch.randn(8, 32, dtype=torch.{dtype}),), loss_fn=F.mse_loss,
+                               make_batch=make_batch)
+    """)
+
+
+def load_workload(folder):
+    """``build()`` of the workload file in ``folder``."""
+    sys.path.insert(0, str(folder))
+    try:
+        sys.modules.pop("workload", None)
+        from workload import build
+    finally:
+        sys.path.remove(str(folder))
+    return build()
+
+
+def env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+            **extra}
+
+
+def final_state(directory, out) -> dict:
+    """A complete checkpoint directory's contents as one dict (``model/...``, ``optim/...``, ``meta``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(directory), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def processes(match) -> list[int]:
+    """The pids of this machine's processes for which ``match(cmdline, environ)`` holds."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if match(cmdline, environ):
+            found.append(int(pid))
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (``/proc/PID/stat``'s parent field)."""
+    found = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(child))
+    return found
