@@ -85,7 +85,8 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
     for s, st in enumerate(stages):   # ragged shards: the group's fractions in rank order (the runtime's order)
         if dec.fractions(s):
             st.state_fractions = in_rank_order(dec.fractions(s), [g[0].name for g in layout.stage_groups(s)], ranks)
-    _fill_allreduce(workers, layout, dec, comm)
+    _fill_allreduce(workers, layout, dec, comm, {s: st.partial_group_size for s, st in enumerate(stages)
+                                                 if st.replica_sync == "partial"})
     zero = Prediction(0.0, 0.0, 0.0)
     plan = Plan(
         model_fingerprint=fingerprint_of(graphs),
@@ -156,12 +157,16 @@ def zero_of(dec: Decisions, s: int, group: tuple[Device, ...] | None = None) -> 
     return dataclasses.replace(zero, share=fractions[dec.layout.stage_groups(s).index(group)])
 
 
-def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm: CommModel) -> None:
+def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm: CommModel,
+                    partial: Optional[dict[int, int]] = None) -> None:
     """Workers holding the same shard of a stage (over data-parallel groups and replicas) all-reduce
     their gradients once per step (``gradient_bytes``: the simulator's DDP buckets); under ZeRO they
     run its all-gathers and reduce-scatters instead (:meth:`CommModel.zero_ms`, each FSDP unit one
     collective, the most micro-batches of the group), priced as communication at the end of the
-    step (``allreduce_ms``, ``gradient_bytes`` 0: the simulator overlaps none of it)."""
+    step (``allreduce_ms``, ``gradient_bytes`` 0: the simulator overlaps none of it). A P-Reduce
+    stage (``partial``: stage -> group size) averages its parameters within a group after the
+    optimizer step instead: :func:`_partial_allreduce_ms`, ``gradient_bytes`` 0 (nothing overlaps
+    the backward)."""
     peers: dict[tuple[int, int], list[Worker]] = {}
     for w in workers:
         peers.setdefault((w.stage, w.tp_index), []).append(w)
@@ -176,11 +181,48 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
                 nbytes *= padded_scale(dec.fractions(s))
                 units = ragged_collectives(dec.costs[s], z, layout.num_stages == 1)
             ms = comm.zero_ms(z, nbytes, max(len(w.micro_batch_sizes) for w in ws), ring, units)
+        elif partial and s in partial:
+            own = _partial_allreduce_ms(sorted(ws, key=lambda w: w.rank), nbytes, partial[s], by_name, comm)
+            for w in ws:
+                w.allreduce_ms, w.gradient_bytes = own[w.rank], 0.0
+            continue
         else:
             ms = comm.allreduce_ms(nbytes, ring)
         for w in ws:
             w.allreduce_ms = ms
             w.gradient_bytes = 0.0 if z else float(nbytes)
+
+
+def _partial_allreduce_ms(ws: list[Worker], nbytes: float, group_size: int, by_name: dict,
+                          comm: CommModel) -> dict[int, float]:
+    """P-Reduce's price per worker: an all-reduce of ``nbytes`` among the ``group_size`` members of
+    its group (a ring over the group's devices, so over the links between them: the message volume
+    ``2 (g - 1) / g * nbytes`` per member at the slowest of those links), averaged over the two kinds
+    of iteration both generators alternate (runtime.replicas.group_generator): a group across hosts
+    (the hosts' members interleaved, cut into groups of ``g``) and one within the worker's host (its
+    host's members cut into groups of ``g``; one host: every iteration). The groups are the static
+    schedule's first inter- and intra-host division, ranks in order; the smart generator's random
+    divisions have the same sizes and kinds of links. ``g`` >= the group: everyone, one ring. The
+    runtime's exchange (``PartialSync.average``) sends each member's vector to every peer, the
+    volume of this ring at ``g = 2`` (the default), ``g / 2`` times it above."""
+    by_host: dict[str, list[Worker]] = {}
+    for w in ws:
+        by_host.setdefault(w.host, []).append(w)
+    divisions = [list(by_host.values())]                                   # within hosts
+    if len(by_host) > 1:                                                   # across: the hosts interleaved
+        longest = max(len(v) for v in by_host.values())
+        divisions.append([[v[j] for j in range(longest) for v in by_host.values() if j < len(v)]])
+    if group_size >= len(ws):
+        divisions = [[ws]]
+    out = {w.rank: 0.0 for w in ws}
+    for division in divisions:
+        for members in division:
+            for i in range(0, len(members), group_size):
+                group = members[i:i + group_size]
+                ms = comm.allreduce_ms(nbytes, [by_name[w.device] for w in group])
+                for w in group:
+                    out[w.rank] += ms / len(divisions)
+    return out
 
 
 def _boundaries(graphs: TaskGraphs, dec: Decisions) -> list[BoundaryPlan]:

@@ -250,6 +250,63 @@ def test_plans_carry_p_reduce_and_refuse_what_it_cannot_run(tmp_path):
         pipe.validate()
 
 
+def test_sync_survives_path_annotation_and_the_taskgraph_round_trip():
+    """``replicate(n, sync=...)`` asked through ``wl.annotate`` (a plain replicate, and a nested
+    replicate+split passed as one strategy object) reaches the TaskGraphs, and ``to_dict`` /
+    ``from_dict`` keep it: a plan made from the loaded graphs still runs P-Reduce."""
+    from whalelike.graphs.taskgraph import TaskGraphs
+
+    model = nn.Sequential(nn.Linear(DIN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    with wl.replicate(2, sync="partial"), wl.split(2) as nested:
+        pass
+    wl.annotate(model, {"0": wl.replicate(4, sync="partial"), "2": nested, "4": wl.replicate(4, sync="exact")})
+    graphs = capture(model, (torch.randn(2, DIN),))
+    expected = ["replicate(4,sync=partial)", "replicate(2,sync=partial)+split(2)", "replicate(4,sync=exact)"]
+    assert [str(g.strategy) for g in graphs.graphs] == expected
+    back = TaskGraphs.from_dict(graphs.to_dict())
+    assert [str(g.strategy) for g in back.graphs] == expected
+    assert [g.strategy.sync for g in back.graphs] == ["partial", "partial", "exact"]
+    # a file written before sync existed loads as None (follow Config.dp_sync)
+    old = graphs.to_dict()
+    for g in old["graphs"]:
+        del g["strategy"]["sync"]
+    assert [g.strategy.sync for g in TaskGraphs.from_dict(old).graphs] == [None, None, None]
+    single = nn.Sequential(nn.Linear(DIN, 16), nn.Tanh(), nn.Linear(16, 4))
+    wl.annotate(single, {"*": wl.replicate(4, sync="partial")})
+    loaded = TaskGraphs.from_dict(capture(single, (torch.randn(2, DIN),)).to_dict())
+    four = Cluster.preset("emulated-4")
+    assert planner.plan(loaded, four, wl.Config(global_batch_size=16)).stages[0].replica_sync == "partial"
+
+
+def test_the_simulator_prices_p_reduce_as_an_all_reduce_within_its_group():
+    """A P-Reduce stage's exchange is an all-reduce among its group of ``g`` only, over the links
+    between the group's members (half the iterations across hosts, half within), after the
+    optimizer step; DDP's is the whole data-parallel ring, in buckets overlapped with the backward."""
+    from planner.devices.cost_model import CommModel
+
+    graphs = capture(MLP(), (torch.randn(2, DIN),))
+    spec = Cluster("two-hosts", tuple(Device(f"emu-{i}", "emu", f"h{i // 2}", peak_tflops=1.0, memory_gib=4)
+                                      for i in range(4)), Network(100.0, 1.0, 5.0))
+    ddp = planner.plan(graphs, spec, wl.Config(global_batch_size=16))
+    part = planner.plan(graphs, spec, wl.Config(global_batch_size=16, dp_sync="partial", partial_group_size=2))
+    comm, devices = CommModel(spec.network), spec.devices
+    nbytes = ddp.workers[0].gradient_bytes
+    assert nbytes > 0 and ddp.workers[0].allreduce_ms == pytest.approx(comm.allreduce_ms(nbytes, devices))
+    within = comm.allreduce_ms(nbytes, devices[:2])            # h0's pair (h1's costs the same)
+    across = comm.allreduce_ms(nbytes, [devices[0], devices[2]])  # interleaved: (0, 2), (1, 3)
+    assert across > within > 0
+    for w in part.workers:
+        assert w.allreduce_ms == pytest.approx((within + across) / 2) and w.gradient_bytes == 0.0
+    result = planner.simulate(part, network=spec)
+    compute_end = {r: max(e.end_ms for e in result.events if e.rank == r and e.kind != "allreduce") for r in range(4)}
+    for e in (e for e in result.events if e.kind == "allreduce"):
+        end = compute_end[e.rank]
+        assert (e.start_ms, e.end_ms) == pytest.approx((end, end + (within + across) / 2))
+    # a group of everyone is one ring of all four, not overlapped with the backward
+    everyone = planner.plan(graphs, spec, wl.Config(global_batch_size=16, dp_sync="partial", partial_group_size=4))
+    assert everyone.workers[0].allreduce_ms == pytest.approx(comm.allreduce_ms(nbytes, devices))
+
+
 def test_whalelike_plan_takes_dp_sync(tmp_path):
     from whalelike.cli import main
 

@@ -116,7 +116,7 @@ def _scope(outer, strategy: Strategy) -> Strategy:
     if strategy.inner is not None and outer is None:  # an already nested replicate+split
         inner = Strategy(strategy.inner.kind, strategy.inner.device_count)   # recompute lives on the top level
         return Strategy(strategy.kind, strategy.device_count, inner, next(_scope_ids),
-                        recompute=strategy.asks_recompute, zero=strategy.zero)
+                        recompute=strategy.asks_recompute, zero=strategy.zero, sync=strategy.sync)
     return _nest(outer, strategy)
 
 

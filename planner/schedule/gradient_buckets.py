@@ -116,7 +116,7 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
                  bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[GroupKey, list[GradientBucket]]:
     """The buckets of every data-parallel group ``(stage, tp_index)`` of ``plan`` whose workers
     record their ``gradient_bytes`` (a plan made before that field keeps its one all-reduce after
-    the backward; a ZeRO stage has none), priced on ``network``."""
+    the backward; a ZeRO stage has none, nor a P-Reduce one), priced on ``network``."""
     members: dict[GroupKey, list] = {}
     for w in plan.workers:
         members.setdefault((w.stage, w.tp_index), []).append(w)
@@ -124,7 +124,8 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
     network_key = network.key()
     for key, ws in members.items():
         nbytes = max(w.gradient_bytes for w in ws)
-        if nbytes <= 0 or len(ws) < 2 or plan.stages[key[0]].zero_stage:
+        stage = plan.stages[key[0]]
+        if nbytes <= 0 or len(ws) < 2 or stage.zero_stage or stage.replica_sync == "partial":
             continue
         devices = tuple(w.device for w in sorted(ws, key=lambda w: w.rank))
         memo = (network_key, devices, nbytes, first_bucket_bytes, bucket_bytes)

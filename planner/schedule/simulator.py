@@ -39,6 +39,13 @@ model of execution is the runtime's:
   ``hidden_allreduce_ms`` the rest.
   With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
   (:func:`planner.schedule.gradient_buckets.plan_buckets`), as the runtime overlaps them.
+* A P-Reduce stage (``StagePlan.replica_sync`` ``"partial"``) all-reduces no gradients: after its
+  optimizer step each worker averages its parameters with a group of ``partial_group_size``
+  (runtime.replicas.partial_sync). Each worker's exchange starts when its own compute ends (it
+  waits for its group only, and the members of a balanced plan end together) and takes its own
+  ``Worker.allreduce_ms``, which the planner prices as an all-reduce among the group's members over
+  the links between them (``planner.assemble._partial_allreduce_ms``: the message volume of a
+  ``g``-member ring, not the whole data-parallel group's); no bucket overlaps the backward.
   Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
   network interface, all-reduce traffic slowing concurrent boundary sends, and a broadcast's
   forwarding receivers being busy with compute (the runtime forwards when the rank gets to it).
@@ -474,6 +481,13 @@ def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tu
         peers[w.stage, w.tp_index].append(w)
     took = {}
     for key, ws in peers.items():
+        if plan.stages[key[0]].replica_sync == "partial":   # P-Reduce: each worker with its own group
+            for w in ws:
+                start, took[w.rank] = finish[w.rank], (w.allreduce_ms, 0.0)
+                finish[w.rank] = start + w.allreduce_ms
+                if events is not None and w.allreduce_ms > 0:
+                    events.append(SimEvent(w.rank, w.stage, "allreduce", None, start, finish[w.rank]))
+            continue
         own = buckets.get(key)
         if own is None:
             own = [GradientBucket(1.0, max(w.allreduce_ms for w in ws))]

@@ -297,13 +297,13 @@ class TaskGraphs:
 def _strategy_to_dict(s: Strategy) -> dict:
     return {"kind": s.kind, "device_count": s.device_count,
             "inner": _strategy_to_dict(s.inner) if s.inner is not None else None, "recompute": s.recompute,
-            "zero": s.zero}
+            "zero": s.zero, "sync": s.sync}
 
 
 def _strategy_from_dict(d: dict) -> Strategy:
     inner = _strategy_from_dict(d["inner"]) if d.get("inner") else None
     return Strategy(d["kind"], d.get("device_count"), inner, recompute=d.get("recompute", False),
-                    zero=d.get("zero"))
+                    zero=d.get("zero"), sync=d.get("sync"))   # files from before P-Reduce have no sync: None
 
 
 _NUMBERED = re.compile(r"^(.*\.)(\d+)$")
