@@ -30,7 +30,7 @@ from reference import train_reference
 from torchrun_jobs import ROOT, TORCHRUN, TRAIN, children, env, final_state, load_workload, workload_source
 from whalelike.graphs.capture import capture
 
-STEPS, EVERY, BATCH = 40, 3, 16
+STEPS, EVERY, BATCH = 24, 3, 16
 
 # node-a's devices are twice node-b's speed; base_gflops slows steps so the kill and the return of
 # node B land mid-run (about 0.2 s a step on four ranks, 0.3 s on node A's two)
@@ -71,14 +71,16 @@ def job(tmp_path_factory):
 # only (torch.distributed.elastic.rendezvous.dynamic_rendezvous.next_rendezvous); README "Elastic"
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-# torchrun's agent in a process that has imported it already and starts it once a file exists: a node
-# that comes back joins at once, rather than after seconds of imports on a busy machine
+# torchrun's agent in a process that imports it, says so (a file READY) and starts it once the file
+# TRIGGER exists: agents join a rendezvous together, and a node that comes back joins at once,
+# rather than after seconds of imports on a busy machine
 WAITING_AGENT = """
 import os, sys, time
 from torch.distributed.run import main
-while not os.path.exists(sys.argv[1]):
+open(sys.argv[1], "w").close()
+while not os.path.exists(sys.argv[2]):
     time.sleep(0.02)
-main(sys.argv[2:])
+main(sys.argv[3:])
 """
 
 
@@ -86,15 +88,16 @@ def agent(folder, host: str, port: int, *, is_host: bool, plan: str = "plan.yaml
           checkpoints: str = "ckpt", restarts: int = 3, trigger=None) -> subprocess.Popen:
     """One torchrun agent standing for spec host ``host`` (its own session, so it dies with its workers);
     with ``trigger`` (a path), started once that file exists."""
-    conf = f"is_host={str(is_host).lower()},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
-    launcher = [TORCHRUN] if trigger is None else [sys.executable, "-c", WAITING_AGENT, str(trigger)]
+    conf = f"is_host={str(is_host).lower()},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+    path = folder / f"{host}-{time.monotonic_ns()}.log"
+    launcher = [TORCHRUN] if trigger is None else \
+        [sys.executable, "-c", WAITING_AGENT, str(path.with_suffix(".ready")), str(trigger)]
     command = [*launcher, "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"elastic-{port}", "--rdzv-conf", conf,
                "--max-restarts", str(restarts), "--monitor-interval", "0.2",
                TRAIN, f"{folder}/workload.py:build", "--plan", f"{folder}/{plan}", "--cluster", f"{folder}/{cluster}",
                "--steps", str(STEPS), "--checkpoint-dir", f"{folder}/{checkpoints}", "--checkpoint-every", str(EVERY),
                "--balance", "off", "--timeout", "10", "--lr", "0.01"]
-    path = folder / f"{host}-{time.monotonic_ns()}.log"
     with open(path, "w") as log:
         run = subprocess.Popen(command, cwd=ROOT, env=env(WHALELIKE_HOST=host, **AGENT_ENV), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -122,6 +125,11 @@ def wait_for(condition, runs, what: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def ready(folder, count: int) -> bool:
+    """Whether ``count`` waiting agents have imported torchrun (each writes a ``.ready`` file)."""
+    return len(list(folder.glob("*.ready"))) >= count
+
+
 def saved_by(folder, world_size: int) -> list:
     """The complete checkpoints in ``folder`` written by a plan of ``world_size`` workers."""
     from runtime import checkpoint
@@ -131,16 +139,19 @@ def saved_by(folder, world_size: int) -> list:
 
 def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
     folder, workload = job
-    port = free_port()
-    a = agent(folder, "node-a", port, is_host=True)
-    b = agent(folder, "node-b", port, is_host=False)
+    port, go = free_port(), folder / "go"
+    a = agent(folder, "node-a", port, is_host=True, trigger=go)
+    b = agent(folder, "node-b", port, is_host=False, trigger=go)
     runs = [a, b]
     try:
+        wait_for(lambda: ready(folder, 2), runs, "the agents")
+        go.touch()
         # the first checkpoint of the four-rank plan, then node B is gone for good
         wait_for(lambda: saved_by(folder / "ckpt", 4), runs, "the first checkpoint")
         kill_node(b)
         b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns")
         runs = [a, b]
+        wait_for(lambda: ready(folder, 3), runs, "node B's agent")
         # node A's workers fail, start again, plan onto node A alone and write a checkpoint there
         wait_for(lambda: saved_by(folder / "ckpt", 2), runs, "a checkpoint of the two-rank plan")
         two_rank = saved_by(folder / "ckpt", 2)[0].load_plan()   # before newer checkpoints replace it
