@@ -17,9 +17,10 @@ the same emulation, all with ``BalanceConfig``'s defaults (warm-up 2 steps, wind
 * migrate:   ``policy="exact", tp_lossless="migrate"``: FlexTP's lossless migration (the owner keeps
              parameters and optimizer state, a speed-proportional compute layout runs the step,
              migrated slices' values out and gradients back P2P every step);
-* semi:      ``policy="semi"``, SEMI-migration (Algorithm 2; the Engine prices its costs from the
-             step's own measurements, ``SemiCosts.from_step``, resizing at 0, so Eq. 2 resizes a
-             single straggler only; several are split between migration and resizing by Eq. 3);
+* semi:      ``policy="semi"``, SEMI-migration (Algorithm 2; a single straggler is pre-tested first,
+             line 1, ``runtime.balance.semi_pretest``: resizing's loss on the last 2 batches and both
+             sides' time, so Eq. 2 migrates what resizing within the 0.5% loss budget cannot cover;
+             several are split between migration and resizing by Eq. 3);
 * reshard:   ``policy="exact", tp_lossless="reshard"``: a permanent uneven re-shard at once
              (columns and their optimizer state move P2P once).
 
@@ -286,6 +287,8 @@ def report(runs: dict, args, load: str) -> None:
         for method, r in methods.items():
             for line in r["events"]:
                 print(f"  {method:8} {line[:220]}{'...' if len(line) > 220 else ''}")
+                if "pre-test" in line[220:]:   # SEMI's pre-test and its decision, in full
+                    print(f"  {method:8}   {line[line.index('pre-test'):].split('; stage')[0]}")
             late = [s for s, n in enumerate(r["overruns"]) if n and s > 0]
             if late:
                 print(f"  {method:8} overruns at steps {late}")

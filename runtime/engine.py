@@ -341,6 +341,7 @@ class Engine:
         self._build(inputs)
         if share is None:
             self._check_batch(targets)
+            self.rebalancer.observe_batch(inputs, targets)   # SEMI's pre-test evaluates the last few
             if guards.batch_check_due(self.step, self.batch_check_every):
                 self._collective(lambda: guards.check_same_batch(inputs, targets, self.step, self.rank,
                                                                  self.batch_check_every))

@@ -162,6 +162,8 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         "tp_migrate": scenario(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")),
                                balance=BalanceConfig(warmup_steps=2, window=3, tp_lossless="migrate")),
         "tp_resize": approximate_run(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")), "resize"),
+        # SEMI, one straggler: the pre-test prices resizing's loss and migrates what costs too much
+        "tp_semi": approximate_run(Block(), cluster([1.0, 1.0], slow(3.0, "matmul")), "semi"),
     }
 
 
@@ -194,18 +196,21 @@ def loader_scenario(model: nn.Module, spec: Cluster) -> dict:
     return {"sizes": sizes, "events": [(e.step, e.action) for e in engine.replans]}
 
 
-def approximate_run(model: nn.Module, spec: Cluster, policy: str, num_micro_batch: int = 1) -> dict:
+def approximate_run(model: nn.Module, spec: Cluster, policy: str, num_micro_batch: int = 1,
+                    **balance) -> dict:
     """ZERO-resizing is approximate by design: the run must train (finite, falling losses), mark its
-    resized steps and events approximate, and prune only the straggler."""
+    resized steps and events approximate, and prune only the straggler. ``balance``: more
+    BalanceConfig fields."""
     from runtime import Engine
 
     model = model.double()
     graphs = capture(model, batches()[0][0])
     plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=num_micro_batch))
     engine = Engine(model, plan, optimizer=OPTIMIZERS["adamw"], loss_fn=loss_fn, cluster=spec,
-                    balance=BalanceConfig(policy=policy, warmup_steps=2, window=3))
+                    balance=BalanceConfig(policy=policy, warmup_steps=2, window=3, **balance))
     losses = [float(engine.train_step(b)) for b in batches()]
     return {"losses": losses, "events": [(e.step, e.action, e.exact) for e in engine.replans],
+            "details": [e.detail for e in engine.replans],
             "approximate": [s.approximate for s in engine.stats], "rank": engine.rank}
 
 
@@ -220,7 +225,9 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     return {"hybrid": scenario(Mlp(two, wl.replicate), spec, num_micro_batch=2),
             "shares_in_place": shares_in_place(rank),
             "semi_two_stragglers": approximate_run(Block(ways=3), skewed, "semi"),
-            "semi_hybrid": approximate_run(Block(ways=2, stem=True), mixed, "semi", num_micro_batch=2)}
+            # accuracy not priced (semi_loss_budget inf): Eq. 2 on time alone resizes the straggler
+            "semi_hybrid": approximate_run(Block(ways=2, stem=True), mixed, "semi", num_micro_batch=2,
+                                           semi_loss_budget=math.inf)}
 
 
 def shares_in_place(rank: int) -> dict:
@@ -423,6 +430,27 @@ def test_semi_migrates_the_worst_straggler_and_resizes_the_mild_one(three):
     run = three["semi_two_stragglers"]
     (step, action, exact), *_ = run["events"]
     assert action == "migrate+resize" and not exact, run["events"]
+    assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
+
+
+def test_semi_pre_test_migrates_a_single_straggler_whose_resizing_costs_accuracy(two):
+    """Algorithm 2 line 1: before splitting a single straggler's excess, SEMI measures what resizing
+    costs in loss (and both sides in time). Resizing the Eq. 1 ratio here raises the loss of the last
+    batches far past the 0.5% budget, so most of the straggler's work migrates (exact) and it prunes
+    at most the fraction whose measured loss stays within the budget; the event names the pre-test,
+    its measured losses and its decision."""
+    run = two["tp_semi"]
+    acting = [(e, d) for e, d in zip(run["events"], run["details"]) if e[1] != "none"]
+    ((step, action, exact), detail), *_ = acting
+    assert step >= ONSET and action.startswith("migrate"), (run["events"], detail)
+    assert "pre-test rank 1" in detail and "against budget 0.50%" in detail, detail
+    samples = [tuple(float(v.rstrip("%")) for v in x.split(": "))
+               for x in detail.split("{")[1].split("}")[0].split(", ")]   # (pruned fraction, loss in %)
+    migrate, resize = (float(detail.split(f"{what} ")[1].split(",")[0].split(";")[0]) for what in ("migrate", "resize"))
+    (fraction, loss), *_ = samples
+    assert loss > 0.5 and migrate > resize, detail   # resizing the whole excess would cost accuracy
+    assert (resize - 0.0005) * loss / fraction <= 0.5, detail   # the resized part (printed to 3 places) fits the budget
+    assert exact == (resize == 0) and any(run["approximate"]) == (resize > 0), (run["events"], detail)
     assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
 
 

@@ -2,10 +2,12 @@
 Eq. (1) against T_avg and T_min, Eq. (2)'s beta, Eq. (3)'s f(x) and Algorithm 2's branches."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planner.balance.semi_migration import (LinearCost, PiecewiseLinearCost, SemiCosts, migration_gain, pruning_ratio,
-                                    pruning_ratios, resize_decision, semi_decision, solve_beta, unresized)
+                                    pruning_ratios, resize_bound, resize_decision, semi_decision, solve_beta, unresized)
 from whalelike.errors import WhaleError
 
 APPROX = dict(abs=1e-9)
@@ -93,6 +95,25 @@ def test_algorithm2_single_straggler_splits_by_eq2():
     assert default.beta == 0.0 and default.migrate == {} and default.resize == pytest.approx({3: 0.625})
     # phi2 from the fastest rank's matmul time per column: 0.8 s / 100 columns
     assert SemiCosts.from_step([0.8, 1.6], [100, 100]).phi2(50) == pytest.approx(0.4)
+
+
+def test_a_pre_tested_loss_cost_caps_resizing_and_migrates_the_rest():
+    # the same straggler (gamma 0.625, Eq. 2 alone: beta 0.29, resize 0.44 of 100 columns), now with
+    # resizing priced in accuracy: 1% loss per 10 columns pruned, budget 2% -> at most 20 columns
+    priced = dataclasses.replace(LINEAR, loss=lambda n: n / 1000, loss_budget=0.02)
+    assert resize_bound(priced, 62.5) == pytest.approx(20.0, abs=1e-6)
+    decision = semi_decision([1.0, 1.0, 1.0, 2.0], [0.8, 0.8, 0.8, 1.6], 100, priced)
+    assert decision.resize == pytest.approx({3: 0.2}) and decision.migrate == pytest.approx({3: 0.425})
+    assert decision.beta == pytest.approx(0.68) and decision.resize_cap == pytest.approx(0.2)
+    # a budget that resizing all of it fits leaves Eq. 2's split alone; a zero budget migrates everything
+    loose = dataclasses.replace(priced, loss_budget=1.0)
+    assert semi_decision([1.0, 1.0, 1.0, 2.0], [0.8, 0.8, 0.8, 1.6], 100, loose).beta == pytest.approx(0.29, **APPROX)
+    strict = semi_decision([1.0, 1.0, 1.0, 2.0], [0.8, 0.8, 0.8, 1.6], 100, dataclasses.replace(priced, loss_budget=0))
+    assert strict.resize == {} and strict.migrate == pytest.approx({3: 0.625}) and strict.beta == pytest.approx(1.0)
+    # accuracy not priced (loss None): no cap, as before
+    assert resize_bound(LINEAR, 62.5) == 62.5 and semi_decision([1.0, 2.0], [0.8, 1.6], 100, LINEAR).resize_cap is None
+    with pytest.raises(WhaleError, match="loss_budget must be >= 0"):
+        resize_bound(dataclasses.replace(priced, loss_budget=-1.0), 62.5)
 
 
 def test_algorithm2_several_stragglers_choose_x_by_eq3():

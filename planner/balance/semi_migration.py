@@ -31,6 +31,11 @@ Where the paper is ambiguous, and what is chosen here:
   ``x`` tasks of the descending order (ties by rank) migrate, the set Eq. (3) was evaluated for.
 * Lines 21/23 migrate or prune ``L * gamma_i`` with ``gamma_i`` from Eq. (1) against ``T_min``;
   migration fractions are clipped to ``[0, 1]``, resizing ratios to ``[0, max_gamma]``.
+* Line 1's pre-test measures time only (Omega, Phi), so Eq. (2) never weighs accuracy, though the
+  paper's aim is "a good balance between accuracy loss and runtime latency". Here the pre-test
+  (``runtime.balance.semi_pretest``) may also price resizing's loss (``SemiCosts.loss``), and the
+  single-straggler branch then resizes at most :func:`resize_bound`'s columns, migrating the rest
+  (the rest is exact). Without it (``loss=None``) Eq. (2) decides alone, as written.
 """
 from __future__ import annotations
 
@@ -103,12 +108,21 @@ class SemiCosts:
     ``omega2(n)``: its cost of extracting ``n`` pruned columns; ``phi1(n)``: the communication
     cost of migrating ``n`` columns (send and collect); ``phi2(n)``: a normal task's cost of
     computing ``n`` migrated columns.
+
+    The pre-test also prices resizing in accuracy (migration is exact, so it costs none):
+    ``loss(n)`` is the relative increase of the loss when the straggler prunes ``n`` of its columns
+    (measured on a few batches, ``runtime.balance.semi_pretest``), and ``loss_budget`` the most of
+    it a run accepts. Eq. (2) alone weighs time only; with ``loss`` given, the single-straggler
+    branch resizes at most :func:`resize_bound`'s columns and migrates the rest
+    (``beta >= 1 - bound / (L * gamma)``). Without it (None) accuracy is not priced.
     """
 
     omega1: float
     omega2: Cost
     phi1: Cost
     phi2: Cost
+    loss: Optional[Cost] = None          # resizing's accuracy cost: relative loss increase at n pruned columns
+    loss_budget: float = math.inf        # the most ``loss`` may reach; resizing past it migrates instead
 
     @classmethod
     def from_step(cls, matmul_times: Sequence[float], columns: Sequence[float]) -> "SemiCosts":
@@ -116,7 +130,8 @@ class SemiCosts:
         column in the fastest rank's matmul time per column (``phi2``, the paper: "its speed L_y/T_y
         is available"); pruning, its allocation and the sending are priced at 0 (``omega1``,
         ``omega2``, ``phi1``: nothing measures them). With these, Eq. (2) gives ``beta = 0``: a
-        single straggler is resized only. Pass measured costs for a split."""
+        single straggler is resized only. Pass measured costs for a split (the Engine does, from
+        ``runtime.balance.semi_pretest``, under policy ``"semi"``)."""
         per_column = min(m / c for m, c in zip(matmul_times, columns))
         return cls(0.0, lambda n: 0.0, lambda n: 0.0, lambda n: n * per_column)
 
@@ -187,6 +202,9 @@ class SemiDecision:
     beta: float | None = None            # Eq. (2)'s split, when the single-straggler branch ran
     migrating: int = 0                   # x of Eq. (3)
     stragglers: tuple[int, ...] = ()     # ranks slower than the criterion, slowest first
+    # the accuracy bound of the single-straggler branch (resize_bound), when the costs price accuracy:
+    # the most of its columns the straggler may prune, Algorithm 1's differentiated ratios included
+    resize_cap: float | None = None
 
     def local_ratio(self, rank: int) -> float:
         """The ratio to pass to ``ZeroResizer.set_ratio`` on ``rank`` once its migrated columns
@@ -244,6 +262,26 @@ def solve_beta(straggler_columns: float, gamma: float, tp_size: int, costs: Semi
     return 0.5 * (low + high)
 
 
+def resize_bound(costs: SemiCosts, excess: float) -> float:
+    """The most columns ``n`` in ``[0, excess]`` whose measured accuracy cost ``costs.loss(n)``
+    stays within ``costs.loss_budget``: ``excess`` when pruning all of it does
+    (or when ``costs.loss`` is None: accuracy not priced), else the first crossing of the budget
+    by bisection on ``[0, excess]`` (the cost is measured at a few sizes and interpolated,
+    ``loss(0) = 0``; for a cost that is not monotone this is a crossing, not necessarily the first)."""
+    if costs.loss is None or costs.loss(excess) <= costs.loss_budget:
+        return excess
+    if not costs.loss_budget >= 0:
+        raise WhaleError(f"resize_bound: loss_budget must be >= 0 (a relative loss increase), got {costs.loss_budget}")
+    low, high = 0.0, excess
+    while high - low > 1e-9 * max(1.0, excess):
+        middle = 0.5 * (low + high)
+        if costs.loss(middle) <= costs.loss_budget:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def migrated_volume(order: Sequence[int], count: int, times: Sequence[float], columns: Sequence[float],
                     fastest: float) -> float:
     """Eq. (3)'s ``Gamma(x)``: columns the ``count`` slowest tasks of ``order`` hand over so each
@@ -273,7 +311,8 @@ def semi_decision(times: Sequence[float], matmul_times: Sequence[float],
     equal, by default 1: every rank's shard is the unit); ``costs``: the pre-tested costs
     (default :meth:`SemiCosts.from_step`, which makes a single straggler resize only).
     Stragglers are ranks slower than ``T_min * (1 + tolerance)``. One straggler: Eq. (2) splits its
-    excess between migration and resizing. Several: the ``x`` slowest migrate (Eq. 3, the largest
+    excess between migration and resizing, and when ``costs.loss`` prices accuracy the resized part
+    is cut to :func:`resize_bound` (the rest migrates). Several: the ``x`` slowest migrate (Eq. 3, the largest
     ``x`` whose ``f`` stays >= 0 scanning from the slowest), the rest resize, each by ``gamma_i``
     of Eq. (1) against ``T_min``.
     """
@@ -297,10 +336,14 @@ def semi_decision(times: Sequence[float], matmul_times: Sequence[float],
         rank = stragglers[0]
         gamma = gammas[rank]
         beta = solve_beta(widths[rank], gamma, size, costs)
+        bound = resize_bound(costs, widths[rank] * gamma) / widths[rank]   # columns -> a fraction
+        if gamma > 0 and bound < gamma * (1.0 - beta):   # resizing that much costs more accuracy than allowed
+            beta = 1.0 - bound / gamma
         resize = min(gamma * (1.0 - beta), max_gamma)
         return SemiDecision(migrate={rank: gamma * beta} if gamma * beta > 0 else {},
                             resize={rank: resize} if resize > 0 else {},
-                            beta=beta, migrating=1 if gamma * beta > 0 else 0, stragglers=stragglers)
+                            beta=beta, migrating=1 if gamma * beta > 0 else 0, stragglers=stragglers,
+                            resize_cap=None if costs.loss is None else bound)
     migrating = len(stragglers)
     for count in range(1, len(stragglers) + 1):
         if migration_gain(order, count, times, widths, costs.phi1) < 0:

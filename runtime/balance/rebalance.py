@@ -37,10 +37,11 @@ The loop, after every optimizer step (all of it collective and identical on ever
 
 Policies (:class:`BalanceConfig`): ``"exact"`` (default) re-plans shares, layers and shards, never
 approximates; ``"semi"`` is FlexTP's SEMI-migration for tensor-parallel stages (the worst stragglers
-get their work moved, mild ones are resized, Eq. 2/3, Algorithm 2; see planner.balance.semi_migration),
-exact re-planning elsewhere; ``"resize"`` is ZERO-resizing alone for tensor-parallel stages
-(Eq. 1); ``"off"`` measures and logs, and changes nothing. Steps run with resizing are marked
-approximate in ``Engine.stats`` and in the log.
+get their work moved, mild ones are resized, Eq. 2/3, Algorithm 2; see planner.balance.semi_migration;
+a single straggler is pre-tested first, Algorithm 2 line 1, runtime.balance.semi_pretest: resizing is
+kept within ``semi_loss_budget`` of loss and the rest migrates), exact re-planning elsewhere;
+``"resize"`` is ZERO-resizing alone for tensor-parallel stages (Eq. 1); ``"off"`` measures and logs,
+and changes nothing. Steps run with resizing are marked approximate in ``Engine.stats`` and in the log.
 
 Invariant: every decision is a function of values that are identical on every rank after the
 exchange (the gathered speeds, the plan, the step number), so every rank makes the same decision
@@ -52,6 +53,7 @@ import logging
 import math
 import time
 import weakref
+from collections import deque
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -82,6 +84,11 @@ class BalanceConfig:
                     migrates work while a change is new and re-shards for good once it has lasted
                     ``persist_steps``; ``"migrate"`` only migrates; ``"reshard"`` re-shards at once.
     persist_steps:  steps a migration lasts before ``"auto"`` makes it a permanent re-shard.
+    semi_loss_budget: policy semi, a single straggler: the most resizing may raise the loss of the
+                    last training batches, relative (0.005: 0.5%), as the pre-test measures it
+                    (runtime.balance.semi_pretest, Algorithm 2 line 1); past it the straggler's work
+                    migrates instead (exact). ``math.inf``: accuracy not priced (Eq. 2 on time alone).
+    pretest_batches: the last training batches the pre-test evaluates the pruned loss on.
     """
 
     policy: str = "exact"
@@ -92,6 +99,8 @@ class BalanceConfig:
     max_gamma: float = 0.9
     tp_lossless: str = "auto"
     persist_steps: int = 20
+    semi_loss_budget: float = 0.005
+    pretest_batches: int = 2
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -104,13 +113,18 @@ class BalanceConfig:
         if self.tp_lossless not in TP_LOSSLESS:
             raise SpecError(f"BalanceConfig.tp_lossless must be one of {', '.join(TP_LOSSLESS)}, got "
                             f"{self.tp_lossless!r}")
-        for name, minimum in (("window", 1), ("exchange_every", 1), ("warmup_steps", 0), ("persist_steps", 1)):
+        for name, minimum in (("window", 1), ("exchange_every", 1), ("warmup_steps", 0), ("persist_steps", 1),
+                              ("pretest_batches", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise SpecError(f"BalanceConfig.{name} must be an integer >= {minimum}, got {value!r}")
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, (int, float)) \
                 or not 0.0 < self.max_gamma < 1.0:
             raise SpecError(f"BalanceConfig.max_gamma must be in (0, 1), got {self.max_gamma!r}")
+        if isinstance(self.semi_loss_budget, bool) or not isinstance(self.semi_loss_budget, (int, float)) \
+                or not self.semi_loss_budget >= 0:
+            raise SpecError(f"BalanceConfig.semi_loss_budget must be a relative loss increase >= 0 (0.005 = 0.5%; "
+                            f"math.inf prices no accuracy), got {self.semi_loss_budget!r}")
 
     @classmethod
     def of(cls, value: Union["BalanceConfig", str, None]) -> "BalanceConfig":
@@ -176,6 +190,9 @@ class Rebalancer:
         self.monitor = StragglerMonitor(e.rank, e.plan.world_size, None, window=self.config.window,
                                         threshold=self.config.threshold, exchange_every=self.config.exchange_every)
         self._resizer = None
+        self._resize_cap: Optional[float] = None   # the SEMI pre-test's bound on this rank's pruned fraction
+        # the last training batches, for the SEMI pre-test's loss evaluations (policy semi only)
+        self.recent_batches: deque = deque(maxlen=self.config.pretest_batches)
         self._fresh = False   # the next step is the first of a rebuilt executor
         self._measured_step: Optional[int] = None
 
@@ -206,6 +223,11 @@ class Rebalancer:
             return self.monitor.outgoing()
 
         return Passenger(3 * self.engine.plan.world_size, fill)
+
+    def observe_batch(self, inputs: tuple, targets) -> None:
+        """Keep a reference to a training batch (the whole global batch) for SEMI's pre-test."""
+        if self.config.policy == "semi":
+            self.recent_batches.append((inputs, targets))
 
     def _measure(self, step: int, flops: float, compute_s: float, matmul_s: float) -> None:
         flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
@@ -349,6 +371,8 @@ class Rebalancer:
 
         migrate: dict[int, float] = {}
         resize: dict[int, float] = {}
+        caps: dict[int, float] = {}
+        pretests: list[str] = []
         groups = _tensor_parallel_groups(self.engine.plan)
         for ranks in groups:
             times = [measured.compute_s[r] for r in ranks]
@@ -357,8 +381,13 @@ class Rebalancer:
             # a straggler is slower than the reference by more than the trigger threshold: equal
             # ranks' measured times differ in their last bits, and must not count as stragglers
             decision = decide(times, matmul, max_gamma=self.config.max_gamma, tolerance=self.config.threshold)
+            if self.config.policy == "semi" and len(decision.stragglers) == 1 and decision.resize:
+                decision = self._pretested(ranks, decision, times, matmul, pretests)
             migrate.update((ranks[i], f) for i, f in decision.migrate.items())
             resize.update((ranks[i], g) for i, g in decision.resize.items())
+            if decision.resize_cap is not None:
+                caps.update((ranks[i], decision.resize_cap / max(1e-12, 1.0 - decision.migrate.get(i, 0.0)))
+                            for i in decision.resize)
         # the layout to compute with: migrating ranks give up their migrated fraction, resized ranks
         # keep their work (resizing brings them back to pace), everyone else runs at measured speed
         speeds = list(measured.speeds)
@@ -370,7 +399,8 @@ class Rebalancer:
             speeds[r] = self.reference[r] * (1.0 - fraction)
         action, detail, _ = self._migrate(speeds)
         actions = [] if action == "none" else [action]
-        details = [detail] if action != "none" else []
+        details = pretests + ([detail] if action != "none" else [])
+        self._resize_cap = caps.get(self.engine.rank)
         self._set_resizing(resize.get(self.engine.rank, 0.0))
         self.resized = resize
         if resize:
@@ -378,10 +408,34 @@ class Rebalancer:
             details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(resize.items())))
         return ("+".join(actions) or "none"), "; ".join(details), not resize
 
+    def _pretested(self, ranks: Sequence[int], decision, times, matmul, notes: list[str]):
+        """Algorithm 2 line 1 for a single straggler SEMI would resize: measure what resizing and
+        migrating cost (runtime.balance.semi_pretest; collective) and decide again with those costs.
+        The pre-test and its decision are logged and named in the event's detail."""
+        from planner.balance.semi_migration import semi_decision
+        from runtime.balance.semi_pretest import run_pretest
+
+        index = decision.stragglers[0]
+        gamma = decision.resize.get(index, 0.0) + decision.migrate.get(index, 0.0)
+        result = run_pretest(self, ranks, ranks[index], gamma, matmul)
+        if result is None:
+            return decision
+        decided = semi_decision(times, matmul, costs=result.costs, max_gamma=self.config.max_gamma,
+                                tolerance=self.config.threshold)
+        line = result.line(decided)
+        if self.engine.rank == 0:
+            log.info("SEMI %s", line)
+        notes.append(line)
+        return decided
+
     def _set_resizing(self, gamma: float) -> None:
         resizer = self._resizer_of_module()
         if resizer is not None:
-            resizer.set_ratio(gamma)
+            # the pre-test's accuracy bound caps Algorithm 1's differentiated ratios too: statistics
+            # must not raise the pruned fraction past what the pre-test priced
+            cap = self.config.max_gamma if self._resize_cap is None else min(self.config.max_gamma, self._resize_cap)
+            resizer.max_gamma = cap
+            resizer.set_ratio(min(gamma, cap))
 
     def _resizer_of_module(self):
         """The ZERO-resizer of the module this rank computes with (a new one after a migration or a
@@ -402,6 +456,7 @@ class Rebalancer:
         if self._resizer is not None:
             self._resizer.set_ratio(0.0)
         self.resized = {}
+        self._resize_cap = None
 
     def after_optimizer_step(self) -> None:
         """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update, on
