@@ -80,6 +80,7 @@ from runtime.parallel.data_parallel import DataParallelExecutor
 from runtime.emulation.compute import EmulatedOutOfMemoryError, EmulationStats, Emulator, check_capacity  # noqa: F401
 from runtime.groups import PlanGroups, build_groups
 from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
+from runtime.elastic.departure import Boarding, Departures, LeaveConfig, leave, reasons_of
 from runtime.replicas.replica_sync import after_step, runs_exact
 from runtime.training.clipping import GlobalGradNorm, check_max_norm
 from runtime.training.memory_meter import MemoryMeter
@@ -259,7 +260,7 @@ class Engine:
                  batch_check_every: int = guards.DEFAULT_BATCH_CHECK_EVERY, precision: Optional[str] = None,
                  clip_grad_norm: Optional[float] = None, scheduler: Optional[Callable] = None,
                  measure_memory: Optional[bool] = None, grad_reduce_dtype: str = "fp32",
-                 profile: Optional[Profile] = None):
+                 profile: Optional[Profile] = None, departures: "LeaveConfig | bool | None" = None):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         # Every check before the rendezvous is local and identical on all ranks: all fail alike, none hangs.
@@ -279,6 +280,7 @@ class Engine:
         self.on_nonfinite, self.batch_check_every = on_nonfinite, batch_check_every
         self.skipped_steps: list[int] = []     # steps whose update on_nonfinite="skip" dropped
         balance = BalanceConfig.of(balance)
+        leaving = LeaveConfig.of(departures)
         rank, world_size = distributed.launched()
         distributed.check_world_size(plan, world_size, rank)
         self.cluster = cluster if cluster is not None else _preset(plan)
@@ -324,6 +326,8 @@ class Engine:
         self.compute_plan: Optional[Plan] = None    # the layout that computes while a migration runs
         self._context: Optional[ExecutorContext] = None
         self.rebalancer = Rebalancer(self, balance)
+        # leaving without a restart (runtime.elastic.departure): None when off (the default)
+        self.departures = Departures(leaving) if leaving is not None else None
         # callables engine -> None run on every rank at each step boundary, after the re-plan check
         # (collective: every rank holds the same hooks); runtime.balance.sync_policy attaches itself here
         self.step_hooks: list[Callable[["Engine"], None]] = []
@@ -355,7 +359,10 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             # the straggler monitor's figures ride in the all-reduce that ends the step (executors with
             # a ``passenger`` slot sum it there); a step without one sums it on its own
-            passenger = self.rebalancer.passenger(self.step, lambda: self.emulator.stats.since(before))
+            inner = self.rebalancer.passenger(self.step, lambda: self.emulator.stats.since(before))
+            # with departures on, every step carries the ranks' leave flags too (Boarding)
+            passenger = inner if self.departures is None else \
+                self.departures.board(inner, self.plan.world_size, self.rank)
             carries = hasattr(self.executor, "passenger")
             if carries:
                 self.executor.passenger = passenger
@@ -369,6 +376,7 @@ class Engine:
             if passenger is not None and not passenger.carried:
                 passenger.fill()
                 self._collective(lambda: _sum_alone(passenger.vector))
+                passenger.arrived(passenger.vector)
             outcome = self._optimizer_step(loss)
             # the replica sync's hook after the optimizer step (or its skip): P-Reduce averages with its group
             self._collective(lambda: after_step(self.executor, self.plan, self.step, self.optimizer))
@@ -377,8 +385,13 @@ class Engine:
         check_capacity(self.emulator, self.meter.peak_bytes, self.step)   # an emulated device's memory, if enforced
         # the step boundary: the plan may change (collective, part of this step: a rank that never
         # starts the next one must not be reported as having begun it)
-        carried = passenger.vector if passenger is not None else None
-        self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
+        carried = inner.vector if inner is not None else None
+        notices = passenger.leaving() if isinstance(passenger, Boarding) else []
+        if not notices:
+            self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
+        slow = self.departures.slow(self) if self.departures is not None and not notices else None
+        if notices or slow is not None:   # a leave: this rank raises Departed if it is one of them
+            leave(self, *reasons_of(notices, slow))
         for hook in list(self.step_hooks):   # e.g. runtime.balance.sync_policy.SyncPolicy (collective)
             self._collective(lambda: hook(self))
         self.step += 1
@@ -470,6 +483,32 @@ class Engine:
                 None))
         self._context = context
         self.plan, self.worker, self.compute_plan = plan, plan.worker(self.rank), None
+        return report
+
+    def _rewire(self, plan: Plan, cluster: Cluster, rank: int, held):
+        """After a leave (:func:`runtime.elastic.departure.leave`, in the stayers' new default group):
+        run ``plan`` on ``cluster`` as ``rank``: new groups, progress record, emulator, straggler
+        monitor, and the executor built for the plan with ``held`` (the old executor's snapshot and
+        any pieces parked here) landed on it. Returns the transfer report."""
+        from runtime.balance.state_transfer import land
+
+        plan.validate(graphs=self.graphs, cluster=cluster)
+        self.rank, self.plan, self.cluster, self.worker = rank, plan, cluster, plan.worker(rank)
+        self.emulator = Emulator.for_device(cluster, self.worker.device, rank, precision=self.precision.name)
+        self.groups = build_groups(plan, rank, self.timeout_s)
+        self.progress = distributed.Progress(rank, plan.world_size, self.timeout_s, self.emulator.busy_for)
+        self._context = context = dataclasses.replace(self._context, plan=plan, rank=rank, worker=self.worker,
+                                                      groups=self.groups, emulator=self.emulator, cluster=cluster)
+        self.executor, report = self._collective(lambda: land(held, _BUILDERS[plan_kind(plan)](context),
+                                                              self.optimizer, self._make_optimizer))
+        self.compute_plan = None
+        history, version = self.rebalancer.history, self.rebalancer.plan_version
+        self.rebalancer = Rebalancer(self, self.rebalancer.config)
+        self.rebalancer.history, self.rebalancer.plan_version = history, version + 1
+        self.rebalancer._fresh = True   # the new executor's first step pays one-time costs
+        if self.step_hooks:
+            log.warning("rank %d: the step hooks %s were built for the old world; a hook holding process groups "
+                        "must rebuild them (the default group is new)", rank, [type(h).__name__ for h in self.step_hooks])
         return report
 
     def start_migration(self, compute_plan: Plan) -> None:

@@ -181,6 +181,7 @@ class Rebalancer:
     plan_version: int = 0
     migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
     resized: dict = field(default_factory=dict)  # rank -> pruning ratio of ZERO-resizing in force
+    last_measured: Optional["Measured"] = None   # the latest exchange's speeds (runtime.elastic.departure reads them)
 
     def __post_init__(self, owner):
         from runtime.balance.straggler_monitor import StragglerMonitor
@@ -251,7 +252,7 @@ class Rebalancer:
         event = self._persisted(step)
         if event is not None or carried is None:
             return event
-        measured = self.monitor.received(step, carried)
+        measured = self.last_measured = self.monitor.received(step, carried)
         if self.reference is None:
             self.reference = list(measured.speeds)
             return None

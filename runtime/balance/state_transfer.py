@@ -31,6 +31,7 @@ memory beyond what the gradients held.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -81,8 +82,30 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
     ``r`` is rank ``r`` of ``group`` (default: the world). Returns ``(new_executor, TransferReport)``.
     """
     start = time.perf_counter()
-    group = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held = snapshot(old, optimizer)
+    return land(held, build_new(), optimizer, make_optimizer, group, start=start)
+
+
+@dataclass
+class Snapshot:
+    """What a rank held under an executor it has let go of: ``sources`` (name -> a snapshot of the
+    local tensor and its :class:`~planner.balance.state_moves.Slab`; optimizer state entries under
+    :func:`state_name`), ``state`` (per parameter name, each optimizer entry's kind, see
+    :func:`optimizer_state`) and ``parked``: pieces another rank handed to this one before it left
+    the job (:mod:`runtime.elastic.departure`), described as held by a rank of their own."""
+
+    sources: NamedState
+    state: dict
+    parked: NamedState = dataclasses.field(default_factory=dict)
+    parked_state: dict = dataclasses.field(default_factory=dict)
+
+    def dtypes(self, entries: NamedState) -> dict[str, str]:
+        return {n: str(t.dtype).removeprefix("torch.") for n, (t, _) in entries.items()}
+
+
+def snapshot(old, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Snapshot what ``old`` holds (parameters, buffers, ``optimizer``'s state) and close it; the
+    first half of :func:`switch_executor` (local, no communication besides what ``close`` does)."""
     held = old.named_state()
     for tensor, _ in held.values():
         if isinstance(tensor, nn.Parameter):
@@ -95,25 +118,44 @@ def switch_executor(old, build_new: Callable[[], Any], optimizer: torch.optim.Op
     # the old executor lets go of the model before the new one wraps it (a ZeRO sync gives its parameters
     # back whole; two wrappers of one module would conflict); everything to move is in the snapshot
     old.close()
-    new = build_new()
-    target = new.named_state()
+    return Snapshot(sources, state_meta)
+
+
+def land(held: Snapshot, new, optimizer: torch.optim.Optimizer, make_optimizer: Callable,
+         group: Optional[dist.ProcessGroup] = None, *, start: Optional[float] = None):
+    """The second half of :func:`switch_executor` (collective on ``group``): move what every rank's
+    :class:`Snapshot` holds to where the ``new`` executors hold it and rebind ``optimizer``. ``new``
+    None is a rank that holds nothing under the new plan (it only sends). Pieces parked on a rank
+    are taken as held by a virtual rank ``world + rank`` (preferred after real holders), which that
+    rank sends for. Returns ``(new, TransferReport)``."""
+    start = time.perf_counter() if start is None else start
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    sources = held.sources
+    target = new.named_state() if new is not None else {}
+    state_meta = dict(held.state)
+    for name, entries in held.parked_state.items():
+        state_meta.setdefault(name, {}).update(entries)
     mine = {"old": {n: s for n, (_, s) in sources.items()}, "new": {n: s for n, (_, s) in target.items()},
-            "dtype": {n: str(t.dtype).removeprefix("torch.") for n, (t, _) in sources.items()},
-            "state": state_meta}
+            "dtype": {**held.dtypes(sources), **held.dtypes(held.parked)}, "state": state_meta,
+            "parked": {n: s for n, (_, s) in held.parked.items()}}
     described: list[dict] = [None] * world
     dist.all_gather_object(described, mine, group=group)
     keys = state_keys(described)
     wanted = [{**d["new"], **{state_name(p, k): (d["new"][p] if meta[0] == "param" else Slab(()))
                               for p in d["new"] if p in keys for k, meta in keys[p].items() if meta[0] != "value"}}
               for d in described]
-    moves = plan_moves({r: d["old"] for r, d in enumerate(described)}, dict(enumerate(wanted)))
+    holders = {r: d["old"] for r, d in enumerate(described)}
+    holders.update((world + r, d["parked"]) for r, d in enumerate(described) if d["parked"])
+    moves = plan_moves(holders, dict(enumerate(wanted)))
     destinations = dict(target)
     new_state = allocate_state(target, keys, sources, described[rank]["old"], wanted[rank])
     destinations.update(new_state)
-    execute_moves(moves, rank, group, sources, destinations)
-    _rebind(optimizer, make_optimizer, new, target, new_state, keys)
+    execute_moves(moves, rank, group, sources, destinations, parked=held.parked)
+    if new is not None:
+        _rebind(optimizer, make_optimizer, new, target, new_state, keys)
     dtypes = {n: getattr(torch, t) for d in described for n, t in d["dtype"].items()}
-    crossing = [m for m in moves if not m.local]
+    crossing = [m for m in moves if m.src % world != m.dst]
     report = TransferReport(len({m.name for m in crossing}),
                             sum(m.elements * dtypes[m.name].itemsize for m in crossing),
                             time.perf_counter() - start)
@@ -199,21 +241,26 @@ def _region(tensor: torch.Tensor, slab: Slab, move: Move) -> torch.Tensor:
 
 @torch.no_grad()
 def execute_moves(moves: list[Move], rank: int, group: Optional[dist.ProcessGroup], sources: NamedState,
-                  destinations: NamedState) -> None:
+                  destinations: NamedState, parked: Optional[NamedState] = None) -> None:
     """Carry out ``moves`` (the same list on every rank of ``group``; plan rank = group rank, default
     group: the world) on rank ``rank``: pieces are read from ``sources`` and written into
     ``destinations`` (name -> local tensor and the :class:`~planner.balance.state_moves.Slab` it holds).
     Local copies first, then every send and receive of this rank in one ``batch_isend_irecv`` (tag:
-    the move's index in the list, the same on both ends); returns once this rank's pieces arrived."""
+    the move's index in the list, the same on both ends); returns once this rank's pieces arrived.
+    A move from virtual rank ``world + r`` is sent by rank ``r`` from ``parked`` (see :func:`land`)."""
     group = group if group is not None else dist.group.WORLD
     wire = _wire_device(group)
+    world = dist.get_world_size(group)
     ops, landing = [], []
     for index, move in enumerate(moves):
+        origin = sources
+        if move.src >= world:   # a parked piece: its host sends it
+            move, origin = dataclasses.replace(move, src=move.src - world), parked
         if move.dst == rank:
             tensor, slab = destinations[move.name]
             into = _region(tensor, slab, move)
             if move.src == rank:
-                src_tensor, src_slab = sources[move.name]
+                src_tensor, src_slab = origin[move.name]
                 if src_tensor is not tensor:
                     into.copy_(_region(src_tensor, src_slab, move))
                 continue
@@ -221,7 +268,7 @@ def execute_moves(moves: list[Move], rank: int, group: Optional[dist.ProcessGrou
             ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, move.src), group, tag=index))
             landing.append((into, buffer))
         elif move.src == rank:
-            src_tensor, src_slab = sources[move.name]
+            src_tensor, src_slab = origin[move.name]
             payload = _region(src_tensor, src_slab, move).contiguous()
             payload = payload.to(wire) if wire is not None else payload
             ops.append(dist.P2POp(dist.isend, payload, dist.get_global_rank(group, move.dst), group, tag=index))
