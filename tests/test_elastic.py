@@ -13,6 +13,7 @@ naming the memory missing and the devices present, and a non-zero exit.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -199,3 +200,43 @@ def test_survivors_that_cannot_hold_the_model_stop_with_one_line(job):
     assert "the 2 device(s) present cannot hold the model under any plan: emu-b-0" in lines[0], lines[0]
     assert "short by" in lines[0] and "lost since the plan: emu-a-0, emu-a-1" in lines[0], lines[0]
     assert 'train.py", line' not in text, text[-4000:]
+
+
+def test_the_membership_rule_names_each_workers_device(job):
+    """whalelike.cluster's rule: WHALELIKE_HOST, else the host name or its first label, else a host
+    named localhost, else rank order; the devices present in rank order, stragglers following them."""
+    from whalelike.cluster import Straggler, member_host
+    from whalelike.errors import SpecError
+
+    folder, _ = job
+    spec = wl.Cluster.from_yaml(folder / "cluster.yaml")
+    assert member_host(spec, "node-b", "anything") == "node-b"
+    assert member_host(spec, None, "node-a") == member_host(spec, None, "node-a.lab.org") == "node-a"
+    assert member_host(spec, None, "elsewhere") is None
+    with pytest.raises(SpecError, match="WHALELIKE_HOST='node-c' names no host"):
+        member_host(spec, "node-c", "x")
+    assert spec.device_of("node-b", 1, rank=0).name == "emu-b-1"
+    assert spec.device_of(None, 0, rank=2).name == "emu-b-0"
+    with pytest.raises(SpecError, match="host 'node-a' has 2 device"):
+        spec.device_of("node-a", 2, rank=2)
+    slowed = dataclasses.replace(spec, emulation=dataclasses.replace(
+        spec.emulation, stragglers=(Straggler(rank=3, factor=2.0), Straggler(rank=0, factor=3.0))))
+    present = slowed.present(["emu-b-0", "emu-b-1", "emu-a-1"])
+    assert [d.name for d in present.devices] == ["emu-b-0", "emu-b-1", "emu-a-1"]
+    assert present.name == "elastic-test[3 of 4]"
+    assert [(s.rank, s.factor) for s in present.emulation.stragglers] == [(1, 2.0)]   # emu-b-1's; emu-a-0 is gone
+    with pytest.raises(SpecError, match="ranks 0 and 1 both run device 'emu-a-0'"):
+        spec.present(["emu-a-0", "emu-a-0"])
+
+
+def test_a_new_plan_keeps_the_old_plans_config(job):
+    from runtime.elastic.membership import config_of
+
+    folder, workload = job
+    spec = wl.Cluster.from_yaml(folder / "cluster.yaml")
+    graphs = capture(workload.model, workload.example_args)
+    old = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=2, zero_stage=2,
+                                               schedule="gpipe"))
+    config = config_of(old)
+    assert (config.global_batch_size, config.num_micro_batch, config.zero_stage, config.schedule,
+            config.precision) == (BATCH, 2, 2, "gpipe", "fp32")

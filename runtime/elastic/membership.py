@@ -40,6 +40,7 @@ from planner.plan import Plan
 from runtime import distributed
 from whalelike.cluster import HOST_ENV, Cluster, member_host
 from whalelike.config import Config
+from whalelike.display import human_bytes
 from whalelike.errors import WhaleError, one_line
 from whalelike.graphs.taskgraph import TaskGraphs
 
@@ -171,11 +172,11 @@ def _planned(spec: Cluster, present: Cluster, plan: Plan, graphs: Callable[[], T
 def cannot_plan_message(present: Cluster, spec: Cluster, old: list[str], error: BaseException) -> str:
     """One line: the devices present, those lost, and why no plan holds the model on them (the
     planner's reason, which names the memory missing: 'short by ...')."""
-    devices = ", ".join(f"{d.name} ({d.memory_gib:g} GiB, {d.host})" for d in present.devices)
+    devices = ", ".join(f"{d.name} ({human_bytes(d.memory_gib * 2**30)}, {d.host})" for d in present.devices)
     lost = [n for n in old if n not in present.positions]
-    total = sum(d.memory_gib for d in present.devices)
+    total = human_bytes(sum(d.memory_gib for d in present.devices) * 2**30)
     what = "cannot hold the model under any plan" if "short by" in str(error) or "fit" in str(error) else \
         "cannot run the model under any plan"
-    return (f"the {len(present.devices)} device(s) present {what}: {devices}, {total:g} GiB in all"
+    return (f"the {len(present.devices)} device(s) present {what}: {devices}, {total} in all"
             + (f" (lost since the plan: {', '.join(lost)})" if lost else "")
             + f"; {one_line(error)}; bring devices back or add devices with more memory to the job")
