@@ -287,7 +287,7 @@ def report(runs: dict, args, load: str) -> None:
         for method, r in methods.items():
             for line in r["events"]:
                 print(f"  {method:8} {line[:220]}{'...' if len(line) > 220 else ''}")
-                if "pre-test" in line[220:]:   # SEMI's pre-test and its decision, in full
+                if "pre-test" in line and len(line) > 220:   # SEMI's pre-test and its decision, in full
                     print(f"  {method:8}   {line[line.index('pre-test'):].split('; stage')[0]}")
             late = [s for s, n in enumerate(r["overruns"]) if n and s > 0]
             if late:
