@@ -43,6 +43,11 @@ mean, equal on every rank. Every ``batch_check_every`` steps (and the first) the
 fingerprints of their whole-global batches (:class:`runtime.guards.BatchMismatchError`). A hung or
 stopped rank is named by its peers' :class:`DistributedStepError` (:class:`runtime.distributed.Progress`).
 
+Leaving without a restart (``Engine(departures=True)``, :mod:`runtime.elastic.departure`): a
+SIGTERM only sets a flag; the flags ride in the step's last all-reduce with the monitor's figures,
+and at that step's boundary a leaver hands its state over and the others go on under a new plan in
+a new default process group (:meth:`Engine._rewire`), with no restart.
+
 Dynamic balancing (``Engine(balance=...)``, default policy ``"exact"``): after every step the
 rank's measured compute speed is recorded and shared; a sustained change re-plans at the step
 boundary (:mod:`runtime.balance.rebalance`). ``Engine.plan`` is always the plan in force and
@@ -251,6 +256,13 @@ class Engine:
     dispatch-mode tracker, :mod:`runtime.training.memory_meter`); ``profile``: the cluster as
     ``whalelike profile`` measured it for this model (:class:`planner.devices.profile.Profile`):
     re-plans for measured speeds start from its rates and links instead of the spec sheet's.
+
+    ``departures``: leaving without a restart (:mod:`runtime.elastic.departure`), off by default:
+    ``True`` (or a :class:`runtime.elastic.departure.LeaveConfig`) makes a SIGTERM a notice: the rank
+    leaves at the end of the step it is in, handing its state to the ranks that stay, which go on
+    under a plan for their devices (``Engine.plan``, ``Engine.rank`` and the default process group
+    change; ``Engine.departures.history`` records each leave); on the leaver ``train_step`` raises
+    :class:`runtime.elastic.departure.Departed`, a ``SystemExit`` with code 0.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,

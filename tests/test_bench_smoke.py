@@ -69,6 +69,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                    r"\d+\.\d\d \(whalelike\), memory measured / predicted \d+\.\d\d-\d+\.\d\d",
     "whale_setting": rf"headline: predicted speed-up .*: DP {_X} at 25 Gb/s, {_X} at 100 Gb/s .*, "
                      rf"pipeline {_X} .*",
+    "elastic_leave": rf"elastic leave: notice to step \d+ done \d+\.\d\d s without a restart against \d+\.\d\d s "
+                     rf"restarting = {_X} faster; steps lost 0 against \d+",
 }
 # what the benches print when a check of correctness fails (anywhere in the output)
 FAILED_CHECKS = ("LOSSES DIFFER", "losses DIFFER", "NOT every side", "exact: NO", "exact: no",

@@ -272,7 +272,12 @@ class Departures:
         self._previous = None
         self.leaves = 0
         if config.sigterm:
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:   # signal handlers belong to the main thread
+                raise WhaleError("runtime.Engine(departures=...) with sigterm=True installs a SIGTERM handler, "
+                                 "which Python allows only in the main thread; build the Engine there, or pass "
+                                 "LeaveConfig(sigterm=False) and call engine.departures.notice()") from None
 
     def _on_sigterm(self, signum, frame) -> None:   # only a flag: see the module docstring
         if self.notice_at is None:
