@@ -32,9 +32,8 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from whalelike.graphs.cleanup import remove_asserts_and_dead_code
 from whalelike.errors import CaptureError
-from whalelike.graphs.leaves import is_conv1d, restore_leaves
+from whalelike.graphs.leaves import is_conv1d, remove_asserts_and_dead_code, restore_leaves
 from whalelike.graphs.nodes import attribute
 from whalelike.graphs.output_tree import flatten_output, is_foreign_tree, rebuild_output
 from whalelike.strategy import current_scope
