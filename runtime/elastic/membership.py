@@ -130,8 +130,9 @@ def start(spec: Cluster, plan: Plan, graphs: Callable[[], TaskGraphs], timeout_s
     """Initialise the process group, find the devices present, and return the plan to run on them
     (see the module docstring). ``plan`` is the plan in force (the checkpoint's when resuming);
     ``given``, plans the user gave (``--plan``), each used as it is when its devices are the ones
-    present rank by rank (the hand-made plan of the whole cluster once every node is back). Else a
-    new plan under ``plan``'s Config: ``graphs`` captures the model (called on rank 0 only, and only
+    present rank by rank (a resume onto another plan of the same devices; the hand-made plan of the
+    whole cluster once every node is back), else ``plan`` when its devices are. Else a new plan
+    under ``plan``'s Config: ``graphs`` captures the model (called on rank 0 only, and only
     then). Raises :class:`MembershipError` on every rank when the devices present cannot hold the
     model under any plan, or when they cannot be told apart."""
     distributed.init(timeout_s)
@@ -141,11 +142,12 @@ def start(spec: Cluster, plan: Plan, graphs: Callable[[], TaskGraphs], timeout_s
     except WhaleError as e:
         raise MembershipError(f"membership: {one_line(e)}") from None
     old = [w.device for w in plan.workers]
-    if old == names:
-        return Start(plan, present, None)
-    new = next((p for p in given if [w.device for w in p.workers] == names), None)
-    if new is None:
-        new = _planned(spec, present, plan, graphs)
+    chosen = next((p for p in given if [w.device for w in p.workers] == names), None)
+    if old == names:   # the devices of the plan in force: the user's plan for them if given (resumed onto it)
+        chosen = chosen if chosen is not None else plan
+        chosen.validate(cluster=present)
+        return Start(chosen, present, None)
+    new = chosen if chosen is not None else _planned(spec, present, plan, graphs)
     new.validate(cluster=present)
     change = MembershipChange(old=plan, new=new, lost=tuple(n for n in old if n not in names),
                               gained=tuple(n for n in names if n not in old),
