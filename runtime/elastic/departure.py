@@ -431,18 +431,18 @@ def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
     if not stayers:
         raise LeaveError(f"step {step}: every rank gave notice ({', '.join(reasons)}); nobody is left to train")
     plan, _, reason = new_plan(engine, stayers)
-    if plan is None:
+    if plan is None:   # nobody can take the state: the stayers stop with one line, the leaver goes
         if rank in stayers:
             raise LeaveError(f"step {step}: rank(s) {leavers} leave ({', '.join(reasons)}) and {reason}")
-        members = stayers
-    else:
-        # new rank i runs the plan's worker i; a stayer the plan leaves idle leaves as well
-        rank_of = {old.worker(r).device: r for r in stayers}
-        members = [rank_of[w.device] for w in plan.workers]
-        for r in stayers:
-            if r not in members:
-                leavers.append(r)
-                reasons.append("idle under the plan for the devices left")
+        departures.release()
+        raise Departed(step, reasons[leavers.index(rank)])
+    # new rank i runs the plan's worker i; a stayer the plan leaves idle leaves as well
+    rank_of = {old.worker(r).device: r for r in stayers}
+    members = [rank_of[w.device] for w in plan.workers]
+    for r in stayers:
+        if r not in members:
+            leavers.append(r)
+            reasons.append("idle under the plan for the devices left")
     engine.stop_migration()
     held = engine._collective(lambda: snapshot(engine.executor, engine.optimizer))
     parked = engine._collective(lambda: hand_over(held, rank, leavers, members))
