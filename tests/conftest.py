@@ -59,6 +59,8 @@ COMPUTING = {
 # restarts, ranks timing out) or compute on one core, so they leave the other worker's ranks room.
 WAITING = {
     "test_restart.py::": 72,
+    "test_elastic.py::": 130,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[elastic]": 100,
     "test_profile.py::test_profile_recovers_what_the_emulation_was_given": 15,
     "test_partial_reduce.py::": 25,
     "test_dynamic_balance.py::": 36,

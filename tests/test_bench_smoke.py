@@ -36,6 +36,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pipeline_comm": rf"headline: eager-1F1B \+ resharding auto is {_X} faster than 1F1B \+ send/recv .*; "
                      r"exact: yes",
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
+    "elastic": r"elastic: \(a\) restart \+ hand-made plan: \d+ steps lost, \d+\.\d s to the next step, throughput "
+               rf"after {_X} the ideal; \(b\) automatic re-plan on restart: \d+ steps lost, \d+\.\d s to the next "
+               rf"step, throughput after {_X} the ideal(; .*)?",
     "gpu_check": rf"gpu-check on .*: bf16 {_X} fp32's speed; measured/predicted memory fp32 \d+\.\d\d, bf16 "
                  r"\d+\.\d\d, fp16 \d+\.\d\d, bf16\+recompute \d+\.\d\d; recompute cut bf16's measured peak by "
                  r"-?\d+%; all losses match their references",

@@ -1,0 +1,361 @@
+"""Elastic: a 4-rank job loses one device for good mid-run; what each way of going on costs (issue 23).
+
+The job: ``examples/train.py`` training ``examples/wide_mlp.py`` (a smaller width) on an emulated
+cluster of two hosts, ``host-a`` with three devices (speeds 1, 1, 0.5) and ``host-b`` with one
+(0.25), checkpoints every ``--every`` steps. After step ``--lose-at`` completes, ``host-b``'s device
+is gone for good (its worker, or its whole torchrun node, SIGKILL). The paths, side by side in one run:
+
+* **(a) today's path** (README "A device gone for good"): one torchrun agent of 4 ranks; the
+  survivors' collectives fail, the job exits; a person writes the survivors' cluster spec, runs
+  ``whalelike plan`` on it and starts torchrun again on 3 ranks with the new plan, which resumes
+  the newest checkpoint resharded. The person's reaction time is not counted (zero here), only
+  the machine's: the failure, the planner, the start.
+* **(b) automatic re-plan on restart** (``runtime.elastic.membership``): two torchrun agents
+  (``--nnodes 1:2 --rdzv-backend c10d``), ``host-a``'s with 3 ranks and ``host-b``'s with 1; the
+  whole ``host-b`` node is killed; ``host-a``'s agent starts its workers again, they find the
+  devices present, plan onto them and resume the newest checkpoint.
+* **(c) leaving without a restart** (issue 23 item 2) is another module's: it goes into
+  :data:`PATHS` as a function of the same signature (``Job -> Outcome``), measured the same way.
+
+Measured per path, from the job's own per-step log lines (``--log-every 1``, time-stamped as they
+arrive): the steps lost (completed before the loss, trained again after it: those since the newest
+checkpoint), the seconds from the loss to the next completed step, and the throughput after the
+change (samples/s over the steps after the first two of the resumed run) against the ideal for the
+devices left: their emulated FLOP/s over the FLOPs of a sample (the work split perfectly, nothing
+else costing time); the throughput before the loss against the ideal of all four, for reference.
+Path (b)'s time includes torchrun's rendezvous ``last_call_timeout`` (3 s here; 30 s by default):
+how long a start that has its minimum of nodes waits for more.
+
+Run (about three minutes; starts its own torchrun jobs)::
+
+    .venv/bin/python bench/elastic.py
+    .venv/bin/python bench/elastic.py --smoke    # fewer steps, a tiny model: checks that it runs
+
+The last line is the headline: each path's steps lost, seconds to the next step and throughput
+after the change against the ideal.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from smoke import parse_args  # noqa: E402
+from timing import free_port  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+# host-a's devices then host-b's: (kind, emulated speed, memory GiB); host-b's is the one lost
+HOST_A = [("emu-full", 1.0, 4), ("emu-full", 1.0, 4), ("emu-half", 0.5, 2)]
+HOST_B = [("emu-quarter", 0.25, 1)]
+STEP_LINE = re.compile(r"step (\d+)/\d+\s+loss \S+.*?(\d+\.\d) ms$")
+RESUMED = re.compile(r"resumed at step (\d+)")
+# torch 2.13's c10d agents share their store with the workers, and a node that joins waits forever
+# (README "Elastic"); every agent of path (b) runs with the opt-out
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@dataclass
+class Job:
+    """One path's job: its folder, the sizes, and the whole cluster's spec and plan files."""
+
+    folder: str
+    args: argparse.Namespace
+    spec: str = ""
+    plan: str = ""
+    flops_per_sample: float = 0.0   # forward and backward, from the captured TaskGraphs
+
+    def ideal(self, speeds: list[float]) -> float:
+        """Samples/s of devices of these emulated speeds with the work split perfectly and nothing
+        else costing time: their summed FLOP/s over the FLOPs of a sample."""
+        return sum(speeds) * self.args.base_gflops * 1e9 / self.flops_per_sample
+
+    @property
+    def workload(self) -> str:
+        return os.path.join(self.folder, "workload.py") + ":build"
+
+    def train_args(self, plan: str, cluster: str, checkpoints: str, *extra: str) -> list[str]:
+        return [TRAIN, self.workload, "--plan", plan, "--cluster", cluster, "--steps", str(self.args.steps),
+                "--checkpoint-dir", checkpoints, "--checkpoint-every", str(self.args.every), "--balance", "off",
+                "--log-every", "1", "--timeout", "20", *extra]
+
+
+@dataclass
+class Outcome:
+    """What losing the device cost on one path (see the module docstring)."""
+
+    path: str
+    steps_lost: int
+    to_next_step_s: float
+    before: float                 # samples/s before the loss
+    after: float                  # samples/s after the change
+    ideal: float                  # samples/s of the devices left, their compute split perfectly
+    ideal_before: float           # the same for all the devices
+    parts: dict = field(default_factory=dict)   # seconds of the phases between the loss and the next step
+
+
+class Log:
+    """A process's merged output, each line with the monotonic time it arrived."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.lines = process, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def steps(self, after: float = 0.0) -> list[tuple[float, int, float]]:
+        """``(arrival, step, elapsed ms)`` of every step line that arrived after ``after``."""
+        return [(t, int(m.group(1)), float(m.group(2))) for t, line in self.lines if t > after
+                for m in [STEP_LINE.search(line)] if m]
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for_step(self, step: int, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [t for t, s, _ in self.steps() if s >= step]
+            if done:
+                return done[0]
+            if self.process.poll() is not None:
+                self._thread.join(timeout=5)
+                raise RuntimeError(f"the job ended before step {step}:\n{self.text()[-3000:]}")
+            time.sleep(0.02)
+        raise RuntimeError(f"no step {step} within {timeout:g} s:\n{self.text()[-3000:]}")
+
+
+def start(command: list[str], **env: str) -> Log:
+    full = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **env}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full.pop(name, None)
+    process = subprocess.Popen(command, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    return Log(process)
+
+
+def workers_of(agent: int) -> dict[int, int]:
+    """RANK -> pid of the worker processes torchrun agent ``agent`` started."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != agent:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(e.split("=", 1) for e in f.read().decode(errors="replace").split("\0") if "=" in e)
+        except (OSError, IndexError, ValueError):
+            continue
+        if "RANK" in environ:
+            found[int(environ["RANK"])] = int(pid)
+    return found
+
+
+def finish(log: Log, timeout: float) -> None:
+    try:
+        log.process.wait(timeout=timeout)
+    finally:
+        if log.process.poll() is None:
+            os.killpg(log.process.pid, signal.SIGKILL)
+    log._thread.join(timeout=5)
+
+
+def spec_dict(hosts: dict[str, list], base_gflops: float) -> dict:
+    """A cluster spec of ``hosts`` (name -> devices), each device's peak the emulated speed priced
+    as examples/clusters do (speed * base_gflops / 1000 / 0.4), so the planner predicts what runs."""
+    return {"name": "elastic-bench", "network": {"intra_host_gbps": 2.0, "inter_host_gbps": 2.0, "latency_us": 50.0},
+            "emulation": {"base_gflops": base_gflops},
+            "hosts": [{"name": name, "devices": [
+                {"kind": kind, "count": 1, "memory_gib": memory, "emulated_speed": speed,
+                 "peak_tflops": speed * base_gflops / 1000 / 0.4} for kind, speed, memory in devices]}
+                for name, devices in hosts.items()]}
+
+
+def prepare(args) -> Job:
+    folder = tempfile.mkdtemp(prefix="whalelike-elastic-")
+    with open(os.path.join(folder, "workload.py"), "w") as f:
+        f.write(f"from examples.wide_mlp import build as wide\n\n\ndef build():\n"
+                f"    return wide(width={args.width}, blocks={args.blocks})\n")
+    job = Job(folder, args, spec=os.path.join(folder, "cluster.yaml"), plan=os.path.join(folder, "plan.yaml"))
+    with open(job.spec, "w") as f:
+        yaml.safe_dump(spec_dict({"host-a": HOST_A[:args.host_a], "host-b": HOST_B}, args.base_gflops), f)
+    # the whole cluster's plan, made here (the hand-made survivors' plan of path (a) is timed, by the CLI)
+    import planner
+    import whalelike as wl
+    from whalelike.cli import load_workload
+
+    workload = load_workload(job.workload)
+    graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs, loss_fn=workload.loss_fn)
+    planner.plan(graphs, wl.Cluster.from_yaml(job.spec), wl.Config(global_batch_size=args.global_batch)).to_yaml(job.plan)
+    job.flops_per_sample = sum(g.forward_flops + g.backward_flops for g in graphs.graphs)
+    return job
+
+
+def run(command: list[str]) -> float:
+    """Run ``command`` to its end; its seconds (an error with its output if it fails)."""
+    began = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return time.monotonic() - began
+
+
+def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts: dict) -> Outcome:
+    """The measures of one path from the log before the loss and the log of the resumed run."""
+    args = job.args
+    # the steps of the last start before the loss (a node that joined late restarts the job once)
+    began = max([t for t, line in before.lines if t <= lost_at and ("training" in line or RESUMED.search(line))],
+                default=0.0)
+    done_before = [s for t, s, _ in before.steps() if t <= lost_at]
+    resumed = [int(m.group(1)) for t, line in after.lines if t > lost_at for m in [RESUMED.search(line)] if m]
+    if not resumed:
+        raise RuntimeError(f"({path}) the job never resumed:\n{after.text()[-3000:]}")
+    later = [(t, s, ms) for t, s, ms in after.steps(lost_at) if s > resumed[-1]]
+    first = later[0][0]
+
+    def throughput(steps) -> float:
+        times = [ms for _, _, ms in steps[2:]]
+        return args.global_batch / (sum(times) / len(times) / 1e3)
+
+    left = [speed for _, speed, _ in HOST_A[:args.host_a]]
+    samples_before = throughput([s for s in before.steps(began) if s[0] <= lost_at])
+    started = parts.pop("_started", lost_at)
+    return Outcome(path, max(done_before) - resumed[-1], first - lost_at, samples_before, throughput(later),
+                   job.ideal(left), job.ideal(left + [HOST_B[0][1]]), {**parts, "start to next step": first - started})
+
+
+def restart_by_hand(job: Job) -> Outcome:
+    """(a): one agent; rank 3 dies; the job exits; a survivors' spec and plan by hand; 3 ranks resume."""
+    args, checkpoints = job.args, os.path.join(job.folder, "a-ckpt")
+    world = args.host_a + 1
+    log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
+                 "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, "--no-elastic")])
+    log.wait_for_step(args.lose_at, timeout=600)
+    os.kill(workers_of(log.process.pid)[world - 1], signal.SIGKILL)
+    lost_at = time.monotonic()
+    finish(log, timeout=120)
+    exited = time.monotonic()
+    survivors, plan = os.path.join(job.folder, "survivors.yaml"), os.path.join(job.folder, "plan-survivors.yaml")
+    with open(survivors, "w") as f:    # what the person writes: the spec without the lost device
+        yaml.safe_dump(spec_dict({"host-a": HOST_A[:args.host_a]}, args.base_gflops), f)
+    planning = run([os.path.join(BIN, "whalelike"), "plan", job.workload, "--cluster", survivors,
+                    "--global-batch", str(args.global_batch), "-o", plan])
+    started = time.monotonic()
+    resumed = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(args.host_a), "--master_port",
+                     str(free_port()), *job.train_args(plan, survivors, checkpoints, "--no-elastic")])
+    finish(resumed, timeout=600)
+    if resumed.process.returncode != 0:
+        raise RuntimeError(f"(a) the resumed job failed:\n{resumed.text()[-3000:]}")
+    return outcome("a", job, log, resumed, lost_at,
+                   {"failure to exit": exited - lost_at, "whalelike plan": planning, "_started": started})
+
+
+def replan_on_restart(job: Job) -> Outcome:
+    """(b): two agents (host-a: 3 ranks, host-b: 1); host-b's node dies; host-a's workers start
+    again, re-plan onto the devices present and resume."""
+    args, checkpoints = job.args, os.path.join(job.folder, "b-ckpt")
+    port = free_port()
+
+    def agent(host: str, nproc: int, is_host: bool) -> Log:
+        conf = f"is_host={str(is_host).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5"
+        return start([os.path.join(BIN, "torchrun"), "--nnodes", "1:2", "--nproc_per_node", str(nproc),
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"bench-{port}",
+                      "--rdzv-conf", conf, "--max-restarts", "2", "--monitor-interval", "0.2",
+                      *job.train_args(job.plan, job.spec, checkpoints)], WHALELIKE_HOST=host, **AGENT_ENV)
+
+    a = agent("host-a", args.host_a, True)
+    b = agent("host-b", 1, False)
+    # the 4-rank steps print on the node of rank 0: either agent
+    before = a if a.process.pid in _rank0_agent(a, b) else b
+    before.wait_for_step(args.lose_at, timeout=600)
+    for pid in [b.process.pid, *workers_of(b.process.pid).values()]:
+        os.kill(pid, signal.SIGKILL)
+    lost_at = time.monotonic()
+    finish(a, timeout=600)
+    finish(b, timeout=10)
+    if a.process.returncode != 0:
+        raise RuntimeError(f"(b) host-a's job failed:\n{a.text()[-3000:]}")
+    restarted = [t for t, line in a.lines if t > lost_at and "[elastic] membership changed" in line]
+    return outcome("b", job, before, a, lost_at, {"failure, restart, re-plan": (restarted or [lost_at])[0] - lost_at,
+                                                  "_started": (restarted or [lost_at])[0]})
+
+
+def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
+    """The pid of the agent whose workers include rank 0, once they are up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in (a, b):
+            if 0 in workers_of(log.process.pid):
+                return {log.process.pid}
+        time.sleep(0.05)
+    raise RuntimeError(f"no rank 0 within {timeout:g} s:\n{a.text()[-2000:]}\n{b.text()[-2000:]}")
+
+
+# the paths measured, in order; (c) leaving without a restart (issue 23 item 2) adds its function here
+PATHS: dict[str, tuple[str, Callable[[Job], Outcome]]] = {
+    "a": ("restart + hand-made plan", restart_by_hand),
+    "b": ("automatic re-plan on restart", replan_on_restart),
+}
+
+
+def report(outcomes: list[Outcome]) -> str:
+    rows = []
+    for o in outcomes:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in o.parts.items())
+        rows.append(f"  ({o.path}) {PATHS[o.path][0]:<30} steps lost {o.steps_lost:>2}   loss -> next step "
+                    f"{o.to_next_step_s:6.1f} s ({parts})   after: {o.after:6.1f} samples/s = {o.after / o.ideal:.0%} "
+                    f"of the ideal {o.ideal:.1f} (before: {o.before:.1f} = {o.before / o.ideal_before:.0%} of "
+                    f"{o.ideal_before:.1f} on all devices)")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps of the job (default 40)")
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (default 5)")
+    parser.add_argument("--lose-at", type=int, default=17, help="the device is lost after this step (default 17)")
+    parser.add_argument("--width", type=int, default=128, help="wide_mlp's width (default 128)")
+    parser.add_argument("--blocks", type=int, default=4, help="wide_mlp's blocks (default 4)")
+    parser.add_argument("--global-batch", type=int, default=32, help="samples per step (default 32)")
+    parser.add_argument("--base-gflops", type=float, default=0.1, help="the emulation's speed 1 (default 0.1)")
+    parser.add_argument("--host-a", type=int, default=3, choices=[1, 2, 3], help="devices on host-a (default 3)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"paths to run (default {','.join(PATHS)})")
+    args = parse_args(parser, smoke=dict(steps=12, every=3, lose_at=7, width=16, blocks=2, host_a=1,
+                                         base_gflops=0.01))
+    job = prepare(args)
+    world = args.host_a + 1
+    print(f"elastic: {world} ranks ({args.host_a} on host-a, 1 on host-b), {args.steps} steps of {args.global_batch} "
+          f"samples, checkpoints every {args.every}; host-b's device is lost after step {args.lose_at}", flush=True)
+    outcomes = []
+    try:
+        for name in args.paths.split(","):
+            outcomes.append(PATHS[name][1](job))
+            print(report(outcomes[-1:]), flush=True)
+    finally:
+        shutil.rmtree(job.folder, ignore_errors=True)
+    print("elastic: " + "; ".join(
+        f"({o.path}) {PATHS[o.path][0]}: {o.steps_lost} steps lost, {o.to_next_step_s:.1f} s to the next step, "
+        f"throughput after {o.after / o.ideal:.2f}x the ideal" for o in outcomes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
