@@ -1,8 +1,10 @@
 """Every bench in ``bench/`` runs end to end in its smoke mode and ends with its headline.
 
 ``bench/X.py --smoke`` (bench/smoke.py) runs the bench's own code path, peer and whalelike sides
-and checks included, at tiny sizes in seconds; here each runs as a user would start it: a
-subprocess of this interpreter, from the repository root, with this environment. Its figures
+and checks included, at tiny sizes in seconds; here each runs as Python runs a script (its own
+``__main__``, argv, working directory the repository root, this environment, its exit status) in a
+fresh process that starts with torch and the library imported (``tests/bench_runner.py``: a cold
+interpreter spends about 5 s of CPU importing them, more than most smoke runs). Its figures
 mean nothing, so the test asserts only that it exits 0, that its last line is its headline (the
 line that states the ratio, in the bench's own words), and that no correctness check it prints
 failed (equal losses, exact tensors, equal padded work). The benches that start ranks pick no
@@ -17,10 +19,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from bench_runner import run_bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -97,8 +99,7 @@ def test_every_bench_has_a_smoke_test():
 @pytest.mark.parametrize("name", sorted(HEADLINES))
 def test_bench_smoke_run_ends_with_its_headline(name):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    run = subprocess.run([sys.executable, f"bench/{name}.py", "--smoke"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    run = run_bench(name, ["--smoke"], env, TIMEOUT_S)
     story = f"\n--- stdout (end):\n{run.stdout[-4000:]}\n--- stderr (end):\n{run.stderr[-6000:]}"
     assert run.returncode == 0, f"bench/{name}.py --smoke exited with {run.returncode}{story}"
     lines = run.stdout.rstrip("\n").splitlines()
