@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import multiprocessing as std_mp
 import os
 import queue as queue_mod
@@ -217,3 +218,23 @@ def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue
         os._exit(1)
     queue.close()
     queue.join_thread()
+
+
+class LogLines(logging.Handler):
+    """The messages a rank's logger records (INFO and up), for a rank function to return:
+    ``lines = LogLines.attach("runtime.tensor.shard_pass")``, then ``lines.lines``."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    @classmethod
+    def attach(cls, name: str) -> "LogLines":
+        handler = cls()
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        return handler

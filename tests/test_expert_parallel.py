@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import planner
 import whalelike as wl
 from planner.devices.cost_model import device_tflops
-from dist_utils import run_ranks
+from dist_utils import LogLines, run_ranks
 from reference import OPTIMIZERS, assert_engine_trains_like_reference, case_batches, case_model
 from runtime import Engine, checkpoint
 from runtime.tensor.experts import ExpertParallel
@@ -163,15 +163,6 @@ def make_plan(name: str):
     return planner.plan(graphs, _cluster(), wl.Config(global_batch_size=BATCH, num_micro_batch=CASES[name][3]))
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _held(engine) -> list[tuple]:
     """(path, first expert, count, rows of each stacked weight) of every expert-parallel layer of this rank's stage."""
     stage = engine.executor.stage.module
@@ -184,10 +175,7 @@ def _held(engine) -> list[tuple]:
 
 
 def _ranks(rank: int, world_size: int, plans: dict, directory: str) -> dict:
-    lines = _Lines()
-    logger = logging.getLogger("runtime.tensor.experts")
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
+    lines = LogLines.attach("runtime.tensor.experts")
     out = {}
     for name, (_, _, loss_fn, _, optimizers) in CASES.items():
         data = batches(name, 1, torch.float64)

@@ -8,7 +8,10 @@ parallel ones is not enough: the views in between carry the *full* head count or
 silently mix heads on a rank holding 3 of 4 heads. So each such operator gets its shape argument
 localised at run time (:func:`local_shape`: the entry of the sharded dimension, if it is the full
 size, becomes this rank's size; ``-1`` and the symbolic batch sizes stay), and a fused
-projection's ``split`` gets this rank's piece sizes.
+projection's ``split`` gets this rank's piece sizes (its index slices, ``qkv[..., :d]``, become
+``narrow`` at this rank's offsets in its pieces). A per-head bias added to attention scores (the
+one replicated operand with the full size of the sharded dimension that the propagation cuts)
+enters the region and is narrowed to this rank's heads.
 
 The invariant: rank ``i`` computes exactly the slice of units ``[u_i, u_i + n_i)`` of every
 sharded value that the unsharded block would compute, so the row projections' partial sums add up
@@ -151,7 +154,15 @@ def shard_groups(gm: fx.GraphModule, analysis: BlockAnalysis, layouts: dict[int,
     for node, (dim, pieces) in analysis.splits.items():
         layout = state_layout[node.args[0]]
         _localise_split(gm, node, dim, [layout.local(p, tp_index) for p in pieces])
-    _enter_regions(gm, analysis, group)
+    for node, (dim, pieces, index) in analysis.slices.items():
+        layout = state_layout[node.args[0]]
+        local = [layout.local(p, tp_index) for p in pieces]
+        _localise_slice(gm, node, dim, sum(local[:index]), local[index])
+    if analysis.replicated_operands or analysis.cut_operands:
+        gm.add_module("_wl_enter_region", EnterRegion(group))
+    for node, operand in analysis.replicated_operands:
+        node.replace_input_with(operand, _entered(gm, node, operand))
+    _cut_operands(gm, analysis, state_layout, tp_index)
     gm.graph.lint()
     gm.recompile()
     return roles
@@ -183,11 +194,33 @@ def _localise_split(gm: fx.GraphModule, node: fx.Node, dim: int, local_pieces: l
     gm.graph.erase_node(node)
 
 
-def _enter_regions(gm: fx.GraphModule, analysis: BlockAnalysis, group: ProcessGroup) -> None:
-    if not analysis.replicated_operands:
-        return
-    gm.add_module("_wl_enter_region", EnterRegion(group))
-    for node, operand in analysis.replicated_operands:
+def _localise_slice(gm: fx.GraphModule, node: fx.Node, dim: int, start: int, length: int) -> None:
+    """An index slice of a fused projection's output (``qkv[..., :d]``): this rank's piece, at its
+    local offset (the parallel projection holds its units of each piece, piece after piece)."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.narrow, (node.args[0], dim, start, length))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _cut_operands(gm: fx.GraphModule, analysis: BlockAnalysis, state_layout: Mapping, tp_index: int) -> None:
+    """A per-head bias added to attention scores (the propagation's ``cut``: the only replicated
+    operand with the full size of the sharded dimension) enters the region (gradient summed over
+    the group) and is narrowed to this rank's units: rank ``i`` pairs its heads with the same heads
+    of the bias, as the unsharded operator does."""
+    for node, operand, dim in analysis.cut_operands:
+        layout = state_layout[node]
+        per_unit = analysis.state[node].size // layout.units
+        entered = _entered(gm, node, operand)
         with gm.graph.inserting_before(node):
-            entered = gm.graph.call_module("_wl_enter_region", (operand,))
-        node.replace_input_with(operand, entered)
+            cut = gm.graph.call_function(torch.narrow, (entered, dim, per_unit * sum(layout.per_rank[:tp_index]),
+                                                        per_unit * layout.per_rank[tp_index]))
+        node.replace_input_with(operand, cut)
+
+
+def _entered(gm: fx.GraphModule, node: fx.Node, operand: fx.Node) -> fx.Node:
+    """``operand`` through the graph's :class:`EnterRegion` (identity forward, gradient summed over
+    the group), inserted before ``node``."""
+    with gm.graph.inserting_before(node):
+        return gm.graph.call_module("_wl_enter_region", (operand,))

@@ -75,7 +75,10 @@ class BlockAnalysis:
     ``state`` of every sharded value, ``reshapes`` (view/reshape/expand whose output dimension
     ``dim`` carries the full size) and ``splits`` (split of a fused output: dim, full piece sizes),
     ``replicated_operands`` (node, argument) pairs where a replicated tensor meets a sharded one
-    (its gradient is partial on each rank and must be summed)."""
+    (its gradient is partial on each rank and must be summed), ``slices`` (index slices of a
+    fused projection's output) and ``cut_operands`` (per-head biases added to attention scores,
+    replicated with the sharded dimension's full size, that each rank cuts to its heads; the rule
+    is in :mod:`whalelike.sharding.propagation`)."""
 
     groups: list[Group]
     lone: list[fx.Node]
@@ -86,6 +89,11 @@ class BlockAnalysis:
     fallbacks: dict[str, str]   # projection node name -> why it was not sharded with a group
     replicated_projections: list[fx.Node] = field(default_factory=list)   # whole on every rank (MQA's k/v, gates)
     whole_reasons: dict[str, str] = field(default_factory=dict)   # replicated projection node name -> why
+    # index slices of a fused projection's output: slice node -> (dim, full piece sizes, which piece)
+    slices: dict[fx.Node, tuple[int, tuple[int, ...], int]] = field(default_factory=dict)
+    # (node, replicated operand, operand dim): a per-head bias added to attention scores, of the sharded
+    # dimension's full size: each rank reads its own heads of it, and its gradient is summed over the group
+    cut_operands: list[tuple[fx.Node, fx.Node, int]] = field(default_factory=list)
 
     def group_of(self, node: fx.Node) -> Optional[Group]:
         for g in self.groups:
@@ -239,7 +247,8 @@ def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: Mapping[s
     whole = [n for n in projections if n.name in replicated and n not in members]
     return BlockAnalysis(list(groups.values()), [n for n in projections if n not in members and n not in whole],
                          state, reshapes, dict(prop.splits), list(dict.fromkeys(prop.replicated)),
-                         {k: v for k, v in fallbacks.items()}, whole, {n.name: replicated[n.name] for n in whole})
+                         {k: v for k, v in fallbacks.items()}, whole, {n.name: replicated[n.name] for n in whole},
+                         dict(prop.slices), list(dict.fromkeys(prop.cut)))
 
 
 # -- the TaskGraph view -----------------------------------------------------------------------------

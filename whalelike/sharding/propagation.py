@@ -14,6 +14,18 @@ blocks:
 
 * elementwise operators, with replicated operands broadcast along the sharded dimension (a mask
   over heads, rotary ``cos``/``sin``) and products of two sharded values (SwiGLU, ``q @ k^T``);
+* **a per-head additive bias** (the one case where a replicated operand with the sharded
+  dimension's *full* size is cut, ``cut``): an operand *added to attention scores*, i.e. added
+  to a value laid out ``[..., heads, q, k]`` that comes from ``q @ k^T`` of two values sharded by
+  heads (through scaling, other additions, casts and views that keep that layout: ``scores``)
+  and goes on to a softmax over its last dimension, or the ``attn_mask`` of
+  ``scaled_dot_product_attention`` (added to the scores inside it). T5's relative position bias
+  and Swin's bias table with its shifted-window mask, ``[.., heads, q, k]``, are such operands:
+  each rank reads its own heads of them (its gradient summed over the group), which pairs the
+  same elements as the unsharded operator. Any other replicated operand of the full size (a
+  residual added to a lone projection's output, an operand of a matmul) breaks the group, even
+  where cutting it would be exact: the rule is for attention biases and masks, not for pulling
+  unrelated projections into a group;
 * ``view``/``reshape`` that split the dimension into ``[heads, head_dim]`` or merge it back
   (the sharded dimension is the first of its group of dimensions: blocks stay consecutive);
 * ``transpose``/``permute``/``unsqueeze``/``contiguous``/``clone``/dtype casts, dropout;
@@ -29,7 +41,12 @@ blocks:
   block of a broadcast dimension is the same data. Either way k/v are replicated operands: their
   gradient covers this rank's query heads and is summed over the group;
 * ``split``/``chunk`` of a projection's own output along the sharded dimension: a fused
-  projection (GPT-2's ``c_attn``), each piece cut into the same units.
+  projection (GPT-2's ``c_attn``), each piece cut into the same units; likewise index slices
+  (``aten.slice``, Phi-3's ``qkv[..., :d]``) when every user of the output is such a slice and
+  they cover it once in equal pieces (``slices``; unequal pieces break the group: the parallel
+  projection holds equal pieces only);
+* ``roll`` along dimensions other than the sharded one (a window shift, a token shift): each
+  rank's units move alike; a roll along the sharded dimension (or of the flattened tensor) breaks.
 
 The propagation ends in a *row* projection whose input features are the sharded dimension.
 ``K`` is the gcd of every sharded dimension size the group passes through (heads, for attention;
@@ -110,6 +127,9 @@ _SDPA = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attenti
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, torch.split, torch.chunk, aten.chunk.default}
 _CATS = {aten.cat.default, torch.cat}
 _IGNORED = {aten._assert_tensor_metadata.default}
+_ROLLS = {aten.roll.default, torch.roll}
+_ADDS = {aten.add.Tensor, operator.add, torch.add}
+_ADD_METHODS = {"add", "__add__", "__radd__"}
 
 
 def _target_is(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
@@ -170,6 +190,9 @@ class _Propagation:
         self.reshapes: dict[fx.Node, Sharded] = {}
         self.splits: dict[fx.Node, tuple[int, tuple[int, ...]]] = {}
         self.replicated: list[tuple[fx.Node, fx.Node]] = []
+        self.slices: dict[fx.Node, tuple[int, tuple[int, ...], int]] = {}   # fused output slice: dim, pieces, index
+        self.cut: list[tuple[fx.Node, fx.Node, int]] = []   # (node, replicated operand, its dim cut with the units)
+        self.scores: set[fx.Node] = set()   # attention scores [..., heads, q, k] from q @ k^T, sharded by heads
 
     # union-find over groups
     def find(self, g: int) -> int:
@@ -282,6 +305,7 @@ class _Propagation:
             s = self.state.get(x)
             if s is None:
                 raise _Unsafe("a sharded value is used only for its dtype or device")
+            self.keep_scores(node, s)
             return s
         if _target_is(node, _SOFTMAX, {"softmax", "log_softmax"}):
             s = self.only_sharded(node)
@@ -289,11 +313,22 @@ class _Propagation:
                 raise _Unsafe("softmax over the sharded dimension")
             return s
         if _target_is(node, {aten.slice.Tensor}):
+            if node in self.slices:
+                return self.fused_slice(node)
             s = self.only_sharded(node)
             shape = self.shape(x)
             dim = _norm(_arg(node, 1, "dim", 0), len(shape))
             if dim == s.dim and tuple(self.shape(node)) != tuple(shape):
-                raise _Unsafe("slices the sharded dimension")
+                self.slice_fused(x, s)
+                return self.fused_slice(node)
+            return s
+        if _target_is(node, _ROLLS, {"roll"}):
+            s = self.only_sharded(node)
+            ndim = len(self.shape(x))
+            dims = _arg(node, 2, "dims", ())
+            dims = [dims] if isinstance(dims, int) else list(dims or ())
+            if not dims or s.dim in [_norm(d, ndim) for d in dims]:
+                raise _Unsafe("rolls along the sharded dimension (or over the flattened tensor)")
             return s
         if _target_is(node, _CATS, {"cat"}):
             return self.cat(node)
@@ -330,17 +365,42 @@ class _Propagation:
             group = self.union(group, s.group)
         return group
 
-    def broadcast_check(self, node: fx.Node, tensors: list[fx.Node], out_dim: int, out_ndim: int) -> None:
-        """Replicated tensor operands must broadcast along the sharded output dimension."""
+    def broadcast_check(self, node: fx.Node, tensors: list[fx.Node], out_dim: int, out_ndim: int,
+                        scores_bias: bool = False) -> None:
+        """Replicated tensor operands must broadcast along the sharded output dimension; only where
+        ``node`` adds them to attention scores (``scores_bias``, see the module docstring) may they
+        have its full size there (a per-head bias): then each rank reads its own units of them
+        (``cut``), which is the same element-for-element pairing as the unsharded operator."""
+        full = self.shape(node)[out_dim]
         for t in tensors:
             if t in self.state:
                 continue
             shape = self.shape(t)
             aligned = out_dim - (out_ndim - len(shape))
             if 0 <= aligned < len(shape) and shape[aligned] != 1:
-                raise _Unsafe(f"the replicated operand {t.name!r} has the full size {shape[aligned]} along the "
-                              "sharded dimension")
+                if scores_bias and full is not None and shape[aligned] == full:
+                    self.cut.append((node, t, aligned))
+                    continue
+                raise _Unsafe(f"the replicated operand {t.name!r} has the size {shape[aligned]} along the sharded "
+                              f"dimension of size {full} (only a per-head bias added to attention scores is cut "
+                              "with the heads)")
             self.replicated.append((node, t))
+
+    def adds_to_scores(self, node: fx.Node, out: Sharded, out_shape: tuple) -> bool:
+        """``node`` adds replicated operands to attention scores: an addition of a ``scores`` value
+        sharded along its heads dimension (``[..., heads, q, k]``) whose sum reaches a softmax over
+        the last (key) dimension through further additions, scaling, casts and views."""
+        return (_target_is(node, _ADDS, _ADD_METHODS) and out.dim == len(out_shape) - 3
+                and any(a in self.scores for a in node.all_input_nodes) and _feeds_softmax(node))
+
+    def keep_scores(self, node: fx.Node, out: Sharded) -> None:
+        """Scores stay scores through elementwise operators, casts and views that keep the layout
+        ``[..., heads, q, k]`` (the heads third from last, the last two dimensions unchanged)."""
+        source = [a for a in node.all_input_nodes if a in self.scores]
+        out_shape = _shape(node)
+        if (source and out_shape is not None and out.dim == len(out_shape) - 3
+                and tuple(out_shape[-2:]) == tuple(self.shape(source[0])[-2:])):
+            self.scores.add(node)
 
     def elementwise(self, node: fx.Node) -> Sharded:
         out_shape = self.shape(node)
@@ -353,8 +413,10 @@ class _Propagation:
         group = self.merge(states, dims, "an elementwise operator")
         if len({s.size for s in states}) != 1:
             raise _Unsafe("operands sharded with different sizes")
-        self.broadcast_check(node, tensors, dims[0], len(out_shape))
-        return Sharded(group, dims[0], out_shape[dims[0]])
+        out = Sharded(group, dims[0], out_shape[dims[0]])
+        self.broadcast_check(node, tensors, dims[0], len(out_shape), self.adds_to_scores(node, out, out_shape))
+        self.keep_scores(node, out)
+        return out
 
     def reshape(self, node: fx.Node) -> Sharded:
         s = self.only_sharded(node)
@@ -367,6 +429,7 @@ class _Propagation:
         if out.size != s.size:
             self.kinds[self.find(s.group)].add("attention")
         self.reshapes[node] = out
+        self.keep_scores(node, out)
         return out
 
     def expand(self, node: fx.Node) -> Sharded:
@@ -418,6 +481,48 @@ class _Propagation:
         self.split_state[node] = (self.state[x], dim, pieces)
         return None
 
+    def slice_fused(self, x: fx.Node, s: Sharded) -> None:
+        """Index slices (``qkv[..., :d]``, Phi-3's ``qkv_proj``) that cut a column projection's own
+        output along its sharded dimension into consecutive pieces: like ``split``, when every user
+        of the output is such a slice and together they cover it exactly once, in equal pieces (the
+        parallel projection holds its units of each of equal pieces). Each slice then becomes this
+        rank's piece (:mod:`runtime.tensor.block_sharding` narrows it to the local offsets)."""
+        shape = self.shape(x)
+        size, ndim = shape[s.dim], len(shape)
+        column = self.columns.get(self.find(s.group), [])
+        if x not in column or s.pieces:
+            raise _Unsafe("slices the sharded dimension of something other than a projection's own output")
+        intervals = []
+        for user in x.users:
+            if user.op == "call_function" and user.target in _IGNORED:
+                continue
+            if not _target_is(user, {aten.slice.Tensor}) or user.name not in self.region:
+                raise _Unsafe(f"slices the sharded dimension of {x.name!r}, which {user.name!r} also reads whole")
+            dim, start, end = _norm(_arg(user, 1, "dim", 0), ndim), _arg(user, 2, "start"), _arg(user, 3, "end")
+            step = _arg(user, 4, "step", 1)
+            if dim != s.dim or step != 1 or not all(isinstance(v, int) or v is None for v in (start, end)):
+                raise _Unsafe(f"{user.name!r} slices {x.name!r} other than along its sharded dimension in one step")
+            start, end = _bound(start, 0, size), _bound(end, size, size)
+            intervals.append((start, end, user))
+        intervals.sort(key=lambda i: (i[0], i[1]))
+        edges = [0] + [e for _, e, _ in intervals]
+        if [a for a, _, _ in intervals] != edges[:-1] or edges[-1] != size or any(e <= a for a, e, _ in intervals):
+            raise _Unsafe(f"the slices {[(a, e) for a, e, _ in intervals]} of {x.name!r} do not cover its "
+                          f"{size} features once, in order")
+        pieces = tuple(e - a for a, e, _ in intervals)
+        if len(set(pieces)) != 1:
+            raise _Unsafe(f"slices a fused projection into unequal pieces {list(pieces)} (a parallel projection "
+                          "holds equal pieces only)")
+        self.pieces[x] = pieces
+        self.state[x] = Sharded(s.group, s.dim, s.size, pieces)
+        self.sizes[self.find(s.group)] += list(pieces)
+        for index, (_, _, user) in enumerate(intervals):
+            self.slices[user] = (s.dim, pieces, index)
+
+    def fused_slice(self, node: fx.Node) -> Sharded:
+        dim, pieces, index = self.slices[node]
+        return Sharded(self.state[node.args[0]].group, dim, pieces[index])
+
     def piece(self, node: fx.Node) -> Sharded:
         s, dim, pieces = self.split_state[node.args[0]]
         if dim < 0:
@@ -440,11 +545,7 @@ class _Propagation:
             raise _Unsafe(f"attention sharded along dimension {states[0].dim}, not the heads dimension {heads}")
         if (states[1].size != states[0].size or states[2].size != states[0].size) and not _arg(node, 7, "enable_gqa"):
             raise _Unsafe("key/value heads differ from query heads without enable_gqa")
-        mask = _arg(node, 3, "attn_mask")
-        if isinstance(mask, fx.Node):
-            if mask in self.state:
-                raise _Unsafe("a sharded attention mask")
-            self.broadcast_check(node, [mask], heads, len(self.shape(node)))
+        self.mask_check(node, heads)
         self.kinds[self.find(group)].add("attention")
         return Sharded(group, heads, states[0].size)
 
@@ -468,13 +569,18 @@ class _Propagation:
             else:
                 raise _Unsafe(f"replicated key/value with {kv_heads} heads for {self.shape(q)[heads]} query heads "
                               "(only one key/value head, broadcast or repeated, can stay whole)")
+        self.mask_check(node, heads)
+        self.kinds[self.find(s.group)].add("attention")
+        return s
+
+    def mask_check(self, node: fx.Node, heads: int) -> None:
+        """The ``attn_mask`` of a sharded attention is added to its scores: replicated, broadcast
+        over the heads or a per-head bias cut with them."""
         mask = _arg(node, 3, "attn_mask")
         if isinstance(mask, fx.Node):
             if mask in self.state:
                 raise _Unsafe("a sharded attention mask")
-            self.broadcast_check(node, [mask], heads, len(self.shape(node)))
-        self.kinds[self.find(s.group)].add("attention")
-        return s
+            self.broadcast_check(node, [mask], heads, len(self.shape(node)), scores_bias=True)
 
     def adopt_repeated(self, value: fx.Node, query: Sharded) -> None:
         """Shard ``value`` (a replicated k or v of full query heads) like ``query`` when it is one
@@ -525,6 +631,8 @@ class _Propagation:
         group = self.merge(states, [s.dim for s in states], "matmul")
         self.broadcast_check(node, [t for t in (a, b) if isinstance(t, fx.Node)], states[0].dim, len(out_shape))
         self.kinds[self.find(group)].add("attention")
+        if len(sharded) == 2 and states[0].dim == len(out_shape) - 3:
+            self.scores.add(node)   # q @ k^T: [..., heads, q, k]
         return Sharded(group, states[0].dim, out_shape[states[0].dim])
 
 
@@ -537,6 +645,35 @@ def _norm(dim: Any, ndim: int) -> int:
     if not isinstance(dim, int):
         raise _Unsafe(f"a dimension that is not a constant ({dim!r})")
     return dim % ndim if ndim else dim
+
+
+def _bound(value: Optional[int], default: int, size: int) -> int:
+    """A slice bound as Python clamps it (``None``: ``default``; negative: from the end)."""
+    if value is None:
+        return default
+    if value < 0:
+        value += size
+    return min(max(value, 0), size)
+
+
+def _feeds_softmax(node: fx.Node, steps: int = 8) -> bool:
+    """``node``'s value reaches a softmax over its last dimension within ``steps`` elementwise
+    operators, casts and views (the scores' path: scaling, more biases and masks, a dtype cast)."""
+    frontier = [node]
+    for _ in range(steps):
+        following = []
+        for n in frontier:
+            for user in n.users:
+                if _target_is(user, _SOFTMAX, {"softmax", "log_softmax"}):
+                    shape = _shape(n)
+                    dim = _arg(user, 1, "dim")
+                    if shape is not None and isinstance(dim, int) and dim % len(shape) == len(shape) - 1:
+                        return True
+                elif _pointwise(user) or _target_is(user, _RESHAPES | _SAME_ATEN | _SAME_FUNCTIONS,
+                                                    _RESHAPE_METHODS | _SAME_METHODS):
+                    following.append(user)
+        frontier = following
+    return False
 
 
 def _moved(s: Sharded, dim: int) -> Sharded:
