@@ -36,7 +36,7 @@ COMPUTING = {
     "test_zero.py::test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts": 45,
     "test_zero_memory.py::": 30,
     "test_expert_parallel.py::": 35,
-    "test_sharding_forms.py::": 40,
+    "test_sharding_forms.py::": 60,
     "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_vs_spec]": 25,
     "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_examples]": 25,
     "test_encoder_decoder.py::test_encoder_decoder_and_root_glue_train_exactly_under_their_plans": 30,
