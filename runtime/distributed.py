@@ -31,6 +31,7 @@ lives on rank 0; if rank 0 is gone, the message says so.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -340,6 +341,19 @@ class _Heartbeat:
         self.store.set(_heartbeat_key(self.rank), json.dumps(
             {"time": time.time(), "pid": os.getpid(), "machine": _MACHINE, "computing_s": computing}))
 
+    @classmethod
+    def stop_at_exit(cls) -> None:
+        """Stop the heartbeat before the interpreter shuts down (``atexit``): a daemon thread still
+        inside a store call when finalization begins aborts the process (C++ ``std::terminate``) if
+        the store's host, rank 0, exited first; since each start's store lives on rank 0, that is
+        the normal end of a run for every other rank."""
+        with cls._lock:
+            beat, cls._current = cls._current, None
+        if beat is not None:
+            beat._stop.set()
+            if beat._thread.is_alive():
+                beat._thread.join(timeout=max(1.0, 2 * beat.interval))
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
@@ -347,6 +361,9 @@ class _Heartbeat:
             except Exception as e:  # the store (rank 0) is gone: the collectives will say so
                 log.debug("rank %d: heartbeat stopped: %s", self.rank, e)
                 return
+
+
+atexit.register(_Heartbeat.stop_at_exit)
 
 
 def _progress_key(rank: int) -> str:
