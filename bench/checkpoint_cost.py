@@ -35,7 +35,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,7 @@ import whalelike as wl  # noqa: E402
 from runtime import Engine, checkpoint  # noqa: E402
 from whalelike.cli import load_workload  # noqa: E402
 from smoke import parse_args  # noqa: E402
-from timing import process_group, spawn_ranks  # noqa: E402
+from timing import process_group, spawn_ranks, timed  # noqa: E402
 
 WORLD = 4
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "hybrid_classifier.py") + ":build"
@@ -66,14 +65,6 @@ def demo_workload(sizes: dict):
     sys.path.insert(0, os.path.dirname(MODEL.rpartition(":")[0]))
     from hybrid_classifier import build
     return build(**sizes)
-
-
-def timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def size_of(path: str) -> int:

@@ -50,10 +50,8 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -64,7 +62,7 @@ from planner.balance.replan import plan_changes, rebalance  # noqa: E402
 from planner.devices.cost_model import device_tflops  # noqa: E402
 from runtime import Engine  # noqa: E402
 from smoke import parse_args  # noqa: E402
-from timing import process_group, spawn_ranks  # noqa: E402
+from timing import process_group, spawn_ranks, timed  # noqa: E402
 from whalelike.cli import load_workload  # noqa: E402
 
 WORLD = 4
@@ -87,14 +85,6 @@ def rebuild(engine: Engine, plan) -> None:
                                          engine.optimizer, engine._make_optimizer, None)
     engine._context = context
     engine.plan, engine.worker, engine.compute_plan = plan, plan.worker(engine.rank), None
-
-
-def timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def worker(rank: int, init_file: str, args, results) -> None:

@@ -73,6 +73,11 @@ def process_group(rank: int, init_file: str, world: int, log_level: int = loggin
         dist.destroy_process_group()
 
 
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds of one call of ``fn`` between barriers (a collective: every rank calls it)."""
+    return seconds_per_step(fn, 1)
+
+
 def seconds_per_step(step: Callable[[], None], steps: int) -> float:
     """Mean seconds per call of ``step`` over ``steps`` calls (a collective: every rank calls it)."""
     dist.barrier()
