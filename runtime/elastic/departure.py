@@ -332,12 +332,22 @@ def new_plan(engine, stayers: Sequence[int]) -> tuple[Optional["Plan"], "Cluster
     return plan, present, None
 
 
+def _stayers_hold(kept: dict, wanted: dict) -> bool:
+    """Whether the stayers' pieces (``kept``) cover ``wanted`` whole: ``plan_moves`` finds every
+    element a source among them, or raises."""
+    from planner.balance.state_moves import StateMoveError, plan_moves
+
+    try:
+        plan_moves(kept, wanted)
+    except StateMoveError:
+        return False
+    return True
+
+
 def hand_over(held: "Snapshot", rank: int, leavers: Sequence[int], stayers: Sequence[int]) -> int:
     """Old world, collective: each leaver sends every tensor of ``held`` that no stayer holds all of
     to its heir (the next stayer after it, cyclically), which parks it in ``held.parked``. Returns
     the bytes handed over in all (the same on every rank)."""
-    from planner.balance.state_moves import StateMoveError, plan_moves
-
     mine = {"old": {n: s for n, (_, s) in held.sources.items()}, "state": held.state,
             "dtype": held.dtypes(held.sources)}
     described: list[dict] = [None] * dist.get_world_size()
@@ -348,11 +358,8 @@ def hand_over(held: "Snapshot", rank: int, leavers: Sequence[int], stayers: Sequ
         heir = next((s for s in sorted(stayers) if s > leaver), min(stayers))
         theirs = described[leaver]
         for tag, (name, slab) in enumerate(sorted(theirs["old"].items())):
-            try:
-                plan_moves(kept, {leaver: {name: slab}})
-                continue                       # the stayers hold all of it
-            except StateMoveError:
-                pass
+            if _stayers_hold(kept, {leaver: {name: slab}}):
+                continue
             total += math.prod(slab.local_shape) * getattr(torch, theirs["dtype"][name]).itemsize
             if rank == leaver:
                 ops.append(dist.P2POp(dist.isend, _on_wire(held.sources[name][0].contiguous()), heir, tag=tag))
