@@ -166,9 +166,13 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
             var.setInitialValue(1 if warm.stages[k].slot == g else 0)
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        cmd = pulp.COIN_CMD(path=cbc_path(), msg=False, timeLimit=time_limit_s, warmStart=warm is not None,
-                            logPath=log_path, threads=1)
-        prob.solve(cmd)
+        cmd = pulp.COIN_CMD(path=_bounded_cbc(tmp, cbc_path(), time_limit_s), msg=False, timeLimit=time_limit_s,
+                            warmStart=warm is not None, logPath=log_path, threads=1)
+        try:
+            prob.solve(cmd)
+        except pulp.PulpSolverError as e:   # CBC killed past its limit (_bounded_cbc), or crashed
+            log.warning("CBC did not finish (%s); the greedy partition stands", e)
+            return IlpOutcome("no solution")
         log_text = open(log_path).read() if os.path.exists(log_path) else ""
     if prob.status == pulp.LpStatusInfeasible:
         return IlpOutcome("infeasible")
@@ -180,6 +184,33 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     if prob.sol_status == pulp.LpSolutionOptimal:
         return IlpOutcome("optimal", order, 0.0)
     return IlpOutcome("stopped", order, _gap_from_log(log_text))
+
+
+# CBC past this many times its own -sec limit (plus a margin) is killed
+_CBC_GRACE = 2.0
+
+
+def _bounded_cbc(folder: str, cbc: str, time_limit_s: float) -> str:
+    """An executable in ``folder`` that runs ``cbc`` with the same arguments and kills it past
+    ``_CBC_GRACE * time_limit_s + 10`` seconds. Why: the ``cbcbox`` CBC (2.935) can spin forever on a
+    small model whose preprocessing it reports infeasible "- possible tolerance issue", ignoring its
+    ``-sec`` limit (seen in the suite: an 8-row partition ILP with a warm start, minutes of CPU);
+    PuLP waits on the process with no bound of its own."""
+    import stat
+    import sys
+
+    deadline = _CBC_GRACE * time_limit_s + 10.0
+    path = os.path.join(folder, "bounded-cbc")
+    with open(path, "w") as f:
+        f.write(f"#!{sys.executable}\n"
+                "import subprocess, sys\n"
+                "try:\n"
+                f"    sys.exit(subprocess.run([{cbc!r}, *sys.argv[1:]], timeout={deadline!r}).returncode)\n"
+                "except subprocess.TimeoutExpired:\n"
+                f"    print('cbc killed after {deadline:g} s', file=sys.stderr)\n"
+                "    sys.exit(124)\n")
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+    return path
 
 
 def cbc_path() -> str:
