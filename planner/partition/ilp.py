@@ -29,7 +29,9 @@ CBC runs through ``pulp.COIN_CMD``, PuLP's supported interface to it. ``PULP_CBC
 binary bundled inside PuLP) is deprecated and goes away in PuLP 4.0, whose CBC comes from the
 ``cbcbox`` package (``pip install pulp[cbc]``). :func:`cbc_path` takes that one when installed,
 else a ``cbc`` on ``PATH``, else the copy PuLP 3 still bundles; the model and the answers are the
-same whichever binary runs.
+same whichever binary runs. PuLP waits on CBC without a bound, and CBC can ignore its ``-sec``
+limit, so CBC runs under a bound of its own (:func:`_bounded_cbc`); killed, it leaves the greedy
+partition.
 """
 from __future__ import annotations
 
