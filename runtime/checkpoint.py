@@ -274,7 +274,9 @@ def save_async(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[
     """Like :func:`save`, but training goes on while the checkpoint is written: this rank's pieces
     are copied (the only stall), then a thread writes them through a process group of its own.
     Call ``.wait()`` on the result before the next save and before the job ends (collective). A
-    failed write raises from ``wait()``; the half-written directory is removed, never loaded.
+    failed write raises from ``wait()``; the half-written directory is removed, never loaded. A
+    rank that leaves the job (:mod:`runtime.elastic.departure`) first waits for the writes in flight
+    on every rank (:func:`finish_pending`), so a leave never tears a checkpoint.
 
     Why not ``dcp.async_save``: its stager copies only tensors, DTensors and ShardedTensors out of
     the state dict; our pieces (uneven, fused shards) would be written from the live parameters
@@ -284,7 +286,20 @@ def save_async(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[
         group = engine._collective(lambda: dist.new_group(backend="gloo"))
         engine._checkpoint_group = group
     job = _prepare(engine, directory, extra, keep, snapshot=True)
-    return PendingCheckpoint(job, group)
+    pending = PendingCheckpoint(job, group)
+    # a leave (runtime.elastic.departure) ends this group's world: it waits for the writes in flight first
+    engine._pending_checkpoints = [p for p in getattr(engine, "_pending_checkpoints", []) if not p.done()] + [pending]
+    return pending
+
+
+def finish_pending(engine) -> None:
+    """Wait (collectively: every rank started the same saves) for the asynchronous checkpoints this
+    Engine has in flight, and forget the process group they write through: a leave re-initialises the
+    default process group, which destroys that group with the old world."""
+    for pending in getattr(engine, "_pending_checkpoints", []):
+        pending.wait()
+    engine._pending_checkpoints = []
+    engine._checkpoint_group = None
 
 
 @dataclass

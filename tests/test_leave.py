@@ -3,10 +3,11 @@
 One 4-rank spawn (gloo, float64): a pipeline of two data-parallel stages trains under
 ``runtime.Engine(departures=True)``; rank 0 (the store's host) receives SIGTERM during step 2 and
 leaves at that step's boundary: the three others form a new world, the planner's plan for them is
-in force at step 3, no checkpoint is read. During step 5 the rank then running stage 0 alone
-receives SIGTERM: its stage has no other holder, so its state is handed to an heir and parked
-before the world shrinks to two. Every step's loss on every rank that stays, and the final state,
-equal the single-process reference (same weights, same batches). The leavers exit through
+in force at step 3, no checkpoint is read (an asynchronous checkpoint still being written when
+rank 0 leaves is finished first; the next one is written by the three-rank world). During step 5
+the rank then running stage 0 alone receives SIGTERM: its stage has no other holder, so its state
+is handed to an heir and parked before the world shrinks to two. Every step's loss on every rank
+that stays, and the final state, equal the single-process reference (same weights, same batches). The leavers exit through
 :class:`~runtime.elastic.departure.Departed` (a ``SystemExit`` with code 0).
 
 In-process: the slowness rule's hysteresis (noise and single dips never count; a sustained slow
@@ -37,10 +38,10 @@ NOTICES = {2: 0, 5: 1}   # step -> the original rank that receives SIGTERM durin
 STEPS = 7
 
 
-def _leaving(rank: int, world_size: int) -> dict:
+def _leaving(rank: int, world_size: int, folder: str) -> dict:
     from torch.testing import assert_close
 
-    from runtime import Engine
+    from runtime import Engine, checkpoint
     from runtime.elastic.departure import Departed
 
     model, data, spec = Mlp(wl.replicate, wl.replicate).double(), batches(seed=4)[:STEPS], cluster([1.0] * 4)
@@ -58,6 +59,10 @@ def _leaving(rank: int, world_size: int) -> dict:
             return {"left": e.step, "code": e.code, "pid": os.getpid()}
         assert_close(loss, losses[step], msg=lambda m: f"rank {rank}, loss of step {step}: {m}")
         worlds.append(engine.plan.world_size)
+        if step == 1:     # still being written when rank 0 (which completes checkpoints) leaves after step 2
+            checkpoint.save_async(engine, folder, keep=None)
+        if step == 3:     # the three-rank world writes through a group of its own
+            checkpoint.save_async(engine, folder, keep=None).wait()
     state = engine.state_dict()
     for key, value in final.items():
         assert_close(state[key], value, msg=lambda m: f"rank {rank}, final {key}: {m}")
@@ -65,8 +70,10 @@ def _leaving(rank: int, world_size: int) -> dict:
             "events": [(e.step, e.leavers, e.old_world, e.new_world, e.parked_bytes) for e in engine.departures.history]}
 
 
-def test_sigterm_leaves_at_the_step_boundary_and_training_continues_exactly():
-    results = run_ranks(_leaving, 4, init_process_group=False, timeout_s=240)
+def test_sigterm_leaves_at_the_step_boundary_and_training_continues_exactly(tmp_path):
+    from runtime import checkpoint
+
+    results = run_ranks(_leaving, 4, (str(tmp_path),), init_process_group=False, timeout_s=240)
     assert results[0] == {"left": 2, "code": 0, "pid": results[0]["pid"]}
     assert results[1] == {"left": 5, "code": 0, "pid": results[1]["pid"]}
     for original in (2, 3):
@@ -79,6 +86,8 @@ def test_sigterm_leaves_at_the_step_boundary_and_training_continues_exactly():
         first, second = (parked for *_, parked in got["events"])
         assert first == 0, "rank 0's state is all held by its data-parallel peer: nothing is handed over"
         assert second > 0, "stage 0 ran on the leaver alone: its state is handed to an heir"
+    # the checkpoint in flight at the leave was finished first; the next went through the new world's group
+    assert [(c.step, c.world_size) for c in checkpoint.complete(tmp_path)] == [(2, 4), (4, 3)]
 
 
 # -- the slowness rule, in process -------------------------------------------------------------------

@@ -17,6 +17,8 @@ The protocol, identical on every rank (every decision a function of values every
    gradient bucket, the pipeline's loss), so every rank learns who leaves in the same step at no
    collective of its own. The slowness rule is a pure function of the straggler monitor's gathered
    speeds, the same on every rank.
+   Asynchronous checkpoints still being written (:func:`runtime.checkpoint.save_async`) are
+   finished first, on every rank: they write through a process group of the old world.
 2. **The new plan.** :func:`planner.plan` on the captured TaskGraphs and the cluster spec
    restricted to the staying devices (:meth:`whalelike.cluster.Cluster.present`, in the stayers'
    old rank order; emulated stragglers follow their devices), under the old plan's :class:`~whalelike.config.Config` (:func:`runtime.elastic.membership.config_of`). One
@@ -428,6 +430,7 @@ def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
     """The step-boundary leave (collective on the old world): the protocol of the module docstring.
     Raises :class:`Departed` on a leaver; on a stayer returns with ``engine`` running the new plan.
     A stayer whose device the new plan leaves idle (the planner's choice) leaves too."""
+    from runtime import checkpoint
     from runtime.balance.state_transfer import snapshot
 
     start = time.perf_counter()
@@ -437,6 +440,8 @@ def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
     departures = engine.departures
     if not stayers:
         raise LeaveError(f"step {step}: every rank gave notice ({', '.join(reasons)}); nobody is left to train")
+    # the checkpoints being written in the background go through a group of the old world: finished first
+    engine._collective(lambda: checkpoint.finish_pending(engine))
     plan, _, reason = new_plan(engine, stayers)
     if plan is None:   # nobody can take the state: the stayers stop with one line, the leaver goes
         if rank in stayers:
