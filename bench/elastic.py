@@ -14,19 +14,23 @@ is gone for good (its worker, or its whole torchrun node, SIGKILL). The paths, s
   (``--nnodes 1:2 --rdzv-backend c10d``), ``host-a``'s with 3 ranks and ``host-b``'s with 1; the
   whole ``host-b`` node is killed; ``host-a``'s agent starts its workers again, they find the
   devices present, plan onto them and resume the newest checkpoint.
-* **(c) leaving without a restart** (issue 23 item 2) is another module's: it goes into
-  :data:`PATHS` as a function of the same signature (``Job -> Outcome``), measured the same way.
+* **(c) leaving without a restart** (``runtime.elastic.departure``): one torchrun agent of 4 ranks
+  running ``train.py --leave-on-sigterm``; ``host-b``'s worker receives SIGTERM (a preemption
+  notice), finishes the step it is in, hands its state over at the step boundary and exits 0; the
+  three others re-plan onto their devices and go on in the same processes: no checkpoint read, no
+  restart.
 
 Measured per path, from the job's own per-step log lines (``--log-every 1``, time-stamped as they
 arrive): the steps lost (completed before the loss, trained again after it: those since the newest
-checkpoint), the seconds from the loss to the next completed step, and the throughput after the
+checkpoint), the seconds from the loss (the kill, or the notice) to the next completed step on the
+devices left (for (c): the first step after the one in flight at the notice), and the throughput after the
 change (samples/s over the steps after the first two of the resumed run) against the ideal for the
 devices left: their emulated FLOP/s over the FLOPs of a sample (the work split perfectly, nothing
 else costing time); the throughput before the loss against the ideal of all four, for reference.
 Path (b)'s time includes torchrun's rendezvous ``last_call_timeout`` (3 s here; 30 s by default):
 how long a start that has its minimum of nodes waits for more.
 
-Run (about three minutes; starts its own torchrun jobs)::
+Run (about four minutes; starts its own torchrun jobs)::
 
     .venv/bin/python bench/elastic.py
     .venv/bin/python bench/elastic.py --smoke    # fewer steps, a tiny model: checks that it runs
@@ -63,7 +67,8 @@ TRAIN = os.path.join(ROOT, "examples", "train.py")
 HOST_A = [("emu-full", 1.0, 4), ("emu-full", 1.0, 4), ("emu-half", 0.5, 2)]
 HOST_B = [("emu-quarter", 0.25, 1)]
 STEP_LINE = re.compile(r"step (\d+)/\d+\s+loss \S+.*?(\d+\.\d) ms$")
-RESUMED = re.compile(r"resumed at step (\d+)")
+# where the run on the devices left takes over: a resume from a checkpoint, or (c) the leave
+RESUMED = re.compile(r"resumed at step (\d+)|\[elastic\] leave after step (\d+)")
 # torch 2.13's c10d agents share their store with the workers, and a node that joins waits forever
 # (README "Elastic"); every agent of path (b) runs with the opt-out
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -226,7 +231,8 @@ def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts:
     began = max([t for t, line in before.lines if t <= lost_at and ("training" in line or RESUMED.search(line))],
                 default=0.0)
     done_before = [s for t, s, _ in before.steps() if t <= lost_at]
-    resumed = [int(m.group(1)) for t, line in after.lines if t > lost_at for m in [RESUMED.search(line)] if m]
+    resumed = [int(m.group(1) or m.group(2)) for t, line in after.lines if t > lost_at
+               for m in [RESUMED.search(line)] if m]
     if not resumed:
         raise RuntimeError(f"({path}) the job never resumed:\n{after.text()[-3000:]}")
     later = [(t, s, ms) for t, s, ms in after.steps(lost_at) if s > resumed[-1]]
@@ -239,7 +245,7 @@ def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts:
     left = [speed for _, speed, _ in HOST_A[:args.host_a]]
     samples_before = throughput([s for s in before.steps(began) if s[0] <= lost_at])
     started = parts.pop("_started", lost_at)
-    return Outcome(path, max(done_before) - resumed[-1], first - lost_at, samples_before, throughput(later),
+    return Outcome(path, max(0, max(done_before) - resumed[-1]), first - lost_at, samples_before, throughput(later),
                    job.ideal(left), job.ideal(left + [HOST_B[0][1]]), {**parts, "start to next step": first - started})
 
 
@@ -310,10 +316,29 @@ def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
     raise RuntimeError(f"no rank 0 within {timeout:g} s:\n{a.text()[-2000:]}\n{b.text()[-2000:]}")
 
 
-# the paths measured, in order; (c) leaving without a restart (issue 23 item 2) adds its function here
+def leave_without_restart(job: Job) -> Outcome:
+    """(c): one agent of 4 ranks with ``--leave-on-sigterm``; host-b's worker (the last rank) receives
+    SIGTERM, leaves at the step boundary, and the others go on in the same processes."""
+    args, checkpoints = job.args, os.path.join(job.folder, "c-ckpt")
+    world = args.host_a + 1
+    log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
+                 "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, "--leave-on-sigterm")])
+    log.wait_for_step(args.lose_at, timeout=600)
+    os.kill(workers_of(log.process.pid)[world - 1], signal.SIGTERM)
+    lost_at = time.monotonic()
+    finish(log, timeout=600)
+    if log.process.returncode != 0:
+        raise RuntimeError(f"(c) the job failed:\n{log.text()[-3000:]}")
+    left = [t for t, line in log.lines if t > lost_at and "[elastic] leave after step" in line]
+    return outcome("c", job, log, log, lost_at, {"step in flight, hand-over, new plan": (left or [lost_at])[0] - lost_at,
+                                                 "_started": (left or [lost_at])[0]})
+
+
+# the paths measured, in order
 PATHS: dict[str, tuple[str, Callable[[Job], Outcome]]] = {
     "a": ("restart + hand-made plan", restart_by_hand),
     "b": ("automatic re-plan on restart", replan_on_restart),
+    "c": ("leaving without a restart", leave_without_restart),
 }
 
 
@@ -352,9 +377,12 @@ def main() -> None:
             print(report(outcomes[-1:]), flush=True)
     finally:
         shutil.rmtree(job.folder, ignore_errors=True)
+    by_path = {o.path: o for o in outcomes}
+    ratios = "".join(f"; leaving {by_path[p].to_next_step_s / by_path['c'].to_next_step_s:.2f}x faster than ({p})"
+                     for p in ("a", "b") if p in by_path and "c" in by_path)
     print("elastic: " + "; ".join(
         f"({o.path}) {PATHS[o.path][0]}: {o.steps_lost} steps lost, {o.to_next_step_s:.1f} s to the next step, "
-        f"throughput after {o.after / o.ideal:.2f}x the ideal" for o in outcomes), flush=True)
+        f"throughput after {o.after / o.ideal:.2f}x the ideal" for o in outcomes) + ratios, flush=True)
 
 
 if __name__ == "__main__":

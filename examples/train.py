@@ -36,6 +36,16 @@ checkpoint there: a node lost for good costs a restart, not a person; a node tha
 at the next rendezvous. Rank 0 prints each change once (devices lost and gained, both plans, the
 predicted step times). When the devices present cannot hold the model, every rank stops with one
 line naming the memory missing and the devices present. ``--no-elastic`` runs the plan as given.
+With ``--leave-on-sigterm`` a worker that receives SIGTERM (a spot VM's preemption notice; torchrun's
+agent passes a node's on to its workers) finishes the step it is in and leaves at its boundary
+without a restart (``runtime.elastic.departure``): its state moves to the ranks that stay, which
+re-plan onto their devices and go on in the same processes, no checkpoint read and no step lost;
+the leaver exits 0. When every worker gets SIGTERM in the same step (the agent stopping them to
+restart, as it does when a node joins; a drain of the whole job) they stop at that step's boundary
+and write a checkpoint of it first (with ``--checkpoint-dir``), so the restart loses no step; exit
+status 143, as the signal would have given. Off by default: the agent also stops workers with
+SIGTERM when a peer failed, and a worker stuck in a collective then waits for its ``--timeout``
+or the agent's kill (30 s).
 
 Real data (``--data FILE``, with ``--seq-len N``, default the workload's ``seq_len``): a language
 model (a workload that sets ``vocab_size``, e.g. ``examples/hf_llama.py:build``) trains on a plain
@@ -84,6 +94,7 @@ import runtime
 import whalelike as wl
 from runtime import checkpoint
 from runtime.elastic import membership
+from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
 from whalelike.cli import load_workload
@@ -96,6 +107,7 @@ WARMUP_STEPS = 2
 
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
+EXIT_STOPPED = 128 + 15    # every rank got SIGTERM (--leave-on-sigterm): stopped at a step boundary, as a signal would
 _QUIET_RANKS_WAIT_S = 10.0   # the most a quiet rank waits for rank 0 to have said why (another host: all of it)
 
 
@@ -174,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-elastic", action="store_true",
                    help="with --cluster and --checkpoint-dir, run the plan as given even if the devices present differ "
                         "(default: re-plan onto the devices present, runtime.elastic)")
+    p.add_argument("--leave-on-sigterm", action="store_true",
+                   help="a worker sent SIGTERM (a preemption notice) leaves at the next step boundary and the others "
+                        "go on without a restart, re-planned onto the devices left (runtime.elastic.departure)")
     p.add_argument("--log-every", type=int, default=5, metavar="N",
                    help="in a log (not a terminal), print every N-th step's line (default 5)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
@@ -207,6 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--seq-len applies to --data only; give --data FILE or drop --seq-len")
     if args.seq_len is not None and args.seq_len < 1:
         p.error(f"--seq-len must be at least 1, got {args.seq_len}")
+    if args.compare_naive and args.leave_on_sigterm:
+        p.error("--compare-naive and --leave-on-sigterm do not mix: a rank that leaves cannot run the naive "
+                "baseline afterwards; drop one")
     if args.compare_naive and args.checkpoint_dir:
         p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
                 "a job to resume; drop one")
@@ -236,11 +254,12 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
                             measure_memory=True if args.measure_memory else None,
                             grad_reduce_dtype=args.grad_reduce_dtype,
-                            profile=_profile(args, cluster, plan) if name == "whalelike" else None)
+                            profile=_profile(args, cluster, plan) if name == "whalelike" else None,
+                            departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
     losses, step_times, save_times = [], [], []
-    show = dist.get_rank() == 0
+    show = engine.rank == 0
     if resume is not None:
         extra = checkpoint.load(engine, resume)
         batches.restore(extra, resume.path)
@@ -254,20 +273,29 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
               f"{batches.describe()}", flush=True)
     saving = args.checkpoint_dir is not None and name == "whalelike"
     pending = None
+    stopping = None
     for step in range(engine.step, args.steps):
         batch = batches.next()
         start = time.perf_counter()
-        loss = engine.train_step(batch)
+        try:
+            loss = engine.train_step(batch)
+        except Stopping as e:        # --leave-on-sigterm and every rank got SIGTERM: this step is done, then stop
+            loss, stopping = e.loss, e
         elapsed = time.perf_counter() - start
         losses.append(float(loss))
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
+        show = engine.rank == 0      # a leave renumbers the ranks (the old rank 0 may have left)
         if show:
             progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None,
                      every=args.log_every)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
-        if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps):
+            if engine.departures is not None and engine.departures.history and \
+                    engine.departures.history[-1].step == step:
+                print(f"  [elastic] leave after step {step + 1}: {engine.departures.history[-1].line().split(': ', 1)[1]}",
+                      flush=True)
+        if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps or stopping):
             # written in the background while training goes on; the stall is the wait for the
             # previous checkpoint (if still writing) and the snapshot of this rank's pieces
             start = time.perf_counter()
@@ -276,8 +304,15 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             pending = checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
                                             extra={**batches.state(), "losses": list(losses), "seed": args.seed})
             save_times.append(time.perf_counter() - start)
+        if stopping is not None:
+            break
     if pending is not None:
         pending.wait()
+    if stopping is not None:
+        saved = f"; checkpoint step-{engine.step:08d} written, a restart resumes there" if saving else ""
+        if show:
+            print(f"  [elastic] stopped after step {engine.step}: every rank got SIGTERM{saved}", flush=True)
+        raise stopping
     if args.run_timeline and name == "whalelike":
         from runtime.balance.run_timeline import gather_run, write_run_png, write_run_trace
 
@@ -449,6 +484,14 @@ def main(argv=None) -> int:
                          dataset=dataset) for name, p in runs]
         if dist.get_rank() == 0:
             report(results, args.steps)
+    except Departed as e:
+        # this worker gave notice and handed its state over; the others train on: a success
+        print(f"train.py: rank {os.environ.get('RANK', '?')}: left the job after step {e.step + 1}/{args.steps} "
+              f"({e.reason}); its state went to the ranks that stay", flush=True)
+        return 0
+    except Stopping:
+        # every rank got SIGTERM (the agent restarting its workers, a drain): stopped at a step boundary
+        return EXIT_STOPPED
     except (WhaleError, RuntimeError, OSError) as e:
         # a failure while training differs by rank (which peer died, which step): one line each
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")

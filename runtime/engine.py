@@ -85,7 +85,7 @@ from runtime.parallel.data_parallel import DataParallelExecutor
 from runtime.emulation.compute import EmulatedOutOfMemoryError, EmulationStats, Emulator, check_capacity  # noqa: F401
 from runtime.groups import PlanGroups, build_groups
 from runtime.balance.rebalance import BalanceConfig, Rebalancer, ReplanEvent
-from runtime.elastic.departure import Boarding, Departures, LeaveConfig, leave, reasons_of
+from runtime.elastic.departure import Boarding, Departures, LeaveConfig, Stopping, leave, reasons_of
 from runtime.replicas.replica_sync import after_step, runs_exact
 from runtime.training.clipping import GlobalGradNorm, check_max_norm
 from runtime.training.memory_meter import MemoryMeter
@@ -262,7 +262,10 @@ class Engine:
     leaves at the end of the step it is in, handing its state to the ranks that stay, which go on
     under a plan for their devices (``Engine.plan``, ``Engine.rank`` and the default process group
     change; ``Engine.departures.history`` records each leave); on the leaver ``train_step`` raises
-    :class:`runtime.elastic.departure.Departed`, a ``SystemExit`` with code 0.
+    :class:`runtime.elastic.departure.Departed`, a ``SystemExit`` with code 0. When every rank gives
+    notice in the same step, nobody leaves: ``train_step`` raises
+    :class:`runtime.elastic.departure.Stopping` on every rank with the step complete (save a
+    checkpoint of it and exit).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
@@ -401,6 +404,9 @@ class Engine:
         notices = passenger.leaving() if isinstance(passenger, Boarding) else []
         if not notices:
             self._collective(lambda: self.rebalancer.after_step(self.step, em.flops, em.padded_s, em.matmul_s, carried))
+        if len(notices) == self.plan.world_size:   # the whole job is being stopped: nobody can stay
+            self.step += 1
+            raise Stopping(self.step, loss)
         slow = self.departures.slow(self) if self.departures is not None and not notices else None
         if notices or slow is not None:   # a leave: this rank raises Departed if it is one of them
             leave(self, *reasons_of(notices, slow))

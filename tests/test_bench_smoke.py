@@ -40,7 +40,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
     "elastic": r"elastic: \(a\) restart \+ hand-made plan: \d+ steps lost, \d+\.\d s to the next step, throughput "
                rf"after {_X} the ideal; \(b\) automatic re-plan on restart: \d+ steps lost, \d+\.\d s to the next "
-               rf"step, throughput after {_X} the ideal(; .*)?",
+               rf"step, throughput after {_X} the ideal; \(c\) leaving without a restart: 0 steps lost, \d+\.\d s to "
+               rf"the next step, throughput after {_X} the ideal; leaving {_X} faster than \(a\); leaving {_X} "
+               r"faster than \(b\)",
     "gpu_check": rf"gpu-check on .*: bf16 {_X} fp32's speed; measured/predicted memory fp32 \d+\.\d\d, bf16 "
                  r"\d+\.\d\d, fp16 \d+\.\d\d, bf16\+recompute \d+\.\d\d; recompute cut bf16's measured peak by "
                  r"-?\d+%; all losses match their references",
@@ -74,8 +76,6 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                    r"\d+\.\d\d \(whalelike\), memory measured / predicted \d+\.\d\d-\d+\.\d\d",
     "whale_setting": rf"headline: predicted speed-up .*: DP {_X} at 25 Gb/s, {_X} at 100 Gb/s .*, "
                      rf"pipeline {_X} .*",
-    "elastic_leave": rf"elastic leave: notice to step \d+ done \d+\.\d\d s without a restart against \d+\.\d\d s "
-                     rf"restarting = {_X} faster; steps lost 0 against \d+",
 }
 # what the benches print when a check of correctness fails (anywhere in the output)
 FAILED_CHECKS = ("LOSSES DIFFER", "losses DIFFER", "NOT every side", "exact: NO", "exact: no",

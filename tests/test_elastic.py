@@ -2,13 +2,17 @@
 
 Two torchrun agents on this machine act as two nodes of two ranks each (``--nnodes 1:2
 --rdzv-backend c10d`` on localhost; ``WHALELIKE_HOST`` names the spec host each stands for), and
-``examples/train.py`` trains a float64 MLP with checkpoints. Node B is killed for good (its agent
-and its workers, SIGKILL) after the first checkpoint: node A's workers fail, its agent starts them
-again, they find only node A's devices, plan onto them by themselves and resume the newest
-checkpoint. Once the two-rank run has written a checkpoint, node B starts again: the next
-rendezvous takes it in, the four ranks plan onto all four devices and finish. The losses of every
-step and the final parameters and optimizer state must be those of the single-process float64
-reference (``tests/reference.py``). A survivor set that cannot hold the model stops with one line
+``examples/train.py --leave-on-sigterm`` trains a float64 MLP with checkpoints. After the first
+checkpoint one of node B's workers receives SIGTERM (a preemption notice): it leaves at the step
+boundary and the three others go on under a plan for their devices, no restart. Once they have
+written a checkpoint, node B is killed for good (its agent and its other worker, SIGKILL): node
+A's workers fail, its agent starts them again, they find only node A's devices, plan onto them by
+themselves and resume the newest checkpoint. Once the two-rank run has written a checkpoint, node
+B starts again: node A's agent stops its workers with SIGTERM for the next rendezvous, they stop
+at a step boundary and checkpoint it (every rank got notice), and the four ranks resume exactly
+there (no step lost) under the plan of all four devices and finish. The losses of every step and
+the final parameters and optimizer state must be those of the single-process float64 reference
+(``tests/reference.py``). A survivor set that cannot hold the model stops with one line
 naming the memory missing and the devices present, and a non-zero exit.
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ import planner
 import whalelike as wl
 from dist_utils import free_port
 from reference import train_reference
-from torchrun_jobs import ROOT, TORCHRUN, TRAIN, children, env, final_state, load_workload, workload_source
+from torchrun_jobs import ROOT, TORCHRUN, TRAIN, children, env, final_state, load_workload, worker_of, workload_source
 from whalelike.graphs.capture import capture
 
 STEPS, EVERY, BATCH = 24, 3, 16
@@ -98,7 +102,7 @@ def agent(folder, host: str, port: int, *, is_host: bool, plan: str = "plan.yaml
                "--max-restarts", str(restarts), "--monitor-interval", "0.2",
                TRAIN, f"{folder}/workload.py:build", "--plan", f"{folder}/{plan}", "--cluster", f"{folder}/{cluster}",
                "--steps", str(STEPS), "--checkpoint-dir", f"{folder}/{checkpoints}", "--checkpoint-every", str(EVERY),
-               "--balance", "off", "--timeout", "10", "--lr", "0.01"]
+               "--balance", "off", "--timeout", "10", "--lr", "0.01", "--leave-on-sigterm"]
     with open(path, "w") as log:
         run = subprocess.Popen(command, cwd=ROOT, env=env(WHALELIKE_HOST=host, **AGENT_ENV), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -147,9 +151,13 @@ def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
     try:
         wait_for(lambda: ready(folder, 2), runs, "the agents")
         go.touch()
-        # the first checkpoint of the four-rank plan, then node B is gone for good
+        # the first checkpoint of the four-rank plan, then a preemption notice to node B's second worker
         wait_for(lambda: saved_by(folder / "ckpt", 4), runs, "the first checkpoint")
+        os.kill(worker_of(b.pid, local_rank=1), signal.SIGTERM)
+        # it leaves at a step boundary and the three others go on, no restart; then node B is gone for good
+        wait_for(lambda: saved_by(folder / "ckpt", 3), runs, "a checkpoint of the three-rank plan")
         kill_node(b)
+        first_b = b
         b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns")
         runs = [a, b]
         wait_for(lambda: ready(folder, 3), runs, "node B's agent")
@@ -163,13 +171,19 @@ def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
         for run in runs:
             if run.poll() is None:
                 kill_node(run)
-    text = output(a) + output(b)
+    text = output(a) + output(first_b) + output(b)
     assert a.returncode == 0 and b.returncode == 0, text[-6000:]
     assert two_rank.world_size == 2 and {w.host for w in two_rank.workers} == {"node-a"}
-    # each change logged once, by rank 0: the loss, then the return
-    assert text.count("[elastic] membership changed: devices lost: emu-b-0 (node-b), emu-b-1 (node-b); gained: none") \
-        == 1, text[-6000:]
+    # each change logged once, by rank 0: the leave (by the leaver too), the loss, then the return
+    assert text.count("[elastic] leave after step") == 1 and text.count("left the job after step") == 1, text[-6000:]
+    assert text.count("[elastic] membership changed: devices lost: emu-b-0 (node-b); gained: none") == 1, text[-6000:]
     assert text.count("devices lost: none; gained: emu-b-0 (node-b), emu-b-1 (node-b)") == 1, text[-6000:]
+    # node B's return: node A's workers stopped at a step boundary with a checkpoint of it, resumed there
+    stopped = [int(line.split("stopped after step ")[1].split(":")[0]) for line in text.splitlines()
+               if "[elastic] stopped after step" in line]
+    resumed = [int(line.split("resumed at step ")[1].split()[0]) for line in text.splitlines()
+               if "resumed at step" in line]
+    assert stopped and max(resumed) == max(stopped), (stopped, resumed, text[-6000:])
     last = saved_by(folder / "ckpt", 4)[-1]
     assert last.step == STEPS and last.load_plan().world_size == 4, last
     final = final_state(last.path, folder / "final.pt")

@@ -1,6 +1,7 @@
 """What the tests that launch ``examples/train.py`` under real torchrun share: the torchrun
 binary, the environment its workers need, a small MLP workload (float32 or float64) written to a
-folder, the final state of a checkpoint, and finding a job's worker processes.
+folder, the final state of a checkpoint, and finding a job's worker processes (all, a child's, or
+an agent's worker of a given local rank).
 """
 from __future__ import annotations
 
@@ -88,3 +89,16 @@ def children(pid: int) -> list[int]:
         if parent == pid:
             found.append(int(child))
     return found
+
+
+def worker_of(agent: int, local_rank: int) -> int:
+    """The pid of torchrun agent ``agent``'s worker of ``LOCAL_RANK`` ``local_rank``."""
+    for pid in children(agent):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}" in environ:
+            return pid
+    raise LookupError(f"agent {agent} runs no worker of LOCAL_RANK {local_rank}")

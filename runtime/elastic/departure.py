@@ -43,6 +43,12 @@ The protocol, identical on every rank (every decision a function of values every
 5. The leaver destroys its process group and raises :class:`Departed`, a ``SystemExit`` with code
    0: uncaught, the process exits 0 (torchrun's agent sees a worker that succeeded).
 
+When *every* rank gives notice in the same step, nobody can stay: the whole job is being stopped
+(torchrun's agent stops its workers with SIGTERM to restart them when a node joins or a peer
+failed; a scheduler drains the job). No leave runs; every rank raises :class:`Stopping` at the
+step boundary with the step complete, so the caller can write a checkpoint of exactly that step
+inside the notice: the restart that follows resumes there and loses no step.
+
 Why re-initialise the default group and not ``dist.new_group(ranks=stayers)`` under a rank mapping:
 the runtime speaks to the default group in many places (the batch check, the replica syncs'
 ``dist.get_rank()``, tied weights' groups, boundary reshardings, the straggler exchange, the
@@ -118,6 +124,19 @@ log = logging.getLogger(__name__)
 
 class LeaveError(WhaleError):
     """The ranks staying cannot go on without the leaver (no plan holds the model on them)."""
+
+
+class Stopping(WhaleError):
+    """Every rank gave notice in the same step: the whole job is being stopped (a scheduler's drain,
+    torchrun's agent stopping its workers to restart them), so nobody stays to take the state.
+    Raised on every rank at the step boundary once the step is complete: ``step`` steps are done
+    (``Engine.step``) and ``loss`` is the last one's, so the caller can save a checkpoint within
+    the notice and exit (``examples/train.py`` does) and a restart loses no step."""
+
+    def __init__(self, step: int, loss: torch.Tensor):
+        super().__init__(f"every rank gave notice (SIGTERM) during step {step - 1}: the job stops at its boundary, "
+                         f"{step} steps done")
+        self.step, self.loss = step, loss
 
 
 class Departed(SystemExit):
@@ -474,7 +493,7 @@ def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
                        len(members), time.perf_counter() - start, parked, report.moved_bytes)
     departures.history.append(event)
     if new_rank == 0:
-        log.warning("leave %s", event.line())
+        log.info("leave %s", event.line())
 
 
 def reasons_of(notices: Sequence[int], slow: Optional[int]) -> tuple[list[int], list[str]]:
