@@ -6,8 +6,10 @@ leaves at that step's boundary: the three others form a new world, the planner's
 in force at step 3, no checkpoint is read (an asynchronous checkpoint still being written when
 rank 0 leaves is finished first; the next one is written by the three-rank world). During step 5
 the rank then running stage 0 alone receives SIGTERM: its stage has no other holder, so its state
-is handed to an heir and parked before the world shrinks to two. Every step's loss on every rank
-that stays, and the final state, equal the single-process reference (same weights, same batches). The leavers exit through
+is handed to an heir and parked before the world shrinks to two. In the last step both ranks left
+receive SIGTERM: nobody can stay, so both raise :class:`~runtime.elastic.departure.Stopping` with
+the step complete. Every step's loss on every rank that stays, and the final state, equal the
+single-process reference (same weights, same batches). The leavers exit through
 :class:`~runtime.elastic.departure.Departed` (a ``SystemExit`` with code 0).
 
 In-process: the slowness rule's hysteresis (noise and single dips never count; a sustained slow
@@ -42,21 +44,24 @@ def _leaving(rank: int, world_size: int, folder: str) -> dict:
     from torch.testing import assert_close
 
     from runtime import Engine, checkpoint
-    from runtime.elastic.departure import Departed
+    from runtime.elastic.departure import Departed, Stopping
 
     model, data, spec = Mlp(wl.replicate, wl.replicate).double(), batches(seed=4)[:STEPS], cluster([1.0] * 4)
     plan = planner.plan(capture(model, data[0][0]), spec, wl.Config(global_batch_size=16, num_micro_batch=2))
     losses, final = train_reference(model, data, OPTIMIZERS["adamw"], loss_fn)
     engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=loss_fn, cluster=spec,
                     balance=BALANCE, departures=True, timeout_s=60)
-    worlds = []
+    worlds, stopped = [], None
     for step, batch in enumerate(data):
-        if NOTICES.get(step) == rank:
-            os.kill(os.getpid(), signal.SIGTERM)      # the handler only sets a flag: the step goes on
+        # the handler only sets a flag: the step goes on; in the last step every rank left gets notice
+        if NOTICES.get(step) == rank or step == STEPS - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
         try:
             loss = engine.train_step(batch)
         except Departed as e:
             return {"left": e.step, "code": e.code, "pid": os.getpid()}
+        except Stopping as e:        # nobody can stay: the step is complete and the job stops
+            loss, stopped = e.loss, (e.step, engine.step)
         assert_close(loss, losses[step], msg=lambda m: f"rank {rank}, loss of step {step}: {m}")
         worlds.append(engine.plan.world_size)
         if step == 1:     # still being written when rank 0 (which completes checkpoints) leaves after step 2
@@ -66,7 +71,7 @@ def _leaving(rank: int, world_size: int, folder: str) -> dict:
     state = engine.state_dict()
     for key, value in final.items():
         assert_close(state[key], value, msg=lambda m: f"rank {rank}, final {key}: {m}")
-    return {"worlds": worlds, "rank": engine.rank, "stages": [len(st.layers) for st in engine.plan.stages],
+    return {"worlds": worlds, "rank": engine.rank, "stopped": stopped, "stages": [len(st.layers) for st in engine.plan.stages],
             "events": [(e.step, e.leavers, e.old_world, e.new_world, e.parked_bytes) for e in engine.departures.history]}
 
 
@@ -80,6 +85,7 @@ def test_sigterm_leaves_at_the_step_boundary_and_training_continues_exactly(tmp_
         got = results[original]
         assert got["worlds"] == [4, 4, 3, 3, 3, 2, 2], got   # the world after each step
         assert got["rank"] == original - 2
+        assert got["stopped"] == (STEPS, STEPS), got   # every rank's notice in the last step: Stopping, step done
         steps = [(step, leavers, old, new) for step, leavers, old, new, _ in got["events"]]
         # the second leaver is new rank 0 of the three-rank world (original rank 1)
         assert steps == [(2, (0,), 4, 3), (5, (0,), 3, 2)], got["events"]
