@@ -136,30 +136,31 @@ class PipelineSplit:
 
         The fake values of every node of the captured graph are kept on it (per input shapes), so
         a re-planned split of the same graph (layers moved to another stage, :mod:`runtime.balance.rebalance`)
-        finds its new boundary values there without running anything again."""
-        known = _fake_node_values(self.source, inputs) if self.source is not None else None
+        finds its new boundary values there without running anything again. A split whose stages
+        receive nothing (one stage) runs nothing."""
+        received = [(stage, value) for stage in self.stages for value in stage.received]
+        known = _fake_node_values(self.source, inputs) if self.source is not None and received else None
         runs = None
         specs = {}
-        for stage in self.stages:
-            for value in stage.received:
-                if known is not None and all(value.name in k for k in known):
-                    a, b = (k[value.name] for k in known)
-                else:
-                    runs = runs or [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
-                    a, b = runs[0][value], runs[1][value]
-                if not isinstance(a, torch.Tensor):
-                    raise StageSplitError(
-                        f"value {value} is used by stage {stage.index} but is a {type(a).__name__}, not a "
-                        f"tensor; only tensors can cross pipeline stages: move the code computing it into "
-                        f"stage {stage.index}"
-                    )
-                if a.dim() == 0 or a.shape[0] != 2 or b.shape[0] != 3 or a.shape[1:] != b.shape[1:]:
-                    raise StageSplitError(
-                        f"value {value} (shape {tuple(a.shape)} for a batch of 2) has no batch dimension 0; "
-                        f"only batched tensors can cross pipeline stages: move the code computing it into "
-                        f"stage {stage.index}"
-                    )
-                specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
+        for stage, value in received:
+            if known is not None and all(value.name in k for k in known):
+                a, b = (k[value.name] for k in known)
+            else:
+                runs = runs or [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
+                a, b = runs[0][value], runs[1][value]
+            if not isinstance(a, torch.Tensor):
+                raise StageSplitError(
+                    f"value {value} is used by stage {stage.index} but is a {type(a).__name__}, not a "
+                    f"tensor; only tensors can cross pipeline stages: move the code computing it into "
+                    f"stage {stage.index}"
+                )
+            if a.dim() == 0 or a.shape[0] != 2 or b.shape[0] != 3 or a.shape[1:] != b.shape[1:]:
+                raise StageSplitError(
+                    f"value {value} (shape {tuple(a.shape)} for a batch of 2) has no batch dimension 0; "
+                    f"only batched tensors can cross pipeline stages: move the code computing it into "
+                    f"stage {stage.index}"
+                )
+            specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
         return specs
 
 
@@ -349,7 +350,11 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def _sink_attributes(root: fx.GraphModule) -> None:
-    """Turn every root-level ``get_attr`` of a tensor into an attribute of the stage using it."""
+    """Turn every root-level ``get_attr`` of a tensor into an attribute of the stage using it.
+
+    Each stage changed is recompiled once, after all its attributes are sunk: regenerating a
+    stage's code per attribute cost a whole-graph recompile each (tens of milliseconds apiece)."""
+    changed: dict[int, fx.GraphModule] = {}
     for attr in [n for n in root.graph.nodes if n.op == "get_attr"]:
         tensor = root.get_parameter(attr.target) if _is_parameter(root, attr.target) else root.get_buffer(attr.target)
         for call in list(attr.users):
@@ -365,9 +370,11 @@ def _sink_attributes(root: fx.GraphModule) -> None:
             with sub.graph.inserting_before(first_op):
                 placeholder.replace_all_uses_with(sub.graph.get_attr(local))
             sub.graph.erase_node(placeholder)
-            sub.recompile()
+            changed[id(sub)] = sub
             call.args = call.args[:position] + call.args[position + 1:]
         root.graph.erase_node(attr)
+    for sub in changed.values():
+        sub.recompile()
     root.recompile()
     root.delete_all_unused_submodules()
 
