@@ -21,7 +21,6 @@ from runtime.engine import Engine, ExecutorContext, StepExecutor, StepStats, reg
 from runtime.guards import BatchMismatchError, NonFiniteLossError
 from runtime.balance.rebalance import BalanceConfig, ReplanEvent
 from runtime.training.schedules import lr_schedule
-from runtime import checkpoint
 
 __all__ = [
     "Engine", "ExecutorContext", "StepExecutor", "StepStats", "register_executor", "BalanceConfig", "ReplanEvent",
@@ -29,3 +28,13 @@ __all__ = [
     "checkpoint", "lr_schedule",
     "Calibration", "EmulatedOutOfMemoryError", "Emulator", "calibrate",
 ]
+
+
+def __getattr__(name: str):
+    """``runtime.checkpoint`` on first use (``from runtime import checkpoint`` as well): it imports
+    torch.distributed.checkpoint, and with it torch.distributed.tensor, a second of CPU that a
+    process which never checkpoints need not pay."""
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("runtime.checkpoint")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,10 +57,13 @@ import torch.distributed as dist
 # by the server and imported by the rank as usual). Besides the library: torch._dynamo, which the
 # first torch.optim optimizer a rank builds imports (half a second to a second of CPU, in nearly every rank);
 # transformers.modeling_utils, which the first Hugging Face model class a rank builds imports (half
-# a second); pytest, which the test modules a rank unpickles its function from import.
+# a second); pytest, which the test modules a rank unpickles its function from import. The library
+# imports some modules only where they are used (a cold process that never uses them skips them):
+# FSDP2 (ZeRO), scipy (measured speed curves, the link fit), named here so that ranks find them loaded.
 PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoint", "torch.nn.parallel",
            "torch._dynamo", "transformers", "transformers.modeling_utils", "pytest", "whalelike", "planner",
-           "runtime", "runtime.engine", "runtime.parallel.pipeline", "runtime.checkpoint", "dist_utils", "reference"]
+           "runtime", "runtime.engine", "runtime.parallel.pipeline", "runtime.checkpoint",
+           "runtime.replicas.fsdp_sync", "scipy.interpolate", "scipy.optimize", "dist_utils", "reference"]
 
 
 def _context():

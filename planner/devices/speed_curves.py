@@ -36,7 +36,6 @@ import os
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
-from scipy.interpolate import PchipInterpolator
 
 from whalelike.files import write_atomic
 
@@ -61,7 +60,10 @@ class SpeedCurve:
         self.seconds = tuple(float(s) for _, s in ordered)
         self._x = np.log2(np.array(self.batches, dtype=float))
         self._y = np.array(self.seconds, dtype=float)
-        self._spline = PchipInterpolator(self._x, self._y, extrapolate=False) if len(self.batches) > 1 else None
+        self._spline = None
+        if len(self.batches) > 1:
+            from scipy.interpolate import PchipInterpolator   # a fraction of a second: only measured curves
+            self._spline = PchipInterpolator(self._x, self._y, extrapolate=False)
 
     def __call__(self, batch: Union[float, Sequence[float], np.ndarray]) -> Union[float, np.ndarray]:
         """Seconds per sample at ``batch`` (a number or an array of batches >= 1)."""

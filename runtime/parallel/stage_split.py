@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 import torch.fx as fx
 import torch.nn as nn
@@ -44,6 +43,7 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
+from runtime.replicas.held_state import is_dtensor
 from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputRoutes, loss_reads, output_leaves, \
     route_outputs
 from whalelike.graphs.taskgraph import LAYER_META
@@ -463,7 +463,7 @@ def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) ->
             fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
             # parameters a ZeRO sync holds sharded (DTensors, runtime.replicas.fsdp_sync) run as whole fakes
             whole = {name: torch.empty(p.shape, dtype=p.dtype, requires_grad=p.requires_grad)
-                     for name, p in root.named_parameters() if isinstance(p, DTensor)}
+                     for name, p in root.named_parameters() if is_dtensor(p)}
             recorder = recorder_type(root)
             with _reparametrize_module(root, whole) if whole else nullcontext():
                 recorder.run(*fake)

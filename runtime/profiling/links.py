@@ -36,7 +36,6 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import nnls
 
 from planner.devices.network import INTER_HOST, INTRA_HOST
 from planner.devices.profile import LinkProfile
@@ -72,6 +71,7 @@ def link_pairs(cluster: Cluster) -> list[tuple[str, int, int]]:
 def fit_alpha_beta(points: dict[int, float]) -> tuple[float, float]:
     """``(alpha seconds, beta seconds per byte)`` of ``t = alpha + beta * b`` through ``points``
     (bytes -> seconds), weighted least squares with both >= 0 (see the module docstring)."""
+    from scipy.optimize import nnls   # a fraction of a second to import: only the profiler fits links
     if len(points) < 2:
         raise ValueError(f"fit_alpha_beta: needs at least two sizes, got {len(points)}")
     sizes = np.array(sorted(points), dtype=float)

@@ -18,18 +18,33 @@ layer's own slicing (a tensor-parallel layer's ``shard_of``, FSDP2's row chunks)
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+import sys
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
-
-from torch.distributed.tensor import DTensor
 
 from planner.balance.state_moves import Slab
 from runtime.tensor.experts import experts_layers
 from runtime.tensor.layers import ParallelLinear
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 NamedState = dict[str, tuple[torch.Tensor, Slab]]
+
+
+def dtensor_class() -> Optional[type]:
+    """torch's ``DTensor`` class once ``torch.distributed.tensor`` is imported, else None: no DTensor
+    can exist before that import, and it costs about a second of CPU (sympy, the op strategies), so
+    a process that never shards with FSDP2 never pays it (only a dict lookup per call)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (without importing ``torch.distributed.tensor``)."""
+    cls = dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def module_state(module: nn.Module, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
@@ -90,22 +105,23 @@ def parallel_slab(layer: ParallelLinear, param: str) -> Slab:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The values this rank holds of ``tensor``: the local shard of a ``DTensor`` (an alias: writing
     it writes the parameter), the tensor itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (this rank's local values of a state tensor shaped like ``param``) in ``param``'s
     form: a ``DTensor`` with ``param``'s mesh and placements when ``param`` is one (its optimizer
     state must be), else ``value`` unchanged. 0-dim values (Adam's step) stay plain."""
-    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+    if is_dtensor(param) and not is_dtensor(value) and value.dim() > 0:
+        return dtensor_class().from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                 shape=param.shape, stride=param.stride())
     return value
 
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether a ZeRO sync holds ``module``'s parameters as shards (``DTensor``s)."""
-    return any(isinstance(p, DTensor) for p in module.parameters())
+    cls = dtensor_class()
+    return cls is not None and any(isinstance(p, cls) for p in module.parameters())
 
 
 @torch.no_grad()
@@ -122,13 +138,13 @@ def load_rows(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of ``tensor``: a ``DTensor`` gathered (collective over its mesh), else itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def rows_of(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` (a whole tensor) that ``tensor`` holds locally: a ``DTensor``'s range along
     its sharded dimension (:func:`dtensor_range`), else all of it."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return full
     held = dtensor_range(tensor)
     if held is None:

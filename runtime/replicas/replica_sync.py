@@ -46,7 +46,7 @@ Invariant: every worker of a data-parallel group builds the same implementation 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,13 +54,15 @@ import torch.nn as nn
 
 from runtime.emulation.compute import Emulator
 from runtime.replicas.ddp_sync import DDPSync
-from runtime.replicas.fsdp_sync import FSDPSync
 from runtime.replicas.ragged_sync import RaggedSync
 from runtime.replicas.held_state import NamedState, module_state
 from runtime.replicas.partial_sync import PartialSync
 from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
+
+if TYPE_CHECKING:
+    from runtime.replicas.fsdp_sync import FSDPSync
 
 
 class ReplicaSync(Protocol):
@@ -127,6 +129,7 @@ def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, 
 
 
 def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> FSDPSync:
+    from runtime.replicas.fsdp_sync import FSDPSync   # FSDP2 imports torch.distributed.tensor: a second of CPU
     return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
                     reduce_dtype=reduce_dtype, keep_whole=keep_whole)
 

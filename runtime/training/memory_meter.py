@@ -35,10 +35,9 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from runtime.replicas.held_state import is_sharded, local
+from runtime.replicas.held_state import is_dtensor, is_sharded, local
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class LiveBytes(TorchDispatchMode):
         """Count ``tensor``'s storage from now until it is freed (once, however many views share it)."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
-        if isinstance(tensor, DTensor):    # a wrapper: its storage is its local shard's (ZeRO's parameters, states)
+        if is_dtensor(tensor):    # a wrapper: its storage is its local shard's (ZeRO's parameters, states)
             tensor = tensor._local_tensor
         try:
             storage = tensor.untyped_storage()
@@ -137,7 +136,7 @@ def frees_storage(module: nn.Module) -> bool:
     (``untyped_storage().resize_``): FSDP2's DTensor parameters, or a parameter whose storage is
     now smaller than the tensor (the ragged sync at ZeRO 3 between gathers)."""
     return is_sharded(module) or any(p.untyped_storage().nbytes() < p.numel() * p.element_size()
-                                     for p in module.parameters() if not isinstance(p, DTensor))
+                                     for p in module.parameters() if not is_dtensor(p))
 
 
 class MemoryMeter:

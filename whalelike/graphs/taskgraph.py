@@ -12,14 +12,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any, Optional
 
 from whalelike.display import format_table, human_bytes, human_count, human_flops
 from whalelike.errors import SpecError
 from whalelike.sharding.groups import ShardGroup
 from whalelike.strategy import Strategy
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class TaskGraphs:
     @property
     def dependency_graph(self) -> nx.DiGraph:
         """TaskGraph indices as nodes; an edge per boundary, carrying its bytes per sample."""
+        import networkx as nx   # a quarter of a second to import: only this view of the graphs needs it
         g = nx.DiGraph()
         g.add_nodes_from(tg.index for tg in self.graphs)
         for b in self.boundaries:
