@@ -35,8 +35,10 @@ GPU_CHECK_OUT ?= out/gpu-check
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py --out $(GPU_CHECK_OUT)
 
+# Bytecode is cached even where the environment says PYTHONDONTWRITEBYTECODE: the suite starts about a
+# hundred cold Python processes (torchrun workers, CLIs), each of which would compile the library again.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 setup: $(STAMP)
 

@@ -35,25 +35,38 @@ def train_reference(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tenso
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def reference_once(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tensor]], make_opt: Callable,
+                   loss_fn: Callable) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`train_reference`, computed on rank 0 of the default process group and broadcast to the
+    others (every rank would compute the same values: the ranks of a test share the machine's cores,
+    so one computation instead of one per rank); computed here when no group exists."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return train_reference(model, batches, make_opt, loss_fn)
+    payload = [train_reference(model, batches, make_opt, loss_fn) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
 def assert_engine_trains_like_reference(model: nn.Module, plan, batches: Sequence[tuple[tuple, torch.Tensor]],
                                         make_opt: Callable, loss_fn: Callable, cluster, label: str,
                                         timeout_s: float = 120, **engine_kwargs):
     """Train a copy of ``model`` under ``plan`` with ``runtime.Engine`` and another in one process
-    (:func:`train_reference`) from the same weights on the same ``batches``; assert each step's loss
-    and the final full state are equal (``engine_kwargs`` go to the Engine, e.g. ``balance``).
+    (:func:`train_reference`, once for all ranks: :func:`reference_once`) from the same weights on
+    the same ``batches``; assert each step's loss and the final full state are equal
+    (``engine_kwargs`` go to the Engine, e.g. ``balance``).
     Returns the engine, its losses and the reference's final state, for further checks."""
     from torch.testing import assert_close
 
     from runtime import Engine
 
-    losses, final = train_reference(model, batches, make_opt, loss_fn)
     engine = Engine(copy.deepcopy(model), plan, optimizer=make_opt, loss_fn=loss_fn, cluster=cluster,
                     timeout_s=timeout_s, **engine_kwargs)
-    got = []
-    for step, batch in enumerate(batches):
-        loss = engine.train_step(batch)
+    got = [engine.train_step(batch) for batch in batches]
+    losses, final = reference_once(model, batches, make_opt, loss_fn)
+    for step, loss in enumerate(got):
         assert_close(loss, losses[step], msg=lambda m: f"{label}: loss of step {step}: {m}")
-        got.append(loss)
     state = engine.state_dict()
     assert state.keys() == final.keys(), f"{label}: state keys differ: {sorted(set(state) ^ set(final))}"
     for key, value in final.items():
