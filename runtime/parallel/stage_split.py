@@ -115,6 +115,9 @@ class PipelineSplit:
     output_spec: Optional[TreeSpec] = None   # export graphs return flat outputs; this rebuilds the model's
     source: Optional[fx.GraphModule] = None  # the captured graph the stages were cut from
     routes: OutputRoutes = OutputRoutes()    # model outputs of earlier stages sent on to the last, or left out
+    # a stage output's node name in ``source`` (split_module renames the nodes it copies into a stage:
+    # ``add_15`` becomes ``add_tensor_15``), for value_specs to find its fake value there
+    source_names: dict = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -143,8 +146,9 @@ class PipelineSplit:
         runs = None
         specs = {}
         for stage, value in received:
-            if known is not None and all(value.name in k for k in known):
-                a, b = (k[value.name] for k in known)
+            name = self.source_names.get(value, value.name)
+            if known is not None and all(name in k for k in known):
+                a, b = (k[name] for k in known)
             else:
                 runs = runs or [_fake_stage_outputs(self.root, inputs, batch) for batch in (2, 3)]
                 a, b = runs[0][value], runs[1][value]
@@ -162,6 +166,9 @@ class PipelineSplit:
                 )
             specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
         return specs
+
+
+_SOURCE_NAME = "whalelike_source_name"
 
 
 def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Optional[Callable] = None) -> PipelineSplit:
@@ -195,7 +202,13 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Opt
                     f"{stage_of(used)}; stages must follow the graph's data flow"
                 )
 
-    root = split_module(gm, gm, stage_of, keep_original_order=True)
+    for node in gm.graph.nodes:   # split_module copies meta, not names: each copy remembers its node's name
+        node.meta[_SOURCE_NAME] = node.name
+    try:
+        root = split_module(gm, gm, stage_of, keep_original_order=True)
+    finally:
+        for node in gm.graph.nodes:
+            node.meta.pop(_SOURCE_NAME, None)
     # the root also holds whatever its get_attr nodes reach (export graphs read nested parameters)
     present = {int(name.removeprefix("submod_")) for name, _ in root.named_children() if name.startswith("submod_")}
     missing = sorted(set(range(num_stages)) - present)
@@ -207,6 +220,11 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Opt
     split.output_spec = output_spec
     split.source = original
     split.routes = routes
+    for stage in split.stages:
+        (ret,) = [n for n in stage.module.graph.nodes if n.op == "output"]
+        returned = [ret.args[0]] if stage.returns_single else list(ret.args[0])
+        split.source_names.update((value, node.meta[_SOURCE_NAME]) for value, node in zip(stage.outputs, returned)
+                                  if isinstance(node, fx.Node) and _SOURCE_NAME in node.meta)
     for stage in split.stages:
         log.debug("stage %d: inputs %s, outputs %s", stage.index, [str(v) for v in stage.inputs],
                   [str(v) for v in stage.outputs])
