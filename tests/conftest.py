@@ -1,12 +1,14 @@
-"""Suite-wide settings: the collection order that lets the two xdist workers finish together.
+"""Suite-wide settings: the collection order that lets the xdist workers finish together.
 
-``make test`` runs the suite on two pytest-xdist workers (``pyproject.toml``), each of which
+``make test`` runs the suite on three pytest-xdist workers on two cores (``pyproject.toml``: the
+third keeps the cores busy while torchrun jobs start and emulated steps sleep), each of which
 spawns its own ranks (free ports from the OS, a network-emulation ledger per launcher process, so
-two workers never share either). ``--dist worksteal`` hands the first half of the collection to
-one worker and the second half to the other, then moves the tail of the busier one's queue to a
-worker that runs dry. So the order below puts the long tests (a timed run's ``--durations``, in
-seconds) at the *head of each half*, longest first, and the short ones behind them, where
-stealing evens out the end:
+two workers never share either). ``--dist worksteal`` hands each worker a contiguous share of the
+collection, then moves the tail of the busiest one's queue to a worker that runs dry. So the
+order below puts the long tests (a timed run's ``--durations``, in seconds) at the *head of each
+share*, longest first, and the short ones behind them, where stealing evens out the end. With
+three or more workers (:func:`_chunked`) the long groups are dealt longest first to the share with
+the fewest seconds so far; with two:
 
 * the first half starts with the tests that keep both cores busy (ranks training real models);
 * the second half starts with the tests that mostly wait (emulated slow steps, torchrun restarts,
@@ -20,6 +22,7 @@ xdist the long tests simply run first.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 # the pytest workers themselves run single-threaded, as the spawned ranks do (tests/dist_utils.py):
@@ -107,10 +110,45 @@ def pytest_collection_modifyitems(session, config, items):
     rest = [i for i in items if table_of[i.nodeid] is None]
     first, second = _ordered(computing, COMPUTING), _ordered(sensitive, LOAD_SENSITIVE) + _ordered(waiting, WAITING)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    if workers != 2:   # one process (or an unusual -n): the long tests first
+    if workers < 2:   # one process: the long tests first
         items[:] = first + second + rest
+        return
+    if workers > 2:
+        items[:] = _chunked(items, workers, sensitive, rest)
         return
     # worksteal gives the first worker items[:len(items) // 2]; its half starts with the computing
     # tests, the second half with the waiting ones, and the short tests fill both
     fill = max(0, len(items) // 2 - len(first))
     items[:] = first + rest[:fill] + second + rest[fill:]
+
+
+def _chunked(items: list, workers: int, sensitive: list, rest: list) -> list:
+    """More than two workers: worksteal hands worker ``i`` the ``i``-th of ``workers`` contiguous
+    chunks (sizes as :meth:`xdist.scheduler.worksteal.WorkStealingScheduling.check_schedule` cuts
+    them); each chunk starts with its share of the long groups, dealt longest first to the chunk
+    with the least seconds so far (a module's group stays whole), the load-sensitive ones at the
+    head of the last chunk; the short tests fill the chunks up."""
+    sizes, left = [], len(items)
+    for i in range(workers):
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    heads: list[list] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    heads[-1].extend(sensitive)
+    load[-1] += sum(LOAD_SENSITIVE.values())
+    table = {**COMPUTING, **WAITING}
+    members: dict[str, list] = {prefix: [] for prefix in sorted(table, key=table.get, reverse=True)}
+    for item in items:
+        prefix = _group(item.nodeid, table)
+        if prefix is not None and item not in sensitive:
+            members[prefix].append(item)
+    for prefix, group in members.items():
+        if group:
+            least = min(range(workers), key=lambda i: load[i])
+            heads[least].extend(group)
+            load[least] += table[prefix]
+    fill = iter(rest)
+    out = []
+    for size, head in zip(sizes, heads):
+        out += head + list(itertools.islice(fill, max(0, size - len(head))))
+    return out + list(fill)

@@ -63,7 +63,10 @@ import torch.distributed as dist
 PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoint", "torch.nn.parallel",
            "torch._dynamo", "transformers", "transformers.modeling_utils", "pytest", "whalelike", "planner",
            "runtime", "runtime.engine", "runtime.parallel.pipeline", "runtime.checkpoint",
-           "runtime.replicas.fsdp_sync", "scipy.interpolate", "scipy.optimize", "dist_utils", "reference"]
+           "runtime.replicas.fsdp_sync", "scipy.interpolate", "scipy.optimize", "dist_utils", "reference",
+           # what ranks capturing with torch.export, or building the suite's transformers models, import
+           "torch.export._trace", *(f"transformers.models.{m}.modeling_{m}" for m in (
+               "gpt2", "llama", "phi3", "vit", "t5", "swin", "qwen2_moe", "olmoe", "mixtral", "bert", "bart", "resnet"))]
 
 
 def _context():

@@ -381,3 +381,32 @@ def test_gradient_buckets_of_a_split_stage_carry_each_shard():
     assert sum(shards) == pytest.approx(StageCost.of_layers(graphs, range(4)).param_bytes)
     assert all(b.allreduce_ms > 0 for t in (0, 1) for b in buckets[0, t])
     assert simulate(planned, buckets=buckets).step_time_ms <= simulate(planned).step_time_ms
+
+
+def _first_fit(busy: dict, resources: tuple, ready: float, duration: float) -> float:
+    """First fit over plain interval lists, one interval per send: what ``_Resources.place_on``
+    must place alike although it merges touching intervals."""
+    if duration <= 0:
+        return ready
+    start = ready
+    while True:
+        clash = [e for r in resources for s, e in busy.setdefault(r, []) if s < start + duration and e > start]
+        if not clash:
+            break
+        start = max(clash)
+    for r in resources:
+        busy[r].append((start, start + duration))
+    return start
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sets(st.integers(0, 3), min_size=1, max_size=3), st.integers(0, 20),
+                          st.integers(0, 6)), max_size=40))
+def test_merged_busy_blocks_place_sends_as_plain_first_fit(sends):
+    from planner.schedule.simulator import _Resources
+
+    resources, plain = _Resources(), {}
+    for used, ready, duration in sends:
+        key = tuple(sorted(used))
+        got = resources.place_on(resources.slots(key), float(ready), float(duration))
+        assert got == _first_fit(plain, key, float(ready), float(duration)), (sends, key, ready, duration)

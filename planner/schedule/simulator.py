@@ -194,7 +194,9 @@ class _Group:
 class _Resources:
     """Busy intervals of each device and host interface; a send takes the earliest gap, at or after
     its ready time, in which all of its resources are free (first fit: the order in which the
-    simulator happens to place sends does not make an early one wait behind a later one).
+    simulator happens to place sends does not make an early one wait behind a later one). Touching
+    intervals are merged into one busy block (a thousand back-to-back sends on one host interface
+    are one interval to skip, not a thousand).
     :meth:`slots` resolves a send's resources to their interval lists once (sends repeat every
     micro-batch)."""
 
@@ -226,11 +228,20 @@ class _Resources:
                     start, moved = ends[k], True
         end = start + duration
         for starts, ends in slots:
-            if not starts or starts[-1] <= start:
-                starts.append(start)
-                ends.append(end)
+            # intervals that touch are kept as one busy block, so the search above jumps over a run of
+            # back-to-back sends in one step (a gap of zero width holds no send: the same placements)
+            k = bisect_right(starts, start)
+            joins_before = k > 0 and ends[k - 1] >= start
+            joins_after = k < len(starts) and starts[k] <= end
+            if joins_before and joins_after:
+                ends[k - 1] = max(ends[k], end)
+                del starts[k], ends[k]
+            elif joins_before:
+                ends[k - 1] = max(ends[k - 1], end)
+            elif joins_after:
+                starts[k] = start
+                ends[k] = max(ends[k], end)
             else:
-                k = bisect_right(starts, start)
                 starts.insert(k, start)
                 ends.insert(k, end)
         return start

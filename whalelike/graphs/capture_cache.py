@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from whalelike.strategy import current_scope
 
-MAX_ENTRIES = 8
+MAX_ENTRIES = 32
 # a plain tensor attribute larger than this is not hashed: the model is captured afresh
 MAX_HASHED_BYTES = 64 << 20
 
