@@ -160,3 +160,34 @@ def test_what_a_trace_could_see_is_in_the_key(change):
     capture(model, inputs)
     after = capture_cache.stats()
     assert after["hits"] == before["hits"], f"{change}: a hit"
+
+
+def test_a_pipeline_splits_fake_values_serve_the_next_capture_and_hold_no_model(monkeypatch):
+    """What stage_split derives from the graph alone (every node's fake value, per input shapes) is
+    kept with the cache entry: the next capture of the architecture (the next Engine's model) splits
+    without running the graph again and gets the same value specs, and the first model is freed."""
+    from runtime.parallel import stage_split
+
+    capture_cache.clear()   # a GPT-2 split earlier in this process would have left its values
+    runs = []
+    real_run = stage_split._fake_run
+    monkeypatch.setattr(stage_split, "_fake_run", lambda *a, **k: runs.append(a[2]) or real_run(*a, **k))
+
+    def specs(model):
+        graphs = capture(model, inputs)
+        half = len(graphs.layers) // 2
+        stages = {n: int(i >= half) for i, layer in enumerate(graphs.layers) for n in layer.nodes}
+        return stage_split.split_stages(graphs.graph_module, stages).value_specs(inputs)
+
+    torch.manual_seed(0)
+    real = TRANSFORMERS["gpt2"]()
+    inputs, _ = real.make_batch(2, torch.Generator().manual_seed(0))
+    first_model = real.model
+    first = weakref.ref(next(first_model.parameters()))
+    before = specs(first_model)
+    assert runs == [2, 3]
+    second_model = TRANSFORMERS["gpt2"]().model
+    assert specs(second_model) == before and runs == [2, 3], runs
+    del real, first_model
+    gc.collect()
+    assert first() is None, "the kept fake values refer to the first model"

@@ -38,14 +38,15 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from runtime.replicas.held_state import is_dtensor
 from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputRoutes, loss_reads, output_leaves, \
     route_outputs
+from whalelike.graphs.capture_cache import DERIVED_META
 from whalelike.graphs.taskgraph import LAYER_META
 
 log = logging.getLogger(__name__)
@@ -453,12 +454,27 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
 
 def _fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
-    computed once per input shapes and kept on ``source`` (fake tensors hold no storage)."""
-    key = tuple((tuple(x.shape[1:]), x.dtype) for x in inputs)
-    cache = source.__dict__.setdefault("_whalelike_fake_values", {})
+    computed once per input shapes and kept (fake tensors hold no storage): with the capture cache's
+    entry of ``source``'s architecture when it has one (``meta[DERIVED_META]``: every later capture of
+    the same architecture, e.g. the next Engine's model, finds them there), else on ``source``. The
+    model's own tensors (``get_attr`` values) are left out, so nothing kept refers to a model."""
+    key = ("fake node values", tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
+    shared = source.meta.get(DERIVED_META)
+    cache = shared if shared is not None else source.__dict__.setdefault("_whalelike_fake_values", {})
     if key not in cache:
-        cache[key] = tuple(_fake_run(source, inputs, batch, _NodeRecorder) for batch in (2, 3))
+        cache[key] = tuple({name: tree_map(_kept, value)
+                            for name, value in _fake_run(source, inputs, batch, _NodeRecorder).items()
+                            if not (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor))}
+                           for batch in (2, 3))
     return cache[key]
+
+
+def _kept(value: Any) -> Any:
+    """A fake value as kept: detached (its autograd graph saved the real weights it met), with its
+    ``requires_grad``; real tensors inside containers dropped to None."""
+    if isinstance(value, FakeTensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return None if isinstance(value, torch.Tensor) else value
 
 
 def _fake_stage_outputs(root: fx.GraphModule, inputs: tuple, batch: int) -> dict[ValueId, Any]:

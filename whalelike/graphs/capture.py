@@ -96,10 +96,13 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
         outputs = OutputRecord(record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch),
                                loss_reads(loss_fn, output_leaves(gm)[1]))
         if keyed is not None:
-            capture_cache.store(keyed[0], capture_cache.Entry(traced, regions, costs, outputs, keyed[1]))
+            entry = capture_cache.Entry(traced, regions, costs, outputs, keyed[1])
+            capture_cache.store(keyed[0], entry)
     else:
         costs, outputs = entry.costs, entry.outputs
         values = placeholder_values(gm, method, model, args, kwargs)
+    if entry is not None:   # what is derived from this graph alone is shared by its later captures too
+        gm.meta[capture_cache.DERIVED_META] = entry.derived
     gm.meta[OUTPUTS_META] = outputs
     graphs = _assemble(gm, model, method, regions, costs, batch, optimizer, outputs=outputs)
     # the autocast figures (what a bf16 or fp16 plan holds) cost a second run of the whole graph,

@@ -42,7 +42,7 @@ import hashlib
 import os
 import types
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,6 +70,13 @@ class Entry:
     costs: Any          # whalelike.graphs.costs.NodeCosts
     outputs: Any        # whalelike.graphs.output_tree.OutputRecord
     alive: tuple = ()   # the classes and functions the key names by identity
+    # what later steps derive from the graph alone (no tensor of any model: fake values, shapes), shared
+    # by every graph module bound from this entry through its meta[DERIVED_META]; e.g. the fake value of
+    # every node that runtime.parallel.stage_split keeps per input shapes
+    derived: dict = field(default_factory=dict)
+
+
+DERIVED_META = "whalelike_capture_derived"
 
 
 _entries: "OrderedDict[tuple, Entry]" = OrderedDict()
