@@ -249,15 +249,21 @@ def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts:
                    job.ideal(left), job.ideal(left + [HOST_B[0][1]]), {**parts, "start to next step": first - started})
 
 
+def one_agent_loses(job: Job, checkpoints: str, flag: str, sent: signal.Signals) -> tuple[Log, float]:
+    """One torchrun agent of all the ranks, ``train.py ... flag``; once step ``--lose-at`` is done,
+    host-b's worker (the last rank) is sent ``sent``. The job's log and the time it was sent."""
+    world = job.args.host_a + 1
+    log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
+                 "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, flag)])
+    log.wait_for_step(job.args.lose_at, timeout=600)
+    os.kill(workers_of(log.process.pid)[world - 1], sent)
+    return log, time.monotonic()
+
+
 def restart_by_hand(job: Job) -> Outcome:
     """(a): one agent; rank 3 dies; the job exits; a survivors' spec and plan by hand; 3 ranks resume."""
     args, checkpoints = job.args, os.path.join(job.folder, "a-ckpt")
-    world = args.host_a + 1
-    log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
-                 "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, "--no-elastic")])
-    log.wait_for_step(args.lose_at, timeout=600)
-    os.kill(workers_of(log.process.pid)[world - 1], signal.SIGKILL)
-    lost_at = time.monotonic()
+    log, lost_at = one_agent_loses(job, checkpoints, "--no-elastic", signal.SIGKILL)
     finish(log, timeout=120)
     exited = time.monotonic()
     survivors, plan = os.path.join(job.folder, "survivors.yaml"), os.path.join(job.folder, "plan-survivors.yaml")
@@ -319,13 +325,7 @@ def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
 def leave_without_restart(job: Job) -> Outcome:
     """(c): one agent of 4 ranks with ``--leave-on-sigterm``; host-b's worker (the last rank) receives
     SIGTERM, leaves at the step boundary, and the others go on in the same processes."""
-    args, checkpoints = job.args, os.path.join(job.folder, "c-ckpt")
-    world = args.host_a + 1
-    log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
-                 "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, "--leave-on-sigterm")])
-    log.wait_for_step(args.lose_at, timeout=600)
-    os.kill(workers_of(log.process.pid)[world - 1], signal.SIGTERM)
-    lost_at = time.monotonic()
+    log, lost_at = one_agent_loses(job, os.path.join(job.folder, "c-ckpt"), "--leave-on-sigterm", signal.SIGTERM)
     finish(log, timeout=600)
     if log.process.returncode != 0:
         raise RuntimeError(f"(c) the job failed:\n{log.text()[-3000:]}")

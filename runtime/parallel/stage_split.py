@@ -454,11 +454,15 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
 
 def _fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
-    computed once per input shapes and kept (fake tensors hold no storage): with the capture cache's
-    entry of ``source``'s architecture when it has one (``meta[DERIVED_META]``: every later capture of
-    the same architecture, e.g. the next Engine's model, finds them there), else on ``source``. The
-    model's own tensors (``get_attr`` values) are left out, so nothing kept refers to a model."""
-    key = ("fake node values", tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
+    computed once per input shapes and autocast state and kept (fake tensors hold no storage): with
+    the capture cache's entry of ``source``'s architecture when it has one (``meta[DERIVED_META]``:
+    every later capture of the same architecture, e.g. the next Engine's model, finds them there),
+    else on ``source``. The model's own tensors (``get_attr`` values) are left out, so nothing kept
+    refers to a model."""
+    device = next((x.device.type for x in inputs if isinstance(x, torch.Tensor)), "cpu")
+    # autocast gives the values other dtypes (a bf16 step's boundary buffers are bf16)
+    casting = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    key = ("fake node values", tuple((tuple(x.shape[1:]), x.dtype) for x in inputs), device, casting)
     shared = source.meta.get(DERIVED_META)
     cache = shared if shared is not None else source.__dict__.setdefault("_whalelike_fake_values", {})
     if key not in cache:
