@@ -306,9 +306,13 @@ def replan_on_restart(job: Job) -> Outcome:
     finish(b, timeout=10)
     if a.process.returncode != 0:
         raise RuntimeError(f"(b) host-a's job failed:\n{a.text()[-3000:]}")
-    restarted = [t for t, line in a.lines if t > lost_at and "[elastic] membership changed" in line]
-    return outcome("b", job, before, a, lost_at, {"failure, restart, re-plan": (restarted or [lost_at])[0] - lost_at,
-                                                  "_started": (restarted or [lost_at])[0]})
+    restarted = first_line_after(a, lost_at, "[elastic] membership changed")
+    return outcome("b", job, before, a, lost_at, {"failure, restart, re-plan": restarted - lost_at, "_started": restarted})
+
+
+def first_line_after(log: Log, after: float, marker: str) -> float:
+    """When the first line holding ``marker`` arrived after ``after`` (``after`` itself if none did)."""
+    return next((t for t, line in log.lines if t > after and marker in line), after)
 
 
 def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
@@ -329,9 +333,8 @@ def leave_without_restart(job: Job) -> Outcome:
     finish(log, timeout=600)
     if log.process.returncode != 0:
         raise RuntimeError(f"(c) the job failed:\n{log.text()[-3000:]}")
-    left = [t for t, line in log.lines if t > lost_at and "[elastic] leave after step" in line]
-    return outcome("c", job, log, log, lost_at, {"step in flight, hand-over, new plan": (left or [lost_at])[0] - lost_at,
-                                                 "_started": (left or [lost_at])[0]})
+    left = first_line_after(log, lost_at, "[elastic] leave after step")
+    return outcome("c", job, log, log, lost_at, {"step in flight, hand-over, new plan": left - lost_at, "_started": left})
 
 
 # the paths measured, in order
