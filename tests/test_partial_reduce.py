@@ -22,13 +22,21 @@ stores the replicas' average (read from every rank before it) and loads onto an 
 sync, with re-planned shares, when one rank stays slow, the replicas identical afterwards, optimizer
 state included; (d) a killed generator: every rank ends with a GroupGeneratorError naming it.
 Spawn 2: a killed worker ends every survivor with an error naming it.
+Fresh interpreters (issue 30): 2 ranks started as ``python -c`` (not forked: they finalize as Python does
+at exit) train with the smart generator through the Engine and return with its service still running; both
+exit 0 (rank 0, the store's and the generator's host, aborted with SIGABRT at finalization before the
+services were closed at exit).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import random
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -40,7 +48,7 @@ from torch.testing import assert_close
 import planner
 import plans
 import whalelike as wl
-from dist_utils import run_ranks, spawn_ranks
+from dist_utils import free_port, run_ranks, spawn_ranks
 from planner.plan import Plan, PlanError, StagePlan
 from runtime.balance.sync_policy import SyncPolicy, choose, slow_steps
 from runtime.replicas.group_generator import (
@@ -567,3 +575,58 @@ def test_a_killed_worker_ends_every_rank_with_a_clear_error():
     for o in outcomes[:3]:
         assert o.exitcode == 1 and o.error_type in ("GroupGeneratorError", "DistributedStepError"), o
         assert "rank 3" in o.error and ("died" in o.error or "dead" in o.error), o.error
+
+
+def _fresh_interpreter_rank() -> None:
+    """One rank of :func:`test_smart_p_reduce_ends_cleanly_at_interpreter_exit`, in a ``python -c`` of its own
+    (torchrun's environment): 6 steps of smart P-Reduce through the Engine, the replicas' average, then a
+    normal return with the generator's service left running (nobody closes it: the interpreter's exit must)."""
+    from runtime import Engine
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = MLP()
+    graphs = capture(model, (torch.randn(2, DIN),))
+    st = StagePlan(0, [0], list(range(len(graphs.layers))), "replicate(2)", replica_sync="partial",
+                   partial_generator="smart", partial_group_size=2, partial_delta_c=2)
+    plan = plans.make_plan([st], [plans.worker(r, 0, r, sizes=[4]) for r in range(2)],
+                           model_fingerprint=graphs.fingerprint, cluster="test-4")
+    engine = Engine(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                    loss_fn=F.cross_entropy, cluster=cluster(), timeout_s=60)
+    SyncPolicy("partial").attach(engine)
+    for batch in teacher_batches(8, 6, seed=8, dtype=torch.float32):
+        engine.train_step(batch)
+    average = torch.cat([v.reshape(-1) for v in engine.state_dict().values()])   # a collective: the last one
+    serving = [t.name for t in threading.enumerate() if t.name.startswith("whalelike-preduce-generator")]
+    print(json.dumps({"rank": rank, "average": average.tolist(), "sizes": engine.executor.sync.stats.sizes,
+                      "serving": serving}), flush=True)
+
+
+def test_smart_p_reduce_ends_cleanly_at_interpreter_exit():
+    """Issue 30: the generator's threads must not abort a rank when its interpreter exits (``bench/prague.py``
+    full size, spawned ranks: ``terminate called without an active exception``, SIGABRT on rank 0; forked
+    ranks, as in the suite's other tests and the bench's smoke run, never finalize). Two fresh interpreters."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
+            "import test_partial_reduce as t; t._fresh_interpreter_rank()")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in ranks:
+            outs.append(p.communicate(timeout=150))
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, (out, err)) in enumerate(zip(ranks, outs)):
+        assert p.returncode == 0 and "terminate called" not in err, (
+            f"rank {r} exited with {p.returncode}\n--- stdout:\n{out[-2000:]}\n--- stderr:\n{err[-4000:]}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert len(results[0]["serving"]) == 1 and not results[1]["serving"], (
+        "rank 0 hosts the smart generator, still serving when its rank returned", results)
+    assert all(int(size) in (1, 2) for r in results for size in r["sizes"]) and "2" in results[0]["sizes"], results
+    assert results[0]["average"] == results[1]["average"], "both ranks hold the replicas' average"

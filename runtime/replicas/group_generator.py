@@ -55,6 +55,17 @@ threads stopped) leaves an error key or stops its heartbeat, and every waiting c
 the heartbeat is ``silence_s`` old or ``timeout_s`` has passed, naming the generator's rank; an
 unreachable store (its host, rank 0, gone) is said so.
 
+Shutdown: the service's threads never outlive the interpreter. A daemon thread still inside a store
+call (the serving thread waits in a blocking ``queue_pop`` between requests) when the interpreter
+finalizes aborts the whole process: the store call returns, the thread cannot take the interpreter
+lock back, and the thread's exit unwinds through torch's C++ frames (``terminate called without an
+active exception``, SIGABRT). Finalization is also when rank 0's store closes, which wakes that very
+call. So every live service is closed (:meth:`GeneratorService.close`: its threads told to stop, the
+blocking pop woken by a ``stop`` request, both joined) at ``atexit``, before finalization, whether the
+run ended normally or with an error; a store that closes under a serving thread (its host ended
+first) ends the thread quietly, since the ranks still asking for groups are told by their own
+connections (an unreachable store, a stopped heartbeat: named errors on every rank).
+
 Invariant: every worker of a group gets that same group (static: one pure function of the
 iteration; smart: one service deciding each request in arrival order), each worker at most one group
 ahead of it, and every worker named in a group it has not fetched yet fetches it at its next request
@@ -62,6 +73,7 @@ or park, before any barrier.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import json
@@ -79,6 +91,7 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.25            # the smart generator's heartbeat period
 SILENCE_S = 10.0         # a heartbeat this old (or none this long) means the generator is gone
 WAIT_SLICE_S = 1.0       # a client re-checks the generator's health this often while it waits for an answer
+CLOSE_JOIN_S = 5.0       # how long closing a service waits for each of its threads to end
 REQUESTS, BEAT, ERROR = "requests", "beat", "error"
 
 
@@ -316,6 +329,13 @@ def _store_timeout(e: BaseException) -> bool:
     return "timeout" in text or "timed out" in text
 
 
+def _store_closed(e: BaseException) -> bool:
+    """Whether a store call failed because the store's connection closed (its host ended or died)."""
+    from torch.distributed import DistNetworkError
+
+    return isinstance(e, DistNetworkError)
+
+
 def _own_connection(store, timeout_s: float):
     """A connection of its own to ``store`` (same keys and prefix), so a blocking pop on it stalls
     no other user of the store; ``timeout_s`` bounds each blocking call."""
@@ -360,6 +380,8 @@ class GeneratorService:
         self._threads = [threading.Thread(target=self._serve, name=f"whalelike-preduce-generator-{prefix}",
                                           daemon=True),
                          threading.Thread(target=self._beat, name=f"whalelike-preduce-beat-{prefix}", daemon=True)]
+        with _LIVE_LOCK:
+            _LIVE.add(self)
         for t in self._threads:
             t.start()
 
@@ -391,6 +413,11 @@ class GeneratorService:
                 self._serve_store.queue_push(f"answers/{rank}", answer)
                 self.served += 1
         except Exception as e:   # noqa: BLE001 (any failure must reach the waiting ranks, not vanish with the thread)
+            if self._stop.is_set() or _store_closed(e):
+                # closed, or the store's host ended first: a normal end here (ranks still asking are told by
+                # their own connections, see the module docstring)
+                log.debug("P-Reduce group generator %s: the store closed, serving stops: %s", self.prefix, e)
+                return
             self._fail(f"P-Reduce's group generator on rank {self.host_rank} failed: {type(e).__name__}: {e}")
 
     def _beat(self) -> None:
@@ -443,10 +470,35 @@ class GeneratorService:
             log.debug("P-Reduce group generator %s: stop request failed: %s", self.prefix, e)
 
     def close(self) -> None:
-        """Stop the service (its threads end; a client asking afterwards times out with an error)."""
+        """Stop the service and wait for its threads to end (a client asking afterwards times out with an
+        error). Called for every live service at ``atexit`` (see the module docstring)."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         self.kill()
         for t in self._threads:
-            t.join(timeout=2.0)
+            if t is not threading.current_thread():
+                t.join(timeout=CLOSE_JOIN_S)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("P-Reduce group generator %s: threads %s still run %g s after close", self.prefix, alive,
+                        CLOSE_JOIN_S)
+
+
+_LIVE: set[GeneratorService] = set()   # the services not yet closed, closed at exit
+_LIVE_LOCK = threading.Lock()
+
+
+def close_services() -> int:
+    """Close every live :class:`GeneratorService` of this process (registered with ``atexit``: no
+    service thread may be inside a store call when the interpreter finalizes); the number closed."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for service in live:
+        service.close()
+    return len(live)
+
+
+atexit.register(close_services)
 
 
 class SmartGenerator:
