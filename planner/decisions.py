@@ -212,7 +212,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     Raises PlanError when the stages do not fit.
     """
     if stage_layers is None:
-        stage_layers, solver, gap = partition_stage_layers(graphs, layout, config, network)
+        stage_layers, solver, gap, _ = partition_stage_layers(graphs, layout, config, network)
     else:
         solver, gap = "greedy", None
     gbs, m = config.global_batch_size, config.num_micro_batch

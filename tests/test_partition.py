@@ -1,6 +1,8 @@
-"""Pipeline partitioner: ILP vs dynamic program, contiguity, memory, speed-awareness, errors."""
+"""Pipeline partitioner: ILP vs dynamic program, contiguity, memory, speed-awareness, errors, and the
+``"step"`` objective (the schedule's makespan: issue 30, item 4)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.devices.cost_model import StageCost
+from planner.partition.pricing import Pricing
 from planner.partition.solve import (
     DeviceMemory, LayerCost, Partition, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, layer_costs,
     partition,
@@ -256,3 +259,91 @@ def test_bad_inputs_name_the_field():
         PartitionProblem(tuple(uniform_layers(4)), (slot, slot), tuple(links(1)), 1, (2, 1), pinned={1: 1, 2: 0})
     with pytest.raises(ValueError, match="solver"):
         partition(PartitionProblem(tuple(uniform_layers(2)), (slot,), (), 1, (1,)), solver="cplex")
+
+
+# -- the "step" objective (issue 30, item 4) -------------------------------------------------------
+def all_splits(p: PartitionProblem):
+    """Every contiguous split of ``p``'s layers over its stages (in the given order) that fits: each
+    stage's first layer."""
+    import itertools
+    L, S = len(p.layers), len(p.slots)
+    pricing = Pricing(p)
+    mats = [pricing.cost(k, k) for k in range(S)]
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        starts = [0, *cuts]
+        ends = [s - 1 for s in starts[1:]] + [L - 1]
+        if all(math.isfinite(m[i, j]) for m, i, j in zip(mats, starts, ends)):
+            yield starts
+
+
+def test_the_step_is_the_schedules_makespan():
+    """Equal stages of forward f and backward b, links free: 1F1B and GPipe take (m + S - 1)(f + b);
+    one micro-batch runs the stages one after another."""
+    layers = [LayerCost(f"l{i}", 1e9, 2e9, 0.1 * GIB, 0.3 * GIB, 0.0, 0.0) for i in range(6)]
+    slots = [StageSlot.data_parallel(f"g{g}", [1e12], [80 * GIB]) for g in range(3)]
+    free = [StageLink(1e18, 0.0)] * 2
+    for schedule in ("1f1b", "gpipe", "eager-1f1b"):
+        for m in (1, 2, 5):
+            p = PartitionProblem.for_schedule(layers, slots, free, micro_batch=1, num_micro_batch=m,
+                                              schedule=schedule, objective="step")
+            assert Pricing(p).step_s([0, 1, 2], [0, 2, 4]) == pytest.approx((m + 2) * 6e-3, rel=1e-12)
+    # a link's latency delays the receiver, not the sender: one micro-batch crosses each link twice
+    p = PartitionProblem.for_schedule(layers, slots, [StageLink(1e18, 1e-3)] * 2, micro_batch=1, num_micro_batch=1,
+                                      objective="step")
+    assert Pricing(p).step_s([0, 1, 2], [0, 2, 4]) == pytest.approx(18e-3 + 4e-3, rel=1e-12)
+
+
+def test_one_micro_batch_keeps_the_heavy_layer_on_the_fast_stage():
+    """The ResNet of issue 30 in small: a heavy first layer on a fast stage of two devices, a slow
+    stage after it. The least bottleneck moves the light second layer to the slow stage (shaving the
+    first stage), which one micro-batch pays in full; the step objective keeps it on the fast one."""
+    layers = [LayerCost("stem", 10e9, 20e9, 0.01 * GIB, 0.03 * GIB, 0.0, 0.0),
+              LayerCost("block", 0.5e9, 1e9, 0.01 * GIB, 0.03 * GIB, 0.0, 0.0),
+              LayerCost("head", 0.5e9, 1e9, 0.01 * GIB, 0.03 * GIB, 0.0, 0.0)]
+    slots = [StageSlot.data_parallel("fast", [2e12, 2e12], [4 * GIB] * 2),
+             StageSlot.data_parallel("half", [1e12], [2 * GIB])]
+    bottleneck = PartitionProblem.for_schedule(layers, slots, links(1), micro_batch=16, num_micro_batch=1)
+    step = dataclasses.replace(bottleneck, objective="step")
+    assert partition(bottleneck).stage_layers() == [[0], [1, 2]]
+    result = partition(step)
+    check_valid(step, result)
+    assert result.stage_layers() == [[0, 1], [2]] and result.gap is None
+    pricing = Pricing(step)
+    assert pricing.step_s([0, 1], [0, 2]) < pricing.step_s([0, 1], [0, 1])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(order=st.just("fixed")))
+def test_the_step_objective_is_never_slower_than_the_least_bottleneck(p):
+    """Under ``"step"`` the split's step is no longer than the least-bottleneck split's (the search
+    starts there), and with one micro-batch (the step: the stages' sum) it is the shortest of all
+    splits, checked against every split."""
+    step = dataclasses.replace(p, objective="step")
+    try:
+        least_bottleneck = partition(p, solver="greedy")
+    except PartitionInfeasible:
+        with pytest.raises(PartitionInfeasible):
+            partition(step, solver="greedy")
+        return
+    result = partition(step, solver="greedy")
+    check_valid(step, result)
+    pricing = Pricing(step)
+    order = list(range(len(p.slots)))
+    found = pricing.step_s(order, [s.first for s in result.stages])
+    assert found <= pricing.step_s(order, [s.first for s in least_bottleneck.stages]) * (1 + 1e-12)
+    if p.num_micro_batch == 1:
+        assert found == pytest.approx(min(pricing.step_s(order, s) for s in all_splits(step)), rel=1e-9)
+
+
+def test_the_ilp_searches_the_order_under_the_step_objective():
+    """With the order searched, the ILP (its order by the pipelined bound, the split by the greedy
+    search) returns a valid split no slower than the greedy one."""
+    slots = [StageSlot.data_parallel("slow", [10e12], [80 * GIB]), StageSlot.data_parallel("fast", [40e12], [80 * GIB])]
+    p = PartitionProblem.for_schedule(uniform_layers(8), slots, links(1), micro_batch=2, num_micro_batch=2,
+                                      order="search", objective="step")
+    greedy, ilp = partition(p, solver="greedy"), partition(p, solver="ilp")
+    check_valid(p, greedy)
+    check_valid(p, ilp)
+    pricing = Pricing(p)
+    steps = [pricing.step_s(list(r.order), [s.first for s in r.stages]) for r in (greedy, ilp)]
+    assert steps[1] <= steps[0] * (1 + 1e-9) and ilp.gap is None

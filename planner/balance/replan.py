@@ -115,11 +115,11 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
 
     new_layers, solver, gap = old_layers, plan.solver, plan.optimality_gap
     if move_layers and layout.num_stages > 1 and movable_runs(graphs):
-        layers, part_solver, part_gap = partition_stage_layers(graphs, layout, config, network, in_force=old_layers)
-        if part_gap is None:   # infeasible: the layers in force stay (see partition_stage_layers)
+        found = partition_stage_layers(graphs, layout, config, network, in_force=old_layers)
+        if not found.partitioned:   # infeasible: the layers in force stay (see partition_stage_layers)
             kept.append("stage layers: the pipeline partition for the measured speeds does not fit in memory")
         else:
-            new_layers, solver, gap = layers, part_solver, part_gap
+            new_layers, solver, gap = found.layers, found.solver, found.gap
     layers_moved = new_layers != old_layers
     reshard = reshard and any(w.tp_size > 1 for w in plan.workers)   # a single device's shard is the whole
 

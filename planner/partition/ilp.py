@@ -18,10 +18,14 @@ Same model as :mod:`planner.partition.solve` (read its docstring first), written
   :class:`~planner.devices.memory.MemoryTerms`, is linear in its bytes). Its LP relaxation mixes
   slot speeds per position instead of dropping the rows as a big-M form would, which keeps CBC's bound useful.
   Interchangeable slots keep their given relative order, which removes symmetric copies.
-* Objective: minimise ``T``, bounded above by the warm start. Times are scaled by the warm start's
-  bottleneck and memory rows by the device capacity, so CBC works on numbers near 1.
+* Objective: minimise ``T`` (``PartitionProblem.objective`` ``"bottleneck"``), bounded above by
+  the warm start; under ``"step"`` (whose schedule makespan is no linear program) the pipelined
+  bound ``E >= time_0 + ... + time_(k-1) + m time_k`` for every ``k``
+  (:meth:`~planner.partition.problem.PartitionProblem.pipelined_bound`), bounded above by the warm
+  start's; only its order is used. Times are scaled by the warm start's bottleneck and memory rows
+  by the device capacity, so CBC works on numbers near 1.
 
-CBC starts from the greedy partition (``warmStart``) and ``T`` is bounded by it, so "infeasible"
+CBC starts from the greedy partition (``warmStart``) and the objective is bounded by it, so "infeasible"
 then means nothing beats the greedy answer; when CBC stops on ``time_limit_s``, the relative gap
 comes from the lower bound it prints in its log.
 
@@ -72,8 +76,9 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     mb = p.micro_batch
     scale = warm.bottleneck_s if warm is not None else mb * sum(l.flops for l in p.layers) / max(s.flops_per_s for s in p.slots)
     prob = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
-    T = prob.add_variable("T", lowBound=0, upBound=1 + 1e-6 if warm is not None else None)
-    prob += T
+    step = p.objective == "step"
+    T = prob.add_variable("T", lowBound=0, upBound=1 + 1e-6 if warm is not None and not step else None)
+    times = []   # each stage's time per micro-batch, scaled (the "step" objective sums them)
 
     # contiguous stages
     b = {(l, k): prob.add_variable(f"b_{l}_{k}", cat="Binary") for l in range(L) for k in range(1, S)}
@@ -149,7 +154,8 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
                     prob += q <= pv[g, k]
                 prob += pulp.lpSum(parts[g][name] for g in slots) == totals[name][k]
         compute = pulp.lpSum(parts[g]["flops"] * (mb * bounds["flops"] / p.slots[g].flops_per_s) for g in slots)
-        prob += T >= (compute + comm[k]) / scale
+        times.append((compute + comm[k]) / scale)
+        prob += T >= times[-1]
         for g in slots:
             on = pv[g, k] if len(slots) > 1 else 1
             for d in p.slots[g].memory_classes:
@@ -161,6 +167,15 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
                                                                                  "per_sample")), p.in_flight[k])
                 prob += held_here.total(mb) / d.capacity_bytes <= on
 
+    if step:
+        E = prob.add_variable("E", lowBound=0)
+        for k in range(S):
+            prob += E >= pulp.lpSum(times[:k]) + p.num_micro_batch * times[k]
+        prob += E
+        if warm is not None:   # nothing worse than the warm start
+            prob += E <= p.pipelined_bound([st.time_s for st in warm.stages]) / scale * (1 + 1e-6)
+    else:
+        prob += T
     if warm is not None:
         for (l, k), var in b.items():
             var.setInitialValue(1 if l >= warm.stages[k].first else 0)

@@ -4,8 +4,8 @@ Early positions keep more micro-batches in flight, so which device group runs wh
 matters. The search starts from rule orders (most memory first, fastest first, the given order)
 and improves by best-improvement local moves (swap two groups that differ; for up to
 :data:`PAIR_SWAP_MAX_STAGES` stages also move one elsewhere), each order priced exactly by
-:func:`~planner.partition.pricing.solve_order`, until no move lowers (memory overflow, bottleneck,
-sum of squares). Groups kept in place (``keep_position``) never move.
+:func:`~planner.partition.pricing.solve_order`, until no move lowers (memory overflow, the
+problem's objective: bottleneck or step estimate, sum of squares). Groups kept in place (``keep_position``) never move.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def search_order(pricing: Pricing) -> tuple[list[int], Score, list[int]]:
     """The best of the rule's starting orders, then best-improvement moves until none helps."""
     p = pricing.p
     scored = [(*solve_order(pricing, o), o) for o in _rule_orders(p)]
-    score, starts, order = min(scored, key=lambda t: (t[0].excess, t[0].bottleneck, t[0].squares))
+    score, starts, order = min(scored, key=lambda t: (t[0].excess, t[0].objective, t[0].squares))
     while True:
         improvement = None
         for trial in _moves(order, p):

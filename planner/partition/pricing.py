@@ -6,6 +6,17 @@ exact dynamic program over them for one group order (least bottleneck, then the 
 squared stage times, or the least memory overflow when nothing fits) and :func:`assemble` prices a
 chosen split into a :class:`~planner.partition.problem.Partition`. It is the one evaluator every
 solver's answer goes through, so the greedy and ILP answers are compared on equal terms.
+
+Under the ``"step"`` objective the score of a split is the step itself (:meth:`Pricing.step_s`):
+the schedule's action lists run with each stage's forward and backward compute and each boundary's
+transfer as a delay between the stages, as the simulator runs a plan. No dynamic program minimises a
+schedule's makespan, so :func:`_least_step` searches: it starts from the least-bottleneck split, the
+least-sum split and the split of least :meth:`~planner.partition.problem.PartitionProblem.pipelined_bound`
+(a lower bound of the step; bisected on its bound ``E``, each test one dynamic program of the least
+time of the stages so far among the splits that keep every stage within ``E``: a smaller prefix
+never hurts a later stage), keeps the one the schedule runs fastest, then moves one stage boundary
+by one layer at a time while that makes the step shorter. The answer is not claimed optimal (gap
+None), only never slower than the least-bottleneck split.
 """
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ import numpy as np
 
 from planner.devices.memory import FIT_TOLERANCE
 from planner.partition.problem import DeviceMemory, Partition, PartitionProblem, StageAssignment
+from planner.schedule.actions import build_schedule
 
 TOLERANCE = FIT_TOLERANCE   # relative memory overflow still counted as fitting (the memory model's)
 
@@ -30,6 +42,7 @@ class Pricing:
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=float))))
         self.flops = prefix([l.flops for l in p.layers])
+        self.forward_flops = prefix([l.forward_flops for l in p.layers])
         self.params = prefix([l.param_bytes for l in p.layers])
         self.gradients = prefix([l.gradient_bytes for l in p.layers])
         self.optimizer = prefix([l.optimizer_bytes for l in p.layers])
@@ -65,6 +78,23 @@ class Pricing:
             link = p.links[k - 1]
             t = t + link.latency_s + p.micro_batch * cin / link.bandwidth_bytes_per_s
         return t
+
+    def step_s(self, order: Sequence[int], starts: Sequence[int]) -> float:
+        """The step of the split starting at ``starts`` on the slots ``order``: the schedule's action
+        lists (``p.schedule`` over ``p.num_micro_batch`` micro-batches) with each stage's forward
+        and backward compute (its layers' FLOPs at its slot's speed) and each boundary's transfer
+        (latency plus the micro-batch's cut bytes over the link) between the stages, the sender never
+        waiting for it (``isend``, as the simulator has it)."""
+        p = self.p
+        ends = [s - 1 for s in starts[1:]] + [len(p.layers) - 1]
+        forward, backward = [], []
+        for g, i, j in zip(order, starts, ends):
+            speed = p.slots[g].flops_per_s
+            forward.append(p.micro_batch * (self.forward_flops[j + 1] - self.forward_flops[i]) / speed)
+            backward.append(p.micro_batch * (self.flops[j + 1] - self.flops[i]) / speed - forward[-1])
+        links = [p.links[k].latency_s + p.micro_batch * p.layers[ends[k]].cut_bytes / p.links[k].bandwidth_bytes_per_s
+                 for k in range(len(order) - 1)]
+        return _makespan(build_schedule(p.schedule, len(order), p.num_micro_batch), forward, backward, links)
 
     def need(self, k: int, d: DeviceMemory) -> np.ndarray:
         """Bytes device ``d`` needs at position ``k`` for every range (the memory model,
@@ -113,19 +143,25 @@ def _dp(mats: Sequence[np.ndarray], combine=np.maximum) -> tuple[float, list[int
     return float(f[L - 1]), starts
 
 
+BISECTION_TOLERANCE = 1e-9   # relative: the pipelined bound's minimum is bisected to within this
+MAX_BOUNDARY_MOVES = 256     # one-layer boundary moves the "step" search makes at most
+
+
 @dataclass(frozen=True)
 class Score:
     """How good a group order is, compared lexicographically: memory overflow of its least
-    overflowing split (0 when one fits), then the least bottleneck, then the sum of squared stage
-    times of the most balanced optimal split. The later keys give the order search a direction on
-    plateaus, where a move leaves the slowest stage alone but relieves the others."""
+    overflowing split (0 when one fits), then the problem's objective (the least bottleneck, or the
+    shortest step found), then the sum of squared stage times of the chosen split. The later keys
+    give the order search a direction on plateaus, where a move leaves the objective alone but
+    relieves the other stages. ``exact``: the split is proven optimal for this order."""
 
     excess: float
-    bottleneck: float
+    objective: float
     squares: float
+    exact: bool = True
 
     def better_than(self, other: "Score") -> bool:
-        for mine, theirs in ((self.excess, other.excess), (self.bottleneck, other.bottleneck), (self.squares, other.squares)):
+        for mine, theirs in ((self.excess, other.excess), (self.objective, other.objective), (self.squares, other.squares)):
             if mine < theirs * (1 - 1e-9):
                 return True
             if mine > theirs * (1 + 1e-9):
@@ -134,7 +170,8 @@ class Score:
 
 
 def solve_order(pricing: Pricing, order: Sequence[int]) -> tuple[Score, list[int]]:
-    """Least bottleneck for a fixed order; among optimal splits the least sum of squared times."""
+    """The best split for a fixed order under the problem's objective: the least bottleneck and,
+    among those splits, the least sum of squared times; or the shortest step found (:func:`_least_step`)."""
     mats = [pricing.cost(k, g) for k, g in enumerate(order)]
     best, starts = _dp(mats)
     if not math.isfinite(best):
@@ -142,7 +179,125 @@ def solve_order(pricing: Pricing, order: Sequence[int]) -> tuple[Score, list[int
         return Score(max(excess, 0.0), math.inf, math.inf), starts
     bound = best * (1 + 1e-9) + 1e-15
     squares, balanced = _dp([np.where(m <= bound, m * m, np.inf) for m in mats], np.add)
-    return Score(0.0, best, squares), balanced
+    if pricing.p.objective == "bottleneck":
+        return Score(0.0, best, squares), balanced
+    return _least_step(pricing, order, mats, best, balanced)
+
+
+def _makespan(actions, forward: Sequence[float], backward: Sequence[float], links: Sequence[float]) -> float:
+    """When the last action of ``actions`` (per stage, in order) ends: forward ``i`` of stage ``k``
+    after forward ``i`` of stage ``k - 1`` plus ``links[k - 1]``, backward ``i`` after backward ``i``
+    of stage ``k + 1`` plus ``links[k]`` (the last stage: after its own forward ``i``), each stage
+    one action at a time. The schedules are deadlock-free (:mod:`planner.schedule.deadlock`), so
+    every sweep over the stages runs at least one action."""
+    S = len(actions)
+    done: dict[tuple[str, int, int], float] = {}
+    free, position = [0.0] * S, [0] * S
+    left = sum(len(a) for a in actions)
+    while left:
+        before = left
+        for k in range(S):
+            while position[k] < len(actions[k]):
+                a = actions[k][position[k]]
+                if a.kind == "F":
+                    ready = 0.0 if k == 0 else done.get(("F", k - 1, a.micro_batch))
+                    ready = ready if k == 0 or ready is None else ready + links[k - 1]
+                elif k == S - 1:
+                    ready = done.get(("F", k, a.micro_batch))
+                else:
+                    ready = done.get(("B", k + 1, a.micro_batch))
+                    ready = None if ready is None else ready + links[k]
+                if ready is None:
+                    break
+                free[k] = max(free[k], ready) + (forward[k] if a.kind == "F" else backward[k])
+                done[(a.kind, k, a.micro_batch)] = free[k]
+                position[k] += 1
+                left -= 1
+        if left == before:
+            raise ValueError(f"the action lists deadlock: stages wait at positions {position}")
+    return max(free)
+
+
+def _times(mats: Sequence[np.ndarray], starts: Sequence[int]) -> list[float]:
+    """Each stage's time per micro-batch under the split starting at ``starts``."""
+    L = mats[0].shape[0]
+    ends = [s - 1 for s in starts[1:]] + [L - 1]
+    return [float(m[i, j]) for m, i, j in zip(mats, starts, ends)]
+
+
+def _least_step(pricing: Pricing, order: Sequence[int], mats: Sequence[np.ndarray], bottleneck: float,
+                balanced: list[int]) -> tuple[Score, list[int]]:
+    """The shortest step found (the module docstring's search) among the splits that fit."""
+    p = pricing.p
+    least_sum, spread = _dp(mats, np.add)
+    seeds = [balanced, spread, _least_pipelined(p, mats, bottleneck, least_sum, [balanced, spread])]
+    seen = {tuple(s): pricing.step_s(order, s) for s in seeds}
+    starts = min(seen, key=lambda s: (seen[s], s != tuple(balanced)))
+    L, S = len(p.layers), len(order)
+    for _ in range(MAX_BOUNDARY_MOVES):
+        moves = []
+        for k in range(1, S):
+            for shift in (-1, 1):
+                trial = list(starts)
+                trial[k] += shift
+                ends = trial[1:] + [L]
+                if all(a < b for a, b in zip(trial, ends)) and all(
+                        math.isfinite(mats[q][trial[q], ends[q] - 1]) for q in (k - 1, k)):
+                    moves.append(tuple(trial))
+        for trial in moves:
+            if trial not in seen:
+                seen[trial] = pricing.step_s(order, trial)
+        better = min(moves, key=lambda t: seen[t], default=None)
+        if better is None or seen[better] >= seen[starts] * (1 - 1e-12):
+            break
+        starts = better
+    times = _times(mats, starts)
+    return Score(0.0, seen[starts], math.fsum(t * t for t in times), False), list(starts)
+
+
+def _within(mats: Sequence[np.ndarray], m: int, bound: float) -> Optional[list[int]]:
+    """A split whose every stage ``k`` keeps ``t_0 + ... + t_(k-1) + m t_k <= bound``, or None: the
+    dynamic program of the least prefix (stages ``0..k`` covering layers ``0..j``)."""
+    L = mats[0].shape[0]
+    first = mats[0][0, :]
+    f = np.where(m * first <= bound, first, np.inf)
+    choices = []
+    for mat in mats[1:]:
+        before = f[:-1, None]   # the stages so far end at layer i - 1, this one runs i..j
+        cand = np.where(before + m * mat[1:, :] <= bound, before + mat[1:, :], np.inf)
+        arg = np.argmin(cand, axis=0)
+        f = cand[arg, np.arange(L)]
+        choices.append(arg + 1)
+    if not math.isfinite(f[L - 1]):
+        return None
+    starts, j = [0] * len(mats), L - 1
+    for k in range(len(mats) - 1, 0, -1):
+        starts[k] = int(choices[k - 1][j])
+        j = starts[k] - 1
+    return starts
+
+
+def _least_pipelined(p: PartitionProblem, mats: Sequence[np.ndarray], bottleneck: float, least_sum: float,
+                     known: list[list[int]]) -> list[int]:
+    """The split of least :meth:`~planner.partition.problem.PartitionProblem.pipelined_bound` (to
+    :data:`BISECTION_TOLERANCE`), no worse than those in ``known``: bisection between its lower
+    bounds ``m * least bottleneck`` and the least sum, and the best of ``known``."""
+    def bound(starts):
+        return p.pipelined_bound(_times(mats, starts))
+
+    best = min(known, key=bound)
+    low = max(p.num_micro_batch * bottleneck, least_sum)
+    high = bound(best)
+    while high - low > BISECTION_TOLERANCE * high:
+        middle = (low + high) / 2
+        starts = _within(mats, p.num_micro_batch, middle)
+        if starts is None:
+            low = middle
+            continue
+        if bound(starts) < bound(best):
+            best = starts
+        high = min(middle, bound(best))
+    return best
 
 
 def assemble(p: PartitionProblem, order: Sequence[int], starts: Sequence[int], solver: str,

@@ -20,7 +20,10 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.devices.cost_model import StageCost
 from planner.devices.memory import MemoryTerms, worker_fractions
 from planner.plan import PlanError
-from planner.schedule.actions import build_schedule, max_in_flight
+from planner.schedule.actions import SCHEDULES as SCHEDULE_NAMES, build_schedule, max_in_flight
+
+
+OBJECTIVES = ("bottleneck", "step")   # PartitionProblem.objective: what a split is scored by
 
 
 class PartitionInfeasible(PlanError):
@@ -201,6 +204,17 @@ class PartitionProblem:
     ``pinned``: layer index -> stage position it must run in (e.g. the layers of a ``split``
     TaskGraph). ``order``: ``"fixed"`` keeps the slots in the given order, ``"search"`` lets the
     partitioner choose it, except for slots listed in ``keep_position``.
+
+    ``objective``: ``"bottleneck"`` (the default) minimises the slowest stage's time per micro-batch,
+    the step's pace when many micro-batches hide the pipeline's fill and drain. ``"step"`` minimises
+    the step itself: the time ``schedule``'s action lists (:mod:`planner.schedule.actions`, what the
+    simulator and the runtime run) take over ``num_micro_batch`` micro-batches when each stage's
+    forward and backward take its layers' FLOPs at its slot's speed and each activation or gradient
+    crosses its link as it leaves (:mod:`planner.partition.pricing`). With few micro-batches the fill
+    and drain are most of the step, and a split that shaves the slowest stage by piling layers on a
+    slow one costs more than it saves (one micro-batch: the stages run one after another). The
+    solvers search it through :meth:`pipelined_bound`, a lower bound of it that a dynamic program can
+    minimise.
     """
 
     layers: tuple[LayerCost, ...]
@@ -211,6 +225,9 @@ class PartitionProblem:
     pinned: Mapping[int, int] = field(default_factory=dict)
     order: Literal["fixed", "search"] = "fixed"
     keep_position: frozenset[int] = frozenset()
+    objective: Literal["bottleneck", "step"] = "bottleneck"
+    num_micro_batch: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self):
         for name in ("layers", "slots", "links", "in_flight"):
@@ -230,6 +247,15 @@ class PartitionProblem:
         check_fields(self, "PartitionProblem.", error=ValueError)
         if self.order not in ("fixed", "search"):
             raise ValueError(f"PartitionProblem.order must be 'fixed' or 'search', got {self.order!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"PartitionProblem.objective must be one of {', '.join(map(repr, OBJECTIVES))}, "
+                             f"got {self.objective!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"PartitionProblem.schedule must be one of {', '.join(map(repr, SCHEDULE_NAMES))}, "
+                             f"got {self.schedule!r}")
+        if isinstance(self.num_micro_batch, bool) or not isinstance(self.num_micro_batch, int) or self.num_micro_batch < 1:
+            raise ValueError(f"PartitionProblem.num_micro_batch must be an integer >= 1 (micro-batches per step), "
+                             f"got {self.num_micro_batch!r}")
         bad = sorted(k for k in self.keep_position if not 0 <= k < S)
         if bad:
             raise ValueError(f"PartitionProblem.keep_position: slots {bad} do not exist (0..{S - 1})")
@@ -257,9 +283,25 @@ class PartitionProblem:
     def for_schedule(cls, layers: Sequence[LayerCost], slots: Sequence[StageSlot], links: Sequence[StageLink],
                      micro_batch: float, num_micro_batch: int, schedule: str = "1f1b", **kw) -> "PartitionProblem":
         """A problem whose in-flight micro-batches per stage come from ``schedule`` (1F1B: at most
-        ``S - k`` on stage ``k``; GPipe: all of them), counted on the schedule itself."""
+        ``S - k`` on stage ``k``; GPipe: all of them), counted on the schedule itself, over
+        ``num_micro_batch`` micro-batches (what the ``"step"`` objective prices)."""
         actions = build_schedule(schedule, len(slots), num_micro_batch)
-        return cls(tuple(layers), tuple(slots), tuple(links), micro_batch, tuple(max_in_flight(a) for a in actions), **kw)
+        return cls(tuple(layers), tuple(slots), tuple(links), micro_batch, tuple(max_in_flight(a) for a in actions),
+                   num_micro_batch=num_micro_batch, schedule=schedule, **kw)
+
+    def pipelined_bound(self, times: Sequence[float]) -> float:
+        """``max over k of (t_0 + ... + t_(k-1) + m * t_k)`` for stages of these ``times`` (seconds
+        per micro-batch, position order; ``m = num_micro_batch``): stage ``k`` runs ``m`` forwards and
+        backwards, after the stages before it forwarded the first micro-batch and before they
+        backward the last one, so no schedule's step is shorter. 1F1B meets it when the stages after
+        the slowest return each micro-batch while the slowest runs its warm-up forwards and pending
+        backwards; one micro-batch: the sum of the stages. Linear in the stage times: the ILP
+        minimises it under ``"step"``, and the greedy solver's search starts from its minimum."""
+        before, most = 0.0, 0.0
+        for t in times:
+            most = max(most, before + self.num_micro_batch * t)
+            before += t
+        return most
 
     @property
     def movable_slots(self) -> list[int]:

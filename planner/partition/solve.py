@@ -3,8 +3,12 @@
 A pipeline of ``S`` stages runs the model's layers in ``S`` contiguous ranges; stage position ``k``
 runs on one device group (a :class:`StageSlot`: a data-parallel and/or tensor-parallel group). The
 partitioner picks the ranges, and optionally which group takes which position, so that the slowest
-stage is as fast as possible while every device of every stage holds what it must. Pure and
-process-free; torch's ``pipelining`` splits a model where it is told to and never chooses where.
+stage is as fast as possible (``PartitionProblem.objective`` ``"bottleneck"``, the default), or the
+step the schedule's action lists take with these stage times is shortest (``"step"``, what the
+planner asks: with few micro-batches the pipeline's fill and drain are most of the step, and with
+one micro-batch the stages run one after the other), while every device of every stage holds what
+it must. Pure and process-free; torch's ``pipelining`` splits a model where it is told to and never
+chooses where.
 
 Model (per micro-batch of ``micro_batch`` samples, SI units: FLOP/s, bytes, seconds)::
 
@@ -37,7 +41,9 @@ Solvers (both return a :class:`Partition`, exact evaluation by the same model):
 * ``"greedy"``: for a given group order an exact dynamic program over (stage, last layer) on
   numpy cost matrices, ``O(S L^2)``; the optimum is exact, so its gap is 0. Among the optimal
   partitions it takes the one with the least sum of squared stage times (slack spread evenly rather
-  than piled on one stage). With ``order="search"`` the order starts from a rule (the best of
+  than piled on one stage). Under ``"step"`` the schedule's step of the best of three dynamic
+  programs' splits (least bottleneck, least sum, least pipelined bound), improved by one-layer
+  boundary moves (:mod:`planner.partition.pricing`); not proven optimal, gap None. With ``order="search"`` the order starts from a rule (the best of
   most-memory-first, fastest-first and the given order) and improves by local moves (swap two
   groups, move one elsewhere) while (memory overflow, bottleneck, sum of squares) drops; the gap is
   then unknown (``None``). On 100 random small instances it matched the ILP on 98, within 0.03 %
@@ -85,7 +91,7 @@ from typing import Literal, Optional, Sequence
 from planner.devices.cost_model import GIB
 from planner.devices.memory import fits
 from planner.partition.order import order_is_free, search_order
-from planner.partition.pricing import Pricing, assemble, solve_order
+from planner.partition.pricing import Pricing, Score, assemble, solve_order
 from planner.partition.problem import (
     DeviceMemory, LayerCost, Partition, PartitionInfeasible, PartitionProblem, StageAssignment, StageLink, StageSlot,
     layer_costs,
@@ -121,22 +127,25 @@ def partition(problem: PartitionProblem, solver: Solver = "auto", time_limit_s: 
     else:
         order = list(range(S))
         score, starts = solve_order(pricing, order)
-    greedy = assemble(p, order, starts, "greedy", None if free else 0.0) if score.excess == 0 else None
+    greedy = assemble(p, order, starts, "greedy", 0.0 if score.exact and not free else None) if score.excess == 0 else None
     use_ilp = solver == "ilp" or (solver == "auto" and free and L * S <= ILP_MAX_CELLS and S <= ILP_MAX_STAGES)
     if use_ilp:
-        result = _with_ilp(pricing, greedy, time_limit_s)
+        result = _with_ilp(pricing, greedy, score, time_limit_s)
         if result is not None:
             return result
     if greedy is None:
         raise _infeasible(pricing, order)
-    log.debug("greedy partition: bottleneck %.6g s", greedy.bottleneck_s)
+    log.debug("greedy partition: bottleneck %.6g s, %s %.6g s", greedy.bottleneck_s, p.objective, score.objective)
     return greedy
 
 
-def _with_ilp(pricing: Pricing, greedy: Optional[Partition], time_limit_s: float) -> Optional[Partition]:
-    """The ILP's answer, warm-started with (and so never worse than) the greedy one; None when
-    CBC has no verdict in time. The ILP picks the order; the dynamic program splits the layers for
-    it, exactly (so CBC's tolerances never let a stage overflow)."""
+def _with_ilp(pricing: Pricing, greedy: Optional[Partition], greedy_score: Score,
+              time_limit_s: float) -> Optional[Partition]:
+    """The ILP's answer, warm-started with (and so never worse than) the greedy one (of
+    ``greedy_score``); None when CBC has no verdict in time. The ILP picks the order; the dynamic
+    program splits the layers for it, exactly (so CBC's tolerances never let a stage overflow).
+    Under the ``"step"`` objective the ILP's order minimises the pipelined bound and the split is
+    the greedy search's, so neither is claimed optimal (gap None)."""
     from planner.partition.ilp import solve_ilp  # the ILP module prices with this one's types
 
     p = pricing.p
@@ -146,12 +155,13 @@ def _with_ilp(pricing: Pricing, greedy: Optional[Partition], time_limit_s: float
         return None
     if found.order is not None:
         score, starts = solve_order(pricing, found.order)
-        if score.excess == 0 and (greedy is None or score.bottleneck < greedy.bottleneck_s):
-            return assemble(p, found.order, starts, "ilp", found.gap)
+        if score.excess == 0 and (greedy is None or score.objective < greedy_score.objective):
+            return assemble(p, found.order, starts, "ilp", found.gap if score.exact else None)
     if greedy is None:  # CBC proved that nothing fits
         return None
     # CBC found nothing better than its warm start: the greedy answer is optimal within the gap
-    return dataclasses.replace(greedy, solver="ilp", gap=found.gap if found.order is not None else 0.0)
+    gap = (found.gap if found.order is not None else 0.0) if greedy_score.exact else None
+    return dataclasses.replace(greedy, solver="ilp", gap=gap)
 
 
 def _infeasible(pricing: Pricing, order: Sequence[int]) -> PartitionInfeasible:

@@ -4,12 +4,17 @@ Stages start as the user's TaskGraphs, in order. The planner may move the bounda
 adjacent stages only when both are plain ``replicate`` (data parallel, no ``split``): their layers
 run unchanged on any device, while a ``split`` stage's operators were chosen for sharding and must
 stay together. Each maximal run of adjacent movable stages is re-partitioned by the pipeline
-partitioner (:mod:`planner.partition.solve`) so that its slowest stage, on its device group, is as fast
-as possible within memory; the naive plan instead gives the stages of a run equal layer counts.
+partitioner (:mod:`planner.partition.solve`) so that the step, its stages on their device groups, is
+as fast as possible within memory: the partitioner's ``"step"`` objective, ``sum + (m - 1) * max`` of
+the stage times over the ``m`` micro-batches of a step, not the slowest stage alone (with one
+micro-batch the stages run one after the other: a split that shaved the slowest stage by moving a
+layer from two fast devices onto one slow one made a ResNet's step slower than the naive split,
+issue 30). The naive plan instead gives the stages of a run equal layer counts.
 """
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from whalelike.cluster import Network
 from whalelike.config import Config
@@ -59,20 +64,33 @@ def equal_stage_layers(graphs: TaskGraphs, layout: Layout) -> list[list[int]]:
     return layers
 
 
+class StageLayers(NamedTuple):
+    """:func:`partition_stage_layers`' answer: the layers per stage, the solver and its optimality
+    gap (None: unknown), and whether the partitioner made them (False: it found no split that fits,
+    and the TaskGraph boundaries or the layers in force stand)."""
+
+    layers: list[list[int]]
+    solver: str
+    gap: float | None
+    partitioned: bool
+
+
 def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
-                           in_force: list[list[int]] | None = None) -> tuple[list[list[int]], str, float | None]:
-    """The hardware-aware split: ``(layers per stage, solver, optimality gap)``.
+                           in_force: list[list[int]] | None = None) -> StageLayers:
+    """The hardware-aware split (:class:`StageLayers`).
 
     The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
     stage ``k``; every replica has devices of the same classes), with the layers of stages that
     may not move pinned to their stage, and the first and last layer of every run pinned to keep
-    them out of a neighbouring fixed stage. When the partition is infeasible at this micro-batch
-    size, the user's boundaries stand (or ``in_force``, a re-plan's layers in force) with gap None, and
-    the memory balancer reports what does not fit.
+    them out of a neighbouring fixed stage, under the partitioner's ``"step"`` objective (the step
+    of the schedule over ``Config.num_micro_batch`` micro-batches; its split is not proven optimal,
+    gap None). When the partition is infeasible at this micro-batch size, the user's boundaries
+    stand (or ``in_force``, a re-plan's layers in force), ``partitioned`` False, and the memory
+    balancer reports what does not fit.
     """
     layers = taskgraph_layers(graphs)
     if layout.num_stages == 1 or not movable_runs(graphs):
-        return layers, "greedy", 0.0
+        return StageLayers(layers, "greedy", 0.0, True)
     movable = {s for run in movable_runs(graphs) for s in run}
     pinned: dict[int, int] = {}
     for s, stage_layers in enumerate(layers):
@@ -88,15 +106,15 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     micro_batch = config.global_batch_size / (config.num_micro_batch * layout.num_replicas)
     problem = PartitionProblem.for_schedule(
         layer_costs(graphs, order, config.precision), slots, links, micro_batch, config.num_micro_batch, config.schedule,
-        pinned={order.index(i): s for i, s in pinned.items()},
+        pinned={order.index(i): s for i, s in pinned.items()}, objective="step",
     )
     try:
         result = partition(problem)
     except PartitionInfeasible as e:
         log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s",
                     micro_batch, e, "TaskGraph boundaries" if in_force is None else "layers in force")
-        return (layers if in_force is None else in_force), "greedy", None
-    return [[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap
+        return StageLayers(layers if in_force is None else in_force, "greedy", None, False)
+    return StageLayers([[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap, True)
 
 
 def _slot(layout: Layout, stage: int, precision: str = "fp32") -> StageSlot:
