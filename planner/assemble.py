@@ -231,8 +231,11 @@ def _boundaries(graphs: TaskGraphs, dec: Decisions) -> list[BoundaryPlan]:
     for s in range(dec.layout.num_stages - 1):
         cut = dec.stage_layers[s][-1]
         # at the training precision's bytes per element, as StageCost counts the boundary buffers
-        per_sample = graphs.layers[cut].cut_bytes_per_sample * ACTIVATION_BYTES[dec.costs[s].precision] / CAPTURED_BYTES
-        out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), []))
+        scale = ACTIVATION_BYTES[dec.costs[s].precision] / CAPTURED_BYTES
+        per_sample = graphs.layers[cut].cut_bytes_per_sample * scale
+        # values without a batch dimension (a statistic of the micro-batch) cross whole, once per micro-batch
+        whole = graphs.layers[cut].cut_bytes_unbatched * scale
+        out.append(BoundaryPlan(s, s + 1, _crossing_tensors(graphs, cut), float(per_sample), [], float(whole)))
     return out
 
 

@@ -134,6 +134,8 @@ class BoundaryPlan:
     tensors: list[str]
     bytes_per_sample: float = rule(float, "bytes crossing the boundary per sample", ge=0)
     transfer_ms: list[float] = rule(float, f"transfer time per micro-batch, {MS}", ge=0, default_factory=list)
+    unbatched_bytes: float = rule(float, "bytes of the values without a batch dimension crossing the boundary, "
+                                  "whole, once per micro-batch and pipeline replica", ge=0, default=0.0)
 
 
 @dataclass

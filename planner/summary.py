@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from whalelike.display import format_table
 
 from planner.shares.batchnorm_statistics import batchnorm_warnings
-from planner.resharding.reshard import boundary_resharding, byte_size
+from planner.resharding.reshard import boundary_resharding, byte_size, unbatched_resharding
 
 if TYPE_CHECKING:   # the types alone: planner.plan imports this module (Plan.summary)
     from planner.plan import Plan, Worker
@@ -70,12 +70,19 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
     """One line per pipeline boundary: the resharding of micro-batch ``micro_batch``
     (:func:`planner.resharding.reshard.boundary_resharding`): bytes, strategy, unit tasks, predicted time,
     lower bound, what plain send/recv would take, and the plan's own ``BoundaryPlan.transfer_ms``
-    (the simulator's figure) for comparison."""
+    (the simulator's figure) for comparison; before it, a line for the values without a batch
+    dimension where the boundary carries some (:func:`planner.resharding.reshard.unbatched_resharding`)."""
     lines = [f"resharding at each boundary (micro-batch {micro_batch}, predicted by planner.resharding.reshard):"]
-    for boundary, reshard in zip(plan.boundaries, boundary_resharding(plan, cluster, micro_batch)):
+    for boundary, reshard, whole in zip(plan.boundaries, boundary_resharding(plan, cluster, micro_batch),
+                                        unbatched_resharding(plan, cluster)):
         head = f"  boundary stage {boundary.src_stage} -> {boundary.dst_stage}"
+        if whole is not None:   # values without a batch dimension: whole, once per micro-batch and replica
+            lines.append(f"{head}: {byte_size(boundary.unbatched_bytes)} without a batch dimension, whole to every "
+                         f"receiving worker, strategy {whole.strategy}, {len(whole.transfers)} transfer(s), predicted "
+                         f"{whole.predicted_ms:.3g} ms")
         if reshard is None:
-            lines.append(f"{head}: nothing crosses it")
+            if whole is None:
+                lines.append(f"{head}: nothing crosses it")
             continue
         nbytes = sum(task.elements for task in reshard.tasks) * reshard.itemsize
         send_recv = reshard.alternatives_ms.get("send_recv")

@@ -151,6 +151,14 @@ def _stage_layers(graphs, plan) -> list[list[str]]:
     return [[graphs.layers[i].name for i in st.layers] for st in plan.stages]
 
 
+def _stage_reads(graphs, plan) -> list[set[str]]:
+    """Per stage, the model tensors its layers' nodes read (``get_attr`` targets): a layer may read
+    a parameter of another module through a value capture recomputes in it (BART's learned position
+    embedding, ``whalelike.graphs.constant_copies``), so its stage holds that parameter too."""
+    attrs = {n.name: n.target for n in graphs.graph_module.graph.nodes if n.op == "get_attr"}
+    return [{attrs[n] for i in st.layers for n in graphs.layers[i].nodes if n in attrs} for st in plan.stages]
+
+
 # -- item 1: plan-time and run-time acceptance agree -------------------------------------------------
 def _acceptance(graphs, plan, loss_fn) -> tuple[str, str]:
     """What the plan checks and the stage split say of ``plan``: "accepted" or the error's words."""
@@ -308,12 +316,13 @@ def _state_names(module: nn.Module, layers: list[str]) -> set[str]:
 
 
 def test_encoder_decoder_and_root_glue_train_exactly_under_their_plans():
-    plans, layers = {}, {}
+    plans, layers, reads = {}, {}, {}
     for name in RUNS:
         model_name, _, loss = name.partition("/")
         _, _, graphs = _captured(model_name, loss or "lm")
         plans[name] = planner.plan(graphs, _cluster(), _config())
         layers[name] = _stage_layers(graphs, plans[name])
+        reads[name] = _stage_reads(graphs, plans[name])
         assert len(plans[name].stages) == 2, plans[name].summary()
     results = run_ranks(_train, 4, args=(plans,), init_process_group=False, timeout_s=600)
     for name, plan in plans.items():
@@ -325,6 +334,7 @@ def test_encoder_decoder_and_root_glue_train_exactly_under_their_plans():
         for rank, got in enumerate(ranks):
             stage = got["stage"]
             expected = _state_names(model, layers[name][stage])
+            expected |= reads[name][stage] & set(model.state_dict())   # what recomputed values read
             if stage == len(plan.stages) - 1:   # the root's bias buffer, read by the glue that joined the head
                 expected.add("final_logits_bias" if name.startswith("bart") else "logit_bias")
             # tied embeddings are held once, under one of their names, by each stage using them

@@ -113,6 +113,34 @@ def test_max_samples_matches_the_old_cap_bit_for_bit():
                 assert cost.max_micro_batch(capacity, in_flight, f) == old
 
 
+def test_boundary_values_without_a_batch_dimension_are_held_whole_per_micro_batch_in_flight():
+    """A statistic crossing a stage boundary (``Layer.cut_bytes_unbatched``, received and sent:
+    ``StageCost.unbatched_boundary_bytes``) is held whole by every worker of the stage, once per
+    micro-batch in flight, whatever its shard or samples (issue 30 item 2); reported with the
+    activations; the largest micro-batch leaves room for it."""
+    graphs = bert_large([replicate()])
+    graphs.layers[0] = dataclasses.replace(graphs.layers[0], cut_bytes_unbatched=100.0)
+    graphs.layers[4] = dataclasses.replace(graphs.layers[4], cut_bytes_unbatched=28.0)
+    cost = StageCost.of_layers(graphs, range(1, 5))
+    assert cost.unbatched_boundary_bytes == 128.0   # received after layer 0, sent after layer 4
+    assert StageCost.of_layers(graphs, range(5, 10)).unbatched_boundary_bytes == 28.0   # received
+    assert StageCost.of_layers(graphs, range(6, 10)).unbatched_boundary_bytes == 0.0
+    whole = 2**20
+    cost = dataclasses.replace(cost, unbatched_boundary_bytes=whole)
+    without = dataclasses.replace(cost, unbatched_boundary_bytes=0.0)
+    for f in (1.0, 0.37):
+        for n, in_flight in ((0, 1), (7, 3)):
+            m, bare = stage_memory(cost, in_flight, f), stage_memory(without, in_flight, f)
+            assert m.total(n) == pytest.approx(bare.total(n) + in_flight * whole, rel=1e-15)
+            assert sum(m.term_bytes(n).values()) == pytest.approx(m.total(n), rel=1e-15)
+            assert m.activations(n) == bare.activations(n)   # per sample: unchanged
+    m = stage_memory(cost, 2, 0.5)
+    for capacity in np.linspace(m.static() + 2**20, m.static() + 3 * GIB, 11):
+        n = m.max_samples(capacity)
+        assert m.total(n) <= capacity < m.total(n + 1), (capacity, n)
+    assert m.max_samples(m.static() * (1 - 1e-9)) == -1
+
+
 def test_numbers_arrays_and_fit_rule():
     arrays = MemoryTerms(np.array([1.0, 2.0]), np.array([3.0, 4.0]), np.array([0.0, 8.0]), np.array([0.5, 0.25]),
                          in_flight=3, weight_fraction=0.5, activation_fraction=0.25)

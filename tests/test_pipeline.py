@@ -30,7 +30,7 @@ from runtime.parallel.boundaries import default_network
 from runtime.emulation.compute import Emulator
 from runtime.groups import group_ranks
 from runtime.parallel.pipeline import PipelineExecutor, sample_ranges
-from runtime.parallel.stage_split import ModelInput, StageSplitError, split_stages
+from runtime.parallel.stage_split import ModelInput, StageSplitError, ValueSpec, split_stages
 from runtime.parallel.tied_weights import find_ties
 from whalelike.cluster import Emulation
 
@@ -227,9 +227,22 @@ def test_split_errors_name_the_value_and_the_fix():
         def forward(self, x):
             return x * x.mean()
 
+    # a value without a batch dimension (a statistic of the micro-batch) crosses whole (issue 30 item 2;
+    # it used to be refused with "has no batch dimension 0")
     gm = fx.symbolic_trace(Scalar())
     split = split_stages(gm, {"mean": 0, "mul": 1})
-    with pytest.raises(StageSplitError, match="'mean' .* has no batch dimension 0"):
+    (mean,) = split.stages[1].received
+    assert split.value_specs((torch.randn(3, 4),))[mean] == ValueSpec((), torch.float32, False, batched=False)
+
+    class Transposed(nn.Module):
+        def forward(self, x):
+            return x * x.t().exp().t()
+
+    # a batch dimension that is not dimension 0 is still refused, naming the value and the fix
+    gm = fx.symbolic_trace(Transposed())
+    split = split_stages(gm, {"t": 0, "exp": 0, "t_1": 1, "mul": 1})
+    with pytest.raises(StageSplitError, match=r"'exp' .* shape \(4, 2\) for a batch of 2 and \(4, 3\) for a batch "
+                                              r"of 3: its batch dimension is not dimension 0.*transpose"):
         split.value_specs((torch.randn(3, 4),))
 
 

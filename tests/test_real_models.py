@@ -15,10 +15,19 @@ Capture: the forward FLOPs of the default model (fused ``scaled_dot_product_atte
 parameter count must be exact. Training: the plan is made from the *float32* model, as a user
 plans once; training runs the same model cast to float64 (item 6: plans survive a dtype cast;
 float64 so AdamW's normalised updates compare tightly, see ``test_examples_train.py``).
+
+Values without a batch dimension crossing a stage boundary (issue 30, item 2; the models are in
+``tests/unbatched_models.py``, trained in the same spawn of ranks): DeBERTa-v2 annotated by path
+(two ``replicate`` layers and a ``split`` classifier) and a fx-traced position table, whose
+batch-less values depend on constants, parameters and shapes only and are recomputed in every
+layer that reads them; and a statistic of the batch (with a parameter scaled by it) on two workers a
+stage, which crosses whole once per micro-batch, priced by the planner's boundary traffic, its
+simulator and its memory model.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -28,7 +37,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
+import unbatched_models
 from hf_models import ALL, TRANSFORMERS, build
+from planner.devices.cost_model import StageCost
+from planner.devices.memory import stage_memory
+from planner.devices.network import NetworkModel
+from planner.resharding.spec import unbatched_rows
+from planner.schedule.boundary_traffic import BACKWARD, FORWARD, plan_traffic
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
 from whalelike.cluster import Cluster
 
@@ -46,13 +61,27 @@ def _to(inputs: tuple, dtype: torch.dtype) -> tuple:
     return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
 
 
+def _build(name: str, dtype: torch.dtype = torch.float32):
+    """A model of ``hf_models`` (``LAYERS`` blocks) or of ``unbatched_models``, annotated."""
+    if name in unbatched_models.MODELS:
+        return unbatched_models.build(name, dtype=dtype)
+    return build(name, dtype=dtype, layers=LAYERS)
+
+
 @functools.lru_cache(maxsize=None)
 def _captured(name: str):
     """The float32 model, its example batch of 4 and its capture, once per test process (nothing
     here changes the model or the graphs: the eager-attention checks run on copies)."""
-    real = build(name, layers=LAYERS)
+    real = _build(name)
     inputs, _ = real.make_batch(4, torch.Generator().manual_seed(0))
     return real, inputs, wl.capture(real.model, inputs)
+
+
+@functools.lru_cache(maxsize=None)
+def _planned(name: str):
+    """The plan of :func:`_captured`'s model on the emulated 4-device cluster."""
+    return planner.plan(_captured(name)[2], _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH,
+                                                                  num_micro_batch=MICRO_BATCHES))
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -90,7 +119,7 @@ def test_fused_attention_flops_are_counted():
 def _ranks(rank: int, world_size: int, plans: dict) -> dict:
     shapes = {}
     for name, plan in plans.items():
-        real = build(name, dtype=torch.float64, layers=LAYERS)
+        real = _build(name, dtype=torch.float64)
         gen = torch.Generator().manual_seed(1)
         data = [(_to(inputs, torch.float64), targets)
                 for inputs, targets in (real.make_batch(GLOBAL_BATCH, gen) for _ in range(STEPS))]
@@ -102,11 +131,12 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
 
 
 def test_transformers_train_exactly_under_their_plans():
+    """The transformers, and the models whose boundary values have no batch dimension (issue 30
+    item 2: before, every rank of those failed to split the model, StageSplitError "has no batch
+    dimension 0"), in one spawn of ranks."""
     plans = {}
-    for name in sorted(TRANSFORMERS):
-        _, _, graphs = _captured(name)   # float32: the plan is made once, training casts the model
-        plans[name] = planner.plan(graphs, _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH,
-                                                                 num_micro_batch=MICRO_BATCHES))
+    for name in [*sorted(TRANSFORMERS), *unbatched_models.MODELS]:
+        plans[name] = _planned(name)   # from the float32 capture: the plan is made once, training casts the model
         assert len(plans[name].stages) >= 2, plans[name].summary()
     stages = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=600)
     for name, plan in plans.items():
@@ -136,3 +166,70 @@ def test_a_stage_holding_a_tied_copy_counts_its_memory():
     assert alone.param_bytes == wte.numel() * wte.element_size()
     assert alone.static_bytes == 4 * alone.param_bytes          # weights, gradients, AdamW's two moments
     assert whole.param_bytes == sum(p.numel() * p.element_size() for p in real.model.parameters())
+
+
+@pytest.mark.parametrize("name", ["deberta", "table"])
+def test_batchless_values_of_constants_parameters_and_shapes_are_recomputed_where_read(name):
+    """DeBERTa's relative-position buckets and normalised relative embeddings, and the position
+    table, are computed once in the model and read by both blocks: capture copies them into each
+    block, so only batched values cross (the copies' FLOPs are the reading layer's), the plan sends
+    nothing whole, and the stage of the second block holds the parameters they read."""
+    real, _, graphs = _captured(name)
+    assert all(t.batched for b in graphs.boundaries for t in b.tensors), graphs.boundaries
+    assert not any(layer.cut_bytes_unbatched for layer in graphs.layers)
+    plan = _planned(name)
+    assert [b.unbatched_bytes for b in plan.boundaries] == [0.0] * len(plan.boundaries)
+    table = "deberta.encoder.rel_embeddings.weight" if name == "deberta" else "table.weight"
+    layer_of = {n: layer.index for layer in graphs.layers for n in layer.nodes}
+    stage_of = {i: st.index for st in plan.stages for i in st.layers}
+    readers = [layer_of[n.name] for n in graphs.graph_module.graph.nodes if n.op == "get_attr" and n.target == table]
+    # one copy in each of the two blocks' TaskGraphs, which the plan puts on stages 0 and 1
+    assert sorted(graphs.layers[i].taskgraph for i in readers) == [0, 1]
+    assert sorted(stage_of[i] for i in readers) == [0, 1], plan.summary()
+
+
+def test_a_batchless_statistic_crosses_whole_and_is_priced():
+    """The statistic model's stem sends the batch's largest absolute value (4 bytes) and a
+    parameter scaled by it (32 floats) beside its hidden state: capture records them as boundary
+    values without a batch dimension; the plan's boundary carries their 132 bytes whole
+    (``unbatched_bytes``), which its traffic sends from the owner slot of stage 0 to every worker
+    of stage 1 and back from each of them to the owner, the simulator waits for, and the memory
+    model holds whole on every worker, per micro-batch in flight."""
+    _, _, graphs = _captured("statistic")
+    (boundary,) = graphs.boundaries
+    assert sorted((t.shape, t.batched) for t in boundary.tensors) == [((), False), ((16, 32), True), ((32,), False)]
+    whole = 4 + 32 * 4
+    assert [layer.cut_bytes_unbatched for layer in graphs.layers] == [whole, 0.0]
+    plan = _planned("statistic")
+    (crossing,) = plan.boundaries
+    assert crossing.unbatched_bytes == whole and crossing.bytes_per_sample == 16 * 32 * 4
+    stage0, stage1 = ([w for w in plan.workers if w.stage == s] for s in (0, 1))
+    assert len(stage0) == len(stage1) == 2, plan.summary()
+    owner = min(stage0, key=lambda w: w.dp_index)
+    network = NetworkModel.of_cluster(_cluster())
+    traffic = plan_traffic(plan, network)
+    for m in range(plan.num_micro_batch):
+        forward = [s for s in traffic[0, FORWARD][m].sends if s.nbytes == whole]
+        backward = [s for s in traffic[0, BACKWARD][m].sends if s.nbytes == whole]
+        assert {s.sender for s in forward} == {owner.device}
+        assert sorted(d for s in forward for d in s.receivers) == sorted(w.device for w in stage1)
+        assert sorted(s.sender for s in backward) == sorted(w.device for w in stage1)
+        assert {d for s in backward for d in s.receivers} == {owner.device}
+    assert unbatched_rows(plan, 0, 1) == (1, {w.rank: (0, int(w is owner)) for w in stage0},
+                                          {w.rank: (0, 1) for w in stage1})
+    # priced: the forward transfer time is the batched rows' and the statistic's together
+    batched_only = copy.deepcopy(plan)
+    batched_only.boundaries[0].unbatched_bytes = 0.0
+    for both, rows in zip(traffic[0, FORWARD], plan_traffic(batched_only, network)[0, FORWARD]):
+        assert both.predicted_ms > rows.predicted_ms and both.nbytes == rows.nbytes + whole   # one slice, once
+    assert crossing.transfer_ms == [t.predicted_ms for t in traffic[0, FORWARD]]
+    simulated = planner.simulate(plan, network=network)
+    assert {t.describe() for t in simulated.reshardings} >= {traffic[0, FORWARD][0].describe()}
+    # memory: every worker of both stages holds the 132 bytes whole per micro-batch in flight
+    for s, layers in enumerate(([0], [1])):
+        cost = StageCost.of_layers(graphs, layers)
+        assert cost.unbatched_boundary_bytes == whole
+        without = dataclasses.replace(cost, unbatched_boundary_bytes=0.0)
+        for in_flight, shard, samples in ((1, 1.0, 4), (2, 0.5, 1)):
+            assert stage_memory(cost, in_flight, shard).total(samples) == pytest.approx(
+                stage_memory(without, in_flight, shard).total(samples) + in_flight * whole, rel=1e-12)

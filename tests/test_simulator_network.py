@@ -12,7 +12,7 @@ from planner.devices.cost_model import CommModel
 from planner.schedule.gradient_buckets import MIB, gradient_buckets, plan_buckets
 from planner.devices.network import NetworkModel
 from planner.plan import BoundaryPlan, Plan, Worker
-from planner.resharding.reshard import boundary_resharding, plan_resharding
+from planner.resharding.reshard import boundary_resharding, plan_resharding, unbatched_resharding
 from planner.shares.layout import SampleLayout
 from planner.resharding.spec import stage_output_spec
 from planner.schedule.simulator import simulate
@@ -85,6 +85,33 @@ def test_the_boundary_takes_the_time_of_the_plans_resharding(strategy):
     else:
         assert 1.0 < reshard.predicted_ms < 1.1
     assert {t.describe() for t in result.reshardings} >= {plan_traffic(plan, network)[0, FORWARD][0].describe()}
+
+
+def test_a_value_without_a_batch_dimension_crosses_whole_from_the_owner_slot():
+    """Stage 0 on two devices of host A, stage 1 on two of host B; the boundary carries only a 1 MB
+    statistic of the micro-batch (``BoundaryPlan.unbatched_bytes``, issue 30 item 2). Forward, the
+    owner slot (dp 0) sends it whole to both receivers, queued on A's outgoing interface (arrivals
+    at 2 and 3 ms); backward, each receiver's 1 MB gradient goes to the owner alone (leaving B when
+    each backward ends, at 4 and 5, arriving at 5 and 6), so the owner's backward starts at 6 while
+    the other stage-0 worker, which neither sends nor receives it, is not held back."""
+    plan = make_plan(2, [worker(0, "a0", "A", 0, [1]), worker(1, "a1", "A", 0, [1], dp=1),
+                         worker(2, "b0", "B", 1, [1]), worker(3, "b1", "B", 1, [1], dp=1)],
+                     num_micro_batch=1, resharding="send_recv",
+                     boundaries=[BoundaryPlan(0, 1, ["statistic"], 0.0, [], unbatched_bytes=MB)])
+    network = network_of(plan)
+    traffic = plan_traffic(plan, network)
+    assert sorted((s.sender, s.receivers, s.nbytes) for s in traffic[0, FORWARD][0].sends) == \
+        [("a0", ("b0",), MB), ("a0", ("b1",), MB)]
+    assert sorted((s.sender, s.receivers, s.nbytes) for s in traffic[0, BACKWARD][0].sends) == \
+        [("b0", ("a0",), MB), ("b1", ("a0",), MB)]
+    (whole,) = unbatched_resharding(plan, network)
+    assert whole.predicted_ms == pytest.approx(2.0) == traffic[0, FORWARD][0].predicted_ms
+    assert boundary_resharding(plan, network) == [None]   # no batched rows
+    result = simulate(plan, network=network)
+    assert starts(result, "F", 1) == pytest.approx([2.0, 3.0])
+    b0 = sorted((e.rank, e.start_ms) for e in result.events if e.kind == "B" and e.stage == 0)
+    assert b0 == [(0, pytest.approx(6.0)), (1, pytest.approx(1.0))], b0
+    assert result.step_time_ms == pytest.approx(7.0)
 
 
 def test_delayed_weight_gradients_send_after_the_input_half():

@@ -168,6 +168,9 @@ class StageCost:
     whole stage; ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in
     flight; ``loss_bytes`` per sample of the one micro-batch whose loss is computed (the last
     stage's model outputs and the loss's temporaries, ``LOSS_TEMPORARY_BYTES`` per output element).
+    ``unbatched_boundary_bytes`` are the whole bytes of the boundary values without a batch dimension
+    (``Layer.cut_bytes_unbatched``, received and sent), which every worker holds whole per
+    micro-batch in flight, whatever its samples or shard.
     ``activation_bytes`` leaves out what the first layer saves of the stage's input (capture's
     ``Layer.input_activation_bytes_per_sample``): the received boundary buffer, counted in
     ``boundary_bytes``, or the caller's batch, held whether or not the stage saves it.
@@ -220,6 +223,7 @@ class StageCost:
     # per layer in order: (its parameter bytes, its largest parameter's; 0: unknown): ragged ZeRO 1's buckets
     param_layers: tuple[tuple[float, float], ...] = ()
     root_param_bytes: float = 0.0            # parameter bytes in no FSDP layer unit (ragged ZeRO 3's root unit)
+    unbatched_boundary_bytes: float = 0.0    # whole, per micro-batch in flight: boundary values without a batch dim
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -261,6 +265,14 @@ class StageCost:
         before = graphs.layers[first - 1] if first > 0 else None
         received = at_precision(before, "cut", before.cut_bytes_per_sample) if before is not None else 0.0
         sent = at_precision(chosen[-1], "cut", chosen[-1].cut_bytes_per_sample) if last < len(graphs.layers) - 1 else 0.0
+
+        def whole(layer) -> float:   # boundary values without a batch dimension, whole bytes
+            if measured and "cut_unbatched" in layer.autocast:
+                return layer.autocast["cut_unbatched"]
+            return layer.cut_bytes_unbatched * scale
+
+        unbatched = (whole(before) if before is not None else 0.0) + \
+            (whole(chosen[-1]) if last < len(graphs.layers) - 1 else 0.0)
         saved = sum(at_precision(l, "activation", l.activation_bytes_per_sample) for l in chosen)
         saved -= at_precision(chosen[0], "input_activation", chosen[0].input_activation_bytes_per_sample)
         outputs = sum(at_precision(l, "output", l.output_bytes_per_sample) for l in chosen)
@@ -301,6 +313,7 @@ class StageCost:
             if all(l.param_tensors or not l.param_bytes for l in chosen) else 0,
             param_layers=tuple((float(l.param_bytes), float(l.max_param_bytes)) for l in chosen),
             root_param_bytes=params - sum(fsdp_layer_unit_bytes(chosen)),
+            unbatched_boundary_bytes=float(unbatched),
         )
 
     @property

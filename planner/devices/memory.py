@@ -101,10 +101,16 @@ unit) is priced by the same rules and is not in the test; measured once on a two
 ragged 0.99-1.01, FSDP2 1.0 at ZeRO 2 but 0.88-0.89 at ZeRO 1 and 3, high there because the one unit's
 reduce-scatter buffers partly take the place of its freed parameters.
 
+Boundary values without a batch dimension (a statistic of the micro-batch,
+``StageCost.unbatched_boundary_bytes``) cross whole: every worker of the stage holds their buffers
+whole for each micro-batch in flight, whatever its samples and shard, the ``whole_bytes`` term (no
+fraction), reported with the activations.
+
 Invariant. ``total(samples) = weight_fraction * weight_bytes + gradient_fraction * gradient_bytes
 + optimizer_fraction * optimizer_bytes + activation_fraction * samples * (in_flight *
-activation_bytes_per_sample + transient_bytes_per_sample)``: each term scales with its own fraction
-and nothing else (the transient bytes are activations: they take the activation fraction). Terms that
+activation_bytes_per_sample + transient_bytes_per_sample) + whole_bytes``: each term scales with its
+own fraction and nothing else (the transient bytes are activations: they take the activation
+fraction; the whole bytes none, and a plain 0 of them is not even added). Terms that
 share a fraction are added before they are scaled, so when all four fractions are one shard
 fraction ``f`` (data-parallel and pipeline plans) the total is ``f * (static + samples * per-sample
 bytes)`` to the last bit, as the planner has always priced a shard, and :meth:`MemoryTerms.max_samples`
@@ -150,7 +156,9 @@ class MemoryTerms:
     activations and boundary buffers per sample of one micro-batch, held for each of the
     ``in_flight`` micro-batches alive at once; ``transient_bytes_per_sample`` the whole stage's
     bytes per sample held once whatever ``in_flight`` is (a recomputing stage's largest layer's
-    activations, alive for one layer of one micro-batch at a time). ``activation_fraction`` is the device's share of
+    activations, alive for one layer of one micro-batch at a time); ``whole_bytes`` what it holds
+    whole whatever its samples and shard (the buffers of boundary values without a batch dimension,
+    for every micro-batch in flight). ``activation_fraction`` is the device's share of
     the activations of the samples :meth:`total` is given (its tensor-parallel shard of them, times
     its share of the micro-batch when the samples are the whole pipeline's).
     """
@@ -165,6 +173,7 @@ class MemoryTerms:
     optimizer_fraction: float = 1.0
     activation_fraction: float = 1.0
     transient_bytes_per_sample: Any = 0.0
+    whole_bytes: Any = 0.0
 
     def __post_init__(self):
         if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:
@@ -192,7 +201,8 @@ class MemoryTerms:
         groups: dict[float, Any] = {}
         for f, nbytes in self._static() + [(self.activation_fraction, samples * self._per_sample())]:
             groups[f] = groups[f] + nbytes if f in groups else nbytes
-        return sum(f * nbytes for f, nbytes in groups.items())
+        total = sum(f * nbytes for f, nbytes in groups.items())
+        return total if _zero(self.whole_bytes) else total + self.whole_bytes
 
     def static(self) -> Any:
         """Bytes held whatever the batch: this device's parameters, gradients and optimizer state."""
@@ -205,7 +215,8 @@ class MemoryTerms:
     def term_bytes(self, samples: Any = 0) -> dict[str, Any]:
         """Each term's bytes on this device (for reports; :meth:`total` is their sum)."""
         static = {term: f * nbytes for term, (f, nbytes) in zip(TERMS, self._static())}
-        return {**static, "activation": self.activations(samples)}
+        activation = self.activations(samples)
+        return {**static, "activation": activation if _zero(self.whole_bytes) else activation + self.whole_bytes}
 
     def max_samples(self, capacity_bytes: float) -> int:
         """Most samples per micro-batch whose :meth:`total` fits in ``capacity_bytes`` (-1: not even
@@ -214,6 +225,8 @@ class MemoryTerms:
         a, per_sample = self.activation_fraction, self._per_sample()
         if a <= 0:   # the samples cost this device nothing
             return UNBOUNDED_SAMPLES if self.static() <= capacity_bytes else -1
+        if not _zero(self.whole_bytes):   # held whatever the samples: less room for them
+            capacity_bytes = capacity_bytes - self.whole_bytes
         # the activation term's group (static terms of the same fraction) against what the others leave
         same = other = 0.0   # adding to 0.0 is exact: equal fractions give today's bytes bit for bit
         for f, nbytes in self._static():
@@ -227,6 +240,11 @@ class MemoryTerms:
         if per_sample <= 0 or free / per_sample >= UNBOUNDED_SAMPLES:
             return UNBOUNDED_SAMPLES
         return math.floor(free / per_sample)
+
+
+def _zero(value: Any) -> bool:
+    """A plain 0 (not an array or an ILP expression): a term that is not added at all."""
+    return isinstance(value, (int, float)) and value == 0
 
 
 def fits(need_bytes: float, capacity_bytes: float) -> bool:
@@ -505,6 +523,8 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
         in_flight=in_flight,
         **worker_fractions(shard, batch_share, activation_shard(cost, in_flight, unit_share, recompute, shard), zero),
         transient_bytes_per_sample=once,
+        # boundary values without a batch dimension: whole on every worker, per micro-batch in flight
+        whole_bytes=in_flight * whole if (whole := getattr(cost, "unbatched_boundary_bytes", 0.0)) else 0.0,
     )
 
 

@@ -32,10 +32,11 @@ from planner.shares.layout import SampleLayout
 from planner.devices.network import NetworkError, NetworkModel
 from planner.resharding.cost import STRATEGIES, Hop, SliceTransfer, lower_bound_ms, transfers
 from planner.resharding.order import Schedule, best_schedule
-from planner.resharding.spec import Box, ReshardingError, ShardingSpec, box_text, stage_output_spec
+from planner.resharding.spec import Box, ReshardingError, ShardingSpec, box_text, stage_output_spec, unbatched_rows
 from planner.resharding.tasks import UnitTask, unit_tasks
 
-__all__ = ["ReshardPlan", "ScheduledTransfer", "plan_resharding", "boundary_resharding", "ShardingSpec",
+__all__ = ["ReshardPlan", "ScheduledTransfer", "plan_resharding", "boundary_resharding", "unbatched_resharding",
+           "ShardingSpec",
            "NetworkModel", "NetworkError", "ReshardingError", "UnitTask", "STRATEGIES"]
 
 
@@ -189,6 +190,32 @@ def boundary_resharding(plan, cluster, micro_batch: int = 0, max_nodes: int = BO
             continue
         src = stage_output_spec(plan, layout, boundary.src_stage, micro_batch, (row_bytes,))
         dst = stage_output_spec(plan, layout, boundary.dst_stage, micro_batch, (row_bytes,))
+        out.append(_cached_plan(src, dst, network, max_nodes, strategy))
+    return out
+
+
+def unbatched_resharding(plan, cluster, backward: bool = False, max_nodes: int = BOUNDARY_MAX_NODES,
+                         strategy: Optional[str] = None) -> list[Optional[ReshardPlan]]:
+    """The resharding of the values without a batch dimension at each of ``plan.boundaries`` (in
+    order; None for a boundary that carries none, ``BoundaryPlan.unbatched_bytes`` 0), the same for
+    every micro-batch: one ``(rows, unbatched_bytes)`` byte tensor stacked by
+    :func:`planner.resharding.spec.unbatched_rows` (forward, ``backward`` False: each replica's
+    owner slot of the sending stage to every worker of the receiving stage in its replica;
+    backward: each receiving slot's gradient to the owner slot), as the runtime's crossings
+    (:mod:`runtime.parallel.boundaries`) move them. Other arguments as :func:`boundary_resharding`."""
+    strategy = getattr(plan, "resharding", "auto") if strategy is None else strategy
+    network = cluster if isinstance(cluster, NetworkModel) else NetworkModel.of_cluster(cluster)
+    by_rank = {w.rank: w for w in plan.workers}
+    out: list[Optional[ReshardPlan]] = []
+    for boundary in plan.boundaries:
+        nbytes = int(round(getattr(boundary, "unbatched_bytes", 0.0)))
+        if nbytes < 1:
+            out.append(None)
+            continue
+        rows, held, needed = unbatched_rows(plan, boundary.src_stage, boundary.dst_stage, backward)
+        src, dst = (ShardingSpec.of_boxes((rows, nbytes), [((by_rank[r].device, by_rank[r].host), (box, (0, nbytes)))
+                                                           for r, box in side.items()])
+                    for side in (held, needed))
         out.append(_cached_plan(src, dst, network, max_nodes, strategy))
     return out
 

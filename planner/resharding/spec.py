@@ -223,3 +223,52 @@ def stage_output_spec(plan, layout, stage: int, micro_batch: int, sample_shape: 
             box[feature_dim] = spans[worker.tp_index]
         boxes.append(((worker.device, worker.host), box))
     return ShardingSpec.of_boxes(shape, boxes)
+
+
+def unbatched_rows(plan, producer: int, consumer: int, backward: bool = False
+                   ) -> tuple[int, dict[int, Range], dict[int, Range]]:
+    """Where a value without a batch dimension (a statistic of a micro-batch) lives when it crosses
+    from stage ``producer`` to stage ``consumer``, as rows of a stacked tensor: ``(rows, holders,
+    needers)``, each rank of the two stages with the ``[lo, hi)`` rows it holds or needs (empty
+    when none). The one rule the runtime's crossings (:mod:`runtime.parallel.boundaries`) and the
+    simulator's traffic (:mod:`planner.schedule.boundary_traffic`) both follow.
+
+    Every worker of the producing stage computes the value from its own samples, so within a
+    pipeline replica one slot's value is *the* value: the owner slot, the stage's lowest
+    ``dp_index`` in the replica (exact when every worker computes the same, e.g. a statistic
+    constant across samples, or when the stage has one slot per replica). Forward (``backward``
+    False): one row per replica (replicas ascending); the owner slot's workers hold their replica's
+    row (every member of a tensor-parallel slot holds it whole), every worker of the consuming stage
+    in that replica needs it whole. Backward: each consuming slot (of one replica and ``dp_index``)
+    holds the gradient over its samples; the gradient is their sum, so the rows are one per
+    consuming slot (``(replica, dp_index)`` ascending), and the owner slot's workers need their
+    replica's rows (to sum them in row order); the producer's other slots get no gradient for the
+    value (their copies of it were not used)."""
+    def slots(stage: int) -> dict[tuple[int, int], list[int]]:
+        out: dict[tuple[int, int], list[int]] = {}
+        for w in plan.stage_workers(stage):
+            out.setdefault((w.replica, w.dp_index), []).append(w.rank)
+        return dict(sorted(out.items()))
+
+    made, used = slots(producer), slots(consumer)
+    if not made or not used:
+        raise ReshardingError(f"unbatched_rows: stage {producer if not made else consumer} has no workers; the "
+                              f"plan's stages are 0..{len(plan.stages) - 1}")
+    owner = {}
+    for replica, dp_index in made:
+        owner.setdefault(replica, (replica, dp_index))   # slots ascending: the first is the lowest dp_index
+    if not backward:
+        row = {replica: i for i, replica in enumerate(sorted(owner))}
+        holders = {rank: (row[key[0]], row[key[0]] + (key == owner[key[0]])) for key, ranks in made.items()
+                   for rank in ranks}
+        needers = {rank: (row[key[0]], row[key[0]] + 1) for key, ranks in used.items() for rank in ranks}
+        return len(row), holders, needers
+    row = {key: i for i, key in enumerate(used)}
+    span = {}
+    for key, i in row.items():
+        lo, hi = span.get(key[0], (i, i))
+        span[key[0]] = (min(lo, i), max(hi, i + 1))
+    holders = {rank: (row[key], row[key] + 1) for key, ranks in used.items() for rank in ranks}
+    needers = {rank: span[key[0]] if key == owner[key[0]] else (span[key[0]][0],) * 2
+               for key, ranks in made.items() for rank in ranks}
+    return len(row), holders, needers

@@ -18,10 +18,18 @@ being the one owner of which rank holds which samples) and the plan of each cano
 computed once and mapped back. A plan's whole traffic is kept too, keyed on everything it is
 computed from (:func:`_traffic_key`), for the next call on an equal plan.
 
+Values without a batch dimension (``BoundaryPlan.unbatched_bytes``: a statistic of the micro-batch)
+cross whole, once per micro-batch and replica, as the runtime sends them
+(:func:`planner.resharding.spec.unbatched_rows`: forward from each replica's owner slot to every
+receiving worker, backward each receiving slot's gradient to the owner slot); their transfers join
+the batched ones' in the boundary's :class:`BoundaryTraffic` (tasks numbered after them), so the
+simulator queues them on the same devices and interfaces and a receiver waits for them too.
+
 Invariant: every :class:`BoundarySend` is a transfer of the :class:`~planner.resharding.reshard.ReshardPlan`
-that :func:`~planner.resharding.reshard.boundary_resharding` gives for the same micro-batch and strategy,
-up to that renaming (the same tasks, strategy, durations and start offsets); a receiver's input is
-complete when every send naming it has arrived.
+that :func:`~planner.resharding.reshard.boundary_resharding` (batched values) or
+:func:`~planner.resharding.reshard.unbatched_resharding` (values without a batch dimension) gives
+for the same micro-batch, direction and strategy, up to that renaming (the same tasks, strategy,
+durations and start offsets); a receiver's input is complete when every send naming it has arrived.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from planner.devices.network import NetworkModel
 from planner.resharding.reshard import _CACHE as reshard_cache
 from planner.schedule.gradient_buckets import _BUCKETS as bucket_cache
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
-from planner.resharding.spec import ShardingSpec
+from planner.resharding.spec import ShardingSpec, unbatched_rows
 from planner.shares.layout import SampleLayout
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -87,7 +95,9 @@ def plan_traffic(plan, network: NetworkModel, strategy: Optional[str] = None,
     (None where the boundary carries no bytes), under ``strategy`` (default ``Plan.resharding``).
     The boundary tensor is the one :func:`~planner.resharding.reshard.boundary_resharding` plans: a
     ``(global_batch_size, bytes_per_sample)`` byte tensor, each worker holding (needing) its rows of
-    the micro-batch (:func:`planner.resharding.spec.stage_output_spec`)."""
+    the micro-batch (:func:`planner.resharding.spec.stage_output_spec`), and, where the boundary
+    carries values without a batch dimension, the ``(rows, unbatched_bytes)`` tensor of
+    :func:`~planner.resharding.reshard.unbatched_resharding` beside it (the module docstring)."""
     strategy = getattr(plan, "resharding", "auto") if strategy is None else strategy
     key = _traffic_key(plan, network, strategy, max_nodes)
     if key in _TRAFFIC:
@@ -107,7 +117,8 @@ def _traffic_key(plan, network: NetworkModel, strategy: str, max_nodes: int) -> 
     ``transfer_ms``, then its simulation; the naive plan's)."""
     workers = tuple((w.rank, w.device, w.host, w.stage, w.replica, w.dp_index, w.tp_index, tuple(w.micro_batch_sizes))
                     for w in plan.workers)
-    boundaries = tuple((b.src_stage, b.dst_stage, int(round(b.bytes_per_sample))) for b in plan.boundaries)
+    boundaries = tuple((b.src_stage, b.dst_stage, int(round(b.bytes_per_sample)), int(round(b.unbatched_bytes)))
+                       for b in plan.boundaries)
     return (strategy, max_nodes, network.key(), plan.global_batch_size, plan.num_micro_batch, len(plan.stages),
             boundaries, workers)
 
@@ -121,26 +132,45 @@ def _plan_traffic(plan, network: NetworkModel, strategy: str, max_nodes: int
     out: dict[tuple[int, str], list[Optional[BoundaryTraffic]]] = {}
     for index, boundary in enumerate(plan.boundaries):
         row_bytes = int(round(boundary.bytes_per_sample))
-        if row_bytes < 1:
+        whole_bytes = int(round(boundary.unbatched_bytes))
+        if row_bytes < 1 and whole_bytes < 1:
             out[index, FORWARD] = out[index, BACKWARD] = [None] * plan.num_micro_batch
             continue
         mesh = _Mesh(by_stage[boundary.src_stage], by_stage[boundary.dst_stage], network, rows)
         for direction, senders, receivers in ((FORWARD, boundary.src_stage, boundary.dst_stage),
                                               (BACKWARD, boundary.dst_stage, boundary.src_stage)):
+            # values without a batch dimension: the same stacked rows in every micro-batch
+            whole = (_planned(mesh.unbatched_key(plan, boundary.src_stage, boundary.dst_stage, direction == BACKWARD),
+                              whole_bytes, mesh.network, strategy, max_nodes) if whole_bytes >= 1 else None)
             seen: dict[tuple, BoundaryTraffic] = {}   # micro-batches that look alike share one
             per_micro_batch = []
             for m in range(plan.num_micro_batch):
                 key = mesh.key(m)
                 key = key[::-1] if direction == BACKWARD else key
                 if key not in seen:
-                    reshard = _planned(key, row_bytes, mesh.network, strategy, max_nodes)
-                    seen[key] = BoundaryTraffic(index, direction, senders, receivers, reshard.strategy,
-                                                len(reshard.tasks), reshard.predicted_ms, reshard.lower_bound_ms,
-                                                float(sum(t.elements for t in reshard.tasks) * reshard.itemsize),
-                                                _sends(reshard, mesh.names, mesh.hosts))
+                    parts = [p for p in (_planned(key, row_bytes, mesh.network, strategy, max_nodes)
+                                         if row_bytes >= 1 else None, whole) if p is not None]
+                    seen[key] = _traffic(index, direction, senders, receivers, parts, mesh)
                 per_micro_batch.append(seen[key])
             out[index, direction] = per_micro_batch
     return out
+
+
+def _traffic(index: int, direction: str, senders: int, receivers: int, parts: list[ReshardPlan],
+             mesh: "_Mesh") -> BoundaryTraffic:
+    """One boundary's traffic in one direction and micro-batch from its reshardings (the batched
+    values', then those without a batch dimension): their sends together, each part's tasks
+    numbered after the previous part's; the predicted time is their sum (the runtime posts all of
+    them at once, and they share the senders' devices and interfaces), the lower bound the largest."""
+    sends: list[BoundarySend] = []
+    offset = 0
+    for reshard in parts:
+        sends += [s._replace(task=s.task + offset) for s in _sends(reshard, mesh.names, mesh.hosts)]
+        offset += len(reshard.tasks)
+    return BoundaryTraffic(index, direction, senders, receivers, " + ".join(p.strategy for p in parts),
+                           sum(len(p.tasks) for p in parts), sum(p.predicted_ms for p in parts),
+                           max(p.lower_bound_ms for p in parts),
+                           float(sum(sum(t.elements for t in p.tasks) * p.itemsize for p in parts)), tuple(sends))
 
 
 class _Rows:
@@ -187,6 +217,14 @@ class _Mesh:
         nic = {host_name[h]: network.nic_gbps[h] for h in hosts if network.nic_gbps[h] != network.inter_host_gbps}
         self.network = NetworkModel.of_hosts(network.intra_host_gbps, network.inter_host_gbps,
                                              network.latency_ms * 1e3, list(host_name.values()), nic)
+
+    def unbatched_key(self, plan, producer: int, consumer: int, backward: bool) -> tuple:
+        """The canonical (holders, needers) of the rows of the values without a batch dimension
+        (:func:`planner.resharding.spec.unbatched_rows`), the same for every micro-batch."""
+        _, held, needed = unbatched_rows(plan, producer, consumer, backward)
+        members = {rank: (device, host) for _, side in self.sides for device, host, rank in side}
+        return tuple(tuple((device, host, *rows[rank]) for rank, (device, host) in members.items() if rank in rows)
+                     for rows in (held, needed))
 
     def key(self, m: int) -> tuple:
         """The canonical (source, destination) holdings of micro-batch ``m``'s rows."""

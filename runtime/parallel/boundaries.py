@@ -25,6 +25,17 @@ and its last; its dtype's item size) whose holdings are the workers' rows from
 their unit tasks never mix); micro-batches with equal shares share one plan and program. The strategy is ``Plan.resharding`` (``auto``: the fastest predicted).
 With one worker per side it is the plain send/receive of the overlapping rows, as before.
 
+A value without a batch dimension (a statistic of the micro-batch, say; ``ValueSpec.batched``
+False) is not split by samples: it crosses whole, replicated, once per micro-batch and pipeline
+replica, as the rows of a stacked tensor that :func:`planner.resharding.spec.unbatched_rows` lays
+out (the rule the simulator prices too). Forward, the owner slot of the producing stage in each
+replica (its lowest ``dp_index``) holds its replica's row and every consuming worker of the replica
+needs it; backward, each consuming slot holds its gradient as one row, the owner slot receives its
+replica's rows and sums them in row order (the gradient over every sample of the micro-batch),
+and the producer's other slots take a zero gradient. Values computed from constants, parameters
+and shapes alone never get here: capture recomputes them in every Layer that uses them
+(:mod:`whalelike.graphs.constant_copies`).
+
 Why not torch's DTensor ``redistribute``: see :mod:`runtime.parallel.resharding` (even tiles, one mesh,
 blind to hosts).
 
@@ -55,6 +66,7 @@ from planner.shares.layout import SampleLayout
 from planner.devices.network import NetworkModel
 from planner.plan import Plan
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, ShardingSpec, plan_resharding
+from planner.resharding.spec import unbatched_rows
 from runtime.emulation.network import STAMP_TAG, NetworkEmulator
 from runtime.parallel.resharding import Posted, ReshardProgram, compile_resharding, device_ranks
 from runtime.parallel.stage_split import PipelineSplit, ValueId, ValueSpec
@@ -139,6 +151,7 @@ class BoundaryExchange:
         self.layout = SampleLayout.of(plan)
         self.stride = STAMP_TAG // max(1, plan.num_micro_batch * 2 * len(self.pairs))
         self._programs: dict[tuple, ReshardProgram] = {}
+        self._unbatched: dict[tuple, tuple] = {}   # (producer, consumer, backward) -> unbatched_rows
 
     # -- what this rank does at each action -----------------------------------------------------------
     def crossings(self, stage: int, micro_batch: int, direction: str, side: str) -> list[Crossing]:
@@ -151,22 +164,42 @@ class BoundaryExchange:
                 out.append(crossing)
         return out
 
+    def rows(self, crossing: Crossing, spec: ValueSpec, samples: int) -> int:
+        """How many rows of ``crossing`` this rank holds (on the source side) or needs (on the
+        destination side): its ``samples`` of the micro-batch for a batched value; for one without
+        a batch dimension, its rows of :func:`planner.resharding.spec.unbatched_rows` (forward 0 or
+        1; backward, on the producer's owner slot, one per consuming slot of its replica)."""
+        if spec.batched:
+            return samples
+        key = (crossing.value.stage, crossing.consumer, crossing.direction == "B")
+        if key not in self._unbatched:
+            self._unbatched[key] = unbatched_rows(self.plan, *key)
+        _, holders, needers = self._unbatched[key]
+        stage = self.plan.worker(self.rank).stage
+        lo, hi = (holders if stage == crossing.source_stage else needers)[self.rank]
+        return hi - lo
+
     def send(self, crossing: Crossing, rows: torch.Tensor, specs: Mapping[ValueId, ValueSpec]) -> Posted:
         """Post this rank's sends of ``crossing`` (``rows``: its rows of the value or gradient,
-        ``(samples, *shape)``); wait for the returned sends before changing ``rows``."""
+        ``(samples, *shape)``; a value without a batch dimension, or its gradient, as it is: sent
+        where this rank holds its row, :meth:`rows`); wait for the returned sends before changing
+        ``rows``."""
         program = self.program(crossing, specs)
-        flat = rows.detach().reshape(rows.shape[0], -1, rows.shape[-1] if rows.dim() > 1 else 1)
-        return program.post_sends(flat if flat.numel() else None, self.group, self._tag_base(crossing, program),
+        spec = specs[crossing.value]
+        if not spec.batched:
+            rows = rows.unsqueeze(0)[:self.rows(crossing, spec, 0)]
+        return program.post_sends(_flat(rows.detach()), self.group, self._tag_base(crossing, program),
                                   self.global_rank, self.emulated)
 
     def receive(self, crossing: Crossing, into: torch.Tensor, specs: Mapping[ValueId, ValueSpec]) -> Posted:
-        """Fill ``into`` (this rank's rows, ``(samples, *shape)``, contiguous) with ``crossing``'s
-        rows; returns once they are all here, with the ranges it forwarded pending."""
+        """Fill ``into`` (this rank's rows, ``(rows, *shape)`` with :meth:`rows` rows, contiguous)
+        with ``crossing``'s rows; returns once they are all here, with the ranges it forwarded
+        pending. For a value without a batch dimension the rows are stacked whole values (forward:
+        one; backward: the consuming slots' gradients, to be summed)."""
         program = self.program(crossing, specs)
         if not into.is_contiguous():
             raise BoundaryError(f"boundary {crossing}: the receive buffer must be contiguous (it is written in place)")
-        flat = into.view(into.shape[0], -1, into.shape[-1] if into.dim() > 1 else 1)
-        return program.receive(flat if flat.numel() else None, self.group, self._tag_base(crossing, program),
+        return program.receive(_flat(into), self.group, self._tag_base(crossing, program),
                                self.global_rank, self.emulated)
 
     # -- plans -------------------------------------------------------------------------------------------
@@ -192,12 +225,19 @@ class BoundaryExchange:
         and every feature, or, on the producing stage of a value in ``feature_shards``, its
         ``tp_index``'s features. Rows are :meth:`planner.shares.layout.SampleLayout.micro_batch_rows`
         (the micro-batch's blocks of samples end to end from 0), so micro-batches with equal shares
-        have equal specs and share one plan (a box matters only relative to its holder's box)."""
-        rows, holdings = self.layout.micro_batch_rows(crossing.micro_batch)
+        have equal specs and share one plan (a box matters only relative to its holder's box). A
+        value without a batch dimension is ``(rows, positions, features)`` of whole values stacked
+        by :func:`planner.resharding.spec.unbatched_rows` (its ``shape`` is the whole value's)."""
         features = spec.shape[-1] if spec.shape else 1
+        if spec.batched:
+            rows, holdings = self.layout.micro_batch_rows(crossing.micro_batch)
+            held = needed = holdings
+        else:   # stacked whole values: planner.resharding.spec.unbatched_rows, the one rule
+            rows, held, needed = unbatched_rows(self.plan, crossing.value.stage, crossing.consumer,
+                                                crossing.direction == "B")
         shape = (rows, prod(spec.shape[:-1]), features)
-        return (self._spec(crossing.source_stage, shape, crossing.value, holdings),
-                self._spec(crossing.destination_stage, shape, crossing.value, holdings))
+        return (self._spec(crossing.source_stage, shape, crossing.value, held),
+                self._spec(crossing.destination_stage, shape, crossing.value, needed))
 
     def local_shape(self, value: ValueId, spec: ValueSpec, stage: int, tp_index: int) -> tuple[int, ...]:
         """The per-sample shape of ``value`` (or its gradient) on a worker of ``stage``."""
@@ -231,3 +271,11 @@ class BoundaryExchange:
                                 f"{len(self.pairs)} boundary values x 2 directions share 2**30); use fewer "
                                 "micro-batches or Plan.resharding 'send_recv' (fewer, larger messages)")
         return slot * self.stride
+
+
+def _flat(rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """``(rows, *shape)`` as the ``(rows, positions, features)`` tensor a resharding moves (a view of
+    a contiguous one, so a receive writes in place), or None when it holds nothing."""
+    if not rows.numel():
+        return None
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1] if rows.dim() > 1 else 1)

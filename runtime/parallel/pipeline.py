@@ -85,10 +85,15 @@ Model outputs computed before the last stage (an encoder-decoder's encoder outpu
 routes them (:func:`whalelike.graphs.output_tree.route_outputs`, the rule the plan checks apply):
 sent on to the last stage where the loss reads them, left out (None) where it does not.
 
-Limits (each a clear error): values crossing stages must be tensors batched along dimension 0;
-model inputs and targets are tensors batched along dimension 0; ``split`` shards projections
-(``nn.Linear``, GPT-2's ``Conv1D``) and the attention between them, nothing else
-(:mod:`runtime.tensor.shard_pass`).
+Values without a batch dimension (a statistic of the micro-batch) cross whole, once per
+micro-batch: the producing stage's owner slot sends its value, the consumers' gradients come back
+summed (:mod:`runtime.parallel.boundaries`); values computed from constants, parameters and
+shapes alone never cross (capture recomputes them where they are used).
+
+Limits (each a clear error): values crossing stages must be tensors, batched along dimension 0 or
+without a batch dimension; model inputs and targets are tensors batched along dimension 0;
+``split`` shards projections (``nn.Linear``, GPT-2's ``Conv1D``) and the attention between them,
+nothing else (:mod:`runtime.tensor.shard_pass`).
 """
 from __future__ import annotations
 
@@ -346,9 +351,12 @@ class PipelineExecutor:
     def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
         start, stop = self._ranges[m]
         n = stop - start
-        received = {v: self._buffer(v, specs[v], n) for v in self.stage.received}
+        received = {}
         for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination"):
-            state.sends.append(self.boundaries.receive(crossing, received[crossing.value], specs))
+            v = crossing.value
+            buffer = self._buffer(crossing, specs[v], n)
+            state.sends.append(self.boundaries.receive(crossing, buffer, specs))
+            received[v] = buffer if specs[v].batched else buffer[0]   # a value without a batch dimension: whole
         for v, t in received.items():
             t.requires_grad_(train and specs[v].requires_grad)
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
@@ -398,21 +406,26 @@ class PipelineExecutor:
     # -- communication ----------------------------------------------------------------------------
     def _receive_grads(self, m: int, n: int, specs, state: "_StepState") -> dict[ValueId, torch.Tensor]:
         """Gradient of each sent value that carries one, summed over its consumer stages (each
-        covers all of this rank's samples once)."""
+        covers all of this rank's samples once). A value without a batch dimension comes back as
+        one gradient per consuming slot, summed in order (none on a slot other than the owner,
+        :func:`planner.resharding.spec.unbatched_rows`: a zero gradient)."""
         total: dict[ValueId, torch.Tensor] = {}
         for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination"):
-            if specs[crossing.value].requires_grad:
-                grad = self._buffer(crossing.value, specs[crossing.value], n)
+            v = crossing.value
+            if specs[v].requires_grad:
+                grad = self._buffer(crossing, specs[v], n)
                 state.sends.append(self.boundaries.receive(crossing, grad, specs))
-                v = crossing.value
+                grad = grad if specs[v].batched else grad.sum(0)
                 total[v] = grad if v not in total else total[v] + grad
         return total
 
-    def _buffer(self, value: ValueId, spec: ValueSpec, n: int) -> torch.Tensor:
-        """Room for ``n`` samples of ``value`` (or its gradient) as this rank holds it: whole, or
-        its features of a value that leaves this stage sharded."""
-        shape = self.boundaries.local_shape(value, spec, self.stage.index, self.worker.tp_index)
-        return torch.empty((n, *shape), dtype=spec.dtype, device=self.stage_worker.device)
+    def _buffer(self, crossing, spec: ValueSpec, n: int) -> torch.Tensor:
+        """Room for this rank's rows of ``crossing`` (``n`` samples of a batched value or its
+        gradient; a value without a batch dimension stacked, :meth:`BoundaryExchange.rows`) as this
+        rank holds them: whole, or its features of a value that leaves this stage sharded."""
+        shape = self.boundaries.local_shape(crossing.value, spec, self.stage.index, self.worker.tp_index)
+        rows = self.boundaries.rows(crossing, spec, n)
+        return torch.empty((rows, *shape), dtype=spec.dtype, device=self.stage_worker.device)
 
     # -- set-up -----------------------------------------------------------------------------------
     def _sizes(self, plan: Plan) -> tuple[dict[int, list[tuple[int, int]]], list[Action]]:

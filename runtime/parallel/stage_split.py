@@ -13,7 +13,9 @@
   same ``nn.Parameter``, and :mod:`runtime.parallel.tied_weights` keeps the ranks' copies in sync. A buffer used by
   several stages is copied to each (buffers carry no gradient);
 * infers each boundary value's per-sample shape, dtype and whether it carries a gradient back, by
-  running the split graph on fake tensors (no real compute), so receivers can allocate buffers;
+  running the split graph on fake tensors (no real compute), so receivers can allocate buffers; a
+  tensor without a batch dimension 0 (the same shape at two batch sizes: a statistic of the
+  micro-batch) crosses whole (``ValueSpec.batched`` False, :mod:`runtime.parallel.boundaries`);
 * routes the model outputs computed before the last stage (an encoder-decoder's
   ``encoder_last_hidden_state``) by :func:`whalelike.graphs.output_tree.route_outputs`, the rule
   ``planner.plan_checks`` applies to a plan, on the capture's record of the outputs
@@ -78,11 +80,14 @@ class ModelInput:
 
 @dataclass(frozen=True)
 class ValueSpec:
-    """Per-sample shape (batch dimension 0 removed), dtype, and whether a gradient flows back."""
+    """Per-sample shape (batch dimension 0 removed), dtype, and whether a gradient flows back.
+    ``batched`` False: the value has no batch dimension (its shape does not change with the batch
+    size) and ``shape`` is the whole value's; it crosses whole, once per micro-batch."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    batched: bool = True
 
 
 @dataclass
@@ -136,7 +141,9 @@ class PipelineSplit:
     def value_specs(self, inputs: tuple) -> dict[ValueId, ValueSpec]:
         """Shape, dtype and gradient flag of every value sent between stages, for model inputs
         shaped like ``inputs`` (the batch size is free). Runs the graph on fake tensors twice,
-        with two batch sizes, to tell the batch dimension apart.
+        with two batch sizes, to tell the batch dimension apart: a value whose dimension 0 follows
+        the batch size is batched; one whose shape stays the same has no batch dimension and
+        crosses whole (``batched`` False); any other (a batch dimension elsewhere) is an error.
 
         The fake values of every node of the captured graph are kept on it (per input shapes), so
         a re-planned split of the same graph (layers moved to another stage, :mod:`runtime.balance.rebalance`)
@@ -159,13 +166,17 @@ class PipelineSplit:
                     f"tensor; only tensors can cross pipeline stages: move the code computing it into "
                     f"stage {stage.index}"
                 )
-            if a.dim() == 0 or a.shape[0] != 2 or b.shape[0] != 3 or a.shape[1:] != b.shape[1:]:
+            if a.dim() > 0 and a.shape[0] == 2 and b.shape[0] == 3 and a.shape[1:] == b.shape[1:]:
+                specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
+            elif a.shape == b.shape:   # no batch dimension: crosses whole
+                specs[value] = ValueSpec(tuple(a.shape), a.dtype, a.requires_grad, batched=False)
+            else:
                 raise StageSplitError(
-                    f"value {value} (shape {tuple(a.shape)} for a batch of 2) has no batch dimension 0; "
-                    f"only batched tensors can cross pipeline stages: move the code computing it into "
-                    f"stage {stage.index}"
+                    f"value {value} has shape {tuple(a.shape)} for a batch of 2 and {tuple(b.shape)} for a "
+                    f"batch of 3: its batch dimension is not dimension 0; a tensor crossing pipeline stages is "
+                    f"batched along dimension 0 or has no batch dimension: move the code computing it into stage "
+                    f"{stage.index}, or make its batch dimension the first (e.g. .transpose(0, 1))"
                 )
-            specs[value] = ValueSpec(tuple(a.shape[1:]), a.dtype, a.requires_grad)
         return specs
 
 

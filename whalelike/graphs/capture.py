@@ -189,12 +189,12 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     params, borrowed = _parameter_owners(gm, regions)
     batchnorms = training_batchnorms(gm)
     unread = _unread_outputs(outputs)
-    cuts = _cut_bytes(gm, regions, costs, batch, unread)
+    cuts, whole_cuts = _cut_bytes(gm, regions, costs, batch, unread)
     extra = _layer_bytes(gm, regions, costs, batch)
     low = None
     if autocast_costs is not None:
-        low = {"cut": _cut_bytes(gm, regions, autocast_costs, batch, unread),
-               **_layer_bytes(gm, regions, autocast_costs, batch)}
+        low = dict(zip(("cut", "cut_unbatched"), _cut_bytes(gm, regions, autocast_costs, batch, unread)),
+                   **_layer_bytes(gm, regions, autocast_costs, batch))
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
 
     layers = []
@@ -213,6 +213,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             param_tensors=len(owned),
             activation_bytes_per_sample=sum(costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
             cut_bytes_per_sample=cuts[i],
+            cut_bytes_unbatched=whole_cuts[i],
             nodes=tuple(n.name for n in nodes),
             batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
             borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
@@ -221,6 +222,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             autocast=None if low is None else {
                 "activation": sum(autocast_costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
                 "input_activation": low["input_activation"][i], "cut": low["cut"][i], "output": low["output"][i],
+                "cut_unbatched": low["cut_unbatched"][i],
                 "param_copy": float(sum(autocast_costs.param_copy_bytes.get(n.name, 0) for n in nodes)),
                 "forward_memory": sum(autocast_costs.forward_memory_bytes.get(n.name, 0) for n in nodes) / batch,
                 "backward_memory": sum(autocast_costs.backward_memory_bytes.get(n.name, 0) for n in nodes) / batch},
@@ -299,25 +301,33 @@ def _value_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _cut_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int,
-               unread: frozenset[str] = frozenset()) -> list[float]:
-    """Per layer: bytes per sample of every value produced at or before it and used after it (a
-    model output by the last layer, where the loss runs, unless the loss does not read it)."""
+               unread: frozenset[str] = frozenset()) -> tuple[list[float], list[float]]:
+    """Per layer: the values produced at or before it and used after it (a model output by the
+    last layer, where the loss runs, unless the loss does not read it), as two figures: bytes per
+    sample of the batched ones (dimension 0 the batch), and whole bytes of those without a batch
+    dimension (a statistic of the batch; data-free ones were recomputed per Layer and never cross),
+    which cross whole, once per micro-batch."""
     count = len(regions.layer_names)
-    delta = [0.0] * (count + 1)
+    delta, whole = [0.0] * (count + 1), [0.0] * (count + 1)
     for node in _value_nodes(gm):
         produced = regions.node_layer[node.name]
         consumers = [regions.node_layer.get(u.name, count - 1) for u in node.users
                      if u.op != "output" or node.name not in unread]
         last = max(consumers, default=produced)
         if last > produced:
-            size = sum(_tensor_bytes(s) for s in costs.outputs.get(node.name, ())) / batch
-            delta[produced] += size
-            delta[last] -= size
-    cuts, running = [], 0.0
+            for s in costs.outputs.get(node.name, ()):
+                batched = len(s.shape) > 0 and s.shape[0] == batch
+                size = _tensor_bytes(s) / batch if batched else float(_tensor_bytes(s))
+                kept = delta if batched else whole
+                kept[produced] += size
+                kept[last] -= size
+    cuts, whole_cuts, running, running_whole = [], [], 0.0, 0.0
     for i in range(count):
         running += delta[i]
+        running_whole += whole[i]
         cuts.append(running)
-    return cuts
+        whole_cuts.append(running_whole)
+    return cuts, whole_cuts
 
 
 def _boundaries(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> list[Boundary]:

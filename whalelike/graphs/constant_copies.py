@@ -32,12 +32,16 @@ Invariant: after :func:`recompute_constants`, no data-free computed value crosse
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from whalelike.graphs.nodes import attribute, mutates
 from whalelike.graphs.regions import Regions
+
+log = logging.getLogger(__name__)
 
 _SHAPE_METHODS = {"size", "dim"}
 _SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
@@ -80,9 +84,29 @@ def recompute_constants(gm: fx.GraphModule, regions: Regions) -> int:
         for name in set(layer_of) - {n.name for n in gm.graph.nodes}:
             del layer_of[name]
             regions.node_taskgraph.pop(name, None)
+        _drop_empty(regions)
         gm.graph.lint()
         gm.recompile()
     return copies
+
+
+def _drop_empty(regions: Regions) -> None:
+    """Remove the Layers, and then the TaskGraphs, left without a node (a module that only computed
+    values every user now recomputes, a learned position table say), renumbering the rest in
+    order: an empty Layer would otherwise become a pipeline stage that computes nothing."""
+    kept_layers = sorted(set(regions.node_layer.values()))
+    if len(kept_layers) == len(regions.layer_names):
+        return
+    log.info("capture: layer(s) %s only computed values their users now recompute; dropped",
+             ", ".join(repr(regions.layer_names[i]) for i in range(len(regions.layer_names)) if i not in kept_layers))
+    kept_graphs = sorted({regions.layer_taskgraph[i] for i in kept_layers})
+    layer_index = {old: new for new, old in enumerate(kept_layers)}
+    graph_index = {old: new for new, old in enumerate(kept_graphs)}
+    regions.node_layer.update((name, layer_index[i]) for name, i in regions.node_layer.items())
+    regions.node_taskgraph.update((name, graph_index[t]) for name, t in regions.node_taskgraph.items())
+    regions.layer_names[:] = [regions.layer_names[i] for i in kept_layers]
+    regions.layer_taskgraph[:] = [graph_index[regions.layer_taskgraph[i]] for i in kept_layers]
+    regions.strategies[:] = [regions.strategies[t] for t in kept_graphs]
 
 
 def _copy_into(gm: fx.GraphModule, regions: Regions, value: fx.Node, first: fx.Node, users: list[fx.Node],

@@ -83,8 +83,10 @@ LAYER_META = "wl_layer"   # node.meta key: the node's Layer index (node names ch
 class Layer:
     """The unit of pipeline partitioning: the graph nodes of one module (or one run of
     un-annotated code) in execution order. ``cut_bytes_per_sample`` is what a stage boundary placed
-    right after this layer would have to send (every live value produced at or before it and used
-    after it). ``batchnorm``: the BatchNorm modules the layer runs in training mode
+    right after this layer would have to send (every live batched value produced at or before it
+    and used after it), per sample; ``cut_bytes_unbatched`` the whole bytes of the live values
+    without a batch dimension (a statistic of the batch), which cross whole once per micro-batch.
+    ``batchnorm``: the BatchNorm modules the layer runs in training mode
     (:mod:`whalelike.graphs.batchnorm_layers`). ``borrowed_params``: ``(owner layer, name, bytes)`` of each
     parameter the layer uses that an earlier layer owns (tied weights); a stage that holds this
     layer but not the owner holds a copy of it, with its gradient and optimizer state.
@@ -95,8 +97,9 @@ class Layer:
     (its received boundary buffer, or the caller's batch); ``output_bytes_per_sample`` the model
     outputs this layer returns (the logits a loss reads). ``autocast`` holds the same figures
     measured under bf16/fp16 autocast (keys ``activation``, ``input_activation``, ``cut``, ``output``
-    per sample, and ``param_copy``: the bytes of the 2-byte weight casts autocast makes in this
-    layer), or None when not measured (then the planner scales the float32 figures by 2/4).
+    per sample, ``cut_unbatched`` whole, and ``param_copy``: the bytes of the 2-byte weight casts
+    autocast makes in this layer), or None when not measured (then the planner scales the float32
+    figures by 2/4).
     ``max_param_bytes``: the largest single parameter the layer owns (0: not recorded, a layer made
     by hand or captured before it was; the planner then takes ``param_bytes``), what ragged ZeRO
     shards hold of one full gradient at a time (:func:`planner.devices.memory.parameter_share`);
@@ -131,6 +134,7 @@ class Layer:
     param_tensors: int = 0
     forward_memory_bytes: float = 0.0
     backward_memory_bytes: float = 0.0
+    cut_bytes_unbatched: float = 0.0
 
 
 @dataclass(frozen=True)
