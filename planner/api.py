@@ -18,7 +18,10 @@ module only calls them in order, each decision lives with its owner:
    each stage over its data-parallel groups by speed, with Whale's memory balancing; when a
    micro-batch still does not fit, more micro-batches or Poplar's per-device gradient
    accumulation, at most ``MAX_MICRO_BATCHES`` per step (:mod:`planner.shares.batch_fit`);
-5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.schedule.simulator`).
+5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.schedule.simulator`);
+6. the fastest plan it knows that fits: the hardware-aware plan, or the naive one when the simulator
+   prices that faster (:mod:`planner.candidates`; ``Plan.chosen`` and ``Plan.candidates`` say which
+   and what each was predicted to take).
 
 Steps 2 to 4 on one layout are :func:`planner.decisions.aware_decisions`. The naive plan
 (:func:`planner.decisions.naive_decisions`) uses the same devices with equal shares, equal shards
@@ -39,7 +42,8 @@ from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
-from planner.balance.replan import repriced, repriced_plan
+from planner.balance.replan import repriced_plan
+from planner.candidates import Priced, keep_fastest
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout
@@ -75,9 +79,11 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     check_batch(config, layout)
     if profile is None:
         naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
-        prediction, result = best_aware_plan(graphs, cluster, config)
-        naive_prediction = prediction if _simulated_alike(naive, result) else predict(naive, cluster)
-        result = dataclasses.replace(result, prediction=prediction, naive_prediction=naive_prediction)
+        prediction, aware = best_aware_plan(graphs, cluster, config)
+        aware = dataclasses.replace(aware, prediction=prediction)
+        naive = dataclasses.replace(naive, prediction=prediction if _simulated_alike(naive, aware)
+                                    else predict(naive, cluster))
+        result = keep_fastest([Priced("aware", aware), Priced("naive", naive)], naive.prediction)
     else:
         result = _profiled_plan(graphs, cluster, config, profile)
     result.validate(graphs=graphs, cluster=cluster)
@@ -88,7 +94,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
 
 
 # what the simulator does not read: two plans equal in everything else simulate to the same step
-_NOT_SIMULATED = frozenset({"prediction", "naive_prediction", "optimality_gap", "solver"})
+_NOT_SIMULATED = frozenset({"prediction", "naive_prediction", "optimality_gap", "solver", "chosen", "candidates"})
 
 
 def _simulated_alike(one: Plan, other: Plan) -> bool:
@@ -102,7 +108,8 @@ def _simulated_alike(one: Plan, other: Plan) -> bool:
 def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Profile) -> Plan:
     """Plan on the measured cluster, re-rating each device at the sizes and units each plan gives
     it until they repeat (:mod:`planner.devices.measured_speeds`); the fastest plan as predicted at
-    its own sizes, next to the naive plan priced the same way."""
+    its own sizes, next to the naive plan priced the same way, which is kept instead when it is
+    faster and fits (:func:`planner.candidates.keep_fastest`)."""
     measured = measured_cluster(cluster, profile, graphs, config.precision)
     seen, best = set(), None
     for _ in range(ROUNDS):
@@ -123,7 +130,9 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
     naive_own = measured_cluster(cluster, profile, graphs, config.precision, plan=naive)
     log.info("planned from the profile of %s (measured in %.0f s): device rates %s TFLOPS", profile.cluster,
              profile.seconds, ", ".join(f"{d.name} {d.measured(config.precision):.3g}" for d in own.devices))
-    return dataclasses.replace(result, naive_prediction=repriced(naive, graphs, naive_own), speeds="profile")
+    naive = repriced_plan(naive, graphs, naive_own)   # its timing fields and prediction at its own sizes' rates
+    result = keep_fastest([Priced("aware", result), Priced("naive", naive)], naive.prediction)
+    return dataclasses.replace(result, speeds="profile")
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:

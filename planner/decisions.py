@@ -570,13 +570,28 @@ def zero_note(layout: Layout, s: int, ladders, zeros, fixed, replanning: bool, r
             "more data-parallel devices shard its state thinner)")
 
 
-def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout) -> Decisions:
+def naive_decisions(graphs: TaskGraphs, config: Config, layout: Layout, *, recompute: list[str] | None = None,
+                    zero: list[int] | None = None, zero_reason: list[str] | None = None,
+                    state_fractions: list[tuple[float, ...]] | None = None) -> Decisions:
     """The capacity-blind decisions on ``layout``: equal shares, shards and layer counts, and per stage
     the lowest ZeRO stage at which every device holds its equal share (the highest tried when none
-    does: the naive plan may exceed memory), unless fixed (:func:`asked_zero`)."""
+    does: the naive plan may exceed memory), unless fixed (:func:`asked_zero`).
+
+    A re-plan (:mod:`planner.balance.replan`) passes the choices of the plan in force instead, as to
+    :func:`aware_decisions` (``zero`` with ``zero_reason``, ``recompute``, ``state_fractions``): the
+    naive candidate it compares with its own decisions (:mod:`planner.candidates`) then keeps the
+    running replica syncs, the same equal shares, shards and layer counts."""
     gbs, m = config.global_batch_size, config.num_micro_batch
     stage_layers = equal_stage_layers(graphs, layout)
     asked = asked_recompute(graphs, stage_layers)
+    if zero is not None:
+        reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
+        fractions = [tuple(f) for f in state_fractions] if state_fractions is not None else None
+        stages = priced_stages(graphs, config, layout, stage_layers, m, aware=False, recompute=reasons, zero=list(zero),
+                               fractions=fractions)
+        why_zero = list(zero_reason) if zero_reason is not None else ["asked" if z else "none" for z in zero]
+        return _decided(layout, stage_layers, stages, equal_sizes(layout, gbs, m), m, "greedy", None, reasons,
+                        list(zero), why_zero)
     fixed = asked_zero(graphs, config, layout, stage_layers)
     ladders = [zero_ladder(layout, s, fixed[s]) for s in range(layout.num_stages)]
     sizes = equal_sizes(layout, gbs, m)

@@ -37,6 +37,7 @@ from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (
 from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
+CANDIDATES = ("aware", "naive")   # Plan.chosen, CandidatePlan.name: the plans planner.candidates compares
 SPEED_SOURCES = ("spec", "profile")   # Plan.speeds: the cluster spec's figures, or whalelike profile's measurements
 RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
 RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
@@ -146,6 +147,17 @@ class Prediction:
 
 
 @dataclass
+class CandidatePlan:
+    """One plan :func:`planner.plan` priced before keeping the fastest that fits (``Plan.candidates``,
+    :mod:`planner.candidates`)."""
+
+    name: str = rule(str, "which plan: 'aware' (the hardware-aware decisions), 'naive' (the capacity-blind ones on "
+                     "the same devices)", choices=CANDIDATES)
+    step_time_ms: float = rule(float, f"its step, {MS}", ge=0)
+    fits: bool = rule(bool, "whether every device holds its part (one that does not is never kept)", default=True)
+
+
+@dataclass
 class Plan:
     model_fingerprint: str = rule(str, "hash of the model the plan was made for")
     cluster: str = rule(str, "name of the cluster the plan was made for")
@@ -174,6 +186,11 @@ class Plan:
     # planner.devices.measured_speeds: the device speeds and links priced from the spec sheet or a profile
     speeds: str = rule(str, "where the device speeds and links came from: 'spec' (the cluster spec) or 'profile' "
                        "(measured by whalelike profile)", choices=SPEED_SOURCES, default="spec")
+    # planner.candidates: the plans planner.plan priced and which of them this one is, the fastest that fits. A
+    # file written before them loads as the hardware-aware plan with no candidates (what every plan then was), so
+    # the schema version stays
+    chosen: str = rule(str, "which of the candidates this plan is", choices=CANDIDATES, default="aware")
+    candidates: list[CandidatePlan] = field(default_factory=list)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks (looked up at each

@@ -54,6 +54,7 @@ def check_alone(plan: Plan) -> None:
     _check_partial(plan)
     _check_shards(plan)
     _check_boundaries(plan)
+    _check_candidates(plan)
 
 
 def _check_header(plan: Plan) -> None:
@@ -347,6 +348,34 @@ def _check_boundaries(plan: Plan) -> None:
             )
         if b.transfer_ms and len(b.transfer_ms) != plan.num_micro_batch:
             raise PlanError(f"{where}.transfer_ms has {len(b.transfer_ms)} entries for {plan.num_micro_batch} micro-batches")
+
+
+def _check_candidates(plan: Plan) -> None:
+    """The plan is the candidate it says (``plan.chosen``, its predicted step), one that fits, and
+    no candidate that fits is predicted faster (:mod:`planner.candidates`); nothing to check in a
+    plan without candidates (a re-plan, a file written before them)."""
+    if not plan.candidates:
+        return
+    names = [c.name for c in plan.candidates]
+    if len(set(names)) != len(names):
+        raise PlanError(f"plan.candidates names {names}: each candidate once; re-plan with `whalelike plan`")
+    if plan.chosen not in names:
+        raise PlanError(f"plan.chosen is {plan.chosen!r}, not one of plan.candidates ({', '.join(names)}); set it to the "
+                        "candidate this plan is, or re-plan with `whalelike plan`")
+    i = names.index(plan.chosen)
+    mine = plan.candidates[i]
+    where = f"plan.candidates[{i}]"
+    if not mine.fits:
+        raise PlanError(f"{where} ({mine.name!r}, the plan chosen) has fits false: a plan that does not fit is never "
+                        "kept; re-plan with `whalelike plan`")
+    if not math.isclose(mine.step_time_ms, plan.prediction.step_time_ms, rel_tol=1e-9, abs_tol=1e-12):
+        raise PlanError(f"{where}.step_time_ms is {mine.step_time_ms!r} but the plan ({mine.name!r}) predicts "
+                        f"{plan.prediction.step_time_ms!r} ms (plan.prediction.step_time_ms); they are one figure")
+    for j, other in enumerate(plan.candidates):
+        if other.fits and other.step_time_ms < mine.step_time_ms * (1 - 1e-9):
+            raise PlanError(f"plan.candidates[{j}] ({other.name!r}) fits and is predicted faster ({other.step_time_ms:g} "
+                            f"ms) than the plan chosen ({mine.name!r}, {mine.step_time_ms:g} ms): the planner keeps the "
+                            "fastest that fits; re-plan with `whalelike plan`")
 
 
 def check_model(plan: Plan, graphs) -> None:

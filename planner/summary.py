@@ -1,7 +1,8 @@
 """``Plan.summary()``: one aligned row per device, per device its memory term by term (weights,
 gradients, optimizer state, activations against its memory; under ragged shards its fraction of the
 state), each stage's ZeRO stage, the predicted
-gain over the naive plan and, given the cluster, the resharding chosen at each pipeline boundary. The
+gain over the naive plan, the plans the planner priced and which it kept (:func:`choice_lines`) and,
+given the cluster, the resharding chosen at each pipeline boundary. The
 title names the training precision unless it is fp32.
 
 The resharding section needs the cluster: the Plan records which host each worker is on and each
@@ -59,6 +60,7 @@ def plan_summary(plan: Plan, cluster=None) -> str:
         f"naive plan (capacity-blind)  {n.step_time_ms:.2f} ms, bubble {n.bubble_fraction:.1%}, "
         f"throughput {n.throughput:.1f} samples/s",
         f"predicted speed-up over naive: {speedup:.2f}x",
+        *choice_lines(plan),
         *(f"warning: {line}" for line in batchnorm_warnings(plan)),
     ]
     if cluster is not None and plan.boundaries:
@@ -92,6 +94,28 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
                      + (f", send/recv would take {send_recv:.3g} ms" if send_recv is not None else "")
                      + (f"; the plan's transfer_ms {boundary.transfer_ms[micro_batch]:.3g} ms"
                         if micro_batch < len(boundary.transfer_ms) else ""))
+    return lines
+
+
+# Plan.chosen / CandidatePlan.name in words (planner.candidates)
+CANDIDATE_LABELS = {"aware": "hardware-aware decisions", "naive": "naive plan (capacity-blind decisions)"}
+
+
+def choice_lines(plan: Plan) -> list[str]:
+    """Which of the plans the planner priced it kept and why (``Plan.chosen``, ``Plan.candidates``,
+    :mod:`planner.candidates`): each with its predicted step, the kept one marked, one that does not
+    fit marked so; then, when the kept one is not the hardware-aware plan, the line that says it was
+    predicted faster. Nothing for a plan without candidates (a re-plan, a file from before them)."""
+    if not plan.candidates:
+        return []
+    kept = next(c for c in plan.candidates if c.name == plan.chosen)
+    shown = ", ".join(f"{c.name} {c.step_time_ms:.2f} ms" + (" (kept)" if c is kept else "")
+                      + ("" if c.fits else " (does not fit in memory)") for c in plan.candidates)
+    lines = [f"candidates (predicted step; the fastest that fits is kept): {shown}"]
+    aware = next((c for c in plan.candidates if c.name == "aware"), None)
+    if aware is not None and kept is not aware:
+        lines.append(f"kept the {CANDIDATE_LABELS.get(kept.name, kept.name)}: predicted faster than the hardware-aware "
+                     f"decisions ({kept.step_time_ms:.2f} ms against {aware.step_time_ms:.2f} ms per step)")
     return lines
 
 

@@ -37,6 +37,10 @@ Invariants:
   speeds, computes the same plan without communicating.
 * **Never fails the run over memory.** A part whose new value does not fit keeps the plan's value
   (layers, then shard sizes, then batch shares); :attr:`Replan.kept` says which and why.
+* **Never slower than the naive decisions it knows** (:mod:`planner.candidates`, as
+  :func:`planner.plan`): the naive decisions on the same mapping, with the running ZeRO stages,
+  recompute choices and state fractions (so the runtime adopts them like any re-plan), are priced
+  beside the re-plan, and kept when predicted faster and they fit; ``Plan.candidates`` records both.
 
 :func:`plan_changes` says what differs between two plans of one mapping (shares, layers, shards):
 what the runtime must move, and what the events log.
@@ -56,6 +60,7 @@ from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict
+from planner.candidates import Priced, keep_fastest
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
 from planner.plan import Plan, PlanError, Prediction
@@ -153,8 +158,24 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         raise PlanError(f"{e}; here the plan's ranks do not follow cluster {cluster.name!r}'s device order: re-plan "
                         "with planner.plan on this cluster") from None
     in_force = _in_force(plan, graphs, measured, config, layout, old_layers, old_shards)
-    naive = predict(build_plan(graphs, measured, config, naive_decisions(graphs, config, layout)), measured)
-    return Replan(dataclasses.replace(new, naive_prediction=naive), in_force, tuple(kept))
+    own = naive_decisions(graphs, config, layout)
+    naive = _priced(graphs, measured, config, own)
+    # the naive candidate keeps the running replica syncs, so the runtime adopts it as it adopts a re-plan
+    same_syncs = naive_decisions(graphs, config, layout, **_choices_in_force(plan, layout))
+    candidate = naive if _same_choices(same_syncs, own) else _priced(graphs, measured, config, same_syncs)
+    new = keep_fastest([Priced("aware", new), Priced("naive", candidate)], naive.prediction)
+    return Replan(new, in_force, tuple(kept))
+
+
+def _same_choices(one: Decisions, other: Decisions) -> bool:
+    """Whether two naive decisions of one layout choose the same ZeRO stages, recompute and state
+    fractions (all the rest of them is the same: equal layers, shards and shares)."""
+    return ([one.zero_stage(s) for s in range(one.layout.num_stages)] ==
+            [other.zero_stage(s) for s in range(other.layout.num_stages)]
+            and [one.recomputes(s) for s in range(one.layout.num_stages)] ==
+            [other.recomputes(s) for s in range(other.layout.num_stages)]
+            and [one.fractions(s) for s in range(one.layout.num_stages)] ==
+            [other.fractions(s) for s in range(other.layout.num_stages)])
 
 
 def repriced(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Prediction:

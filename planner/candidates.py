@@ -1,0 +1,72 @@
+"""The plans :func:`planner.plan` knows, and the rule that returns the fastest of them that fits.
+
+Why: each decision the planner makes (the placement, the stage layers, the shares, the ZeRO stages)
+follows a model of the step, and a model can miss what the simulator prices. Issue 30 (item 4): a
+ResNet of three ``replicate`` regions with one micro-batch got stage layers that shaved its slowest
+stage by moving a layer from two fast devices onto a slow one; the stages run one after another with
+one micro-batch, and the simulator priced the plan at 0.81x the capacity-blind one. The partitioner's
+objective was fixed (:mod:`planner.partition.pricing`), but no decision rule is trusted alone:
+:func:`planner.plan` prices every plan it made with the simulator and keeps the fastest.
+
+Invariant: the plan returned is predicted (:func:`planner.assemble.predict`) no slower than any
+candidate it priced that fits its devices' memory. ``Plan.candidates`` lists them with their predicted
+steps and whether they fit, ``Plan.chosen`` names the one kept, and
+:func:`planner.plan_checks.check_alone` checks both on every plan it reads.
+
+The candidates, in order:
+
+* ``"aware"``: the hardware-aware decisions on the fastest placement
+  (:func:`planner.devices.placement_search.best_aware_plan`: every placement rule, then device swaps);
+* ``"naive"``: the capacity-blind decisions on Whale's placement (equal shares, shards and layer
+  counts: :func:`planner.decisions.naive_decisions`), the baseline of the predicted speed-up. It may
+  exceed a device's memory; then it is listed with ``fits`` false and never kept.
+
+A candidate fits when every worker's estimated peak is within its device's memory (the memory model's
+rule, :func:`planner.devices.memory.fits`, which :func:`planner.plan_checks.check_cluster` applies to a
+plan file). A later candidate replaces an earlier one only when it is faster by more than a relative
+``1e-9`` (the aware plan wins ties, and an equal naive plan keeps the aware plan's fields).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import NamedTuple
+
+from planner.devices.memory import fits
+from planner.plan import CandidatePlan, Plan, Prediction
+from planner.summary import CANDIDATE_LABELS
+
+log = logging.getLogger(__name__)
+
+TIE = 1e-9   # relative: a candidate must be faster than this to replace an earlier one (plan_checks keeps it too)
+
+class Priced(NamedTuple):
+    """A candidate: its name (``CandidatePlan.name``) and the plan, its ``prediction`` filled in."""
+
+    name: str
+    plan: Plan
+
+
+def plan_fits(plan: Plan) -> bool:
+    """Whether every worker's estimated peak memory is within its device's (``Worker.capacity_gib``)."""
+    return all(fits(w.memory_gib, w.capacity_gib) for w in plan.workers)
+
+
+def keep_fastest(candidates: list[Priced], naive_prediction: Prediction) -> Plan:
+    """The fastest candidate that fits (the first one, the aware plan, when none is faster by more
+    than :data:`TIE`, or when none fits: the caller's validation then says why), with
+    ``naive_prediction``, ``chosen`` and every candidate recorded in ``candidates``."""
+    fitting = [plan_fits(c.plan) for c in candidates]
+    best = 0
+    for i, c in enumerate(candidates):
+        if fitting[i] and (not fitting[best] or
+                           c.plan.prediction.step_time_ms < candidates[best].plan.prediction.step_time_ms * (1 - TIE)):
+            best = i
+    kept = candidates[best]
+    if best:
+        aware = candidates[0].plan.prediction.step_time_ms
+        log.info("the %s are predicted faster than the %s (%.2f ms against %.2f ms per step): keeping them",
+                    CANDIDATE_LABELS[kept.name], CANDIDATE_LABELS[candidates[0].name], kept.plan.prediction.step_time_ms,
+                    aware)
+    record = [CandidatePlan(c.name, c.plan.prediction.step_time_ms, ok) for c, ok in zip(candidates, fitting)]
+    return dataclasses.replace(kept.plan, naive_prediction=naive_prediction, chosen=kept.name, candidates=record)

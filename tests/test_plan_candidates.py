@@ -1,0 +1,194 @@
+"""The planner never returns a plan its own simulator prices slower than a plan it knows (issue 30,
+item 4; :mod:`planner.candidates`).
+
+A ``transformers`` ResNet of bottleneck blocks annotated as three ``replicate`` regions, one
+micro-batch, on ``emulated-4``: the hardware-aware plan was predicted 0.81x the naive one, because the
+partitioner shaved the slowest stage by moving a layer from the two fast devices onto a slow one,
+which one micro-batch (the stages run one after another) pays in full. The regression test checks
+the decision itself (the aware plan keeps the layer, and beats the naive plan), the rule test checks
+that a decision slower than the naive plan is not kept whatever the decision rule did, and the
+property test checks the rule over random models and clusters against the naive plan computed on
+its own (``planner.naive_plan``) and against every candidate the plan records.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import planner
+import planner.decisions
+from planner import Plan, PlanError
+from planner.candidates import plan_fits
+from planner.devices.placement_search import best_aware_plan
+from planner.partition.stage_layers import StageLayers
+from synthetic import synthetic_cluster, synthetic_model
+from whalelike import Cluster, Config, replicate, split
+from whalelike.config import SCHEDULES
+from whalelike.graphs.taskgraph import TaskGraph, TaskGraphs
+
+TIE = 1 + 1e-9
+
+
+# -- the ResNet of the issue ------------------------------------------------------------------------
+def _resnet_graphs() -> TaskGraphs:
+    """ResNetForImageClassification with bottleneck blocks, three stages of one block each, annotated
+    as three replicate regions: the embedder with the first stage, the second, the third with the
+    classifier (one strategy object per region)."""
+    import torch
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    import whalelike as wl
+
+    torch.manual_seed(0)
+    model = ResNetForImageClassification(ResNetConfig(layer_type="bottleneck", embedding_size=16,
+                                                      hidden_sizes=[16, 32, 64], depths=[1, 1, 1], num_labels=10))
+    first, second, third = wl.replicate(), wl.replicate(), wl.replicate()
+    wl.annotate(model, {"resnet.embedder": first, "resnet.encoder.stages.0": first,
+                        "resnet.encoder.stages.1": second, "resnet.encoder.stages.2": third, "classifier": third})
+    return wl.capture(model, (torch.randn(2, 3, 16, 16),))
+
+
+def test_resnet_of_three_replicate_stages_with_one_micro_batch_beats_the_naive_plan():
+    graphs = _resnet_graphs()
+    cluster = Cluster.preset("emulated-4")
+    config = Config(global_batch_size=16, num_micro_batch=1, sync_batchnorm=True)
+    plan = planner.plan(graphs, cluster, config)
+    naive = planner.naive_plan(graphs, cluster, config)
+    assert plan.naive_prediction == naive.prediction
+    # the decision itself: the first stage (the two fastest devices) keeps the first region's layers
+    assert plan.chosen == "aware" and plan.stages[0].layers[:2] == list(graphs[0].layers[:2])
+    assert plan.prediction.step_time_ms < naive.prediction.step_time_ms / 1.2
+    assert [(c.name, c.fits) for c in plan.candidates] == [("aware", True), ("naive", True)]
+    summary = plan.summary()
+    assert "predicted speed-up over naive: 1." in summary
+    assert f"aware {plan.prediction.step_time_ms:.2f} ms (kept), naive {naive.prediction.step_time_ms:.2f} ms" in summary
+
+
+# -- the rule, whatever the decisions --------------------------------------------------------------
+def _piled_on_the_last_stage(graphs, layout, config, network, in_force=None) -> StageLayers:
+    """A decision rule that ignores what the simulator prices: every layer but one per stage on the
+    last stage."""
+    n, S = len(graphs.layers), layout.num_stages
+    return StageLayers([[i] for i in range(S - 1)] + [list(range(S - 1, n))], "greedy", None, True)
+
+
+def test_a_decision_predicted_slower_than_the_naive_plan_is_not_kept(monkeypatch, tmp_path):
+    graphs = synthetic_model(8, [replicate(), replicate()], hidden=256, seq=64, heads=4)
+    cluster = synthetic_cluster([(2, 60.0, 40), (2, 20.0, 16)], per_host=4)
+    config = Config(global_batch_size=16, num_micro_batch=2)
+    monkeypatch.setattr(planner.decisions, "partition_stage_layers", _piled_on_the_last_stage)
+    plan = planner.plan(graphs, cluster, config)
+    naive = planner.naive_plan(graphs, cluster, config)
+    aware = best_aware_plan(graphs, cluster, config)[0]
+    assert aware.step_time_ms > naive.prediction.step_time_ms
+    assert plan.chosen == "naive" and plan.prediction == naive.prediction == plan.naive_prediction
+    assert [w.micro_batch_sizes for w in plan.workers] == [w.micro_batch_sizes for w in naive.workers]
+    assert [(c.name, c.step_time_ms, c.fits) for c in plan.candidates] == [
+        ("aware", aware.step_time_ms, True), ("naive", naive.prediction.step_time_ms, True)]
+    assert (f"kept the naive plan (capacity-blind decisions): predicted faster than the hardware-aware decisions "
+            f"({naive.prediction.step_time_ms:.2f} ms against {aware.step_time_ms:.2f} ms per step)") in plan.summary()
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path, graphs=graphs, cluster=cluster) == plan
+
+
+def test_a_plan_that_is_not_the_fastest_candidate_is_refused(tmp_path):
+    graphs = synthetic_model(8, [replicate(), replicate()], hidden=256, seq=64, heads=4)
+    cluster = synthetic_cluster([(2, 60.0, 40), (2, 20.0, 16)], per_host=4)
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=16, num_micro_batch=2))
+    assert plan.chosen == "aware" and plan.candidates[1].step_time_ms > plan.prediction.step_time_ms
+
+    def refused(change, says):
+        data = plan.to_dict()
+        change(data)
+        path = tmp_path / "edited.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        with pytest.raises(PlanError, match=says):
+            Plan.from_yaml(path, graphs=graphs, cluster=cluster)
+
+    faster = plan.prediction.step_time_ms / 2
+    refused(lambda d: d["candidates"][1].update(step_time_ms=faster),
+            r"plan.candidates\[1\] \('naive'\) fits and is predicted faster")
+    refused(lambda d: d.update(chosen="naive"), r"plan.candidates\[1\].step_time_ms is .* but the plan \('naive'\)")
+    refused(lambda d: d["candidates"][0].update(fits=False), r"plan.candidates\[0\] \('aware', the plan chosen\)")
+    refused(lambda d: d["candidates"].pop(0), "plan.chosen is 'aware', not one of plan.candidates")
+    refused(lambda d: d.update(chosen="best"), "plan.chosen")
+    # a naive candidate that does not fit may be faster
+    data = plan.to_dict()
+    data["candidates"][1].update(step_time_ms=faster, fits=False)
+    assert Plan.from_dict(data) == dataclasses.replace(
+        plan, candidates=[plan.candidates[0], dataclasses.replace(plan.candidates[1], step_time_ms=faster, fits=False)])
+    # a plan file from before the candidates: the hardware-aware plan, nothing recorded
+    data = plan.to_dict()
+    del data["chosen"], data["candidates"]
+    old = Plan.from_dict(data)
+    old.validate(graphs=graphs, cluster=cluster)
+    assert old.chosen == "aware" and old.candidates == [] and "candidates (" not in old.summary()
+
+
+# -- the property ----------------------------------------------------------------------------------
+@st.composite
+def models(draw) -> TaskGraphs:
+    """Small models: 2-7 layers of random weight (a heavy stem, a light head, anything between) in
+    1-3 regions, mostly plain ``replicate``, sometimes a ``split`` one after the first (which may hold
+    the embedding alone, nothing split can cut)."""
+    n = draw(st.integers(2, 7))
+    regions = draw(st.integers(1, min(3, n)))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=regions - 1, max_size=regions - 1)))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+    strategies = [replicate()] + [draw(st.sampled_from([replicate(), replicate(), split()])) for _ in range(regions - 1)]
+    base = synthetic_model(n, strategies, layers_per_graph=sizes, hidden=draw(st.sampled_from([64, 128, 256])),
+                           seq=draw(st.sampled_from([16, 64])), heads=4, vocab=draw(st.sampled_from([0, 3000])))
+    work = [draw(st.floats(0.05, 20.0)) for _ in range(n)]
+    kept = [draw(st.floats(0.1, 10.0)) for _ in range(n)]
+    layers = [dataclasses.replace(l, forward_flops=l.forward_flops * w, backward_flops=l.backward_flops * w,
+                                  activation_bytes_per_sample=l.activation_bytes_per_sample * k)
+              for l, w, k in zip(base.layers, work, kept)]
+    graphs = [dataclasses.replace(
+        tg, forward_flops=sum(layers[i].forward_flops for i in tg.layers),
+        backward_flops=sum(layers[i].backward_flops for i in tg.layers),
+        activation_bytes_per_sample=sum(layers[i].activation_bytes_per_sample for i in tg.layers))
+        for tg in base.graphs]
+    return dataclasses.replace(base, graphs=graphs, layers=layers)
+
+
+@st.composite
+def clusters(draw) -> Cluster:
+    """A preset, or 1-3 kinds of 1-4 devices with random speeds and memories on hosts of 2 or 4."""
+    if draw(st.booleans()):
+        return Cluster.preset(draw(st.sampled_from(["emulated-4", "emulated-2", "emulated-4-equal"])))
+    kinds = [(draw(st.integers(1, 4)), draw(st.sampled_from([5.0, 20.0, 60.0, 125.0])),
+              draw(st.sampled_from([1.0, 4.0, 16.0, 40.0]))) for _ in range(draw(st.integers(1, 3)))]
+    return synthetic_cluster(kinds, per_host=draw(st.sampled_from([2, 4])))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs=models(), cluster=clusters(), micro=st.sampled_from([1, 2, 4]), per_device=st.integers(1, 4),
+       schedule=st.sampled_from(SCHEDULES))
+def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs, cluster, micro, per_device, schedule):
+    config = Config(global_batch_size=micro * per_device * len(cluster.devices), num_micro_batch=micro,
+                    schedule=schedule)
+    try:
+        plan = planner.plan(graphs, cluster, config)
+    except PlanError as e:   # the model does not fit these devices, or the batch is not one they can share
+        assert "fit" in str(e) or "batch" in str(e) or "devices" in str(e)
+        event("refused")
+        return
+    event(f"kept {plan.chosen}")
+    naive = planner.naive_plan(graphs, cluster, config)
+    assert plan.naive_prediction == naive.prediction
+    if plan_fits(naive):
+        assert plan.prediction.step_time_ms <= naive.prediction.step_time_ms * TIE
+    assert [c.name for c in plan.candidates] == ["aware", "naive"]
+    assert plan.candidates[1].step_time_ms == naive.prediction.step_time_ms
+    assert plan.candidates[1].fits == plan_fits(naive)
+    for c in plan.candidates:
+        if c.fits:
+            assert plan.prediction.step_time_ms <= c.step_time_ms * TIE
+    kept = next(c for c in plan.candidates if c.name == plan.chosen)
+    assert kept.fits and kept.step_time_ms == plan.prediction.step_time_ms
+    plan.validate(graphs=graphs, cluster=cluster)
