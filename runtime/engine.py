@@ -75,6 +75,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkabl
 import torch
 import torch.nn as nn
 
+from planner.devices.cost_model import fsdp_unit_names
 from planner.devices.profile import Profile
 from planner.plan import Plan, PlanError, Worker
 from planner.plan_checks import check_same_workers
@@ -150,15 +151,17 @@ def _stage_memory_bytes(ctx: ExecutorContext) -> list[tuple[float, float]]:
 
 def _build_data_parallel(ctx: ExecutorContext) -> StepExecutor:
     flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
+    idle = [n for layer in ctx.graphs.layers for n in layer.idle_state]
     return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
                                 recompute_layers=[layer.name for layer in ctx.graphs.layers],
+                                zero_layers=fsdp_unit_names(ctx.graphs.layers), idle=idle,
                                 memory_bytes_per_sample=_stage_memory_bytes(ctx)[0],
                                 scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
 
 
 def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
     from planner.devices.network import NetworkModel
-    from runtime.parallel.pipeline import PipelineExecutor
+    from runtime.parallel.pipeline import PipelineExecutor, idle_state_of
     from runtime.parallel.stage_split import node_stages_from_plan, stage_flops_from_plan
     from runtime.tensor.shard_pass import StageSharding
 
@@ -167,7 +170,8 @@ def _build_pipeline(ctx: ExecutorContext) -> StepExecutor:
                             stage_memory_bytes=_stage_memory_bytes(ctx),
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
                             network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
-                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
+                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype,
+                            idle_state=idle_state_of(ctx.graphs, ctx.plan, ctx.model))
 
 
 def takes_in_place(executor, plan: Plan) -> bool:

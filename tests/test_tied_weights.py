@@ -13,6 +13,12 @@ One 4-rank gloo spawn. A small language model whose output projection *is* its i
   the embedding whole and the head's rows sharded, two copies of one parameter on one rank;
 * ``gpt2``: a two-block ``GPT2LMHeadModel`` annotated ``transformer.h.0`` / ``transformer.h.1``.
 
+Tied weights inside one ZeRO-sharded data-parallel stage (the whole model one ``replicate`` region,
+each layer module a unit of its own but the tie's, which the root unit holds across both uses): a
+``MistralForCausalLM`` with ``tie_word_embeddings=True`` at ZeRO 1, 2 and 3 on FSDP2 and at ZeRO 3 with
+ragged shards, and GPT-2 (tied by default) at ZeRO 3 and ragged ZeRO 1; the runtime's units are the
+planner's (``fsdp_unit_names``), which priced the tie in the root unit.
+
 Each trains 3 steps with SGD (momentum) and AdamW in float64 from the same initial weights on the
 same batches as the reference; the losses, every entry of the full state dict (which holds the
 tied matrix under both of the model's names) and, bit for bit, every rank's copy of the tied
@@ -20,6 +26,8 @@ parameter are compared. Bad input: a plan on a subgroup of the world cannot crea
 process group, and says so.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -29,6 +37,7 @@ import torch.nn as nn
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
+from planner.devices.cost_model import fsdp_unit_names
 from planner.plan import Plan, StagePlan
 from plans import make_plan, worker
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
@@ -64,6 +73,13 @@ LAYOUTS = {  # scopes of (wte, h0), h1, lm_head; None joins the scope before it
     "split-one-stage": (_Nested(wl.replicate(2), wl.split(2)), None, None),
 }
 GPT2 = "gpt2"
+GPT2_WHOLE, MISTRAL = "gpt2-one-stage", "mistral"
+# tied weights in one ZeRO data-parallel stage: case -> (model, ZeRO stage, ragged state fractions or None)
+ZERO_CASES = {
+    "mistral-zero1": (MISTRAL, 1, None), "mistral-zero2": (MISTRAL, 2, None), "mistral-zero3": (MISTRAL, 3, None),
+    "mistral-ragged3": (MISTRAL, 3, [0.4, 0.3, 0.2, 0.1]),
+    "gpt2-zero3": (GPT2_WHOLE, 3, None), "gpt2-ragged1": (GPT2_WHOLE, 1, [0.1, 0.2, 0.3, 0.4]),
+}
 
 
 class TiedLM(nn.Module):
@@ -98,13 +114,27 @@ def _gpt2_loss(outputs, targets):
 
 def _model(name: str) -> tuple[nn.Module, callable]:
     torch.manual_seed(0)
-    if name == GPT2:
+    if name in (GPT2, GPT2_WHOLE):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
                                            use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                                            embd_pdrop=0.0, attn_pdrop=0.0))
-        wl.annotate(model, {"transformer.h.0": wl.replicate(), "transformer.h.1": wl.replicate()})
+        if name == GPT2:
+            wl.annotate(model, {"transformer.h.0": wl.replicate(), "transformer.h.1": wl.replicate()})
+        else:                       # the whole model one data-parallel region
+            region = wl.replicate()
+            wl.annotate(model, {"transformer": region, "lm_head": region})
+        return model.double(), _gpt2_loss
+    if name == MISTRAL:
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                                 tie_word_embeddings=True, use_cache=False,
+                                                 max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+        region = wl.replicate()
+        wl.annotate(model, {"model": region, "lm_head": region})
         return model.double(), _gpt2_loss
     return TiedLM(name).double(), wl.token_cross_entropy
 
@@ -152,7 +182,20 @@ def _check_subgroup_plan_is_refused(rank: int) -> None:
         PipelineExecutor(graphs.graph_module, node_stages_from_plan(graphs, plan), plan, loss_fn, group=sub)
 
 
-def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
+def _check_zero_units(engine: Engine, graphs_units: tuple[str, ...], label: str) -> None:
+    """The ZeRO sync wraps the planner's units (the tie in none of them: the root unit holds it)."""
+    sync = engine.executor.sync
+    modules = {id(m): n for n, m in engine.executor.module.named_modules()}
+    if sync.name == "fsdp":
+        wrapped = tuple(modules[id(unit)] for unit in sync.units if unit is not engine.executor.module)
+    else:
+        units = [sync.unit_modules[b] for b in sorted(sync.unit_modules)]   # reverse forward order, then the root
+        wrapped = tuple(reversed([modules[id(m)] for m in units if m is not engine.executor.module]))
+    if sync.name == "fsdp" or sync.stage == 3:
+        assert wrapped == graphs_units, f"{label}: the sync wraps {wrapped}, the planner priced units {graphs_units}"
+
+
+def _ranks(rank: int, world_size: int, plans: dict[str, Plan], zero_plans: dict[str, tuple[Plan, tuple]]) -> dict:
     losses_seen = {}
     for name, plan in plans.items():
         model, loss_fn = _model(name)
@@ -163,6 +206,13 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
                                                                  label)
             _check_copies_identical(engine, label)
             losses_seen[label] = [float(v) for v in got]
+    for case, (plan, units) in zero_plans.items():
+        model, loss_fn = _model(ZERO_CASES[case][0])
+        opt = "sgd" if case.endswith("1") else "adamw"
+        engine, got, _ = assert_engine_trains_like_reference(model, plan, _batches(GLOBAL_BATCH), OPTIMIZERS[opt],
+                                                             loss_fn, _cluster(), case)
+        _check_zero_units(engine, units, case)
+        losses_seen[f"{case}/{opt}"] = [float(v) for v in got]
     _check_subgroup_plan_is_refused(rank)
     return losses_seen
 
@@ -180,7 +230,20 @@ def test_tied_weights_across_stages_match_single_process_reference():
     assert len(plans["3-stages"].stages) == 3
     assert any(w.tp_size == 2 for w in plans["split-head"].workers)
     assert len(plans["split-one-stage"].stages) == 1 and plans["split-one-stage"].workers[0].tp_size == 2
-    results = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=400)
+    zero_plans = {}
+    for case, (name, zero, fractions) in ZERO_CASES.items():
+        model, _ = _model(name)
+        graphs = wl.capture(model, _batches(4)[0][0])
+        plan = planner.plan(graphs, _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH,
+                                                          num_micro_batch=MICRO_BATCHES, zero_stage=zero))
+        assert len(plan.stages) == 1 and plan.stages[0].zero_stage == zero, (case, plan.stages)
+        if fractions is not None:
+            plan.stages[0] = dataclasses.replace(plan.stages[0], replica_sync="ragged", state_fractions=fractions)
+        units = fsdp_unit_names(graphs.layers)
+        tied = {"transformer.wte", "lm_head"} if name == GPT2_WHOLE else {"model.embed_tokens", "lm_head"}
+        assert units and not tied & set(units), (case, units)    # the tie's layers are in the root unit
+        zero_plans[case] = (plan, units)
+    results = run_ranks(_ranks, 4, args=(plans, zero_plans), init_process_group=False, timeout_s=600)
     for label, losses in results[0].items():
         assert len(losses) == STEPS
         assert all(r[label] == losses for r in results), label

@@ -336,25 +336,46 @@ class StageCost:
         return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
 
 
-def fsdp_layer_unit_bytes(chosen) -> tuple[float, ...]:
-    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out)."""
+def fsdp_unit_names(chosen) -> tuple[str, ...]:
+    """The Layer names of ``chosen`` (a stage's Layers, run as the whole model) that are FSDP units of
+    their own, in order: names that are module paths (not the model's own code, ``<root>``), leaving
+    out a module whose subtree holds another such Layer (code around blocks), one that owns no
+    parameter bytes (the runtime wraps only modules with parameters; a tied weight counts with the
+    Layer that owns it), and one that shares a parameter with a Layer of another name (tied weights:
+    the owner of a weight another Layer borrows, and the borrower; ``Layer.borrowed_params``). A
+    shared parameter lives in the root unit, whose gather spans every use of it: a unit of its own
+    would free it between uses, and FSDP2 refuses a parameter in two units. The one answer to
+    "which of a single stage's layers are ZeRO units", which the runtime's syncs wrap
+    (``runtime.replicas``) and the memory model prices."""
+    names_of = {l.index: l.name for l in chosen}
+    shared: set[str] = set()
+    for layer in chosen:
+        for owner, _, _ in layer.borrowed_params:
+            owner_name = names_of.get(owner)
+            if owner_name != layer.name:
+                shared.add(layer.name)
+                if owner_name is not None:
+                    shared.add(owner_name)
     by_name: dict[str, float] = {}
     for layer in chosen:
         if layer.name and layer.name != ROOT_LAYER:
             by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
     names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
-    return tuple(by_name[n] for n in names if by_name[n] > 0)
+    return tuple(n for n in names if by_name[n] > 0 and n not in shared)
+
+
+def fsdp_layer_unit_bytes(chosen) -> tuple[float, ...]:
+    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out)."""
+    units = fsdp_unit_names(chosen)
+    return tuple(float(sum(l.param_bytes for l in chosen if l.name == n)) for n in units)
 
 
 def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     """Parameter bytes of each FSDP unit when ``chosen`` (a stage's Layers) run as the whole model,
     wrapped as ``runtime.replicas.fsdp_sync`` wraps a single-stage plan and as
-    :func:`runtime.training.recompute.wrap_layers` picks modules: one unit per Layer name that is a
-    module path (not the model's own code, ``<root>``), leaving out a module whose subtree holds
-    another such Layer (code around blocks) and one that owns no parameter bytes (the runtime wraps
-    only modules with parameters; a tied weight counts with the Layer that owns it), then the root
-    unit with every other parameter (left out when it holds none). A model without module Layers is
-    one unit."""
+    :func:`runtime.training.recompute.wrap_layers` picks modules: one unit per name of
+    :func:`fsdp_unit_names`, then the root unit with every other parameter (left out when it holds
+    none). A model without module Layers is one unit."""
     units = fsdp_layer_unit_bytes(chosen)
     if not units:
         return (float(param_bytes),)

@@ -49,6 +49,13 @@ from runtime.training.precision import PlanLossScaler, weighted_loss
 
 log = logging.getLogger(__name__)
 
+def idle_parameters(module: nn.Module, names: Sequence[str]) -> list[nn.Parameter]:
+    """The parameters of ``module`` among ``names`` (buffers among them need nothing: no sync reduces
+    a buffer, and the whole model holds them)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return [params[n] for n in names if n in params]
+
+
 class DataParallelExecutor:
     """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring).
 
@@ -60,13 +67,19 @@ class DataParallelExecutor:
     ``recompute_layers``: the capture's ``Layer.name`` s, in order; when the plan recomputes, the
     submodule of each that is a module path is checkpointed on its own
     (:func:`runtime.training.recompute.wrap_layers`; none given: the module recomputes whole).
+    ``zero_layers``: the layer names ZeRO shards as units of their own
+    (:func:`planner.devices.cost_model.fsdp_unit_names`, what the memory model priced: tied weights
+    stay in the root unit); None: ``recompute_layers``. ``idle``: the names of the module's
+    parameters the captured forward never reads (``Layer.idle_state``), which the replica sync holds
+    whole and never reduces.
     """
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
                  emulator: Optional[Emulator] = None, flops_per_sample: tuple[float, float] = (0.0, 0.0),
                  recompute_layers: Sequence[str] = (),
                  memory_bytes_per_sample: tuple[float, float] = (0.0, 0.0),
-                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None):
+                 scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 zero_layers: Optional[Sequence[str]] = None, idle: Sequence[str] = ()):
         self.rank = rank
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.group = group
@@ -86,15 +99,17 @@ class DataParallelExecutor:
             recompute.wrap_stage(module, plan.stages[0].recompute_unit, recompute_layers)
             self.backward_flops += flops_per_sample[0]
             self.backward_memory_bytes += memory_bytes_per_sample[0]
-        # ZeRO shards each of the model's layer modules as a unit of its own (stage 3 gathers one at a time)
+        # ZeRO shards each of the model's layer modules as a unit of its own (stage 3 gathers one at a
+        # time), but a layer sharing a parameter with another (tied weights) leaves it to the root unit
         zero = plan.stages[0].zero_stage
+        zero_layers = recompute_layers if zero_layers is None else zero_layers
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
                                                     emulator=self.emulator,
                                                     devices=[plan.worker(r).device for r in sorted(group.ranks)],
                                                     reduce_dtype=reduce_dtype, zero_stage=zero,
                                                     fractions=plan.stages[0].state_fractions,
-                                                    layers=recompute.layer_module_paths(module, recompute_layers)
-                                                    if zero else ())
+                                                    layers=recompute.layer_module_paths(module, zero_layers)
+                                                    if zero else (), idle=idle_parameters(module, idle))
         # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0], memory_bytes_per_sample[0])

@@ -98,7 +98,7 @@ nothing else (:mod:`runtime.tensor.shard_pass`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,6 +161,22 @@ def _boundary_structure(plan: Plan) -> list[tuple]:
     return [tuple(getattr(b, name) for name in FIXED_BOUNDARY_FIELDS) for b in plan.boundaries]
 
 
+def idle_state_of(graphs, plan: Plan, model: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
+    """Stage index -> name -> tensor of ``model``'s parameters and buffers that the captured forward
+    never reads and that the stage holds: those of its layers (``Layer.idle_state``), so the stage
+    holding the layer they were given to keeps them."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    out = {}
+    for stage in plan.stages:
+        names = [n for i in stage.layers for n in graphs.layers[i].idle_state]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise PipelineError(f"the capture names {missing} as state the forward never reads, but the model has no "
+                                "parameter or buffer of that name; capture the model this executor runs")
+        out[stage.index] = {n: state[n] for n in names}
+    return out
+
+
 def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     """Rank -> per micro-batch, the global ``[start, stop)`` of the samples it processes
     (:meth:`planner.shares.layout.SampleLayout.all_ranges`, the one owner of the layout)."""
@@ -179,6 +195,8 @@ class PipelineExecutor:
     ``group``: the processes running the plan (default: the whole world); plan rank ``r`` is rank
     ``r`` of ``group``. ``dp_group``: the process group of every worker of this rank's stage in
     every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
+    ``idle_state``: stage index -> the model's name -> tensor of the state the forward never reads
+    that the stage holds (:func:`idle_state_of`; default none).
     ``names``: the module whose parameter and buffer names :meth:`full_state_dict` uses (default
     ``graph_module``; pass the user's model if the capture renamed them). It must share its
     tensors with ``graph_module``, as :func:`whalelike.graphs.capture` does. ``network``: the link
@@ -203,6 +221,7 @@ class PipelineExecutor:
         network: Optional[NetworkModel] = None,
         scaler: Optional[PlanLossScaler] = None,
         reduce_dtype: Optional[torch.dtype] = None,
+        idle_state: Optional[Mapping[int, Mapping[str, torch.Tensor]]] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -232,7 +251,8 @@ class PipelineExecutor:
             sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
             micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler,
             reduce_dtype=reduce_dtype,
-            memory_bytes=stage_memory_bytes[self.stage.index] if stage_memory_bytes is not None else (0.0, 0.0))
+            memory_bytes=stage_memory_bytes[self.stage.index] if stage_memory_bytes is not None else (0.0, 0.0),
+            idle=(idle_state or {}).get(self.stage.index))
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)

@@ -6,7 +6,9 @@ loss. A :class:`StageWorker` owns what is about *this stage on this rank*, so ea
 room and each analysis runs once, here, at construction:
 
 * its module, cut from the captured graph (:mod:`runtime.parallel.stage_split`), with the model's
-  names of its state (taken before sharding, which keeps keys but replaces tensors);
+  names of its state (taken before sharding, which keeps keys but replaces tensors), and the
+  state the forward never reads that its layers hold (``Layer.idle_state``: attached to the
+  stage module, so it is held, named, checkpointed and moved like the rest, never trained or synced);
 * its tensor-parallel sharding (:mod:`runtime.tensor.shard_pass`; the group's collectives are
   priced there when the network is emulated) and, on the last stage, the sharded loss;
 * its replica sync over the workers holding the same parameters
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,27 @@ class StageError(RuntimeError):
     """A stage cannot be set up on this rank; the message names the rank, the stage and the fix."""
 
 
+IDLE_PREFIX = "idle__"    # the stage module's attribute of a tensor the forward never reads: idle__<its path, __ for .>
+
+
+def attach_idle_state(stage: nn.Module, idle: Mapping[str, torch.Tensor]) -> list[nn.Parameter]:
+    """Register on ``stage`` each tensor of ``idle`` (the model's name -> a parameter or buffer the
+    captured forward never reads, ``Layer.idle_state``), the same tensor, so this stage holds it and
+    its state dict, checkpoints and state moves carry it under the model's name. Returns the
+    parameters among them (no sync reduces them)."""
+    params = []
+    for name, tensor in idle.items():
+        attr = IDLE_PREFIX + name.replace(".", "__")
+        if hasattr(stage, attr):
+            continue
+        if isinstance(tensor, nn.Parameter):
+            stage.register_parameter(attr, tensor)
+            params.append(tensor)
+        else:
+            stage.register_buffer(attr, tensor)
+    return params
+
+
 class StageWorker:
     """This rank's worker of stage ``plan.worker(rank).stage`` (see the module docstring).
 
@@ -68,7 +91,10 @@ class StageWorker:
     its number of micro-batches (the BatchNorm sync needs equal counts). ``flops`` and
     ``memory_bytes``: the stage's (forward, backward) FLOPs and non-matmul bytes per sample, for
     the emulator (:func:`runtime.parallel.stage_split.stage_flops_from_plan`,
-    :func:`~runtime.parallel.stage_split.stage_memory_bytes_from_plan`).
+    :func:`~runtime.parallel.stage_split.stage_memory_bytes_from_plan`). ``idle``: the model's
+    name -> tensor of each parameter and buffer the forward never reads that this stage holds
+    (``Layer.idle_state`` of its layers; the user's model's tensors: the graph module may not
+    hold them).
     """
 
     def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: dist.ProcessGroup,
@@ -76,7 +102,7 @@ class StageWorker:
                  *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
                  dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int],
                  scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 memory_bytes: tuple[float, float] = (0.0, 0.0)):
+                 memory_bytes: tuple[float, float] = (0.0, 0.0), idle: Optional[Mapping[str, torch.Tensor]] = None):
         self.plan, self.rank, self.group, self.split = plan, rank, group, split
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.reduce_dtype = reduce_dtype   # the dtype the replica sync reduces gradients in (None: their own)
@@ -84,6 +110,8 @@ class StageWorker:
         self.stage = split.stages[self.worker.stage]
         self.is_last = self.stage.index == split.num_stages - 1
         self.emulator, self.flops, self.memory_bytes = emulator, flops, memory_bytes
+        self.idle = dict(idle or {})
+        self.idle_params = attach_idle_state(self.stage.module, self.idle)
         self._state_names = self._model_names(names)
         # before sharding: creates the tied parameters' groups and makes their copies equal
         self.tied = TiedParameters(split, plan, rank, group, names)
@@ -182,7 +210,9 @@ class StageWorker:
                 and not self.recomputes)
 
     def has_parameters(self) -> bool:
-        return any(p.requires_grad for p in self.stage.module.parameters())
+        """Whether the stage trains any parameter (state the forward never reads does not count)."""
+        idle = {id(p) for p in self.idle_params}
+        return any(p.requires_grad and id(p) not in idle for p in self.stage.module.parameters())
 
     def finish_step(self) -> None:
         """After the step's last backward: sum tied parameters' gradients over their holders (under
@@ -293,7 +323,7 @@ class StageWorker:
                                   alone=alone, reduce_dtype=self.reduce_dtype,
                                   zero_stage=self.plan.stages[self.stage.index].zero_stage,
                                   fractions=self.plan.stages[self.stage.index].state_fractions,
-                                  keep_whole=self.kept_whole)
+                                  keep_whole=self.kept_whole, idle=self.idle_params)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:
@@ -313,6 +343,8 @@ class StageWorker:
         names: dict[int, tuple[str, ...]] = {}
         for n, t in source.state_dict(keep_vars=True).items():
             names[id(t)] = names.get(id(t), ()) + (n,)
+        for n, t in self.idle.items():          # the names module may not hold them (an fx graph module)
+            names.setdefault(id(t), (n,))
         for n, t in [*source.named_parameters(remove_duplicate=False), *source.named_buffers(remove_duplicate=False)]:
             names.setdefault(id(t), (n,))
         out = {}

@@ -146,7 +146,8 @@ def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
 
 def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
              *, average: bool = False, devices: Optional[Sequence[str]] = None,
-             bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None) -> DistributedDataParallel:
+             bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None,
+             idle: Sequence[nn.Parameter] = ()) -> DistributedDataParallel:
     """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
 
     Gradients are summed (``average=False``): weight each rank's loss by its share of the global
@@ -170,9 +171,19 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     overlap. ``bucket_cap_mb`` is DDP's (ignored under emulation without a network).
     ``reduce_dtype``: reduce gradients in this dtype (``torch.bfloat16``: half the bytes) instead of
     their own float32 (``Engine(grad_reduce_dtype="bf16")``, :mod:`runtime.training.precision`).
+    ``idle``: parameters the forward never reads, left out of DDP (DDP's own list of parameters to
+    ignore), which would otherwise wait for their gradients at every step.
     """
     emulator = emulator or Emulator.disabled()
-    params = [p for p in module.parameters() if p.requires_grad]
+    idle_ids = {id(p) for p in idle}
+    ignored = [n for n, p in module.named_parameters() if id(p) in idle_ids]
+    # DDP's reducer spells a parameter of the root module ".name" (f"{module_name}.{param_name}"),
+    # its parameter list "name": a root-level parameter is ignored only under both spellings
+    ignored += ["." + n for n in ignored if "." not in n]
+    if ignored:
+        ignored += [n for n in getattr(module, "_ddp_params_and_buffers_to_ignore", ()) if n not in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in idle_ids]
     if not params:
         raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
     kwargs: dict[str, Any] = dict(process_group=process_group)
@@ -215,12 +226,13 @@ class DDPSync(WholeParameters):
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, emulator: Optional[Emulator] = None,
                  devices: Optional[Sequence[str]] = None, average: bool = False,
-                 bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None):
+                 bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 idle: Sequence[nn.Parameter] = ()):
         self.inner = module
         self.group = group
         self.ddp: Optional[DistributedDataParallel] = wrap_ddp(module, group, emulator, average=average,
                                                                devices=devices, bucket_cap_mb=bucket_cap_mb,
-                                                               reduce_dtype=reduce_dtype)
+                                                               reduce_dtype=reduce_dtype, idle=idle)
 
     @property
     def module(self) -> nn.Module:

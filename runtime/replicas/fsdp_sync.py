@@ -23,7 +23,10 @@ them). The three ZeRO stages are three ways of driving it, chosen per stage by
   prefetches the next unit's all-gather while one computes. Units: the executor passes the module
   paths of the model's layers (``layers``, the capture's Layers that are submodules, e.g.
   ``transformer.h.3``); each is ``fully_shard``-ed on its own before the root, so one layer's
-  parameters are whole at a time.
+  parameters are whole at a time. A layer sharing a parameter with the rest of the model (tied
+  input and output embeddings) is no unit of its own: the shared parameter is the root unit's,
+  gathered across all its uses (:func:`runtime.replicas.sync_parts.own_units`; FSDP2 refuses a
+  parameter in two units, and one freed after the embedding would be missing at the output).
 
 At stages 2 and 3 every micro-batch issues collectives, so every rank of the group runs the same
 number of micro-batches (the plan gives faster devices larger ones; :mod:`planner.plan_checks`).
@@ -74,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, dtensor_range, module_state
-from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
+from runtime.replicas.sync_parts import OwnPassenger, WholeParameters, own_units
 from whalelike.errors import WhaleError
 
 try:   # torch >= 2.8: FSDP2's pluggable collectives (the emulated network pads them)
@@ -161,7 +164,7 @@ class FSDPSync(OwnPassenger, WholeParameters):
         # parameters the caller syncs itself (tied to another pipeline stage): FSDP2 leaves them whole
         ignored = set(keep_whole) or None
         self.units: list[FSDPModule] = []
-        for path in layers:
+        for path in own_units(module, layers):     # a tied weight's layers leave it to the root unit
             sub = module.get_submodule(path)
             if sub is module or not any(p.requires_grad for p in sub.parameters()):
                 continue

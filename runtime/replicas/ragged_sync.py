@@ -40,8 +40,9 @@ buffer whole; so checkpoints and re-plans move ragged holdings like any others.
 
 Stage 3 (parameters sharded too): the whole parameters hold no storage between uses
 (``untyped_storage().resize_(0)``, as FSDP does; autograd's saved references see the storage come
-back). The units are the module's layers (``layers``: module paths, as FSDP2's units at stage 3)
-and a root unit of the parameters in no layer. A layer unit is all-gathered (one padded
+back). The units are the module's layers (``layers``: module paths, as FSDP2's units at stage 3;
+a layer sharing a parameter with the rest of the model, as tied embeddings do, is none,
+:func:`runtime.replicas.sync_parts.own_units`) and a root unit of the parameters in no layer. A layer unit is all-gathered (one padded
 collective) before its forward and freed after it, gathered again when the backward reaches its
 outputs (a hook on them) and freed once its gradients are reduce-scattered; the root unit is
 gathered before the module's forward and stays until its gradients are reduced (its embedding
@@ -72,7 +73,7 @@ from planner.balance.state_moves import Slab
 from planner.devices.memory import RAGGED_BUCKET_BYTES
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, module_state
-from runtime.replicas.sync_parts import OwnPassenger
+from runtime.replicas.sync_parts import OwnPassenger, own_units
 from whalelike.errors import WhaleError
 
 
@@ -179,6 +180,7 @@ class RaggedSync(OwnPassenger):
             # the buckets complete in the order the backward produces their gradients
             self.buckets, unit_modules = self._units(module, layers)
         else:
+            unit_modules = {}
             # the buckets of the collectives: parameters in reverse order (as their gradients become
             # ready), cut at BUCKET_BYTES of whole parameters at stage 1, one parameter each at stage 2
             # (each full gradient freed as soon as it is produced: the memory model's u,
@@ -193,6 +195,8 @@ class RaggedSync(OwnPassenger):
                     current = []
             if current:
                 self.buckets.append(_Layout(self, current))
+        # stage 3: bucket -> the module whose forward gathers it (the layer units, then the root)
+        self.unit_modules: dict[int, nn.Module] = unit_modules
         self._bucket_of = {i: b for b, layout in enumerate(self.buckets) for i in layout.indices}
         self._ready: list[set] = [set() for _ in self.buckets]
         self._next_bucket = 0
@@ -324,7 +328,7 @@ class RaggedSync(OwnPassenger):
         reverse order, then the rest: the root), and the module whose forward gathers each."""
         claimed: set[int] = set()
         units: list[tuple[nn.Module, list[int]]] = []
-        for path in layers:
+        for path in own_units(module, layers):     # a tied weight's layers leave it to the root unit
             sub = module.get_submodule(path)
             indices = [self._index[id(p)] for p in sub.parameters() if id(p) in self._index and id(p) not in claimed]
             claimed.update(id(self.params[i]) for i in indices)

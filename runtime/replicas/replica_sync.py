@@ -121,26 +121,29 @@ class AloneSync(OwnPassenger, WholeParameters):
         return self.inner
 
 
-def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> DDPSync:
+def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
+         idle) -> DDPSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'ddp' with zero_stage {zero_stage}; DDP is ZeRO stage 0 "
                          "(make the plan with this version of whalelike: stages 1-3 use replica_sync 'fsdp')")
-    return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype)
+    return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype, idle=idle)
 
 
-def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> FSDPSync:
+def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
+          idle) -> FSDPSync:
     from runtime.replicas.fsdp_sync import FSDPSync   # FSDP2 imports torch.distributed.tensor: a second of CPU
     return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
-                    reduce_dtype=reduce_dtype, keep_whole=keep_whole)
+                    reduce_dtype=reduce_dtype, keep_whole=[*keep_whole, *idle])
 
 
-def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole) -> RaggedSync:
+def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
+            idle) -> RaggedSync:
     return RaggedSync(module, group, stage=zero_stage, fractions=fractions, emulator=emulator, devices=devices,
-                      reduce_dtype=reduce_dtype, layers=layers, keep_whole=keep_whole)
+                      reduce_dtype=reduce_dtype, layers=layers, keep_whole=[*keep_whole, *idle])
 
 
 def _partial(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions,
-             keep_whole) -> PartialSync:
+             keep_whole, idle) -> PartialSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'partial' with zero_stage {zero_stage}; P-Reduce averages whole "
                          "parameters (ZeRO stage 0): re-create the plan with `whalelike plan`")
@@ -159,7 +162,8 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
                        emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
                        alone: bool = False, reduce_dtype: Optional[torch.dtype] = None,
                        zero_stage: int = 0, layers: Sequence[str] = (), fractions: Sequence[float] = (),
-                       keep_whole: Sequence[nn.Parameter] = ()) -> ReplicaSync:
+                       keep_whole: Sequence[nn.Parameter] = (),
+                       idle: Sequence[nn.Parameter] = ()) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
@@ -170,15 +174,20 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     ``module`` that ZeRO shards as units of their own (stage 3 gathers one at a time); ``fractions``:
     ``StagePlan.state_fractions`` (the ragged sync's share of the state per group rank);
     ``keep_whole``: parameters a ZeRO sync leaves whole and does not reduce (the caller sums their
-    gradients over the group: weights tied across pipeline stages; DDP reduces everything).
+    gradients over the group: weights tied across pipeline stages; DDP reduces everything);
+    ``idle``: parameters the forward never reads (``Layer.idle_state``: no gradient ever reaches
+    them), which every sync holds whole and never reduces (DDP would wait for their gradients).
+    P-Reduce averages them with the rest: they never change, so the average is themselves.
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
                          f"(make the plan with this version of whalelike)")
-    if alone or not any(p.requires_grad for p in module.parameters()):
+    idle_ids = {id(p) for p in idle}
+    if alone or not any(p.requires_grad and id(p) not in idle_ids for p in module.parameters()):
         return AloneSync(module, group)
     return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
-                                  zero_stage=zero_stage, layers=layers, fractions=fractions, keep_whole=keep_whole)
+                                  zero_stage=zero_stage, layers=layers, fractions=fractions, keep_whole=keep_whole,
+                                  idle=tuple(idle))
 
 
 def executor_syncs(executor) -> list[ReplicaSync]:

@@ -5,16 +5,47 @@
   bucket to append it to (the lone worker, FSDP2, the ragged sync); DDP carries it in its last bucket.
 * :class:`WholeParameters`: the optimizer steps the module's own parameters, which are always
   current (DDP, the lone worker, FSDP2, whose sharded parameters are the module's).
+* :func:`own_units`: which of the layer modules a ZeRO sync wraps as units of their own hold only
+  their own parameters (FSDP2 and the ragged sync at stage 3 free a unit's parameters between uses).
 
 Invariant: a class using them has ``inner`` (its module) and ``group`` (its process group).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import logging
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+
+def own_units(module: nn.Module, paths: Sequence[str]) -> list[str]:
+    """The module paths among ``paths`` (layer submodules of ``module``, none inside another) whose
+    every parameter is registered only inside their own subtree. A parameter also registered
+    elsewhere (a tied weight: ``lm_head.weight`` is ``embed_tokens.weight``) stays with the root
+    unit, whose gather spans all its uses: in a unit of its own it would be freed between the uses
+    (ZeRO 3), and FSDP2 refuses a parameter managed by two units. The planner leaves the same layers
+    out of its units from the capture (:func:`planner.devices.cost_model.fsdp_unit_names`); this is
+    the check on the module itself, for ties the capture cannot see (a parameter registered in a
+    module whose forward never reads it)."""
+    inside: dict[int, set[str]] = {}
+    for name, owner in module.named_modules(remove_duplicate=False):
+        for pname, param in owner.named_parameters(recurse=False):
+            inside.setdefault(id(param), set()).add(f"{name}.{pname}" if name else pname)
+    kept = []
+    for path in paths:
+        sub = module.get_submodule(path)
+        outside = sorted(n for p in sub.parameters() for n in inside.get(id(p), ())
+                         if not n.startswith(path + "."))
+        if outside:
+            log.info("ZeRO: %s shares %s with the rest of the model; its parameters join the root unit", path,
+                     ", ".join(outside))
+        else:
+            kept.append(path)
+    return kept
 
 
 class OwnPassenger:

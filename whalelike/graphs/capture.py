@@ -42,7 +42,7 @@ from whalelike.errors import CaptureError
 from whalelike.graphs.nodes import attribute
 from whalelike.graphs.constant_copies import recompute_constants
 from whalelike.graphs.output_tree import OUTPUTS_META, OutputRecord, loss_reads, output_leaves, record_outputs
-from whalelike.graphs.regions import Regions, assign_regions
+from whalelike.graphs.regions import ROOT_LAYER, Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
 from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 from whalelike.graphs.tracing import placeholder_values, trace_reusable
@@ -186,7 +186,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             layer_nodes[regions.node_layer[node.name]].append(node)
             # survives the cutting into stages (split_module copies meta): per-layer recompute reads it
             node.meta[LAYER_META] = regions.node_layer[node.name]
-    params, borrowed = _parameter_owners(gm, regions)
+    params, borrowed, idle, idle_params = _parameter_owners(gm, regions, model)
     batchnorms = training_batchnorms(gm)
     unread = _unread_outputs(outputs)
     cuts, whole_cuts = _cut_bytes(gm, regions, costs, batch, unread)
@@ -200,7 +200,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
     layers = []
     for i, name in enumerate(regions.layer_names):
         nodes = layer_nodes[i]
-        owned = params.get(i, [])
+        owned = params.get(i, []) + idle_params.get(i, [])   # the idle ones are held too, never trained
         layers.append(Layer(
             index=i, name=name, taskgraph=regions.layer_taskgraph[i],
             forward_flops=sum(costs.forward_flops.get(n.name, 0) for n in nodes) / batch,
@@ -217,6 +217,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             nodes=tuple(n.name for n in nodes),
             batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
             borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
+            idle_state=tuple(idle.get(i, ())),
             input_activation_bytes_per_sample=extra["input_activation"][i],
             output_bytes_per_sample=extra["output"][i],
             autocast=None if low is None else {
@@ -259,10 +260,13 @@ def _unread_outputs(outputs: OutputRecord) -> frozenset[str]:
     return frozenset(leaf.node for leaf in outputs.leaves if leaf.node and leaf.node not in read)
 
 
-def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, list[nn.Parameter]], dict[int, dict]]:
+def _parameter_owners(gm: fx.GraphModule, regions: Regions, model: nn.Module) -> tuple[
+        dict[int, list[nn.Parameter]], dict[int, dict], dict[int, list[str]], dict[int, list[nn.Parameter]]]:
     """Layer index -> the parameters it owns: each parameter once, in the first layer that uses it;
-    and layer index -> ``{name: (owner layer, bytes)}`` of the parameters it uses that an earlier
-    layer owns (tied weights: GPT-2's ``lm_head`` reads ``transformer.wte.weight``)."""
+    layer index -> ``{name: (owner layer, bytes)}`` of the parameters it uses that an earlier
+    layer owns (tied weights: GPT-2's ``lm_head`` reads ``transformer.wte.weight``); and layer index
+    -> the names, then the parameters among them, of the state the forward never reads that the
+    layer holds (:func:`_idle_state`)."""
     names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=True)}
     owner_of: dict[int, int] = {}
     owners: dict[int, list[nn.Parameter]] = defaultdict(list)
@@ -284,11 +288,51 @@ def _parameter_owners(gm: fx.GraphModule, regions: Regions) -> tuple[dict[int, l
                 owners[layer].append(p)
             elif owner_of[id(p)] != layer:
                 borrowed[layer][names[id(p)]] = (owner_of[id(p)], p.numel() * p.element_size())
-    seen = set(owner_of)
-    unused = [n for n, p in gm.named_parameters() if id(p) not in seen]
-    if unused:
-        log.warning("capture: parameters never used by forward are in no TaskGraph: %s", ", ".join(unused))
-    return owners, borrowed
+    idle, idle_params = _idle_state(gm, regions, model, set(owner_of))
+    return owners, borrowed, idle, idle_params
+
+
+def _idle_state(gm: fx.GraphModule, regions: Regions, model: nn.Module, used: set[int]) -> tuple[
+        dict[int, list[str]], dict[int, list[nn.Parameter]]]:
+    """The parameters (ids not in ``used``) and persistent buffers of ``model`` the captured forward
+    never reads (DINOv2's ``mask_token``, read only when masked positions are passed; a head kept
+    for later), each given to one layer that holds it (``Layer.idle_state``, the model's names):
+    the layer named by the longest module path that contains it, else the first. Such state is
+    still the model's: the stage holding that layer keeps it (no gradient reaches it, no sync
+    reduces it), and the state dict, checkpoints and exports carry it. The model is asked, not the
+    graph: an fx graph module keeps only what its nodes reference, while ``torch.export``'s keeps
+    everything (under the model's names, sharing its tensors either way). Returns layer -> names,
+    and layer -> the parameters among them (their bytes count with the layer's)."""
+    read = {id(attribute(gm, node.target)) for node in gm.graph.nodes if node.op == "get_attr"}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            read.update(id(t) for t in gm.get_submodule(node.target).buffers())
+    in_graph = dict(gm.named_parameters(remove_duplicate=False))
+    found: list[tuple[str, Any]] = []
+    for name, p in model.named_parameters():
+        if id(p) not in used and id(in_graph.get(name, p)) not in used:
+            found.append((name, p))
+    graph_buffers = dict(gm.named_buffers(remove_duplicate=False))
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in model.get_submodule(owner)._non_persistent_buffers_set:
+            continue
+        if id(buf) not in read and id(graph_buffers.get(name, buf)) not in read:
+            found.append((name, buf))
+    names, params = defaultdict(list), defaultdict(list)
+    if not found or not regions.layer_names:
+        return names, params
+    for name, tensor in found:
+        path = name.rpartition(".")[0]
+        holders = [(len(layer), i) for i, layer in enumerate(regions.layer_names)
+                   if layer != ROOT_LAYER and (path == layer or path.startswith(layer + "."))]
+        index = min(holders, key=lambda h: (-h[0], h[1]))[1] if holders else 0
+        names[index].append(name)
+        if isinstance(tensor, nn.Parameter):
+            params[index].append(tensor)
+    log.info("capture: state the forward never reads, held with a layer: %s",
+             ", ".join(f"{n} ({regions.layer_names[i]})" for i, ns in sorted(names.items()) for n in ns))
+    return names, params
 
 
 def _tensor_bytes(spec) -> int:

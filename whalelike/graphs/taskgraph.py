@@ -90,6 +90,10 @@ class Layer:
     (:mod:`whalelike.graphs.batchnorm_layers`). ``borrowed_params``: ``(owner layer, name, bytes)`` of each
     parameter the layer uses that an earlier layer owns (tied weights); a stage that holds this
     layer but not the owner holds a copy of it, with its gradient and optimizer state.
+    ``idle_state``: the names of the model's parameters and persistent buffers that the captured
+    forward never reads and this layer holds (:mod:`whalelike.graphs.capture`: DINOv2's
+    ``mask_token``); the stage holding the layer keeps them, untrained and unsynced, so the state
+    dict, checkpoints and exports are the whole model's. Their parameters count in ``param_bytes``.
 
     Memory beyond the saved activations (:mod:`planner.devices.memory` reads them):
     ``input_activation_bytes_per_sample`` is the part of ``activation_bytes_per_sample`` made before
@@ -127,6 +131,7 @@ class Layer:
     nodes: tuple[str, ...] = ()
     batchnorm: tuple[str, ...] = ()
     borrowed_params: tuple[tuple[int, str, int], ...] = ()
+    idle_state: tuple[str, ...] = ()
     input_activation_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
     autocast: Optional[dict[str, float]] = None
@@ -255,7 +260,8 @@ class TaskGraphs:
                                    "shard_groups": tuple(ShardGroup.from_dict(sg) for sg in g.get("shard_groups", ()))})
                       for g in data["graphs"]]
             layers = [Layer(**{**l, "nodes": tuple(l["nodes"]), "batchnorm": tuple(l.get("batchnorm", ())),
-                                "borrowed_params": tuple(tuple(b) for b in l.get("borrowed_params", ()))})
+                                "borrowed_params": tuple(tuple(b) for b in l.get("borrowed_params", ())),
+                                "idle_state": tuple(l.get("idle_state", ()))})
                       for l in data["layers"]]
             boundaries = [Boundary(b["src"], b["dst"], tuple(
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["batched"]) for t in b["tensors"]))
