@@ -248,8 +248,9 @@ def _holdings(engine) -> tuple[NamedState, dict[str, torch.Tensor | Any], dict]:
 
 def _executor(engine):
     if engine.executor is None:
-        raise CheckpointError("the Engine has not built its executor yet: pass example_args to runtime.Engine, or "
-                              "run a step (or engine.build(inputs)) before saving or loading a checkpoint")
+        raise CheckpointError("the Engine has not built its executor yet (it does so at its first step): pass "
+                              "runtime.Engine(..., example_args=<a batch's inputs>), or run a step, before saving "
+                              "or loading a checkpoint")
     executor = engine.executor
     owner = getattr(executor, "owner", None)          # a migration: the owner holds the state
     return owner if owner is not None else executor

@@ -132,9 +132,10 @@ def cluster(speeds) -> Cluster:
 SPEEDS = {1: [1.0], 2: [1.0, 2.0], 3: [1.0, 1.5, 3.0]}
 
 
-def engine_for(name: str, ranks: int, perturb: bool = False):
+def engine_for(name: str, ranks: int, perturb: bool = False, built: bool = True):
     """An Engine for scenario ``name`` planned on ``ranks`` unequal devices (``perturb``: other
-    initial weights, so only a load can make it right)."""
+    initial weights, so only a load can make it right; ``built``: given example inputs, so its
+    executor exists before the first step)."""
     from runtime import Engine
 
     build, data, loss, micro = SCENARIOS[name]
@@ -147,8 +148,8 @@ def engine_for(name: str, ranks: int, perturb: bool = False):
     spec = cluster(SPEEDS[ranks])
     graphs = capture(model, batches[0][0])
     plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=micro if ranks > 1 else 1))
-    engine = Engine(model, plan, optimizer=MAKE_OPT, loss_fn=loss, cluster=spec, example_args=batches[0][0],
-                    balance="off", timeout_s=120)
+    engine = Engine(model, plan, optimizer=MAKE_OPT, loss_fn=loss, cluster=spec,
+                    example_args=batches[0][0] if built else None, balance="off", timeout_s=120)
     return engine, batches
 
 
@@ -202,7 +203,27 @@ def _one_rank(rank: int, world_size: int, root: str) -> dict:
         losses = [engine.train_step(batches[step]) for step in range(extra["next_batch"], STEPS)]
         out[name] = {"losses": losses, "final": engine.state_dict(), "from_world": info.world_size}
     out["refused"] = _refuse(root)
+    out["unbuilt"] = _unbuilt(root)
     return out
+
+
+def _unbuilt(root: str) -> str:
+    """Saving before the executor exists: the error says how to build it, naming only what exists."""
+    import re
+
+    from runtime import Engine, checkpoint
+    from runtime.checkpoint import CheckpointError
+
+    engine, _ = engine_for("dp", 1, built=False)
+    try:
+        checkpoint.save(engine, os.path.join(root, "unbuilt"))
+    except CheckpointError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a checkpoint of an Engine without its executor was written")
+    named = re.findall(r"(?:engine|Engine)\.(\w+)", message)
+    assert all(hasattr(Engine, n) for n in named), (named, message)
+    return message
 
 
 def _refuse(root: str) -> bool:
@@ -280,6 +301,13 @@ def test_a_half_written_checkpoint_is_never_loaded(runs, tmp_path):
     assert checkpoint.latest(folder).step == 6
     assert [c.step for c in checkpoint.complete(folder)] == [6]
     assert checkpoint.latest(tmp_path / "nowhere") is None
+
+
+def test_saving_before_the_executor_exists_says_how_to_build_it(runs):
+    message = runs["one"]["unbuilt"]
+    assert "example_args=" in message and "run a step" in message, message
+    written = os.path.join(runs["root"], "unbuilt")
+    assert not os.path.isdir(written) or not os.listdir(written), os.listdir(written)
 
 
 def test_loading_a_checkpoint_of_another_model_is_refused(runs):

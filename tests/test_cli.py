@@ -115,6 +115,10 @@ FACTORIES = """\
     def crashes():
         raise RuntimeError("out of coffee")
 
+    def exits():
+        import sys
+        sys.exit(3)
+
     not_a_function = 3
 """
 
@@ -134,9 +138,10 @@ def test_factory_returning_a_tuple_or_a_workload(factories):
 
 @pytest.mark.parametrize("suffix,fragments", [
     (":wrong_type", ["wrong_type() must return a whalelike.Workload or a (model, example_args) tuple, got int"]),
-    (":missing", ["has no attribute 'missing'", "functions defined there: crashes, full, good, wrong_type"]),
+    (":missing", ["has no attribute 'missing'", "functions defined there: crashes, exits, full, good, wrong_type"]),
     (":not_a_function", ["'not_a_function' is a int, not a function"]),
     (":crashes", ["crashes(): raised RuntimeError: out of coffee"]),
+    (":exits", ["models.py:exits(): called sys.exit(3)", "must return a model"]),
     ("", ["MODEL must be path/to/file.py:factory"]),
 ])
 def test_factory_problems_are_one_line_errors(capsys, factories, suffix, fragments):
@@ -154,6 +159,13 @@ def test_model_file_that_fails_to_import(capsys, tmp_path):
     path.write_text("import torch\n1 / 0\n")
     code, _, err = run(capsys, "inspect", f"{path}:model")
     assert_one_line_error(code, err, "broken.py: importing it failed: ZeroDivisionError")
+
+
+def test_model_file_that_exits_when_imported(capsys, tmp_path):
+    path = tmp_path / "script.py"
+    path.write_text("import sys\nsys.exit(4)\n")
+    code, _, err = run(capsys, "inspect", f"{path}:model")
+    assert_one_line_error(code, err, "script.py: importing it called sys.exit(4)", '__name__ == "__main__"')
 
 
 # -- whalelike inspect and plan with real capture ---------------------------------------------------
@@ -292,6 +304,34 @@ def test_plan_prints_the_summary_and_writes_every_file(capsys, synthetic_capture
     assert sorted(os.listdir(tmp_path)) == ["plan.json", "plan.png", "plan.yaml"]
     code, out, _ = run(capsys, "simulate", str(out_yaml))
     assert code == 0 and "simulated step (1f1b, 4 micro-batch(es))" in out
+
+
+def test_a_plan_that_fails_says_one_line_without_the_warnings_of_what_it_tried(capsys, caplog, synthetic_capture,
+                                                                             tmp_path):
+    """A global batch no device holds: the planner warns on its way (partitions that overflow, a
+    fallback to recompute) and then fails; the error alone is said, in one line. Warnings of a plan
+    that succeeds are still printed, after it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        code, _, err = run(capsys, "plan", "model.py:workload", "--cluster", "emulated-4", "--global-batch",
+                           "1000000000000", "-o", str(tmp_path / "plan.yaml"))
+    assert_one_line_error(code, err, "does not fit")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    assert os.listdir(tmp_path) == []
+    real = planner.plan
+
+    def warns(*args, **kwargs):
+        logging.getLogger("planner").warning("a note the planner makes on its way")
+        return real(*args, **kwargs)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "plan", warns)
+        code, _, _ = run(capsys, "plan", "model.py:workload", "--cluster", "emulated-4", "--global-batch", "16",
+                         "-o", str(tmp_path / "plan.yaml"))
+    assert code == 0
+    assert [r.getMessage() for r in caplog.records] == ["a note the planner makes on its way"]
 
 
 def test_plan_sync_batchnorm_flag_is_recorded(capsys, synthetic_capture, tmp_path):

@@ -92,6 +92,10 @@ def load_workload(spec: str):
     except WhaleError:
         del sys.modules[module_name]
         raise
+    except SystemExit as e:       # sys.exit() at import: a script's main guard missing, say so
+        del sys.modules[module_name]
+        raise WhaleError(f"{path_text}: importing it called sys.exit({e.code!r}); MODEL's file is imported, not "
+                         "run: put script code under `if __name__ == \"__main__\":`") from e
     except Exception as e:
         del sys.modules[module_name]
         raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
@@ -109,6 +113,9 @@ def load_workload(spec: str):
         result = factory()
     except WhaleError:
         raise
+    except SystemExit as e:       # would end the command with the factory's status and no word
+        raise WhaleError(f"{spec}(): called sys.exit({e.code!r}); a model factory must return a model (or a "
+                         "Workload), or raise an exception that says what is wrong") from e
     except Exception as e:
         raise WhaleError(f"{spec}(): raised {type(e).__name__}: {e} (run with --debug for the traceback)") from e
     return as_workload(result, origin=f"{spec}()")
@@ -122,6 +129,33 @@ def capture_workload(args: argparse.Namespace):
     with _status(f"capturing {args.model}"):
         graphs = capture(wl.model, wl.example_args, wl.example_kwargs, optimizer=args.optimizer, loss_fn=wl.loss_fn)
     return graphs
+
+
+@contextlib.contextmanager
+def _warnings_unless_failed(verbose: bool) -> Iterator[None]:
+    """Hold the log records of the block (the planner's warnings about the alternatives it tried:
+    a partition that does not fit, a fallback to recompute) and print them when it succeeds; when it
+    fails, its error says what went wrong in one line and they are dropped (with ``--verbose``
+    they are printed before it)."""
+    root = logging.getLogger()
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, root.handlers = root.handlers, [Hold()]
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        root.handlers = handlers
+        if ok or verbose:
+            for record in held:
+                for handler in handlers:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
 
 
 @contextlib.contextmanager
@@ -202,7 +236,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
             from planner.devices.profile import Profile
             profile = Profile.from_yaml(args.profile, graphs=graphs, cluster=cluster, precision=config.precision)
         speeds = f", speeds measured in {args.profile}" if profile is not None else ""
-        with _status(f"planning on {cluster.name} ({cluster.inventory()}{speeds})"):
+        with _status(f"planning on {cluster.name} ({cluster.inventory()}{speeds})"), \
+                _warnings_unless_failed(args.verbose):
             plan = planner.plan(graphs, cluster, config, profile=profile)
         print(plan.summary(cluster))
         for tmp, write in staged:
