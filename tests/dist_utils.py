@@ -66,7 +66,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoi
            "runtime.replicas.fsdp_sync", "scipy.interpolate", "scipy.optimize", "dist_utils", "reference",
            # what ranks capturing with torch.export, or building the suite's transformers models, import
            "torch.export._trace", *(f"transformers.models.{m}.modeling_{m}" for m in (
-               "gpt2", "llama", "phi3", "vit", "t5", "swin", "qwen2_moe", "olmoe", "mixtral", "bert", "bart", "resnet"))]
+               "gpt2", "llama", "phi3", "vit", "t5", "swin", "qwen2_moe", "olmoe", "mixtral", "bert", "bart", "resnet",
+               "deberta_v2"))]
 
 
 def _context():

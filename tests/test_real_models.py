@@ -22,7 +22,11 @@ Values without a batch dimension crossing a stage boundary (issue 30, item 2; th
 batch-less values depend on constants, parameters and shapes only and are recomputed in every
 layer that reads them; and a statistic of the batch (with a parameter scaled by it) on two workers a
 stage, which crosses whole once per micro-batch, priced by the planner's boundary traffic, its
-simulator and its memory model.
+simulator and its memory model. Each rank plans these from its float64 capture, which its Engine
+then finds in the capture cache (DeBERTa's ``torch.export`` trace is the costly part; the test
+process does not capture it a third time), and trains them with SGD with momentum alone: its
+update is the gradient itself, so a missing or doubled share of a batch-less value's gradient
+(summed on the owner slot, zero on the others) changes the parameters.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from hf_models import ALL, TRANSFORMERS, build
 from planner.devices.cost_model import StageCost
 from planner.devices.memory import stage_memory
 from planner.devices.network import NetworkModel
+from planner.plan import Plan
 from planner.resharding.spec import unbatched_rows
 from planner.schedule.boundary_traffic import BACKWARD, FORWARD, plan_traffic
 from reference import OPTIMIZERS, assert_engine_trains_like_reference
@@ -68,6 +73,10 @@ def _build(name: str, dtype: torch.dtype = torch.float32):
     return build(name, dtype=dtype, layers=LAYERS)
 
 
+def _config() -> wl.Config:
+    return wl.Config(global_batch_size=GLOBAL_BATCH, num_micro_batch=MICRO_BATCHES)
+
+
 @functools.lru_cache(maxsize=None)
 def _captured(name: str):
     """The float32 model, its example batch of 4 and its capture, once per test process (nothing
@@ -80,8 +89,28 @@ def _captured(name: str):
 @functools.lru_cache(maxsize=None)
 def _planned(name: str):
     """The plan of :func:`_captured`'s model on the emulated 4-device cluster."""
-    return planner.plan(_captured(name)[2], _cluster(), wl.Config(global_batch_size=GLOBAL_BATCH,
-                                                                  num_micro_batch=MICRO_BATCHES))
+    return planner.plan(_captured(name)[2], _cluster(), _config())
+
+
+def _recomputed(graphs, plan, table: str) -> dict:
+    """What crosses ``plan``'s boundaries of a model whose batch-less values depend on no input
+    value, and where the parameter ``table`` they read is read: every boundary tensor batched,
+    nothing sent whole, and one reading node in each of the two blocks' TaskGraphs, on stages 0
+    and 1 (the stage of the second block holds the parameter too)."""
+    layer_of = {n: layer.index for layer in graphs.layers for n in layer.nodes}
+    stage_of = {i: st.index for st in plan.stages for i in st.layers}
+    readers = [layer_of[n.name] for n in graphs.graph_module.graph.nodes if n.op == "get_attr" and n.target == table]
+    return {"batched": [t.batched for b in graphs.boundaries for t in b.tensors],
+            "cut_unbatched": [layer.cut_bytes_unbatched for layer in graphs.layers],
+            "unbatched_bytes": [b.unbatched_bytes for b in plan.boundaries],
+            "taskgraphs": sorted(graphs.layers[i].taskgraph for i in readers),
+            "stages": sorted(stage_of[i] for i in readers)}
+
+
+def _assert_recomputed(facts: dict, label: str) -> None:
+    assert all(facts["batched"]) and not any(facts["cut_unbatched"]), (label, facts)
+    assert facts["unbatched_bytes"] == [0.0] * len(facts["unbatched_bytes"]), (label, facts)
+    assert facts["taskgraphs"] == facts["stages"] == [0, 1], (label, facts)
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -116,31 +145,53 @@ def test_fused_attention_flops_are_counted():
     assert sum(tg.forward_flops for tg in graphs) * 4 == pytest.approx(matmul.get_total_flops(), rel=1e-9)
 
 
-def _ranks(rank: int, world_size: int, plans: dict) -> dict:
+def _data(real) -> list:
+    gen = torch.Generator().manual_seed(1)
+    return [(_to(inputs, torch.float64), targets)
+            for inputs, targets in (real.make_batch(GLOBAL_BATCH, gen) for _ in range(STEPS))]
+
+
+def _ranks(rank: int, world_size: int, plans: dict, unbatched: tuple = ()) -> dict:
     shapes = {}
     for name, plan in plans.items():
         real = _build(name, dtype=torch.float64)
-        gen = torch.Generator().manual_seed(1)
-        data = [(_to(inputs, torch.float64), targets)
-                for inputs, targets in (real.make_batch(GLOBAL_BATCH, gen) for _ in range(STEPS))]
+        data = _data(real)
         for opt, make_opt in OPTIMIZERS.items():
             engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, make_opt, real.loss_fn,
                                                                _cluster(), f"{name}/{opt}")
         shapes[name] = engine.worker.stage
+    for name in unbatched:   # planned here (module docstring), on the first batch the Engine captures too
+        real = _build(name, dtype=torch.float64)
+        data = _data(real)
+        graphs = wl.capture(real.model, data[0][0])
+        plan = planner.plan(graphs, _cluster(), _config())
+        engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, OPTIMIZERS["sgd"], real.loss_fn,
+                                                           _cluster(), f"{name}/sgd")
+        shapes[name] = {"plan": plan.to_dict(), "stage": engine.worker.stage,
+                        "recomputed": _recomputed(graphs, plan, "deberta.encoder.rel_embeddings.weight")
+                        if name == "deberta" else None}
     return shapes
 
 
 def test_transformers_train_exactly_under_their_plans():
     """The transformers, and the models whose boundary values have no batch dimension (issue 30
     item 2: before, every rank of those failed to split the model, StageSplitError "has no batch
-    dimension 0"), in one spawn of ranks."""
+    dimension 0"), in one spawn of ranks. DeBERTa's capture, made in the ranks, recomputes its
+    relative positions and normalised relative embeddings in both layers: nothing crosses whole."""
     plans = {}
-    for name in [*sorted(TRANSFORMERS), *unbatched_models.MODELS]:
+    for name in sorted(TRANSFORMERS):
         plans[name] = _planned(name)   # from the float32 capture: the plan is made once, training casts the model
         assert len(plans[name].stages) >= 2, plans[name].summary()
-    stages = run_ranks(_ranks, 4, args=(plans,), init_process_group=False, timeout_s=600)
+    unbatched = tuple(unbatched_models.MODELS)
+    stages = run_ranks(_ranks, 4, args=(plans, unbatched), init_process_group=False, timeout_s=600)
     for name, plan in plans.items():
         assert [s[name] for s in stages] == [w.stage for w in plan.workers]
+    for name in unbatched:
+        plan = Plan.from_dict(stages[0][name]["plan"])
+        assert len(plan.stages) >= 2 and all(s[name]["plan"] == stages[0][name]["plan"] for s in stages), name
+        assert [s[name]["stage"] for s in stages] == [w.stage for w in plan.workers], name
+    assert [s["statistic"]["plan"]["boundaries"][0]["unbatched_bytes"] for s in stages] == [8 + 32 * 8] * 4   # float64
+    _assert_recomputed(stages[0]["deberta"]["recomputed"], "deberta")
 
 
 def test_a_model_returning_its_key_value_cache_gets_the_fix_named():
@@ -168,24 +219,15 @@ def test_a_stage_holding_a_tied_copy_counts_its_memory():
     assert whole.param_bytes == sum(p.numel() * p.element_size() for p in real.model.parameters())
 
 
-@pytest.mark.parametrize("name", ["deberta", "table"])
-def test_batchless_values_of_constants_parameters_and_shapes_are_recomputed_where_read(name):
-    """DeBERTa's relative-position buckets and normalised relative embeddings, and the position
-    table, are computed once in the model and read by both blocks: capture copies them into each
-    block, so only batched values cross (the copies' FLOPs are the reading layer's), the plan sends
-    nothing whole, and the stage of the second block holds the parameters they read."""
-    real, _, graphs = _captured(name)
-    assert all(t.batched for b in graphs.boundaries for t in b.tensors), graphs.boundaries
-    assert not any(layer.cut_bytes_unbatched for layer in graphs.layers)
-    plan = _planned(name)
-    assert [b.unbatched_bytes for b in plan.boundaries] == [0.0] * len(plan.boundaries)
-    table = "deberta.encoder.rel_embeddings.weight" if name == "deberta" else "table.weight"
-    layer_of = {n: layer.index for layer in graphs.layers for n in layer.nodes}
-    stage_of = {i: st.index for st in plan.stages for i in st.layers}
-    readers = [layer_of[n.name] for n in graphs.graph_module.graph.nodes if n.op == "get_attr" and n.target == table]
-    # one copy in each of the two blocks' TaskGraphs, which the plan puts on stages 0 and 1
-    assert sorted(graphs.layers[i].taskgraph for i in readers) == [0, 1]
-    assert sorted(stage_of[i] for i in readers) == [0, 1], plan.summary()
+def test_batchless_values_of_parameters_and_shapes_are_recomputed_where_read():
+    """The position table (a parameter cut to ``x.size(1)`` and normalised, in an fx trace) is
+    computed once in the model and read by both blocks: capture copies it into each block (its
+    FLOPs are the reading layer's) and drops the table's own layer, left empty, so only batched
+    values cross and the plan sends nothing whole. DeBERTa's are checked on the ranks' captures
+    (:func:`test_transformers_train_exactly_under_their_plans`)."""
+    _, _, graphs = _captured("table")
+    assert [layer.name for layer in graphs.layers] == ["block0", "block1", "head"]
+    _assert_recomputed(_recomputed(graphs, _planned("table"), "table.weight"), "table")
 
 
 def test_a_batchless_statistic_crosses_whole_and_is_priced():
