@@ -5,14 +5,17 @@ The pipeline, one module per step:
 1. :mod:`whalelike.graphs.tracing` turns the model into one flat ``fx.GraphModule`` (torch.fx, else
    torch.export) whose nodes know their module path and forward-time scope;
 2. :mod:`whalelike.graphs.regions` assigns every node a TaskGraph and a Layer, and
-   :mod:`whalelike.graphs.constant_copies` copies values derived only from constants (position ids, masks,
-   rotary tables) into each TaskGraph that uses them;
+   :mod:`whalelike.graphs.constant_copies` copies the values that depend on no input value (from
+   constants, buffers, parameters and input shapes: position ids, masks, rotary tables) into each
+   Layer that uses them;
 3. :mod:`whalelike.graphs.costs` measures FLOPs, the non-matmul operators' memory traffic
    (:mod:`whalelike.graphs.memory_traffic`), saved activations and value shapes on fake tensors;
 4. this module sums those per Layer (FLOPs and activations per TaskGraph too; the memory traffic
    stays per Layer: the emulator prices it per stage, the planner never reads it), attributes
    parameters (each shared parameter once, to the first Layer that uses it), and finds the tensors
-   crossing TaskGraph boundaries;
+   crossing TaskGraph boundaries (batched along dimension 0 or not: a cut's batched bytes per
+   sample, ``Layer.cut_bytes_per_sample``, and the whole bytes of those without a batch dimension,
+   ``Layer.cut_bytes_unbatched``, which cross once per micro-batch);
 5. :mod:`whalelike.graphs.output_tree` records the model output's leaves (their Layers, batched or
    not) and, given the loss, which of them it reads: ``TaskGraphs.outputs``/``loss_reads``, also
    kept on the graph module (``meta["wl_outputs"]``) for the stage split, so that plan checks and
