@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.schedule.actions import SCHEDULES, Action, build_schedule, gradient_accumulation, max_in_flight
+from planner.schedule.actions import (SCHEDULES, SPLIT_SCHEDULES, Action, build_schedule, gradient_accumulation,
+                                      max_in_flight)
 from planner.schedule.deadlock import DeadlockError, ScheduleError, Wait, validate, validate_schedule
 
 
@@ -18,9 +19,11 @@ def parse(text: str) -> list[list[Action]]:
 def test_built_in_schedules_are_valid_and_complete(kind, num_stages, num_micro_batch):
     schedule = build_schedule(kind, num_stages, num_micro_batch)
     validate(schedule)
+    # a split schedule runs each backward as its input half and its weight half, the others whole
+    backward = ["BI", "BW"] if kind in SPLIT_SCHEDULES else ["B"]
     for actions in schedule:
         assert sorted(str(a) for a in actions) == sorted(
-            [f"F{m}" for m in range(num_micro_batch)] + [f"B{m}" for m in range(num_micro_batch)])
+            [f"F{m}" for m in range(num_micro_batch)] + [f"{b}{m}" for b in backward for m in range(num_micro_batch)])
 
 
 @pytest.mark.parametrize("num_stages,num_micro_batch", [(1, 4), (4, 2), (4, 8), (6, 16)])

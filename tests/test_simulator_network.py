@@ -121,10 +121,13 @@ def test_delayed_weight_gradients_send_after_the_input_half():
         return two_stage_plan([worker(0, "a0", "A", 0, [1], bwd=4.0), worker(1, "b0", "A", 1, [1], bwd=4.0)],
                               bytes_per_sample=0.0, delay_weight_gradients=delay)
     plain, delayed = simulate(plan(False)), simulate(plan(True))
-    assert starts(plain, "B", 0) == pytest.approx([6.0]) and starts(delayed, "B", 0) == pytest.approx([4.0])
+    # delayed, each backward is two actions (planner.schedule.program): stage 0's input half computes
+    # nothing (it receives no gradient-carrying value), so its whole backward is its weight half
+    assert starts(plain, "B", 0) == pytest.approx([6.0]) and starts(delayed, "BI", 0) == pytest.approx([4.0])
+    assert starts(delayed, "BW", 0) == pytest.approx([4.0]) and not starts(delayed, "B", 0)
     assert plain.step_time_ms == pytest.approx(10.0) and delayed.step_time_ms == pytest.approx(8.0)
-    stage1 = [e for e in delayed.events if e.kind == "B" and e.stage == 1]
-    assert [(e.start_ms, e.end_ms) for e in stage1] == [(2.0, 6.0)]
+    stage1 = [e for e in delayed.events if e.kind in ("B", "BI", "BW") and e.stage == 1]
+    assert [(e.kind, e.start_ms, e.end_ms) for e in stage1] == [("BI", 2.0, 4.0), ("BW", 4.0, 6.0)]
 
 
 def test_ddp_buckets_are_ready_at_their_byte_share_as_the_runtime_models_them():

@@ -186,13 +186,19 @@ def solve_order(pricing: Pricing, order: Sequence[int]) -> tuple[Score, list[int
 
 def _makespan(actions, forward: Sequence[float], backward: Sequence[float], links: Sequence[float]) -> float:
     """When the last action of ``actions`` (per stage, in order) ends: forward ``i`` of stage ``k``
-    after forward ``i`` of stage ``k - 1`` plus ``links[k - 1]``, backward ``i`` after backward ``i``
-    of stage ``k + 1`` plus ``links[k]`` (the last stage: after its own forward ``i``), each stage
-    one action at a time. The schedules are deadlock-free (:mod:`planner.schedule.deadlock`), so
-    every sweep over the stages runs at least one action."""
+    after forward ``i`` of stage ``k - 1`` plus ``links[k - 1]``, backward ``i`` (whole, or its input
+    half) after the backward ``i`` of stage ``k + 1`` plus ``links[k]`` (the last stage: after its own
+    forward ``i``), a weight half when reached, each stage one action at a time; a split backward's
+    input half takes :func:`planner.schedule.program.input_share`'s share of it (none on the first
+    stage, half on the others: the stages are a chain), the weight half the rest. The schedules are
+    deadlock-free (:mod:`planner.schedule.deadlock`), so every sweep over the stages runs at least
+    one action."""
     S = len(actions)
     done: dict[tuple[str, int, int], float] = {}
     free, position = [0.0] * S, [0] * S
+    took = {"F": list(forward), "B": list(backward),
+            "BI": [b * (0.5 if k else 0.0) for k, b in enumerate(backward)],
+            "BW": [b * (0.5 if k else 1.0) for k, b in enumerate(backward)]}
     left = sum(len(a) for a in actions)
     while left:
         before = left
@@ -202,6 +208,8 @@ def _makespan(actions, forward: Sequence[float], backward: Sequence[float], link
                 if a.kind == "F":
                     ready = 0.0 if k == 0 else done.get(("F", k - 1, a.micro_batch))
                     ready = ready if k == 0 or ready is None else ready + links[k - 1]
+                elif a.kind == "BW":
+                    ready = 0.0
                 elif k == S - 1:
                     ready = done.get(("F", k, a.micro_batch))
                 else:
@@ -209,8 +217,8 @@ def _makespan(actions, forward: Sequence[float], backward: Sequence[float], link
                     ready = None if ready is None else ready + links[k]
                 if ready is None:
                     break
-                free[k] = max(free[k], ready) + (forward[k] if a.kind == "F" else backward[k])
-                done[(a.kind, k, a.micro_batch)] = free[k]
+                free[k] = max(free[k], ready) + took[a.kind][k]
+                done[("B" if a.kind == "BI" else a.kind, k, a.micro_batch)] = free[k]
                 position[k] += 1
                 left -= 1
         if left == before:

@@ -1,16 +1,26 @@
 """Prove a pipeline schedule runs to completion before any process starts.
 
-A schedule is one ordered action list per stage (:mod:`planner.schedule.actions`). Under the runtime's
-rules a receive blocks and a send does not: forward ``F m`` on stage ``s`` waits for the
-activations of micro-batch ``m`` from every stage feeding ``s``; backward ``B m`` waits for the
-gradients of ``m`` from every stage ``s`` feeds. :func:`validate` checks, in order:
+What is proven is a *program*: one ordered list per stage of compute actions and the transfers
+between them (:mod:`planner.schedule.actions`, :mod:`planner.schedule.program`), the lists the
+simulator and the runtime run. Under the runtime's rules a receive blocks and a send does not:
+``RECV_F m <- p`` on stage ``s`` waits until stage ``p`` has run ``SEND_F m -> s``, ``RECV_B m <- c``
+until stage ``c`` has run ``SEND_B m -> s``; compute and sends never wait. :func:`validate` checks,
+in order:
 
-1. each stage runs every micro-batch's forward once and its backward once, after the forward;
+1. each stage runs every micro-batch's forward once and its backward once after it: one ``B``, or
+   one ``BI`` (input half) and then one ``BW`` (weight half);
 2. along every edge, what one stage sends the other receives (micro-batch by micro-batch, per
-   direction), else a :class:`ScheduleError` names the micro-batches sent and never received;
-3. the lists run to completion: an abstract execution advances every stage while its next action's
-   inputs exist; if some stage stops short, the stages wait on one another in a cycle, and the
+   direction), else a :class:`ScheduleError` names the micro-batches sent and never received; in a
+   program, also that each compute action has its receives before it and its sends after it, once
+   each, on the plan's edges only (a send to a stage that never receives it, a forward that runs
+   before its values arrive, a gradient sent before the backward made it: each named);
+3. the lists run to completion: an abstract execution advances every stage while its next action
+   may run; if some stage stops short, the stages wait on one another in a cycle, and the
    :class:`DeadlockError` names it (which stage waits at which action for what from whom).
+
+A list of compute actions alone (a schedule) is lowered first (:func:`planner.schedule.program.lower`,
+every stage splitting where the list says so) and its waits are named by the steps of the list
+given. A plan's programs are built and proven once per shape (:func:`validate_plan` returns them).
 
 Hanging a multi-process job is the costliest way to find these bugs, hence a check in one process.
 """
@@ -19,10 +29,11 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from planner.plan import Plan, PlanError
 from planner.schedule.actions import Action, build_schedule
+from planner.schedule.program import Program, _lower, split_flags
 
 Schedule = Sequence[Sequence[Action]]
 Edge = tuple[int, int]  # (src_stage, dst_stage): src's forward output feeds dst
@@ -43,7 +54,7 @@ class Wait:
     producer: int
 
     def __str__(self) -> str:
-        what = "activations" if self.action.kind == "F" else "gradients"
+        what = "activations" if self.action.direction == "F" else "gradients"
         return (f"stage {self.stage} waits at step {self.step} ({self.action}) for the {what} of "
                 f"micro-batch {self.action.micro_batch} from stage {self.producer}")
 
@@ -63,7 +74,8 @@ def validate(target: Union[Plan, Schedule]) -> None:
     """Raise :class:`ScheduleError` (or :class:`DeadlockError`) if ``target`` cannot run.
 
     ``target`` is a :class:`~planner.plan.Plan` (its schedule kind, micro-batch counts and
-    boundaries are checked) or a schedule: one action list per stage of a chain pipeline.
+    boundaries are checked) or one action list per stage of a chain pipeline: compute actions
+    alone (a schedule) or a program with its transfers.
     """
     if isinstance(target, Plan):
         validate_plan(target)
@@ -72,7 +84,8 @@ def validate(target: Union[Plan, Schedule]) -> None:
 
 
 def validate_schedule(schedule: Schedule, edges: Sequence[Edge] | None = None) -> None:
-    """Check ``schedule`` (one list per stage); ``edges`` default to the chain ``s -> s+1``."""
+    """Check ``schedule`` (one list per stage: compute actions, or a program with transfers);
+    ``edges`` default to the chain ``s -> s+1``."""
     num_stages = len(schedule)
     if num_stages == 0:
         raise ScheduleError("schedule has no stages: give one action list per pipeline stage")
@@ -80,35 +93,49 @@ def validate_schedule(schedule: Schedule, edges: Sequence[Edge] | None = None) -
     for src, dst in edges:
         if not 0 <= src < dst < num_stages:
             raise ScheduleError(f"edge {src} -> {dst} is not a forward edge between stages 0..{num_stages - 1}")
+    if any(a.is_transfer for actions in schedule for a in actions):
+        _check_program(schedule, edges)
+        return
     micro_batches = [_check_stage(s, actions) for s, actions in enumerate(schedule)]
     for src, dst in edges:
         _check_edge(src, dst, micro_batches[src], micro_batches[dst])
-    _check_progress(schedule, edges)
+    # every stage as its list says: B whole, BI and BW split
+    program, origins = _lower(schedule, edges, [True] * num_stages)
+    _check_progress(program, origins, [list(actions) for actions in schedule])
 
 
-def validate_plan(plan: Plan) -> None:
+def validate_plan(plan: Plan) -> Optional[Program]:
     """Check what simulating or running ``plan`` relies on: one forward and backward time per
     micro-batch on every worker (the same count within a tensor-parallel group), every stage
     staffed in every replica, boundaries linking the stages into one pipeline, and its schedule
-    kind, whose lists (over those boundaries) must run to completion."""
+    kind, whose program over those boundaries (:mod:`planner.schedule.program`) must run to
+    completion. Returns that program, one tuple of actions per stage (None for a single stage:
+    gradient accumulation over each worker's own micro-batches, no stage waits on another)."""
     _check_workers(plan)
     edges = _plan_edges(plan)
     num_stages = len(plan.stages)
     if num_stages == 1:
-        return  # gradient accumulation: no stage waits on another
-    _validated_schedule(plan.schedule, num_stages, plan.num_micro_batch, tuple(edges))
+        return None
+    return proven_program(plan.schedule, num_stages, plan.num_micro_batch, tuple(edges), split_flags(plan))
 
 
 @functools.lru_cache(maxsize=64)
-def _validated_schedule(kind: str, num_stages: int, num_micro_batch: int, edges: tuple[Edge, ...]) -> None:
-    """:func:`validate_schedule` of a named schedule's lists: a pure function of its arguments,
-    run once for each (a planner simulates many plans of one pipeline shape). An error is raised
-    each time, never remembered."""
+def proven_program(kind: str, num_stages: int, num_micro_batch: int, edges: tuple[Edge, ...],
+                   split: tuple[bool, ...]) -> Program:
+    """The program of schedule ``kind`` over ``edges`` with each stage split as ``split`` says
+    (:func:`planner.schedule.program.lower`), proven: a pure function of its arguments, built and
+    checked once for each (a planner simulates many plans of one pipeline shape; the runtime lowers
+    onto the crossings its stage split has). An error is raised each time, never remembered."""
     try:
         schedule = build_schedule(kind, num_stages, num_micro_batch)
     except ValueError as e:
         raise ScheduleError(f"plan.schedule: {e}") from None
-    validate_schedule(schedule, edges)
+    micro_batches = [_check_stage(s, actions) for s, actions in enumerate(schedule)]
+    for src, dst in edges:
+        _check_edge(src, dst, micro_batches[src], micro_batches[dst])
+    program, _ = _lower(schedule, edges, split)
+    _check_program(program, edges)
+    return program
 
 
 def _check_workers(plan: Plan) -> None:
@@ -173,19 +200,35 @@ def _plan_edges(plan: Plan) -> list[Edge]:
 
 # -- the three checks ------------------------------------------------------------------------------
 def _check_stage(stage: int, actions: Sequence[Action]) -> set[int]:
+    """Every micro-batch's forward once, then its backward once: ``B``, or ``BI`` then ``BW``.
+    Returns the micro-batches the stage runs."""
     forwards: set[int] = set()
-    backwards: set[int] = set()
+    done: dict[str, set[int]] = {"F": forwards, "B": set(), "BI": set(), "BW": set()}
     for step, a in enumerate(actions):
-        done = forwards if a.kind == "F" else backwards
-        if a.micro_batch in done:
+        if a.is_transfer:
+            continue
+        m = a.micro_batch
+        if m in done[a.kind]:
             raise ScheduleError(f"stage {stage} runs {a} twice (again at step {step})")
-        if a.kind == "B" and a.micro_batch not in forwards:
-            raise ScheduleError(f"stage {stage} runs {a} at step {step} before F{a.micro_batch}")
-        done.add(a.micro_batch)
+        if a.kind != "F" and m not in forwards:
+            raise ScheduleError(f"stage {stage} runs {a} at step {step} before F{m}")
+        if a.kind in ("B", "BI") and m in done["B" if a.kind == "BI" else "BI"]:
+            raise ScheduleError(f"stage {stage} runs {a} at step {step} after the other backward of micro-batch "
+                                f"{m}; run its backward once: B{m}, or BI{m} then BW{m}")
+        if a.kind == "BW" and m not in done["BI"]:
+            raise ScheduleError(f"stage {stage} runs {a} at step {step} before BI{m} (the weight half needs the "
+                                "input half's graph)" if m not in done["B"] else
+                                f"stage {stage} runs {a} at step {step} after B{m}, which computed the weights' "
+                                "gradients already")
+        done[a.kind].add(m)
+    backwards = done["B"] | done["BI"]
     if forwards != backwards:
         raise ScheduleError(
             f"stage {stage} never runs the backward of micro-batch(es) {sorted(forwards - backwards)}"
         )
+    if done["BI"] != done["BW"]:
+        raise ScheduleError(f"stage {stage} never runs the weight half of micro-batch(es) "
+                            f"{sorted(done['BI'] - done['BW'])}: add BW after each BI")
     return forwards
 
 
@@ -209,40 +252,109 @@ def _check_edge(src: int, dst: int, sent: set[int], received: set[int]) -> None:
     )
 
 
-def _check_progress(schedule: Schedule, edges: Sequence[Edge]) -> None:
-    num_stages = len(schedule)
-    feeds = [[src for src, dst in edges if dst == s] for s in range(num_stages)]
-    fed = [[dst for src, dst in edges if src == s] for s in range(num_stages)]
-    done: set[tuple[int, str, int]] = set()
+def _check_program(program: Schedule, edges: Sequence[Edge]) -> None:
+    """A program's own rules (module docstring, 1 and 2), then that it runs to completion (3)."""
+    num_stages = len(program)
+    producers = [sorted(src for src, dst in edges if dst == s) for s in range(num_stages)]
+    consumers = [sorted(dst for src, dst in edges if src == s) for s in range(num_stages)]
+    micro_batches = [_check_stage(s, actions) for s, actions in enumerate(program)]
+    for src, dst in edges:
+        _check_edge(src, dst, micro_batches[src], micro_batches[dst])
+    for s, actions in enumerate(program):
+        _check_transfers(s, actions, producers[s], consumers[s])
+    _check_progress(program)
+
+
+def _check_transfers(stage: int, actions: Sequence[Action], producers: list[int], consumers: list[int]) -> None:
+    """Each compute action has its receives before it and its sends after it, once each, between
+    the stage and its peers on the edges: ``F m`` receives from every producer and sends to every
+    consumer, ``B m``/``BI m`` receives from every consumer and sends to every producer."""
+    peers = {"RECV_F": producers, "SEND_F": consumers, "RECV_B": consumers, "SEND_B": producers}
+    makes = {"SEND_F": ("F",), "SEND_B": ("B", "BI")}
+    needs = {"RECV_F": ("F",), "RECV_B": ("B", "BI")}
+    seen: set[tuple[str, int, int]] = set()
+    computed: set[tuple[str, int]] = set()
+    for step, a in enumerate(actions):
+        if not a.is_transfer:
+            needed = [("RECV_F", p) for p in producers] if a.kind == "F" else (
+                [("RECV_B", c) for c in consumers] if a.kind in ("B", "BI") else [])
+            for kind, peer in needed:
+                if (kind, a.micro_batch, peer) not in seen:
+                    raise ScheduleError(f"stage {stage} runs {a} at step {step} before "
+                                        f"{Action(kind, a.micro_batch, peer)}: its inputs from stage {peer} must be "
+                                        "received first; put the receive before it")
+            computed.add(("B" if a.kind == "BI" else a.kind, a.micro_batch))
+            continue
+        key = (a.kind, a.micro_batch, a.peer)
+        if a.peer not in peers[a.kind]:
+            side = "feeds" if a.kind in ("SEND_F", "RECV_B") else "is fed by"
+            raise ScheduleError(f"stage {stage} runs {a} at step {step}, but it {side} stages {peers[a.kind]} only "
+                                "(the plan's boundaries); remove it or add the boundary")
+        if key in seen:
+            raise ScheduleError(f"stage {stage} runs {a} twice (again at step {step})")
+        if a.kind in makes and not any((("B" if k == "BI" else k), a.micro_batch) in computed for k in makes[a.kind]):
+            raise ScheduleError(f"stage {stage} runs {a} at step {step} before {'/'.join(k + str(a.micro_batch) for k in makes[a.kind])} "
+                                "made what it sends; put the send after it")
+        if a.kind in needs and any((("B" if k == "BI" else k), a.micro_batch) in computed for k in needs[a.kind]):
+            raise ScheduleError(f"stage {stage} runs {a} at step {step} after "
+                                f"{'/'.join(k + str(a.micro_batch) for k in needs[a.kind])}, which needed it; put the "
+                                "receive before it")
+        seen.add(key)
+    for kind in ("SEND_F", "SEND_B"):
+        for peer in peers[kind]:
+            missing = sorted(m for k, m in computed if k == makes[kind][0] and (kind, m, peer) not in seen)
+            if missing:
+                raise ScheduleError(f"stage {stage} never runs {kind} to stage {peer} for micro-batch(es) {missing}, "
+                                    f"which stage {peer} waits for; add {Action(kind, missing[0], peer)} after "
+                                    f"{makes[kind][-1] if kind == 'SEND_B' else 'F'}{missing[0]}")
+
+
+def _check_progress(program: Schedule, origins: Optional[Sequence[Sequence[int]]] = None,
+                    given: Optional[Sequence[Sequence[Action]]] = None) -> None:
+    """Run ``program`` abstractly: a receive runs once its peer has run the matching send,
+    everything else runs when reached. ``origins``/``given``: the compute list the program was
+    lowered from, to name a wait by its step there."""
+    num_stages = len(program)
+    sent: set[tuple[int, str, int, int]] = set()   # (sender, direction, micro-batch, receiver)
 
     def blocker(s: int, a: Action) -> int | None:
-        for other in feeds[s] if a.kind == "F" else fed[s]:
-            if (other, a.kind, a.micro_batch) not in done:
-                return other
+        if a.kind.startswith("RECV") and (a.peer, a.direction, a.micro_batch, s) not in sent:
+            return a.peer
         return None
 
     pc = [0] * num_stages
     progress = True
     while progress:
         progress = False
-        for s, actions in enumerate(schedule):
-            while pc[s] < len(actions) and blocker(s, actions[pc[s]]) is None:
-                a = actions[pc[s]]
-                done.add((s, a.kind, a.micro_batch))
-                pc[s] += 1
+        for s, actions in enumerate(program):
+            position = pc[s]
+            while position < len(actions):
+                a = actions[position]
+                if a.kind.startswith("RECV"):
+                    if (a.peer, a.direction, a.micro_batch, s) not in sent:
+                        break
+                elif a.kind.startswith("SEND"):
+                    sent.add((s, a.direction, a.micro_batch, a.peer))
+                position += 1
+            if position != pc[s]:
+                pc[s] = position
                 progress = True
-    stuck = [s for s in range(num_stages) if pc[s] < len(schedule[s])]
+    stuck = [s for s in range(num_stages) if pc[s] < len(program[s])]
     if not stuck:
         return
-    # Every stuck stage waits on one producer; the checks above guarantee the producer has the
-    # awaited action still ahead of it, so it is stuck too and following the waits closes a cycle.
+    # Every stuck stage waits at a receive; the checks above guarantee its peer has the matching
+    # send still ahead of it, so the peer is stuck too and following the waits closes a cycle.
     chain: list[Wait] = []
     seen: dict[int, int] = {}
     s = stuck[0]
     while s not in seen:
         seen[s] = len(chain)
-        a = schedule[s][pc[s]]
+        a = program[s][pc[s]]
         producer = blocker(s, a)
-        chain.append(Wait(s, pc[s], a, producer))
+        if origins is not None and given is not None:
+            step = origins[s][pc[s]]
+            chain.append(Wait(s, step, given[s][step], producer))
+        else:
+            chain.append(Wait(s, pc[s], a, producer))
         s = producer
     raise DeadlockError(chain[seen[s]:])

@@ -3,17 +3,22 @@
 The planner predicts a plan's speed with this simulator, and the CLI draws its timeline, so the
 model of execution is the runtime's:
 
-* Every worker runs its stage's action list (:mod:`planner.schedule.actions`) in order; a single-stage
-  plan is gradient accumulation over each worker's own micro-batches.
+* Every worker runs its stage's program (:mod:`planner.schedule.program`: the schedule's compute
+  actions with every send and receive written out, the lists the deadlock proof proves and the
+  runtime runs) in order; a single-stage plan is gradient accumulation over each worker's own
+  micro-batches.
 * The workers of one tensor-parallel group (same replica, stage and ``dp_index``) move in
   lockstep: an action starts when the whole group may start it and ends when its slowest member
   ends (their collectives inside the segment wait for it).
-* Forward ``m`` of a stage needs micro-batch ``m``'s activations from the stages feeding it;
-  backward ``m`` needs the gradients from the stages it feeds. Sends do not block compute
+* A receive (``RECV_F m <- p``, ``RECV_B m <- c``) waits until micro-batch ``m``'s activations (or
+  gradients) from that stage have arrived, and the compute after it starts no earlier; compute
+  takes the slowest member's time (``F``: ``Worker.forward_ms``, ``B``: ``backward_ms``; a split
+  backward's ``BI`` its :func:`planner.schedule.program.input_share` of it, ``BW`` the rest). A send
+  (``SEND_F``, ``SEND_B``) leaves when the compute before it ended and never blocks
   (``isend``). With ``network`` (what :func:`planner.assemble.predict` and the CLI pass: the
   cluster's network) a boundary is the cross-mesh resharding the runtime runs under
   ``Plan.resharding`` (:mod:`planner.schedule.boundary_traffic`; backward: the same boundary
-  reversed): each of its transfers leaves its sender's group when the action ends (the runtime posts
+  reversed): each of its transfers leaves its sender's group at the send (the runtime posts
   a boundary's sends at once then, in the plan's order, unpaced: ``ReshardProgram.post_sends``; the
   plan's start offsets assume every sender ready at once, which a pipeline's senders are not) and
   takes the first gap at or after that in which its devices and the host network interfaces it
@@ -23,17 +28,18 @@ model of execution is the runtime's:
   first member, to every group of the peer stage in its replica; one worker's sends in one direction
   share its link and go one after another, each taking ``BoundaryPlan.transfer_ms`` (free when the
   plan left it empty).
-* ``Plan.delay_weight_gradients``: a backward's input gradients leave after its first half (the
-  input-gradient half, as the runtime splits it) and the group stays busy for the second (the
-  weight-gradient half, in which DDP's buckets fill).
+* Split backwards (ZB-H1, or ``Plan.delay_weight_gradients``, on the stages that can split:
+  :func:`planner.schedule.program.splits_backward`): the input gradients leave after the input half
+  and the weight half runs where the program puts it (right after the sends under delayed weight
+  gradients; deferred into the bubbles under ZB-H1); DDP's buckets fill in the last weight half.
 * Each data-parallel group of a stage (every worker with that stage and ``tp_index``, over groups
   and replicas) all-reduces its gradients once per step. Without ``buckets`` the all-reduce starts
   when all members have finished their last backward and takes the largest ``Worker.allreduce_ms``
   among them. With ``buckets`` (:class:`~planner.schedule.gradient_buckets.GradientBucket`, built
   from the model by :func:`planner.schedule.gradient_buckets.gradient_buckets`: DDP's buckets in
   reverse layer order), it overlaps with the last backward bucket by bucket, as DDP's does:
-  bucket ``k`` is ready when every member has run ``ready_fraction`` of its last backward (the
-  layers it covers), its all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one
+  bucket ``k`` is ready when every member has run ``ready_fraction`` of its last backward (its last
+  action computing weight gradients: ``B``, or a split backward's ``BW``; the layers it covers), its all-reduce starts once it is ready and bucket ``k - 1``'s has ended (one
   process group runs them in order), and the group's step ends when the last bucket's ends. A
   worker's ``allreduce_ms`` in the result is then the exposed part, after its own compute;
   ``hidden_allreduce_ms`` the rest.
@@ -71,10 +77,11 @@ from whalelike.display import format_table
 
 from planner.devices.network import NetworkModel
 from planner.plan import Plan, Prediction, Worker
-from planner.schedule.actions import Action, build_schedule, gradient_accumulation, max_in_flight
+from planner.schedule.actions import Action, gradient_accumulation, max_in_flight
 from planner.schedule.boundary_traffic import plan_traffic
 from planner.schedule.deadlock import ScheduleError, validate_plan
 from planner.schedule.gradient_buckets import GradientBucket, GroupKey, plan_buckets
+from planner.schedule.program import input_share
 
 log = logging.getLogger(__name__)
 
@@ -171,24 +178,27 @@ class SimResult:
 
 @dataclass
 class _Group:
-    """A tensor-parallel group: the unit that executes actions. ``inputs[kind]`` lists the
-    channels an action of that kind receives on, with the number of arrivals that complete each
-    per micro-batch; ``outputs[kind]`` the channels it sends on without a network (peer stage,
-    per-micro-batch times, number of sending groups), ``traffic[kind]`` the boundaries
-    ``(index, direction, peer stage)`` whose resharding sends it makes with one."""
+    """A tensor-parallel group: the unit that executes actions (its stage's program). ``inputs[(direction,
+    peer)]`` lists the channels a receive from ``peer`` waits on, with the number of arrivals that
+    complete each per micro-batch; ``outputs[(direction, peer)]`` the channels a send to ``peer``
+    uses without a network (per-micro-batch times, number of sending groups), ``traffic[(direction,
+    peer)]`` the boundaries ``(index, direction, peer stage)`` whose resharding sends it makes with
+    one. ``share``: the input half's share of a split backward (:func:`planner.schedule.program.input_share`)."""
 
     index: int
     replica: int
     stage: int
     members: list[Worker]          # sorted by tp_index; members[0] sends
-    actions: list[Action]
-    inputs: dict[str, list[tuple[tuple, Sequence[int]]]]
-    outputs: dict[str, list[tuple[tuple, int, list[float], int]]]
-    traffic: dict[str, list[tuple[int, str, int]]] = field(default_factory=lambda: {"F": [], "B": []})
+    actions: Sequence[Action]
+    inputs: dict[tuple[str, int], list[tuple[tuple, Sequence[int]]]]
+    outputs: dict[tuple[str, int], list[tuple[tuple, list[float], int]]]
+    traffic: dict[tuple[str, int], list[tuple[int, str, int]]] = field(default_factory=dict)
+    share: float = 0.5
     pc: int = 0
     free_ms: float = 0.0
+    ready_ms: float = 0.0          # the latest arrival the next compute action waits for
     longest: dict[str, list[float]] = field(default_factory=dict)   # kind -> per micro-batch, slowest member
-    last_backward: Optional[tuple[int, float]] = None                # (micro-batch, start) of the last B run
+    last_weights: Optional[tuple[str, int, float]] = None           # (B or BW, micro-batch, start) of the last run
 
 
 class _Resources:
@@ -263,7 +273,7 @@ def simulate(plan: Plan, record_events: bool = True,
     interfaces, and, unless ``buckets`` says otherwise, every group with ``Worker.gradient_bytes``
     all-reduces in DDP's buckets overlapped with its backward.
     """
-    validate_plan(plan)
+    programs = validate_plan(plan)
     _check_buckets(plan, buckets)
     traffic: dict = {}
     if network is not None:
@@ -273,14 +283,13 @@ def simulate(plan: Plan, record_events: bool = True,
             buckets = plan_buckets(plan, network)
     resources = _Resources()
     place_on = resources.place_on
-    groups, routes = _groups(plan, traffic, resources)
+    groups, routes = _groups(plan, programs, traffic, resources)
     rank_of_device = {w.device: w.rank for w in plan.workers}
     events: list[SimEvent] = []
     # (channel, micro_batch) -> [arrivals, latest arrival ms]
     arrivals: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     waiting: dict[tuple, list[_Group]] = defaultdict(list)
     link_free: dict[tuple[int, str], float] = defaultdict(float)
-    delay_weights = getattr(plan, "delay_weight_gradients", False)
     ready = deque(groups)
 
     def arrive(channel: tuple, m: int, done: float, expected: int) -> None:
@@ -290,55 +299,73 @@ def simulate(plan: Plan, record_events: bool = True,
         if arrived[0] == expected:  # complete: wake the groups waiting for it
             ready.extend(waiting.pop((channel, m), ()))
 
-    def run(g: _Group, a: Action) -> bool:
-        """Run ``a`` on ``g`` if its inputs have all arrived, else park ``g`` on the first missing one."""
+    def receive(g: _Group, a: Action) -> bool:
+        """A receive: done once its channels are complete (their latest arrival is what the next
+        compute waits for), else park ``g`` on the first missing one."""
         m = a.micro_batch
-        kind = a.kind
-        start = g.free_ms
-        for channel, expected in g.inputs[kind]:
+        for channel, expected in g.inputs[a.direction, a.peer]:
             arrived = arrivals[channel, m]
             if arrived[0] < expected[m]:
                 waiting[channel, m].append(g)
                 return False
-            if arrived[1] > start:
-                start = arrived[1]
+            if arrived[1] > g.ready_ms:
+                g.ready_ms = arrived[1]
+        return True
+
+    def compute(g: _Group, a: Action) -> None:
+        m, kind = a.micro_batch, a.kind
+        start = g.free_ms if g.free_ms > g.ready_ms else g.ready_ms
+        g.ready_ms = 0.0
         if record_events:
             end = start
             for w in g.members:
-                took = (w.forward_ms if kind == "F" else w.backward_ms)[m]
+                took = _took(w, kind, m, g.share)
                 events.append(SimEvent(w.rank, g.stage, kind, m, start, start + took))
                 end = max(end, start + took)
         else:   # the slowest member's time, priced once per group (see _Group.longest)
             end = start + g.longest[kind][m]
-        if kind == "B":
-            g.last_backward = (m, start)
+        if kind == "B" or kind == "BW":
+            g.last_weights = (kind, m, start)
         g.free_ms = end
-        # the input gradients leave after the input-gradient half of a backward when weights wait
-        sent = start + (end - start) / 2 if kind == "B" and delay_weights else end
-        if g.outputs[kind]:
+
+    def send(g: _Group, a: Action) -> None:
+        """A send: its transfers leave when the compute before it ended (the runtime posts them
+        then, unpaced) and arrive at the receiving groups' channels."""
+        m, direction, key = a.micro_batch, a.direction, (a.direction, a.peer)
+        sent = g.free_ms
+        outputs = g.outputs.get(key)
+        if outputs:
             sender = g.members[0].rank
-            for channel, peer, transfer_ms, senders in g.outputs[kind]:
-                begin = max(sent, link_free[sender, kind])
+            for channel, transfer_ms, senders in outputs:
+                begin = max(sent, link_free[sender, direction])
                 done = begin + (transfer_ms[m] if transfer_ms else 0.0)
-                link_free[sender, kind] = done
+                link_free[sender, direction] = done
                 if record_events:
-                    events.append(SimEvent(sender, g.stage, "send", m, begin, done, peer))
+                    events.append(SimEvent(sender, g.stage, "send", m, begin, done, a.peer))
                 arrive(channel, m, done, senders)
-        for index, direction, peer in g.traffic[kind]:
-            own, counts = routes[index, direction, m]
-            for send, slots, receivers in own.get(g.index, ()):
-                begin = place_on(slots, sent, send.duration_ms)
-                done = begin + send.duration_ms
+        for index, way, peer in g.traffic.get(key, ()):
+            own, counts = routes[index, way, m]
+            for transfer, slots, receivers in own.get(g.index, ()):
+                begin = place_on(slots, sent, transfer.duration_ms)
+                done = begin + transfer.duration_ms
                 if record_events:
-                    events.append(SimEvent(rank_of_device[send.sender], g.stage, "send", m, begin, done, peer,
-                                           _send_detail(send), _nics(send)))
+                    events.append(SimEvent(rank_of_device[transfer.sender], g.stage, "send", m, begin, done, peer,
+                                           _send_detail(transfer), _nics(transfer)))
                 for receiver in receivers:
-                    arrive(("reshard", index, direction, receiver), m, done, counts[receiver])
-        return True
+                    arrive(("reshard", index, way, receiver), m, done, counts[receiver])
 
     while ready:
         g = ready.popleft()
-        while g.pc < len(g.actions) and run(g, g.actions[g.pc]):
+        actions = g.actions
+        while g.pc < len(actions):
+            a = actions[g.pc]
+            if a.peer is None:
+                compute(g, a)
+            elif a.kind[0] == "R":   # RECV_F, RECV_B
+                if not receive(g, a):
+                    break
+            else:
+                send(g, a)
             g.pc += 1
 
     stalled = [g for g in groups if g.pc < len(g.actions)]
@@ -347,29 +374,39 @@ def simulate(plan: Plan, record_events: bool = True,
             f"replica {g.replica} stage {g.stage} at {g.actions[g.pc]}" for g in stalled))
 
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
-    compute, last_backward = _member_times(groups, delay_weights)
+    compute_ms, last_backward = _member_times(groups)
     allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
     step_ms = max(finish.values())
     reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
-    return _result(plan, groups, events, compute, allreduce, step_ms, reshardings)
+    return _result(plan, groups, events, compute_ms, allreduce, step_ms, reshardings)
 
 
-def _member_times(groups: list[_Group], delay_weights: bool) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
-    """Per rank, after the run: its compute time (summed in its action order, as it ran) and its
-    last backward's (weight-gradient half start, end), from the group's last backward start."""
+def _took(w: Worker, kind: str, m: int, share: float) -> float:
+    """Worker ``w``'s time for compute action ``kind`` of micro-batch ``m`` (a split backward's
+    halves: ``share`` of its backward time, and the rest)."""
+    if kind == "F":
+        return w.forward_ms[m]
+    if kind == "B":
+        return w.backward_ms[m]
+    return w.backward_ms[m] * (share if kind == "BI" else 1.0 - share)
+
+
+def _member_times(groups: list[_Group]) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
+    """Per rank, after the run: its compute time (summed in its action order, as it ran) and the
+    (start, end) of its last action that computes weight gradients (a whole backward, or a weight
+    half), from the group's start of it: DDP's buckets fill while it runs."""
     compute: dict[int, float] = {}
     last_backward: dict[int, tuple[float, float]] = {}
     for g in groups:
         for w in g.members:
             total = 0.0
-            forward, backward = w.forward_ms, w.backward_ms
             for a in g.actions:
-                total += (forward if a.kind == "F" else backward)[a.micro_batch]
+                if a.peer is None:
+                    total += _took(w, a.kind, a.micro_batch, g.share)
             compute[w.rank] = total
-            if g.last_backward is not None:
-                m, start = g.last_backward
-                took = backward[m]
-                last_backward[w.rank] = (start + took / 2 if delay_weights else start, start + took)
+            if g.last_weights is not None:
+                kind, m, start = g.last_weights
+                last_backward[w.rank] = (start, start + _took(w, kind, m, g.share))
     return compute, last_backward
 
 
@@ -424,13 +461,14 @@ def _routes(traffic: dict, group_of_device: dict[str, int], resources: _Resource
     return out
 
 
-def _groups(plan: Plan, traffic: dict, resources: _Resources) -> tuple[list[_Group], dict]:
-    """The tensor-parallel groups of ``plan`` with their action lists and channels, and the
-    resharding sends between them (:func:`_routes`). Without a network (or for a boundary that
-    carries nothing) a channel is one direction of one boundary in one replica: forwards of the
-    boundary's source stage send on it, forwards of its destination receive; backwards the other
-    way round. With one, a receiving group has a channel per boundary and direction, completed by
-    the resharding sends that name one of its members."""
+def _groups(plan: Plan, programs, traffic: dict, resources: _Resources) -> tuple[list[_Group], dict]:
+    """The tensor-parallel groups of ``plan`` with their programs (``programs``, the proven ones of
+    :func:`planner.schedule.deadlock.validate_plan`; None for a single stage: each worker's gradient
+    accumulation) and channels, and the resharding sends between them (:func:`_routes`). Without a
+    network (or for a boundary that carries nothing) a channel is one direction of one boundary in
+    one replica: the boundary's source stage sends forward on it and its destination receives;
+    backward the other way round. With one, a receiving group has a channel per boundary and
+    direction, completed by the resharding sends that name one of its members."""
     members = defaultdict(list)
     for w in plan.workers:
         members[w.replica, w.stage, w.dp_index].append(w)
@@ -444,18 +482,17 @@ def _groups(plan: Plan, traffic: dict, resources: _Resources) -> tuple[list[_Gro
     num_groups = defaultdict(int)
     for replica, stage, _ in members:
         num_groups[replica, stage] += 1
-    num_stages = len(plan.stages)
     num_micro_batch = plan.num_micro_batch
-    stage_lists = (build_schedule(plan.schedule, num_stages, num_micro_batch) if num_stages > 1 else None)
+    shares = [input_share(plan, s) for s in range(len(plan.stages))]
     shipped_boundaries = {i for (i, direction), per_micro_batch in traffic.items()
                           if direction == "forward" and all(t is not None for t in per_micro_batch)}
     out = []
     for index, ((replica, stage, _), ws) in enumerate(sorted(members.items())):
         ws.sort(key=lambda w: w.tp_index)
-        actions = stage_lists[stage] if stage_lists else gradient_accumulation(len(ws[0].forward_ms))
-        inputs: dict[str, list] = {"F": [], "B": []}
-        outputs: dict[str, list] = {"F": [], "B": []}
-        sends: dict[str, list] = {"F": [], "B": []}
+        actions = programs[stage] if programs is not None else gradient_accumulation(len(ws[0].forward_ms))
+        inputs: dict[tuple[str, int], list] = defaultdict(list)
+        outputs: dict[tuple[str, int], list] = defaultdict(list)
+        sends: dict[tuple[str, int], list] = defaultdict(list)
         for i, b in enumerate(plan.boundaries):
             forward = ("plain", replica, i, "forward")
             backward = ("plain", replica, i, "backward")
@@ -463,21 +500,25 @@ def _groups(plan: Plan, traffic: dict, resources: _Resources) -> tuple[list[_Gro
             shipped = i in shipped_boundaries
             if b.dst_stage == stage:
                 if shipped:
-                    inputs["F"].append((("reshard", i, "forward", index), expected(i, "forward", index)))
-                    sends["B"].append((i, "backward", b.src_stage))
+                    inputs["F", b.src_stage].append((("reshard", i, "forward", index), expected(i, "forward", index)))
+                    sends["B", b.src_stage].append((i, "backward", b.src_stage))
                 else:
-                    inputs["F"].append((forward, [src_groups] * num_micro_batch))
-                    outputs["B"].append((backward, b.src_stage, b.transfer_ms, dst_groups))
+                    inputs["F", b.src_stage].append((forward, [src_groups] * num_micro_batch))
+                    outputs["B", b.src_stage].append((backward, b.transfer_ms, dst_groups))
             if b.src_stage == stage:
                 if shipped:
-                    inputs["B"].append((("reshard", i, "backward", index), expected(i, "backward", index)))
-                    sends["F"].append((i, "forward", b.dst_stage))
+                    inputs["B", b.dst_stage].append((("reshard", i, "backward", index),
+                                                     expected(i, "backward", index)))
+                    sends["F", b.dst_stage].append((i, "forward", b.dst_stage))
                 else:
-                    outputs["F"].append((forward, b.dst_stage, b.transfer_ms, src_groups))
-                    inputs["B"].append((backward, [dst_groups] * num_micro_batch))
-        longest = {"F": [max(times) for times in zip(*(w.forward_ms for w in ws))],
-                   "B": [max(times) for times in zip(*(w.backward_ms for w in ws))]}
-        out.append(_Group(index, replica, stage, ws, actions, inputs, outputs, sends, longest=longest))
+                    outputs["F", b.dst_stage].append((forward, b.transfer_ms, src_groups))
+                    inputs["B", b.dst_stage].append((backward, [dst_groups] * num_micro_batch))
+        share = shares[stage]
+        whole = [max(times) for times in zip(*(w.backward_ms for w in ws))]
+        longest = {"F": [max(times) for times in zip(*(w.forward_ms for w in ws))], "B": whole,
+                   "BI": [t * share for t in whole], "BW": [t * (1.0 - share) for t in whole]}
+        out.append(_Group(index, replica, stage, ws, actions, dict(inputs), dict(outputs), dict(sends), share,
+                          longest=longest))
     return out, routes
 
 

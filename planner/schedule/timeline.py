@@ -24,8 +24,9 @@ from whalelike.files import write_atomic
 from planner.plan import Plan
 from planner.schedule.simulator import SimResult, WorkerTime, simulate
 
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "send": "#8C8C8C", "allreduce": "#C44E52"}
-CATEGORIES = {"F": "forward", "B": "backward", "send": "transfer", "allreduce": "all-reduce"}
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "BI": "#8FD19E", "BW": "#2F6B3D", "send": "#8C8C8C", "allreduce": "#C44E52"}
+CATEGORIES = {"F": "forward", "B": "backward", "BI": "backward (input half)", "BW": "backward (weight half)",
+              "send": "transfer", "allreduce": "all-reduce"}
 COMPUTE_TRACK, SEND_TRACK = 0, 1
 
 
@@ -139,7 +140,9 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
     if len(shown) < len(result.workers):
         title += f" (busiest {len(shown)} of {len(result.workers)} workers)"
     ax.set_title(title, fontsize=10, loc="left")
-    ax.legend(handles=[Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in COLOURS], loc="lower right",
+    # a split backward's halves (ZB-H1, delayed weight gradients) only where a step has them
+    shown_kinds = [k for k in COLOURS if boxes[k] or k not in ("BI", "BW")]
+    ax.legend(handles=[Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in shown_kinds], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False, borderaxespad=0.2)
     picture = io.BytesIO()
     fig.savefig(picture, format="png", dpi=110)

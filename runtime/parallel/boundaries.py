@@ -154,13 +154,18 @@ class BoundaryExchange:
         self._unbatched: dict[tuple, tuple] = {}   # (producer, consumer, backward) -> unbatched_rows
 
     # -- what this rank does at each action -----------------------------------------------------------
-    def crossings(self, stage: int, micro_batch: int, direction: str, side: str) -> list[Crossing]:
+    def crossings(self, stage: int, micro_batch: int, direction: str, side: str,
+                  peer: Optional[int] = None) -> list[Crossing]:
         """The crossings of ``micro_batch`` in ``direction`` whose ``side`` (``"source"`` or
-        ``"destination"``) is ``stage``, in the canonical order."""
+        ``"destination"``) is ``stage``, in the canonical order; with ``peer``, only those whose
+        other side is stage ``peer`` (one send or receive action of a program,
+        :mod:`planner.schedule.program`)."""
         out = []
         for value, consumer in self.pairs:
             crossing = Crossing(value, consumer, direction, micro_batch)
-            if (crossing.source_stage if side == "source" else crossing.destination_stage) == stage:
+            here, there = ((crossing.source_stage, crossing.destination_stage) if side == "source"
+                           else (crossing.destination_stage, crossing.source_stage))
+            if here == stage and (peer is None or there == peer):
                 out.append(crossing)
         return out
 

@@ -108,9 +108,12 @@ import torch.nn as nn
 from planner.devices.network import NetworkModel
 from planner.plan import Plan, PlanError
 from planner.plan_checks import check_same_workers
-from planner.schedule.actions import Action, build_schedule, gradient_accumulation
+from planner.schedule.actions import Action, gradient_accumulation
+from planner.schedule.deadlock import proven_program
+from planner.schedule.program import forward_program, split_flags
 from planner.shares.layout import SampleLayout, check_global_batch
 from runtime.emulation.compute import Emulator
+from runtime.parallel.executor import StepExecutor
 from runtime.parallel.boundaries import BoundaryExchange
 from runtime.replicas.held_state import NamedState
 from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
@@ -183,8 +186,8 @@ def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     return SampleLayout.of(plan).all_ranges()
 
 
-class PipelineExecutor:
-    """Runs this rank's stage of a multi-stage Plan; follows :class:`runtime.engine.StepExecutor`.
+class PipelineExecutor(StepExecutor):
+    """Runs this rank's stage of a multi-stage Plan, a :class:`runtime.parallel.executor.StepExecutor`.
 
     ``graph_module``/``node_stage``: the captured model and each node's stage (see
     :func:`runtime.parallel.stage_split.node_stages_from_plan`). ``stage_flops``: per stage, forward and
@@ -238,6 +241,13 @@ class PipelineExecutor:
         self.stage = self.split.stages[self.worker.stage]
         self.is_last = self.stage.index == self.split.num_stages - 1
         self.emulator = emulator or Emulator.disabled()
+        # the program's peers: the stages this one receives values from and sends them to, as the
+        # split has them (a skip connection's value goes straight to its consumer; the plan's
+        # boundaries are the chain, which the planner prices it across)
+        self._edges = tuple(sorted({(v.stage, c) for st in self.split.stages for v in st.outputs
+                                    for c in self.split.consumers(v)}))
+        self._producers = [src for src, dst in self._edges if dst == self.stage.index]
+        self._consumers = [dst for src, dst in self._edges if src == self.stage.index]
         # what depends on the micro-batch sizes (derived again by set_plan)
         self._all_ranges, self.schedule = self._sizes(plan)
         self._ranges = self._all_ranges[self.rank]
@@ -257,7 +267,7 @@ class PipelineExecutor:
         self.boundaries = BoundaryExchange(plan, self.split, self.rank, self.group, network, self.emulator.network,
                                            feature_shards=feature_shards)
         self._specs: dict[tuple, dict[ValueId, ValueSpec]] = {}
-        # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's loss all-reduce
+        # the Engine's runtime.control.exchange.Passenger: summed in this step's loss all-reduce
         self.passenger = None
         log.info("rank %d: pipeline stage %d of %d (replica %d, dp_index %d, tp_index %d of %d), samples per "
                  "micro-batch %s, schedule %s: %s", self.rank, self.stage.index, self.split.num_stages,
@@ -268,6 +278,14 @@ class PipelineExecutor:
     # -- the step-executor protocol ---------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage_worker.parameters()
+
+    @property
+    def module(self) -> nn.Module:
+        """What this rank runs: its stage module, sharded as planned."""
+        return self.stage.module
+
+    def syncs(self) -> list:
+        return [self.stage_worker.sync]
 
     def takes_in_place(self, plan: Plan) -> bool:
         """Whether :meth:`set_plan` can adopt ``plan``: it differs from the plan in force only in
@@ -313,7 +331,7 @@ class PipelineExecutor:
     def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """The global-mean loss of a global batch: the forwards of the schedule, in order, with the
         stage in eval mode (BatchNorm uses its running statistics, dropout is off)."""
-        forwards = [Action("F", m) for m in range(len(self._ranges))]
+        forwards = forward_program(tuple(self._producers), tuple(self._consumers), len(self._ranges))
         was_training = self.stage.module.training
         self.stage.module.eval()
         try:
@@ -338,23 +356,39 @@ class PipelineExecutor:
         one is not used again."""
         self.stage_worker.close()
 
-    # -- one pass over a list of actions --------------------------------------------------------------
-    def _run(self, actions: list[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
+    # -- one pass over a program -------------------------------------------------------------------
+    def _run(self, actions: Sequence[Action], inputs, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        """Run this stage's program (:mod:`planner.schedule.program`): each action as it comes, the
+        transfers included; receives block, sends are posted and waited at the end of the step."""
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         for i, x in enumerate((*inputs, targets)):
             check_global_batch(self.plan, x.shape[0], f"rank {self.rank}", "targets" if i == len(inputs) else f"input {i}")
         specs = self._value_specs(inputs)
         state = _StepState(self.stage_worker.device, self.stage_worker.loss_dtype)
+        weights_at = max((i for i, a in enumerate(actions) if a.kind in ("B", "BW")), default=-1)
         for step, action in enumerate(actions):
+            m, kind = action.micro_batch, action.kind
             try:
-                if action.kind == "F":
-                    self._forward(action.micro_batch, inputs, targets, specs, state, train)
-                else:
-                    self._backward(action.micro_batch, specs, state, last=step == len(actions) - 1)
+                if kind == "RECV_F":
+                    self._receive_values(m, action.peer, specs, state, train)
+                elif kind == "F":
+                    self._forward(m, inputs, targets, specs, state, train)
+                elif kind == "SEND_F":
+                    self._send_values(m, action.peer, specs, state)
+                elif kind == "RECV_B":
+                    self._receive_grads(m, action.peer, specs, state)
+                elif kind == "B":
+                    self._backward(m, specs, state, last=step == weights_at)
+                elif kind == "BI":
+                    self._backward_input(m, specs, state)
+                elif kind == "SEND_B":
+                    self._send_input_grads(m, action.peer, specs, state)
+                else:   # BW
+                    self._backward_weight(m, specs, state, last=step == weights_at)
             except Exception as e:
                 raise PipelineError(
                     f"rank {self.rank}, stage {self.stage.index}, schedule step {step} ({action}), "
-                    f"micro-batch {action.micro_batch}: {type(e).__name__}: {e}") from e
+                    f"micro-batch {m}: {type(e).__name__}: {e}") from e
         for posted in state.sends:
             posted.wait()
         passenger, self.passenger = (self.passenger, None) if train else (None, self.passenger)
@@ -368,17 +402,22 @@ class PipelineExecutor:
         dist.all_reduce(carrier, group=self.group)
         return passenger.unload(carrier)
 
-    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
-        start, stop = self._ranges[m]
-        n = stop - start
-        received = {}
-        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination"):
+    def _receive_values(self, m: int, peer: int, specs, state: "_StepState", train: bool) -> None:
+        """``RECV_F m <- peer``: this rank's rows of every value stage ``peer`` sends this stage for
+        micro-batch ``m`` (blocks until they are here; forwarding inside the stage group posted)."""
+        n = self._samples(m)
+        received = state.received.setdefault(m, {})
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "destination", peer):
             v = crossing.value
             buffer = self._buffer(crossing, specs[v], n)
             state.sends.append(self.boundaries.receive(crossing, buffer, specs))
             received[v] = buffer if specs[v].batched else buffer[0]   # a value without a batch dimension: whole
-        for v, t in received.items():
-            t.requires_grad_(train and specs[v].requires_grad)
+            received[v].requires_grad_(train and specs[v].requires_grad)
+
+    def _forward(self, m: int, inputs: tuple, targets, specs, state: "_StepState", train: bool) -> None:
+        start, stop = self._ranges[m]
+        n = stop - start
+        received = state.received.pop(m, {})
         args = [inputs[src.index][start:stop] if isinstance(src, ModelInput) else received[src]
                 for src in self.stage.inputs]
         outputs, reported = self.stage_worker.forward(args, n, targets[start:stop] if self.is_last else None)
@@ -386,22 +425,53 @@ class PipelineExecutor:
             state.loss += reported
         if train:
             state.saved[m] = (received, outputs)
-        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "source"):
-            state.sends.append(self.boundaries.send(crossing, outputs[crossing.value], specs))
+        if self._consumers:
+            state.outgoing[m] = (outputs, len(self._consumers))
 
-    def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
-        start, stop = self._ranges[m]
-        n = stop - start
+    def _send_values(self, m: int, peer: int, specs, state: "_StepState") -> None:
+        """``SEND_F m -> peer``: post this rank's sends of the values stage ``peer`` consumes."""
+        outputs, left = state.outgoing[m]
+        for crossing in self.boundaries.crossings(self.stage.index, m, "F", "source", peer):
+            state.sends.append(self.boundaries.send(crossing, outputs[crossing.value], specs))
+        if left == 1:
+            del state.outgoing[m]
+        else:
+            state.outgoing[m] = (outputs, left - 1)
+
+    def _roots(self, m: int, state: "_StepState") -> tuple[dict, list, list]:
+        """Micro-batch ``m``'s received values, and the roots and gradients of its backward: the
+        weighted loss on the last stage, else the outputs that carry a received gradient."""
         received, outputs = state.saved.pop(m)
         if self.is_last:
-            roots, grads = [outputs[None]], [None]
-        else:
-            incoming = self._receive_grads(m, n, specs, state)
-            roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
-            grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
-        self.stage_worker.backward(
-            roots, grads, n, last=last, received=received, input_share=self._input_share(specs),
-            send_input_grads=lambda input_grads: self._send_input_grads(m, input_grads, received, specs, state))
+            return received, [outputs[None]], [None]
+        incoming = state.grads.pop(m, {})
+        roots = [outputs[v] for v in incoming if outputs[v].requires_grad]
+        grads = [incoming[v] for v in incoming if outputs[v].requires_grad]
+        return received, roots, grads
+
+    def _backward(self, m: int, specs, state: "_StepState", last: bool) -> None:
+        """``B m``: the whole backward; its input gradients wait for ``SEND_B``."""
+        received, roots, grads = self._roots(m, state)
+        input_grads = self.stage_worker.backward(roots, grads, self._samples(m), last=last, received=received)
+        self._keep_input_grads(m, input_grads, received, state)
+
+    def _backward_input(self, m: int, specs, state: "_StepState") -> None:
+        """``BI m``: the input half; the weight half waits for ``BW m`` with the micro-batch's roots."""
+        received, roots, grads = self._roots(m, state)
+        input_grads, weights = self.stage_worker.backward_input(roots, grads, self._samples(m), received=received,
+                                                                input_share=self._input_share(specs))
+        state.weights[m] = (weights, roots)
+        self._keep_input_grads(m, input_grads, received, state)
+
+    def _backward_weight(self, m: int, specs, state: "_StepState", last: bool) -> None:
+        """``BW m``: the weight half of micro-batch ``m``'s backward."""
+        weights, roots = state.weights.pop(m)
+        self.stage_worker.backward_weight(weights, roots, self._samples(m), last=last,
+                                          input_share=self._input_share(specs))
+
+    def _keep_input_grads(self, m: int, input_grads: dict, received: dict, state: "_StepState") -> None:
+        if self._producers:
+            state.input_grads[m] = (input_grads, received, len(self._producers))
 
     def _input_share(self, specs) -> float:
         """The input half's share of the stage's backward FLOPs: none without received values that
@@ -415,29 +485,40 @@ class PipelineExecutor:
             return 1.0
         return 0.5
 
-    def _send_input_grads(self, m: int, input_grads: dict, received: dict, specs, state: "_StepState") -> None:
-        """Post the sends of the received values' gradients (zeros where one got none)."""
-        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "source"):
+    def _send_input_grads(self, m: int, peer: int, specs, state: "_StepState") -> None:
+        """``SEND_B m -> peer``: post the sends of the gradients of the values received from stage
+        ``peer`` (zeros where one got none)."""
+        input_grads, received, left = state.input_grads[m]
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "source", peer):
             if specs[crossing.value].requires_grad:
                 grad = input_grads[crossing.value]
                 grad = grad if grad is not None else torch.zeros_like(received[crossing.value])
                 state.sends.append(self.boundaries.send(crossing, grad, specs))
+        if left == 1:
+            del state.input_grads[m]
+        else:
+            state.input_grads[m] = (input_grads, received, left - 1)
 
     # -- communication ----------------------------------------------------------------------------
-    def _receive_grads(self, m: int, n: int, specs, state: "_StepState") -> dict[ValueId, torch.Tensor]:
-        """Gradient of each sent value that carries one, summed over its consumer stages (each
-        covers all of this rank's samples once). A value without a batch dimension comes back as
-        one gradient per consuming slot, summed in order (none on a slot other than the owner,
-        :func:`planner.resharding.spec.unbatched_rows`: a zero gradient)."""
-        total: dict[ValueId, torch.Tensor] = {}
-        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination"):
+    def _receive_grads(self, m: int, peer: int, specs, state: "_StepState") -> None:
+        """``RECV_B m <- peer``: the gradient of each sent value that stage ``peer`` consumes and
+        that carries one, added to what other consumers sent (each covers all of this rank's
+        samples once; ascending consumer order, as the program receives them). A value without a
+        batch dimension comes back as one gradient per consuming slot, summed in order (none on a
+        slot other than the owner, :func:`planner.resharding.spec.unbatched_rows`: a zero gradient)."""
+        n = self._samples(m)
+        total = state.grads.setdefault(m, {})
+        for crossing in self.boundaries.crossings(self.stage.index, m, "B", "destination", peer):
             v = crossing.value
             if specs[v].requires_grad:
                 grad = self._buffer(crossing, specs[v], n)
                 state.sends.append(self.boundaries.receive(crossing, grad, specs))
                 grad = grad if specs[v].batched else grad.sum(0)
                 total[v] = grad if v not in total else total[v] + grad
-        return total
+
+    def _samples(self, m: int) -> int:
+        start, stop = self._ranges[m]
+        return stop - start
 
     def _buffer(self, crossing, spec: ValueSpec, n: int) -> torch.Tensor:
         """Room for this rank's rows of ``crossing`` (``n`` samples of a batched value or its
@@ -448,14 +529,18 @@ class PipelineExecutor:
         return torch.empty((rows, *shape), dtype=spec.dtype, device=self.stage_worker.device)
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _sizes(self, plan: Plan) -> tuple[dict[int, list[tuple[int, int]]], list[Action]]:
+    def _sizes(self, plan: Plan) -> tuple[dict[int, list[tuple[int, int]]], Sequence[Action]]:
         """What ``plan``'s micro-batch sizes decide: every rank's sample ranges and this stage's
-        action list (one stage alone accumulates gradients micro-batch by micro-batch, as
-        :mod:`planner.schedule.simulator` runs it)."""
+        program (:func:`planner.schedule.deadlock.proven_program`: the plan's schedule lowered onto
+        the stages' crossings, each stage split as :func:`planner.schedule.program.splits_backward`
+        says, proven deadlock-free in this process before any action runs; the simulator runs the
+        same lowering on the plan's boundaries; one stage alone accumulates gradients micro-batch by
+        micro-batch)."""
         all_ranges = sample_ranges(plan)
-        schedule = (gradient_accumulation(len(all_ranges[self.rank])) if len(plan.stages) == 1
-                    else build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[self.stage.index])
-        return all_ranges, schedule
+        if len(plan.stages) == 1:
+            return all_ranges, gradient_accumulation(len(all_ranges[self.rank]))
+        programs = proven_program(plan.schedule, len(plan.stages), plan.num_micro_batch, self._edges, split_flags(plan))
+        return all_ranges, programs[self.stage.index]
 
     def _outputs_leaving_sharded(self, sharding: Optional[StageSharding], graph_module: fx.GraphModule) -> dict:
         """Every tensor-parallel stage's outputs that leave as feature shards, without a gather
@@ -483,9 +568,17 @@ class PipelineExecutor:
 
 
 class _StepState:
-    """What one step keeps between actions: activations per micro-batch, posted sends, the loss."""
+    """What one step keeps between actions, per micro-batch: the values received for its forward,
+    its activations until its backward, its outputs until the last of their sends, the gradients
+    received for its backward, its input gradients until the last of their sends, the weight half
+    of a split backward until it runs; and the posted sends, the loss."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.loss = torch.zeros((), device=device, dtype=dtype)
+        self.received: dict[int, dict] = {}
         self.saved: dict[int, tuple] = {}
+        self.outgoing: dict[int, tuple] = {}
+        self.grads: dict[int, dict] = {}
+        self.input_grads: dict[int, tuple] = {}
+        self.weights: dict[int, tuple] = {}
         self.sends: list = []   # runtime.parallel.resharding.Posted: sends (and forwarded ranges) to wait for

@@ -19,8 +19,9 @@ room and each analysis runs once, here, at construction:
   stage's FLOPs and non-matmul bytes per sample times its samples, or, on a tensor-parallel stage,
   none here (its layers pad matmul by matmul, since a stage-wide segment would span their
   collectives; those matmul segments move no non-matmul bytes);
-* its backward, whole or in the two halves of delayed weight gradients
-  (:mod:`runtime.parallel.split_backward`).
+* its backward, whole or in its two halves, the input gradients and the weight gradients, as two
+  actions of the stage's program (ZB-H1, delayed weight gradients; :mod:`runtime.parallel.split_backward`,
+  :mod:`planner.schedule.program`).
 
 Invariant: every collective a stage worker runs (the sync, the tensor-parallel ones, tied sums,
 BatchNorm syncs) is over groups built from the plan in one order on every rank
@@ -42,7 +43,8 @@ from planner.plan import Plan
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState
 from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
-from runtime.parallel.split_backward import backward_inputs
+from planner.schedule.program import splits_backward
+from runtime.parallel.split_backward import WeightGradients, backward_inputs
 from runtime.parallel.stage_split import PipelineSplit
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.parallel.tied_weights import TiedParameters
@@ -162,32 +164,14 @@ class StageWorker:
             loss = weighted_loss(self.loss_fn(prediction, targets), n, self.plan.global_batch_size, self.scaler)
         return {None: loss}, loss.detach() if self.worker.tp_index == 0 else None
 
-    def backward(self, roots: list, grads: list, n: int, *, last: bool, received: dict,
-                 send_input_grads: Callable[[dict], None], input_share: float) -> None:
-        """Backward of one micro-batch from ``roots`` (outputs) with ``grads``, then
-        ``send_input_grads({value: gradient})`` for the ``received`` values. ``last``: the step's
-        last backward, which the replica sync arms (forwards ran under ``no_sync``). With delayed
-        weight gradients the input gradients are sent between the two halves; ``input_share`` is
-        the input half's share of the backward FLOPs (:meth:`PipelineExecutor._input_share`), and of
-        its non-matmul bytes, which are split the same way."""
+    def backward(self, roots: list, grads: list, n: int, *, last: bool, received: dict) -> dict:
+        """The whole backward of one micro-batch (one compute segment) from ``roots`` (outputs) with
+        ``grads``; returns the ``received`` values' gradients (``{value: gradient or None}``).
+        ``last``: the step's last action computing weight gradients, which the replica sync arms
+        (forwards ran under ``no_sync``)."""
         arm = self.sync.syncs and last
         if arm:
             self.sync.arm(roots)
-        if self.splits_backward():
-            values = list(received)
-            with self.sync.no_sync() if not arm else nullcontext():
-                self.emulator.begin(self.flops[1] * n * input_share, n,
-                                    memory_bytes=self.memory_bytes[1] * n * input_share)
-                input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
-                                                       self.stage.module.parameters())
-                self.emulator.wait_deadline()
-                send_input_grads(dict(zip(values, input_grads)))
-                self.emulator.begin(self.flops[1] * n * (1.0 - input_share), n,
-                                    memory_bytes=self.memory_bytes[1] * n * (1.0 - input_share))
-                weights.run()
-                self.emulator.wait_deadline()   # no-op if the sync's hook already waited
-            self.emulator.wait_communication()
-            return
         if self.segments_per_stage:
             self.emulator.begin(self.flops[1] * n, n, memory_bytes=self.memory_bytes[1] * n)
         if arm:
@@ -197,17 +181,45 @@ class StageWorker:
                 torch.autograd.backward(roots, grads)
         self.emulator.wait_deadline()   # no-op if the sync's hook already waited
         self.emulator.wait_communication()   # the overlapped gradient sync's modeled end, if any
-        send_input_grads({v: t.grad for v, t in received.items()})
+        return {v: t.grad for v, t in received.items()}
+
+    def backward_input(self, roots: list, grads: list, n: int, *, received: dict,
+                       input_share: float) -> tuple[dict, WeightGradients]:
+        """The input half of one micro-batch's backward (:func:`runtime.parallel.split_backward.backward_inputs`):
+        the ``received`` values' gradients, and the weight half still to run (:meth:`backward_weight`).
+        No parameter's gradient is touched, so no sync fires. One compute segment of ``input_share``
+        of the backward's FLOPs and non-matmul bytes (:meth:`PipelineExecutor._input_share`)."""
+        values = list(received)
+        with self.sync.no_sync():
+            self.emulator.begin(self.flops[1] * n * input_share, n, memory_bytes=self.memory_bytes[1] * n * input_share)
+            input_grads, weights = backward_inputs(roots, grads, [received[v] for v in values],
+                                                   self.stage.module.parameters())
+            self.emulator.wait_deadline()
+        return dict(zip(values, input_grads)), weights
+
+    def backward_weight(self, weights: WeightGradients, roots: list, n: int, *, last: bool,
+                        input_share: float) -> None:
+        """The weight half of one micro-batch's backward: its parameters' gradients into ``.grad``
+        (one compute segment of the rest of the backward's FLOPs and bytes). ``last``: the step's last
+        action computing weight gradients; the replica sync is armed with the micro-batch's
+        ``roots`` right before it, so DDP's all-reduce fires in it (its input half ran under
+        ``no_sync`` like every other)."""
+        arm = self.sync.syncs and last
+        if arm:
+            self.sync.arm(roots)
+        with self.sync.no_sync() if not arm else nullcontext():
+            self.emulator.begin(self.flops[1] * n * (1.0 - input_share), n,
+                                memory_bytes=self.memory_bytes[1] * n * (1.0 - input_share))
+            weights.run()
+            self.emulator.wait_deadline()   # no-op if the sync's hook already waited
+        self.emulator.wait_communication()
 
     def splits_backward(self) -> bool:
-        """Whether backwards are split (:mod:`runtime.parallel.split_backward`): the plan asks for it
-        and the stage's backward has no custom autograd functions with collectives inside
-        (tensor-parallel layers, synchronised BatchNorm), which the weight half would run again; and
-        the stage does not recompute its activations: torch's checkpoint frees the recomputed
-        activations once the input half has used them, so the weight half would run the stage's
-        forward a third time, more than the delay saves."""
-        return (self.plan.delay_weight_gradients and self.segments_per_stage and not self.plan.sync_batchnorm
-                and not self.recomputes)
+        """Whether this stage's backwards are split (:mod:`runtime.parallel.split_backward`), by the
+        plan's one rule (:func:`planner.schedule.program.splits_backward`: the plan asks, through
+        ZB-H1 or delayed weight gradients, and the stage has no tensor-parallel group, synchronised
+        BatchNorm, ZeRO sync or recompute). The executor runs the program built from it."""
+        return splits_backward(self.plan, self.stage.index)
 
     def has_parameters(self) -> bool:
         """Whether the stage trains any parameter (state the forward never reads does not count)."""
@@ -278,7 +290,7 @@ class StageWorker:
 
     def named_state(self) -> NamedState:
         """This stage's parameters and buffers under the model's names, with the part of each it
-        holds, as the replica sync keeps them; for :func:`runtime.balance.state_transfer.switch_executor`
+        holds, as the replica sync keeps them; for :func:`runtime.state.transfer.switch_executor`
         and checkpoints."""
         return self.sync.named_state(self._state_names)
 
