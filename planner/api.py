@@ -21,7 +21,8 @@ module only calls them in order, each decision lives with its owner:
 5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.schedule.simulator`);
 6. the fastest plan it knows that fits: the hardware-aware plan, or the naive one when the simulator
    prices that faster (:mod:`planner.candidates`; ``Plan.chosen`` and ``Plan.candidates`` say which
-   and what each was predicted to take).
+   and what each was predicted to take); under ``Config.schedule`` ``"auto"`` the whole chain runs
+   once per schedule (1F1B, ZB-H1) and the faster is kept (``Plan.schedule_steps_ms``).
 
 Steps 2 to 4 on one layout are :func:`planner.decisions.aware_decisions`. The naive plan
 (:func:`planner.decisions.naive_decisions`) uses the same devices with equal shares, equal shards
@@ -37,13 +38,13 @@ import logging
 from typing import Optional
 
 from whalelike.cluster import Cluster
-from whalelike.config import Config
+from whalelike.config import AUTO_SCHEDULE, AUTO_SCHEDULES, Config
 from whalelike.graphs.capture import with_autocast
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
-from planner.candidates import Priced, keep_fastest
+from planner.candidates import Priced, fastest_schedule, keep_fastest
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout
@@ -68,7 +69,12 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     Raises :class:`~planner.plan.PlanError` for requests the cluster cannot satisfy (a precision
     some device cannot run, too many devices, batch too small or indivisible, memory infeasible),
     naming what would fit.
+
+    ``config.schedule`` ``"auto"``: the plans of 1F1B and ZB-H1, the fastest predicted kept
+    (:func:`planner.candidates.fastest_schedule`, ``Plan.schedule_steps_ms``).
     """
+    if config.schedule == AUTO_SCHEDULE:
+        return fastest_schedule(lambda asked: plan(graphs, cluster, asked, profile), config)
     check_trainable(graphs)
     check_precision(cluster, config.precision)
     if profile is not None:
@@ -137,7 +143,10 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """The capacity-blind plan on the same devices (equal shares, shards and layer counts). It may
-    exceed device memory; it exists to compare against and to run side by side under emulation."""
+    exceed device memory; it exists to compare against and to run side by side under emulation.
+    Under ``Config.schedule`` ``"auto"`` it runs 1F1B: a capacity-blind planner prices no schedule."""
+    if config.schedule == AUTO_SCHEDULE:
+        config = dataclasses.replace(config, schedule=AUTO_SCHEDULES[0])
     check_trainable(graphs)
     check_precision(cluster, config.precision)
     graphs = _for_precision(graphs, config)

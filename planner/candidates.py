@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+from whalelike.config import AUTO_SCHEDULES, Config
 
 from planner.devices.memory import fits
+from planner.errors import PlanError
 from planner.plan import CandidatePlan, Plan, Prediction
 from planner.summary import CANDIDATE_LABELS
 
@@ -70,3 +73,28 @@ def keep_fastest(candidates: list[Priced], naive_prediction: Prediction) -> Plan
                     aware)
     record = [CandidatePlan(c.name, c.plan.prediction.step_time_ms, ok) for c, ok in zip(candidates, fitting)]
     return dataclasses.replace(kept.plan, naive_prediction=naive_prediction, chosen=kept.name, candidates=record)
+
+
+def fastest_schedule(plan_with: Callable[[Config], Plan], config: Config) -> Plan:
+    """``Config.schedule`` ``"auto"``: the plan of each schedule of :data:`whalelike.config.AUTO_SCHEDULES`
+    (1F1B and ZB-H1), each made in full by ``plan_with`` (a :func:`planner.plan` of that schedule: its
+    own stage layers, shares and memory fit, ZB-H1 holding more micro-batches on later stages), and
+    the fastest predicted kept, with every one's step in ``Plan.schedule_steps_ms``. A schedule whose
+    plan cannot be made (it does not fit) is left out; when none can be, the first one's error is
+    raised. 1F1B, listed first, wins ties (it holds no more memory than ZB-H1 anywhere)."""
+    plans: dict[str, Plan] = {}
+    errors: list[PlanError] = []
+    for schedule in AUTO_SCHEDULES:
+        try:
+            plans[schedule] = plan_with(dataclasses.replace(config, schedule=schedule))
+        except PlanError as e:
+            errors.append(e)
+    if not plans:
+        raise errors[0]
+    steps = {schedule: p.prediction.step_time_ms for schedule, p in plans.items()}
+    best = next(iter(plans))
+    for schedule, ms in steps.items():
+        if ms < steps[best] * (1 - TIE):
+            best = schedule
+    log.info("schedule auto: predicted %s; keeping %s", ", ".join(f"{s} {ms:.2f} ms" for s, ms in steps.items()), best)
+    return dataclasses.replace(plans[best], schedule_steps_ms=steps)

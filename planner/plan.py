@@ -191,6 +191,11 @@ class Plan:
     # the schema version stays
     chosen: str = rule(str, "which of the candidates this plan is", choices=CANDIDATES, default="aware")
     candidates: list[CandidatePlan] = field(default_factory=list)
+    # planner.candidates.fastest_schedule (Config.schedule "auto"): each schedule planned in full and the step
+    # predicted for its plan, the fastest kept as this plan; empty when the schedule was asked (or in a re-plan)
+    schedule_steps_ms: dict[str, float] = rule(float, "each schedule planned for Config.schedule 'auto' -> the step "
+                                                f"predicted for its plan ({MS}); the fastest is this plan's schedule; "
+                                                "empty: the schedule was asked", ge=0, default_factory=dict)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     # whalelike.spec.validate: field rules under "plan", then planner.plan_checks (looked up at each

@@ -14,6 +14,7 @@ import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from whalelike.config import SCHEDULES
 from whalelike.errors import SpecError
 from whalelike.graphs.output_tree import OutputRouteError, route_outputs
 from whalelike.spec import check_rules
@@ -55,6 +56,7 @@ def check_alone(plan: Plan) -> None:
     _check_shards(plan)
     _check_boundaries(plan)
     _check_candidates(plan)
+    _check_schedule_choice(plan)
 
 
 def _check_header(plan: Plan) -> None:
@@ -376,6 +378,30 @@ def _check_candidates(plan: Plan) -> None:
             raise PlanError(f"plan.candidates[{j}] ({other.name!r}) fits and is predicted faster ({other.step_time_ms:g} "
                             f"ms) than the plan chosen ({mine.name!r}, {mine.step_time_ms:g} ms): the planner keeps the "
                             "fastest that fits; re-plan with `whalelike plan`")
+
+
+def _check_schedule_choice(plan: Plan) -> None:
+    """A plan made under ``Config.schedule`` ``"auto"`` (``plan.schedule_steps_ms``, planner.candidates
+    .fastest_schedule) runs the schedule it lists with its own predicted step, and no schedule it
+    lists is predicted faster."""
+    steps = plan.schedule_steps_ms
+    if not steps:
+        return
+    unknown = sorted(set(steps) - set(SCHEDULES))
+    if unknown:
+        raise PlanError(f"plan.schedule_steps_ms names {unknown}, not schedules ({', '.join(SCHEDULES)}); re-plan "
+                        "with `whalelike plan --schedule auto`")
+    if plan.schedule not in steps:
+        raise PlanError(f"plan.schedule is {plan.schedule!r}, not one of the schedules planned "
+                        f"(plan.schedule_steps_ms: {', '.join(steps)}); set it to the one kept or re-plan")
+    if not math.isclose(steps[plan.schedule], plan.prediction.step_time_ms, rel_tol=1e-9, abs_tol=1e-12):
+        raise PlanError(f"plan.schedule_steps_ms[{plan.schedule!r}] is {steps[plan.schedule]!r} but the plan predicts "
+                        f"{plan.prediction.step_time_ms!r} ms (plan.prediction.step_time_ms); they are one figure")
+    for schedule, ms in steps.items():
+        if ms < steps[plan.schedule] * (1 - 1e-9):
+            raise PlanError(f"plan.schedule_steps_ms[{schedule!r}] ({ms:g} ms) is predicted faster than the schedule "
+                            f"kept ({plan.schedule!r}, {steps[plan.schedule]:g} ms): the planner keeps the fastest; "
+                            "re-plan with `whalelike plan --schedule auto`")
 
 
 def check_model(plan: Plan, graphs) -> None:

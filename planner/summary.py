@@ -40,6 +40,9 @@ def plan_summary(plan: Plan, cluster=None) -> str:
         f"plan for model {plan.model_fingerprint[:12]} on {plan.cluster}: {len(plan.stages)} stage(s), "
         f"{plan.num_replicas} pipeline replica(s), {plan.world_size} workers, global batch "
         f"{plan.global_batch_size} in {plan.num_micro_batch} micro-batch(es), schedule {plan.schedule}"
+        # Config.schedule "auto" (planner.candidates.fastest_schedule): every schedule planned, its step
+        + ("" if not plan.schedule_steps_ms else " (auto, the fastest of " + ", ".join(
+            f"{s} {ms:.2f} ms" for s, ms in plan.schedule_steps_ms.items()) + ")")
         # fp32 is the default and goes unsaid (summaries of fp32 plans read as before precision existed)
         + ("" if plan.precision == "fp32" else f", precision {plan.precision} (autocast, float32 master weights)")
     )

@@ -1,15 +1,17 @@
-"""Eager-1F1B and delayed weight gradients in the pipeline runtime, against the single-process
+"""Eager-1F1B, delayed weight gradients and ZB-H1 in the pipeline runtime, against the single-process
 reference (one 4-rank gloo spawn, float64).
 
 Cases: schedules ``eager-1f1b`` and ``1f1b``, each with and without ``Plan.delay_weight_gradients``,
+and ``zb-h1`` (every backward split: input halves sent upstream at once, weight halves deferred),
 on (a) 3 stages whose middle stage runs on 2 data-parallel workers with shares [3, 1] (so DDP's
 all-reduce must fire in the weight half of the split backward, and the stage both receives a
 gradient-carrying value and has parameters), with emulation on, and (b) 2 stages with uneven
 micro-batch sizes on a 2-rank subgroup. Each trains ``tests/test_pipeline.SkipNet`` for 3 AdamW
 steps and compares every step's loss and the final parameters with
 :func:`reference.train_reference`; the two workers of the data-parallel stage must also hold equal
-parameters. Under delay, every backward is two emulated compute segments (three per micro-batch)
-whose FLOPs add up to the undelayed backward's.
+parameters. Under delay and ZB-H1, every backward is two emulated compute segments (three per
+micro-batch) whose FLOPs add up to the undelayed backward's; under ZB-H1 each rank runs exactly the
+program :mod:`planner.schedule.program` lowers (what the simulator runs and the deadlock proof proves).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from dist_utils import run_ranks
+from planner.schedule.actions import build_schedule
+from planner.schedule.program import lower
 from reference import OPTIMIZERS, train_reference
 from runtime.emulation.compute import Emulator
 from runtime.groups import group_ranks
@@ -36,6 +40,8 @@ PLANS = {
     "2-stages-uneven": (TWO_STAGES, [(0, 0, 0, [3, 1, 2, 2]), (0, 1, 0, [3, 1, 2, 2])]),
 }
 CASES = [(plan, schedule, delay) for plan in PLANS for schedule in ("eager-1f1b", "1f1b") for delay in (False, True)]
+# ZB-H1 (issue 31): every backward split, input halves sent at once, weight halves deferred (delay is moot)
+CASES += [(plan, "zb-h1", False) for plan in PLANS]
 
 
 def _run_case(rank: int, groups: dict[int, dist.ProcessGroup], plan_name: str, schedule: str, delay: bool):
@@ -72,9 +78,9 @@ def _run_case(rank: int, groups: dict[int, dist.ProcessGroup], plan_name: str, s
     for key, value in ref_state.items():
         assert_close(final[key], value, msg=lambda m: f"{label}: {key}: {m}")
     if emulator is not None:
-        segments_per_micro_batch = 3 if delay else 2
+        segments_per_micro_batch = 3 if delay or schedule == "zb-h1" else 2
         assert emulator.stats.segments == segments_per_micro_batch * plan.num_micro_batch * STEPS, label
-    return {"losses": torch.stack(losses), "stage": pipe.worker.stage,
+    return {"losses": torch.stack(losses), "stage": pipe.worker.stage, "program": [str(a) for a in pipe.schedule],
             "emulated_flops": emulator.stats.flops if emulator is not None else None,
             "state": {k: v.detach().clone() for k, v in pipe.stage.module.state_dict().items()}}
 
@@ -110,3 +116,13 @@ def test_eager_1f1b_and_delayed_weight_gradients_match_single_process_reference(
             for r in results:
                 if r[(plan, schedule, True)] is not None:
                     assert r[(plan, schedule, True)]["emulated_flops"] == r[(plan, schedule, False)]["emulated_flops"]
+        # ZB-H1 trains the same model as 1F1B, its split backwards emulate the same FLOPs, and each rank ran
+        # the program the planner proves and simulates (the schedule lowered onto the stages' crossings)
+        assert_close(results[0][(plan, "zb-h1", False)]["losses"], results[0][(plan, "1f1b", False)]["losses"])
+        cut, workers = PLANS[plan]
+        edges = [(s, s + 1) for s in range(len(cut))] + ([(0, 2)] if len(cut) == 2 else [])   # SkipNet's skip
+        expected = lower(build_schedule("zb-h1", len(cut) + 1, 4), edges, [True] * (len(cut) + 1))
+        for r in results:
+            if r[(plan, "zb-h1", False)] is not None:
+                assert r[(plan, "zb-h1", False)]["emulated_flops"] == r[(plan, "1f1b", False)]["emulated_flops"]
+                assert r[(plan, "zb-h1", False)]["program"] == [str(a) for a in expected[r[(plan, "zb-h1", False)]["stage"]]]

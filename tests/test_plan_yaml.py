@@ -117,3 +117,22 @@ def test_summary_is_an_aligned_table(setting):
     assert len(table) == 2 + plan.world_size
     assert len({len(line) for line in table[2:]}) == 1 or all(len(l) <= len(table[1]) for l in table[2:])
     assert "predicted speed-up over naive" in text and "naive plan" in text
+
+
+def test_round_trip_of_a_zb_h1_plan_chosen_by_auto(tmp_path):
+    graphs = synthetic_model(12, [replicate() for _ in range(4)], hidden=256, seq=32)
+    cluster = synthetic_cluster([(2, 20.0, 32), (2, 10.0, 32)], per_host=4)
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=8, schedule="auto"))
+    assert plan.schedule == "zb-h1" and set(plan.schedule_steps_ms) == {"1f1b", "zb-h1"}
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    loaded = Plan.from_yaml(path, graphs=graphs, cluster=cluster)
+    assert loaded == plan and Plan.from_dict(plan.to_dict()) == plan
+    written = yaml.safe_load(path.read_text())
+    assert written["schedule"] == "zb-h1" and written["schedule_steps_ms"] == plan.schedule_steps_ms
+    # a file from before the field loads with the schedule as asked; an unknown schedule is named
+    assert Plan.from_yaml(_edit(tmp_path, plan, lambda d: d.pop("schedule_steps_ms")), graphs=graphs,
+                          cluster=cluster).schedule_steps_ms == {}
+    with pytest.raises(PlanError, match=r"plan.schedule_steps_ms names \['zb-h2'\], not schedules"):
+        Plan.from_yaml(_edit(tmp_path, plan, lambda d: d["schedule_steps_ms"].__setitem__("zb-h2", 1.0)),
+                       graphs=graphs, cluster=cluster)

@@ -1,4 +1,6 @@
 """``planner.plan()`` end to end: invariants of every returned plan, placement, bad input."""
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,3 +226,44 @@ def test_the_plans_resharding_strategy_prices_its_boundaries(strategy):
         assert reshard.strategy == strategy and list(reshard.alternatives_ms) == [strategy]
         assert boundary.transfer_ms == pytest.approx([reshard.predicted_ms] * plan.num_micro_batch)
     assert f"strategy {strategy}" in plan.summary(cluster)
+
+
+def _four_stages():
+    graphs = synthetic_model(12, [replicate() for _ in range(4)], hidden=256, seq=32)
+    return graphs, synthetic_cluster([(2, 20.0, 32), (2, 10.0, 32)], per_host=4)
+
+
+def test_auto_schedule_plans_1f1b_and_zb_h1_and_keeps_the_faster():
+    graphs, cluster = _four_stages()
+    config = Config(global_batch_size=32, num_micro_batch=8, schedule="auto")
+    plan = planner.plan(graphs, cluster, config)
+    each = {s: planner.plan(graphs, cluster, dataclasses.replace(config, schedule=s)) for s in ("1f1b", "zb-h1")}
+    assert plan.schedule == "zb-h1"
+    assert plan.schedule_steps_ms == {s: p.prediction.step_time_ms for s, p in each.items()}
+    assert plan.prediction == each["zb-h1"].prediction and plan.stages == each["zb-h1"].stages
+    assert each["zb-h1"].prediction.bubble_fraction < each["1f1b"].prediction.bubble_fraction
+    assert "schedule zb-h1 (auto, the fastest of 1f1b " in plan.summary().splitlines()[0]
+    _check_invariants(plan, graphs, cluster)
+    # a schedule asked by name is pinned: planned alone, nothing recorded
+    assert [each[s].schedule for s in each] == ["1f1b", "zb-h1"] and each["1f1b"].schedule_steps_ms == {}
+    # the capacity-blind plan prices no schedule: 1F1B
+    assert planner.naive_plan(graphs, cluster, config).schedule == "1f1b"
+    # ZB-H1 holds S micro-batches on every stage, more than 1F1B on the later ones, and the plan prices it
+    assert [w.activations_gib > v.activations_gib for w, v in zip(each["zb-h1"].workers, each["1f1b"].workers)] == \
+        [False, True, True, True]
+
+
+def test_auto_schedule_keeps_1f1b_on_a_tie_and_a_record_that_lies_is_refused():
+    graphs = synthetic_model(4, [replicate()], hidden=256, seq=32)
+    cluster = synthetic_cluster([(2, 20.0, 16), (2, 10.0, 16)])
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=2, schedule="auto"))
+    # one stage: both schedules are gradient accumulation, the same step, 1F1B kept
+    assert plan.schedule == "1f1b" and plan.schedule_steps_ms["1f1b"] == plan.schedule_steps_ms["zb-h1"]
+    graphs, cluster = _four_stages()
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=8, schedule="auto"))
+    faster = dict(plan.schedule_steps_ms, **{"1f1b": plan.prediction.step_time_ms / 2})
+    with pytest.raises(PlanError, match=r"plan\.schedule_steps_ms\['1f1b'\] \(.* ms\) is predicted faster than the "
+                                        r"schedule kept \('zb-h1', .* ms\): the planner keeps the fastest"):
+        dataclasses.replace(plan, schedule_steps_ms=faster).validate()
+    with pytest.raises(PlanError, match=r"plan\.schedule is 'zb-h1', not one of the schedules planned"):
+        dataclasses.replace(plan, schedule_steps_ms={"1f1b": plan.prediction.step_time_ms}).validate()

@@ -1,6 +1,8 @@
 """The step simulator against closed-form timings of small hand-built plans."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,6 +78,42 @@ def test_equal_stages_without_comm_take_m_plus_s_minus_1_slots(schedule, num_sta
     result = simulate(chain_plan([(f, b)] * num_stages, num_micro_batch, schedule))
     assert result.step_time_ms == pytest.approx((num_micro_batch + num_stages - 1) * (f + b))
     assert result.bubble_fraction == pytest.approx((num_stages - 1) / (num_micro_batch + num_stages - 1))
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batch", [(2, 2), (2, 4), (3, 3), (4, 4), (4, 8), (3, 16), (6, 12)])
+def test_zb_h1_on_equal_stages_leaves_a_forward_per_stage_of_bubble(num_stages, num_micro_batch):
+    """ZB-H1 with input and weight halves of b/2 each (Qi et al.: bubble (S - 1)(F + B - W)): the step is
+    m (f + b) + (S - 1) f where 1F1B's is (m + S - 1)(f + b), so the bubble is at most half of 1F1B's
+    (a third as m grows), with every stage holding S micro-batches, 1F1B's first stage's count."""
+    f, b = 1.0, 2.0
+    zb = simulate(chain_plan([(f, b)] * num_stages, num_micro_batch, "zb-h1"))
+    ofob = simulate(chain_plan([(f, b)] * num_stages, num_micro_batch, "1f1b"))
+    assert zb.step_time_ms == pytest.approx(num_micro_batch * (f + b) + (num_stages - 1) * f)
+    assert zb.bubble_fraction == pytest.approx((num_stages - 1) * f / zb.step_time_ms)
+    assert zb.bubble_fraction <= ofob.bubble_fraction / 2
+    assert [w.peak_in_flight for w in zb.workers] == [num_stages] * num_stages
+    kinds = sorted((e.kind, e.micro_batch) for e in compute_events(zb, 1))
+    assert kinds == sorted((k, m) for k in ("F", "BI", "BW") for m in range(num_micro_batch))
+
+
+def test_zb_h1_on_an_unequal_pipeline_cuts_the_schedules_bubble_to_a_third():
+    """Four stages 0.9x-1.2x apart, as whole layers leave a balanced split on unequal devices: the
+    slowest stage's work (m times its forward and backward) bounds every schedule; past it, 1F1B
+    loses 7.8 ms to fill and drain, 1F1B with delayed weight gradients 3.7, ZB-H1 2.6 (a third)."""
+    times, m = [(1.0, 2.0), (1.2, 2.4), (0.9, 1.8), (1.1, 2.2)], 8
+    slowest = m * max(f + b for f, b in times)
+    ofob = simulate(chain_plan(times, m, "1f1b"))
+    delayed = simulate(dataclasses.replace(chain_plan(times, m, "1f1b"), delay_weight_gradients=True))
+    eager = simulate(chain_plan(times, m, "eager-1f1b"))
+    zb = simulate(chain_plan(times, m, "zb-h1"))
+    assert ofob.step_time_ms - slowest == pytest.approx(7.8)
+    assert delayed.step_time_ms - slowest == pytest.approx(3.7)
+    assert eager.step_time_ms - slowest == pytest.approx(ofob.step_time_ms - slowest - 0.9)
+    assert zb.step_time_ms - slowest == pytest.approx(2.6)
+    assert zb.bubble_fraction < delayed.bubble_fraction < ofob.bubble_fraction
+    assert zb.bubble_fraction == pytest.approx(1 - sum(m * (f + b) for f, b in times) / (4 * zb.step_time_ms))
+    # the same memory bound as 1F1B's largest in-flight count, on every stage
+    assert max(w.peak_in_flight for w in zb.workers) == max(w.peak_in_flight for w in ofob.workers) == 4
 
 
 def test_1f1b_holds_fewer_micro_batches_than_gpipe_at_the_same_step_time():

@@ -336,7 +336,7 @@ def test_rules_speak_the_language_of_where_the_value_came_from():
     assert flag.problem("yes", spelling="yaml") == "must be true or false (a flag), got 'yes'"
     with pytest.raises(SpecError, match=r"^Config\.num_micro_batch must be a positive integer, got 0$"):
         Config(global_batch_size=4, num_micro_batch=0)
-    with pytest.raises(SpecError, match=r"^Config\.schedule must be one of gpipe, 1f1b, eager-1f1b, got 'zb'$"):
+    with pytest.raises(SpecError, match=r"^Config\.schedule must be one of gpipe, 1f1b, eager-1f1b, zb-h1, auto, got 'zb'$"):
         Config(global_batch_size=4, schedule="zb")
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster
-from whalelike.config import DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULES, ZERO_STAGES, Config
+from whalelike.config import DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULE_CHOICES, ZERO_STAGES, Config
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
@@ -352,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", required=True, type=int, metavar="N", help="samples per optimizer step")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M",
                    help="micro-batches per step: pipeline depth, or gradient accumulation for one stage (default: 1)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
+                   help="pipeline schedule (default: 1f1b; auto: the planner plans 1f1b and zb-h1 and keeps the "
+                        "faster predicted)")
     p.add_argument("--optimizer", **optimizer)
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="BatchNorm in training mode takes its statistics over each stage's data-parallel group "

@@ -14,9 +14,14 @@ from whalelike.spec import check_fields, rule
 # The names a Config (and a Plan) may use, listed here once: whalelike/ imports nothing of planner/, so
 # the planner takes its lists from here (planner.schedule.actions.SCHEDULES builds each schedule,
 # planner.resharding.cost.STRATEGIES prices each strategy) and the CLI offers them.
-Schedule = Literal["gpipe", "1f1b", "eager-1f1b"]
+Schedule = Literal["gpipe", "1f1b", "eager-1f1b", "zb-h1"]
 Optimizer = Literal["sgd", "sgd_momentum", "adam", "adamw"]
-SCHEDULES = get_args(Schedule)
+SCHEDULES = get_args(Schedule)   # what a Plan runs (planner.schedule.actions builds each)
+# Config.schedule "auto": the planner plans AUTO_SCHEDULES and keeps the fastest predicted that fits
+# (planner.candidates.fastest_schedule); a Plan always names one schedule of SCHEDULES
+AUTO_SCHEDULE = "auto"
+AUTO_SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULE_CHOICES = (*SCHEDULES, AUTO_SCHEDULE)
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
 RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
@@ -47,8 +52,14 @@ class Config:
     global_batch_size: samples per optimizer step, summed over every device.
     num_micro_batch:   micro-batches per step: pipeline depth for several TaskGraphs, gradient
                        accumulation for one.
-    schedule:          pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"eager-1f1b"`` (1F1B with more
-                       warm-up forwards so transfers overlap compute; more activations in flight).
+    schedule:          pipeline schedule, ``"gpipe"``, ``"1f1b"`` (the default), ``"eager-1f1b"`` (1F1B with
+                       more warm-up forwards so transfers overlap compute; more activations in flight),
+                       ``"zb-h1"`` (zero-bubble H1: each backward split into its input-gradient half, sent
+                       upstream at once, and its weight-gradient half, deferred into the bubbles; at most
+                       1F1B's largest in-flight count on every stage; ``planner.schedule.actions``), or
+                       ``"auto"``: the planner plans ``1f1b`` and ``zb-h1`` and keeps the faster predicted
+                       that fits (``Plan.schedule_steps_ms`` records both). A named schedule is pinned: the
+                       planner never swaps it. Not the default, as planning twice doubles the planning time.
     optimizer:         optimizer whose state the memory model counts.
     sync_batchnorm:    BatchNorm in training mode takes its batch statistics over each stage's
                        data-parallel group instead of each worker's own samples (the default, as
@@ -87,7 +98,7 @@ class Config:
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
     num_micro_batch: int = rule(int, gt=0, says="a positive integer", default=1)
-    schedule: str = rule(str, choices=SCHEDULES, says=f"one of {', '.join(SCHEDULES)}", default="1f1b")
+    schedule: str = rule(str, choices=SCHEDULE_CHOICES, says=f"one of {', '.join(SCHEDULE_CHOICES)}", default="1f1b")
     optimizer: str = rule(str, choices=OPTIMIZERS, says=f"one of {', '.join(OPTIMIZERS)}", default="adamw")
     sync_batchnorm: bool = rule(bool, default=False)
     resharding: str = rule(str, choices=RESHARDING, says=f"one of {', '.join(RESHARDING)}", default="auto")
