@@ -23,7 +23,7 @@ step, and switch A -> B -> A ... at the same steps (every ``--every`` steps):
   place (:meth:`runtime.parallel.pipeline.PipelineExecutor.set_plan`: sample ranges, schedule,
   boundary layout and the stage worker's figures derived again; modules, syncs, optimizer kept);
 * **rebuild** (what ``Engine.apply_plan`` did before for every pipeline plan): the new plan's
-  executor is built and the state moved by :func:`runtime.balance.state_transfer.switch_executor`
+  executor is built and the state moved by :func:`runtime.state.transfer.switch_executor`
   (which moves nothing here, but splits the graph, analyses and shards the split stage, wraps DDP
   and plans the boundaries again).
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import os
 import statistics
 import sys
@@ -77,14 +76,9 @@ MODELS = {"demo": ("hybrid_classifier.py:build", 64, 4, dict(num_classes=2000, w
 def rebuild(engine: Engine, plan) -> None:
     """``Engine.apply_plan`` as it was for every pipeline plan: build the plan's executor and move
     the state (nothing, here) with ``switch_executor``."""
-    from runtime.balance.state_transfer import switch_executor
-    from runtime.engine import _BUILDERS, plan_kind
-
-    context = dataclasses.replace(engine._context, plan=plan, worker=plan.worker(engine.rank))
-    engine.executor, _ = switch_executor(engine.executor, lambda: _BUILDERS[plan_kind(plan)](context),
-                                         engine.optimizer, engine._make_optimizer, None)
-    engine._context = context
-    engine.plan, engine.worker, engine.compute_plan = plan, plan.worker(engine.rank), None
+    runtime = engine.runtime.with_plan(plan)
+    engine.slot.apply(runtime, in_place=False)
+    engine.runtime = runtime
 
 
 def worker(rank: int, init_file: str, args, results) -> None:

@@ -13,7 +13,7 @@ emulation, whose straggler schedule slows the device of stage 1 by ``--factor`` 
 Adaptive measures each rank's compute speed and, when a stage's share of the total speed moves
 past 10%, re-plans at a step boundary with :func:`planner.balance.replan.rebalance`: the pipeline
 partitioner moves layers from the slow stage to the fast one and the layers' parameters and AdamW
-state travel P2P (:mod:`runtime.balance.state_transfer`). The time of that move is part of the step it
+state travel P2P (:mod:`runtime.state.transfer`). The time of that move is part of the step it
 happens in, and that step is part of the measured stretch. Layer moves are exact: the two runs'
 losses must agree (``torch.testing.assert_close``). The two runs alternate step by step (each
 Engine has its own emulated devices and step count), so drift in the machine's load hits both

@@ -213,6 +213,19 @@ class Plan:
         return len(self.workers)
 
     @property
+    def tensor_parallel(self) -> bool:
+        """Whether some worker holds a ``split`` stage's shard (``tp_size > 1``): the one answer."""
+        return any(w.tp_size > 1 for w in self.workers)
+
+    @property
+    def kind(self) -> str:
+        """What runs it: ``"tensor_parallel"`` (a split stage), ``"pipeline"`` (several stages) or
+        ``"data_parallel"`` (one replicated stage); the runtime's executor registry is keyed by it."""
+        if self.tensor_parallel:
+            return "tensor_parallel"
+        return "pipeline" if len(self.stages) > 1 else "data_parallel"
+
+    @property
     def num_replicas(self) -> int:
         return 1 + max(w.replica for w in self.workers)
 

@@ -15,7 +15,7 @@ pieces in parallel, keeps a global metadata file of the chunks, and reads overla
 differently shaped destinations (its resharding). What DCP does not know is our uneven and fused
 (q, k, v) shards, which are neither DTensors nor ShardedTensors. So each rank's holding of a
 tensor is described the way live re-planning describes it (:class:`planner.balance.state_moves.Slab`, from
-the executor's ``named_state()``, :mod:`runtime.balance.state_transfer`), and :class:`_Pieces` presents
+the executor's ``named_state()``, :mod:`runtime.state.transfer`), and :class:`_Pieces` presents
 those pieces to DCP through its ``_Checkpointable`` protocol (``__create_write_items__``,
 ``__create_chunk_list__``); the two planners below only look those pieces up. One description of
 what a rank holds serves both moving state between plans live and through storage.
@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from planner.plan import Plan
 from planner.balance.state_moves import Move, Slab, plan_moves
-from runtime.balance.state_transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
+from runtime.state.transfer import NamedState, allocate_state, optimizer_state, state_keys, state_name
 from runtime.replicas.held_state import like, local as local_values
 from whalelike.errors import WhaleError
 from whalelike.files import flush_to_disk, write_atomic
@@ -247,13 +247,11 @@ def _holdings(engine) -> tuple[NamedState, dict[str, torch.Tensor | Any], dict]:
 
 
 def _executor(engine):
-    if engine.executor is None:
+    if not engine.slot.built:
         raise CheckpointError("the Engine has not built its executor yet (it does so at its first step): pass "
                               "runtime.Engine(..., example_args=<a batch's inputs>), or run a step, before saving "
                               "or loading a checkpoint")
-    executor = engine.executor
-    owner = getattr(executor, "owner", None)          # a migration: the owner holds the state
-    return owner if owner is not None else executor
+    return engine.slot.executor     # a migration's names the owner's state: what the plan in force holds
 
 
 # -- saving ----------------------------------------------------------------------------------------------
@@ -266,7 +264,7 @@ def save(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[str, A
     picklable values, given back by :func:`load`. ``keep``: how many complete checkpoints to keep
     (the newest; None keeps all). Returns once the checkpoint is complete on disk."""
     job = _prepare(engine, directory, extra, keep, snapshot=False)
-    engine._collective(lambda: _write(job, group=None))
+    engine.runtime.collective(lambda: _write(job, group=None))
     return job.info
 
 
@@ -282,25 +280,19 @@ def save_async(engine, directory: str | os.PathLike, *, extra: Optional[Mapping[
     Why not ``dcp.async_save``: its stager copies only tensors, DTensors and ShardedTensors out of
     the state dict; our pieces (uneven, fused shards) would be written from the live parameters
     while the next steps change them."""
-    group = getattr(engine, "_checkpoint_group", None)
-    if group is None:                   # made once, collectively, on the first asynchronous save
-        group = engine._collective(lambda: dist.new_group(backend="gloo"))
-        engine._checkpoint_group = group
+    group = engine.checkpointer.group(engine.runtime.collective)   # made once, on the first asynchronous save
     job = _prepare(engine, directory, extra, keep, snapshot=True)
     pending = PendingCheckpoint(job, group)
     # a leave (runtime.elastic.departure) ends this group's world: it waits for the writes in flight first
-    engine._pending_checkpoints = [p for p in getattr(engine, "_pending_checkpoints", []) if not p.done()] + [pending]
+    engine.checkpointer.started(pending)
     return pending
 
 
 def finish_pending(engine) -> None:
     """Wait (collectively: every rank started the same saves) for the asynchronous checkpoints this
-    Engine has in flight, and forget the process group they write through: a leave re-initialises the
-    default process group, which destroys that group with the old world."""
-    for pending in getattr(engine, "_pending_checkpoints", []):
-        pending.wait()
-    engine._pending_checkpoints = []
-    engine._checkpoint_group = None
+    Engine has in flight, and forget the process group they write through
+    (:meth:`runtime.state.checkpointer.Checkpointer.finish`)."""
+    engine.runtime.collective(engine.checkpointer.finish)
 
 
 @dataclass
@@ -334,14 +326,14 @@ def _prepare(engine, directory, extra, keep, snapshot: bool) -> _Job:
     mine = {"slabs": {name: slab for name, (t, slab) in held.items() if "@" not in name},
             "buffers": [name for name, (t, _) in held.items() if "@" not in name and not isinstance(t, nn.Parameter)],
             "state": {name: entries for name, entries in kinds.items() if "@" not in name}}
-    engine._collective(lambda: dist.all_gather_object(described, mine))
+    engine.runtime.collective(lambda: dist.all_gather_object(described, mine))
     state = _state_to_write(rank, held, opt_tensors, _writers(described), snapshot)
     state[f"rng/rank{rank}"] = _rng_state()
     if rank == 0:
         state["meta"] = {"step": step, "param_groups": _hyperparameters(engine.optimizer),
                          "kinds": state_keys(described), "extra": dict(extra or {}),
-                         "scheduler": _state_of(getattr(engine, "scheduler", None)),
-                         "loss_scaler": _state_of(getattr(engine, "scaler", None))}
+                         "scheduler": _state_of(engine.scheduler),
+                         "loss_scaler": _state_of(engine.scaler)}
         if snapshot:
             state["meta"] = copy.deepcopy(state["meta"])
     info = CheckpointInfo(final, step, world, os.path.join(final, PLAN_FILE), time.time())
@@ -520,7 +512,7 @@ def load(engine, checkpoint: "CheckpointInfo | str | os.PathLike") -> dict[str, 
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata
     meta_box: dict[str, Any] = {"meta": None}
-    engine._collective(lambda: dcp.load(meta_box, storage_reader=reader, planner=_LoadPlanner()))
+    engine.runtime.collective(lambda: dcp.load(meta_box, storage_reader=reader, planner=_LoadPlanner()))
     meta = meta_box["meta"]
     keys = meta["kinds"]
     held = _executor(engine).named_state()
@@ -540,12 +532,12 @@ def load(engine, checkpoint: "CheckpointInfo | str | os.PathLike") -> dict[str, 
                 _pieces(state, _optim_key(_canonical(name), key), tensor, slab)
     if world == info.world_size and f"rng/rank{rank}" in stored:
         state[f"rng/rank{rank}"] = None
-    engine._collective(lambda: dcp.load(state, storage_reader=reader, planner=_LoadPlanner()))
+    engine.runtime.collective(lambda: dcp.load(state, storage_reader=reader, planner=_LoadPlanner()))
     _restore_optimizer(engine.optimizer, held, new_state, keys, meta["param_groups"], info)
     if state.get(f"rng/rank{rank}") is not None:
         _set_rng_state(state[f"rng/rank{rank}"])
     _restore_recipe(engine, meta, info)
-    engine.step = meta["step"]
+    engine.runtime.clock.step = meta["step"]
     log.info("rank %d: resumed from %s (step %d, saved by %d ranks)", rank, info.path, info.step, info.world_size)
     return meta["extra"]
 

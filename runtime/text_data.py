@@ -43,7 +43,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from planner.plan import Plan
 from runtime.data import UnevenLoader, WholeBatchSampler
-from runtime.engine import plan_kind
 from whalelike.errors import WhaleError
 
 __all__ = ["TextDataError", "ByteTextDataset", "DataPosition", "PlanBatches", "BYTE_VOCAB_SIZE"]
@@ -181,7 +180,7 @@ class PlanBatches:
         if not 0 <= position.sample <= n or position.epoch < 0:
             raise TextDataError(f"data position {position} is outside a dataset of {n} samples")
         self.position = position
-        self.whole = plan_kind(plan) != "data_parallel"
+        self.whole = plan.kind != "data_parallel"
         if self.whole:
             if n < plan.global_batch_size:
                 raise TextDataError(f"{_name(dataset)} holds {n} samples, fewer than one global batch of "

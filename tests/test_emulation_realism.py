@@ -26,7 +26,7 @@ from dist_utils import run_ranks
 from planner.plan import StagePlan
 from runtime import Engine
 from runtime.emulation.compute import Emulator
-from runtime.engine import ExecutorContext, _stage_memory_bytes
+from runtime.parallel.executor import ExecutorContext, stage_memory_bytes
 from runtime.parallel.stage_split import stage_flops_from_plan, stage_memory_bytes_from_plan
 from whalelike import Cluster, Device, Network, SpecError
 from whalelike.cluster import Emulation
@@ -321,12 +321,12 @@ def test_stage_bytes_follow_the_plans_layers_and_the_precision_that_runs():
     priced = Emulator.for_device(cluster, "emu-gddr-0", 0, "bf16")
 
     def context(precision, emulator):
-        return ExecutorContext(None, plan, 0, plan.workers[0], graphs, None, None, emulator, torch.device("cpu"),
-                               precision=precision)
+        return ExecutorContext(model=None, plan=plan, rank=0, worker=plan.workers[0], graphs=graphs, groups=None,
+                               loss_fn=None, emulator=emulator, device=torch.device("cpu"), precision=precision)
 
-    assert _stage_memory_bytes(context("fp32", priced)) == fp32
-    assert _stage_memory_bytes(context("bf16", Emulator.disabled())) == fp32   # nothing priced: nothing measured
-    low = _stage_memory_bytes(context("bf16", priced))
+    assert stage_memory_bytes(context("fp32", priced)) == fp32
+    assert stage_memory_bytes(context("bf16", Emulator.disabled())) == fp32   # nothing priced: nothing measured
+    low = stage_memory_bytes(context("bf16", priced))
     measured = [layer.autocast for layer in with_autocast(graphs).layers]
     assert low == [(sum(m["forward_memory"] for m in measured[:2]), sum(m["backward_memory"] for m in measured[:2])),
                    (sum(m["forward_memory"] for m in measured[2:]), sum(m["backward_memory"] for m in measured[2:]))]

@@ -30,8 +30,8 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, train_reference
-from runtime.balance.straggler_monitor import Passenger
-from runtime.elastic.departure import Boarding, LeaveConfig, SlownessRule, SlownessWatch, worth
+from runtime.control.exchange import Part, compose
+from runtime.elastic.departure import Departures, LeaveConfig, SlownessRule, SlownessWatch, worth
 from test_dynamic_balance import BALANCE, Mlp, batches, cluster, loss_fn
 from whalelike.errors import SpecError
 from whalelike.graphs.capture import capture
@@ -163,11 +163,19 @@ def test_leave_config_of():
 
 
 def test_the_leave_flags_ride_with_the_monitor_figures():
-    inner = Passenger(3, lambda: torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-    boarding = Boarding(inner, world=2, rank=1, flag=lambda: True)
+    from types import SimpleNamespace
+
+    got = []
+    inner = Part(3, lambda: torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), got.append)
+    noticed = Departures(LeaveConfig(sigterm=False))
+    noticed.notice()
+    boarding = compose([inner, noticed.exchange(0, SimpleNamespace(world_size=2, rank=1), None)])
     assert boarding.fill().tolist() == [1.0, 2.0, 3.0, 0.0, 1.0]
     boarding.arrived(torch.tensor([2.0, 4.0, 6.0, 0.0, 1.0]))     # summed over two ranks
-    assert inner.carried and inner.vector.tolist() == [2.0, 4.0, 6.0]
-    assert boarding.leaving() == [1]
-    alone = Boarding(None, world=3, rank=0, flag=lambda: False)
-    assert alone.fill().tolist() == [0.0, 0.0, 0.0] and alone.leaving() == []
+    assert boarding.carried and got[0].tolist() == [2.0, 4.0, 6.0]
+    assert noticed.leaving() == [1]
+    quiet = Departures(LeaveConfig(sigterm=False))
+    alone = compose([quiet.exchange(0, SimpleNamespace(world_size=3, rank=0), None)])
+    assert alone.fill().tolist() == [0.0, 0.0, 0.0]
+    alone.arrived(alone.vector)
+    assert quiet.leaving() == []

@@ -1,5 +1,5 @@
 """Moving training state between the executors of two plans (``planner.balance.state_moves``,
-``runtime.balance.state_transfer``).
+``runtime.state.transfer``).
 
 Pure: :func:`plan_moves` keeps what a rank holds local, moves exactly the missing pieces (uneven
 and fused q/k/v shards), spreads the sending over holders, and names the tensor and piece that no
@@ -261,16 +261,14 @@ def _hooks(model: nn.Module) -> int:
 
 def _switch(rank: int, name: str, opt: str) -> dict:
     from runtime import Engine, register_executor
-    from runtime.engine import _BUILDERS, plan_kind
-    from runtime.balance.state_transfer import switch_executor
+    from runtime.state.transfer import switch_executor
     from runtime.tensor.layers import ParallelLinear
 
     model, before, after, moved, loss_fn = _scenario(name)
     data = _data(model)
     losses, final = train_reference(model, data, OPTIMIZERS[opt], loss_fn)
-    kind = plan_kind(before)
-    builder, contexts = _BUILDERS[kind], []
-    register_executor(kind, lambda ctx: contexts.append(ctx) or builder(ctx))   # keeps the context
+    kind, contexts = before.kind, []
+    builder = register_executor(kind, lambda ctx: contexts.append(ctx) or builder(ctx))   # keeps the context
     try:
         engine = Engine(copy.deepcopy(model), before, optimizer=OPTIMIZERS[opt], loss_fn=loss_fn,
                         cluster=_cluster(), timeout_s=60)
@@ -279,8 +277,8 @@ def _switch(rank: int, name: str, opt: str) -> dict:
         hooks, old, optimizer = _hooks(engine.model), engine.executor, engine.optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)   # holds the optimizer
         context = dataclasses.replace(contexts[-1], plan=after, worker=after.worker(rank))
-        new, report = switch_executor(old, lambda: builder(context), optimizer, engine._make_optimizer)
-        engine.executor, engine.plan, engine.worker = new, after, after.worker(rank)
+        new, report = switch_executor(old, lambda: builder(context), optimizer, engine.slot.make_optimizer)
+        engine.slot.executor, engine.runtime = new, engine.runtime.with_plan(after)
         assert engine.optimizer is optimizer and scheduler.optimizer is optimizer
         # building an executor twice from one capture: sharding and the tied attach leave the capture alone
         assert not any(isinstance(m, ParallelLinear) for m in context.graphs.graph_module.modules())

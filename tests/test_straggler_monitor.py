@@ -108,7 +108,7 @@ def test_passenger_vectors_summed_over_ranks_give_every_rank_all_figures():
     all-reduce computes) read back on any rank is the same Measured an all-gather would give."""
     import torch
 
-    from runtime.balance.straggler_monitor import Passenger
+    from runtime.control.exchange import Passenger
 
     monitors = [StragglerMonitor(r, 3, window=1) for r in range(3)]
     for r, m in enumerate(monitors):

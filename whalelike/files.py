@@ -54,6 +54,7 @@ KINDS: dict[str, tuple[tuple[str, ...], str]] = {
     "yaml": ((".yaml", ".yml"), "a YAML file"),
     "png": ((".png",), "a PNG picture"),
     "json": ((".json",), "a JSON file"),
+    "jsonl": ((".jsonl",), "a JSON-lines file"),
 }
 TEMP_MARK = ".tmp"
 _NEW_FILE_MODE = 0o666  # before the umask, as open(path, "w")
@@ -320,6 +321,29 @@ def flush_to_disk(path: PathLike) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class LineLog:
+    """An append-only log of whole lines (a JSON-lines metrics file): the path checked as any output
+    when opened (:func:`check_output_paths`), each :meth:`write` one complete line flushed at once, so
+    a reader (or a run killed between steps) never sees half a line. A log grows while a run goes,
+    so it cannot be all-or-none like the other outputs; it is the one writer here that appends.
+    ``label``: what the path came from, for errors (``"--metrics"``)."""
+
+    def __init__(self, path: PathLike, kind: str = "jsonl", label: str = "log", append: bool = False):
+        check_output_paths({label: path}, kinds={label: kind})
+        self.path = os.fspath(path)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, line: str) -> None:
+        if "\n" in line:
+            raise ValueError("LineLog.write takes one line, without a newline in it")
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
 
 
 def write_yaml(path: PathLike, data: object, header: str = "") -> None:

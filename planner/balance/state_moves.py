@@ -4,7 +4,7 @@ Re-planning at a step boundary (moving pipeline layers between stages, changing 
 shard sizes) changes what each rank holds of the model: a layer that moves to the next stage must
 arrive there with its parameters, buffers and optimizer state; a column projection resharded from
 3:1 to 1:3 heads needs two heads to travel from rank 0 to rank 1. This module decides the moves,
-purely from descriptions of what every rank holds before and after; :mod:`runtime.balance.state_transfer`
+purely from descriptions of what every rank holds before and after; :mod:`runtime.state.transfer`
 executes them.
 
 A rank's holding of a named tensor is a :class:`Slab`: the whole tensor, or a shard given by the

@@ -23,7 +23,7 @@ The loop, after every optimizer step (all of it collective and identical on ever
    ================================  ============================================  ========
    data-parallel shares              new micro-batch sizes, no data moves          yes
    pipeline layers                   parameters + optimizer state moved P2P        yes
-   tensor-parallel, while new        migration (runtime.balance.migration): the plan in    yes
+   tensor-parallel, while new        migration (runtime.state.migration): the plan in    yes
                                      force keeps parameters and optimizer state,
                                      the measured-speed layout computes
    tensor-parallel, once persistent  re-shard: columns/heads + optimizer state     yes
@@ -52,11 +52,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from collections import deque
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
+import torch
+import torch.nn as nn
+
+from runtime.control.exchange import Part
+from runtime.control.protocol import Controller, PlanChange, StepView
 from whalelike.errors import SpecError
 
 if TYPE_CHECKING:
@@ -167,65 +171,62 @@ def _rate(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e9:.3g} GFLOP/s"
 
 
-@dataclass
-class Rebalancer:
-    """The per-Engine state of dynamic balancing: the monitor, the speeds the plan in force was
-    made for, the history. ``engine`` is the :class:`runtime.engine.Engine` it re-plans, held by a
-    weak reference: the Engine holds this, and a cycle would keep a dropped Engine's parameters,
-    gradients and optimizer state (GPU memory) alive until the cyclic collector ran."""
+class Rebalancer(Controller):
+    """The exact re-planner, a step-boundary controller (:mod:`runtime.control.protocol`, name
+    ``"rebalance"``, order 20): the monitor, the speeds the plan in force was made for, the history.
+    Its share of the step-end exchange is the monitor's figures on exchange steps; it reacts with
+    ``apply``, ``migrate`` or ``end_migration`` changes (the Engine applies them) and, under the
+    approximate policies, sets ZERO-resizing on the module this rank computes with."""
 
-    owner: InitVar[object]
-    config: BalanceConfig
-    history: list[ReplanEvent] = field(default_factory=list)
-    reference: Optional[list[float]] = None   # speeds the plan in force was made for
-    plan_version: int = 0
-    migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
-    resized: dict = field(default_factory=dict)  # rank -> pruning ratio of ZERO-resizing in force
-    last_measured: Optional["Measured"] = None   # the latest exchange's speeds (runtime.elastic.departure reads them)
+    name = "rebalance"
+    order = 20
 
-    def __post_init__(self, owner):
+    def __init__(self, config: BalanceConfig, rank: int, world_size: int):
         from runtime.balance.straggler_monitor import StragglerMonitor
 
-        self._engine = weakref.ref(owner)
-        e = owner
-        self.monitor = StragglerMonitor(e.rank, e.plan.world_size, None, window=self.config.window,
-                                        threshold=self.config.threshold, exchange_every=self.config.exchange_every)
+        self.config = config
+        self.history: list[ReplanEvent] = []
+        self.reference: Optional[list[float]] = None   # speeds the plan in force was made for
+        self.plan_version = 0
+        self.migration_started: Optional[int] = None   # step a tensor-parallel migration began, while one runs
+        self.resized: dict = {}                       # rank -> pruning ratio of ZERO-resizing in force
+        self.last_measured: Optional["Measured"] = None   # the latest exchange's speeds (the slowness rule reads them)
+        self.monitor = StragglerMonitor(rank, world_size, None, window=config.window, threshold=config.threshold,
+                                        exchange_every=config.exchange_every)
+        self.rank = rank
         self._resizer = None
         self._resize_cap: Optional[float] = None   # the SEMI pre-test's bound on this rank's pruned fraction
         # the last training batches, for the SEMI pre-test's loss evaluations (policy semi only)
-        self.recent_batches: deque = deque(maxlen=self.config.pretest_batches)
+        self.recent_batches: deque = deque(maxlen=config.pretest_batches)
         self._fresh = False   # the next step is the first of a rebuilt executor
         self._measured_step: Optional[int] = None
+        self._start: float = 0.0    # when the change being applied was decided (its event's cost)
+        self._culprit_changes: tuple = ()
+        self._pending_resize: Optional[float] = None   # this rank's resizing, set once its change is applied
 
-    # -- the step boundary --------------------------------------------------------------------------
-
-    @property
-    def engine(self):
-        """The Engine this re-plans (alive as long as anything uses this Rebalancer through it)."""
-        engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the runtime.Engine of this Rebalancer is gone; a Rebalancer lives inside its Engine")
-        return engine
-
-    def passenger(self, step: int, stats_so_far):
-        """A :class:`~runtime.balance.straggler_monitor.Passenger` for ``step``'s last collective when an
-        exchange is due, else None. Filled when that collective is about to run (the step's compute
-        is done then: ``stats_so_far()`` gives its emulation figures), so this step's figures
-        travel. The same decision on every rank: it depends on the step and the sample count only."""
-        from runtime.balance.straggler_monitor import Passenger
-
+    # -- the controller protocol ---------------------------------------------------------------------
+    def exchange(self, step: int, runtime, so_far) -> Optional[Part]:
+        """The monitor's figures when an exchange is due (filled when the step's last collective is
+        about to run: its compute is done then, so this step's figures travel). The same decision on
+        every rank: it depends on the step and the sample count only."""
         if (step < self.config.warmup_steps or self._fresh or step % self.config.exchange_every
                 or len(self.monitor.samples) + 1 < self.config.window):
             return None
 
-        def fill():
-            stats = stats_so_far()
+        def fill() -> torch.Tensor:
+            stats = so_far()
             self._measure(step, stats.flops, stats.padded_s, stats.matmul_s)
             return self.monitor.outgoing()
 
-        return Passenger(3 * self.engine.plan.world_size, fill)
+        def arrived(values: torch.Tensor) -> None:
+            self.last_measured = self.monitor.received(step, values)
 
-    def observe_batch(self, inputs: tuple, targets) -> None:
+        return Part(3 * runtime.world_size, fill, arrived)
+
+    def publish(self) -> dict:
+        return {"measured": self.last_measured, "reference": self.reference}
+
+    def on_batch(self, inputs: tuple, targets) -> None:
         """Keep a reference to a training batch (the whole global batch) for SEMI's pre-test."""
         if self.config.policy == "semi":
             self.recent_batches.append((inputs, targets))
@@ -235,11 +236,11 @@ class Rebalancer:
         self.monitor.record(step, flops, compute_s, matmul_s)
         self._measured_step = step
 
-    def after_step(self, step: int, flops: float, compute_s: float, matmul_s: float,
-                   carried=None) -> Optional[ReplanEvent]:
-        """Record this step's measurement (unless its passenger already did); when ``carried`` (this
-        step's passenger vector, summed over the ranks) is given, compare and maybe re-plan
-        (collective)."""
+    def react(self, view: StepView) -> Optional[PlanChange]:
+        """Record this step's measurement (unless its exchange already did); after an exchange,
+        compare with the speeds the plan was made for and maybe ask for a change (collective where
+        SEMI pre-tests)."""
+        step = view.step
         if step < self.config.warmup_steps:
             return None
         if self._fresh:
@@ -248,35 +249,85 @@ class Rebalancer:
             self._fresh = False
             return None
         if self._measured_step != step:
-            self._measure(step, flops, compute_s, matmul_s)
-        event = self._persisted(step)
-        if event is not None or carried is None:
-            return event
-        measured = self.last_measured = self.monitor.received(step, carried)
+            self._measure(step, view.stats.flops, view.stats.padded_s, view.stats.matmul_s)
+        self._start = time.perf_counter()
+        change = self._persisted(view)
+        measured = self.last_measured
+        if change is not None or measured is None or measured.step != step:
+            return change
         if self.reference is None:
             self.reference = list(measured.speeds)
             return None
         changes = self.monitor.changed(measured, self.reference)
         if not changes:
             return None
-        start, version = time.perf_counter(), self.plan_version
-        action, detail, exact = self._react(measured)
+        self._culprit_changes = self._culprits(changes)
+        change = self._react(view, measured)
         self.reference = list(measured.speeds)
         self.monitor.reset()   # samples from before the change must not outvote the new plan's
-        self._fresh = self.plan_version != version
-        return self._record(step, self._culprits(changes), action, detail, exact, start)
+        if change.kind == "none":     # nothing to change (or resizing alone): recorded now, nothing applied
+            self._record(step, self._culprit_changes, change.action or "none", change.reason, change.exact)
+            return None
+        return change
 
+    def applied(self, view: StepView, change: PlanChange, report) -> None:
+        """Its change was applied (``view`` is of the plan now in force): the event is recorded with
+        what moved; a new layout's first step pays one-time costs (not measured)."""
+        if change.kind in ("apply", "migrate"):
+            self.plan_version += 1
+            self._fresh = True
+        if change.kind == "migrate":
+            self.migration_started = view.step   # the step just run; the layout computes from the next
+        if self._pending_resize is not None:     # the approximate policies' resizing, on the module now computing
+            self._set_resizing(view.module, self._pending_resize)
+            self._pending_resize = None
+        moved = f"; {report.describe()}" if report is not None else ""
+        self._record(view.step, change.changes, change.action, change.reason + moved, change.exact)
+
+    def changed(self, view: StepView, change: PlanChange) -> None:
+        """Another controller's change at this boundary: a new executor's first step pays one-time
+        costs; a leave made a new world (this rank's index and the world's size)."""
+        if change.kind in ("apply", "migrate", "leave"):
+            self._fresh = True
+        if change.kind == "leave":
+            from runtime.balance.straggler_monitor import StragglerMonitor
+
+            self.monitor = StragglerMonitor(view.runtime.rank, view.runtime.world_size, None, window=self.config.window,
+                                            threshold=self.config.threshold, exchange_every=self.config.exchange_every)
+            self.rank, self.reference, self.last_measured = view.runtime.rank, None, None
+            self.plan_version += 1
+
+    def resumed(self, view: StepView) -> None:
+        """Another controller held this one inert (P-Reduce's policy): the speeds it knew are stale."""
+        self.reference, self.last_measured = None, None
+        self.monitor.reset()
+
+    def after_update(self, module: nn.Module, plan) -> None:
+        """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update, on
+        every rank, so a rank that becomes a straggler prunes its least-changing columns at once."""
+        if self.config.policy in ("semi", "resize") and plan.tensor_parallel:
+            resizer = self.resizer_of(module)
+            if resizer is not None:
+                resizer.observe_weights()
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the next step is approximate: some rank (not necessarily this one) runs it with
+        ZERO-resizing, so the global loss and every gradient sum are approximate everywhere."""
+        return bool(self.resized)
+
+    # -- decisions ---------------------------------------------------------------------------------
     def _culprits(self, changes) -> tuple:
         """The ranks whose own speed changed: when one rank slows, every other rank's *share* of
         the total grows too (that is what triggers), but the event names the one that slowed."""
         own = [c for c in changes if c.old_speed > 0 and abs(c.new_speed / c.old_speed - 1) > self.config.threshold]
         return tuple(own or changes)
 
-    def _record(self, step, changes, action, detail, exact, start) -> ReplanEvent:
-        event = ReplanEvent(step, changes, action, detail, (time.perf_counter() - start) * 1e3, exact,
+    def _record(self, step, changes, action, detail, exact) -> ReplanEvent:
+        event = ReplanEvent(step, tuple(changes), action, detail, (time.perf_counter() - self._start) * 1e3, exact,
                             self.plan_version)
         self.history.append(event)
-        if self.engine.rank == 0:
+        if self.rank == 0:
             (log.info if exact else log.warning)("re-plan %s", event.line())
         return event
 
@@ -291,78 +342,67 @@ class Rebalancer:
         (compute,), (matmul,) = unresized([compute_s], [matmul_s], [pruned])
         return flops / (1.0 - pruned), compute, matmul
 
-    # -- decisions ---------------------------------------------------------------------------------
-    def _react(self, measured: "Measured") -> tuple[str, str, bool]:
+    def _react(self, view: StepView, measured: "Measured") -> "_Proposal":
         policy = self.config.policy
+        self._pending_resize = None
         if policy == "off":
-            return "none", "policy off: measured only", True
-        if not self._tensor_parallel:
-            return self._apply(measured.speeds)
+            return _Proposal("none", reason="policy off: measured only")
+        if not view.plan.tensor_parallel:
+            return self._apply(view, measured.speeds)
         if policy in ("semi", "resize"):
-            return self._approximate(measured)
+            return self._approximate(view, measured)
         self._stop_resizing()
         if self.config.tp_lossless == "reshard":
-            return self._apply(measured.speeds)
-        return self._migrate(measured.speeds)
+            return self._apply(view, measured.speeds)
+        return self._migrate(view, measured.speeds)
 
-    @property
-    def _tensor_parallel(self) -> bool:
-        return any(w.tp_size > 1 for w in self.engine.plan.workers)
-
-    def _new_plan(self, speeds: Sequence[float]):
+    def _new_plan(self, view: StepView, speeds: Sequence[float]):
         from planner.balance.replan import plan_changes, rebalance
 
-        engine = self.engine
-        cluster = engine.cluster
-        if engine.profile is not None:   # the measured speeds are relative to the profile's rates, not the spec's
+        cluster = view.runtime.cluster
+        if view.profile is not None:   # the measured speeds are relative to the profile's rates, not the spec's
             from planner.devices.measured_speeds import measured_cluster
-            cluster = measured_cluster(cluster, engine.profile, engine.graphs, engine.plan.precision, plan=engine.plan)
-        new = rebalance(engine.plan, engine.graphs, cluster, list(speeds))
-        return new, plan_changes(engine.plan, new)
+            cluster = measured_cluster(cluster, view.profile, view.graphs, view.plan.precision, plan=view.plan)
+        new = rebalance(view.plan, view.graphs, cluster, list(speeds))
+        return new, plan_changes(view.plan, new)
 
-    def _apply(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
+    def _apply(self, view: StepView, speeds: Sequence[float]) -> "_Proposal":
         """The exact re-plan: shares in place, layers and shards moved with their optimizer state."""
-        new, changes = self._new_plan(speeds)
-        self._end_migration()
+        new, changes = self._new_plan(view, speeds)
         if changes.empty:
-            return "none", "the plan for the measured speeds is the plan in force", True
-        report = self.engine.apply_plan(new)
-        self.plan_version += 1
-        moved = f"; {report.describe()}" if report is not None else ""
-        return _action(changes.kinds), changes.describe().replace("\n", "; ") + moved, True
+            if view.compute_plan is not None:
+                self.migration_started = None
+                return _Proposal("end_migration", reason="the plan for the measured speeds is the plan in force",
+                                 action="none", changes=self._culprit_changes)
+            return _Proposal("none", reason="the plan for the measured speeds is the plan in force")
+        self.migration_started = None
+        return _Proposal("apply", new, changes.describe().replace("\n", "; "), action=_action(changes.kinds),
+                         changes=self._culprit_changes)
 
-    def _migrate(self, speeds: Sequence[float]) -> tuple[str, str, bool]:
-        """Lossless migration (runtime.balance.migration): the plan for the measured speeds computes, the
+    def _migrate(self, view: StepView, speeds: Sequence[float], exact: bool = True) -> "_Proposal":
+        """Lossless migration (runtime.state.migration): the plan for the measured speeds computes, the
         plan in force keeps the parameters and optimizer state; none at all when they agree."""
-        new, changes = self._new_plan(speeds)
+        new, changes = self._new_plan(view, speeds)
         if changes.empty:
-            ended = self._end_migration()
-            return ("end migration" if ended else "none"), "the plan in force fits the measured speeds", True
-        self.engine.start_migration(new)
-        self.migration_started = self.engine.step   # the step just run; the layout computes from the next
-        self.plan_version += 1
-        return "migrate", changes.describe().replace("\n", "; "), True
+            if view.compute_plan is not None:
+                self.migration_started = None
+                return _Proposal("end_migration", reason="the plan in force fits the measured speeds",
+                                 action="end migration", changes=self._culprit_changes, exact=exact)
+            return _Proposal("none", reason="the plan in force fits the measured speeds", exact=exact)
+        return _Proposal("migrate", new, changes.describe().replace("\n", "; "), action="migrate",
+                         changes=self._culprit_changes, exact=exact)
 
-    def _persisted(self, step: int) -> Optional[ReplanEvent]:
+    def _persisted(self, view: StepView) -> Optional["_Proposal"]:
         """Under ``tp_lossless="auto"`` a migration that lasted ``persist_steps`` becomes the plan."""
         if (self.migration_started is None or self.config.tp_lossless != "auto"
-                or step - self.migration_started < self.config.persist_steps):
+                or view.step - self.migration_started < self.config.persist_steps or view.compute_plan is None):
             return None
-        start = time.perf_counter()
-        plan = self.engine.compute_plan
         self.migration_started = None
-        report = self.engine.apply_plan(plan)
-        self.plan_version += 1
         self.monitor.reset()
-        self._fresh = True
-        detail = f"migration lasted {self.config.persist_steps} steps; " + (report.describe() if report else "")
-        return self._record(step, (), "reshard", detail, True, start)
+        return _Proposal("apply", view.compute_plan, f"migration lasted {self.config.persist_steps} steps",
+                         action="reshard")
 
-    def _end_migration(self) -> bool:
-        self.migration_started = None
-        return self.engine.stop_migration()
-
-    def _approximate(self, measured: "Measured") -> tuple[str, str, bool]:
+    def _approximate(self, view: StepView, measured: "Measured") -> "_Proposal":
         """FlexTP for tensor-parallel groups: ZERO-resizing alone (policy resize, Eq. 1 against the
         group's mean) or SEMI-migration (policy semi, Algorithm 2: the slowest stragglers migrate
         their work exactly, the others are resized by Eq. 1 against the group's fastest). Each
@@ -374,7 +414,7 @@ class Rebalancer:
         resize: dict[int, float] = {}
         caps: dict[int, float] = {}
         pretests: list[str] = []
-        groups = _tensor_parallel_groups(self.engine.plan)
+        groups = _tensor_parallel_groups(view.plan)
         for ranks in groups:
             times = [measured.compute_s[r] for r in ranks]
             matmul = [measured.matmul_s[r] for r in ranks]
@@ -383,7 +423,7 @@ class Rebalancer:
             # ranks' measured times differ in their last bits, and must not count as stragglers
             decision = decide(times, matmul, max_gamma=self.config.max_gamma, tolerance=self.config.threshold)
             if self.config.policy == "semi" and len(decision.stragglers) == 1 and decision.resize:
-                decision = self._pretested(ranks, decision, times, matmul, pretests)
+                decision = self._pretested(view, ranks, decision, times, matmul, pretests)
             migrate.update((ranks[i], f) for i, f in decision.migrate.items())
             resize.update((ranks[i], g) for i, g in decision.resize.items())
             if decision.resize_cap is not None:
@@ -398,18 +438,24 @@ class Rebalancer:
             speeds[r] = self.reference[r]
         for r, fraction in migrate.items():
             speeds[r] = self.reference[r] * (1.0 - fraction)
-        action, detail, _ = self._migrate(speeds)
-        actions = [] if action == "none" else [action]
-        details = pretests + ([detail] if action != "none" else [])
-        self._resize_cap = caps.get(self.engine.rank)
-        self._set_resizing(resize.get(self.engine.rank, 0.0))
+        proposal = self._migrate(view, speeds, exact=not resize)
+        self._resize_cap = caps.get(self.rank)
         self.resized = resize
+        resizing = resize.get(self.rank, 0.0)
+        actions = [] if proposal.kind == "none" else [proposal.action]
+        details = pretests + ([proposal.reason] if proposal.kind != "none" else [])
         if resize:
             actions.append("resize")
             details.append("gamma " + ", ".join(f"rank {r}: {g:.2f}" for r, g in sorted(resize.items())))
-        return ("+".join(actions) or "none"), "; ".join(details), not resize
+        action, reason = "+".join(actions) or "none", "; ".join(details)
+        if proposal.kind == "none":      # no layout change: resizing (or nothing) at once
+            self._set_resizing(view.module, resizing)
+            return _Proposal("none", reason=reason or proposal.reason, exact=not resize, action=action)
+        self._pending_resize = resizing  # set once the new layout computes (applied)
+        return _Proposal(proposal.kind, proposal.plan, reason, exact=not resize, action=action,
+                         changes=self._culprit_changes)
 
-    def _pretested(self, ranks: Sequence[int], decision, times, matmul, notes: list[str]):
+    def _pretested(self, view: StepView, ranks: Sequence[int], decision, times, matmul, notes: list[str]):
         """Algorithm 2 line 1 for a single straggler SEMI would resize: measure what resizing and
         migrating cost (runtime.balance.semi_pretest; collective) and decide again with those costs.
         The pre-test and its decision are logged and named in the event's detail."""
@@ -418,19 +464,20 @@ class Rebalancer:
 
         index = decision.stragglers[0]
         gamma = decision.resize.get(index, 0.0) + decision.migrate.get(index, 0.0)
-        result = run_pretest(self, ranks, ranks[index], gamma, matmul)
+        resizer = self.resizer_of(view.module) if view.runtime.rank == ranks[index] else None
+        result = run_pretest(view, self.config, list(self.recent_batches), resizer, ranks, ranks[index], gamma, matmul)
         if result is None:
             return decision
         decided = semi_decision(times, matmul, costs=result.costs, max_gamma=self.config.max_gamma,
                                 tolerance=self.config.threshold)
         line = result.line(decided)
-        if self.engine.rank == 0:
+        if self.rank == 0:
             log.info("SEMI %s", line)
         notes.append(line)
         return decided
 
-    def _set_resizing(self, gamma: float) -> None:
-        resizer = self._resizer_of_module()
+    def _set_resizing(self, module: nn.Module, gamma: float) -> None:
+        resizer = self.resizer_of(module)
         if resizer is not None:
             # the pre-test's accuracy bound caps Algorithm 1's differentiated ratios too: statistics
             # must not raise the pruned fraction past what the pre-test priced
@@ -438,13 +485,12 @@ class Rebalancer:
             resizer.max_gamma = cap
             resizer.set_ratio(min(gamma, cap))
 
-    def _resizer_of_module(self):
-        """The ZERO-resizer of the module this rank computes with (a new one after a migration or a
-        re-shard rebuilt it), or None where it holds no tensor-parallel Linear."""
+    def resizer_of(self, module: nn.Module):
+        """The ZERO-resizer of ``module``, the module this rank computes with (a new one after a
+        migration or a re-shard rebuilt it), or None where it holds no tensor-parallel Linear."""
         from runtime.tensor.layers import ParallelLinear
         from runtime.balance.flextp_resizing import ZeroResizer
 
-        module = self.engine.executor_module()
         if self._resizer is not None and self._resizer.module is module:
             return self._resizer
         if self._resizer is not None:
@@ -459,19 +505,19 @@ class Rebalancer:
         self.resized = {}
         self._resize_cap = None
 
-    def after_optimizer_step(self) -> None:
-        """Priority pruning's weight-change statistics (FlexTP Algorithm 1) follow every update, on
-        every rank, so a rank that becomes a straggler prunes its least-changing columns at once."""
-        if self.config.policy in ("semi", "resize") and self._tensor_parallel and self.engine.executor is not None:
-            resizer = self._resizer_of_module()
-            if resizer is not None:
-                resizer.observe_weights()
 
-    @property
-    def approximate(self) -> bool:
-        """Whether the next step is approximate: some rank (not necessarily this one) runs it with
-        ZERO-resizing, so the global loss and every gradient sum are approximate everywhere."""
-        return bool(self.resized)
+@dataclass(frozen=True)
+class _Proposal(PlanChange):
+    """A :class:`PlanChange` of the re-planner with what its event records: the action's name and
+    the speed changes that caused it (``kind`` ``"none"``: nothing to change, never applied)."""
+
+    kind: str = "none"
+    action: str = ""
+    changes: tuple = ()
+
+    def __post_init__(self):
+        if self.kind != "none":
+            super().__post_init__()
 
 
 def _tensor_parallel_groups(plan) -> list[list[int]]:

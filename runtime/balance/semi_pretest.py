@@ -48,7 +48,8 @@ import torch
 from planner.balance.semi_migration import PiecewiseLinearCost, SemiCosts, SemiDecision
 
 if TYPE_CHECKING:
-    from runtime.balance.rebalance import Rebalancer
+    from runtime.balance.rebalance import BalanceConfig
+    from runtime.control.protocol import StepView
 
 log = logging.getLogger(__name__)
 
@@ -81,28 +82,24 @@ class Pretest:
                 f"{self.phi1_s * 1e3:.2f} ms -> beta {beta:.3f}: migrate {migrate:.3f}, resize {resize:.3f}")
 
 
-def run_pretest(rebalancer: "Rebalancer", ranks: Sequence[int], straggler: int, gamma: float,
-                matmul_times: Sequence[float]) -> Optional[Pretest]:
+def run_pretest(view: "StepView", config: "BalanceConfig", batches: Sequence, resizer, ranks: Sequence[int],
+                straggler: int, gamma: float, matmul_times: Sequence[float]) -> Optional[Pretest]:
     """The pre-test for ``straggler`` (a global rank of the group ``ranks``) whose Eq. (1) ratio
-    against the group's fastest is ``gamma``; collective over every rank. None where nothing can
-    be measured (no training batch seen yet, an executor without ``eval_step``, no resizable layer)."""
-    engine = rebalancer.engine
-    config = rebalancer.config
-    batches = list(rebalancer.recent_batches)
+    against the group's fastest is ``gamma``; collective over every rank. ``view``: the step
+    boundary's (its ``evaluate`` runs the loss evaluations, its runtime the collective);
+    ``batches``: the last training batches; ``resizer``: the straggler's ZERO-resizer (None on the
+    other ranks). None where nothing can be measured (no training batch seen yet)."""
     priced = math.isfinite(config.semi_loss_budget)
-    if priced and (not batches or not hasattr(engine.executor, "eval_step")):
-        log.info("SEMI pre-test skipped: %s", "no training batch seen yet" if not batches
-                 else f"{type(engine.executor).__name__} has no eval_step")
+    if priced and not batches:
+        log.info("SEMI pre-test skipped: no training batch seen yet")
         return None
     start = time.perf_counter()
-    mine = engine.rank == straggler
-    resizer = rebalancer._resizer_of_module() if mine else None
     previous = resizer.gamma if resizer is not None else 0.0
     targets = sorted({min(gamma, config.max_gamma) * k for k in (0.5, 1.0)})
     measured = torch.zeros(2 + 2 * len(targets), dtype=torch.float64)   # weights, omega1, (fraction, omega2)...
 
     def evaluate() -> float:
-        return sum(float(engine.eval_step(b)) for b in batches) / len(batches)
+        return sum(float(view.evaluate(b)) for b in batches) / len(batches)
 
     if resizer is not None:
         resizer.set_ratio(0.0)
@@ -120,13 +117,11 @@ def run_pretest(rebalancer: "Rebalancer", ranks: Sequence[int], straggler: int, 
     if resizer is not None:
         resizer.set_ratio(previous)
         measured[0] = _weight_bytes(resizer)
-    from runtime.engine import _sum_alone
-
-    rebalancer.engine._collective(lambda: _sum_alone(measured))   # the straggler's figures, to every rank
+    view.runtime.sum_alone(measured)   # the straggler's figures, to every rank
     weight_bytes, omega1 = float(measured[0]), float(measured[1])
     fractions = tuple(float(measured[2 + 2 * i]) for i in range(len(targets)))
     omega2 = tuple(float(measured[3 + 2 * i]) for i in range(len(targets)))
-    link_s_per_byte, latency_s = _slowest_link(engine, ranks)
+    link_s_per_byte, latency_s = _slowest_link(view.runtime, ranks)
     messages = 2 * len(getattr(resizer, "layers", ())) if resizer is not None else 2
     phi1 = lambda f: 0.0 if f <= 0 else 2.0 * f * weight_bytes * link_s_per_byte + messages * latency_s  # noqa: E731
     phi2 = SemiCosts.from_step(matmul_times, [1.0] * len(matmul_times)).phi2   # columns counted in shards
@@ -163,9 +158,9 @@ def _weight_bytes(resizer) -> float:
     return float(sum(layer.rows * layer.columns * layer.weight().element_size() for layer in resizer.layers))
 
 
-def _slowest_link(engine, ranks: Sequence[int]) -> tuple[float, float]:
+def _slowest_link(runtime, ranks: Sequence[int]) -> tuple[float, float]:
     """Seconds per byte over the group's slowest declared link, and the per-message latency."""
-    network = engine.cluster.network
-    hosts = {w.host for w in engine.plan.workers if w.rank in set(ranks)}
+    network = runtime.cluster.network
+    hosts = {w.host for w in runtime.plan.workers if w.rank in set(ranks)}
     gbps = network.intra_host_gbps if len(hosts) <= 1 else min(network.intra_host_gbps, network.inter_host_gbps)
     return 1.0 / (gbps * 1e9), network.latency_us * 1e-6

@@ -23,7 +23,7 @@ Why ride on a collective that happens anyway: sharing is a collective, and even 
 all-gather per step cost 3-4 ms on a loaded 2-core machine with 4 ranks (``bench/dp_vs_ddp.py``,
 equal speeds: 0.93-0.96x of DDP with it, 0.97-1.00x without). :meth:`outgoing` puts this rank's
 three numbers in its slot of a zero vector; summed over the ranks in the all-reduce that ends every
-step (the Engine hands a :class:`Passenger` to the executor: DDP's last gradient bucket, the
+step (the Engine hands a :class:`runtime.control.exchange.Passenger` to the executor: DDP's last gradient bucket, the
 pipeline's loss), it gives every rank every rank's figures (:meth:`received`). The passenger is
 filled right before that collective, when the step's compute is done, so the figures include the
 step itself. :meth:`exchange` is the stand-alone all-gather, for callers without such a collective.
@@ -49,42 +49,6 @@ import torch.distributed as dist
 from whalelike.errors import SpecError
 
 log = logging.getLogger(__name__)
-
-
-class Passenger:
-    """A vector summed over the ranks in the collective that ends a step (DDP's last gradient
-    bucket, the pipeline's loss all-reduce), so the figures it carries cost no collective of their
-    own. The executor calls :meth:`fill` right before that collective (the step's compute is done
-    then, so this step's figures travel) and :meth:`arrived` with the summed values; a step that
-    had no such collective leaves it :attr:`carried` False, and the Engine sums it on its own."""
-
-    def __init__(self, size: int, fill: Callable[[], torch.Tensor]):
-        self.vector = torch.zeros(size, dtype=torch.float64)
-        self._fill = fill
-        self.filled = False
-        self.carried = False
-
-    def fill(self) -> torch.Tensor:
-        if not self.filled:
-            self.vector.copy_(self._fill())
-            self.filled = True
-        return self.vector
-
-    def arrived(self, summed: torch.Tensor) -> None:
-        self.vector.copy_(summed.detach().to("cpu", torch.float64))
-        self.carried = True
-
-    def load(self, loss: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
-        """The step's one summed vector, ``[loss, figures...]`` in the loss's dtype and device, and
-        the function that writes the figures into it (call it right before the collective, after
-        the step's compute). Every executor carries the loss and the figures this way."""
-        carrier = torch.cat([loss.reshape(1), loss.new_zeros(self.vector.numel())])
-        return carrier, lambda c: c[1:].copy_(self.fill())
-
-    def unload(self, carrier: torch.Tensor) -> torch.Tensor:
-        """After the collective summed ``carrier`` (from :meth:`load`): keep the figures, return the loss."""
-        self.arrived(carrier[1:])
-        return carrier[0].clone()
 
 
 @dataclass(frozen=True)

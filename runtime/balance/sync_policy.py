@@ -38,9 +38,9 @@ data-parallel stages' ``replica_sync`` becomes ``"partial"`` (with this policy's
 size and Δc) or ``"ddp"``; the state moves as for any re-plan, P-Reduce's replicas first averaged
 over the whole group, optimizer state included (:meth:`runtime.replicas.partial_sync.PartialSync.consensus`),
 so the exact mode starts from identical replicas. While P-Reduce runs, the Engine's exact re-planner
-is held inert (its config's exchanges, one global all-reduce each, would synchronise every step,
-the very thing P-Reduce avoids); the policy restores the Engine's own config when it goes back to
-exact. The figures are gathered with an all-gather launched at one decision step and read at the
+is held inert (:meth:`SyncPolicy.suppresses`, a declared rule of the controller board: its exchanges,
+one global all-reduce each, would synchronise every step, the very thing P-Reduce avoids); it
+resumes, with fresh speeds, when the plan goes back to exact. The figures are gathered with an all-gather launched at one decision step and read at the
 next, on a process group of the policy's own, so under P-Reduce no rank waits at a decision step
 for ranks that are behind (they have ``partial_every`` steps to catch up); under the exact sync the
 ranks are in step anyway, and the window is gathered and decided at once, every ``decide_every``
@@ -68,13 +68,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from runtime.control.protocol import Controller, PlanChange
 from whalelike.config import GROUP_GENERATORS
 from whalelike.errors import SpecError
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "partial")
-NEVER = 1 << 40   # an exchange interval the exact re-planner never reaches while P-Reduce runs
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,9 @@ def _check(name: str, value, kind, minimum, meaning: str, maximum=None) -> None:
         raise SpecError(f"SyncPolicy({name}=...): {meaning}; it must be {bound}, got {value!r}")
 
 
-class SyncPolicy:
-    """The policy of the module docstring, attached to an Engine with :meth:`attach` (every rank).
+class SyncPolicy(Controller):
+    """The policy of the module docstring, a step-boundary controller (:mod:`runtime.control.protocol`,
+    name ``"sync_policy"``, order 10), attached to an Engine with :meth:`attach` (every rank).
 
     ``mode``: ``"auto"`` (choose) or ``"partial"`` (stay on P-Reduce, the exact re-planner inert);
     ``decide_every``, ``partial_every``, ``window``, ``slow_factor``, ``persist_steps``, ``transient_fraction``,
@@ -161,6 +162,9 @@ class SyncPolicy:
     settings when the policy switches a stage to it (None: the plan's, if it runs P-Reduce, else
     ``"smart"``, 2 and 2).
     """
+
+    name = "sync_policy"
+    order = 10
 
     def __init__(self, mode: str = "auto", *, decide_every: int = 2, partial_every: int = 8, window: int = 8,
                  slow_factor: float = 1.5,
@@ -193,15 +197,16 @@ class SyncPolicy:
         self.history: list[PolicyEvent] = []
         self.choices: list[tuple[int, Choice]] = []
         self.calm = 0
-        self._engine_config = None
         self._group = None
+        self._decided: Optional[tuple] = None
         self._pending: Optional[tuple[object, list[torch.Tensor], int]] = None
         self._since = 0   # the first step of the sync in force: a window never mixes two syncs
 
     # -- attaching ------------------------------------------------------------------------------------
     def attach(self, engine) -> "SyncPolicy":
-        """Run this policy after every step of ``engine`` (``engine.step_hooks``; collective: attach on
-        every rank). Creates the policy's process group (a collective of the world)."""
+        """Run this policy at every step boundary of ``engine`` (a controller,
+        :meth:`runtime.engine.Engine.add_controller`; collective: attach on every rank). Creates the
+        policy's process group (a collective of the world)."""
         stages = eligible_stages(engine.plan)
         if not stages:
             raise SpecError("SyncPolicy: the plan has no stage P-Reduce can run on (two or more data-parallel "
@@ -212,66 +217,76 @@ class SyncPolicy:
                             "rank inside every step, where the smart generator's groups (which may span steps) would "
                             "wait across them, and P-Reduce would gain nothing from ranks held in step; run P-Reduce "
                             "without clipping, in fp32 or bf16")
-        self._engine_config = engine.rebalancer.config
         self._group = dist.new_group(backend="gloo")
-        if self.current(engine) == "partial":
-            self._hold_replanner(engine)
-        engine.step_hooks.append(self)
+        engine.add_controller(self)
         return self
 
-    def _check_pins(self, engine) -> None:
+    def _check_pins(self, graphs) -> None:
         """``mode="auto"`` switches stages between syncs, which a region's own ``sync=`` forbids."""
-        pinned = sorted({t.index for t in engine.graphs if getattr(t.strategy, "sync", None) is not None}) \
-            if engine.graphs is not None else []
+        pinned = sorted({t.index for t in graphs if getattr(t.strategy, "sync", None) is not None}) \
+            if graphs is not None else []
         if pinned:
             raise SpecError(f"SyncPolicy(mode='auto'): TaskGraph(s) {pinned} fix their sync (replicate(n, sync=...)), "
                             "so the policy cannot switch them; drop sync= from the regions (Config.dp_sync says "
                             "where to start) or use SyncPolicy(mode='partial')")
 
     @staticmethod
-    def current(engine) -> str:
-        """``"partial"`` when some stage of the plan in force runs P-Reduce, else ``"exact"``."""
-        return "partial" if any(st.replica_sync == "partial" for st in engine.plan.stages) else "exact"
+    def current(plan) -> str:
+        """``"partial"`` when some stage of ``plan`` runs P-Reduce, else ``"exact"``."""
+        return "partial" if any(st.replica_sync == "partial" for st in plan.stages) else "exact"
 
-    # -- the step hook --------------------------------------------------------------------------------
-    def __call__(self, engine) -> None:
+    # -- the controller protocol ----------------------------------------------------------------------
+    def suppresses(self, plan) -> frozenset[str]:
+        """While the plan runs P-Reduce the exact re-planner is inert: its exchanges, one global
+        all-reduce each, would synchronise every step, the very thing P-Reduce avoids."""
+        return frozenset({"rebalance"}) if self.current(plan) == "partial" else frozenset()
+
+    def react(self, view) -> Optional[PlanChange]:
         if self.mode == "partial":
-            return
-        current = self.current(engine)
-        if (engine.step + 1) % (self.decide_every if current == "exact" else self.partial_every):
-            return
-        self._check_pins(engine)
+            return None
+        current = self.current(view.plan)
+        if (view.step + 1) % (self.decide_every if current == "exact" else self.partial_every):
+            return None
+        self._check_pins(view.graphs)
         if current == "exact":   # the ranks are in step (DDP): gather this window now
             self._collect()
-            self._launch(engine)
+            self._launch(view)
         figures = self._collect()
         if current == "partial":   # read at the next decision: no rank waits here for one behind
-            self._launch(engine)
+            self._launch(view)
         if figures is None:
-            return
+            return None
         times, flops = figures
         choice = choose(times, current, self.calm, **self.rule)
-        self.choices.append((engine.step, choice))
+        self.choices.append((view.step, choice))
         self.calm = self.calm + 1 if choice.slow_fraction == 0 else 0
         if choice.mode == current:
-            return
-        start = time.perf_counter()
+            return None
+        self._decided = (time.perf_counter(), current, choice)
         if choice.mode == "partial":
-            self._to_partial(engine)
-        else:
-            self._to_exact(engine, _speeds(times, flops, self.rule["persist_steps"]))
+            return PlanChange("apply", self._partial_plan(view.plan), choice.reason, exact=False)
+        return PlanChange("apply", self._exact_plan(view, _speeds(times, flops, self.rule["persist_steps"])),
+                          choice.reason)
+
+    def applied(self, view, change: PlanChange, report) -> None:
+        start, current, choice = self._decided
         self.calm = 0
         self._collect()   # a window launched under the old sync is not read
-        self._since = engine.step + 1
-        event = PolicyEvent(engine.step, current, choice.mode, choice.reason, (time.perf_counter() - start) * 1e3)
+        self._since = view.step + 1
+        event = PolicyEvent(view.step, current, choice.mode, choice.reason, (time.perf_counter() - start) * 1e3)
         self.history.append(event)
-        if engine.rank == 0:
+        if view.runtime.rank == 0:
             (log.warning if choice.mode == "partial" else log.info)("sync policy %s", event.line())
 
-    def _launch(self, engine) -> None:
+    def changed(self, view, change: PlanChange) -> None:
+        if change.kind == "leave":
+            log.warning("rank %d: the sync policy's process group was made for the old world; the policy cannot "
+                        "gather its figures in the new one (attach a new SyncPolicy after a leave)", view.runtime.rank)
+
+    def _launch(self, view) -> None:
         """Start the all-gather of this rank's last ``window`` steps (compute seconds, FLOPs), on the
         policy's process group."""
-        recent = [st for st in engine.stats[-self.window:] if st.step >= self._since]   # none from before a switch
+        recent = [st for st in view.history[-self.window:] if st.step >= self._since]   # none from before a switch
         mine = torch.zeros(2, self.window, dtype=torch.float64)
         if recent:
             mine[0, -len(recent):] = torch.tensor([s.padded_s for s in recent], dtype=torch.float64)
@@ -294,17 +309,8 @@ class SyncPolicy:
         return stacked[:, 0].T.tolist(), stacked[:, 1].T.tolist()
 
     # -- switching ------------------------------------------------------------------------------------
-    def _hold_replanner(self, engine) -> None:
-        engine.rebalancer.config = dataclasses.replace(self._engine_config, policy="off", exchange_every=NEVER)
-
-    def _release_replanner(self, engine, speeds: Sequence[float]) -> None:
-        engine.rebalancer.config = self._engine_config
-        engine.rebalancer.reference = list(speeds)
-        engine.rebalancer.monitor.reset()
-
-    def _to_partial(self, engine) -> None:
+    def _partial_plan(self, plan):
         generator, size, delta = self.settings
-        plan = engine.plan
         pinned = len(plan.stages) > 1 or plan.precision == "fp16"   # the static generator only (plan checks)
         stages = []
         for st in plan.stages:
@@ -315,23 +321,20 @@ class SyncPolicy:
                                          partial_group_size=min(size or st.partial_group_size, n),
                                          partial_delta_c=delta or st.partial_delta_c)
             stages.append(st)
-        self._hold_replanner(engine)
-        engine.apply_plan(dataclasses.replace(engine.plan, stages=stages))
+        return dataclasses.replace(plan, stages=stages)
 
-    def _to_exact(self, engine, speeds: list[float]) -> None:
+    def _exact_plan(self, view, speeds: list[float]):
         from planner.balance.replan import rebalance
         from planner.errors import PlanError
 
         try:
-            new = rebalance(engine.plan, engine.graphs, engine.cluster, speeds)
+            new = rebalance(view.plan, view.graphs, view.runtime.cluster, speeds)
         except PlanError as e:   # the measured speeds fit no other shares: switch the sync alone
             log.warning("sync policy: no plan for the measured speeds (%s); switching to exact sync on the same "
                         "shares", e)
-            new = engine.plan
-        new = dataclasses.replace(new, stages=[dataclasses.replace(st, replica_sync="ddp")
+            new = view.plan
+        return dataclasses.replace(new, stages=[dataclasses.replace(st, replica_sync="ddp")
                                                if st.replica_sync == "partial" else st for st in new.stages])
-        engine.apply_plan(new)
-        self._release_replanner(engine, speeds)
 
 
 def eligible_stages(plan) -> list[int]:

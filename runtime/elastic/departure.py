@@ -28,7 +28,7 @@ The protocol, identical on every rank (every decision a function of values every
    model on the stayers, every stayer raises :class:`LeaveError` with one line, and the leaver
    still leaves (a preemption does not wait).
 3. **Hand-over, in the old world.** Every rank snapshots what it holds and lets go of its executor
-   (:func:`runtime.balance.state_transfer.snapshot`); the ranks share their
+   (:func:`runtime.state.transfer.snapshot`); the ranks share their
    :class:`~planner.balance.state_moves.Slab` descriptions, and the leaver sends each tensor no
    stayer holds all of (a pipeline stage it ran alone, its tensor-parallel shard) to an heir, the
    next stayer after it, which *parks* it. What a data-parallel peer also holds does not move.
@@ -37,7 +37,7 @@ The protocol, identical on every rank (every decision a function of values every
    through the old store, which the leaver keeps alive until every stayer has connected), a key
    prefix per leave. Then the Engine rebuilds its groups (:func:`runtime.groups.build_groups`),
    progress record, emulator and straggler monitor for the new plan and lands the state:
-   :func:`runtime.balance.state_transfer.land`, the switch re-plans already use, with the parked
+   :func:`runtime.state.transfer.land`, the switch re-plans already use, with the parked
    pieces described as held by a rank of their own that their heir sends for. The next step runs
    the new plan.
 5. The leaver destroys its process group and raises :class:`Departed`, a ``SystemExit`` with code
@@ -71,7 +71,7 @@ capture, planning, a checkpoint read and the steps since the last checkpoint
 (:mod:`runtime.elastic.membership` does that path). Why not ``torchft``: it keeps data-parallel
 replicas going with a quorum per step, but it does not move a pipeline stage or a tensor-parallel
 shard, nor re-plan uneven shares; here the whole state moves exactly, so training continues bit
-for bit as on the old plan (the exactness invariant of :mod:`runtime.balance.state_transfer`).
+for bit as on the old plan (the exactness invariant of :mod:`runtime.state.transfer`).
 
 The slowness rule (:class:`SlownessRule`), with hysteresis and never on noise: a rank's *worth*
 is its share of the measured total speed over its share of the cluster's nominal speed (the spec's
@@ -111,12 +111,13 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from runtime.balance.straggler_monitor import Passenger
+from runtime.control.exchange import Part
+from runtime.control.protocol import Controller, PlanChange, StepView
 from whalelike.errors import SpecError, WhaleError
 
 if TYPE_CHECKING:
     from planner.plan import Plan
-    from runtime.balance.state_transfer import Snapshot
+    from runtime.state.transfer import Snapshot
     from whalelike.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -255,35 +256,15 @@ class LeaveEvent:
                 f"{self.parked_bytes / 2**20:.2f} MiB handed over, {self.moved_bytes / 2**20:.2f} MiB moved; no restart")
 
 
-# -- agreement --------------------------------------------------------------------------------------
-class Boarding(Passenger):
-    """The step's passenger with one more slot per rank: this rank's leave flag. Wraps the
-    rebalancer's passenger (``inner``, or None on steps without an exchange) so both ride together."""
+# -- agreement: a controller of the step boundary ------------------------------------------------
+class Departures(Controller):
+    """Leaving's controller (:mod:`runtime.control.protocol`, name ``"leave"``, order 0: a leave comes
+    before any re-plan): the SIGTERM flag, the slowness counts, the history. Its share of every
+    step's exchange is one leave flag per rank; it reacts with ``stop`` when every rank gave notice,
+    ``leave`` when some did or the slowness rule sends one away."""
 
-    def __init__(self, inner: Optional[Passenger], world: int, rank: int, flag):
-        self.inner, self.world, self.rank = inner, world, rank
-        self._n = inner.vector.numel() if inner is not None else 0
-
-        def fill() -> torch.Tensor:
-            flags = torch.zeros(world, dtype=torch.float64)
-            flags[rank] = 1.0 if flag() else 0.0
-            head = inner.fill() if inner is not None else flags[:0]
-            return torch.cat([head, flags])
-
-        super().__init__(self._n + world, fill)
-
-    def arrived(self, summed: torch.Tensor) -> None:
-        super().arrived(summed)
-        if self.inner is not None:
-            self.inner.arrived(self.vector[:self._n])
-
-    def leaving(self) -> list[int]:
-        """The ranks that gave notice (after the collective carried the flags)."""
-        return [r for r, v in enumerate(self.vector[self._n:].tolist()) if v > 0.5]
-
-
-class Departures:
-    """The per-Engine state of leaving: the SIGTERM flag, the slowness counts, the history."""
+    name = "leave"
+    order = 0
 
     def __init__(self, config: LeaveConfig):
         self.config = config
@@ -291,6 +272,8 @@ class Departures:
         self.history: list[LeaveEvent] = []
         self.watch = SlownessWatch(config.slowness) if config.slowness is not None else None
         self._previous = None
+        self._leaving: list[int] = []
+        self._step: Optional[int] = None
         self.leaves = 0
         if config.sigterm:
             try:
@@ -308,17 +291,45 @@ class Departures:
         """Give notice from code (as a SIGTERM would): this rank leaves at the next step boundary."""
         self._on_sigterm(signal.SIGTERM, None)
 
-    def board(self, inner: Optional[Passenger], world: int, rank: int) -> Boarding:
-        return Boarding(inner, world, rank, lambda: self.notice_at is not None)
+    # -- the controller protocol ---------------------------------------------------------------------
+    def exchange(self, step: int, runtime, so_far) -> Part:
+        """This rank's leave flag in its slot of one value per rank (read at send time)."""
+        world, rank = runtime.world_size, runtime.rank
 
-    def slow(self, engine) -> Optional[int]:
-        """The rank the slowness rule sends away after this step's exchange, or None."""
-        rebalancer = engine.rebalancer
-        measured = rebalancer.last_measured
-        if self.watch is None or measured is None or measured.step != engine.step:
+        def fill() -> torch.Tensor:
+            flags = torch.zeros(world, dtype=torch.float64)
+            flags[rank] = 1.0 if self.notice_at is not None else 0.0
+            return flags
+
+        def arrived(values: torch.Tensor) -> None:
+            self._step, self._leaving = step, [r for r, v in enumerate(values.tolist()) if v > 0.5]
+
+        return Part(world, fill, arrived)
+
+    def leaving(self) -> list[int]:
+        """The ranks whose flag the last exchange carried (the ranks that gave notice)."""
+        return list(self._leaving)
+
+    def react(self, view: StepView) -> Optional[PlanChange]:
+        notices = self._leaving if self._step == view.step else []
+        if len(notices) == view.runtime.world_size:   # the whole job is being stopped: nobody can stay
+            return PlanChange("stop", reason="every rank gave notice (SIGTERM)")
+        slow = self.slow(view) if not notices else None
+        if not notices and slow is None:
             return None
-        nominal = [engine.cluster.device(w.device).tflops(engine.plan.precision) for w in engine.plan.workers]
-        return self.watch.observe(measured.speeds, rebalancer.reference, nominal)
+        leavers, reasons = reasons_of(notices, slow)
+        return PlanChange("leave", reason="; ".join(reasons), leavers=tuple(leavers), reasons=tuple(reasons))
+
+    def slow(self, view: StepView) -> Optional[int]:
+        """The rank the slowness rule sends away after this step's exchange, or None (it reads the
+        re-planner's measured speeds and the speeds the plan was made for, ``view.figures``)."""
+        figures = view.figures.get("rebalance", {})
+        measured = figures.get("measured")
+        if self.watch is None or measured is None or measured.step != view.step:
+            return None
+        plan = view.plan
+        nominal = [view.runtime.cluster.device(w.device).tflops(plan.precision) for w in plan.workers]
+        return self.watch.observe(measured.speeds, figures.get("reference"), nominal)
 
     def release(self) -> None:
         """Put back the SIGTERM handler this replaced."""
@@ -328,7 +339,7 @@ class Departures:
 
 
 # -- the leave ----------------------------------------------------------------------------------------
-def new_plan(engine, stayers: Sequence[int]) -> tuple[Optional["Plan"], "Cluster", Optional[str]]:
+def new_plan(runtime, graphs, stayers: Sequence[int]) -> tuple[Optional["Plan"], "Cluster", Optional[str]]:
     """The plan for the stayers' devices, made on ``stayers[0]`` and broadcast (collective, old
     world): the plan and the cluster it was made on, or (None, that cluster, the one-line reason no
     plan holds the model)."""
@@ -336,20 +347,20 @@ def new_plan(engine, stayers: Sequence[int]) -> tuple[Optional["Plan"], "Cluster
     from planner.plan import Plan
     from runtime.elastic.membership import cannot_plan_message, config_of
 
-    old = engine.plan
-    present = engine.cluster.present([old.worker(r).device for r in stayers])
+    old = runtime.plan
+    present = runtime.cluster.present([old.worker(r).device for r in stayers])
     payload: list = [None]
-    if engine.rank == stayers[0]:
+    if runtime.rank == stayers[0]:
         try:
-            payload[0] = ("plan", make_plan(engine.graphs, present, config_of(old)).to_dict())
+            payload[0] = ("plan", make_plan(graphs, present, config_of(old)).to_dict())
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait
-            payload[0] = ("error", cannot_plan_message(present, engine.cluster, [w.device for w in old.workers], e))
-    engine._collective(lambda: dist.broadcast_object_list(payload, src=stayers[0]))
+            payload[0] = ("error", cannot_plan_message(present, runtime.cluster, [w.device for w in old.workers], e))
+    runtime.collective(lambda: dist.broadcast_object_list(payload, src=stayers[0]))
     kind, value = payload[0]
     if kind == "error":
         return None, present, value
     plan = Plan.from_dict(value)
-    plan.validate(graphs=engine.graphs, cluster=present)
+    plan.validate(graphs=graphs, cluster=present)
     return plan, present, None
 
 
@@ -445,23 +456,22 @@ def _address() -> str:
     return socket.getfqdn()
 
 
-def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
-    """The step-boundary leave (collective on the old world): the protocol of the module docstring.
-    Raises :class:`Departed` on a leaver; on a stayer returns with ``engine`` running the new plan.
-    A stayer whose device the new plan leaves idle (the planner's choice) leaves too."""
-    from runtime import checkpoint
-    from runtime.balance.state_transfer import snapshot
-
+def leave(runtime, slot, checkpointer, graphs, departures: Departures, leavers: Sequence[int],
+          reasons: Sequence[str]):
+    """The step-boundary leave (collective on the old world): the protocol of the module docstring,
+    on this rank's ``runtime`` (:class:`runtime.rank.RankRuntime`), its held state ``slot``
+    (:class:`runtime.state.slot.ExecutorSlot`) and ``checkpointer``. Raises :class:`Departed` on a
+    leaver; on a stayer returns ``(the new world's runtime, the landing's transfer report)``. A
+    stayer whose device the new plan leaves idle (the planner's choice) leaves too."""
     start = time.perf_counter()
-    rank, old, step = engine.rank, engine.plan, engine.step
+    rank, old, step = runtime.rank, runtime.plan, runtime.step
     leavers, reasons = list(leavers), list(reasons)
     stayers = [r for r in range(old.world_size) if r not in leavers]
-    departures = engine.departures
     if not stayers:
         raise LeaveError(f"step {step}: every rank gave notice ({', '.join(reasons)}); nobody is left to train")
     # the checkpoints being written in the background go through a group of the old world: finished first
-    engine._collective(lambda: checkpoint.finish_pending(engine))
-    plan, _, reason = new_plan(engine, stayers)
+    runtime.collective(checkpointer.finish)
+    plan, _, reason = new_plan(runtime, graphs, stayers)
     if plan is None:   # nobody can take the state: the stayers stop with one line, the leaver goes
         if rank in stayers:
             raise LeaveError(f"step {step}: rank(s) {leavers} leave ({', '.join(reasons)}) and {reason}")
@@ -474,26 +484,27 @@ def leave(engine, leavers: Sequence[int], reasons: Sequence[str]) -> None:
         if r not in members:
             leavers.append(r)
             reasons.append("idle under the plan for the devices left")
-    engine.stop_migration()
-    held = engine._collective(lambda: snapshot(engine.executor, engine.optimizer))
-    parked = engine._collective(lambda: hand_over(held, rank, leavers, members))
+    held = runtime.collective(slot.snapshot)
+    parked = runtime.collective(lambda: hand_over(held, rank, leavers, members))
     departures.leaves += 1
-    new_rank = engine._collective(lambda: new_world(rank, members, departures.leaves, engine.timeout_s))
+    new_rank = runtime.collective(lambda: new_world(rank, members, departures.leaves, runtime.timeout_s))
     if new_rank is None:
-        engine.executor = None
         departures.release()
         why = reasons[leavers.index(rank)]
         log.info("rank %d: left after step %d (%s); handed over %.2f MiB", rank, step, why, parked / 2**20)
         raise Departed(step, why)
     # the cluster in the new ranks' order (emulated stragglers follow their devices)
-    present = engine.cluster.present([w.device for w in plan.workers])
-    report = engine._rewire(plan, present, new_rank, held)
+    present = runtime.cluster.present([w.device for w in plan.workers])
+    plan.validate(graphs=graphs, cluster=present)
+    runtime = runtime.rewired(plan, present, new_rank)
+    report = runtime.collective(lambda: slot.land(runtime, held))
     order = sorted(range(len(leavers)), key=lambda i: leavers[i])
     event = LeaveEvent(step, tuple(leavers[i] for i in order), tuple(reasons[i] for i in order), old.world_size,
                        len(members), time.perf_counter() - start, parked, report.moved_bytes)
     departures.history.append(event)
     if new_rank == 0:
         log.info("leave %s", event.line())
+    return runtime, report
 
 
 def reasons_of(notices: Sequence[int], slow: Optional[int]) -> tuple[list[int], list[str]]:

@@ -70,7 +70,7 @@ Recording an event costs the host nothing and the device nothing, and the time b
 the time the stream took to run what was queued between them. Reading adds no synchronisation to a
 step: the stats are read when the step's compute is done, either at the step's end (after the
 loss's finiteness check, a synchronisation every step has) or, on a step whose figures ride the
-last collective (:class:`runtime.balance.straggler_monitor.Passenger`), right before the
+last collective (:class:`runtime.control.exchange.Passenger`), right before the
 passenger's host-to-device copy, which synchronises the stream anyway and after the same work.
 An emulator that pads keeps the host clock on any device: its padding is a host-side sleep to a
 host-side deadline, and the modeled time is the emulated device's truth. :attr:`Emulator.device_timed`

@@ -41,6 +41,7 @@ from planner.plan_checks import check_same_workers
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.data import Share, slice_batch
 from runtime.emulation.compute import Emulator
+from runtime.parallel.executor import StepExecutor
 from runtime.replicas.held_state import NamedState, full_tensor, is_sharded, load_rows
 from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from runtime.groups import RankGroup
@@ -56,8 +57,10 @@ def idle_parameters(module: nn.Module, names: Sequence[str]) -> list[nn.Paramete
     return [params[n] for n in names if n in params]
 
 
-class DataParallelExecutor:
-    """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring).
+class DataParallelExecutor(StepExecutor):
+    """Runs a single-stage ``replicate`` Plan on one rank (see the module docstring); a
+    :class:`runtime.parallel.executor.StepExecutor` that takes rank-local shares and adopts plans of
+    other shares in place.
 
     ``flops_per_sample`` is ``(forward, backward)`` of the whole model, used only for emulation;
     ``memory_bytes_per_sample`` the same for the bytes its non-matmul operators move
@@ -87,7 +90,7 @@ class DataParallelExecutor:
         self.emulator = emulator or Emulator.disabled()
         self.backward_flops = flops_per_sample[1]
         self.backward_memory_bytes = memory_bytes_per_sample[1]
-        self.module = module
+        self.model = module
         self.sync_batchnorm = plan.sync_batchnorm and group.size > 1
         self._adopt(plan)
         if self.sync_batchnorm:
@@ -110,9 +113,25 @@ class DataParallelExecutor:
                                                     fractions=plan.stages[0].state_fractions,
                                                     layers=recompute.layer_module_paths(module, zero_layers)
                                                     if zero else (), idle=idle_parameters(module, idle))
-        # the Engine's runtime.balance.straggler_monitor.Passenger: summed in this step's all-reduce
+        # the Engine's runtime.control.exchange.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0], memory_bytes_per_sample[0])
+
+    takes_shares = True
+
+    @property
+    def module(self) -> nn.Module:
+        """What this rank runs: the whole model."""
+        return self.model
+
+    def syncs(self) -> list[ReplicaSync]:
+        return [self.sync]
+
+    def takes_in_place(self, plan: Plan) -> bool:
+        """Whether :meth:`set_plan` adopts ``plan``: the same replica sync (ZeRO stage, fractions),
+        BatchNorm sync and recompute; only the shares differ (a pure function of the two plans)."""
+        return (self.keeps_sync(plan) and plan.sync_batchnorm == self.plan.sync_batchnorm
+                and plan.stages[0].recompute == self.recomputes and len(plan.stages) == 1)
 
     @property
     def shares(self) -> list[int]:
@@ -246,7 +265,7 @@ class DataParallelExecutor:
 
     def named_state(self) -> NamedState:
         """What this rank holds of every parameter and buffer, as its replica sync keeps them (DDP:
-        whole); for :func:`runtime.balance.state_transfer.switch_executor` and checkpoints."""
+        whole); for :func:`runtime.state.transfer.switch_executor` and checkpoints."""
         return self.sync.named_state()
 
     def close(self) -> None:

@@ -113,6 +113,7 @@ from planner.schedule.deadlock import proven_program
 from planner.schedule.program import forward_program, split_flags
 from planner.shares.layout import SampleLayout, check_global_batch
 from runtime.emulation.compute import Emulator
+from runtime.parallel.executor import StepExecutor
 from runtime.parallel.boundaries import BoundaryExchange
 from runtime.replicas.held_state import NamedState
 from runtime.parallel.stage_split import ModelInput, PipelineSplit, ValueId, ValueSpec, split_stages
@@ -185,8 +186,8 @@ def sample_ranges(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     return SampleLayout.of(plan).all_ranges()
 
 
-class PipelineExecutor:
-    """Runs this rank's stage of a multi-stage Plan; follows :class:`runtime.engine.StepExecutor`.
+class PipelineExecutor(StepExecutor):
+    """Runs this rank's stage of a multi-stage Plan, a :class:`runtime.parallel.executor.StepExecutor`.
 
     ``graph_module``/``node_stage``: the captured model and each node's stage (see
     :func:`runtime.parallel.stage_split.node_stages_from_plan`). ``stage_flops``: per stage, forward and

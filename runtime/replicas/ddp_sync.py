@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from runtime.replicas.held_state import NamedState, module_state
-from runtime.replicas.sync_parts import WholeParameters
+from runtime.replicas.sync_parts import Exact, WholeParameters
 from runtime.emulation.compute import Emulator
 
 # torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
@@ -213,7 +213,7 @@ def release_ddp(ddp: DistributedDataParallel) -> nn.Module:
     return ddp.module
 
 
-class DDPSync(WholeParameters):
+class DDPSync(Exact, WholeParameters):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` on DDP (see the module docstring).
 
     ``module``: the stage module of this rank; ``group``: the ranks holding the same parameters

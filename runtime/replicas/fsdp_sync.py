@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, dtensor_range, module_state
-from runtime.replicas.sync_parts import OwnPassenger, WholeParameters, own_units
+from runtime.replicas.sync_parts import Exact, OwnPassenger, WholeParameters, own_units
 from whalelike.errors import WhaleError
 
 try:   # torch >= 2.8: FSDP2's pluggable collectives (the emulated network pads them)
@@ -125,7 +125,7 @@ def _sleep_modeled(network, ms: float) -> None:
     time.sleep(ms * 1e-3)
 
 
-class FSDPSync(OwnPassenger, WholeParameters):
+class FSDPSync(Exact, OwnPassenger, WholeParameters):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` on FSDP2 at ZeRO ``stage`` 1, 2 or 3 (see the
     module docstring).
 

@@ -2,7 +2,7 @@
 
 One description serves every consumer of "who holds what": live re-plans move exactly the pieces
 :func:`planner.balance.state_moves.plan_moves` computes from every rank's description
-(:mod:`runtime.balance.state_transfer`), and checkpoints write and read the same pieces in
+(:mod:`runtime.state.transfer`), and checkpoints write and read the same pieces in
 full-tensor coordinates (:mod:`runtime.checkpoint`). The replica sync of a stage
 (:mod:`runtime.replicas.replica_sync`) gives it, because the sync decides what a replica keeps
 (DDP: everything whole; a sharded data parallel: its shard).

@@ -73,7 +73,7 @@ from planner.balance.state_moves import Slab
 from planner.devices.memory import RAGGED_BUCKET_BYTES
 from runtime.emulation.compute import Emulator
 from runtime.replicas.held_state import NamedState, module_state
-from runtime.replicas.sync_parts import OwnPassenger, own_units
+from runtime.replicas.sync_parts import Exact, OwnPassenger, own_units
 from whalelike.errors import WhaleError
 
 
@@ -124,7 +124,7 @@ class _Layout:
         self.device = first.device if first is not None else torch.device("cpu")
 
 
-class RaggedSync(OwnPassenger):
+class RaggedSync(Exact, OwnPassenger):
     """:class:`runtime.replicas.replica_sync.ReplicaSync` with ragged ZeRO shards at ``stage`` 1, 2 or 3
     (see the module docstring). ``fractions``: the group's state fractions in group rank order;
     ``layers``: module paths of ``module``'s layers, the units of stage 3 (none: one unit);

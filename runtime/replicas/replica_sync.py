@@ -17,12 +17,13 @@ replicas in step, and nothing else:
   them); ``current()``: make the module's parameters current before they are read whole (a sync
   that refreshes them lazily); ``loaded()``: the module's parameters were overwritten whole, take
   what the sync keeps from them;
-* ``after_step(plan, step, optimizer)``, optional: called by the Engine on every rank after each
-  step's optimizer step (or its skip), with the plan in force and the optimizer (:func:`after_step` calls it where a sync has
-  it; the exact syncs have nothing to do there and leave it out). Prague's partial all-reduce
+* ``after_step(plan, step, optimizer)``: called by the Engine on every rank after each step's
+  optimizer step (or its skip), with the plan in force and the optimizer (:func:`after_step`; the
+  exact syncs have nothing to do there: :class:`runtime.replicas.sync_parts.Exact`). Prague's partial all-reduce
   averages its parameters with its group here: its replicas step apart and meet afterwards;
-* ``exact``, optional (default True): False for a sync whose steps are not the synchronous SGD of
-  one device (P-Reduce); the Engine marks such steps approximate (:func:`runs_exact`).
+* ``exact``: False for a sync whose steps are not the synchronous SGD of one device (P-Reduce;
+  True for the others, :class:`runtime.replicas.sync_parts.Exact`); the Engine marks such steps
+  approximate (:func:`runs_exact`).
 
 Implementations, named by ``StagePlan.replica_sync`` (the names are
 :data:`whalelike.config.REPLICA_SYNCS`): ``ddp`` (:mod:`runtime.replicas.ddp_sync`, torch DDP with
@@ -34,7 +35,8 @@ partial all-reduce: each replica steps on its own gradient, then averages with a
 ``after_step``; approximate). A stage whose parameters no other worker holds gets :class:`AloneSync`, whatever
 the plan names. Emulation enters inside the implementation (the comm hook pads DDP's all-reduce,
 P-Reduce stamps its messages), so the executors never branch on it. P-Reduce registered here and no
-executor changed; the Engine reaches each executor's syncs through :func:`executor_syncs`.
+executor changed; the Engine reaches each executor's syncs through its declared ``syncs()``
+(:class:`runtime.parallel.executor.StepExecutor`).
 
 Why a protocol of our own and not torch's: DDP, FSDP2's ``fully_shard`` and a partial all-reduce
 have no common interface in torch (``no_sync`` vs ``set_requires_gradient_sync``, a reducer armed by
@@ -57,7 +59,7 @@ from runtime.replicas.ddp_sync import DDPSync
 from runtime.replicas.ragged_sync import RaggedSync
 from runtime.replicas.held_state import NamedState, module_state
 from runtime.replicas.partial_sync import PartialSync
-from runtime.replicas.sync_parts import OwnPassenger, WholeParameters
+from runtime.replicas.sync_parts import Exact, OwnPassenger, WholeParameters
 from whalelike.config import REPLICA_SYNCS
 from whalelike.errors import WhaleError
 
@@ -92,8 +94,12 @@ class ReplicaSync(Protocol):
 
     def release(self) -> nn.Module: ...
 
+    exact: bool          # False for a sync whose steps are approximate (P-Reduce)
 
-class AloneSync(OwnPassenger, WholeParameters):
+    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None: ...
+
+
+class AloneSync(Exact, OwnPassenger, WholeParameters):
     """No replicas to keep in step (one worker holds these parameters, or there are none to train):
     the module runs as is. A passenger is still summed over ``group`` if one is given."""
 
@@ -190,31 +196,14 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
                                   idle=tuple(idle))
 
 
-def executor_syncs(executor) -> list[ReplicaSync]:
-    """The replica syncs ``executor`` runs on this rank: a data-parallel executor's ``sync``, a
-    pipeline's stage worker's (``stage_worker.sync``), a migration's owner and compute executors'."""
-    found: list[ReplicaSync] = []
-    for holder in (executor, getattr(executor, "stage_worker", None)):
-        sync = getattr(holder, "sync", None) if holder is not None else None
-        if sync is not None and not any(sync is s for s in found):
-            found.append(sync)
-    for attr in ("owner", "compute"):
-        inner = getattr(executor, attr, None)
-        if inner is not None and inner is not executor:
-            found.extend(s for s in executor_syncs(inner) if not any(s is f for f in found))
-    return found
-
-
 def after_step(executor, plan, step: int, optimizer=None) -> None:
-    """The seam's hook after an optimizer step: each of ``executor``'s syncs that has ``after_step``
-    runs it (P-Reduce averages with its group; the exact syncs have none). Every rank calls it at
-    every step, skipped or not."""
-    for sync in executor_syncs(executor):
-        hook = getattr(sync, "after_step", None)
-        if hook is not None:
-            hook(plan, step, optimizer)
+    """The seam's hook after an optimizer step: each of ``executor``'s syncs runs its ``after_step``
+    (P-Reduce averages with its group; an exact sync does nothing). Every rank calls it at every
+    step, skipped or not."""
+    for sync in executor.syncs():
+        sync.after_step(plan, step, optimizer)
 
 
 def runs_exact(executor) -> bool:
-    """Whether every sync of ``executor`` is exact (its ``exact`` attribute, True when absent)."""
-    return all(getattr(sync, "exact", True) for sync in executor_syncs(executor))
+    """Whether every sync of ``executor`` is exact."""
+    return all(sync.exact for sync in executor.syncs())

@@ -5,6 +5,8 @@
   bucket to append it to (the lone worker, FSDP2, the ragged sync); DDP carries it in its last bucket.
 * :class:`WholeParameters`: the optimizer steps the module's own parameters, which are always
   current (DDP, the lone worker, FSDP2, whose sharded parameters are the module's).
+* :class:`Exact`: a sync whose steps are the synchronous SGD of one device (``exact`` True) and that
+  has nothing to do after the optimizer step (``after_step`` does nothing): every sync but P-Reduce.
 * :func:`own_units`: which of the layer modules a ZeRO sync wraps as units of their own hold only
   their own parameters (FSDP2 and the ragged sync at stage 3 free a unit's parameters between uses).
 
@@ -46,6 +48,15 @@ def own_units(module: nn.Module, paths: Sequence[str]) -> list[str]:
         else:
             kept.append(path)
     return kept
+
+
+class Exact:
+    """``exact`` and ``after_step`` of a synchronous sync (see the module docstring)."""
+
+    exact = True
+
+    def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Nothing: the replicas are in step after the optimizer step already."""
 
 
 class OwnPassenger:

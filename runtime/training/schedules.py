@@ -6,7 +6,7 @@ The contract (``Engine(scheduler=factory)``): ``factory(optimizer)`` returns a
 each optimizer step that happened, never after a skipped one (a NaN loss under
 ``on_nonfinite="skip"``, an fp16 overflow); its state is saved in checkpoints and restored on
 resume, onto the same plan or another; re-plans keep it, because they keep the optimizer object
-(:func:`runtime.balance.state_transfer.switch_executor` rebinds its parameters in place).
+(:func:`runtime.state.transfer.switch_executor` rebinds its parameters in place).
 
 :func:`lr_schedule` builds the usual ones on torch's ``LambdaLR``: linear warm-up over
 ``warmup_steps`` optimizer steps from ``lr / warmup_steps`` to ``lr``, then ``cosine`` decay (as

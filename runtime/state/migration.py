@@ -23,14 +23,14 @@ current).
 
 What moves is decided once, by :func:`planner.balance.state_moves.plan_moves` between the two layouts'
 :class:`~planner.balance.state_moves.Slab` descriptions (shared by one ``all_gather_object``), and executed
-every step with one ``batch_isend_irecv`` each way (:func:`runtime.balance.state_transfer.execute_moves`).
+every step with one ``batch_isend_irecv`` each way (:func:`runtime.state.transfer.execute_moves`).
 Parameters the two executors share (layer norms, embeddings, unsharded projections are the
 captured model's own tensors in both) are neither sent nor copied: their moves are local, from a
 tensor to itself.
 
 Invariant: after each step the owner parameters' gradients equal what the owner executor would
 have computed (the same sums, in another place), so the optimizer update is exact; when migration
-ends, or becomes a permanent re-shard (:func:`runtime.balance.state_transfer.switch_executor` from this
+ends, or becomes a permanent re-shard (:func:`runtime.state.transfer.switch_executor` from this
 executor), training continues bit for bit.
 """
 from __future__ import annotations
@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planner.balance.state_moves import Move, plan_moves
-from runtime.balance.state_transfer import NamedState, execute_moves
+from runtime.parallel.executor import StepExecutor
+from runtime.state.transfer import NamedState, execute_moves
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class MigrationStats:
     seconds: float = 0.0
 
 
-class MigratingExecutor:
-    """A step executor (see :mod:`runtime.engine`) that trains the ``owner`` executor's parameters
+class MigratingExecutor(StepExecutor):
+    """A step executor (:class:`runtime.parallel.executor.StepExecutor`) that trains the ``owner`` executor's parameters
     with the ``compute`` executor's layout (see the module docstring). ``group``: the plan's ranks
     (default the world); a collective to build, at a step boundary."""
 
@@ -95,9 +96,14 @@ class MigratingExecutor:
         return self.owner.plan
 
     @property
-    def stage(self):
-        """The stage that runs (ZERO-resizing and the emulator attach to the computing modules)."""
-        return self.compute.stage
+    def module(self) -> nn.Module:
+        """The module that computes (ZERO-resizing and the memory meter attach to the computing layout's)."""
+        return self.compute.module
+
+    def syncs(self) -> list:
+        """The owner's replica syncs and the computing layout's, each once."""
+        found = list(self.owner.syncs())
+        return found + [s for s in self.compute.syncs() if not any(s is f for f in found)]
 
     @property
     def passenger(self):

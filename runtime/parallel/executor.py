@@ -1,0 +1,232 @@
+"""The step-executor protocol, whole: what may be asked of the object that runs one rank's part of a
+plan, the context its builder gets, and the builders by plan kind.
+
+An executor runs one optimizer step's forward and backward of this rank's part of the plan; the
+held state (:mod:`runtime.state.slot`) owns it with its optimizer, and the Engine's step loop asks
+it for a step. Everything either may ask is declared here, on :class:`StepExecutor`; the optional
+capabilities carry defaults that say "not offered", so nothing is probed with ``hasattr``:
+
+=============================  ======================================================================
+required                       meaning
+=============================  ======================================================================
+``plan``                       the plan it runs
+``train_step(inputs, targets)`` forward and backward of this rank's part of the *whole* global batch:
+                               ``.grad`` of :meth:`parameters` holds the gradient of the global-mean
+                               loss, synchronised; returns that loss (detached, equal on every rank)
+``eval_step(inputs, targets)`` the global-mean loss, nothing updated
+``parameters()``               what the optimizer steps on this rank
+``module``                     the module this rank computes with (its stage, sharded as planned)
+``syncs()``                    the replica syncs it runs (:mod:`runtime.replicas.replica_sync`)
+``named_state()``              what this rank holds of every parameter and buffer (checkpoints, state moves)
+``full_state_dict()``          the whole model, unsharded, on every rank (collective)
+``load_full_state_dict(s)``    take this rank's part of a whole state dict
+``close()``                    take every hook off the model; not used again
+``passenger``                  a slot: the Engine puts a step-end exchange there
+                               (:class:`runtime.control.exchange.Passenger`); the executor fills it
+                               just before the collective that ends the step and sums it there; an
+                               executor that leaves it alone costs one small all-reduce of its own
+=============================  ======================================================================
+
+=============================  ======================================================================
+optional (default)             meaning
+=============================  ======================================================================
+``takes_shares`` (False)       ``train_share(share)`` takes a batch of this rank's samples only
+                               (:class:`runtime.data.Share`, from :class:`runtime.data.UnevenLoader`)
+``takes_in_place(plan)``       (False) a new plan of the same workers is adopted by ``set_plan``
+                               without moving state; a pure function of the two plans, so every
+                               rank answers alike; otherwise the held state builds the new plan's
+                               executor and moves what changes hands
+=============================  ======================================================================
+
+Builders: a plan's kind (:attr:`planner.plan.Plan.kind`) names the builder ``ExecutorContext ->
+StepExecutor`` that makes its executor (:func:`register_executor` adds or replaces one; a builder
+must return a :class:`StepExecutor`).
+
+Invariant: every rank of a plan builds its executor from the same plan with the same builder, and
+every collective an executor runs is over the groups of :mod:`runtime.groups`, entered in the same
+order on every rank.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from planner.plan import Plan, Worker
+from runtime.emulation.compute import Emulator
+from runtime.groups import PlanGroups
+from runtime.replicas.held_state import NamedState
+from runtime.training.precision import PlanLossScaler
+from whalelike.cluster import Cluster
+from whalelike.errors import WhaleError
+from whalelike.graphs.taskgraph import TaskGraphs
+
+KINDS = ("data_parallel", "pipeline", "tensor_parallel")
+
+
+class StepExecutor(abc.ABC):
+    """The protocol of the module docstring: subclass it and define the abstract methods (a subclass
+    missing one cannot be instantiated: Python's ``abc`` names it)."""
+
+    plan: Plan
+    passenger: Any = None             # the Engine's step-end exchange (see the module docstring)
+    takes_shares: bool = False        # train_share offered
+
+    @abc.abstractmethod
+    def train_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def eval_step(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    @property
+    @abc.abstractmethod
+    def module(self) -> nn.Module: ...
+
+    @abc.abstractmethod
+    def syncs(self) -> list: ...
+
+    @abc.abstractmethod
+    def named_state(self) -> NamedState: ...
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # -- optional capabilities: the defaults say "not offered" -------------------------------------------
+    def train_share(self, share) -> torch.Tensor:
+        raise WhaleError(f"{type(self).__name__} takes whole global batches, not runtime.data.Share; pass (inputs, "
+                         f"targets) of {self.plan.global_batch_size} samples on every rank")
+
+    def takes_in_place(self, plan: Plan) -> bool:
+        return False
+
+    def set_plan(self, plan: Plan) -> None:
+        raise WhaleError(f"{type(self).__name__} adopts no plan in place; build the plan's executor "
+                         "(runtime.state.slot.ExecutorSlot.apply does)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorContext:
+    """Everything a builder needs to make this rank's executor (built by keyword:
+    :meth:`of` from a :class:`runtime.rank.RankRuntime`)."""
+
+    model: nn.Module
+    plan: Plan
+    rank: int
+    worker: Worker
+    graphs: TaskGraphs          # the capture of the model (graph_module, node_taskgraph, costs)
+    groups: PlanGroups
+    loss_fn: Callable
+    emulator: Emulator
+    device: torch.device
+    cluster: Optional[Cluster] = None   # its link figures price the boundary reshardings (runtime.parallel.boundaries)
+    scaler: Optional[PlanLossScaler] = None   # fp16's loss scale, applied where the executors weight the loss
+    reduce_dtype: Optional[torch.dtype] = None   # the dtype replicas reduce gradients in (None: their own)
+    precision: str = "fp32"     # what runs: which captured non-matmul bytes the emulator prices
+
+    @classmethod
+    def of(cls, runtime, *, model: nn.Module, graphs: TaskGraphs, loss_fn: Callable,
+           scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None) -> "ExecutorContext":
+        """The context of ``runtime`` (a :class:`runtime.rank.RankRuntime`) under its plan in force."""
+        return cls(model=model, plan=runtime.plan, rank=runtime.rank, worker=runtime.worker, graphs=graphs,
+                   groups=runtime.groups, loss_fn=loss_fn, emulator=runtime.emulator, device=runtime.device,
+                   cluster=runtime.cluster, scaler=scaler, reduce_dtype=reduce_dtype, precision=runtime.precision)
+
+    def under(self, runtime) -> "ExecutorContext":
+        """This context for ``runtime``'s plan, rank, groups and emulator (a re-plan, a leave)."""
+        return ExecutorContext.of(runtime, model=self.model, graphs=self.graphs, loss_fn=self.loss_fn,
+                                  scaler=self.scaler, reduce_dtype=self.reduce_dtype)
+
+    def with_plan(self, plan: Plan) -> "ExecutorContext":
+        """This context for ``plan``, a plan of the same workers (a migration's computing layout)."""
+        return dataclasses.replace(self, plan=plan, worker=plan.worker(self.rank))
+
+
+def stage_memory_bytes(ctx: ExecutorContext) -> list[tuple[float, float]]:
+    """Per stage of ``ctx.plan``: (forward, backward) non-matmul bytes per sample, which the
+    emulator prices at the device's memory bandwidth
+    (:func:`runtime.parallel.stage_split.stage_memory_bytes_from_plan`). At bf16/fp16 on a device
+    whose bandwidth is emulated, the bytes measured under autocast (the capture's graph run again
+    on fake tensors once, :func:`whalelike.graphs.capture.with_autocast`); elsewhere no bytes are
+    priced and the float32 figures serve."""
+    from runtime.parallel.stage_split import stage_memory_bytes_from_plan
+    from whalelike.graphs.capture import with_autocast
+
+    graphs = ctx.graphs
+    if ctx.precision != "fp32" and ctx.emulator.enabled and ctx.emulator.memory_gbps is not None:
+        graphs = with_autocast(graphs)
+    return stage_memory_bytes_from_plan(graphs, ctx.plan, ctx.precision)
+
+
+def _data_parallel(ctx: ExecutorContext) -> StepExecutor:
+    from planner.devices.cost_model import fsdp_unit_names
+    from runtime.parallel.data_parallel import DataParallelExecutor
+
+    flops = (sum(g.forward_flops for g in ctx.graphs), sum(g.backward_flops for g in ctx.graphs))
+    idle = [n for layer in ctx.graphs.layers for n in layer.idle_state]
+    return DataParallelExecutor(ctx.model, ctx.plan, ctx.rank, ctx.groups.dp, ctx.loss_fn, ctx.emulator, flops,
+                                recompute_layers=[layer.name for layer in ctx.graphs.layers],
+                                zero_layers=fsdp_unit_names(ctx.graphs.layers), idle=idle,
+                                memory_bytes_per_sample=stage_memory_bytes(ctx)[0],
+                                scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
+
+
+def _pipeline(ctx: ExecutorContext) -> StepExecutor:
+    from planner.devices.network import NetworkModel
+    from runtime.parallel.pipeline import PipelineExecutor, idle_state_of
+    from runtime.parallel.stage_split import node_stages_from_plan, stage_flops_from_plan
+    from runtime.tensor.shard_pass import StageSharding
+
+    return PipelineExecutor(ctx.graphs.graph_module, node_stages_from_plan(ctx.graphs, ctx.plan), ctx.plan,
+                            ctx.loss_fn, emulator=ctx.emulator, stage_flops=stage_flops_from_plan(ctx.graphs, ctx.plan),
+                            stage_memory_bytes=stage_memory_bytes(ctx),
+                            dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
+                            network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
+                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype,
+                            idle_state=idle_state_of(ctx.graphs, ctx.plan, ctx.model))
+
+
+_BUILDERS: dict[str, Callable[[ExecutorContext], StepExecutor]] = {
+    "data_parallel": _data_parallel,
+    "pipeline": _pipeline,
+    "tensor_parallel": _pipeline,
+}
+
+
+def register_executor(kind: str, builder: Callable[[ExecutorContext], StepExecutor]) -> Callable:
+    """Make ``builder`` the executor of plans of ``kind`` (:attr:`planner.plan.Plan.kind`); returns the
+    builder it replaces (to put it back)."""
+    if kind not in KINDS:
+        raise WhaleError(f"register_executor: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    previous = _BUILDERS[kind]
+    _BUILDERS[kind] = builder
+    return previous
+
+
+def builder_of(kind: str) -> Callable[[ExecutorContext], StepExecutor]:
+    """The builder registered for plans of ``kind``."""
+    if kind not in _BUILDERS:
+        raise WhaleError(f"no step executor for {kind.replace('_', ' ')} plans is registered "
+                         f"(runtime.parallel.executor.register_executor); the kinds are {', '.join(KINDS)}")
+    return _BUILDERS[kind]
+
+
+def build_executor(ctx: ExecutorContext) -> StepExecutor:
+    """This rank's executor for ``ctx.plan``, made by the builder of its kind; collective."""
+    executor = builder_of(ctx.plan.kind)(ctx)
+    if not isinstance(executor, StepExecutor):
+        raise WhaleError(f"the executor builder for {ctx.plan.kind} plans returned a {type(executor).__name__}; "
+                         "a builder must return a runtime.parallel.executor.StepExecutor (subclass it)")
+    return executor
