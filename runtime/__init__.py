@@ -23,7 +23,8 @@ from runtime.emulation.compute import Calibration, EmulatedOutOfMemoryError, Emu
 from runtime.config import EngineConfig
 from runtime.control.protocol import Controller, PlanChange, StepView
 from runtime.engine import Engine
-from runtime.parallel.executor import ExecutorContext, StepExecutor, register_executor
+from runtime.parallel.builders import register_executor
+from runtime.parallel.executor import ExecutorContext, StepExecutor
 from runtime.step_stats import StepStats
 from runtime.guards import BatchMismatchError, NonFiniteLossError
 from runtime.balance.rebalance import BalanceConfig, ReplanEvent

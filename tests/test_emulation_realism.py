@@ -26,7 +26,8 @@ from dist_utils import run_ranks
 from planner.plan import StagePlan
 from runtime import Engine
 from runtime.emulation.compute import Emulator
-from runtime.parallel.executor import ExecutorContext, stage_memory_bytes
+from runtime.parallel.builders import stage_memory_bytes
+from runtime.parallel.executor import ExecutorContext
 from runtime.parallel.stage_split import stage_flops_from_plan, stage_memory_bytes_from_plan
 from whalelike import Cluster, Device, Network, SpecError
 from whalelike.cluster import Emulation

@@ -465,7 +465,8 @@ class Rebalancer(Controller):
         index = decision.stragglers[0]
         gamma = decision.resize.get(index, 0.0) + decision.migrate.get(index, 0.0)
         resizer = self.resizer_of(view.module) if view.runtime.rank == ranks[index] else None
-        result = run_pretest(view, self.config, list(self.recent_batches), resizer, ranks, ranks[index], gamma, matmul)
+        result = run_pretest(view, list(self.recent_batches), resizer, ranks, ranks[index], gamma, matmul,
+                             max_gamma=self.config.max_gamma, loss_budget=self.config.semi_loss_budget)
         if result is None:
             return decision
         decided = semi_decision(times, matmul, costs=result.costs, max_gamma=self.config.max_gamma,

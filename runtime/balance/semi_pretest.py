@@ -48,7 +48,6 @@ import torch
 from planner.balance.semi_migration import PiecewiseLinearCost, SemiCosts, SemiDecision
 
 if TYPE_CHECKING:
-    from runtime.balance.rebalance import BalanceConfig
     from runtime.control.protocol import StepView
 
 log = logging.getLogger(__name__)
@@ -82,20 +81,21 @@ class Pretest:
                 f"{self.phi1_s * 1e3:.2f} ms -> beta {beta:.3f}: migrate {migrate:.3f}, resize {resize:.3f}")
 
 
-def run_pretest(view: "StepView", config: "BalanceConfig", batches: Sequence, resizer, ranks: Sequence[int],
-                straggler: int, gamma: float, matmul_times: Sequence[float]) -> Optional[Pretest]:
+def run_pretest(view: "StepView", batches: Sequence, resizer, ranks: Sequence[int], straggler: int, gamma: float,
+                matmul_times: Sequence[float], *, max_gamma: float, loss_budget: float) -> Optional[Pretest]:
     """The pre-test for ``straggler`` (a global rank of the group ``ranks``) whose Eq. (1) ratio
     against the group's fastest is ``gamma``; collective over every rank. ``view``: the step
     boundary's (its ``evaluate`` runs the loss evaluations, its runtime the collective);
     ``batches``: the last training batches; ``resizer``: the straggler's ZERO-resizer (None on the
-    other ranks). None where nothing can be measured (no training batch seen yet)."""
-    priced = math.isfinite(config.semi_loss_budget)
+    other ranks); ``max_gamma`` and ``loss_budget``: ``BalanceConfig.max_gamma`` and
+    ``semi_loss_budget``. None where nothing can be measured (no training batch seen yet)."""
+    priced = math.isfinite(loss_budget)
     if priced and not batches:
         log.info("SEMI pre-test skipped: no training batch seen yet")
         return None
     start = time.perf_counter()
     previous = resizer.gamma if resizer is not None else 0.0
-    targets = sorted({min(gamma, config.max_gamma) * k for k in (0.5, 1.0)})
+    targets = sorted({min(gamma, max_gamma) * k for k in (0.5, 1.0)})
     measured = torch.zeros(2 + 2 * len(targets), dtype=torch.float64)   # weights, omega1, (fraction, omega2)...
 
     def evaluate() -> float:
@@ -127,7 +127,7 @@ def run_pretest(view: "StepView", config: "BalanceConfig", batches: Sequence, re
     phi2 = SemiCosts.from_step(matmul_times, [1.0] * len(matmul_times)).phi2   # columns counted in shards
     loss = _through_zero(fractions, tuple(losses)) if priced else None
     costs = SemiCosts(omega1, _through_zero(fractions, omega2), phi1, phi2, loss=loss,
-                      loss_budget=config.semi_loss_budget)
+                      loss_budget=loss_budget)
     return Pretest(straggler, costs, fractions if priced else (), tuple(losses), omega1, omega2,
                    phi1(gamma), gamma, len(batches) if priced else 0, time.perf_counter() - start)
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from planner.plan import Plan
-from runtime.parallel.executor import ExecutorContext, StepExecutor, build_executor
+from runtime.parallel.builders import build_executor
+from runtime.parallel.executor import ExecutorContext, StepExecutor
 from runtime.state.transfer import Snapshot, TransferReport, land, snapshot, switch_executor
 from runtime.training.clipping import GlobalGradNorm
 from runtime.training.schedules import build_scheduler
