@@ -51,8 +51,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "pipeline_shares": r"pipeline_shares \((demo|hf_gpt2)\): a shares-only re-plan's switch takes \d+\.\d ms in place vs "
                        rf"\d+\.\d ms rebuilding the executor \(\d+x\); .*; executor kept, losses identical",
     "pp_vs_pipelining": rf"  speed-up whalelike / pipelining: {_X}",
-    "prague": rf"prague: under \d+x slowdowns smart P-Reduce {_X} all-reduce's throughput \(target >= 1\.8x; "
-              rf"no-wait bound {_X}\), static {_X}; .*; calm smart {_X}, static {_X} \(target >= 0\.95x\); time to "
+    "prague": rf"prague: \d+ ranks, under \d+x slowdowns smart P-Reduce {_X} all-reduce's throughput = \d+% of its "
+              rf"no-wait bound {_X} \(targets >= 1\.8x, >= 90%\), static {_X}; .*; calm smart {_X}, static {_X} "
+              r"\(target >= 0\.95x\); time to "
               r"target smart .*; policy \d+\.\d\d of the best side \(target >= 0\.95\)",
     "precision": rf"headline: fp16 on .*, the plan priced per dtype trains {_X} the throughput of the plan priced "
                  rf"from FP32 peaks \(.*\) = \d+% of the ideal {_X} from the emulated rates and shares; losses agree",

@@ -189,6 +189,79 @@ def test_the_threshold_rule_keeps_a_lagging_worker_out_of_a_fast_workers_group()
         SmartGroups([0, 1], ["a", "a"], 2, 2).request(7)
 
 
+def test_the_service_clock_drops_a_straggler_in_its_slow_step_and_waits_for_no_worker_mid_step():
+    """Issue 30, the smart generator's arrival window (runtime.replicas.group_generator): with the service's
+    clock a group is answered only when its members are all at their request; a member due at its request is
+    waited for until its limit (its expected arrival plus a tenth of its step), not through a 5x step; a worker
+    mid-step or overdue is not waited for at all; the threshold rule and the leeway still hold. The paper's
+    rule (no clock) bound the straggler into the fast worker's group, which then waited out its whole step."""
+    T = 0.1   # every step takes 0.1 s, but worker 1's third one takes 0.5 s (a 5x straggler)
+    g = SmartGroups([0, 1], ["a", "a"], 2, 2)
+    assert g.request(0, now=0.0) is None and g.waiting(0), "its partner computes its first step: 0 waits for it"
+    assert g.next_deadline() is None, "before a worker's first answer its arrival is unknown: no limit"
+    assert g.request(1, now=0.0) == (0, 1) and g.take_ready() == {0: (0, 1)}, "answered together, both there"
+    assert g.request(0, now=0.1) is None and g.request(1, now=0.1) == (0, 1) and g.take_ready() == {0: (0, 1)}
+    assert g.step_time(0) == pytest.approx(T, abs=1e-9) and g.step_time(1) == pytest.approx(T, abs=1e-9)
+    # worker 1's slow step: 0 asks at 0.2 while 1 is due (expected at 0.2): 0 waits until 1's limit, 0.21
+    assert g.request(0, now=0.2) is None
+    assert g.next_deadline() == pytest.approx(0.2 + 0.1 * T, abs=1e-9)
+    g.expire(0.2095)
+    assert g.take_ready() == {} and g.waiting(0)
+    g.expire(0.2105)
+    assert g.take_ready() == {0: (0,)}, "the straggler is dropped at its limit: 0 goes on alone"
+    assert not g.waiting(0) and g.pending == {} and g.open == {}
+    # 1 is overdue now (a straggler): 0's next requests are answered at once, alone
+    assert [g.request(0, now=t) for t in (0.3105, 0.4105, 0.5105)] == [(0,)] * 3
+    # 1 arrives at 0.6: 0 (answered at 0.5105) is due at 0.6105 and 1 lags it (c1 3, c0 6): the lagging
+    # requester pulls the fast worker in (Prague's leeway) and waits 10 ms for it, not a step
+    assert g.request(1, now=0.6) is None
+    assert g.request(0, now=0.6105) == (0, 1) and g.take_ready() == {1: (0, 1)}
+    assert g.request(1, now=0.7105) is None and g.request(0, now=0.7105) == (0, 1) and g.take_ready() == {1: (0, 1)}
+    # the threshold rule: 0 asks (c0 9) while 1, 5 requests behind (c1 4), is due: left out, no wait
+    assert g.due(1, 0.8105) and g.request(0, now=0.8105) == (0,), "Δc 2: a worker far behind is left out though due"
+    assert g.count == {0: 9, 1: 4}
+    # a worker mid-step is not waited for: 1 (answered at 0.7105, step time 0.1) asks at 0.8106, 0 was
+    # answered at 0.8105 and is expected at 0.9105
+    assert not g.due(0, 0.8106) and g.request(1, now=0.8106) == (1,)
+    # without a clock (the paper's rule) the same first request binds the computing partner at once
+    paper = SmartGroups([0, 1], ["a", "a"], 2, 2)
+    assert paper.request(0) == (0, 1) and paper.pending == {1: 0}
+
+
+def test_the_service_clock_fills_a_group_and_parks():
+    """With the clock: a requester whose division partner straggles takes another due worker whose own
+    partner straggles too; a worker named in a group joins it at once when it parks for a barrier, and a
+    parked worker is named in no group until its next request."""
+    g = SmartGroups([0, 1, 2, 3], ["a", "a", "b", "b"], 2, 2)
+    answers = {}
+    for r in range(4):                      # the first step, everyone at 0.0: answered in the first division's pairs
+        answer = g.request(r, now=0.0)
+        answers.update(g.take_ready())
+        if answer is not None:
+            answers[r] = answer
+    assert sorted(answers) == [0, 1, 2, 3] and all(r in answers[r] and len(answers[r]) == 2 for r in answers)
+    assert all(answers[w] == answers[r] for r in answers for w in answers[r]), answers
+    assert g.open == {} and set(g.started) == {0, 1, 2, 3}
+    g.division = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}   # the division in force: 0-1, 2-3
+    # 0 and 2 straggle: 1 and 3 wait for them until their limits (0.11), then go on alone
+    assert g.request(1, now=0.1) is None and g.request(3, now=0.1) is None
+    g.expire(0.1105)
+    assert g.take_ready() == {1: (1,), 3: (3,)}
+    g.division = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    # next step: 0 and 2 are overdue (stragglers, not due); 1's partner is gone, so 1 takes 3, whose own is too
+    assert not g.due(0, 0.2105) and not g.due(2, 0.2105) and g.due(3, 0.2105)
+    assert g.request(1, now=0.2105) is None and g.pending == {3: next(iter(g.open))}
+    assert g.request(3, now=0.2106) == (1, 3) and g.take_ready() == {1: (1, 3)}
+    # parking: a worker named in a group joins it at once; a parked worker is named in no group
+    g2 = SmartGroups([0, 1], ["a", "a"], 2, 2)
+    assert g2.request(0, now=0.0) is None and g2.request(1, now=0.0) == (0, 1)
+    g2.take_ready()
+    assert g2.request(0, now=0.1) is None
+    assert g2.park(1, now=0.1) == (0, 1) and g2.take_ready() == {0: (0, 1)}, "a named worker parking joins at once"
+    assert g2.request(0, now=0.2) == (0,), "a parked worker is named in no group"
+    assert g2.request(1, now=0.2) == (1,) and g2.count == {0: 3, 1: 3}
+
+
 def test_bad_settings_are_clear_errors():
     with pytest.raises(GroupGeneratorError, match="Δc -1: it must be an integer >= 1"):
         check_settings([0, 1, 2], 2, -1)

@@ -16,37 +16,60 @@ ascending order, itself included) there are the paper's two generators:
   Its weakness is the paper's: a worker waits for its scheduled partners, slow or not.
 * **smart** (:class:`SmartGroups` served by :class:`GeneratorService`, asked by
   :class:`SmartGenerator`): the paper's randomized group division, inter-intra alternation and
-  threshold rule. A *division* (:func:`random_division`) partitions all workers at once
-  (inter-host and intra-host divisions alternate); a request takes the requester's group of the
-  division in force (a new division when the requester has none left), keeping only the members
-  that (a) are free (not already assigned a group they have not fetched, not in a group some member
-  has not fetched yet) and (b) pass the threshold rule ``c_w > c_i - Δc``, where ``c`` counts each
-  worker's requests and ``i`` is the requester: a worker ``Δc`` requests behind (a straggler) is
-  left out of a fast worker's group and catches up on its own requests. The kept members get the
-  group as *pending* and fetch it at their next request, so every worker has at most one group
-  ahead of it and every member of a group is bound to arrive: no deadlock (a worker whose group is
-  only itself skips averaging that step). A lagging requester may so give a group to a worker that
-  is ahead of it, which fetches it at its next request: Prague's leeway for slow workers, which keep
-  averaging with the fast ones. Such a group must never wait for a worker that is in a *barrier*
-  (a collective of every member: a checkpoint, an evaluation, the Engine's batch check, the sync
-  policy's decision, the caller's own collective) or gone (the end of the run): so every worker
-  *parks* after its own average at the end of each step (:meth:`SmartGroups.park`: it takes at
-  once a group it was given meanwhile, and is given none until it *unparks*, one message at its
-  next step's first forward), and before the barriers inside a step (the straggler monitor's
-  exchange). A worker is thus only given a group while it computes a step, and fetches it at that
-  step's end. A pipeline's loss all-reduce and fp16's overflow vote are barriers inside every step
-  before the request, so those plans run the static generator (:mod:`planner.plan_checks`), as
-  should runs with global-norm clipping (the sync policy refuses it).
+  threshold rule, with one departure, the *arrival window* (below). A *division*
+  (:func:`random_division`) partitions all workers at once (inter-host and intra-host divisions
+  alternate); a request takes the requester's group of the division in force (a new division when
+  the requester has none left), keeping only the members that (a) are free (not parked at a
+  barrier, not named in or waiting in another open group), (b) pass the threshold rule
+  ``c_w > c_i - Δc``, where ``c`` counts each worker's requests and ``i`` is the requester: a worker
+  ``Δc`` requests behind (a straggler) is left out of a fast worker's group and catches up on its
+  own requests, while a lagging requester still pulls fast workers in (Prague's leeway), and (c)
+  are *due*: expected at their own request within the window. The kept members are named in the
+  group and join it at their next request (or park, below); the group is answered to all of them
+  at once when every member still in it is there, so every member of an answered group is at its
+  request and the point-to-point average never waits for a worker that computes.
+
+  The arrival window (the departure, issue 30). In the paper a kept member is bound to the group
+  whatever it is doing, and the requester waits for it in the collective; a member in the middle
+  of a slow step is only seen as a straggler by the count rule once that step is over, so a fast
+  worker waited out the rest of a 5x step (measured on bench/prague.py: waits of 180-310 ms for a
+  65 ms step, smart P-Reduce at 71-80% of its no-wait bound). Here the service clocks every worker:
+  a worker computes from its last answer to its next request, its *step time* is the median of its
+  last :data:`DURATIONS` such spans, and it is expected at its last answer plus its step time. It is
+  *due* when that expected arrival lies between :data:`WAIT_LATE` of its step time before now and
+  :data:`WAIT_AHEAD` after (each at least :data:`WAIT_FLOOR_S`, the timing noise of a busy host);
+  a group waits for it until its *limit*, its expected arrival plus the late share, and drops it
+  then (it is in a step slower than its own: a straggler; it asks afresh when it comes). A
+  requester whose division leaves its group short takes other due workers, those whose own
+  division group has nobody due first. So a requester waits at most for partners due within a
+  quarter step, and for a straggler at most a tenth of its step past its expected arrival. Before
+  a worker's first answer its arrival is unknown (every worker's first step): a group waits for it
+  without limit, as the paper's would (every worker reaches its first request before any barrier).
+  :class:`SmartGroups` without a clock is the paper's generator exactly (groups final when formed,
+  members fetching them at their next request), kept for the decisions' unit tests.
+
+  Such a group must never be waited for by a worker that is in a *barrier* (a collective of every
+  member: a checkpoint, an evaluation, the straggler monitor's exchange, the caller's own): a
+  worker *parks* before the barriers it knows of (:meth:`SmartGroups.park`: it joins at once a
+  group it is named in, and is given none until its next request); a barrier it does not announce
+  (the Engine's batch check every 100 steps) costs the others at most its limit. A pipeline's loss
+  all-reduce and fp16's overflow vote are barriers inside every step before the request, so those
+  plans run the static generator (:mod:`planner.plan_checks`), as should runs with global-norm
+  clipping (the sync policy refuses it).
 
 Why no process group per subset: groups form at run time, and a group per possible subset is
 ``2^N`` communicators. P-Reduce runs point-to-point operations on the data-parallel group
 (:mod:`runtime.replicas.partial_sync`); the smart generator runs on the rendezvous store every rank
 already has (torch's ``TCPStore``), not on a collective: a request is one ``queue_push``, the answer
 one blocking ``queue_pop`` on a connection of the rank's own (``Store.clone``; a blocking pop on a
-shared connection would stall the Engine's progress records and heartbeats). The service is two
-daemon threads on the group's lowest rank: one pops requests and pushes answers, one writes a
-heartbeat every :data:`BEAT_S` and watches the members' Engine heartbeats
-(:mod:`runtime.distributed`). Requests and answers are logged at debug level.
+shared connection would stall the Engine's progress records and heartbeats). One request and one
+answer a step per worker: the service's clock needs no other message (an earlier unpark message at
+each step's first forward doubled the service's load, and at 16 ranks on 2 cores requests queued
+for 22 ms at the median). The service is three daemon threads on the group's lowest rank: one pops
+requests and pushes answers (it is the only one deciding), one writes a heartbeat every
+:data:`BEAT_S` and watches the members' Engine heartbeats (:mod:`runtime.distributed`), one wakes
+the first at the groups' next limit (a ``tick`` request). Requests and answers are logged at debug
+level.
 
 Failures end every rank with a :class:`GroupGeneratorError`, never a hang: a member whose process
 died is reported by the service in every later answer (the threshold rule would otherwise leave it
@@ -67,9 +90,11 @@ first) ends the thread quietly, since the ranks still asking for groups are told
 connections (an unreachable store, a stopped heartbeat: named errors on every rank).
 
 Invariant: every worker of a group gets that same group (static: one pure function of the
-iteration; smart: one service deciding each request in arrival order), each worker at most one group
-ahead of it, and every worker named in a group it has not fetched yet fetches it at its next request
-or park, before any barrier.
+iteration; smart: one service deciding each request in arrival order, answering a group only when
+all its members are at their request or park), each worker is named in at most one group at a time,
+and a worker named in a group either joins it at its next request or park or is dropped from it at
+its limit, so no group waits past its members' limits (after their first step) and none for a
+parked worker.
 """
 from __future__ import annotations
 
@@ -78,10 +103,13 @@ import datetime
 import itertools
 import json
 import logging
+import math
 import random
+import statistics
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from whalelike.errors import WhaleError
@@ -92,6 +120,10 @@ BEAT_S = 0.25            # the smart generator's heartbeat period
 SILENCE_S = 10.0         # a heartbeat this old (or none this long) means the generator is gone
 WAIT_SLICE_S = 1.0       # a client re-checks the generator's health this often while it waits for an answer
 CLOSE_JOIN_S = 5.0       # how long closing a service waits for each of its threads to end
+WAIT_AHEAD = 0.25        # a group waits for a member expected within this share of its step time ahead...
+WAIT_LATE = 0.1          # ...and up to this share of its step time late (later: a straggler in a slow step)
+WAIT_FLOOR_S = 0.005     # ...or this many seconds, if more (timing noise: the GIL's 5 ms switch interval)
+DURATIONS = 8            # a worker's step time is the median of its latest DURATIONS steps
 REQUESTS, BEAT, ERROR = "requests", "beat", "error"
 
 
@@ -104,11 +136,9 @@ class GroupGenerator(Protocol):
 
     name: str
 
-    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]: ...
+    def group(self, iteration: int) -> tuple[int, ...]: ...
 
     def park(self, iteration: int) -> Optional[tuple[int, ...]]: ...
-
-    def unpark(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -191,7 +221,7 @@ class StaticGenerator:
             raise GroupGeneratorError(f"P-Reduce: rank {rank} is not a member of {list(members)}")
         self.rank, self.members, self.hosts, self.group_size = rank, tuple(members), tuple(hosts), group_size
 
-    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]:
+    def group(self, iteration: int) -> tuple[int, ...]:
         group = next(g for g in static_division(self.members, self.hosts, self.group_size, iteration)
                      if self.rank in g)
         log.debug("static group generator: rank %d iteration %d -> %s", self.rank, iteration, group)
@@ -200,9 +230,6 @@ class StaticGenerator:
     def park(self, iteration: int) -> Optional[tuple[int, ...]]:
         """Nothing to take at a barrier: a static group's members all average at the same iteration."""
         return None
-
-    def unpark(self) -> None:
-        """Nothing to announce: the schedule is fixed."""
 
     def close(self) -> None:
         """Nothing to stop: the schedule is computed locally."""
@@ -230,26 +257,58 @@ def random_division(members: Sequence[int], hosts: Sequence[str], group_size: in
     return _chunks([by_host[h][j] for j in range(longest) for h in order if j < len(by_host[h])], group_size)
 
 
+@dataclass
+class _Open:
+    """A group formed at a request and not yet answered to every member: ``group`` its members (ascending;
+    with a clock, a member dropped at its limit leaves it), ``arrived`` those at their request (without a
+    clock: those that fetched it), ``limits`` (with a clock) the latest time each member not yet arrived is
+    waited for."""
+
+    group: list
+    arrived: set
+    limits: dict
+
+
 class SmartGroups:
     """The smart generator's decisions (pure: no threads, no store), in request order.
 
     ``members``: the data-parallel group's global ranks; ``hosts``: each member's host (same order);
     ``group_size``, ``delta_c``: the groups' size and the threshold rule's Δc; ``seed``: the
-    divisions' random stream (every run of the same requests gives the same groups).
+    divisions' random stream (every run of the same requests gives the same groups); ``ahead``,
+    ``late`` (shares of a worker's step time) and ``floor_s`` (seconds): the arrival window (module
+    docstring).
+
+    Two ways to use it. Without a clock (``now`` None in every call) it is the paper's generator: a
+    group is final when formed, the requester gets it at once and the members fetch it at their next
+    request or park, whenever they come; a worker parked between steps is given no group until it
+    unparks. With a clock (``now``: when the service received the message, ``time.monotonic()``;
+    what :class:`GeneratorService` runs) a worker computes from the moment its last group was
+    answered until its next request (no unpark), its step time is the median of its latest such
+    spans, a group keeps only members *due* (:meth:`due`), the requester's answer waits until every
+    member still in the group has arrived, and a member not there by its limit is dropped from it
+    (:meth:`expire`); answers decided for other waiting members are taken with :meth:`take_ready`.
     """
 
-    def __init__(self, members: Sequence[int], hosts: Sequence[str], group_size: int, delta_c: int, seed: int = 0):
+    def __init__(self, members: Sequence[int], hosts: Sequence[str], group_size: int, delta_c: int, seed: int = 0,
+                 *, ahead: float = WAIT_AHEAD, late: float = WAIT_LATE, floor_s: float = WAIT_FLOOR_S):
         check_settings(members, group_size, delta_c)
+        if not (0 <= ahead and 0 <= late and 0 <= floor_s):
+            raise GroupGeneratorError(f"P-Reduce arrival window ahead={ahead!r}, late={late!r}, floor_s={floor_s!r}: "
+                                      "each >= 0 (shares of a step time, and seconds)")
         order = sorted(zip(members, hosts))
         self.members = tuple(m for m, _ in order)
         self.hosts = tuple(h for _, h in order)
-        self.group_size, self.delta_c = group_size, delta_c
+        self.group_size, self.delta_c, self.ahead, self.late, self.floor_s = group_size, delta_c, ahead, late, floor_s
         self.count = {r: 0 for r in self.members}       # c_w: requests so far
         self.parked: set[int] = set()                    # ranks at a barrier: given no group until they ask again
-        self.pending: dict[int, int] = {}                # rank -> id of the group it fetches next
-        self.open: dict[int, tuple[tuple[int, ...], set]] = {}   # id -> (group, members that fetched it)
+        self.pending: dict[int, int] = {}                # rank -> id of the open group it is named in, not reached yet
+        self.open: dict[int, _Open] = {}                 # id -> a group some member has not reached (or fetched)
         self.division: dict[int, tuple[int, ...]] = {}   # the division in force: rank -> its group in it
         self.divisions = 0
+        self.started: dict[int, float] = {}             # clock: when each computing rank was last answered
+        self.durations = {r: deque(maxlen=DURATIONS) for r in self.members}   # clock: answered to next request, s
+        self._step_time: dict[int, float] = {}           # clock: the median of each rank's durations
+        self.ready: dict[int, tuple[int, ...]] = {}      # clock: answers decided for ranks waiting at a request
         self._ids = itertools.count()
         self._rng = random.Random(seed)
 
@@ -260,67 +319,180 @@ class SmartGroups:
         return random_division(self.members, self.hosts, self.group_size, self._rng, inter)
 
     def free(self, rank: int) -> bool:
-        """Whether ``rank`` may be given a group now: not parked, none pending, and every group it
-        fetched fetched by all."""
+        """Whether ``rank`` may be given a group now: not parked, none pending, and in no open group (one
+        it waits in, or one it fetched that some member has not)."""
         return (rank not in self.parked and rank not in self.pending
-                and not any(rank in group for group, _ in self.open.values()))
+                and not any(rank in g.group for g in self.open.values()))
 
+    def waiting(self, rank: int) -> bool:
+        """Whether ``rank`` is at its request (or park) in a group not yet answered (clock only)."""
+        return any(rank in g.arrived and rank in g.group for g in self.open.values())
+
+    # -- the clock --------------------------------------------------------------------------------------
+    def step_time(self, rank: int) -> float:
+        """``rank``'s step time (clock): the median of its latest spans from an answer to its next request
+        (none yet: the median of every rank's; none at all: 0)."""
+        if rank in self._step_time:
+            return self._step_time[rank]
+        known = list(self._step_time.values())
+        return statistics.median(known) if known else 0.0
+
+    def expected(self, rank: int) -> Optional[float]:
+        """When ``rank``, computing, should reach its request (clock): its last answer plus its step time;
+        None for a rank never answered (its first step)."""
+        began = self.started.get(rank)
+        return None if began is None else began + self.step_time(rank)
+
+    def _slack(self, rank: int, share: float) -> float:
+        return max(share * self.step_time(rank), self.floor_s)
+
+    def due(self, rank: int, now: Optional[float]) -> bool:
+        """Whether a group may wait for ``rank``: always without a clock, or before its first answer (every
+        rank computes its first step then); otherwise when its expected arrival lies within ``ahead`` of
+        its step time after ``now`` and ``late`` of it before (or ``floor_s``, if more). Further ahead it
+        is mid-step (waiting would cost the requester that much); later it is in a step slower than its
+        usual: a straggler, which the threshold rule on counts only sees once that step is over."""
+        at = None if now is None else self.expected(rank)
+        return at is None or now - self._slack(rank, self.late) <= at <= now + self._slack(rank, self.ahead)
+
+    def limit(self, rank: int) -> float:
+        """The latest time a group waits for ``rank`` (clock): its expected arrival plus ``late`` of its step
+        time (or ``floor_s``); no limit before its first answer."""
+        at = self.expected(rank)
+        return math.inf if at is None else at + self._slack(rank, self.late)
+
+    def _arrived_at(self, rank: int, now: Optional[float]) -> None:
+        """``rank`` is at its request or park at ``now`` (clock): the span since its last answer is over."""
+        began = None if now is None else self.started.pop(rank, None)
+        if began is not None:
+            self.durations[rank].append(now - began)
+            self._step_time[rank] = statistics.median(self.durations[rank])
+
+    def _answered(self, group: Sequence[int], now: Optional[float]) -> None:
+        """``group``'s members get their answer at ``now`` (clock): each computes from here (unless parked)."""
+        if now is not None:
+            for w in group:
+                if w not in self.parked:
+                    self.started[w] = now
+
+    # -- the decisions ----------------------------------------------------------------------------------
     def _member(self, rank: int) -> None:
         if rank not in self.count:
             raise GroupGeneratorError(f"P-Reduce group generator: rank {rank} asked for a group, but the members "
                                       f"are {list(self.members)}")
 
-    def _fetch(self, rank: int) -> tuple[int, ...]:
+    def _arrive(self, rank: int, now: Optional[float]) -> Optional[tuple[int, ...]]:
+        """``rank`` reaches the open group it is named in: its group, or None while it waits (clock)."""
         self.count[rank] += 1
         gid = self.pending.pop(rank)
-        group, fetched = self.open[gid]
-        fetched.add(rank)
-        if len(fetched) == len(group):
-            del self.open[gid]
-        return group
+        g = self.open[gid]
+        g.arrived.add(rank)
+        g.limits.pop(rank, None)
+        if now is None:   # the paper's: final since formed, fetched by each member
+            if g.arrived >= set(g.group):
+                del self.open[gid]
+            return tuple(g.group)
+        return self._settle(gid, now, rank)
 
-    def park(self, rank: int) -> Optional[tuple[int, ...]]:
+    def _settle(self, gid: int, now: float, rank: Optional[int] = None) -> Optional[tuple[int, ...]]:
+        """Answer an open group whose members have all arrived (clock): ``rank``'s group, the others' in
+        :attr:`ready`; None while some member is still waited for."""
+        g = self.open[gid]
+        if not set(g.group) <= g.arrived:
+            return None
+        del self.open[gid]
+        group = tuple(g.group)
+        self._answered(group, now)
+        for w in group:
+            if w != rank:
+                self.ready[w] = group
+        return group if rank is not None else None
+
+    def park(self, rank: int, now: Optional[float] = None) -> Optional[tuple[int, ...]]:
         """``rank`` reaches a barrier (a collective of every member at one step: a whole-group average,
         the straggler monitor's exchange, the sync policy's decision): it takes the group a lagging
         worker gave it, if any (it averages in it now, so the lagging worker is not left waiting for
-        a rank that waits in the barrier), and is given no group until its next :meth:`request`."""
+        a rank that waits in the barrier), and is given no group until its next :meth:`request`. With a
+        clock the group is answered once its other members are there (:meth:`waiting` says it waits)."""
         self._member(rank)
         self.parked.add(rank)
-        return self._fetch(rank) if rank in self.pending else None
+        self._arrived_at(rank, now)
+        return self._arrive(rank, now) if rank in self.pending else None
 
     def unpark(self, rank: int) -> None:
-        """``rank`` computes a step again: it may be given a group (fetched at its next request)."""
+        """``rank`` computes a step again (without a clock: the start of its next step): it may be given a
+        group (fetched at its next request)."""
         self._member(rank)
         self.parked.discard(rank)
 
-    def request(self, rank: int, park: bool = False) -> tuple[int, ...]:
+    def request(self, rank: int, park: bool = False, now: Optional[float] = None) -> Optional[tuple[int, ...]]:
         """``rank``'s group for its next P-Reduce (see the module docstring); ``park``: and park it
-        right after (:meth:`park`: the end of its step), in the same decision."""
+        right after (:meth:`park`: the end of its step, without a clock), in the same decision. With a
+        clock, None means the rank waits for its group (:meth:`take_ready`)."""
         self._member(rank)
         self.parked.discard(rank)
-        group = self._request(rank)
+        self._arrived_at(rank, now)
+        group = self._arrive(rank, now) if rank in self.pending else self._form(rank, now)
         if park:
             self.parked.add(rank)
         return group
 
-    def _request(self, rank: int) -> tuple[int, ...]:
-        if rank in self.pending:
-            return self._fetch(rank)
+    def _form(self, rank: int, now: Optional[float]) -> Optional[tuple[int, ...]]:
         self.count[rank] += 1
         if rank not in self.division:
             self.division = {w: g for g in self.divide() for w in g}
         mine = self.count[rank]
-        kept = [w for w in self.division[rank]
-                if w != rank and self.free(w) and self.count[w] > mine - self.delta_c]
+
+        def joins(w: int) -> bool:
+            return w != rank and self.free(w) and self.count[w] > mine - self.delta_c and self.due(w, now)
+
+        kept = [w for w in self.division[rank] if joins(w)]
+        if now is not None and len(kept) < self.group_size - 1:
+            kept += self._fill(rank, kept, joins)
         group = tuple(sorted([rank, *kept]))
         for w in group:
             self.division.pop(w, None)
-        if len(group) > 1:
-            gid = next(self._ids)
-            self.open[gid] = (group, {rank})
-            for w in kept:
-                self.pending[w] = gid
-        return group
+        if len(group) == 1:
+            self._answered(group, now)
+            return group
+        gid = next(self._ids)
+        self.open[gid] = _Open(list(group), {rank}, {} if now is None else {w: self.limit(w) for w in kept})
+        for w in kept:
+            self.pending[w] = gid
+        return group if now is None else None
+
+    def _fill(self, rank: int, kept: list, joins) -> list:
+        """(Clock) The requester's division leaves its group short (members not due: stragglers, or
+        mid-step): other due workers fill it, first those whose own division group holds no other due
+        worker (nobody they would meet), then the soonest expected."""
+        def alone(w: int) -> bool:
+            return not any(v != w and joins(v) for v in self.division.get(w, ()))
+
+        others = [w for w in self.members if w not in kept and w not in self.division.get(rank, ()) and joins(w)]
+        others.sort(key=lambda w: (not alone(w), self.expected(w) or 0.0, w))
+        return others[:self.group_size - 1 - len(kept)]
+
+    def expire(self, now: float) -> None:
+        """(Clock) Drop from their groups the members not arrived by their limits (each then asks afresh
+        at its request), and answer the groups left complete (:attr:`ready`)."""
+        for gid, g in list(self.open.items()):
+            late = [w for w, limit in g.limits.items() if limit <= now and w not in g.arrived]
+            for w in late:
+                g.group.remove(w)
+                del g.limits[w]
+                del self.pending[w]
+            if late:
+                self._settle(gid, now)
+
+    def next_deadline(self) -> Optional[float]:
+        """(Clock) The earliest limit of a member still waited for, or None."""
+        limits = [t for g in self.open.values() for w, t in g.limits.items() if w not in g.arrived and t < math.inf]
+        return min(limits) if limits else None
+
+    def take_ready(self) -> dict[int, tuple[int, ...]]:
+        """(Clock) The answers decided for waiting ranks since the last call."""
+        ready, self.ready = self.ready, {}
+        return ready
 
 
 # -- the smart generator on the rendezvous store ----------------------------------------------------------
@@ -373,13 +545,18 @@ class GeneratorService:
         self._serve_store = PrefixStore(prefix, self._raw)
         self._beat_raw = _own_connection(store, 60.0)
         self._beat_store = PrefixStore(prefix, self._beat_raw)
+        self._tick_raw = _own_connection(store, 60.0)
+        self._tick_store = PrefixStore(prefix, self._tick_raw)
         self.failure: Optional[str] = None
         self.served = 0
         self._stop = threading.Event()
+        self._deadline: Optional[float] = None       # the groups' next limit, for the tick thread
+        self._deadline_changed = threading.Condition()
         self._beat_store.set(BEAT, repr(time.time()))
         self._threads = [threading.Thread(target=self._serve, name=f"whalelike-preduce-generator-{prefix}",
                                           daemon=True),
-                         threading.Thread(target=self._beat, name=f"whalelike-preduce-beat-{prefix}", daemon=True)]
+                         threading.Thread(target=self._beat, name=f"whalelike-preduce-beat-{prefix}", daemon=True),
+                         threading.Thread(target=self._tick, name=f"whalelike-preduce-tick-{prefix}", daemon=True)]
         with _LIVE_LOCK:
             _LIVE.add(self)
         for t in self._threads:
@@ -396,22 +573,15 @@ class GeneratorService:
                     raise
                 if item == "stop" or self._stop.is_set():
                     return
-                rank, count, kind = item.split()
-                rank = int(rank)
-                if self.failure is not None:
-                    answer = "error " + self.failure
-                elif kind == "unpark":
-                    self.groups.unpark(rank)
-                    log.debug("P-Reduce group generator %s: rank %d unparked", self.prefix, rank)
-                    continue
-                elif kind == "park":
-                    group = self.groups.park(rank)
-                    answer = ",".join(map(str, group)) if group is not None else "none"
-                else:
-                    answer = ",".join(map(str, self.groups.request(rank, park=kind == "request+park")))
-                log.debug("P-Reduce group generator %s: rank %d request %d -> %s", self.prefix, rank, count, answer)
-                self._serve_store.queue_push(f"answers/{rank}", answer)
-                self.served += 1
+                now = time.monotonic()
+                if item != "tick":
+                    self._decide(item, now)
+                self.groups.expire(now)
+                for rank, group in self.groups.take_ready().items():
+                    self._answer(rank, ",".join(map(str, group)))
+                with self._deadline_changed:
+                    self._deadline = self.groups.next_deadline()
+                    self._deadline_changed.notify()
         except Exception as e:   # noqa: BLE001 (any failure must reach the waiting ranks, not vanish with the thread)
             if self._stop.is_set() or _store_closed(e):
                 # closed, or the store's host ended first: a normal end here (ranks still asking are told by
@@ -419,6 +589,45 @@ class GeneratorService:
                 log.debug("P-Reduce group generator %s: the store closed, serving stops: %s", self.prefix, e)
                 return
             self._fail(f"P-Reduce's group generator on rank {self.host_rank} failed: {type(e).__name__}: {e}")
+
+    def _decide(self, item: str, now: float) -> None:
+        """One member's message (``RANK COUNT KIND``, kind ``request`` or ``park``), received at ``now``;
+        answers what is decided now."""
+        rank, count, kind = item.split()
+        rank = int(rank)
+        if self.failure is not None:
+            self._answer(rank, "error " + self.failure)
+            return
+        if kind == "park":
+            group = self.groups.park(rank, now)
+        else:
+            group = self.groups.request(rank, now=now)
+        if group is None and self.groups.waiting(rank):
+            log.debug("P-Reduce group generator %s: rank %d %s %s waits for its group", self.prefix, rank, kind, count)
+            return
+        self._answer(rank, ",".join(map(str, group)) if group is not None else "none")
+
+    def _answer(self, rank: int, answer: str) -> None:
+        log.debug("P-Reduce group generator %s: rank %d -> %s", self.prefix, rank, answer)
+        self._serve_store.queue_push(f"answers/{rank}", answer)
+        self.served += 1
+
+    def _tick(self) -> None:
+        """Wake the serving thread (a ``tick`` request) at the groups' next limit, so a rank waiting for a
+        member that does not come is answered then, not at the next message."""
+        while not self._stop.is_set():
+            with self._deadline_changed:
+                deadline = self._deadline
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is None or wait > 0:
+                    self._deadline_changed.wait(wait)
+                    continue
+                self._deadline = None   # one tick per limit; the serving thread sets the next one
+            try:
+                self._tick_store.queue_push(REQUESTS, "tick")
+            except Exception as e:  # noqa: BLE001 (the store is gone: the clients will say so)
+                log.debug("P-Reduce group generator %s: tick stopped: %s", self.prefix, e)
+                return
 
     def _beat(self) -> None:
         next_check = 0.0
@@ -464,6 +673,8 @@ class GeneratorService:
     def kill(self) -> None:
         """Stop serving and beating without a word, as if the generator had died (for fault tests)."""
         self._stop.set()
+        with self._deadline_changed:
+            self._deadline_changed.notify()
         try:
             self._beat_store.queue_push(REQUESTS, "stop")
         except Exception as e:  # noqa: BLE001
@@ -523,22 +734,14 @@ class SmartGenerator:
         self.requests = 0
         self._started = time.monotonic()
 
-    def group(self, iteration: int, park: bool = False) -> tuple[int, ...]:
-        """This rank's group for its next P-Reduce; ``park``: and park right after, in one round trip."""
-        return self._ask("request+park" if park else "request", iteration)
+    def group(self, iteration: int) -> tuple[int, ...]:
+        """This rank's group for its next P-Reduce: one request, answered once every member is there."""
+        return self._ask("request", iteration)
 
     def park(self, iteration: int) -> Optional[tuple[int, ...]]:
-        """At a barrier: the group a lagging worker gave this rank (average in it now), or None; no
+        """At a barrier: the group a worker gave this rank meanwhile (average in it now), or None; no
         group is given to this rank until its next :meth:`group` (:meth:`SmartGroups.park`)."""
         return self._ask("park", iteration)
-
-    def unpark(self) -> None:
-        """This rank's step opens: it may be given groups again (one message, no answer)."""
-        try:
-            self._store.queue_push(REQUESTS, f"{self.rank} {self.requests} unpark")
-        except RuntimeError as e:
-            raise GroupGeneratorError(f"rank {self.rank}: the rendezvous store is unreachable ({e}); its host, "
-                                      "rank 0, has likely died or stopped") from e
 
     def _ask(self, kind: str, iteration: int) -> Optional[tuple[int, ...]]:
         self.requests += 1

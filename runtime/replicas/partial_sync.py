@@ -21,10 +21,12 @@ What a step does here, against the seam (:mod:`runtime.replicas.replica_sync`):
   averages the parameters over it (:meth:`average`): point-to-point sends and receives of the
   flattened parameters among the group's members only (``batch_isend_irecv`` on the data-parallel
   process group: no process group per subset), each member summing the members' vectors in rank
-  order, so the members end bit-identical. The same request parks the rank until its next step's
-  first training forward (a forward pre-hook unparks it), so a lagging worker's group never waits
-  for a rank that is between steps: in a collective of everyone, or gone at the end of the run. On an emulated network every message is stamped and
-  padded as the pipeline's transfers are (:meth:`runtime.emulation.network.NetworkEmulator.stamp_sends`).
+  order, so the members end bit-identical. The smart generator answers a group only once all its
+  members are at their request, and leaves out a member not due within its arrival window
+  (:mod:`runtime.replicas.group_generator`), so the exchange waits for no worker that computes;
+  before a collective of everyone the rank parks (:meth:`drain`), so no group waits for a rank in
+  it. On an emulated network every message is stamped and padded as the pipeline's transfers are
+  (:meth:`runtime.emulation.network.NetworkEmulator.stamp_sends`).
 
 When it equals the exact run: a group of every worker every step (the static generator with
 ``partial_group_size`` the group's size), SGD (momentum, Nesterov and weight decay included), and
@@ -131,7 +133,7 @@ class PartialSync(WholeParameters):
         self.generator: Optional[GroupGenerator] = None
         self.iteration = 0
         self.stats = PartialStats()
-        self._parked = False   # given no group by the generator until this rank's next step opens
+        self._parked = False   # parked at a barrier since its last request: given no group until the next
         self._optimizer: Optional[Callable[[], Optional[torch.optim.Optimizer]]] = None   # a weak reference
         self._passenger: Optional[tuple[torch.Tensor, Optional[Callable[[torch.Tensor], None]]]] = None
         # the replicas start equal (DDP does the same at construction): a collective of the group
@@ -140,10 +142,6 @@ class PartialSync(WholeParameters):
                 dist.broadcast(t.data, src=self.ranks[0], group=self.group)
         size = self.size   # the hooks must not keep this sync alive
         self._hooks = [p.register_hook(lambda g: g * size) for p in module.parameters() if p.requires_grad]
-        # a training forward opens a step: the rank may be given a group again (runtime.replicas.group_generator)
-        opened = weakref.WeakMethod(self._step_opens)
-        self._hooks.append(module.register_forward_pre_hook(
-            lambda m, args: None if not m.training or opened() is None else opened()()))
 
     # -- the seam ---------------------------------------------------------------------------------------
     @property
@@ -174,29 +172,28 @@ class PartialSync(WholeParameters):
         dist.all_reduce(tensor, group=self.group)
 
     def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """After this step's optimizer step (or its skip): average with this iteration's group. The
-        same request parks this rank until its next step's first forward (:meth:`drain`), so nobody
-        waits for it between steps. ``optimizer``: the one stepping :meth:`parameters`, whose state
-        :meth:`consensus` averages too."""
+        """After this step's optimizer step (or its skip): average with this iteration's group (the
+        generator's answer comes when every member is there). ``optimizer``: the one stepping
+        :meth:`parameters`, whose state :meth:`consensus` averages too."""
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self.generator is None:
             self.generator = self._build_generator(plan)
         start = time.perf_counter()
-        group = self.generator.group(self.iteration, park=True)   # parked until the next step opens
-        self._parked = True
+        group = self.generator.group(self.iteration)
+        self._parked = False
         self.stats.generator_s += time.perf_counter() - start
         self.iteration += 1
         self.average(group)
         self.stats.seconds += time.perf_counter() - start
 
     def drain(self) -> None:
-        """Park (:meth:`runtime.replicas.group_generator.SmartGroups.park`): average now in a group a
-        lagging member gave this rank, if any, and be given none until this rank's next step opens.
-        Every step ends so, so no rank can be waited for while it is between steps: in a collective
-        of the whole group (a checkpoint, an evaluation, the batch check, the caller's own), or gone
-        at the end of the run. Nothing to do before the generator exists, when already parked, or with
-        the static generator (its groups never span steps)."""
+        """Park before a collective of the whole group (the monitor's exchange, a consensus: checkpoints,
+        state reads, the end of a run; :meth:`runtime.replicas.group_generator.SmartGroups.park`):
+        average now in a group a member named this rank in, if any, and be given none until this
+        rank's next request, so no group waits for a rank in the collective. Nothing to do before the
+        generator exists, when parked since the last request, or with the static generator (its
+        groups never span steps)."""
         if self.generator is None or self._parked:
             return
         group = self.generator.park(self.iteration)
@@ -204,13 +201,6 @@ class PartialSync(WholeParameters):
         if group is not None:
             self.iteration += 1
             self.average(group)
-
-    def _step_opens(self) -> None:
-        """A training forward: this rank computes a step, and may be given a group again (one message,
-        no answer awaited)."""
-        if self.generator is not None and self._parked:
-            self.generator.unpark()
-            self._parked = False
 
     def named_state(self, names: Optional[Mapping[str, Sequence[str]]] = None) -> NamedState:
         """Every replica holds the stage's state whole; first averaged over the whole group (collective)."""
