@@ -20,9 +20,10 @@ module only calls them in order, each decision lives with its owner:
    accumulation, at most ``MAX_MICRO_BATCHES`` per step (:mod:`planner.shares.batch_fit`);
 5. assembly and prediction (:mod:`planner.assemble`, :mod:`planner.schedule.simulator`);
 6. the fastest plan it knows that fits: the hardware-aware plan, or the naive one when the simulator
-   prices that faster (:mod:`planner.candidates`; ``Plan.chosen`` and ``Plan.candidates`` say which
-   and what each was predicted to take); under ``Config.schedule`` ``"auto"`` the whole chain runs
-   once per schedule (1F1B, ZB-H1) and the faster is kept (``Plan.schedule_steps_ms``).
+   prices that faster, or with ``Config.fold_stages`` the best layout with adjacent replicate regions
+   folded into fewer stages (:mod:`planner.candidates`; ``Plan.chosen`` and ``Plan.candidates`` say
+   which and what each was predicted to take); under ``Config.schedule`` ``"auto"`` the whole chain
+   runs once per schedule (1F1B, ZB-H1) and the faster is kept (``Plan.schedule_steps_ms``).
 
 Steps 2 to 4 on one layout are :func:`planner.decisions.aware_decisions`. The naive plan
 (:func:`planner.decisions.naive_decisions`) uses the same devices with equal shares, equal shards
@@ -44,13 +45,13 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
-from planner.candidates import Priced, fastest_schedule, keep_fastest
+from planner.candidates import Priced, fastest_schedule, fold_patterns, folded_candidate, keep_fastest
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout
 from planner.devices.profile import Profile
 from planner.devices.placement_search import best_aware_plan
-from planner.plan import Plan
+from planner.plan import Plan, PlanError
 from planner.plan_checks import check_precision
 from planner.shares.batch_fit import check_batch
 from planner.shares.batchnorm_statistics import log_batchnorm_warnings
@@ -89,7 +90,9 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
         aware = dataclasses.replace(aware, prediction=prediction)
         naive = dataclasses.replace(naive, prediction=prediction if _simulated_alike(naive, aware)
                                     else predict(naive, cluster))
-        result = keep_fastest([Priced("aware", aware), Priced("naive", naive)], naive.prediction)
+        candidates = [Priced("aware", aware), Priced("naive", naive)]
+        folded = folded_candidate(graphs, cluster, config) if config.fold_stages else None
+        result = keep_fastest(candidates + ([folded] if folded is not None else []), naive.prediction)
     else:
         result = _profiled_plan(graphs, cluster, config, profile)
     result.validate(graphs=graphs, cluster=cluster)
@@ -113,13 +116,41 @@ def _simulated_alike(one: Plan, other: Plan) -> bool:
 
 def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Profile) -> Plan:
     """Plan on the measured cluster, re-rating each device at the sizes and units each plan gives
-    it until they repeat (:mod:`planner.devices.measured_speeds`); the fastest plan as predicted at
-    its own sizes, next to the naive plan priced the same way, which is kept instead when it is
-    faster and fits (:func:`planner.candidates.keep_fastest`)."""
+    it until they repeat (:mod:`planner.devices.measured_speeds`, :func:`_profiled_rounds`); the
+    fastest plan as predicted at its own sizes, next to the naive plan priced the same way (and with
+    ``Config.fold_stages`` the fastest fold, re-rated the same way), the fastest that fits kept
+    (:func:`planner.candidates.keep_fastest`)."""
+    result, own, measured = _profiled_rounds(graphs, cluster, config, profile)
+    layout = build_layout(graphs, measured, precision=config.precision)
+    naive = build_plan(graphs, measured, config, naive_decisions(graphs, config, layout))
+    naive_own = measured_cluster(cluster, profile, graphs, config.precision, plan=naive)
+    log.info("planned from the profile of %s (measured in %.0f s): device rates %s TFLOPS", profile.cluster,
+             profile.seconds, ", ".join(f"{d.name} {d.measured(config.precision):.3g}" for d in own.devices))
+    naive = repriced_plan(naive, graphs, naive_own)   # its timing fields and prediction at its own sizes' rates
+    candidates = [Priced("aware", result), Priced("naive", naive)]
+    folded = None
+    for way in fold_patterns(graphs) if config.fold_stages else []:
+        try:
+            plan = _profiled_rounds(graphs, cluster, config, profile, fold=way)[0]
+        except PlanError as e:
+            log.debug("folding TaskGraphs %s: %s", way, e)
+            continue
+        if folded is None or plan.prediction.step_time_ms < folded.prediction.step_time_ms:
+            folded = plan
+    if folded is not None:
+        candidates.append(Priced("folded", folded))
+    result = keep_fastest(candidates, naive.prediction)
+    return dataclasses.replace(result, speeds="profile")
+
+
+def _profiled_rounds(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Profile,
+                     fold: list[list[int]] | None = None) -> tuple[Plan, Cluster, Cluster]:
+    """The fastest aware plan (with ``fold``: of that fold's layouts) over the re-rating rounds, as
+    predicted at its own sizes' rates: (plan, the cluster rated for it, the last round's cluster)."""
     measured = measured_cluster(cluster, profile, graphs, config.precision)
     seen, best = set(), None
     for _ in range(ROUNDS):
-        _, candidate = best_aware_plan(graphs, measured, config)
+        _, candidate = best_aware_plan(graphs, measured, config, fold=fold)
         signature = sizes_signature(candidate)
         if signature in seen:
             break
@@ -130,15 +161,7 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
         if best is None or candidate.prediction.step_time_ms < best[0].prediction.step_time_ms:
             best = (candidate, own)
         measured = own
-    result, own = best
-    layout = build_layout(graphs, measured, precision=config.precision)
-    naive = build_plan(graphs, measured, config, naive_decisions(graphs, config, layout))
-    naive_own = measured_cluster(cluster, profile, graphs, config.precision, plan=naive)
-    log.info("planned from the profile of %s (measured in %.0f s): device rates %s TFLOPS", profile.cluster,
-             profile.seconds, ", ".join(f"{d.name} {d.measured(config.precision):.3g}" for d in own.devices))
-    naive = repriced_plan(naive, graphs, naive_own)   # its timing fields and prediction at its own sizes' rates
-    result = keep_fastest([Priced("aware", result), Priced("naive", naive)], naive.prediction)
-    return dataclasses.replace(result, speeds="profile")
+    return best[0], best[1], measured
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:

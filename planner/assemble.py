@@ -72,6 +72,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             **syncs[s],
             zero_stage=dec.zero_stage(s),
             zero_reason=dec.zero_reason[s] if dec.zero_reason else "none",
+            folded=list(layout.shapes[s].folded),
         )
         for s, layers in enumerate(dec.stage_layers)
     ]

@@ -19,7 +19,17 @@ The candidates, in order:
   (:func:`planner.devices.placement_search.best_aware_plan`: every placement rule, then device swaps);
 * ``"naive"``: the capacity-blind decisions on Whale's placement (equal shares, shards and layer
   counts: :func:`planner.decisions.naive_decisions`), the baseline of the predicted speed-up. It may
-  exceed a device's memory; then it is listed with ``fits`` false and never kept.
+  exceed a device's memory; then it is listed with ``fits`` false and never kept;
+* ``"folded"`` (only with ``Config.fold_stages``): fewer stages. Adjacent plain ``replicate`` regions
+  of automatic device count and equal options (:func:`planner.partition.stage_layers.foldable_runs`)
+  run as one data-parallel stage on the union of their devices
+  (:func:`planner.devices.placement.fold_layout`, ``StagePlan.folded``); every way of folding each run
+  (:func:`fold_patterns`: all of them up to :data:`MAX_FOLDS`, past it each run whole, all runs whole
+  and each adjacent pair) is planned like the aware plan, every placement and swaps, and the fastest
+  is the candidate (``CandidatePlan.stages``: its stages' TaskGraphs). Off by default: regions usually
+  mean a pipeline on purpose, and each fold is a plan to make and simulate. The runtime runs a folded
+  plan as it runs any (its stages' layers are what it splits the model by; one stage is data
+  parallel), and a re-plan keeps the fold (:func:`planner.balance.replan.plan_layout`).
 
 A candidate fits when every worker's estimated peak is within its device's memory (the memory model's
 rule, :func:`planner.devices.memory.fits`, which :func:`planner.plan_checks.check_cluster` applies to a
@@ -29,19 +39,26 @@ plan file). A later candidate replaces an earlier one only when it is faster by 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Callable, NamedTuple
 
+from whalelike.cluster import Cluster
 from whalelike.config import AUTO_SCHEDULES, Config
+from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import fits
+from planner.devices.placement_search import best_aware_plan
 from planner.errors import PlanError
+from planner.partition.stage_layers import foldable_runs
 from planner.plan import CandidatePlan, Plan, Prediction
+from planner.plan_checks import stage_regions
 from planner.summary import CANDIDATE_LABELS
 
 log = logging.getLogger(__name__)
 
 TIE = 1e-9   # relative: a candidate must be faster than this to replace an earlier one (plan_checks keeps it too)
+MAX_FOLDS = 16   # fold patterns planned in full at most (each one plan per placement, then swaps)
 
 class Priced(NamedTuple):
     """A candidate: its name (``CandidatePlan.name``) and the plan, its ``prediction`` filled in."""
@@ -71,7 +88,9 @@ def keep_fastest(candidates: list[Priced], naive_prediction: Prediction) -> Plan
         log.info("the %s are predicted faster than the %s (%.2f ms against %.2f ms per step): keeping them",
                     CANDIDATE_LABELS[kept.name], CANDIDATE_LABELS[candidates[0].name], kept.plan.prediction.step_time_ms,
                     aware)
-    record = [CandidatePlan(c.name, c.plan.prediction.step_time_ms, ok) for c, ok in zip(candidates, fitting)]
+    record = [CandidatePlan(c.name, c.plan.prediction.step_time_ms, ok,
+                            stage_regions(c.plan) if any(st.folded for st in c.plan.stages) else [])
+              for c, ok in zip(candidates, fitting)]
     return dataclasses.replace(kept.plan, naive_prediction=naive_prediction, chosen=kept.name, candidates=record)
 
 
@@ -98,3 +117,75 @@ def fastest_schedule(plan_with: Callable[[Config], Plan], config: Config) -> Pla
             best = schedule
     log.info("schedule auto: predicted %s; keeping %s", ", ".join(f"{s} {ms:.2f} ms" for s, ms in steps.items()), best)
     return dataclasses.replace(plans[best], schedule_steps_ms=steps)
+
+
+def fold_patterns(graphs: TaskGraphs) -> list[list[list[int]]]:
+    """The ways to fold ``graphs``' foldable runs (:func:`~planner.partition.stage_layers.foldable_runs`),
+    each as runs of adjacent TaskGraph indices covering all of them (one stage each), the unfolded
+    layout left out: every combination of every run's cuts into consecutive groups while there are at
+    most :data:`MAX_FOLDS`; past that, each run folded whole alone, all runs whole, and each adjacent
+    pair alone."""
+    runs = foldable_runs(graphs)
+    if not runs:
+        return []
+
+    def pattern(groups_of_run: dict[int, list[list[int]]]) -> list[list[int]]:
+        out, t = [], 0
+        while t < len(graphs):
+            run = next((r for r in runs if r[0] == t), None)
+            if run is not None and run[0] in groups_of_run:
+                out.extend(groups_of_run[run[0]])
+                t = run[-1] + 1
+            else:
+                out.append([t])
+                t += 1
+        return out
+
+    def cuts(run: list[int]) -> list[list[list[int]]]:
+        """Every way to cut ``run`` into consecutive groups."""
+        out = []
+        for mask in itertools.product((False, True), repeat=len(run) - 1):
+            groups, current = [], [run[0]]
+            for t, cut in zip(run[1:], mask):
+                if cut:
+                    groups.append(current)
+                    current = []
+                current.append(t)
+            out.append(groups + [current])
+        return out
+
+    count = 1
+    for run in runs:
+        count *= 2 ** (len(run) - 1)
+    if count - 1 <= MAX_FOLDS:
+        ways = [pattern({run[0]: way for run, way in zip(runs, choice)})
+                for choice in itertools.product(*(cuts(run) for run in runs))]
+    else:
+        whole = {run[0]: [run] for run in runs}
+        ways = [pattern({run[0]: [run]}) for run in runs] + [pattern(whole)]
+        for run in runs:
+            for i in range(len(run) - 1):
+                pair = [[t] for t in run[:i]] + [[run[i], run[i + 1]]] + [[t] for t in run[i + 2:]]
+                ways.append(pattern({run[0]: pair}))
+    unfolded = [[t] for t in range(len(graphs))]
+    unique = []
+    for way in ways:
+        if way != unfolded and way not in unique:
+            unique.append(way)
+    return unique
+
+
+def folded_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Priced | None:
+    """The fastest predicted plan of :func:`fold_patterns`' layouts, each planned as the aware plan is
+    (:func:`~planner.devices.placement_search.best_aware_plan` with the fold), with its prediction;
+    None when nothing folds or no fold fits."""
+    best = None
+    for way in fold_patterns(graphs):
+        try:
+            prediction, plan = best_aware_plan(graphs, cluster, config, fold=way)
+        except PlanError as e:
+            log.debug("folding TaskGraphs %s: %s", way, e)
+            continue
+        if best is None or prediction.step_time_ms < best.plan.prediction.step_time_ms * (1 - TIE):
+            best = Priced("folded", dataclasses.replace(plan, prediction=prediction))
+    return best

@@ -37,7 +37,7 @@ from planner.plan_identity import SCHEMA_VERSION, fingerprint_of  # noqa: F401 (
 from planner.summary import plan_summary
 
 SOLVERS = ("ilp", "greedy")
-CANDIDATES = ("aware", "naive")   # Plan.chosen, CandidatePlan.name: the plans planner.candidates compares
+CANDIDATES = ("aware", "naive", "folded")   # Plan.chosen, CandidatePlan.name: the plans planner.candidates compares
 SPEED_SOURCES = ("spec", "profile")   # Plan.speeds: the cluster spec's figures, or whalelike profile's measurements
 RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
 RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
@@ -126,6 +126,10 @@ class StagePlan:
     recompute_unit: str = rule(str, "what a recomputing stage checkpoints at once: 'layer' (each of its layers, "
                                "the default) or 'stage' (all of it, when that holds less)", choices=RECOMPUTE_UNITS,
                                default="layer")
+    # planner.candidates, Config.fold_stages: the adjacent replicate regions this stage stands for, on the union of
+    # their devices (empty: one region's stage, the next after the previous stage's; a re-plan keeps the fold)
+    folded: list[int] = rule(int, "the TaskGraphs folded into this stage (two or more adjacent replicate regions of "
+                             "automatic device count; empty: the stage of one TaskGraph)", ge=0, default_factory=list)
 
 
 @dataclass
@@ -152,9 +156,13 @@ class CandidatePlan:
     :mod:`planner.candidates`)."""
 
     name: str = rule(str, "which plan: 'aware' (the hardware-aware decisions), 'naive' (the capacity-blind ones on "
-                     "the same devices)", choices=CANDIDATES)
+                     "the same devices), 'folded' (the hardware-aware decisions with adjacent replicate regions "
+                     "folded into fewer stages, Config.fold_stages)", choices=CANDIDATES)
     step_time_ms: float = rule(float, f"its step, {MS}", ge=0)
     fits: bool = rule(bool, "whether every device holds its part (one that does not is never kept)", default=True)
+    stages: list[list[int]] = rule(int, "the TaskGraphs of each stage of a plan with folded stages (the 'folded' "
+                                   "candidate, or a re-plan's naive one on a folded plan; empty: one stage per "
+                                   "TaskGraph)", ge=0, default_factory=list)
 
 
 @dataclass

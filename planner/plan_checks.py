@@ -89,6 +89,46 @@ def _check_stages(plan: Plan) -> None:
             )
         next_layer += len(st.layers)
         _check_recompute(st, where)
+    stage_regions(plan)   # folded stages: runs of adjacent TaskGraphs, in order
+
+
+def stage_regions(plan: Plan) -> list[list[int]]:
+    """The TaskGraphs each stage stands for, in order: ``StagePlan.folded`` for a stage folded from
+    several regions (:mod:`planner.candidates`), else the one after the previous stage's (one stage
+    per TaskGraph in a plan without folds). Raises PlanError for a ``folded`` list that is not two or
+    more adjacent TaskGraphs following the previous stage's."""
+    out, following = [], 0
+    for st in plan.stages:
+        mine = list(st.folded) if st.folded else [following]
+        if st.folded and (len(st.folded) < 2 or st.folded != list(range(following, following + len(st.folded)))):
+            raise PlanError(f"plan.stages[{st.index}].folded is {st.folded}: a folded stage stands for two or more "
+                            f"adjacent TaskGraphs following the previous stage's ({following}, {following + 1}, ...); "
+                            "re-plan with `whalelike plan`")
+        out.append(mine)
+        following = mine[-1] + 1
+    return out
+
+
+def _check_folds(plan: Plan, graphs) -> None:
+    """A plan with folded stages stands for every TaskGraph once, and folds only what the planner may
+    (:func:`planner.partition.stage_layers.foldable_runs`'s rule: plain ``replicate`` regions of
+    automatic device count and equal strategies); nothing to check in a plan without folds."""
+    if not any(st.folded for st in plan.stages):
+        return
+    regions = stage_regions(plan)
+    if regions[-1][-1] != len(graphs) - 1:
+        raise PlanError(f"plan.stages stand for TaskGraphs 0..{regions[-1][-1]} (StagePlan.folded), the model has "
+                        f"0..{len(graphs) - 1}; re-plan for this model with `whalelike plan`")
+    for st, tgs in zip(plan.stages, regions):
+        if len(tgs) < 2:
+            continue
+        strategies = [graphs[t].strategy for t in tgs]
+        bad = next((t for t, x in zip(tgs, strategies) if x.kind != "replicate" or x.inner is not None
+                    or x.device_count is not None or x != strategies[0]), None)
+        if bad is not None:
+            raise PlanError(f"plan.stages[{st.index}].folded is {st.folded} but TaskGraph {bad} ({graphs[bad].strategy}) "
+                            f"cannot fold with TaskGraph {tgs[0]} ({strategies[0]}): only adjacent replicate regions of "
+                            "automatic device count and equal options fold into one stage; re-plan with `whalelike plan`")
 
 
 def _check_recompute(st, where: str) -> None:
@@ -367,6 +407,16 @@ def _check_candidates(plan: Plan) -> None:
     i = names.index(plan.chosen)
     mine = plan.candidates[i]
     where = f"plan.candidates[{i}]"
+    regions = stage_regions(plan)
+    folds = any(st.folded for st in plan.stages)
+    if folds != (mine.name == "folded") and mine.name != "naive":
+        have = f"stage(s) {[st.index for st in plan.stages if st.folded]} are folded" if folds else "no stage is folded"
+        raise PlanError(f"plan.chosen is {plan.chosen!r} but {have} (StagePlan.folded): the 'folded' candidate has "
+                        "folded stages, the 'aware' one none; re-plan with `whalelike plan`")
+    if mine.stages != (regions if folds else []):
+        raise PlanError(f"{where}.stages is {mine.stages} but the plan's stages stand for TaskGraphs "
+                        f"{regions if folds else '(one stage each)'} (StagePlan.folded): the candidate kept is the "
+                        "plan; re-plan with `whalelike plan`")
     if not mine.fits:
         raise PlanError(f"{where} ({mine.name!r}, the plan chosen) has fits false: a plan that does not fit is never "
                         "kept; re-plan with `whalelike plan`")
@@ -449,6 +499,7 @@ def check_model(plan: Plan, graphs) -> None:
                 f"plan.stages[{st.index}].recompute is false but TaskGraph(s) {asking} of this stage ask for "
                 "recompute=True (activation checkpointing); re-plan for this model with `whalelike plan`"
             )
+    _check_folds(plan, graphs)
     _check_outputs(plan, graphs)
 
 

@@ -48,7 +48,7 @@ def plan_summary(plan: Plan, cluster=None) -> str:
     )
     stages = [
         f"  stage {st.index}: {st.strategy}, layers {st.layers[0]}..{st.layers[-1]} (TaskGraph(s) "
-        f"{', '.join(map(str, st.taskgraphs))}){_zero(st)}{_recompute(st)}"
+        f"{', '.join(map(str, st.taskgraphs))}){_folded(st)}{_zero(st)}{_recompute(st)}"
         for st in plan.stages
     ]
     p, n = plan.prediction, plan.naive_prediction
@@ -101,7 +101,8 @@ def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
 
 
 # Plan.chosen / CandidatePlan.name in words (planner.candidates)
-CANDIDATE_LABELS = {"aware": "hardware-aware decisions", "naive": "naive plan (capacity-blind decisions)"}
+CANDIDATE_LABELS = {"aware": "hardware-aware decisions", "naive": "naive plan (capacity-blind decisions)",
+                    "folded": "plan with replicate regions folded into fewer stages"}
 
 
 def choice_lines(plan: Plan) -> list[str]:
@@ -112,7 +113,7 @@ def choice_lines(plan: Plan) -> list[str]:
     if not plan.candidates:
         return []
     kept = next(c for c in plan.candidates if c.name == plan.chosen)
-    shown = ", ".join(f"{c.name} {c.step_time_ms:.2f} ms" + (" (kept)" if c is kept else "")
+    shown = ", ".join(f"{c.name}{_stages(c)} {c.step_time_ms:.2f} ms" + (" (kept)" if c is kept else "")
                       + ("" if c.fits else " (does not fit in memory)") for c in plan.candidates)
     lines = [f"candidates (predicted step; the fastest that fits is kept): {shown}"]
     aware = next((c for c in plan.candidates if c.name == "aware"), None)
@@ -120,6 +121,18 @@ def choice_lines(plan: Plan) -> list[str]:
         lines.append(f"kept the {CANDIDATE_LABELS.get(kept.name, kept.name)}: predicted faster than the hardware-aware "
                      f"decisions ({kept.step_time_ms:.2f} ms against {aware.step_time_ms:.2f} ms per step)")
     return lines
+
+
+def _stages(candidate) -> str:
+    """' [TaskGraphs 0+1 | 2]': a folded candidate's stages by the TaskGraphs each stands for."""
+    stages = getattr(candidate, "stages", [])
+    return f" [TaskGraphs {' | '.join('+'.join(map(str, s)) for s in stages)}]" if stages else ""
+
+
+def _folded(st) -> str:
+    """', folded from regions 0+1 (one data-parallel stage on their devices)' for a folded stage."""
+    folded = getattr(st, "folded", [])
+    return f", folded from regions {'+'.join(map(str, folded))} (one stage on their devices)" if folded else ""
 
 
 def memory_lines(plan: Plan) -> list[str]:

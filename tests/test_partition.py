@@ -287,7 +287,7 @@ def test_the_step_is_the_schedules_makespan():
             p = PartitionProblem.for_schedule(layers, slots, free, micro_batch=1, num_micro_batch=m,
                                               schedule=schedule, objective="step")
             assert Pricing(p).step_s([0, 1, 2], [0, 2, 4]) == pytest.approx((m + 2) * 6e-3, rel=1e-12)
-    # a link's latency delays the receiver, not the sender: one micro-batch crosses each link twice
+    # a send counts in its sender's time: one micro-batch crosses each link twice, one stage after another
     p = PartitionProblem.for_schedule(layers, slots, [StageLink(1e18, 1e-3)] * 2, micro_batch=1, num_micro_batch=1,
                                       objective="step")
     assert Pricing(p).step_s([0, 1, 2], [0, 2, 4]) == pytest.approx(18e-3 + 4e-3, rel=1e-12)

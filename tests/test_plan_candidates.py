@@ -1,5 +1,5 @@
 """The planner never returns a plan its own simulator prices slower than a plan it knows (issue 30,
-item 4; :mod:`planner.candidates`).
+item 4; :mod:`planner.candidates`), folded layouts included when ``Config.fold_stages`` asks.
 
 A ``transformers`` ResNet of bottleneck blocks annotated as three ``replicate`` regions, one
 micro-batch, on ``emulated-4``: the hardware-aware plan was predicted 0.81x the naive one, because the
@@ -13,6 +13,7 @@ its own (``planner.naive_plan``) and against every candidate the plan records.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import yaml
@@ -22,18 +23,24 @@ from hypothesis import strategies as st
 import planner
 import planner.decisions
 from planner import Plan, PlanError
-from planner.candidates import plan_fits
+from dist_utils import run_ranks
+from planner.balance.replan import rebalance
+from planner.candidates import fold_patterns, plan_fits
+from planner.devices.cost_model import device_tflops
 from planner.devices.placement_search import best_aware_plan
-from planner.partition.stage_layers import StageLayers
+from planner.partition.stage_layers import StageLayers, foldable_runs
+from planner.plan_checks import stage_regions
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Cluster, Config, replicate, split
 from whalelike.config import SCHEDULES
-from whalelike.graphs.taskgraph import TaskGraph, TaskGraphs
+from whalelike.graphs.taskgraph import TaskGraphs
+from whalelike.strategy import Strategy
 
 TIE = 1 + 1e-9
 
 
 # -- the ResNet of the issue ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def _resnet_graphs() -> TaskGraphs:
     """ResNetForImageClassification with bottleneck blocks, three stages of one block each, annotated
     as three replicate regions: the embedder with the first stage, the second, the third with the
@@ -168,10 +175,11 @@ def clusters(draw) -> Cluster:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs=models(), cluster=clusters(), micro=st.sampled_from([1, 2, 4]), per_device=st.integers(1, 4),
-       schedule=st.sampled_from(SCHEDULES))
-def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs, cluster, micro, per_device, schedule):
+       schedule=st.sampled_from(SCHEDULES), fold=st.booleans())
+def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs, cluster, micro, per_device, schedule,
+                                                                          fold):
     config = Config(global_batch_size=micro * per_device * len(cluster.devices), num_micro_batch=micro,
-                    schedule=schedule)
+                    schedule=schedule, fold_stages=fold)
     try:
         plan = planner.plan(graphs, cluster, config)
     except PlanError as e:   # the model does not fit these devices, or the batch is not one they can share
@@ -183,7 +191,9 @@ def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs
     assert plan.naive_prediction == naive.prediction
     if plan_fits(naive):
         assert plan.prediction.step_time_ms <= naive.prediction.step_time_ms * TIE
-    assert [c.name for c in plan.candidates] == ["aware", "naive"]
+    names = [c.name for c in plan.candidates]
+    assert names == ["aware", "naive"] or (fold and fold_patterns(graphs) and names == ["aware", "naive", "folded"])
+    assert any(st.folded for st in plan.stages) == (plan.chosen == "folded")
     assert plan.candidates[1].step_time_ms == naive.prediction.step_time_ms
     assert plan.candidates[1].fits == plan_fits(naive)
     for c in plan.candidates:
@@ -191,4 +201,164 @@ def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs
             assert plan.prediction.step_time_ms <= c.step_time_ms * TIE
     kept = next(c for c in plan.candidates if c.name == plan.chosen)
     assert kept.fits and kept.step_time_ms == plan.prediction.step_time_ms
+    plan.validate(graphs=graphs, cluster=cluster)
+
+
+# -- fewer stages: folded replicate regions (Config.fold_stages) -----------------------------------
+def test_which_regions_fold_and_how():
+    graphs = synthetic_model(6, [replicate(), replicate(), split(), replicate(), replicate(), replicate()])
+    assert foldable_runs(graphs) == [[0, 1], [3, 4, 5]]
+    assert fold_patterns(graphs) == [[[0, 1], [2], [3, 4, 5]], [[0, 1], [2], [3, 4], [5]], [[0, 1], [2], [3], [4, 5]],
+                                     [[0, 1], [2], [3], [4], [5]], [[0], [1], [2], [3, 4, 5]],
+                                     [[0], [1], [2], [3, 4], [5]], [[0], [1], [2], [3], [4, 5]]]
+    # a fixed device count, other options or a split inside keep a region apart
+    apart = synthetic_model(5, [replicate(), replicate(2), replicate(recompute=True), replicate(),
+                                Strategy("replicate", None, Strategy("split", 2))])
+    assert foldable_runs(apart) == [] and fold_patterns(apart) == []
+    # past MAX_FOLDS ways (2 * 2 * 2 * 2 * 2 - 1 = 31 here): each run whole alone, all runs whole, each
+    # adjacent pair alone
+    many = synthetic_model(8, [replicate()] * 3 + [split()] + [replicate()] * 4)
+    ways = fold_patterns(many)
+    assert len(ways) == 2 + 1 + 2 + 3 and [[0, 1, 2], [3], [4, 5, 6, 7]] in ways
+    assert [[0, 1], [2], [3], [4], [5], [6], [7]] in ways and [[0], [1], [2], [3], [4], [5], [6, 7]] in ways
+
+
+def test_the_resnet_folded_into_one_stage_is_kept_when_faster(tmp_path):
+    graphs = _resnet_graphs()
+    cluster = Cluster.preset("emulated-4")
+    config = Config(global_batch_size=16, num_micro_batch=1, sync_batchnorm=True, fold_stages=True)
+    plan = planner.plan(graphs, cluster, config)
+    unfolded = planner.plan(graphs, cluster, dataclasses.replace(config, fold_stages=False))
+    assert plan.chosen == "folded" and len(plan.stages) == 1 and plan.stages[0].folded == [0, 1, 2]
+    assert plan.stages[0].strategy == "replicate(4)" and plan.naive_prediction == unfolded.naive_prediction
+    assert plan.prediction.step_time_ms < unfolded.prediction.step_time_ms
+    assert [(c.name, c.stages) for c in plan.candidates] == [("aware", []), ("naive", []), ("folded", [[0, 1, 2]])]
+    assert plan.candidates[0].step_time_ms == unfolded.prediction.step_time_ms
+    summary = plan.summary()
+    assert "folded from regions 0+1+2 (one stage on their devices)" in summary
+    assert (f"folded [TaskGraphs 0+1+2] {plan.prediction.step_time_ms:.2f} ms (kept)" in summary
+            and "kept the plan with replicate regions folded into fewer stages: predicted faster than the "
+                "hardware-aware decisions" in summary)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path, graphs=graphs, cluster=cluster) == plan
+    # a re-plan keeps the fold: the speeds planned with give the same decisions back, a slowed device fewer samples
+    speeds = [device_tflops(cluster.device(w.device)) for w in plan.workers]
+    again = rebalance(plan, graphs, cluster, speeds)
+    assert (again.stages, again.workers, again.prediction) == (plan.stages, plan.workers, plan.prediction)
+    assert again.chosen == "folded" and [(c.name, c.stages) for c in again.candidates] == [
+        ("folded", [[0, 1, 2]]), ("naive", [[0, 1, 2]])]
+    slowed = rebalance(plan, graphs, cluster, [v / 4 if w.rank == 1 else v for w, v in zip(plan.workers, speeds)])
+    assert slowed.stages[0].folded == [0, 1, 2] and slowed.workers[1].batch_share < plan.workers[1].batch_share
+    slowed.validate(graphs=graphs, cluster=cluster)
+
+
+def test_a_folded_plan_file_is_checked(tmp_path):
+    graphs = synthetic_model(6, [replicate(), replicate(), split()], hidden=256, seq=32, heads=4)
+    cluster = synthetic_cluster([(2, 60.0, 40), (4, 20.0, 16)], per_host=4)
+    config = Config(global_batch_size=24, num_micro_batch=2)
+    prediction, plan = best_aware_plan(graphs, cluster, config, fold=[[0, 1], [2]])
+    plan = dataclasses.replace(plan, prediction=prediction)
+    assert [st.folded for st in plan.stages] == [[0, 1], []] and stage_regions(plan) == [[0, 1], [2]]
+    plan.validate(graphs=graphs, cluster=cluster)
+
+    def refused(change, says):
+        data = plan.to_dict()
+        change(data)
+        with pytest.raises(PlanError, match=says):
+            Plan.from_dict(data).validate(graphs=graphs, cluster=cluster)
+
+    refused(lambda d: d["stages"][0].update(folded=[0]), r"plan.stages\[0\].folded is \[0\]: a folded stage stands for two")
+    refused(lambda d: d["stages"][1].update(folded=[1, 2]), r"plan.stages\[1\].folded is \[1, 2\]")
+    other = synthetic_model(6, [replicate(), replicate(2), split()], hidden=256, seq=32, heads=4)
+    with pytest.raises(PlanError, match=r"TaskGraph 1 \(replicate\(2\)\) cannot fold with TaskGraph 0"):
+        dataclasses.replace(plan, model_fingerprint=other.fingerprint).validate(graphs=other)
+    # a model of four regions whose last two the second stage runs: the folds stand for three
+    four = synthetic_model(6, [replicate(), replicate(), split(), split()], layers_per_graph=[2, 2, 1, 1],
+                           hidden=256, seq=32, heads=4)
+    short = dataclasses.replace(plan, model_fingerprint=four.fingerprint,
+                                stages=[plan.stages[0], dataclasses.replace(plan.stages[1], taskgraphs=[2, 3])])
+    with pytest.raises(PlanError, match=r"plan.stages stand for TaskGraphs 0..2 \(StagePlan.folded\), the model has 0..3"):
+        short.validate(graphs=four)
+    # the candidates say which plan this is
+    refused(lambda d: d.update(candidates=[{"name": "aware", "step_time_ms": prediction.step_time_ms}]),
+            r"plan.chosen is 'aware' but stage\(s\) \[0\] are folded")
+    refused(lambda d: d.update(chosen="naive", candidates=[{"name": "naive", "step_time_ms": prediction.step_time_ms}]),
+            r"plan.candidates\[0\].stages is \[\] but the plan's stages stand for TaskGraphs \[\[0, 1\], \[2\]\]")
+    refused(lambda d: d.update(chosen="folded", candidates=[{"name": "folded", "step_time_ms": prediction.step_time_ms,
+                                                              "stages": [[0], [1, 2]]}]),
+            r"plan.candidates\[0\].stages is \[\[0\], \[1, 2\]\] but the plan's stages stand for TaskGraphs")
+
+
+def _folded_rank(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
+    """Each folded plan trains like one process (each step's loss and the final state), with AdamW
+    (normalised updates: a wrong gradient scale shows in the parameters too)."""
+    import torch.nn.functional as F
+
+    from reference import OPTIMIZERS, assert_engine_trains_like_reference
+
+    out = {}
+    for label, plan in plans.items():
+        _, got, _ = assert_engine_trains_like_reference(_mlp(), plan, _mlp_batches(), OPTIMIZERS["adamw"],
+                                                        F.cross_entropy, Cluster.preset("emulated-4").without_emulation(),
+                                                        label)
+        out[label] = [float(v) for v in got]
+    return out
+
+
+def _mlp():
+    """Three replicate regions of an MLP (float64), seeded."""
+    import torch
+    import torch.nn as nn
+
+    import whalelike as wl
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 8))
+    wl.annotate(model, {"0-1": wl.replicate(), "2-3": wl.replicate(), "4-6": wl.replicate()})
+    return model.double()
+
+
+def _mlp_batches(steps: int = 2):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(12, 16, generator=g, dtype=torch.float64),), torch.randint(0, 8, (12,), generator=g))
+            for _ in range(steps)]
+
+
+def test_folded_plans_train_like_one_process():
+    """The runtime runs a folded plan as any plan: one data-parallel stage of the three regions (with
+    uneven shares), and two stages of which the first folds two regions (layers moved across the
+    fold's boundary), on four ranks. The planner keeps a fold here with one micro-batch."""
+    import whalelike as wl
+
+    graphs = wl.capture(_mlp(), _mlp_batches(1)[0][0])
+    cluster = Cluster.preset("emulated-4").without_emulation()
+    kept = planner.plan(graphs, cluster, Config(global_batch_size=12, num_micro_batch=1, fold_stages=True))
+    assert kept.chosen == "folded" and any(st.folded for st in kept.stages)
+    prediction, one = best_aware_plan(graphs, cluster, Config(global_batch_size=12, num_micro_batch=1),
+                                      fold=[[0, 1, 2]])
+    assert [st.folded for st in one.stages] == [[0, 1, 2]] and len({w.batch_share for w in one.workers}) > 1
+    one = dataclasses.replace(one, prediction=prediction)
+    prediction, two = best_aware_plan(graphs, cluster, Config(global_batch_size=12, num_micro_batch=2),
+                                      fold=[[0, 1], [2]])
+    assert [st.folded for st in two.stages] == [[0, 1], []] and two.stages[0].layers != list(graphs[0].layers)
+    plans = {"one stage": one, "two stages": dataclasses.replace(two, prediction=prediction)}
+    results = run_ranks(_folded_rank, 4, args=(plans,), init_process_group=False, timeout_s=300)
+    assert all(r == results[0] for r in results) and len(results[0]) == 2
+
+
+def test_planning_from_a_profile_keeps_the_rule_with_folds():
+    from test_plan_from_profile import emulated_profile
+
+    graphs = synthetic_model(6, [replicate(), replicate(), replicate()], hidden=64, seq=8, heads=4)
+    cluster = Cluster.preset("emulated-equal-peak")
+    config = Config(global_batch_size=32, num_micro_batch=2, fold_stages=True)
+    plan = planner.plan(graphs, cluster, config, profile=emulated_profile(graphs, cluster))
+    assert plan.speeds == "profile" and [c.name for c in plan.candidates] == ["aware", "naive", "folded"]
+    kept = next(c for c in plan.candidates if c.name == plan.chosen)
+    assert all(plan.prediction.step_time_ms <= c.step_time_ms * TIE for c in plan.candidates if c.fits)
+    assert kept.step_time_ms == plan.prediction.step_time_ms
     plan.validate(graphs=graphs, cluster=cluster)

@@ -94,6 +94,13 @@ class Config:
                        size (at most the stage's data-parallel workers) and the smart generator's threshold
                        Δc (a worker ``w`` joins requester ``i``'s group only if ``c_w > c_i - Δc``, ``c``
                        counting each worker's requests; ``runtime.replicas.group_generator``).
+    fold_stages:       False (the default): one pipeline stage per region, as annotated. True: the planner
+                       also plans layouts with fewer stages, adjacent plain ``replicate`` regions of
+                       automatic device count and equal options folded into one data-parallel stage on
+                       the union of their devices (``StagePlan.folded``), and keeps the fastest predicted
+                       that fits (``planner.candidates``; ``Plan.candidates`` lists the best fold). Off by
+                       default: separate regions usually mean a pipeline on purpose, and each fold is a
+                       plan to make and simulate.
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -114,6 +121,7 @@ class Config:
     partial_group_size: int = rule(int, ge=2, says="an integer >= 2 (workers per P-Reduce group)", default=2)
     partial_delta_c: int = rule(int, ge=1, says="an integer >= 1 (Prague's threshold: how many requests a worker "
                                 "may lag the requester and still join its group)", default=2)
+    fold_stages: bool = rule(bool, default=False)
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}

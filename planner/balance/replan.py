@@ -40,7 +40,9 @@ Invariants:
 * **Never slower than the naive decisions it knows** (:mod:`planner.candidates`, as
   :func:`planner.plan`): the naive decisions on the same mapping, with the running ZeRO stages,
   recompute choices and state fractions (so the runtime adopts them like any re-plan), are priced
-  beside the re-plan, and kept when predicted faster and they fit; ``Plan.candidates`` records both.
+  beside the re-plan, and kept when predicted faster and they fit; ``Plan.candidates`` records both
+  (the re-plan of a plan with folded stages, ``StagePlan.folded``, is the ``"folded"`` candidate: the
+  fold stays, as every stage does).
 
 :func:`plan_changes` says what differs between two plans of one mapping (shares, layers, shards):
 what the runtime must move, and what the events log.
@@ -64,7 +66,7 @@ from planner.candidates import Priced, keep_fastest
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
 from planner.plan import Plan, PlanError, Prediction
-from planner.plan_checks import WORKER_MAPPING, check_same_workers
+from planner.plan_checks import WORKER_MAPPING, check_same_workers, stage_regions
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
 from planner.shares.shard_sizes import ShardLayout, layout_of_sizes
 from planner.shares.stage_shards import stage_shardable
@@ -119,7 +121,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     kept: list[str] = []
 
     new_layers, solver, gap = old_layers, plan.solver, plan.optimality_gap
-    if move_layers and layout.num_stages > 1 and movable_runs(graphs):
+    if move_layers and layout.num_stages > 1 and movable_runs(graphs, layout):
         found = partition_stage_layers(graphs, layout, config, network, in_force=old_layers)
         if not found.partitioned:   # infeasible: the layers in force stay (see partition_stage_layers)
             kept.append("stage layers: the pipeline partition for the measured speeds does not fit in memory")
@@ -163,7 +165,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     # the naive candidate keeps the running replica syncs, so the runtime adopts it as it adopts a re-plan
     same_syncs = naive_decisions(graphs, config, layout, **_choices_in_force(plan, layout))
     candidate = naive if _same_choices(same_syncs, own) else _priced(graphs, measured, config, same_syncs)
-    new = keep_fastest([Priced("aware", new), Priced("naive", candidate)], naive.prediction)
+    mine = "folded" if any(shape.folded for shape in layout.shapes) else "aware"   # the decisions on a folded plan
+    new = keep_fastest([Priced(mine, new), Priced("naive", candidate)], naive.prediction)
     return Replan(new, in_force, tuple(kept))
 
 
@@ -229,17 +232,20 @@ def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> C
 
 def plan_layout(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Layout:
     """The :class:`Layout` the plan's workers form, on ``cluster``'s Devices: ``groups[r][s][d]``
-    holds the devices of replica ``r``, stage ``s``, data-parallel index ``d`` in tensor-parallel order."""
+    holds the devices of replica ``r``, stage ``s``, data-parallel index ``d`` in tensor-parallel order;
+    a stage folded from several regions (``StagePlan.folded``) stands for them again."""
     by_name = {d.name: d for d in cluster.devices}
     slots: dict[tuple[int, int, int], dict[int, Device]] = defaultdict(dict)
     for w in plan.workers:
         slots[(w.replica, w.stage, w.dp_index)][w.tp_index] = by_name[w.device]
     shapes = []
-    for s, st in enumerate(plan.stages):
+    for s, (st, tgs) in enumerate(zip(plan.stages, stage_regions(plan))):   # a folded stage stands for several
         first = plan.stage_workers(s, replica=0)
-        shape = StageShape(graphs[s].index, graphs[s].strategy, 1 + max(w.dp_index for w in first), first[0].tp_size)
+        t = tgs[0]
+        shape = StageShape(t, graphs[t].strategy, 1 + max(w.dp_index for w in first), first[0].tp_size,
+                           tuple(tgs) if len(tgs) > 1 else ())
         if shape.label != st.strategy:
-            raise PlanError(f"plan.stages[{s}].strategy is {st.strategy!r} but TaskGraph {s} ({graphs[s].strategy}) "
+            raise PlanError(f"plan.stages[{s}].strategy is {st.strategy!r} but TaskGraph {t} ({graphs[t].strategy}) "
                             f"on its workers makes {shape.label!r}; re-plan with planner.plan for this model")
         shapes.append(shape)
     groups = tuple(

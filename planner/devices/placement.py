@@ -39,16 +39,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StageShape:
-    """How one copy of the pipeline runs a stage: ``dp`` groups of ``tp`` devices."""
+    """How one copy of the pipeline runs a stage: ``dp`` groups of ``tp`` devices. ``folded``: the
+    TaskGraphs of a stage that stands for two or more adjacent regions (:func:`fold_layout`; empty:
+    the stage of TaskGraph ``taskgraph`` alone)."""
 
     taskgraph: int
     strategy: Strategy
     dp: int
     tp: int
+    folded: tuple[int, ...] = ()
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp
+
+    @property
+    def taskgraphs(self) -> tuple[int, ...]:
+        """The TaskGraphs this stage stands for, whose layers it starts from."""
+        return self.folded or (self.taskgraph,)
 
     @property
     def label(self) -> str:
@@ -159,6 +167,31 @@ def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int
             "lower its device_count or add devices"
         )
     return dp, tp
+
+
+def fold_layout(layout: Layout, stages: list[list[int]]) -> Layout:
+    """``layout`` with each run of adjacent stages in ``stages`` (stage indices, in order, covering
+    every stage once) run as one data-parallel stage on the union of their devices, every replica
+    alike: the fold of adjacent plain ``replicate`` regions (:mod:`planner.candidates`). A stage of a
+    run of one is kept as it is. Raises ValueError for runs that are not adjacent, in order and
+    complete, or that take in a ``split`` stage (its devices are tensor-parallel groups)."""
+    if [s for run in stages for s in run] != list(range(layout.num_stages)) or not all(stages):
+        raise ValueError(f"fold_layout: stages {stages} must list stages 0..{layout.num_stages - 1} once each, in "
+                         "order, as runs of adjacent stages")
+    shapes = []
+    for run in stages:
+        if len(run) == 1:
+            shapes.append(layout.shapes[run[0]])
+            continue
+        split = [s for s in run if layout.shapes[s].tp != 1]
+        if split:
+            raise ValueError(f"fold_layout: stage {split[0]} ({layout.shapes[split[0]].label}) runs tensor-parallel "
+                             "groups; only data-parallel stages fold")
+        first = layout.shapes[run[0]]
+        shapes.append(StageShape(first.taskgraph, first.strategy, sum(layout.shapes[s].dp for s in run), 1,
+                                 tuple(t for s in run for t in layout.shapes[s].taskgraphs)))
+    groups = tuple(tuple(tuple(g for s in run for g in replica[s]) for run in stages) for replica in layout.groups)
+    return Layout(tuple(shapes), groups, layout.unused)
 
 
 PLACEMENTS = ("memory", "speed")

@@ -20,9 +20,10 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict
 from planner.decisions import aware_decisions
-from planner.devices.placement import PLACEMENTS, Layout, build_layout
+from planner.devices.placement import PLACEMENTS, Layout, build_layout, fold_layout
 from planner.partition.stage_layers import movable_runs
 from planner.plan import Plan, PlanError, Prediction
+from planner.shares.batch_fit import check_batch
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,20 @@ MAX_SWAP_STAGES = 8   # longest pipeline whose stage-device assignment is search
 Candidate = tuple[Prediction, Plan, Layout]
 
 
-def best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> tuple[Prediction, Plan]:
+def best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config,
+                    fold: list[list[int]] | None = None) -> tuple[Prediction, Plan]:
     """The fastest predicted hardware-aware plan and its prediction: one per device placement that
     fits (:data:`~planner.devices.placement.PLACEMENTS`), the best improved by :func:`swap_search`.
-    Raises the error of the Whale-rule placement when none fits."""
+    ``fold``: runs of adjacent stages (one per TaskGraph, by index) each placement's layout runs as
+    one stage on the union of their devices (:func:`~planner.devices.placement.fold_layout`,
+    :mod:`planner.candidates`). Raises the error of the Whale-rule placement when none fits."""
     scored, first_error, tried = [], None, []
     for placement in PLACEMENTS:
         try:
             layout = build_layout(graphs, cluster, placement, config.precision)
+            if fold is not None:
+                layout = fold_layout(layout, fold)
+                check_batch(config, layout)   # a folded stage has more data-parallel groups to feed
             if layout in tried:   # both rules dealt the same devices: the same plan, planned once
                 continue
             tried.append(layout)
@@ -73,7 +80,7 @@ def swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config, best: Cand
     stages = best[2].num_stages
     if stages > MAX_SWAP_STAGES:
         return best
-    runs = movable_runs(graphs)
+    runs = movable_runs(graphs, best[2])
     improved = True
     while improved:
         improved = False

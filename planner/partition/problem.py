@@ -136,11 +136,16 @@ class DeviceMemory:
 @dataclass(frozen=True)
 class StageSlot:
     """A device group that can run one pipeline stage: its aggregate speed (FLOP/s; the sum of its
-    data-parallel devices' speeds) and its devices' memory."""
+    data-parallel devices' speeds, or what their whole-sample shares make it) and its devices'
+    memory; for the ``"step"`` objective also its gradient all-reduce once per step,
+    ``allreduce_latency_s + allreduce_s_per_byte * gradient bytes`` of the layers it runs (0: not
+    priced; :mod:`planner.partition.stage_layers` prices the stage's data-parallel ring)."""
 
     name: str
     flops_per_s: float = _number("the group's aggregate speed in FLOP/s", positive=True)
     devices: tuple[DeviceMemory, ...]
+    allreduce_latency_s: float = _number("fixed seconds of the stage's gradient all-reduce per step", default=0.0)
+    allreduce_s_per_byte: float = _number("seconds per byte of the stage's gradients in that all-reduce", default=0.0)
 
     def __post_init__(self):
         check_fields(self, f"slot {self.name!r}: ", error=ValueError)
@@ -179,7 +184,8 @@ class StageSlot:
     @property
     def signature(self) -> tuple:
         """Slots with equal signatures are interchangeable."""
-        return (self.flops_per_s, tuple((d.capacity_bytes, *d.fractions) for d in self.memory_classes))
+        return (self.flops_per_s, tuple((d.capacity_bytes, *d.fractions) for d in self.memory_classes),
+                self.allreduce_latency_s, self.allreduce_s_per_byte)
 
 
 @dataclass(frozen=True)
@@ -209,8 +215,9 @@ class PartitionProblem:
     the step's pace when many micro-batches hide the pipeline's fill and drain. ``"step"`` minimises
     the step itself: the time ``schedule``'s action lists (:mod:`planner.schedule.actions`, what the
     simulator and the runtime run) take over ``num_micro_batch`` micro-batches when each stage's
-    forward and backward take its layers' FLOPs at its slot's speed and each activation or gradient
-    crosses its link as it leaves (:mod:`planner.partition.pricing`). With few micro-batches the fill
+    forward and backward take its layers' FLOPs at its slot's speed plus the send of its activations
+    or gradients over its link, and each stage's gradient all-reduce (its slot's) runs in DDP's buckets
+    beside its last backward (:mod:`planner.partition.pricing`). With few micro-batches the fill
     and drain are most of the step, and a split that shaves the slowest stage by piling layers on a
     slow one costs more than it saves (one micro-batch: the stages run one after another). The
     solvers search it through :meth:`pipelined_bound`, a lower bound of it that a dynamic program can
