@@ -72,6 +72,9 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                   r"exact: yes",
     "tp_transformer": rf"whalelike / DTensor speed-up: speeds 1/0\.5 {_X} .*; equal speeds {_X} .*",
     "tp_vs_dtensor": rf"speeds 1, 0\.5 +\d+\.\d +\d+\.\d +\[\d+, \d+\] +{_X} +\d+/\d+",
+    "zero_bubble": rf"zero_bubble: predicted bubble ZB-H1 \d+\.\d% = \d+\.\d\dx 1F1B's \d+\.\d% \(target <= 0\.50x\), "
+                   rf"\d+\.\d\dx eager-1F1B's .*; measured step ZB-H1 .* of predicted \(target within 3%\), .*; "
+                   r"auto kept (zb-h1|1f1b); programs as simulated: yes; exact: yes",
     "zero_hetero": rf"zero_hetero: whalelike ZeRO-\d {_X} FSDP2-even \(\d+% of ideal \d\.\d\dx; target >= 2x and "
                    rf">= 90%\), {_X} Poplar's choice; largest model \d+ / \d+ / \d+ blocks; step measured / predicted "
                    r"\d+\.\d\d \(whalelike\), memory measured / predicted \d+\.\d\d-\d+\.\d\d",

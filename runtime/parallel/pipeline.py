@@ -27,30 +27,41 @@ Exactness: the last stage weights ``loss_fn(outputs, targets)`` (a per-slice mea
 (all its workers in all replicas), so every parameter gradient is the global-batch mean gradient
 and the returned loss is the global-mean loss on every rank.
 
-Ordering: each rank runs ``planner.schedule.actions.build_schedule(plan.schedule, ...)[stage]`` exactly
-(a single stage: ``gradient_accumulation`` of its own micro-batches; what is simulated is what
-runs). Receives block before an action, sends are posted after it and waited at the end of the
-step, which :mod:`planner.schedule.deadlock` proves deadlock-free for GPipe, 1F1B and eager-1F1B; the
-forwarding a resharding does inside a receiving stage happens at the same action on each of its
-workers. Every crossing (value, consumer stage, direction, micro-batch) has its own tag range and
-both sides post their messages in one global order (:mod:`runtime.parallel.boundaries`), so gloo (matches
-by peer and tag) and NCCL (by order) agree.
+Ordering: each rank runs its stage's *program* exactly (:mod:`planner.schedule.program`: the plan's
+schedule, GPipe, 1F1B, eager-1F1B or ZB-H1, lowered onto the stages' crossings, every ``RECV_F``,
+``SEND_F``, ``RECV_B`` and ``SEND_B`` an action of its own; a single stage: ``gradient_accumulation``
+of its own micro-batches), built and proven deadlock-free in this process before the first action
+(:func:`planner.schedule.deadlock.proven_program`); the simulator runs the same lowering on the
+plan's boundaries, so what is simulated is what runs. Receives block, sends are posted and waited
+at the end of the step; the forwarding a resharding does inside a receiving stage happens at the
+same action on each of its workers. Every crossing (value, consumer stage, direction, micro-batch)
+has its own tag range and both sides post their messages in one global order
+(:mod:`runtime.parallel.boundaries`; a program's send or receive takes the crossings with one peer,
+in that order), so gloo (matches by peer and tag) and NCCL (by order) agree. The peers are the
+split's: a skip connection's value goes straight to the stage that reads it, where the plan's
+boundaries, the chain, price it across every cut.
 
-Emulation: each F and each B of a micro-batch is one compute segment of the rank's
+Emulation: each compute action of a micro-batch (F, B, BI, BW) is one compute segment of the rank's
 :class:`~runtime.emulation.compute.Emulator` (stage FLOPs and non-matmul bytes per sample times samples), outside every
 send and receive (:class:`runtime.parallel.stage_worker.StageWorker` opens them); the replica
 sync's all-reduce of the last backward overlaps it bucket by bucket (:mod:`runtime.replicas.ddp_sync`). On an emulated network, sends and receives carry their modeled
 arrival and receives sleep until it, and a tensor-parallel group's collectives take their ring
 time (:mod:`runtime.emulation.network`).
 
-Delayed weight gradients (``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
-half of backward covering the backward's sends): each B computes the received values' gradients,
-posts their sends, then the parameters' gradients (:mod:`runtime.parallel.split_backward`; the last B arms
-the replica sync before both halves, and DDP's all-reduce fires in the weight half). Emulated as two
-segments that split the stage's backward FLOPs and bytes (``_input_share``: half each, none for the input
-half of a stage receiving no gradient-carrying value, all of it without parameters). Tensor-parallel
-stages and synchronised BatchNorm keep the one-pass backward (their backward nodes hold collectives,
-which the weight half would run again).
+Split backwards (ZB-H1, and ``Plan.delay_weight_gradients``, paper 001's eager-1F1B with the weight
+half of backward covering the backward's sends): a ``BI`` action computes the received values'
+gradients (:mod:`runtime.parallel.split_backward`) and keeps the weight half, the ``SEND_B`` after it
+posts them, and a ``BW`` action runs the weight half where the program puts it: right after the
+sends under delayed weight gradients, deferred into the drain under ZB-H1 (the autograd graph of a
+micro-batch is held until its ``BW``, which the memory model counts). The replica sync is armed
+right before the step's last action that computes weight gradients (``B`` or ``BW``), so DDP's
+all-reduce fires in it. Emulated as two segments that split the stage's backward FLOPs and bytes
+(``_input_share``: half each, none for the input half of a stage receiving no gradient-carrying
+value, all of it without parameters). Which stages split is the planner's one rule
+(:func:`planner.schedule.program.splits_backward`): not tensor-parallel stages, synchronised
+BatchNorm, ZeRO stages (FSDP2's and the ragged sync's hooks gather and reduce in the backward and
+sit on the input path, so they would fire in the input half) or recomputing stages; those run
+their whole backward where the input half would be.
 
 Tensor parallel stages (``split``, alone or inside ``replicate``): the workers of one slot
 (replica, stage, ``dp_index``) form a tensor-parallel group that processes the same samples; the
