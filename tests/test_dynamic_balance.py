@@ -251,7 +251,7 @@ def shares_in_place(rank: int) -> dict:
     slowed = rebalance(first, graphs, spec, [1e7 / 3, 1e7, 2e7], move_layers=False)
     changes = plan_changes(first, slowed)
     assert changes.kinds == {"shares"}, changes.describe()
-    moved = rebalance(first, graphs, spec, [1e7, 1e7, 1e7])   # equal speeds: a layer moves to stage 1
+    moved = rebalance(first, graphs, spec, [1e7, 2e7, 1e7])   # stage 1 twice as fast: a layer moves to it
     out = {"sizes": [], "programs": []}
     for name, make_opt in OPTIMIZERS.items():
         losses, final = train_reference(model, data, make_opt, loss_fn)

@@ -149,16 +149,14 @@ def test_re_plans_for_measured_speeds_start_from_the_profile():
     profile = emulated_profile(graphs, cluster, gbps=0.05)    # links far slower than the spec's 2 GB/s
     plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=GLOBAL_BATCH), profile=profile)
 
-    class Owner:      # what the Rebalancer reads of its Engine
-        rank, graphs = 0, _graphs()
-
-        def __init__(self, profile):
-            self.plan, self.cluster, self.profile = plan, cluster, profile
+    def view(profile):      # what the Rebalancer reads of a step boundary
+        from types import SimpleNamespace
+        return SimpleNamespace(runtime=SimpleNamespace(cluster=cluster, plan=plan), plan=plan, graphs=_graphs(),
+                               profile=profile)
 
     speeds = [3.0, 3.0, 1.0, 1.0]     # as measured: the first two ranks three times faster
-    owners = Owner(profile), Owner(None)      # held here: the Rebalancer holds its Engine weakly
-    with_profile = Rebalancer(owners[0], BalanceConfig.of("exact"))._new_plan(speeds)[0]
-    without = Rebalancer(owners[1], BalanceConfig.of("exact"))._new_plan(speeds)[0]
+    with_profile = Rebalancer(BalanceConfig.of("exact"), 0, 4)._new_plan(view(profile), speeds)[0]
+    without = Rebalancer(BalanceConfig.of("exact"), 0, 4)._new_plan(view(None), speeds)[0]
     # the same shares (the measured speeds decide them), priced on the measured links: slower
     assert [w.micro_batch_sizes for w in with_profile.workers] == [w.micro_batch_sizes for w in without.workers]
     assert with_profile.prediction.step_time_ms > without.prediction.step_time_ms

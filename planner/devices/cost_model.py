@@ -339,9 +339,10 @@ class StageCost:
 def fsdp_unit_names(chosen) -> tuple[str, ...]:
     """The Layer names of ``chosen`` (a stage's Layers, run as the whole model) that are FSDP units of
     their own, in order: names that are module paths (not the model's own code, ``<root>``), leaving
-    out a module whose subtree holds another such Layer (code around blocks), one that owns no
-    parameter bytes (the runtime wraps only modules with parameters; a tied weight counts with the
-    Layer that owns it), and one that shares a parameter with a Layer of another name (tied weights:
+    out a module whose subtree holds another such Layer (code around blocks), one whose module holds
+    no parameter bytes the layer owns (the runtime wraps only modules with parameters; a tied weight
+    counts with the Layer that owns it; ``Layer.outside_param_bytes`` are another module's), and one
+    that shares a parameter with a Layer of another name (tied weights:
     the owner of a weight another Layer borrows, and the borrower; ``Layer.borrowed_params``). A
     shared parameter lives in the root unit, whose gather spans every use of it: a unit of its own
     would free it between uses, and FSDP2 refuses a parameter in two units. The one answer to
@@ -359,15 +360,19 @@ def fsdp_unit_names(chosen) -> tuple[str, ...]:
     by_name: dict[str, float] = {}
     for layer in chosen:
         if layer.name and layer.name != ROOT_LAYER:
-            by_name[layer.name] = by_name.get(layer.name, 0.0) + float(layer.param_bytes)
+            inside = float(layer.param_bytes) - float(getattr(layer, "outside_param_bytes", 0))
+            by_name[layer.name] = by_name.get(layer.name, 0.0) + inside
     names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
     return tuple(n for n in names if by_name[n] > 0 and n not in shared)
 
 
 def fsdp_layer_unit_bytes(chosen) -> tuple[float, ...]:
-    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out)."""
+    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out): the
+    parameters its module holds (a parameter a layer owns but another module registers,
+    ``Layer.outside_param_bytes``, is the root unit's)."""
     units = fsdp_unit_names(chosen)
-    return tuple(float(sum(l.param_bytes for l in chosen if l.name == n)) for n in units)
+    return tuple(float(sum(l.param_bytes - getattr(l, "outside_param_bytes", 0) for l in chosen if l.name == n))
+                 for n in units)
 
 
 def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:

@@ -200,10 +200,15 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
                    **_layer_bytes(gm, regions, autocast_costs, batch))
     factor = OPTIMIZER_STATE_FACTOR[optimizer]
 
+    registered: dict[int, set] = defaultdict(set)     # parameter -> every name it has in the model
+    for source in (gm, model):
+        for pname, p in source.named_parameters(remove_duplicate=False):
+            registered[id(p)].add(pname)
     layers = []
     for i, name in enumerate(regions.layer_names):
         nodes = layer_nodes[i]
         owned = params.get(i, []) + idle_params.get(i, [])   # the idle ones are held too, never trained
+        outside = [p for p in owned if not any(n.startswith(name + ".") for n in registered[id(p)])]
         layers.append(Layer(
             index=i, name=name, taskgraph=regions.layer_taskgraph[i],
             forward_flops=sum(costs.forward_flops.get(n.name, 0) for n in nodes) / batch,
@@ -221,6 +226,7 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             batchnorm=tuple(dict.fromkeys(batchnorms[n.name] for n in nodes if n.name in batchnorms)),
             borrowed_params=tuple((owner, name, size) for name, (owner, size) in borrowed.get(i, {}).items()),
             idle_state=tuple(idle.get(i, ())),
+            outside_param_bytes=sum(p.numel() * p.element_size() for p in outside),
             input_activation_bytes_per_sample=extra["input_activation"][i],
             output_bytes_per_sample=extra["output"][i],
             autocast=None if low is None else {

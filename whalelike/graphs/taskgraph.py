@@ -94,6 +94,10 @@ class Layer:
     forward never reads and this layer holds (:mod:`whalelike.graphs.capture`: DINOv2's
     ``mask_token``); the stage holding the layer keeps them, untrained and unsynced, so the state
     dict, checkpoints and exports are the whole model's. Their parameters count in ``param_bytes``.
+    ``outside_param_bytes``: of ``param_bytes``, the parameters registered outside the layer's module
+    (a value computed from a parameter and constants alone is recomputed in the layer that reads it,
+    GPT-2's position embedding in its first block): ZeRO's unit of that module does not hold them,
+    the root unit does (:func:`planner.devices.cost_model.fsdp_unit_names`).
 
     Memory beyond the saved activations (:mod:`planner.devices.memory` reads them):
     ``input_activation_bytes_per_sample`` is the part of ``activation_bytes_per_sample`` made before
@@ -132,6 +136,7 @@ class Layer:
     batchnorm: tuple[str, ...] = ()
     borrowed_params: tuple[tuple[int, str, int], ...] = ()
     idle_state: tuple[str, ...] = ()
+    outside_param_bytes: int = 0
     input_activation_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
     autocast: Optional[dict[str, float]] = None
