@@ -1,6 +1,8 @@
 """Pipeline schedules as data, and the validator that proves a set of action lists can run."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -8,7 +10,9 @@ from hypothesis import strategies as st
 from planner.schedule.actions import (SCHEDULES, SPLIT_SCHEDULES, Action, build_schedule, gradient_accumulation,
                                       max_in_flight, parse_actions)
 from planner.schedule.deadlock import DeadlockError, ScheduleError, Wait, proven_program, validate, validate_schedule
-from planner.schedule.program import lower
+from planner.plan import BoundaryPlan
+from planner.schedule.program import input_share, lower, split_flags
+from plans import make_plan, worker
 
 
 def parse(text: str) -> list[list[Action]]:
@@ -234,3 +238,24 @@ def test_transfers_name_their_peer():
     with pytest.raises(ValueError, match=r"Action BI0: a compute action has no peer"):
         Action("BI", 0, 1)
     assert str(Action("RECV_B", 3, 2)) == "RECV_B3<-2" and str(Action("SEND_F", 1, 0)) == "SEND_F1->0"
+
+
+def test_which_stages_split_their_backward_is_one_rule_of_the_plan():
+    """planner.schedule.program.splits_backward, read by the simulator and the runtime alike: a
+    pipeline that asks (ZB-H1 or delayed weight gradients), on a stage with no tensor-parallel group,
+    synchronised BatchNorm, ZeRO sync or recompute; the input half's share is 0 where nothing is received."""
+    workers = [worker(0, 0, sizes=[2, 2]), worker(1, 1, sizes=[2, 2]), worker(2, 2, sizes=[2, 2], tp_size=2),
+               worker(3, 2, tp_index=1, sizes=[2, 2], tp_size=2)]
+    plan = make_plan(3, workers, schedule="zb-h1")
+    assert split_flags(plan) == (True, True, False)                       # stage 2 is tensor parallel
+    assert split_flags(dataclasses.replace(plan, schedule="1f1b")) == (False, False, False)
+    assert split_flags(dataclasses.replace(plan, schedule="1f1b", delay_weight_gradients=True)) == (True, True, False)
+    assert split_flags(dataclasses.replace(plan, sync_batchnorm=True)) == (False, False, False)
+    zero = [dataclasses.replace(st, zero_stage=2, replica_sync="fsdp") if st.index == 1 else st for st in plan.stages]
+    assert split_flags(dataclasses.replace(plan, stages=zero)) == (True, False, False)
+    recompute = [dataclasses.replace(st, recompute=True) if st.index == 0 else st for st in plan.stages]
+    assert split_flags(dataclasses.replace(plan, stages=recompute)) == (False, True, False)
+    alone = make_plan(1, [worker(0, 0, sizes=[2, 2])], schedule="zb-h1", delay_weight_gradients=True)
+    assert split_flags(alone) == (False,)                                 # one stage sends nothing: never split
+    with_boundaries = dataclasses.replace(plan, boundaries=[BoundaryPlan(0, 1, ["x"], 4.0), BoundaryPlan(1, 2, ["y"], 4.0)])
+    assert [input_share(with_boundaries, s) for s in range(3)] == [0.0, 0.5, 0.5]
