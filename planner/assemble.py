@@ -40,10 +40,9 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions, stage_syncs, zero_shards
-from planner.devices.cost_model import (
-    ACTIVATION_BYTES, CAPTURED_BYTES, GIB, CommModel, backward_flops, compute_ms, ragged_collectives,
-)
+from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
+from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.state_fractions import in_rank_order, padded_scale
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic

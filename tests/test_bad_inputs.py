@@ -22,6 +22,7 @@ import planner
 import whalelike as wl
 from planner.shares.batch_fit import MAX_MICRO_BATCHES, divisors
 from planner.devices.cost_model import UNBOUNDED_SAMPLES, StageCost
+from planner.devices.memory import stage_memory
 from planner.shares.batch_shares import DoesNotFit, Slot, balance_memory, balanced_shares, proportional_shares
 from planner.partition.solve import PartitionProblem, StageSlot, partition
 from planner.partition.ilp import cbc_path
@@ -195,8 +196,8 @@ def test_huge_memory_does_not_overflow_the_planner():
     plan = planner.plan(graphs, cluster_of(4, 1048576.0), Config(global_batch_size=1024))
     assert sum(w.batch_share for w in plan.stage_workers(0)) == 1024
     cost = StageCost(1.0, 2.0, 4.0, 12.0, 1.0, 0.0, ())
-    assert cost.max_micro_batch(float("inf"), 1) == UNBOUNDED_SAMPLES
-    assert cost.max_micro_batch(1e300 * 2**30, 1) == UNBOUNDED_SAMPLES
+    assert stage_memory(cost, 1).max_samples(float("inf")) == UNBOUNDED_SAMPLES
+    assert stage_memory(cost, 1).max_samples(1e300 * 2**30) == UNBOUNDED_SAMPLES
     assert split_dimension(64, [1.0, 3.0], [float("inf"), 1e300]) == [16, 48]
 
 

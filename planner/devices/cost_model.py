@@ -21,10 +21,9 @@ or inter-host link, ring collectives whose slowest hop (NIC sharing included) se
 stage's collectives per step (:meth:`CommModel.zero_ms`, counted by :func:`zero_collectives`, one per
 FSDP unit: ``StageCost.fsdp_unit_bytes``).
 
-Memory. :class:`StageCost` records a stage's bytes: parameters, optimizer state (gradients are as
-large as the parameters) and, per sample of a micro-batch, the activations saved for backward and
-the boundary buffers (the received input and the output it sends). What a worker holds of them is
-:mod:`planner.devices.memory`, the planner's one memory model: each term with its own fraction.
+Memory. What a stage holds per sample is :class:`planner.devices.stage_cost.StageCost` (re-exported
+here, with the FSDP unit rule and the bytes per element of each precision); what a worker holds of
+it is :mod:`planner.devices.memory`, the planner's one memory model: each term with its own fraction.
 Under ``split`` every term scales with the worker's shard fraction
 (:class:`~planner.shares.shard_sizes.ShardLayout`): its share of the sharded work (Megatron-style
 sharding shards the weights and the activations of a block's projections and of the attention
@@ -36,31 +35,20 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 from whalelike.cluster import Device, Network
-from whalelike.graphs.regions import ROOT_LAYER
-from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import (  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
-    RAGGED_BUCKET_BYTES, UNBOUNDED_SAMPLES, fsdp_units, stage_memory,
+    RAGGED_BUCKET_BYTES, UNBOUNDED_SAMPLES, fsdp_units,
+)
+from planner.devices.stage_cost import (  # noqa: F401 (the record and its unit rule: re-exported)
+    LOSS_TEMPORARY_BYTES, StageCost, fsdp_unit_bytes, fsdp_unit_names,
 )
 from planner.devices.network import NetworkModel, Ring
 
 DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
-
-
-# bytes per element of the activations a training precision keeps (autocast's outputs); capture
-# measures every tensor at float32, 4 bytes, and again under autocast (Layer.autocast); the ratio is
-# the fallback for TaskGraphs without the autocast figures
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-CAPTURED_BYTES = 4
-# the loss's temporaries per element of the model outputs it reads (logits), held while one
-# micro-batch's loss and its gradient are computed: a float32 shifted copy and its exponentials
-# (cross-entropy's log-softmax, forward then backward), plus under autocast the float32 copy of
-# the 2-byte logits the loss upcasts first; measured on the runtime's losses (bench/memory.py)
-LOSS_TEMPORARY_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
 
 
 def device_tflops(device: Device, precision: str = "fp32") -> float:
@@ -158,250 +146,6 @@ def ragged_collectives(cost: "StageCost", zero_stage: int, whole_model: bool) ->
     if zero_stage == 2:
         return max(1, tensors)
     return len(fsdp_units(cost, whole_model))
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """Per-sample compute and memory of a contiguous range of layers (one pipeline stage).
-
-    ``static_bytes`` (parameters + gradients + optimizer state) and ``optimizer_bytes`` are per
-    whole stage; ``activation_bytes`` and ``boundary_bytes`` are per sample of one micro-batch in
-    flight; ``loss_bytes`` per sample of the one micro-batch whose loss is computed (the last
-    stage's model outputs and the loss's temporaries, ``LOSS_TEMPORARY_BYTES`` per output element).
-    ``unbatched_boundary_bytes`` are the whole bytes of the boundary values without a batch dimension
-    (``Layer.cut_bytes_unbatched``, received and sent), which every worker holds whole per
-    micro-batch in flight, whatever its samples or shard.
-    ``activation_bytes`` leaves out what the first layer saves of the stage's input (capture's
-    ``Layer.input_activation_bytes_per_sample``): the received boundary buffer, counted in
-    ``boundary_bytes``, or the caller's batch, held whether or not the stage saves it.
-    ``sharded_activation_bytes`` and ``sharded_loss_bytes`` are the parts of those a ``split``
-    stage's shard groups divide (``ShardGroup.activation_bytes_per_sample``; the loss when the
-    head is class-sharded); the rest every tensor-parallel rank holds whole.
-    A worker's share of them: :func:`planner.devices.memory.stage_memory`.
-
-    For activation checkpointing, which recomputes one layer at a time
-    (:mod:`runtime.training.recompute`), per sample: ``layer_input_bytes``, the inputs of the
-    stage's layers after its first (the cut after each layer but the last: every value crossing it,
-    so a long skip connection counts at every cut it crosses, an upper bound), and
-    ``max_layer_activation_bytes``, the largest single layer's saved activations less what it saves
-    of its input (kept anyway; None, for a stage priced by hand as one block: all of
-    ``activation_bytes``, no layer inputs of its own).
-
-    ``precision`` is the training precision the stage is priced at: its FLOPs run at each device's
-    rate for it (:func:`compute_ms`), and bytes per element follow it (:meth:`of_layers`). Under ``fp32`` everything
-    is as captured (float32). Under ``bf16``/``fp16`` mixed precision (torch autocast) the
-    parameters stay float32 (the master weights), so do their gradients and the optimizer state:
-    ``param_bytes``, ``static_bytes`` and ``optimizer_bytes`` are unchanged; autocast casts each
-    weight it casts once per step and keeps the low-precision copy while the step's forward and
-    backward run, ``param_copy_bytes``, counted with the weights: the casts capture saw autocast make
-    (``Layer.autocast["param_copy"]``: the projections' weights, not an embedding's or a norm's);
-    and the activations, boundary buffers, layer outputs and model outputs are the bytes capture
-    measured under autocast (``Layer.autocast``): 2 bytes for what autocast casts, 4 for what it
-    leaves float32 (a residual stream, normalisations, softmax). A TaskGraph captured without those
-    figures falls back to 2 bytes per parameter for the casts and 2/4 of the float32 bytes
-    (``ACTIVATION_BYTES``). Gradient all-reduces stay float32 (``param_bytes``).
-    """
-
-    forward_flops: float
-    backward_flops: float
-    param_bytes: float
-    static_bytes: float
-    activation_bytes: float
-    boundary_bytes: float
-    layer_output_bytes: tuple[float, ...]   # per layer: bytes per sample of its output (TP all-reduce)
-    optimizer_bytes: Optional[float] = None  # None: static_bytes less parameters and gradients
-    param_copy_bytes: float = 0.0            # low-precision copy of the weights under autocast (bf16/fp16)
-    precision: str = "fp32"                  # the training precision: devices price this stage's FLOPs at it
-    loss_bytes: float = 0.0                  # per sample, held once: model outputs and the loss's temporaries
-    sharded_activation_bytes: float = 0.0    # of activation_bytes: what a split stage's groups divide
-    sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
-    layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
-    max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
-    fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
-    max_param_bytes: float = 0.0             # its largest single parameter (0: unknown; memory.parameter_share)
-    param_tensors: int = 0                   # how many parameters it holds (0: unknown; ragged: a collective each)
-    # per layer in order: (its parameter bytes, its largest parameter's; 0: unknown): ragged ZeRO 1's buckets
-    param_layers: tuple[tuple[float, float], ...] = ()
-    root_param_bytes: float = 0.0            # parameter bytes in no FSDP layer unit (ragged ZeRO 3's root unit)
-    unbatched_boundary_bytes: float = 0.0    # whole, per micro-batch in flight: boundary values without a batch dim
-
-    def __post_init__(self):
-        if self.optimizer_bytes is None:
-            object.__setattr__(self, "optimizer_bytes", self.static_bytes - 2 * self.param_bytes)
-        if self.max_layer_activation_bytes is None:
-            object.__setattr__(self, "max_layer_activation_bytes", self.activation_bytes)
-
-    @classmethod
-    def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int], precision: str = "fp32") -> "StageCost":
-        """Costs of ``layers`` (contiguous indices into ``graphs.layers``) trained at ``precision``
-        (``Config.precision``; the byte rule in the class docstring).
-
-        Optimizer state is recorded per TaskGraph; a layer carries the share of it that matches
-        its share of the TaskGraph's parameter bytes. A tied parameter whose owning layer is in
-        another stage is a copy held here too (``Layer.borrowed_params``), counted once, with its
-        gradient and optimizer state.
-        """
-        if not layers:
-            raise ValueError("a stage needs at least one layer")
-        chosen = [graphs.layers[i] for i in layers]
-        inside = set(layers)
-        copies = {name: (owner, size) for l in chosen for owner, name, size in l.borrowed_params if owner not in inside}
-        opt = 0.0
-        for layer, size in [(l, l.param_bytes) for l in chosen] + [(graphs.layers[o], s) for o, s in copies.values()]:
-            tg = graphs.graphs[layer.taskgraph]
-            if tg.param_bytes > 0:
-                opt += tg.optimizer_state_bytes * size / tg.param_bytes
-        params = float(sum(l.param_bytes for l in chosen) + sum(size for _, size in copies.values()))
-        first, last = layers[0], layers[-1]
-        if precision not in ACTIVATION_BYTES:
-            raise ValueError(f"precision must be one of {', '.join(ACTIVATION_BYTES)}, got {precision!r}")
-        scale = ACTIVATION_BYTES[precision] / CAPTURED_BYTES   # 1.0 at fp32: the bytes as captured, exactly
-        # under autocast, the bytes capture measured there (Layer.autocast); else the float32 ones scaled
-        measured = precision != "fp32" and all(l.autocast is not None for l in graphs.layers)
-
-        def at_precision(layer, key: str, captured: float) -> float:
-            return layer.autocast[key] if measured else captured * scale
-
-        before = graphs.layers[first - 1] if first > 0 else None
-        received = at_precision(before, "cut", before.cut_bytes_per_sample) if before is not None else 0.0
-        sent = at_precision(chosen[-1], "cut", chosen[-1].cut_bytes_per_sample) if last < len(graphs.layers) - 1 else 0.0
-
-        def whole(layer) -> float:   # boundary values without a batch dimension, whole bytes
-            if measured and "cut_unbatched" in layer.autocast:
-                return layer.autocast["cut_unbatched"]
-            return layer.cut_bytes_unbatched * scale
-
-        unbatched = (whole(before) if before is not None else 0.0) + \
-            (whole(chosen[-1]) if last < len(graphs.layers) - 1 else 0.0)
-        saved = sum(at_precision(l, "activation", l.activation_bytes_per_sample) for l in chosen)
-        saved -= at_precision(chosen[0], "input_activation", chosen[0].input_activation_bytes_per_sample)
-        outputs = sum(at_precision(l, "output", l.output_bytes_per_sample) for l in chosen)
-        elements = sum(l.output_bytes_per_sample for l in chosen) / CAPTURED_BYTES
-        loss = outputs + elements * LOSS_TEMPORARY_BYTES[precision] if elements else 0.0
-        divided, head = _divided(graphs, chosen, measured, scale)
-        if precision == "fp32":
-            copy_bytes = 0.0
-        elif measured:
-            copy_bytes = float(sum(l.autocast["param_copy"] for l in chosen))
-        else:
-            copy_bytes = params * ACTIVATION_BYTES[precision] / CAPTURED_BYTES
-        return cls(
-            forward_flops=sum(l.forward_flops for l in chosen),
-            backward_flops=sum(l.backward_flops for l in chosen),
-            param_bytes=params,
-            static_bytes=2 * params + opt,
-            activation_bytes=saved,
-            boundary_bytes=received + sent,
-            layer_output_bytes=tuple(at_precision(l, "cut", l.cut_bytes_per_sample) for l in chosen),
-            optimizer_bytes=opt,
-            param_copy_bytes=copy_bytes,
-            precision=precision,
-            loss_bytes=loss,
-            sharded_activation_bytes=divided,
-            sharded_loss_bytes=loss if head else 0.0,
-            layer_input_bytes=sum(at_precision(graphs.layers[i - 1], "cut", graphs.layers[i - 1].cut_bytes_per_sample)
-                                  for i in layers[1:]),
-            # what recomputing one layer makes anew: its activations less what it saves of its input
-            max_layer_activation_bytes=max(at_precision(l, "activation", l.activation_bytes_per_sample)
-                                           - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
-                                           for l in chosen),
-            fsdp_unit_bytes=fsdp_unit_bytes(chosen, params),
-            # a layer without the figure (made by hand) counts as one parameter: an upper bound
-            max_param_bytes=float(max([l.max_param_bytes or l.param_bytes for l in chosen]
-                                      + [size for _, size in copies.values()])),
-            param_tensors=sum(l.param_tensors for l in chosen) + len(copies)
-            if all(l.param_tensors or not l.param_bytes for l in chosen) else 0,
-            param_layers=tuple((float(l.param_bytes), float(l.max_param_bytes)) for l in chosen),
-            root_param_bytes=params - sum(fsdp_layer_unit_bytes(chosen)),
-            unbatched_boundary_bytes=float(unbatched),
-        )
-
-    @property
-    def flops_per_sample(self) -> float:
-        return self.forward_flops + self.backward_flops
-
-    def bytes_per_sample(self, in_flight: int) -> float:
-        return (self.activation_bytes + self.boundary_bytes) * in_flight
-
-    def memory_bytes(self, micro_batch: int, in_flight: int, shard: float = 1.0) -> float:
-        """Peak bytes of a worker holding ``shard`` of the stage with ``micro_batch`` samples per
-        micro-batch and ``in_flight`` micro-batches alive at once: shorthand for
-        ``stage_memory(self, in_flight, shard).total(micro_batch)`` (:mod:`planner.devices.memory`)."""
-        return stage_memory(self, in_flight, shard).total(micro_batch)
-
-    def max_micro_batch(self, capacity_bytes: float, in_flight: int, shard: float = 1.0) -> int:
-        """Most samples per micro-batch that fit in ``capacity_bytes`` (-1: not even the weights fit),
-        at most :data:`UNBOUNDED_SAMPLES`: shorthand for
-        ``stage_memory(self, in_flight, shard).max_samples(capacity_bytes)``."""
-        return stage_memory(self, in_flight, shard).max_samples(capacity_bytes)
-
-
-def fsdp_unit_names(chosen) -> tuple[str, ...]:
-    """The Layer names of ``chosen`` (a stage's Layers, run as the whole model) that are FSDP units of
-    their own, in order: names that are module paths (not the model's own code, ``<root>``), leaving
-    out a module whose subtree holds another such Layer (code around blocks), one whose module holds
-    no parameter bytes the layer owns (the runtime wraps only modules with parameters; a tied weight
-    counts with the Layer that owns it; ``Layer.outside_param_bytes`` are another module's), and one
-    that shares a parameter with a Layer of another name (tied weights:
-    the owner of a weight another Layer borrows, and the borrower; ``Layer.borrowed_params``). A
-    shared parameter lives in the root unit, whose gather spans every use of it: a unit of its own
-    would free it between uses, and FSDP2 refuses a parameter in two units. The one answer to
-    "which of a single stage's layers are ZeRO units", which the runtime's syncs wrap
-    (``runtime.replicas``) and the memory model prices."""
-    names_of = {l.index: l.name for l in chosen}
-    shared: set[str] = set()
-    for layer in chosen:
-        for owner, _, _ in layer.borrowed_params:
-            owner_name = names_of.get(owner)
-            if owner_name != layer.name:
-                shared.add(layer.name)
-                if owner_name is not None:
-                    shared.add(owner_name)
-    by_name: dict[str, float] = {}
-    for layer in chosen:
-        if layer.name and layer.name != ROOT_LAYER:
-            inside = float(layer.param_bytes) - float(getattr(layer, "outside_param_bytes", 0))
-            by_name[layer.name] = by_name.get(layer.name, 0.0) + inside
-    names = [n for n in by_name if not any(q.startswith(n + ".") for q in by_name)]
-    return tuple(n for n in names if by_name[n] > 0 and n not in shared)
-
-
-def fsdp_layer_unit_bytes(chosen) -> tuple[float, ...]:
-    """Parameter bytes of each layer unit of :func:`fsdp_unit_bytes` (the root unit left out): the
-    parameters its module holds (a parameter a layer owns but another module registers,
-    ``Layer.outside_param_bytes``, is the root unit's)."""
-    units = fsdp_unit_names(chosen)
-    return tuple(float(sum(l.param_bytes - getattr(l, "outside_param_bytes", 0) for l in chosen if l.name == n))
-                 for n in units)
-
-
-def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
-    """Parameter bytes of each FSDP unit when ``chosen`` (a stage's Layers) run as the whole model,
-    wrapped as ``runtime.replicas.fsdp_sync`` wraps a single-stage plan and as
-    :func:`runtime.training.recompute.wrap_layers` picks modules: one unit per name of
-    :func:`fsdp_unit_names`, then the root unit with every other parameter (left out when it holds
-    none). A model without module Layers is one unit."""
-    units = fsdp_layer_unit_bytes(chosen)
-    if not units:
-        return (float(param_bytes),)
-    root = float(param_bytes) - sum(units)
-    return tuple(units) + ((root,) if root > 0 else ())
-
-
-def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float) -> tuple[float, bool]:
-    """Per sample, the activations the shard groups of the ``split`` TaskGraphs wholly inside
-    ``chosen`` divide among their ranks, and whether the layer returning the model outputs is a
-    class-sharded head (a lone group's member: its logits, so the loss's, are divided too)."""
-    inside = {l.index for l in chosen}
-    divided, head = 0.0, False
-    names = {l.name for l in chosen if l.output_bytes_per_sample}
-    for tg in graphs.graphs:
-        if not tg.shard_groups or not set(tg.layers) <= inside:
-            continue
-        for g in tg.shard_groups:
-            divided += g.autocast_activation_bytes_per_sample if measured else g.activation_bytes_per_sample * scale
-            head |= g.kind == "lone" and any(m.path in names for m in g.members)
-    return divided, head
 
 
 def backward_flops(cost: StageCost, recompute: bool = False) -> float:

@@ -135,10 +135,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from planner.devices.cost_model import StageCost
+from planner.devices.stage_cost import StageCost
 
 UNBOUNDED_SAMPLES = 2**62   # "any number of samples fits": far above any batch, still an exact integer
 FIT_TOLERANCE = 1e-9        # relative overflow still counted as fitting (estimates are floating point)
@@ -506,7 +505,7 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     """The memory of a worker that holds ``shard`` of stage ``cost`` with ``in_flight`` micro-batches
     alive at once and ``batch_share`` of the samples :meth:`MemoryTerms.total` is given (1: they
     are its own group's). Gradients are as large as the parameters; the boundary buffers count
-    with the activations (:class:`~planner.devices.cost_model.StageCost`). ``recompute``: the stage
+    with the activations (:class:`~planner.devices.stage_cost.StageCost`). ``recompute``: the stage
     runs under activation checkpointing, ``True`` in the unit :func:`recompute_unit` picks, or the
     one named, ``"layer"`` or ``"stage"`` (:func:`recompute_of`). ``unit_share``:
     the worker's share of a ``split`` stage's shard-group units (``ShardLayout.unit_shares``), for
