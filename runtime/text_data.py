@@ -4,14 +4,18 @@ batches a plan's ranks read from it, with a position that resumes exactly.
 Why byte-level: a byte is a token. Any text file is a corpus with a vocabulary of 256 and no
 tokenizer files, merges or downloads, so the examples and tests train on real text out of the box
 (``examples/data/``). A workload that brings its own tokenizer (``Workload.tokenizer``: text ->
-token ids) gets its ids instead; nothing else changes.
+token ids) gets its ids instead; nothing else changes. The byte-level text stays the default; a
+corpus of documents in files (plain text, JSON lines, parquet) with a saved tokenizer is
+:class:`runtime.packed_data.PackedTokenDataset`, cut into the same windows (:class:`TokenWindows`)
+and read through the same :class:`PlanBatches`.
 
-:class:`ByteTextDataset` is a map-style dataset of ``(input_ids, targets)`` pairs of ``seq_len``
-token ids each, ``targets`` being the inputs shifted by one (the next token at every position).
-The windows do not overlap: window ``i`` reads tokens ``[i*L, i*L + L + 1)`` (``L = seq_len``),
-so each token is a target exactly once and neighbouring windows share only the token one predicts
-and the other starts with. The split is by position: the last ``val_fraction`` of the tokens is
-``"val"``, the rest ``"train"``, each cut into windows on its own, so no window crosses the split.
+:class:`ByteTextDataset` (like every :class:`TokenWindows`) is a map-style dataset of
+``(input_ids, targets)`` pairs of ``seq_len`` token ids each, ``targets`` being the inputs shifted
+by one (the next token at every position). The windows do not overlap: window ``i`` reads tokens
+``[i*L, i*L + L + 1)`` (``L = seq_len``), so each token is a target exactly once and neighbouring
+windows share only the token one predicts and the other starts with. The split is by position
+(:func:`split_by_position`): the last ``val_fraction`` of the tokens is ``"val"``, the rest
+``"train"``, each cut into windows on its own, so no window crosses the split.
 
 :class:`PlanBatches` is what ``examples/train.py --data`` iterates: per step, the batch to pass to
 ``Engine.train_step``. On a single-stage data-parallel plan each rank reads only its share
@@ -45,7 +49,8 @@ from planner.plan import Plan
 from runtime.data import UnevenLoader, WholeBatchSampler
 from whalelike.errors import WhaleError
 
-__all__ = ["TextDataError", "ByteTextDataset", "DataPosition", "PlanBatches", "BYTE_VOCAB_SIZE"]
+__all__ = ["TextDataError", "TokenWindows", "ByteTextDataset", "DataPosition", "PlanBatches", "BYTE_VOCAB_SIZE",
+           "split_by_position"]
 
 BYTE_VOCAB_SIZE = 256
 SPLITS = ("train", "val")
@@ -55,7 +60,33 @@ class TextDataError(WhaleError, ValueError):
     """A text file or data position that cannot feed the run (a user-facing error)."""
 
 
-class ByteTextDataset(Dataset):
+class TokenWindows(Dataset):
+    """A flat token stream ``tokens`` as non-overlapping next-token windows of ``seq_len`` (the
+    module docstring): window ``i`` is ``tokens[i*L : i*L + L + 1]`` cut into ``(input_ids, targets)``.
+    The windowing both datasets share; subclasses set ``tokens`` and ``seq_len`` and check them."""
+
+    tokens: torch.Tensor
+    seq_len: int
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"{type(self).__name__}: window {index} of {len(self)}")
+        index %= len(self)
+        window = self.tokens[index * self.seq_len:(index + 1) * self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+def split_by_position(tokens: torch.Tensor, split: str, val_fraction: float) -> torch.Tensor:
+    """The ``split`` part of ``tokens``: the last ``round(n * val_fraction)`` tokens are ``"val"``,
+    the rest ``"train"``."""
+    cut = tokens.numel() - round(tokens.numel() * val_fraction)
+    return tokens[:cut] if split == "train" else tokens[cut:]
+
+
+class ByteTextDataset(TokenWindows):
     """``path`` as non-overlapping next-token windows of ``seq_len`` (see the module docstring).
 
     ``split``: ``"train"`` (the first ``1 - val_fraction`` of the tokens) or ``"val"`` (the rest).
@@ -82,9 +113,7 @@ class ByteTextDataset(Dataset):
             raise TextDataError(f"{self.path}: token id {int(tokens.max())} does not fit the model's vocabulary of "
                                 f"{vocab_size}" + (" (byte-level text needs a vocabulary of at least 256)"
                                                    if tokenizer is None else "; check the tokenizer"))
-        n_val = round(tokens.numel() * val_fraction)
-        cut = tokens.numel() - n_val
-        self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
+        self.tokens = split_by_position(tokens, split, val_fraction)
         if self.tokens.numel() < seq_len + 1:
             unit = "bytes" if tokenizer is None else "tokens"
             raise TextDataError(f"{self.path}: the {split} split holds {self.tokens.numel()} {unit} of "
@@ -122,16 +151,6 @@ class ByteTextDataset(Dataset):
             raise TextDataError(f"{self.path}: the tokenizer returned {int(tokens.min())}; it must return "
                                 "non-negative int token ids")
         return tokens.to(torch.int64)
-
-    def __len__(self) -> int:
-        return (self.tokens.numel() - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"ByteTextDataset: window {index} of {len(self)}")
-        index %= len(self)
-        window = self.tokens[index * self.seq_len:(index + 1) * self.seq_len + 1].long()
-        return window[:-1], window[1:]
 
     def __repr__(self) -> str:
         return (f"ByteTextDataset({self.path!r}, seq_len={self.seq_len}, split={self.split!r}: "

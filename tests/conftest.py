@@ -57,6 +57,7 @@ COMPUTING = {
     "test_tensor_parallel.py::test_uneven_tensor_parallel_matches_single_process": 8,
     "test_eager_pipeline.py::": 5,
     "test_guards.py::test_guards_on_two_ranks": 5,
+    "test_evaluation.py::": 12,   # three ranks train and evaluate under three plans
 }
 # The head of the second half: tests that mostly wait (emulated slow steps, torchrun launches and
 # restarts, ranks timing out) or compute on one core, so they leave the other worker's ranks room.
@@ -75,6 +76,7 @@ WAITING = {
     "test_tp_blocks.py::": 18,
     "test_checkpoint.py::": 15,
     "test_cli.py::": 15,
+    "test_packed_data.py::": 8,   # one core: imports datasets and transformers, trains a tokenizer
     "test_examples_train.py::test_train_py_runs_the_recipe_in_bf16_with_clipping_and_a_warm_cosine_schedule": 14,
     "test_import_graph.py::": 12,
     "test_bad_inputs.py::test_many_devices_plan_when_the_layer_is_wide_enough": 12,
