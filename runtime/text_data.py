@@ -38,6 +38,7 @@ plan drops it). A resumed stream takes the seed from the position, not from its 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -77,6 +78,14 @@ class TokenWindows(Dataset):
         index %= len(self)
         window = self.tokens[index * self.seq_len:(index + 1) * self.seq_len + 1].long()
         return window[:-1], window[1:]
+
+    def fingerprint(self) -> str:
+        """A digest of the windows (the token ids, as int64, and ``seq_len``): store it beside a
+        :class:`DataPosition`, which names only the number of windows, and refuse a resume onto data
+        whose fingerprint differs (another corpus, tokenizer or split of the same size)."""
+        digest = hashlib.sha256(f"{self.seq_len}:".encode())
+        digest.update(self.tokens.to(torch.int64).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
 
 def split_by_position(tokens: torch.Tensor, split: str, val_fraction: float) -> torch.Tensor:

@@ -9,14 +9,14 @@ Packing: the stream is every non-empty document's tokens followed by one EOS, in
 at the EOS tokens it decodes back to the documents); windows do not overlap, their targets are the
 inputs shifted by one, and every token of the stream but the first is a target exactly once; an
 epoch of a plan's streams reads every window exactly once. Every format gives the same stream; the
-validation split is the stream's last share or other files. Shares: on a data-parallel plan each
+validation split is the stream's last share or other files; the tokenized table is cached and the
+windows' fingerprint names them. Shares: on a data-parallel plan each
 rank's stream reads (``__getitem__``) only the windows of its share and follows a re-plan from the
 next step. Resume: a stream resumed from a saved position onto other shares, or a plan of the other
 kind, reads what the uninterrupted stream reads. Errors name the file or directory, the bad value and
 the fix: a missing file, a directory, a missing or unreadable tokenizer directory, a tokenizer
 without EOS, an empty file, files without text, ``seq_len`` beyond the corpus, an unknown
-extension, mixed formats, a missing or non-text field, conflicting validation options. The
-tokenized table is cached: a second load tokenizes nothing.
+extension, mixed formats, a missing or non-text field, conflicting validation options.
 """
 from __future__ import annotations
 
@@ -168,6 +168,8 @@ def test_tokenizing_is_cached(corpus, packed):
     assert before                                    # the map wrote its table to the cache
     again = _load(corpus).train
     assert cached() == before and torch.equal(again.tokens, packed.tokens)
+    # the same windows, the same fingerprint; other windows of the same data, another
+    assert again.fingerprint() == packed.fingerprint() != _load(corpus, seq_len=SEQ_LEN + 1).train.fingerprint()
 
 
 # -- errors --------------------------------------------------------------------------------------------
