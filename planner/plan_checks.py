@@ -6,13 +6,14 @@ checked here, before any process starts, and the first broken one is reported wi
 field (``plan.workers[3].micro_batch_sizes``), the bad value and what it should be. Single-field
 rules (types, bounds, allowed values) live on the fields (:class:`whalelike.spec.Rule`); the checks
 here relate fields to each other, to a model and to a cluster. They are reached through
-:func:`whalelike.spec.validate` (``plan.validate``), which runs each once per plan content.
+:func:`whalelike.spec.validate` (``plan.validate``), which runs each once per plan content. They
+read the record (:class:`~planner.plan_record.PlanRecord`): :mod:`planner.plan` imports this module
+for :meth:`~planner.plan.Plan.validate`, never the other way round.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from whalelike.config import SCHEDULES
 from whalelike.errors import SpecError
@@ -25,15 +26,13 @@ from planner.devices.memory import fits
 from planner.shares.state_fractions import SUM_TOLERANCE
 from planner.errors import PlanError
 from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
-
-if TYPE_CHECKING:   # the type alone: planner.plan imports this module (Plan.validate runs these checks)
-    from planner.plan import Plan
+from planner.plan_record import PlanRecord
 
 # What a re-plan never changes about a worker (check_same_workers): its process, device and groups
 WORKER_MAPPING = ("rank", "device", "host", "replica", "stage", "dp_index", "tp_index", "tp_size")
 
 
-def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
+def check_plan(plan: PlanRecord, graphs=None, cluster=None) -> None:
     """Every check, every time: the field rules, :func:`check_alone` and, when given,
     :func:`check_model` and :func:`check_cluster`. ``plan.validate`` (:func:`whalelike.spec.validate`)
     runs the same once per plan content."""
@@ -45,7 +44,7 @@ def check_plan(plan: Plan, graphs=None, cluster=None) -> None:
         check_cluster(plan, cluster)
 
 
-def check_alone(plan: Plan) -> None:
+def check_alone(plan: PlanRecord) -> None:
     """The plan's own consistency (its fields' rules hold: :mod:`whalelike.spec` checks them first)."""
     _check_header(plan)
     _check_stages(plan)
@@ -59,7 +58,7 @@ def check_alone(plan: Plan) -> None:
     _check_schedule_choice(plan)
 
 
-def _check_header(plan: Plan) -> None:
+def _check_header(plan: PlanRecord) -> None:
     if plan.schema_version != SCHEMA_VERSION:
         raise PlanError(
             f"plan.schema_version is {plan.schema_version}, this planner reads version {SCHEMA_VERSION}; "
@@ -71,7 +70,7 @@ def _check_header(plan: Plan) -> None:
         raise PlanError("plan.workers is empty")
 
 
-def _check_stages(plan: Plan) -> None:
+def _check_stages(plan: PlanRecord) -> None:
     next_layer = 0
     for i, st in enumerate(plan.stages):
         where = f"plan.stages[{i}]"
@@ -92,7 +91,7 @@ def _check_stages(plan: Plan) -> None:
     stage_regions(plan)   # folded stages: runs of adjacent TaskGraphs, in order
 
 
-def stage_regions(plan: Plan) -> list[list[int]]:
+def stage_regions(plan: PlanRecord) -> list[list[int]]:
     """The TaskGraphs each stage stands for, in order: ``StagePlan.folded`` for a stage folded from
     several regions (:mod:`planner.candidates`), else the one after the previous stage's (one stage
     per TaskGraph in a plan without folds). Raises PlanError for a ``folded`` list that is not two or
@@ -109,7 +108,7 @@ def stage_regions(plan: Plan) -> list[list[int]]:
     return out
 
 
-def _check_folds(plan: Plan, graphs) -> None:
+def _check_folds(plan: PlanRecord, graphs) -> None:
     """A plan with folded stages stands for every TaskGraph once, and folds only what the planner may
     (:func:`planner.partition.stage_layers.foldable_runs`'s rule: plain ``replicate`` regions of
     automatic device count and equal strategies); nothing to check in a plan without folds."""
@@ -147,7 +146,7 @@ def _check_recompute(st, where: str) -> None:
         )
 
 
-def _check_workers(plan: Plan) -> None:
+def _check_workers(plan: PlanRecord) -> None:
     num_stages = len(plan.stages)
     for i, w in enumerate(plan.workers):
         where = f"plan.workers[{i}]"
@@ -174,7 +173,7 @@ def _check_workers(plan: Plan) -> None:
             _check_stage_group(plan, r, s)
 
 
-def _check_stage_group(plan: Plan, replica: int, stage: int) -> None:
+def _check_stage_group(plan: PlanRecord, replica: int, stage: int) -> None:
     where = f"plan.workers (replica {replica}, stage {stage})"
     members = plan.stage_workers(stage, replica)
     if not members:
@@ -201,7 +200,7 @@ def _check_stage_group(plan: Plan, replica: int, stage: int) -> None:
             )
 
 
-def _check_batches(plan: Plan) -> None:
+def _check_batches(plan: PlanRecord) -> None:
     multi_stage = len(plan.stages) > 1
     longest = 0
     for w in plan.workers:
@@ -250,7 +249,7 @@ def _check_batches(plan: Plan) -> None:
                 )
 
 
-def _check_zero(plan: Plan) -> None:
+def _check_zero(plan: PlanRecord) -> None:
     """A stage's replica sync and ZeRO stage agree (``ddp`` exactly at ``zero_stage`` 0, ``fsdp`` or
     ``ragged`` at 1-3; a reason other than ``none`` only with a ZeRO stage), ragged
     shards have their fractions (:func:`_check_state_fractions`), a ZeRO stage has someone to shard
@@ -292,7 +291,7 @@ def _check_zero(plan: Plan) -> None:
             )
 
 
-def _check_partial(plan: Plan) -> None:
+def _check_partial(plan: PlanRecord) -> None:
     """A stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``,
     ``runtime.replicas.partial_sync``) has replicas to average (two or more data-parallel workers),
     no ``split`` (a tensor-parallel slice's replicas would average apart from the other slices of their
@@ -333,7 +332,7 @@ def _check_partial(plan: Plan) -> None:
                             "re-create the plan with `whalelike plan`")
 
 
-def _check_state_fractions(plan: Plan, st, where: str) -> None:
+def _check_state_fractions(plan: PlanRecord, st, where: str) -> None:
     """``state_fractions`` exactly with replica sync ``ragged``, which runs on stages without
     ``split`` (``runtime.replicas.ragged_sync``; each pipeline stage's group its own): one fraction per worker of the stage's
     data-parallel group in rank order, summing to 1 (within
@@ -369,7 +368,7 @@ def _check_state_fractions(plan: Plan, st, where: str) -> None:
                         f"each by {total:g}, or re-create the plan with `whalelike plan`")
 
 
-def _check_shards(plan: Plan) -> None:
+def _check_shards(plan: PlanRecord) -> None:
     for st in plan.stages:
         tp_size = plan.stage_workers(st.index)[0].tp_size
         for path, sizes in st.shard_sizes.items():
@@ -380,7 +379,7 @@ def _check_shards(plan: Plan) -> None:
                 raise PlanError(f"{where}: every shard needs at least one element, got {sizes}")
 
 
-def _check_boundaries(plan: Plan) -> None:
+def _check_boundaries(plan: PlanRecord) -> None:
     for i, b in enumerate(plan.boundaries):
         where = f"plan.boundaries[{i}]"
         if not 0 <= b.src_stage < b.dst_stage < len(plan.stages):
@@ -392,7 +391,7 @@ def _check_boundaries(plan: Plan) -> None:
             raise PlanError(f"{where}.transfer_ms has {len(b.transfer_ms)} entries for {plan.num_micro_batch} micro-batches")
 
 
-def _check_candidates(plan: Plan) -> None:
+def _check_candidates(plan: PlanRecord) -> None:
     """The plan is the candidate it says (``plan.chosen``, its predicted step), one that fits, and
     no candidate that fits is predicted faster (:mod:`planner.candidates`); nothing to check in a
     plan without candidates (a re-plan, a file written before them)."""
@@ -430,7 +429,7 @@ def _check_candidates(plan: Plan) -> None:
                             "fastest that fits; re-plan with `whalelike plan`")
 
 
-def _check_schedule_choice(plan: Plan) -> None:
+def _check_schedule_choice(plan: PlanRecord) -> None:
     """A plan made under ``Config.schedule`` ``"auto"`` (``plan.schedule_steps_ms``, planner.candidates
     .fastest_schedule) runs the schedule it lists with its own predicted step, and no schedule it
     lists is predicted faster."""
@@ -454,7 +453,7 @@ def _check_schedule_choice(plan: Plan) -> None:
                             "re-plan with `whalelike plan --schedule auto`")
 
 
-def check_model(plan: Plan, graphs) -> None:
+def check_model(plan: PlanRecord, graphs) -> None:
     """The plan was made for this model (its TaskGraphs): fingerprint, layers, shardable modules,
     and every model output computed before the last stage can reach the loss (:func:`_check_outputs`)."""
     fp = fingerprint_of(graphs)
@@ -503,7 +502,7 @@ def check_model(plan: Plan, graphs) -> None:
     _check_outputs(plan, graphs)
 
 
-def _check_outputs(plan: Plan, graphs) -> None:
+def _check_outputs(plan: PlanRecord, graphs) -> None:
     """Model outputs computed before the last stage: the rule the runtime's stage split applies
     (:func:`whalelike.graphs.output_tree.route_outputs`, on the capture's ``TaskGraphs.outputs`` and
     ``loss_reads``), so a plan accepted here runs: each is sent on to the last stage, or left out
@@ -555,7 +554,7 @@ def check_precision(cluster, precision: str, devices=None, what: str = "precisio
         raise PlanError(f"{what} is {precision!r}, but in {e}") from None
 
 
-def check_cluster(plan: Plan, cluster) -> None:
+def check_cluster(plan: PlanRecord, cluster) -> None:
     """Every worker's device exists in ``cluster``, on its host, in rank order, with room for it,
     and runs the plan's precision."""
     known = {d.name: d for d in cluster.devices}
@@ -583,7 +582,7 @@ def check_cluster(plan: Plan, cluster) -> None:
             )
 
 
-def check_same_workers(old: Plan, new: Plan, who: str) -> None:
+def check_same_workers(old: PlanRecord, new: PlanRecord, who: str) -> None:
     """A re-plan keeps every worker where it is: ``new`` has ``old``'s workers and stages, and each
     worker its rank, device, host, replica, stage, ``dp_index``, ``tp_index`` and ``tp_size``
     (:data:`WORKER_MAPPING`), so every process group stays valid; only amounts of work change.

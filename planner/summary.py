@@ -2,8 +2,11 @@
 gradients, optimizer state, activations against its memory; under ragged shards its fraction of the
 state), each stage's ZeRO stage, the predicted
 gain over the naive plan, the plans the planner priced and which it kept (:func:`choice_lines`) and,
-given the cluster, the resharding chosen at each pipeline boundary. The
-title names the training precision unless it is fp32.
+given the cluster, the resharding chosen at each pipeline boundary, and a line for each stage that
+runs Prague's partial all-reduce, named APPROXIMATE (:func:`partial_lines`). The
+title names the training precision unless it is fp32. :meth:`planner.plan.Plan.summary` prints
+:func:`plan_summary`; this module reads the record (:class:`~planner.plan_record.PlanRecord`), so the
+Plan's module imports it and not the other way round.
 
 The resharding section needs the cluster: the Plan records which host each worker is on and each
 boundary's bytes per sample, but not the link figures (bandwidths, latency) that price a transfer.
@@ -11,18 +14,15 @@ boundary's bytes per sample, but not the link figures (bandwidths, latency) that
 from __future__ import annotations
 
 from itertools import groupby
-from typing import TYPE_CHECKING
 
 from whalelike.display import format_table
 
+from planner.plan_record import PlanRecord, Worker
 from planner.shares.batchnorm_statistics import batchnorm_warnings
 from planner.resharding.reshard import boundary_resharding, byte_size, unbatched_resharding
 
-if TYPE_CHECKING:   # the types alone: planner.plan imports this module (Plan.summary)
-    from planner.plan import Plan, Worker
 
-
-def plan_summary(plan: Plan, cluster=None) -> str:
+def plan_summary(plan: PlanRecord, cluster=None) -> str:
     """The summary; with ``cluster`` (the :class:`whalelike.cluster.Cluster` the plan was made for,
     or a :class:`planner.devices.network.NetworkModel` of it) also :func:`resharding_lines`."""
     headers = ["rank", "device", "host", "stage", "dp", "tp", "samples", "shard", "memory GiB", "compute ms"]
@@ -68,10 +68,10 @@ def plan_summary(plan: Plan, cluster=None) -> str:
     ]
     if cluster is not None and plan.boundaries:
         lines += ["", *resharding_lines(plan, cluster)]
-    return "\n".join(lines)
+    return "\n".join(lines + partial_lines(plan))
 
 
-def resharding_lines(plan: Plan, cluster, micro_batch: int = 0) -> list[str]:
+def resharding_lines(plan: PlanRecord, cluster, micro_batch: int = 0) -> list[str]:
     """One line per pipeline boundary: the resharding of micro-batch ``micro_batch``
     (:func:`planner.resharding.reshard.boundary_resharding`): bytes, strategy, unit tasks, predicted time,
     lower bound, what plain send/recv would take, and the plan's own ``BoundaryPlan.transfer_ms``
@@ -105,7 +105,7 @@ CANDIDATE_LABELS = {"aware": "hardware-aware decisions", "naive": "naive plan (c
                     "folded": "plan with replicate regions folded into fewer stages"}
 
 
-def choice_lines(plan: Plan) -> list[str]:
+def choice_lines(plan: PlanRecord) -> list[str]:
     """Which of the plans the planner priced it kept and why (``Plan.chosen``, ``Plan.candidates``,
     :mod:`planner.candidates`): each with its predicted step, the kept one marked, one that does not
     fit marked so; then, when the kept one is not the hardware-aware plan, the line that says it was
@@ -135,7 +135,7 @@ def _folded(st) -> str:
     return f", folded from regions {'+'.join(map(str, folded))} (one stage on their devices)" if folded else ""
 
 
-def memory_lines(plan: Plan) -> list[str]:
+def memory_lines(plan: PlanRecord) -> list[str]:
     """Per device its weights, gradients, optimizer state and activations at its peak against its
     memory, in GiB (``Worker.weights_gib`` ...: the memory model's terms under the stage's ZeRO
     stage), then a blank line; nothing for a plan made before the terms were recorded."""
@@ -153,7 +153,7 @@ def memory_lines(plan: Plan) -> list[str]:
     return [format_table(headers, rows, title="memory per device at its peak (GiB):"), ""]
 
 
-def state_shares(plan: Plan) -> dict[int, str]:
+def state_shares(plan: PlanRecord) -> dict[int, str]:
     """Per rank its fraction of its stage's sharded state (``'12.5%'``) under ragged shards
     (``StagePlan.state_fractions``, in the rank order of the stage's data-parallel group); empty when
     no stage runs them."""
@@ -199,9 +199,21 @@ def _samples(w: Worker) -> str:
     return f"{w.batch_share} = {parts}"
 
 
-def _shard(plan: Plan, w: Worker) -> str:
+def _shard(plan: PlanRecord, w: Worker) -> str:
     sizes = plan.stages[w.stage].shard_sizes
     if w.tp_size == 1 or not sizes:
         return "-"
     mine = sum(s[w.tp_index] for s in sizes.values())
     return f"{mine / sum(sum(s) for s in sizes.values()):.1%}"
+
+
+def partial_lines(plan: PlanRecord) -> list[str]:
+    """One line per stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``): its
+    generator, group size and threshold, and that its steps are approximate (each replica steps on
+    its own gradient and averages with a group, which is not the synchronous SGD of one device)."""
+    return [f"stage {st.index}: P-Reduce (partial all-reduce), {st.partial_generator} group generator, groups of "
+            f"{st.partial_group_size}" + (f", threshold Δc {st.partial_delta_c}" if st.partial_generator == "smart"
+                                          else "") +
+            ": APPROXIMATE, each replica steps on its own gradient and averages its parameters with its group "
+            "(not the synchronous SGD of one device)"
+            for st in plan.stages if st.replica_sync == "partial"]

@@ -11,12 +11,11 @@ from the plan alone (``Plan.summary`` prints it, :func:`log_batchnorm_warnings` 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from whalelike.graphs.taskgraph import TaskGraphs, abbreviate_paths
 
-if TYPE_CHECKING:   # the type alone: planner.plan imports this module through planner.summary (Plan.summary)
-    from planner.plan import Plan
+from planner.plan_record import PlanRecord
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ def stage_batchnorms(graphs: TaskGraphs, layers: Iterable[int]) -> list[str]:
     return list(dict.fromkeys(path for i in layers for path in getattr(by_index[i], "batchnorm", ())))
 
 
-def batchnorm_warnings(plan: Plan) -> list[str]:
+def batchnorm_warnings(plan: PlanRecord) -> list[str]:
     """One line per stage whose BatchNorm statistics differ from single-device training."""
     out = []
     for stage in plan.stages:
@@ -48,6 +47,6 @@ def batchnorm_warnings(plan: Plan) -> list[str]:
     return out
 
 
-def log_batchnorm_warnings(plan: Plan) -> None:
+def log_batchnorm_warnings(plan: PlanRecord) -> None:
     for line in batchnorm_warnings(plan):
         log.warning("%s", line)

@@ -39,13 +39,11 @@ comments, and a re-planned Plan (new shares at run time) yields its new layout i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from planner.errors import GlobalBatchError, PlanError
+from planner.plan_record import PlanRecord, Worker
 from planner.shares.batch_shares import LARGEST_REMAINDER, proportional_shares
-
-if TYPE_CHECKING:   # the types alone: planner.plan imports this module through planner.summary (Plan.summary)
-    from planner.plan import Plan, Worker
 
 Range = tuple[int, int]
 
@@ -71,7 +69,7 @@ def proportional_split(n: int, weights: Sequence[float]) -> list[int]:
     return out
 
 
-def check_global_batch(plan: Plan, n: int, where: str, what: str = "the batch") -> None:
+def check_global_batch(plan: PlanRecord, n: int, where: str, what: str = "the batch") -> None:
     """A step that takes whole global batches needs ``plan.global_batch_size`` samples: every rank
     holds all of them and takes its part by this layout. Raises :class:`~planner.errors.GlobalBatchError`
     starting with ``where`` (e.g. ``"rank 1, step 3"``) and naming ``what`` (``"the batch"``,
@@ -116,8 +114,8 @@ class SampleLayout:
     rank_dp_group: tuple[int, ...]
 
     @classmethod
-    def of(cls, plan: Plan) -> "SampleLayout":
-        """The layout of ``plan`` (assumed valid: :meth:`Plan.validate`)."""
+    def of(cls, plan: PlanRecord) -> "SampleLayout":
+        """The layout of ``plan`` (assumed valid: :meth:`planner.plan.Plan.validate`)."""
         ranges = _single_stage_ranges(plan) if len(plan.stages) == 1 else _pipeline_ranges(plan)
         groups: dict[tuple[int, int], list[Worker]] = {}
         for w in plan.workers:
@@ -237,7 +235,7 @@ class _Groups:
     micro-batch, so scanning the plan's workers each time made a layout of 1,024 workers cost
     0.6 s; grouping once makes it linear in the workers and micro-batches."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: PlanRecord):
         self.slots: dict[tuple[int, int], list[Worker]] = {}
         self.members: dict[tuple[int, int], list[Worker]] = {}
         for w in plan.workers:
@@ -248,7 +246,7 @@ class _Groups:
             slots.sort(key=lambda w: w.dp_index)
 
 
-def _single_stage_ranges(plan: Plan) -> dict[int, list[Range]]:
+def _single_stage_ranges(plan: PlanRecord) -> dict[int, list[Range]]:
     """Each slot one contiguous share, replicas then slots in order, micro-batches inside."""
     groups = _Groups(plan)
     ranges: dict[int, list[Range]] = {}
@@ -265,7 +263,7 @@ def _single_stage_ranges(plan: Plan) -> dict[int, list[Range]]:
     return ranges
 
 
-def _pipeline_ranges(plan: Plan) -> dict[int, list[Range]]:
+def _pipeline_ranges(plan: PlanRecord) -> dict[int, list[Range]]:
     """Replica blocks, micro-batch blocks inside, slots' pieces inside those, the same in every stage."""
     groups = _Groups(plan)
     ranges: dict[int, list[Range]] = {}
