@@ -40,6 +40,7 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions, stage_syncs, zero_shards
+from planner.groups import groups_of
 from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
 from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES
@@ -167,9 +168,7 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
     stage (``partial``: stage -> group size) averages its parameters within a group after the
     optimizer step instead: :func:`_partial_allreduce_ms`, ``gradient_bytes`` 0 (nothing overlaps
     the backward)."""
-    peers: dict[tuple[int, int], list[Worker]] = {}
-    for w in workers:
-        peers.setdefault((w.stage, w.tp_index), []).append(w)
+    peers = groups_of(workers, "dp")
     by_name = {d.name: d for r in layout.groups for s in r for g in s for d in g}
     for (s, t), ws in peers.items():
         nbytes = dec.costs[s].param_bytes * dec.shards[s].fractions[t]

@@ -7,14 +7,9 @@ in one fixed order, and hands each rank the ones it belongs to. Identical rank s
 kinds (in pure data parallel the data-parallel group *is* the stage group *is* the replica) share
 one communicator.
 
-Kinds (rank lists are ordered by the Plan's indices, not by global rank):
-
-* ``dp``      same stage and ``tp_index``, every replica and ``dp_index``, ordered by
-              ``(replica, dp_index)``: the workers that hold the same parameters and sum their
-              gradients (DDP's group).
-* ``tp``      same replica, stage and ``dp_index``, ordered by ``tp_index``: one tensor-parallel group.
-* ``stage``   same replica and stage: every worker of one pipeline stage.
-* ``replica`` every worker of one pipeline replica.
+Kinds (``dp``, ``tp``, ``stage``, ``replica``), their keys and their members' order are the
+planner's (:mod:`planner.groups`, the one derivation the simulator and the planner use too); rank
+lists are in that plan order, not by global rank.
 """
 from __future__ import annotations
 
@@ -25,11 +20,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from planner.plan import Plan, Worker
+from planner.groups import KINDS, group_ranks
+from planner.plan import Plan
 
 log = logging.getLogger(__name__)
-
-KINDS = ("dp", "tp", "stage", "replica")
 
 
 @dataclass(frozen=True)
@@ -58,35 +52,6 @@ class PlanGroups:
     tp: RankGroup
     stage: RankGroup
     replica: RankGroup
-
-
-def _key(kind: str, w: Worker) -> tuple:
-    return {
-        "dp": (w.stage, w.tp_index),
-        "tp": (w.replica, w.stage, w.dp_index),
-        "stage": (w.replica, w.stage),
-        "replica": (w.replica,),
-    }[kind]
-
-
-def _order(kind: str, w: Worker) -> tuple:
-    return {
-        "dp": (w.replica, w.dp_index),
-        "tp": (w.tp_index,),
-        "stage": (w.dp_index, w.tp_index),
-        "replica": (w.stage, w.dp_index, w.tp_index),
-    }[kind]
-
-
-def group_ranks(plan: Plan, kind: str) -> dict[tuple, tuple[int, ...]]:
-    """Every group of ``kind`` in the Plan: key -> member ranks in Plan order (pure, no torch calls)."""
-    if kind not in KINDS:
-        raise ValueError(f"group kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    members: dict[tuple, list[Worker]] = {}
-    for w in plan.workers:
-        members.setdefault(_key(kind, w), []).append(w)
-    return {key: tuple(w.rank for w in sorted(ws, key=lambda w: _order(kind, w)))
-            for key, ws in sorted(members.items())}
 
 
 def build_groups(plan: Plan, rank: int, timeout_s: Optional[float] = None) -> PlanGroups:

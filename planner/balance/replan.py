@@ -65,6 +65,7 @@ from planner.assemble import build_plan, predict
 from planner.candidates import Priced, keep_fastest
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
+from planner.groups import group_key
 from planner.plan import Plan, PlanError, Prediction
 from planner.plan_checks import WORKER_MAPPING, check_same_workers, stage_regions
 from planner.partition.stage_layers import movable_runs, partition_stage_layers
@@ -237,7 +238,7 @@ def plan_layout(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Layout:
     by_name = {d.name: d for d in cluster.devices}
     slots: dict[tuple[int, int, int], dict[int, Device]] = defaultdict(dict)
     for w in plan.workers:
-        slots[(w.replica, w.stage, w.dp_index)][w.tp_index] = by_name[w.device]
+        slots[group_key("tp", w)][w.tp_index] = by_name[w.device]
     shapes = []
     for s, (st, tgs) in enumerate(zip(plan.stages, stage_regions(plan))):   # a folded stage stands for several
         first = plan.stage_workers(s, replica=0)

@@ -31,9 +31,10 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from planner.groups import group_key
 from planner.plan import Plan, PlanError
 from planner.schedule.actions import Action, build_schedule
-from planner.schedule.program import Program, _lower, split_flags
+from planner.schedule.program import Program, lower_with_origins, split_flags
 
 Schedule = Sequence[Sequence[Action]]
 Edge = tuple[int, int]  # (src_stage, dst_stage): src's forward output feeds dst
@@ -100,7 +101,7 @@ def validate_schedule(schedule: Schedule, edges: Sequence[Edge] | None = None) -
     for src, dst in edges:
         _check_edge(src, dst, micro_batches[src], micro_batches[dst])
     # every stage as its list says: B whole, BI and BW split
-    program, origins = _lower(schedule, edges, [True] * num_stages)
+    program, origins = lower_with_origins(schedule, edges, [True] * num_stages)
     _check_progress(program, origins, [list(actions) for actions in schedule])
 
 
@@ -133,7 +134,7 @@ def proven_program(kind: str, num_stages: int, num_micro_batch: int, edges: tupl
     micro_batches = [_check_stage(s, actions) for s, actions in enumerate(schedule)]
     for src, dst in edges:
         _check_edge(src, dst, micro_batches[src], micro_batches[dst])
-    program, _ = _lower(schedule, edges, split)
+    program, _ = lower_with_origins(schedule, edges, split)
     _check_program(program, edges)
     return program
 
@@ -155,7 +156,7 @@ def _check_workers(plan: Plan) -> None:
                 f"{where}.forward_ms has {len(w.forward_ms)} entries; every pipeline stage runs "
                 f"num_micro_batch = {plan.num_micro_batch} micro-batches"
             )
-        tp_groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
+        tp_groups.setdefault(group_key("tp", w), []).append(w)
     for (r, s, dp), ws in tp_groups.items():
         if len({len(w.forward_ms) for w in ws}) != 1:
             raise ScheduleError(

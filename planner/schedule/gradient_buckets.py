@@ -41,11 +41,12 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
 from planner.devices.network import NetworkModel, Ring
+from planner.groups import group_key
 from planner.plan import Plan, StagePlan
 from planner.shares.shard_sizes import layout_of_sizes
 from planner.shares.stage_shards import stage_shardable
 
-GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces
+GroupKey = tuple[int, int]   # (stage, tp_index): one data-parallel group of gradient all-reduces (planner.groups "dp")
 
 MIB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MIB    # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -119,7 +120,7 @@ def plan_buckets(plan: Plan, network: NetworkModel, first_bucket_bytes: float = 
     the backward; a ZeRO stage has none, nor a P-Reduce one), priced on ``network``."""
     members: dict[GroupKey, list] = {}
     for w in plan.workers:
-        members.setdefault((w.stage, w.tp_index), []).append(w)
+        members.setdefault(group_key("dp", w), []).append(w)
     out: dict[GroupKey, list[GradientBucket]] = {}
     network_key = network.key()
     for key, ws in members.items():

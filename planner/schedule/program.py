@@ -81,11 +81,11 @@ def edges_of(plan: Plan) -> tuple[Edge, ...]:
 def lower(schedule: Sequence[Sequence[Action]], edges: Sequence[Edge], split: Sequence[bool]) -> Program:
     """Each stage's program (module docstring) from its compute actions in ``schedule``, the
     boundaries ``edges`` and whether each stage splits its backward."""
-    return _lower(schedule, edges, split)[0]
+    return lower_with_origins(schedule, edges, split)[0]
 
 
-def _lower(schedule: Sequence[Sequence[Action]], edges: Sequence[Edge], split: Sequence[bool]
-           ) -> tuple[Program, tuple[tuple[int, ...], ...]]:
+def lower_with_origins(schedule: Sequence[Sequence[Action]], edges: Sequence[Edge], split: Sequence[bool]
+                       ) -> tuple[Program, tuple[tuple[int, ...], ...]]:
     """:func:`lower`, and for every action of the program the position of the compute action it
     came from in ``schedule`` (so a proof can name the step of the list it was given)."""
     num_stages = len(schedule)

@@ -76,6 +76,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 from whalelike.display import format_table
 
 from planner.devices.network import NetworkModel
+from planner.groups import group_key, member_order
 from planner.plan import Plan, Prediction, Worker
 from planner.schedule.actions import Action, gradient_accumulation, max_in_flight
 from planner.schedule.boundary_traffic import plan_traffic
@@ -471,7 +472,7 @@ def _groups(plan: Plan, programs, traffic: dict, resources: _Resources) -> tuple
     direction, completed by the resharding sends that name one of its members."""
     members = defaultdict(list)
     for w in plan.workers:
-        members[w.replica, w.stage, w.dp_index].append(w)
+        members[group_key("tp", w)].append(w)
     group_of_device = {w.device: index for index, key in enumerate(sorted(members)) for w in members[key]}
     routes = _routes(traffic, group_of_device, resources)
 
@@ -488,7 +489,7 @@ def _groups(plan: Plan, programs, traffic: dict, resources: _Resources) -> tuple
                           if direction == "forward" and all(t is not None for t in per_micro_batch)}
     out = []
     for index, ((replica, stage, _), ws) in enumerate(sorted(members.items())):
-        ws.sort(key=lambda w: w.tp_index)
+        ws.sort(key=lambda w: member_order("tp", w))
         actions = programs[stage] if programs is not None else gradient_accumulation(len(ws[0].forward_ms))
         inputs: dict[tuple[str, int], list] = defaultdict(list)
         outputs: dict[tuple[str, int], list] = defaultdict(list)
@@ -530,7 +531,7 @@ def _allreduce(plan: Plan, finish: dict[int, float], last_backward: dict[int, tu
     (exposed, hidden) all-reduce time."""
     peers = defaultdict(list)
     for w in plan.workers:
-        peers[w.stage, w.tp_index].append(w)
+        peers[group_key("dp", w)].append(w)
     took = {}
     for key, ws in peers.items():
         if plan.stages[key[0]].replica_sync == "partial":   # P-Reduce: each worker with its own group
@@ -570,7 +571,7 @@ def _check_buckets(plan: Plan, buckets: Optional[Mapping[GroupKey, Sequence[Grad
     """Every bucket belongs to a data-parallel group of the plan and has usable figures."""
     if not buckets:
         return
-    groups = {(w.stage, w.tp_index) for w in plan.workers}
+    groups = {group_key("dp", w) for w in plan.workers}
     for key, own in buckets.items():
         if key not in groups:
             raise ScheduleError(f"buckets: no data-parallel group (stage, tp_index) = {key!r} in the plan; groups: "

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from planner.errors import GlobalBatchError, PlanError
+from planner.groups import groups_of
 from planner.plan_record import PlanRecord, Worker
 from planner.shares.batch_shares import LARGEST_REMAINDER, proportional_shares
 
@@ -117,11 +118,7 @@ class SampleLayout:
     def of(cls, plan: PlanRecord) -> "SampleLayout":
         """The layout of ``plan`` (assumed valid: :meth:`planner.plan.Plan.validate`)."""
         ranges = _single_stage_ranges(plan) if len(plan.stages) == 1 else _pipeline_ranges(plan)
-        groups: dict[tuple[int, int], list[Worker]] = {}
-        for w in plan.workers:
-            groups.setdefault((w.stage, w.tp_index), []).append(w)
-        dp_groups = tuple(tuple(w.rank for w in sorted(ws, key=lambda w: (w.replica, w.dp_index)))
-                          for _, ws in sorted(groups.items()))
+        dp_groups = tuple(tuple(w.rank for w in ws) for ws in groups_of(plan.workers, "dp").values())
         group_of = {r: g for g, ranks in enumerate(dp_groups) for r in ranks}
         return cls(
             global_batch_size=plan.global_batch_size,

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from planner.groups import group_ranks
 from runtime.control.exchange import Part
 from runtime.control.protocol import Controller, PlanChange, StepView
 from whalelike.errors import SpecError
@@ -523,11 +524,7 @@ class _Proposal(PlanChange):
 
 def _tensor_parallel_groups(plan) -> list[list[int]]:
     """The ranks of every tensor-parallel group (same replica, stage and dp_index), by tp_index."""
-    groups: dict[tuple, list] = {}
-    for w in plan.workers:
-        if w.tp_size > 1:
-            groups.setdefault((w.replica, w.stage, w.dp_index), []).append(w)
-    return [[w.rank for w in sorted(g, key=lambda w: w.tp_index)] for g in groups.values()]
+    return [list(ranks) for ranks in group_ranks(plan, "tp").values() if len(ranks) > 1]
 
 
 def _action(kinds) -> str:
