@@ -28,11 +28,13 @@ its update's weight; for DDP the global loss), smoothed over 5 steps, first reac
 calm all-reduce run's smoothed loss at 60% of its steps), timed when the slowest rank finished it.
 
 The *no-wait bound*: what smart P-Reduce would reach if no rank ever waited for another, each rank's own
-compute segments back to back (stragglers included) plus P-Reduce's own per-step cost outside them, the
-median over ranks and steps of the calm smart run's step time minus its compute (the engine, the
-generator's answer, the average with partners in step). Before issue 30 the bound took the calm
-all-reduce run's per-step overhead instead, which is larger (DDP's ring on gloo; 60 ms a step at 8
-ranks on 2 cores), so that bound was lower and could be exceeded; that figure is printed beside it.
+compute segments back to back (stragglers included) plus P-Reduce's own per-step cost outside them,
+measured in the same smart run (the load of a shared machine drifts between sides): the median over ranks
+and steps of the step time minus compute minus the wait for the generator's answer (the engine, the
+average with the group), plus the median answer time (a round trip: most answers come at once). Before
+issue 30 the bound took the calm all-reduce run's per-step overhead instead, which is larger (DDP's ring
+on gloo; 60 ms a step at 8 ranks on 2 cores), so that bound was lower and could be exceeded; that figure
+is printed beside it.
 
 Run (spawns the ranks itself; 2-4 minutes at 4 ranks, longer at 16)::
 
@@ -132,12 +134,16 @@ def run_side(side: str, slowed: bool, plan, batches, args) -> dict:
         SyncPolicy("partial").attach(engine)
     elif side == "policy":
         policy = SyncPolicy("auto").attach(engine)
-    losses, done = [], []
+    def answers_s() -> float:   # P-Reduce: this rank's seconds so far waiting for the group generator's answers
+        return getattr(getattr(getattr(engine.executor, "sync", None), "stats", None), "generator_s", 0.0)
+
+    losses, done, asked = [], [], []
     dist.barrier()
     start = time.perf_counter()
     for batch in batches:
         losses.append(float(engine.train_step(batch)))
         done.append(time.perf_counter() - start)
+        asked.append(answers_s())
     # P-Reduce: the replicas' average, the trained model (untimed; a barrier for every side)
     state = engine.state_dict()
     model = make_model(args.width)
@@ -145,12 +151,14 @@ def run_side(side: str, slowed: bool, plan, batches, args) -> dict:
     (held_x,), held_y = make_batches(args, seed=2, steps=1)[0]
     with torch.no_grad():
         held_out = float(F.cross_entropy(model(held_x), held_y))
-    figures = torch.tensor([losses, done, [st.padded_s for st in engine.stats]], dtype=torch.float64)
+    figures = torch.tensor([losses, done, [st.padded_s for st in engine.stats], asked], dtype=torch.float64)
     gathered = [torch.empty_like(figures) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, figures)
-    stacked = torch.stack(gathered)   # rank, (loss, time, compute), step
-    # each rank's per-step time outside its compute segments (the engine, the sync, waiting), steps 2 on
+    stacked = torch.stack(gathered)   # rank, (loss, time, compute, answers), step
+    # each rank's per-step time outside its compute segments (the engine, the sync, waiting), steps 2 on, and of
+    # it the time waiting for the generator's answer (a round trip when the group is there, more when not)
     outside = stacked[:, 1, 2:] - stacked[:, 1, 1:-1] - stacked[:, 2, 2:]
+    answer = (stacked[:, 3, 2:] - stacked[:, 3, 1:-1]).clamp(min=0.0)
     stats = engine.stats
     counts = torch.tensor([sum(s.overruns for s in stats), sum(s.segments for s in stats),
                            sum(s.approximate for s in stats)], dtype=torch.float64)
@@ -161,7 +169,9 @@ def run_side(side: str, slowed: bool, plan, batches, args) -> dict:
     return {"loss": stacked[:, 0].mean(dim=0).tolist(), "time": stacked[:, 1].max(dim=0).values.tolist(),
             "held_out": held_out, "compute": stacked[:, 2].sum(dim=1).tolist(),
             "max_compute": stacked[:, 2].max(dim=0).values.tolist(),
-            "outside": float(outside.median()) if outside.numel() else 0.0,
+            # P-Reduce's own cost a step without waiting: outside compute and the answer, plus the median answer
+            # (most answers are immediate: a round trip)
+            "own": (float((outside - answer).median()), float(answer.median())) if outside.numel() else (0.0, 0.0),
             "overruns": int(counts[0]), "segments": int(counts[1]), "approximate_steps": int(counts[2]),
             "replans": len(engine.replans), "alone": alone, "rounds": rounds,
             "policy": [e.line() for e in policy.history] if policy is not None else []}
@@ -205,13 +215,15 @@ def report(results: dict, args) -> None:
     target = smoothed(runs["allreduce-calm"]["loss"])[target_step]
     slow_steps = len({k for k, _ in results["slow"]})
     # the no-wait bound of P-Reduce: each rank runs its own steps back to back (its compute segments'
-    # time, stragglers included) plus P-Reduce's own per-step cost outside them (the calm smart run's
-    # median over ranks and steps of step time minus compute: the engine, the generator's answer, the
-    # average with partners in step): what a generator that never made anyone wait would reach. Until
-    # issue 30 the bound took the calm all-reduce run's per-step overhead instead (its step time minus
-    # its slowest rank's compute), larger than P-Reduce's own (DDP's ring on gloo), so a lower bound;
-    # both are printed
-    overhead = max(runs["smart-calm"]["outside"], 0.0)
+    # time, stragglers included) plus P-Reduce's own per-step cost outside them, measured in the same run
+    # (so under the same load): the median over ranks and steps of step time minus compute minus the wait
+    # for the generator's answer (the engine, the average with its group), plus the median answer time (a
+    # round trip: most answers are immediate). What a generator that never made anyone wait would reach.
+    # Until issue 30 the bound took the calm all-reduce run's per-step overhead instead (its step time
+    # minus its slowest rank's compute), larger than P-Reduce's own (DDP's ring on gloo), so a lower
+    # bound; both are printed
+    own, answer = runs["smart"]["own"]
+    overhead = max(own, 0.0) + max(answer, 0.0)
     bound = samples / (max(runs["smart"]["compute"]) + args.steps * overhead)
     calm = runs["allreduce-calm"]
     ar_overhead = statistics.median(calm["time"][k] - calm["time"][k - 1] - calm["max_compute"][k]
@@ -236,8 +248,9 @@ def report(results: dict, args) -> None:
     print(f"target loss {target:.4f}: the calm all-reduce run's training loss (mean of {SMOOTH} steps) at step "
           f"{target_step}; held-out: the final model (P-Reduce: the replicas' average) on a batch of new samples")
     print(f"no-wait bound of P-Reduce under these slowdowns: {bound:.1f} samples/s = {bound / thr['allreduce']:.2f}x "
-          f"all-reduce (each rank's own compute back to back plus {overhead * 1e3:.1f} ms a step outside it, the calm "
-          f"smart run's); with the calm all-reduce's {ar_overhead * 1e3:.1f} ms a step instead (the bound recorded "
+          f"all-reduce (each rank's own compute back to back plus {overhead * 1e3:.1f} ms a step, smart P-Reduce's own "
+          f"cost in this run: {own * 1e3:.1f} ms outside compute and the generator, {answer * 1e3:.1f} ms for its "
+          f"answer, medians); with the calm all-reduce's {ar_overhead * 1e3:.1f} ms a step instead (the bound recorded "
           f"before issue 30): {ar_bound / thr['allreduce']:.2f}x, smart at {thr['smart'] / ar_bound:.0%} of it")
     for line in runs["policy"]["policy"]:
         print(f"  policy: {line}")

@@ -192,9 +192,10 @@ def test_the_threshold_rule_keeps_a_lagging_worker_out_of_a_fast_workers_group()
 def test_the_service_clock_drops_a_straggler_in_its_slow_step_and_waits_for_no_worker_mid_step():
     """Issue 30, the smart generator's arrival window (runtime.replicas.group_generator): with the service's
     clock a group is answered only when its members are all at their request; a member due at its request is
-    waited for until its limit (its expected arrival plus a tenth of its step), not through a 5x step; a worker
-    mid-step or overdue is not waited for at all; the threshold rule and the leeway still hold. The paper's
-    rule (no clock) bound the straggler into the fast worker's group, which then waited out its whole step."""
+    waited for until its limit (its expected arrival plus a tenth of its step), not through a 5x step; an
+    overdue worker or one mid-step is not waited for; the slowest worker waits for nobody beyond the late
+    share; the threshold rule still holds. The paper's rule (no clock) bound the straggler into the fast
+    worker's group, which then waited out its whole slow step."""
     T = 0.1   # every step takes 0.1 s, but worker 1's third one takes 0.5 s (a 5x straggler)
     g = SmartGroups([0, 1], ["a", "a"], 2, 2)
     assert g.request(0, now=0.0) is None and g.waiting(0), "its partner computes its first step: 0 waits for it"
@@ -212,26 +213,87 @@ def test_the_service_clock_drops_a_straggler_in_its_slow_step_and_waits_for_no_w
     assert not g.waiting(0) and g.pending == {} and g.open == {}
     # 1 is overdue now (a straggler): 0's next requests are answered at once, alone
     assert [g.request(0, now=t) for t in (0.3105, 0.4105, 0.5105)] == [(0,)] * 3
-    # 1 arrives at 0.6: 0 (answered at 0.5105) is due at 0.6105 and 1 lags it (c1 3, c0 6): the lagging
-    # requester pulls the fast worker in (Prague's leeway) and waits 10 ms for it, not a step
-    assert g.request(1, now=0.6) is None
-    assert g.request(0, now=0.6105) == (0, 1) and g.take_ready() == {1: (0, 1)}
-    assert g.request(1, now=0.7105) is None and g.request(0, now=0.7105) == (0, 1) and g.take_ready() == {1: (0, 1)}
-    # the threshold rule: 0 asks (c0 9) while 1, 5 requests behind (c1 4), is due: left out, no wait
-    assert g.due(1, 0.8105) and g.request(0, now=0.8105) == (0,), "Δc 2: a worker far behind is left out though due"
-    assert g.count == {0: 9, 1: 4}
-    # a worker mid-step is not waited for: 1 (answered at 0.7105, step time 0.1) asks at 0.8106, 0 was
-    # answered at 0.8105 and is expected at 0.9105
-    assert not g.due(0, 0.8106) and g.request(1, now=0.8106) == (1,)
+    # 1 arrives at 0.6, the slowest worker (c1 3, c0 6): it waits for nobody beyond a tenth of its step, and 0,
+    # due 10.5 ms later, is further than that: 1 goes on alone at once (a worker ahead would wait a quarter step)
+    assert g.patience(0) == pytest.approx(0.25) and g.count == {0: 6, 1: 2}
+    assert g.request(1, now=0.6) == (1,) and g.patience(1) == pytest.approx(0.1)
+    # the threshold rule: 0 (c0 7) asks when 1 (c1 3) is due: 4 requests behind, so left out
+    g.started[1] = 0.6105 - g.step_time(1)   # (1 due at 0.6105 exactly, whatever its median of two steps)
+    assert g.due(1, 0.6105) and g.request(0, now=0.6105) == (0,), "Δc 2: a worker far behind is left out though due"
+    # a worker mid-step is not waited for: 1 asks at 0.62; 0 was answered at 0.6105 and is expected at 0.7105
+    assert not g.due(0, 0.62, g.patience(1)) and g.request(1, now=0.62) == (1,)
     # without a clock (the paper's rule) the same first request binds the computing partner at once
     paper = SmartGroups([0, 1], ["a", "a"], 2, 2)
     assert paper.request(0) == (0, 1) and paper.pending == {1: 0}
 
 
-def test_the_service_clock_fills_a_group_and_parks():
+def _simulate(steps: int, slow: set, world: int = 4, seed: int = 0):
+    """A discrete-event run of ``world`` workers under the service's clock: each computes 0.1 s steps (0.5 s for
+    the (worker, step) pairs in ``slow``) and then asks; a waiting worker resumes when answered (by an arrival,
+    a park or a limit). Returns, per worker, each request's (time asked, time answered, group, counts when asked)."""
+    import heapq
+
+    groups = SmartGroups(list(range(world)), ["a", "a", "b", "b"][:world], 2, 2, seed=seed)
+    events = [(0.0, w) for w in range(world)]   # (time, worker) of each next request
+    step = dict.fromkeys(range(world), 0)
+    waiting: dict[int, tuple[float, dict]] = {}
+    log: dict[int, list] = {w: [] for w in range(world)}
+
+    def answered(w: int, group, at: float) -> None:
+        asked, counts = waiting.pop(w)
+        log[w].append((asked, at, group, counts))
+        step[w] += 1
+        if step[w] < steps:
+            heapq.heappush(events, (at + (0.5 if (w, step[w]) in slow else 0.1), w))
+
+    while events or waiting:
+        deadline = groups.next_deadline()
+        if events and (deadline is None or events[0][0] < deadline):
+            now, w = heapq.heappop(events)
+            waiting[w] = (now, dict(groups.count))
+            group = groups.request(w, now=now)
+            if group is not None:
+                answered(w, group, now)
+        else:
+            assert deadline is not None, f"workers {sorted(waiting)} wait with nothing to wake them"
+            now = deadline
+            groups.expire(now)
+        for v, group in groups.take_ready().items():
+            answered(v, group, now)
+    return log
+
+
+def test_under_the_clock_nobody_waits_out_a_straggler_and_the_slowest_barely_waits():
+    """The arrival window over a whole run (a simulation of the service's decisions, 4 workers, 120 steps, each
+    worker 5x slower with probability 1/4 per step, as bench/prague.py): every group is answered to all its
+    members at once, when all are there; no request waits longer than a quarter step plus a tenth (0.035 s),
+    none waits out a slow step; the slowest worker (fewest requests) waits at most twice the late share (0.02 s);
+    and groups of 2 still form (the threshold rule, Δc 2, keeps most pairs apart once the counts spread)."""
+    import random as random_
+
+    rng = random_.Random(3)
+    slow = {(w, k) for k in range(1, 120) for w in range(4) if rng.random() < 0.25}
+    log = _simulate(120, slow)
+    records = [(w, *r) for w, rs in log.items() for r in rs]
+    assert all(len(rs) == 120 for rs in log.values())
+    for w, asked, at, group, counts in records:
+        assert w in group and 1 <= len(group) <= 2
+        if len(group) == 2:   # the partner got the same group at the same moment, and was there
+            v = next(x for x in group if x != w)
+            assert any(g == group and a == at and q <= at for q, a, g, _ in log[v]), (w, asked, at, group)
+        if asked > 0.0:   # (the first step waits for everyone's first request: no clock yet)
+            assert at - asked <= 0.035 + 1e-9, f"worker {w} asked at {asked:.4f}, answered {at - asked:.4f} s later"
+            if counts[w] < min(c for v, c in counts.items() if v != w):   # the slowest when it asked
+                assert at - asked <= 0.02 + 1e-9, (w, asked, at, group, counts)
+    pairs = sum(len(g) == 2 for _, _, _, g, _ in records)
+    assert pairs >= 0.1 * len(records), f"{pairs} of {len(records)} requests averaged with a partner"
+
+
+def test_the_service_clock_fills_a_group_joins_a_waiting_one_and_parks():
     """With the clock: a requester whose division partner straggles takes another due worker whose own
-    partner straggles too; a worker named in a group joins it at once when it parks for a barrier, and a
-    parked worker is named in no group until its next request."""
+    partner straggles too; a requester with nobody due takes the place of a member still awaited in a group
+    that waits (nobody waits more for it); a worker named in a group joins it at once when it parks for a
+    barrier, and a parked worker is named in no group until its next request."""
     g = SmartGroups([0, 1, 2, 3], ["a", "a", "b", "b"], 2, 2)
     answers = {}
     for r in range(4):                      # the first step, everyone at 0.0: answered in the first division's pairs
@@ -252,6 +314,13 @@ def test_the_service_clock_fills_a_group_and_parks():
     assert not g.due(0, 0.2105) and not g.due(2, 0.2105) and g.due(3, 0.2105)
     assert g.request(1, now=0.2105) is None and g.pending == {3: next(iter(g.open))}
     assert g.request(3, now=0.2106) == (1, 3) and g.take_ready() == {1: (1, 3)}
+    # 1 asks again at 0.3106 and waits for 3 (due); 0 comes out of its slow step at 0.3107 with its partner 2
+    # overdue: it takes 3's place in 1's waiting group (both answered at once), and 3, coming at 0.3108, has
+    # nobody due (1 and 0 compute their next steps, 2 is overdue): alone at once
+    g.division = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
+    assert g.request(1, now=0.3106) is None and g.pending == {3: next(iter(g.open))}
+    assert g.request(0, now=0.3107) == (0, 1) and g.take_ready() == {1: (0, 1)} and g.pending == {}
+    assert g.request(3, now=0.3108) == (3,) and g.open == {}
     # parking: a worker named in a group joins it at once; a parked worker is named in no group
     g2 = SmartGroups([0, 1], ["a", "a"], 2, 2)
     assert g2.request(0, now=0.0) is None and g2.request(1, now=0.0) == (0, 1)

@@ -34,8 +34,8 @@ ascending order, itself included) there are the paper's two generators:
   of a slow step is only seen as a straggler by the count rule once that step is over, so a fast
   worker waited out the rest of a 5x step (measured on bench/prague.py: waits of 180-310 ms for a
   65 ms step, smart P-Reduce at 71-80% of its no-wait bound). Here the service clocks every worker:
-  a worker computes from its last answer to its next request, its *step time* is the median of its
-  last :data:`DURATIONS` such spans, and it is expected at its last answer plus its step time. It is
+  a worker computes from its last answer to its next request, its *step time* is the lower quartile
+  of its last :data:`DURATIONS` such spans (its usual step: slow ones do not count), and it is expected at its last answer plus its step time. It is
   *due* when that expected arrival lies between :data:`WAIT_LATE` of its step time before now and
   :data:`WAIT_AHEAD` after (each at least :data:`WAIT_FLOOR_S`, the timing noise of a busy host);
   a group waits for it until its *limit*, its expected arrival plus the late share, and drops it
@@ -307,7 +307,7 @@ class SmartGroups:
         self.divisions = 0
         self.started: dict[int, float] = {}             # clock: when each computing rank was last answered
         self.durations = {r: deque(maxlen=DURATIONS) for r in self.members}   # clock: answered to next request, s
-        self._step_time: dict[int, float] = {}           # clock: the median of each rank's durations
+        self._step_time: dict[int, float] = {}           # clock: each rank's usual step (step_time)
         self.ready: dict[int, tuple[int, ...]] = {}      # clock: answers decided for ranks waiting at a request
         self._ids = itertools.count()
         self._rng = random.Random(seed)
@@ -330,8 +330,9 @@ class SmartGroups:
 
     # -- the clock --------------------------------------------------------------------------------------
     def step_time(self, rank: int) -> float:
-        """``rank``'s step time (clock): the median of its latest spans from an answer to its next request
-        (none yet: the median of every rank's; none at all: 0)."""
+        """``rank``'s usual step time (clock): the lower quartile of its latest spans from an answer to its
+        next request, so slow steps (up to three in four) do not count (none yet: the median of every
+        rank's; none at all: 0)."""
         if rank in self._step_time:
             return self._step_time[rank]
         known = list(self._step_time.values())
@@ -346,14 +347,23 @@ class SmartGroups:
     def _slack(self, rank: int, share: float) -> float:
         return max(share * self.step_time(rank), self.floor_s)
 
-    def due(self, rank: int, now: Optional[float]) -> bool:
+    def due(self, rank: int, now: Optional[float], ahead: Optional[float] = None) -> bool:
         """Whether a group may wait for ``rank``: always without a clock, or before its first answer (every
-        rank computes its first step then); otherwise when its expected arrival lies within ``ahead`` of
-        its step time after ``now`` and ``late`` of it before (or ``floor_s``, if more). Further ahead it
-        is mid-step (waiting would cost the requester that much); later it is in a step slower than its
-        usual: a straggler, which the threshold rule on counts only sees once that step is over."""
+        rank computes its first step then); otherwise when its expected arrival lies within ``ahead`` (the
+        requester's share, :meth:`patience`; default :attr:`ahead`) of its step time after ``now`` and
+        ``late`` of it before (or ``floor_s``, if more). Further ahead it is mid-step (waiting would cost
+        the requester that much); later it is in a step slower than its usual: a straggler, which the
+        threshold rule on counts only sees once that step is over."""
         at = None if now is None else self.expected(rank)
-        return at is None or now - self._slack(rank, self.late) <= at <= now + self._slack(rank, self.ahead)
+        share = self.ahead if ahead is None else ahead
+        return at is None or now - self._slack(rank, self.late) <= at <= now + self._slack(rank, share)
+
+    def patience(self, rank: int) -> float:
+        """How far ahead (a share of a step time) requester ``rank`` waits for a partner: :attr:`ahead` when
+        it is ahead of the slowest worker in requests (the slowest sets the run's pace, so the time it
+        waits costs the run nothing while it stays ahead), only :attr:`late` when it is the slowest (its
+        every wait would lengthen the run)."""
+        return self.ahead if self.count[rank] > min(self.count.values()) else self.late
 
     def limit(self, rank: int) -> float:
         """The latest time a group waits for ``rank`` (clock): its expected arrival plus ``late`` of its step
@@ -366,7 +376,7 @@ class SmartGroups:
         began = None if now is None else self.started.pop(rank, None)
         if began is not None:
             self.durations[rank].append(now - began)
-            self._step_time[rank] = statistics.median(self.durations[rank])
+            self._step_time[rank] = sorted(self.durations[rank])[len(self.durations[rank]) // 4]
 
     def _answered(self, group: Sequence[int], now: Optional[float]) -> None:
         """``group``'s members get their answer at ``now`` (clock): each computes from here (unless parked)."""
@@ -441,12 +451,18 @@ class SmartGroups:
         self.count[rank] += 1
         if rank not in self.division:
             self.division = {w: g for g in self.divide() for w in g}
-        mine = self.count[rank]
+        mine, patience = self.count[rank], self.patience(rank)
 
         def joins(w: int) -> bool:
-            return w != rank and self.free(w) and self.count[w] > mine - self.delta_c and self.due(w, now)
+            return (w != rank and self.free(w) and self.count[w] > mine - self.delta_c
+                    and self.due(w, now, patience))
 
         kept = [w for w in self.division[rank] if joins(w)]
+        if now is not None and not kept:
+            joined = self._join_waiting(rank, now)
+            if joined is not None:
+                self.division.pop(rank, None)
+                return self._settle(joined, now, rank)
         if now is not None and len(kept) < self.group_size - 1:
             kept += self._fill(rank, kept, joins)
         group = tuple(sorted([rank, *kept]))
@@ -460,6 +476,24 @@ class SmartGroups:
         for w in kept:
             self.pending[w] = gid
         return group if now is None else None
+
+    def _join_waiting(self, rank: int, now: float) -> Optional[int]:
+        """(Clock) The requester has no partner due: it takes the place of a member still awaited in the
+        group that has waited longest among those whose arrived members pass the threshold rule against
+        it (the awaited member with the latest limit leaves, free to ask afresh); that group's id, or
+        None. Nobody waits more for this: the group was waiting anyway."""
+        mine = self.count[rank]
+        for gid, g in sorted(self.open.items()):
+            awaited = [w for w in g.group if w not in g.arrived]
+            if awaited and all(self.count[w] > mine - self.delta_c for w in g.arrived):
+                leaving = max(awaited, key=lambda w: (g.limits.get(w, math.inf), w))
+                g.group.remove(leaving)
+                g.limits.pop(leaving, None)
+                del self.pending[leaving]
+                g.group = sorted([*g.group, rank])
+                g.arrived.add(rank)
+                return gid
+        return None
 
     def _fill(self, rank: int, kept: list, joins) -> list:
         """(Clock) The requester's division leaves its group short (members not due: stragglers, or
