@@ -220,6 +220,12 @@ class PlanRecord:
         return any(w.tp_size > 1 for w in self.workers)
 
     @property
+    def tensor_parallel_stages(self) -> frozenset[int]:
+        """The stages under ``split``, whose workers hold shards (``tp_size > 1``, the rule of
+        :attr:`tensor_parallel`, per stage)."""
+        return frozenset(w.stage for w in self.workers if w.tp_size > 1)
+
+    @property
     def kind(self) -> str:
         """What runs it: ``"tensor_parallel"`` (a split stage), ``"pipeline"`` (several stages) or
         ``"data_parallel"`` (one replicated stage); the runtime's executor registry is keyed by it."""

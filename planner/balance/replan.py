@@ -129,7 +129,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         else:
             new_layers, solver, gap = found.layers, found.solver, found.gap
     layers_moved = new_layers != old_layers
-    reshard = reshard and any(w.tp_size > 1 for w in plan.workers)   # a single device's shard is the whole
+    reshard = reshard and plan.tensor_parallel   # a single device's shard is the whole
 
     decisions, first_error = None, None
     for use_layers, use_shards in _candidates(layers_moved, reshard):

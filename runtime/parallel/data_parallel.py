@@ -178,7 +178,7 @@ class DataParallelExecutor(StepExecutor):
 
     def _adopt(self, plan: Plan) -> None:
         """Take the layout of ``plan`` (checked against this rank's data-parallel group)."""
-        if len(plan.stages) != 1 or any(w.tp_size > 1 for w in plan.workers):
+        if len(plan.stages) != 1 or plan.tensor_parallel:
             raise PlanError(f"DataParallelExecutor runs single-stage plans without split; this plan has "
                             f"{len(plan.stages)} stages and tp_size {max(w.tp_size for w in plan.workers)}")
         layout = SampleLayout.of(plan)

@@ -130,8 +130,7 @@ class TiedParameters:
     def __init__(self, split: PipelineSplit, plan: Plan, rank: int, group: Optional[dist.ProcessGroup],
                  names: Optional[nn.Module] = None):
         self.worker: Worker = plan.worker(rank)
-        tp_stages = {w.stage for w in plan.workers if w.tp_size > 1}
-        ties = find_ties(split, tp_stages, names)
+        ties = find_ties(split, plan.tensor_parallel_stages, names)
         self.ties = [t for t, _ in ties]
         if ties and group is not None and group is not dist.group.WORLD \
                 and dist.get_world_size(group) != dist.get_world_size():
