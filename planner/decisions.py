@@ -55,7 +55,7 @@ TaskGraph boundaries, as for recompute); a re-plan keeps the plan's ZeRO stages.
 
 Prague's partial all-reduce (:func:`partial_stages`, :func:`stage_syncs`): a stage runs it when a
 region asks (``replicate(n, sync="partial")``) or ``Config.dp_sync`` is ``"partial"``, on two or more
-data-parallel workers without ``split``; its ZeRO stage is 0 (P-Reduce averages whole parameters) and
+data-parallel workers without ``split`` (P-Reduce's rules: :mod:`planner.partial_reduce`); its ZeRO stage is 0 (P-Reduce averages whole parameters) and
 its shares stay speed-proportional, as any stage's.
 """
 from __future__ import annotations
@@ -71,6 +71,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.devices.cost_model import GIB, CommModel, StageCost, device_tflops, ragged_collectives
 from planner.devices.memory import ZeroShards, fits, fsdp_unit_share, fsdp_units, ragged_unit, stage_memory
 from planner.devices.placement import Layout
+from planner.partial_reduce import WHY, blocker, generator, static_only
 from planner.partition.stage_layers import equal_stage_layers, partition_stage_layers
 from planner.plan import PlanError
 from planner.schedule.actions import in_flight_per_stage
@@ -435,14 +436,14 @@ def partial_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_lay
         if wanted != "partial":
             out.append(False)
             continue
-        if asks and (workers < 2 or tp > 1):
+        blocked = blocker(workers, tp)   # a P-Reduce stage's ZeRO stage is 0 (asked_zero)
+        if asks and blocked:
             t = next(iter(asks))
-            why = (f"is under split({tp}): P-Reduce runs on stages without split" if tp > 1 else
-                   "has one data-parallel worker: P-Reduce averages replicas and there is none to average with")
+            why = f"is under split({tp})" if blocked == "split" else "has one data-parallel worker"
             raise PlanError(f"TaskGraph {t} ({graphs[t].strategy}) asks for sync='partial', but stage {s} "
-                            f"({layout.shapes[s].label}) {why}; give the region two or more devices of its own, "
-                            "or drop sync='partial'")
-        out.append(workers >= 2 and tp == 1)
+                            f"({layout.shapes[s].label}) {why}: {WHY[blocked]}; give the region two or more devices "
+                            "of its own, or drop sync='partial'")
+        out.append(blocked is None)
     if config.dp_sync == "partial" and not any(out):
         raise PlanError(f"Config.dp_sync is 'partial', but no stage of the plan has two or more data-parallel workers "
                         f"without split ({', '.join(sh.label for sh in layout.shapes)}): P-Reduce averages "
@@ -462,21 +463,19 @@ def stage_syncs(graphs: TaskGraphs, config: Config, dec: "Decisions") -> list[di
     """Per stage of ``dec`` the :class:`~planner.plan.StagePlan` fields of its replica sync:
     ``replica_sync`` (``"partial"`` where :func:`partial_stages` says, else ``"ragged"`` with state
     fractions, ``"fsdp"`` at ZeRO 1-3, ``"ddp"``) and P-Reduce's generator, group size and threshold
-    from ``config`` (the defaults on exact stages; a pipeline's stages take the static generator)."""
+    from ``config`` (the defaults on exact stages; the generator as
+    :func:`planner.partial_reduce.generator` pins it: static in a pipeline or at fp16)."""
     partial = partial_stages(graphs, config, dec.layout, dec.stage_layers)
     out = []
     for s in range(len(dec.stage_layers)):
         exact = ("ragged" if dec.fractions(s) else "fsdp") if dec.zero_stage(s) else "ddp"
         fields = {"replica_sync": "partial" if partial[s] else exact}
         if partial[s]:
-            # a pipeline's loss all-reduce and fp16's overflow vote meet every rank in every step: the
-            # smart generator's groups across steps would wait across them, the static ones never do
-            generator = ("static" if len(dec.stage_layers) > 1 or config.precision == "fp16"
-                         else config.partial_generator)
-            if generator != config.partial_generator:
-                log.info("stage %d: P-Reduce in a pipeline or at fp16 runs the static group generator (Config "
-                         "asks %r)", s, config.partial_generator)
-            fields.update(partial_generator=generator, partial_group_size=config.partial_group_size,
+            chosen = generator(config.partial_generator, len(dec.stage_layers), config.precision)
+            if chosen != config.partial_generator:
+                log.info("stage %d: P-Reduce %s runs the static group generator (Config asks %r)", s,
+                         static_only(len(dec.stage_layers), config.precision), config.partial_generator)
+            fields.update(partial_generator=chosen, partial_group_size=config.partial_group_size,
                           partial_delta_c=config.partial_delta_c)
         out.append(fields)
     return out

@@ -25,6 +25,7 @@ from whalelike.spec import check_rules
 from planner.devices.memory import fits
 from planner.shares.state_fractions import SUM_TOLERANCE
 from planner.errors import PlanError
+from planner.partial_reduce import WHY, blocker, static_only
 from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
 from planner.plan_record import PlanRecord
 
@@ -293,38 +294,31 @@ def _check_zero(plan: PlanRecord) -> None:
 
 def _check_partial(plan: PlanRecord) -> None:
     """A stage running Prague's partial all-reduce (``replica_sync`` ``"partial"``,
-    ``runtime.replicas.partial_sync``) has replicas to average (two or more data-parallel workers),
-    no ``split`` (a tensor-parallel slice's replicas would average apart from the other slices of their
-    model), groups no larger than its data-parallel group, and in a pipeline or an fp16 plan the static
-    generator (the smart one's groups may span steps, and a pipeline's loss all-reduce and fp16's
-    overflow vote meet every rank in every step: :mod:`runtime.replicas.group_generator`). Its ZeRO
-    stage is 0 (:func:`_check_zero`)."""
+    ``runtime.replicas.partial_sync``) keeps P-Reduce's rules (:mod:`planner.partial_reduce`): it has
+    replicas to average (two or more data-parallel workers) and no ``split``, its groups are no
+    larger than its data-parallel group, and where :func:`~planner.partial_reduce.static_only` says
+    (a pipeline, an fp16 plan) it runs the static generator. Its ZeRO stage is 0 (:func:`_check_zero`)."""
     for st in plan.stages:
         if st.replica_sync != "partial":
             continue
         where = f"plan.stages[{st.index}]"
         members = plan.stage_workers(st.index)
         tp = max(w.tp_size for w in members)
-        if tp > 1:
-            raise PlanError(f"{where}.replica_sync is 'partial' on a stage under split({tp}); P-Reduce runs on "
-                            "stages without split only: set replica_sync 'ddp', or drop sync='partial' from the "
-                            "region, or re-create the plan with `whalelike plan`")
-        if len(plan.stages) > 1 and st.partial_generator != "static":
-            raise PlanError(f"{where}.partial_generator is {st.partial_generator!r} in a pipeline of "
-                            f"{len(plan.stages)} stages; the pipeline's loss all-reduce meets every rank in every "
-                            "step, and the smart generator's groups may span steps and wait across it: set "
-                            "partial_generator 'static', or re-create the plan with `whalelike plan`")
-        if plan.precision == "fp16" and st.partial_generator != "static":
-            raise PlanError(f"{where}.partial_generator is {st.partial_generator!r} in an fp16 plan; fp16's overflow "
-                            "decision is an all-reduce of every rank in every step, and the smart generator's groups "
-                            "may span steps and wait across it: set partial_generator 'static', or plan in bf16 "
-                            "(no loss scaling), or re-create the plan with `whalelike plan`")
-        n = len(members)
-        if n < 2:
-            raise PlanError(f"{where}.replica_sync is 'partial' but the stage runs on one device "
-                            f"({members[0].device}): P-Reduce averages replicas and there is none to average with; "
-                            "set replica_sync 'ddp', give the region two or more devices, or re-create the plan "
+        blocked = blocker(len(members), tp)   # the ZeRO stage: _check_zero
+        if blocked == "split":
+            raise PlanError(f"{where}.replica_sync is 'partial' on a stage under split({tp}); {WHY['split']}: set "
+                            "replica_sync 'ddp', or drop sync='partial' from the region, or re-create the plan "
                             "with `whalelike plan`")
+        pinned = static_only(len(plan.stages), plan.precision)
+        if pinned and st.partial_generator != "static":
+            raise PlanError(f"{where}.partial_generator is {st.partial_generator!r} {pinned}, and the smart "
+                            "generator's groups may span steps and wait across it: set partial_generator 'static', "
+                            "or re-create the plan with `whalelike plan`")
+        n = len(members)
+        if blocked == "one worker":
+            raise PlanError(f"{where}.replica_sync is 'partial' but the stage runs on one device "
+                            f"({members[0].device}): {WHY['one worker']}; set replica_sync 'ddp', give the region "
+                            "two or more devices, or re-create the plan with `whalelike plan`")
         if st.partial_group_size > n:
             raise PlanError(f"{where}.partial_group_size is {st.partial_group_size}, larger than the stage's "
                             f"{n} data-parallel workers (ranks {_some([str(w.rank) for w in members])}); a P-Reduce "

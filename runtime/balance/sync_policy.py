@@ -68,6 +68,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from planner.partial_reduce import eligible_stages, generator as pinned_generator
 from runtime.control.protocol import Controller, PlanChange
 from whalelike.config import GROUP_GENERATORS
 from whalelike.errors import SpecError
@@ -311,13 +312,13 @@ class SyncPolicy(Controller):
     # -- switching ------------------------------------------------------------------------------------
     def _partial_plan(self, plan):
         generator, size, delta = self.settings
-        pinned = len(plan.stages) > 1 or plan.precision == "fp16"   # the static generator only (plan checks)
+        eligible = eligible_stages(plan)
         stages = []
         for st in plan.stages:
             n = len({w.rank for w in plan.stage_workers(st.index) if w.tp_index == 0})
-            if st.index in eligible_stages(plan):
-                st = dataclasses.replace(st, replica_sync="partial",
-                                         partial_generator="static" if pinned else generator or st.partial_generator,
+            if st.index in eligible:   # P-Reduce's rules are the planner's (planner.partial_reduce)
+                chosen = pinned_generator(generator or st.partial_generator, len(plan.stages), plan.precision)
+                st = dataclasses.replace(st, replica_sync="partial", partial_generator=chosen,
                                          partial_group_size=min(size or st.partial_group_size, n),
                                          partial_delta_c=delta or st.partial_delta_c)
             stages.append(st)
@@ -335,16 +336,6 @@ class SyncPolicy(Controller):
             new = view.plan
         return dataclasses.replace(new, stages=[dataclasses.replace(st, replica_sync="ddp")
                                                if st.replica_sync == "partial" else st for st in new.stages])
-
-
-def eligible_stages(plan) -> list[int]:
-    """The stages P-Reduce can run on: two or more data-parallel workers, no split, ZeRO stage 0."""
-    out = []
-    for st in plan.stages:
-        members = plan.stage_workers(st.index)
-        if st.zero_stage == 0 and max(w.tp_size for w in members) == 1 and len(members) >= 2:
-            out.append(st.index)
-    return out
 
 
 def _speeds(times: list[list[float]], flops: list[list[float]], last: int) -> list[float]:
