@@ -30,23 +30,28 @@ ascending order, itself included) there are the paper's two generators:
   request and the point-to-point average never waits for a worker that computes.
 
   The arrival window (the departure, issue 30). In the paper a kept member is bound to the group
-  whatever it is doing, and the requester waits for it in the collective; a member in the middle
-  of a slow step is only seen as a straggler by the count rule once that step is over, so a fast
-  worker waited out the rest of a 5x step (measured on bench/prague.py: waits of 180-310 ms for a
-  65 ms step, smart P-Reduce at 71-80% of its no-wait bound). Here the service clocks every worker:
-  a worker computes from its last answer to its next request, its *step time* is the lower quartile
-  of its last :data:`DURATIONS` such spans (its usual step: slow ones do not count), and it is expected at its last answer plus its step time. It is
-  *due* when that expected arrival lies between :data:`WAIT_LATE` of its step time before now and
-  :data:`WAIT_AHEAD` after (each at least :data:`WAIT_FLOOR_S`, the timing noise of a busy host);
-  a group waits for it until its *limit*, its expected arrival plus the late share, and drops it
-  then (it is in a step slower than its own: a straggler; it asks afresh when it comes). A
-  requester whose division leaves its group short takes other due workers, those whose own
-  division group has nobody due first. So a requester waits at most for partners due within a
-  quarter step, and for a straggler at most a tenth of its step past its expected arrival. Before
-  a worker's first answer its arrival is unknown (every worker's first step): a group waits for it
-  without limit, as the paper's would (every worker reaches its first request before any barrier).
-  :class:`SmartGroups` without a clock is the paper's generator exactly (groups final when formed,
-  members fetching them at their next request), kept for the decisions' unit tests.
+  whatever it is doing, and the requester waits for it in the collective; a member in the middle of a
+  slow step is only seen as a straggler by the count rule once that step is over, so a fast worker
+  waited out the rest of a 5x step (measured on bench/prague.py: waits of 180-310 ms for a 65 ms step,
+  smart P-Reduce at 71-80% of its no-wait bound). Here the service clocks every worker: a worker
+  computes from its last answer to its next request, its *step time* is the lower quartile of its last
+  :data:`DURATIONS` such spans (its usual step: slow ones do not count), and it is expected at its
+  last answer plus its step time. It is *due* when that expected arrival lies between
+  :data:`WAIT_LATE` of its step time before now and the requester's *patience* after (each at least
+  :data:`WAIT_FLOOR_S`, the timing noise of a busy host): :data:`WAIT_AHEAD` of a step for a requester
+  ahead of the slowest worker in requests (the slowest sets the run's pace, so a worker ahead of it
+  waits at no cost to the run while it stays ahead), only the late share for the slowest, whose every
+  wait lengthens the run. A group waits for a member until its *limit*, its expected arrival plus the
+  late share, and drops it then (it is in a step slower than its own: a straggler; it asks afresh when
+  it comes). A requester whose division leaves its group short takes other due workers, those whose
+  own division group has nobody due first; one with nobody due takes the place of a member still
+  awaited in a group that waits (that member, the one with the latest limit, asks afresh when it
+  comes), so nobody waits more for it. So a requester waits at most for partners due within a quarter
+  step (the slowest: a tenth), and for a straggler at most a tenth of its step past its expected
+  arrival. Before a worker's first answer its arrival is unknown (every worker's first step): a group
+  waits for it without limit, as the paper's would (every worker reaches its first request before any
+  barrier). :class:`SmartGroups` without a clock is the paper's generator exactly (groups final when
+  formed, members fetching them at their next request), kept for the decisions' unit tests.
 
   Such a group must never be waited for by a worker that is in a *barrier* (a collective of every
   member: a checkpoint, an evaluation, the straggler monitor's exchange, the caller's own): a
