@@ -38,7 +38,7 @@ from typing import Mapping
 import torch.nn as nn
 
 from whalelike.errors import AnnotationError
-from whalelike.strategy import Strategy, _nest, _scope_ids
+from whalelike.strategy import Strategy, fresh_scope
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def annotate(model: nn.Module, mapping: Mapping[str, Strategy], *, replace: bool
     for pattern in order:
         outer = _enclosing_scope(matched[pattern][0], owner, scopes)
         key = (id(mapping[pattern]), id(outer))
-        scope = shared.get(key) or _scope(outer, mapping[pattern])
+        scope = shared.get(key) or fresh_scope(outer, mapping[pattern])
         shared[key] = scopes[pattern] = scope
         for path in matched[pattern]:
             for sub in modules[path].modules():
@@ -109,15 +109,6 @@ def _check_not_annotated(modules: Mapping[str, nn.Module], matched: Mapping[str,
                     f"{mapping[pattern]} (pattern {pattern!r}). Give both entries in one annotate mapping (an entry "
                     "inside another's module nests under it), or pass replace=True to replace the earlier annotation"
                 )
-
-
-def _scope(outer, strategy: Strategy) -> Strategy:
-    """A fresh scope (new id, so one TaskGraph per entry) for ``strategy`` nested in ``outer``."""
-    if strategy.inner is not None and outer is None:  # an already nested replicate+split
-        inner = Strategy(strategy.inner.kind, strategy.inner.device_count)   # recompute lives on the top level
-        return Strategy(strategy.kind, strategy.device_count, inner, next(_scope_ids),
-                        recompute=strategy.asks_recompute, zero=strategy.zero, sync=strategy.sync)
-    return _nest(outer, strategy)
 
 
 def _depth(path: str) -> int:

@@ -255,6 +255,19 @@ def _nest(outer: Optional[Strategy], inner: Strategy) -> Strategy:
     )
 
 
+
+def fresh_scope(outer: Optional[Strategy], strategy: Strategy) -> Strategy:
+    """A fresh scope (a new scope id, so one TaskGraph per opening) for ``strategy`` opened inside
+    ``outer`` (None: at the top), by the nesting rule; a ``strategy`` already nested (a
+    replicate+split, as :func:`whalelike.annotate.annotate` may be given one) is accepted at the top,
+    with ``recompute`` on its top level. The one place outside the scope stack that draws scope ids."""
+    if strategy.inner is not None and outer is None:
+        inner = Strategy(strategy.inner.kind, strategy.inner.device_count)   # recompute lives on the top level
+        return Strategy(strategy.kind, strategy.device_count, inner, next(_scope_ids),
+                        recompute=strategy.asks_recompute, zero=strategy.zero, sync=strategy.sync)
+    return _nest(outer, strategy)
+
+
 _STACK = _ScopeStack()
 
 

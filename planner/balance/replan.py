@@ -115,7 +115,7 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
         graphs = with_autocast(graphs)
     measured = measured_cluster(plan, cluster, speeds)
     layout = plan_layout(plan, graphs, measured)
-    config = _config_of(plan)
+    config = config_of(plan)
     network = measured.network
     old_layers = [list(st.layers) for st in plan.stages]
     old_shards = _plan_shards(plan, graphs)
@@ -195,16 +195,17 @@ def repriced_plan(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Plan:
     if plan.precision != "fp32":
         graphs = with_autocast(graphs)
     layout = plan_layout(plan, graphs, cluster)
-    config = _config_of(plan)
+    config = config_of(plan)
     rebuilt = _rebuilt(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
                        _plan_shards(plan, graphs))
     return dataclasses.replace(rebuilt, solver=plan.solver, optimality_gap=plan.optimality_gap,
                                naive_prediction=plan.naive_prediction, speeds=plan.speeds)
 
 
-def _config_of(plan: Plan) -> Config:
+def config_of(plan: Plan) -> Config:
     """The Config a re-plan of ``plan`` plans under: its batch, schedule and recipe, and its
-    replicas' sync (P-Reduce with its generator's settings when a stage runs it, so a re-plan keeps it)."""
+    replicas' sync (P-Reduce with its generator's settings when a stage runs it, so a re-plan keeps it).
+    Public: a re-plan on a changed world (:mod:`runtime.elastic.membership`) plans under it too."""
     partial = [st for st in plan.stages if st.replica_sync == "partial"]
     settings = {}
     if partial:

@@ -224,6 +224,12 @@ _CACHE: dict = {}
 _CACHE_SIZE = 256
 
 
+def clear_cache() -> None:
+    """Forget every memoised boundary plan of :func:`_cached_plan` (a benchmark times planning from
+    nothing: :func:`planner.schedule.boundary_traffic.clear_caches`)."""
+    _CACHE.clear()
+
+
 def _cached_plan(src: ShardingSpec, dst: ShardingSpec, network: NetworkModel, max_nodes: int,
                  strategy: str = "auto") -> ReshardPlan:
     """:func:`plan_resharding` (itemsize 1, seed 0) memoised on its inputs: a summary printed

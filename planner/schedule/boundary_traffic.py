@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from planner.devices.network import NetworkModel
-from planner.resharding.reshard import _CACHE as reshard_cache
-from planner.schedule.gradient_buckets import _BUCKETS as bucket_cache
 from planner.resharding.reshard import BOUNDARY_MAX_NODES, ReshardPlan, plan_resharding
+from planner.resharding.reshard import clear_cache as clear_reshard_cache
+from planner.schedule.gradient_buckets import clear_cache as clear_bucket_cache
 from planner.resharding.spec import ShardingSpec, unbatched_rows
 from planner.shares.layout import SampleLayout
 
@@ -284,5 +284,5 @@ def clear_caches() -> None:
     (a benchmark times planning from nothing)."""
     _CACHE.clear()
     _TRAFFIC.clear()
-    reshard_cache.clear()
-    bucket_cache.clear()
+    clear_reshard_cache()
+    clear_bucket_cache()

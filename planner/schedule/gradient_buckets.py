@@ -144,6 +144,11 @@ _BUCKETS: dict = {}
 _BUCKETS_SIZE = 4096
 
 
+def clear_cache() -> None:
+    """Forget every memoised ring's buckets (:func:`planner.schedule.boundary_traffic.clear_caches`)."""
+    _BUCKETS.clear()
+
+
 def gradient_buckets(plan: Plan, graphs: TaskGraphs, cluster: Cluster,
                      first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
                      bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[GroupKey, list[GradientBucket]]:

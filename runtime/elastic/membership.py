@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from planner.api import plan as make_plan
-from planner.balance.replan import _config_of as replan_config
+from planner.balance.replan import config_of as replan_config
 from planner.plan import Plan
 from runtime import distributed
 from whalelike.cluster import HOST_ENV, Cluster, member_host
@@ -102,7 +102,7 @@ class Start:
 
 def config_of(plan: Plan) -> Config:
     """The Config ``plan`` was made under, as far as the plan says: its batch, micro-batches,
-    schedule, recipe and replica sync (:func:`planner.balance.replan._config_of`), and the ZeRO
+    schedule, recipe and replica sync (:func:`planner.balance.replan.config_of`), and the ZeRO
     stage when every stage that runs one was asked for it (``zero_reason`` 'asked'); a stage the
     planner chose to shard to fit ('fit') leaves the choice to the planner again."""
     asked = {st.zero_stage for st in plan.stages if st.zero_reason == "asked"}

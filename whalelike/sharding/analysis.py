@@ -50,7 +50,7 @@ import torch.fx as fx
 from whalelike.graphs.regions import ATTACHED_META
 from whalelike.sharding.experts import experts_groups, find_experts, log_skipped
 from whalelike.sharding.groups import ShardGroup, ShardMember
-from whalelike.sharding.propagation import _SDPA, SHAPES_META, Sharded, _Propagation, _target_is, projection_dims
+from whalelike.sharding.propagation import SDPA, SHAPES_META, Propagation, Sharded, projection_dims, target_is
 from whalelike.sharding.propagation import full_shapes  # noqa: F401 - re-exported: public here before the split
 
 TASKGRAPH_META = "wl_taskgraph"  # node.meta key: the TaskGraph index (node names change when stages are cut)
@@ -136,7 +136,7 @@ def analyse_blocks(gm: fx.GraphModule, region: Iterable[str]) -> BlockAnalysis:
     attempts: dict[str, set[str]] = {}   # attention node -> its k/v projections, replicated while it holds
     tried: set[str] = set()
     while True:
-        prop = _Propagation(gm, region, demoted, frozenset(narrow).union(*attempts.values()), frozenset(attempts))
+        prop = Propagation(gm, region, demoted, frozenset(narrow).union(*attempts.values()), frozenset(attempts))
         prop.run()
         bad = {}
         for root in {prop.find(g) for g in prop.parent}:
@@ -181,7 +181,7 @@ def _one_output_projections(gm: fx.GraphModule, region: set[str]) -> set[str]:
     lone projection it caps the whole region at one device. It stays whole instead: every rank of
     the group computes it on the same input (a replicated value), which is exact, and it is
     priced as unsharded work. One that reads a sharded value as its input features is still a
-    row projection of that value's group (:meth:`_Propagation.visit_projection` checks that first)."""
+    row projection of that value's group (:meth:`Propagation.visit_projection` checks that first)."""
     out = set()
     for node in gm.graph.nodes:
         if node.name in region and node.op == "call_module":
@@ -196,7 +196,7 @@ def _nodes(gm: fx.GraphModule, names: Iterable[str]) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.name in names]
 
 
-def _replicated_kv(prop: _Propagation, bad: Mapping[int, str], tried: set[str]) -> dict[str, set[str]]:
+def _replicated_kv(prop: Propagation, bad: Mapping[int, str], tried: set[str]) -> dict[str, set[str]]:
     """Multi-query attention to retry: ``scaled_dot_product_attention`` nodes whose query is sharded
     in a broken group, with the column projections that feed only its key and value (not its query)
     to replicate. Megatron's answer to one key/value head: q and o sharded by query heads, k and v
@@ -204,7 +204,7 @@ def _replicated_kv(prop: _Propagation, bad: Mapping[int, str], tried: set[str]) 
     out = {}
     columns = {c.name for cs in prop.columns.values() for c in cs}
     for node in prop.gm.graph.nodes:
-        if node.name not in prop.region or node.name in tried or not _target_is(node, _SDPA):
+        if node.name not in prop.region or node.name in tried or not target_is(node, SDPA):
             continue
         q, k, v = node.args[:3]
         if q not in prop.state or prop.find(prop.state[q].group) not in bad:
@@ -215,7 +215,7 @@ def _replicated_kv(prop: _Propagation, bad: Mapping[int, str], tried: set[str]) 
     return out
 
 
-def _projections_above(prop: _Propagation, values: list) -> set[str]:
+def _projections_above(prop: Propagation, values: list) -> set[str]:
     """Names of the nearest projections of the region that ``values`` are computed from."""
     found, seen, todo = set(), set(), [v for v in values if isinstance(v, fx.Node)]
     while todo:
@@ -230,7 +230,7 @@ def _projections_above(prop: _Propagation, values: list) -> set[str]:
     return found
 
 
-def _result(prop: _Propagation, fallbacks: dict[str, str], replicated: Mapping[str, str]) -> BlockAnalysis:
+def _result(prop: Propagation, fallbacks: dict[str, str], replicated: Mapping[str, str]) -> BlockAnalysis:
     groups: dict[int, Group] = {}
     for root in sorted({prop.find(g) for g in prop.parent}):
         kind = "attention" if "attention" in prop.kinds[root] else "mlp"

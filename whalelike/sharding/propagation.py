@@ -123,7 +123,8 @@ _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropo
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
             F.softmax, F.log_softmax, torch.softmax}
 _MATMUL = {aten.matmul.default, aten.bmm.default, torch.matmul, torch.bmm, operator.matmul}
-_SDPA = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention}
+# fused attention; public: the analysis looks for it too (multi-query retries, analysis._replicated_kv)
+SDPA = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, torch.split, torch.chunk, aten.chunk.default}
 _CATS = {aten.cat.default, torch.cat}
 _IGNORED = {aten._assert_tensor_metadata.default}
@@ -132,7 +133,10 @@ _ADDS = {aten.add.Tensor, operator.add, torch.add}
 _ADD_METHODS = {"add", "__add__", "__radd__"}
 
 
-def _target_is(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
+def target_is(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
+    """Whether ``node`` calls one of ``functions`` (``call_function``: fx's torch functions or
+    export's aten overloads) or one of ``methods`` (``call_method`` names): the one operator test of
+    the propagation and of :mod:`whalelike.sharding.analysis`."""
     if node.op == "call_function":
         return node.target in functions
     return node.op == "call_method" and node.target in methods
@@ -172,7 +176,12 @@ def _shape(node: Any) -> Optional[tuple]:
 
 
 # -- the propagation --------------------------------------------------------------------------------
-class _Propagation:
+class Propagation:
+    """One forward pass of the sharded-dimension rules over a region of ``gm`` (module docstring):
+    groups of projections merged by union-find, each with its units, members and the reason it
+    broke, if it did. :func:`whalelike.sharding.analysis.analyse_blocks` builds one per attempt and
+    reads its groups."""
+
     def __init__(self, gm: fx.GraphModule, region: set[str], demoted: set[str],
                  replicated_projections: frozenset[str] = frozenset(), broadcast_kv: frozenset[str] = frozenset()):
         self.gm, self.region, self.demoted = gm, region, demoted
@@ -282,37 +291,37 @@ class _Propagation:
                 raise _Unsafe("reads the size of the sharded dimension")
             return None
         x = node.args[0] if node.args else None
-        if _target_is(node, _RESHAPES, _RESHAPE_METHODS):
+        if target_is(node, _RESHAPES, _RESHAPE_METHODS):
             return self.reshape(node)
-        if _target_is(node, {aten.expand.default}, {"expand"}):
+        if target_is(node, {aten.expand.default}, {"expand"}):
             return self.expand(node)
-        if _target_is(node, {aten.transpose.int, torch.transpose}, {"transpose"}):
+        if target_is(node, {aten.transpose.int, torch.transpose}, {"transpose"}):
             s = self.only_sharded(node)
             ndim = len(self.shape(x))
             a, b = _norm(node.args[1], ndim), _norm(node.args[2], ndim)
             return _moved(s, {a: b, b: a}.get(s.dim, s.dim))
-        if _target_is(node, {aten.permute.default, torch.permute}, {"permute"}):
+        if target_is(node, {aten.permute.default, torch.permute}, {"permute"}):
             s = self.only_sharded(node)
             perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
             perm = [_norm(p, len(perm)) for p in perm]
             return _moved(s, perm.index(s.dim))
-        if _target_is(node, {aten.unsqueeze.default, torch.unsqueeze}, {"unsqueeze"}):
+        if target_is(node, {aten.unsqueeze.default, torch.unsqueeze}, {"unsqueeze"}):
             s = self.only_sharded(node)
             d = _norm(node.args[1], len(self.shape(x)) + 1)
             return _moved(s, s.dim + 1 if d <= s.dim else s.dim)
-        if _target_is(node, _SAME_ATEN | _SAME_FUNCTIONS, _SAME_METHODS) or (
+        if target_is(node, _SAME_ATEN | _SAME_FUNCTIONS, _SAME_METHODS) or (
                 node.op == "call_module" and isinstance(self.gm.get_submodule(node.target), _ELEMENTWISE_MODULES)):
             s = self.state.get(x)
             if s is None:
                 raise _Unsafe("a sharded value is used only for its dtype or device")
             self.keep_scores(node, s)
             return s
-        if _target_is(node, _SOFTMAX, {"softmax", "log_softmax"}):
+        if target_is(node, _SOFTMAX, {"softmax", "log_softmax"}):
             s = self.only_sharded(node)
             if _norm(_arg(node, 1, "dim"), len(self.shape(x))) == s.dim:
                 raise _Unsafe("softmax over the sharded dimension")
             return s
-        if _target_is(node, {aten.slice.Tensor}):
+        if target_is(node, {aten.slice.Tensor}):
             if node in self.slices:
                 return self.fused_slice(node)
             s = self.only_sharded(node)
@@ -322,7 +331,7 @@ class _Propagation:
                 self.slice_fused(x, s)
                 return self.fused_slice(node)
             return s
-        if _target_is(node, _ROLLS, {"roll"}):
+        if target_is(node, _ROLLS, {"roll"}):
             s = self.only_sharded(node)
             ndim = len(self.shape(x))
             dims = _arg(node, 2, "dims", ())
@@ -330,13 +339,13 @@ class _Propagation:
             if not dims or s.dim in [_norm(d, ndim) for d in dims]:
                 raise _Unsafe("rolls along the sharded dimension (or over the flattened tensor)")
             return s
-        if _target_is(node, _CATS, {"cat"}):
+        if target_is(node, _CATS, {"cat"}):
             return self.cat(node)
-        if _target_is(node, _SPLITS, {"split", "chunk"}):
+        if target_is(node, _SPLITS, {"split", "chunk"}):
             return self.split(node)
-        if _target_is(node, _SDPA):
+        if target_is(node, SDPA):
             return self.attention(node)
-        if _target_is(node, _MATMUL, {"matmul", "bmm", "__matmul__"}):
+        if target_is(node, _MATMUL, {"matmul", "bmm", "__matmul__"}):
             return self.matmul(node)
         if _pointwise(node) or (node.op == "call_module"
                                 and isinstance(self.gm.get_submodule(node.target), _ELEMENTWISE_MODULES)):
@@ -390,7 +399,7 @@ class _Propagation:
         """``node`` adds replicated operands to attention scores: an addition of a ``scores`` value
         sharded along its heads dimension (``[..., heads, q, k]``) whose sum reaches a softmax over
         the last (key) dimension through further additions, scaling, casts and views."""
-        return (_target_is(node, _ADDS, _ADD_METHODS) and out.dim == len(out_shape) - 3
+        return (target_is(node, _ADDS, _ADD_METHODS) and out.dim == len(out_shape) - 3
                 and any(a in self.scores for a in node.all_input_nodes) and _feeds_softmax(node))
 
     def keep_scores(self, node: fx.Node, out: Sharded) -> None:
@@ -496,7 +505,7 @@ class _Propagation:
         for user in x.users:
             if user.op == "call_function" and user.target in _IGNORED:
                 continue
-            if not _target_is(user, {aten.slice.Tensor}) or user.name not in self.region:
+            if not target_is(user, {aten.slice.Tensor}) or user.name not in self.region:
                 raise _Unsafe(f"slices the sharded dimension of {x.name!r}, which {user.name!r} also reads whole")
             dim, start, end = _norm(_arg(user, 1, "dim", 0), ndim), _arg(user, 2, "start"), _arg(user, 3, "end")
             step = _arg(user, 4, "step", 1)
@@ -589,8 +598,8 @@ class _Propagation:
         this rank's heads is exact; the expand's input enters the region (its gradient, partial
         over this rank's heads, is summed over the group)."""
         chain = [value]
-        while not _target_is(chain[-1], {aten.expand.default}, {"expand"}):
-            if not _target_is(chain[-1], _RESHAPES, _RESHAPE_METHODS):
+        while not target_is(chain[-1], {aten.expand.default}, {"expand"}):
+            if not target_is(chain[-1], _RESHAPES, _RESHAPE_METHODS):
                 raise _Unsafe(f"replicated key/value {value.name!r} is not one head repeated (expand, then views)")
             chain.append(chain[-1].args[0])
         for n in chain:
@@ -664,12 +673,12 @@ def _feeds_softmax(node: fx.Node, steps: int = 8) -> bool:
         following = []
         for n in frontier:
             for user in n.users:
-                if _target_is(user, _SOFTMAX, {"softmax", "log_softmax"}):
+                if target_is(user, _SOFTMAX, {"softmax", "log_softmax"}):
                     shape = _shape(n)
                     dim = _arg(user, 1, "dim")
                     if shape is not None and isinstance(dim, int) and dim % len(shape) == len(shape) - 1:
                         return True
-                elif _pointwise(user) or _target_is(user, _RESHAPES | _SAME_ATEN | _SAME_FUNCTIONS,
+                elif _pointwise(user) or target_is(user, _RESHAPES | _SAME_ATEN | _SAME_FUNCTIONS,
                                                     _RESHAPE_METHODS | _SAME_METHODS):
                     following.append(user)
         frontier = following
