@@ -4,8 +4,10 @@
 (cost, memory and network models, placement), ``partition/`` (stage layers), ``shares/`` (batch
 shares, shard sizes, the sample layout), ``schedule/`` (action lists, their proof, the simulator),
 ``resharding/`` (boundary transfers) and ``balance/`` (re-plans and state moves); ``decisions``,
-``assemble``, ``plan`` and ``plan_checks`` turn them into a checked, printable Plan. Invariant: pure
-and process-free, no import of ``runtime``, no import cycle (tests/test_import_graph.py).
+``assemble``, ``plan`` and ``plan_checks`` turn them into a checked, printable Plan, whose fields
+(``plan_record``) every floor reads, with the rules derived from them once: its groups (``groups``)
+and where P-Reduce runs (``partial_reduce``). Invariant: pure and process-free, no import of
+``runtime``, no import cycle, function-local and type-only imports counted (tests/test_import_graph.py).
 """
 from planner.api import naive_plan, plan
 from planner.devices.network import NetworkError, NetworkModel
