@@ -2,14 +2,15 @@
 
 Nothing is downloaded: each model is built in code from a small config (seed 0) and written with
 ``transformers``' own ``save_pretrained`` in the test process. One 4-rank gloo spawn runs three
-plans of one captured Llama-style decoder with tied embeddings (two blocks: the first under
-``split``, the second under ``replicate``), planned by ``planner.plan`` onto ``emulated-4`` (speeds
-1, 1, 0.5, 0.25; emulation off): two pipeline stages, the first tensor-parallel on the 0.5 and 0.25
-devices (heads and MLP features cut 3:1), the second data-parallel on the two full-speed devices
-(the tie spans the stages). The second stage is kept by DDP (``pipeline-split``), by ZeRO 3 on
-FSDP2 (``zero3``), and by ragged ZeRO 3 holding 75% and 25% of every parameter's rows (``ragged``).
-One capture serves the three plans (a capture of a ``transformers`` model costs about ten seconds
-of CPU per rank; the planner's and the Engine's captures hit whalelike's capture cache).
+plans of one captured GPT-2 (tied embeddings, fused q|k|v; two blocks: the first under ``split``,
+the second under ``replicate``), planned by ``planner.plan`` onto ``emulated-4`` (speeds 1, 1, 0.5,
+0.25; emulation off): two pipeline stages, the first tensor-parallel on the 0.5 and 0.25 devices
+(heads 3:1, MLP features 88:40, each rank's q, k and v columns three ranges of the fused weight),
+the second data-parallel on the two full-speed devices (the tie spans the stages). The second
+stage is kept by DDP (``pipeline-split``), by ZeRO 3 on FSDP2 (``zero3``), and by ragged ZeRO 3
+holding 75% and 25% of every parameter's rows (``ragged``). One capture serves the three plans (a
+capture of a ``transformers`` model costs about ten seconds of CPU per rank; the planner's and the
+Engine's captures hit whalelike's capture cache).
 
 For each, an Engine is built from *other* initial weights (seed 1) and ``load_pretrained`` reads the
 directory: the full state dict equals the saved model's exactly, and each rank read exactly the
@@ -61,15 +62,16 @@ def _cluster() -> Cluster:
     return Cluster.preset("emulated-4").without_emulation()
 
 
-def llama(seed: int, layers: int = 2, annotate: bool = True, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def gpt2(seed: int, layers: int = 2, annotate: bool = True, **overrides):
+    """GPT-2 (tied embeddings, fused q|k|v ``c_attn``, ``Conv1D`` weights stored [in, out]); the
+    first block under ``split``, the second under ``replicate``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    config = dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
-                  intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True, use_cache=False,
-                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
+    config = dict(n_embd=32, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
+                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(GPT2Config(**{**config, **overrides}))
     if annotate:
-        wl.annotate(model, {"model.layers.0": wl.split(), "model.layers.1": wl.replicate()})
+        wl.annotate(model, {"transformer.h.0": wl.split(), "transformer.h.1": wl.replicate()})
     return model
 
 
@@ -110,12 +112,12 @@ def make_plan(name: str, graphs):
 
 def _ranks(rank: int, world_size: int, source: str, out: str) -> dict:
     data = batches(2)
-    graphs = wl.capture(llama(seed=1), data[0][0])     # the one capture: the Engines find it cached
-    saved = llama(seed=0, annotate=False).state_dict()
+    graphs = wl.capture(gpt2(seed=1), data[0][0])     # the one capture: the Engines find it cached
+    saved = gpt2(seed=0, annotate=False).state_dict()
     results = {}
     for name in PLANS:
         plan = make_plan(name, graphs)
-        engine = Engine(llama(seed=1), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), loss_fn=lm_loss,
+        engine = Engine(gpt2(seed=1), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), loss_fn=lm_loss,
                         cluster=_cluster(), timeout_s=120, example_args=data[0][0])   # other weights than saved
         report = load_pretrained(engine, source)
         state = engine.state_dict()
@@ -151,11 +153,11 @@ def test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrain
     from transformers import AutoModelForCausalLM
 
     source = tmp_path / "in"
-    llama(seed=0, annotate=False).save_pretrained(source)
+    gpt2(seed=0, annotate=False).save_pretrained(source)
     total = _file_bytes(source)
     results = run_ranks(_ranks, 4, args=(str(source), str(tmp_path / "out")), init_process_group=False,
                         timeout_s=600)
-    initial = llama(seed=0, annotate=False).state_dict()
+    initial = gpt2(seed=0, annotate=False).state_dict()
     for name in PLANS:
         got = [r[name] for r in results]
         # each rank read exactly what it holds, in slices, never the whole model
@@ -171,24 +173,29 @@ def test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrain
         assert back.keys() == final.keys(), name
         for key, value in final.items():
             assert torch.equal(back[key], value), f"{name}: {key} from_pretrained after save_pretrained"
-        assert not torch.equal(final["model.layers.0.self_attn.q_proj.weight"],
-                               initial["model.layers.0.self_attn.q_proj.weight"]), f"{name}: training changed nothing"
+        assert not torch.equal(final["transformer.h.0.attn.c_attn.weight"],
+                               initial["transformer.h.0.attn.c_attn.weight"]), f"{name}: training changed nothing"
 
-    # the plan: stage 0 tensor-parallel 3:1 on ranks 2 and 3, stage 1 data-parallel on ranks 0 and 1
+    # the plan: stage 0 tensor-parallel on ranks 2 and 3 (heads 3:1, MLP features 88:40), stage 1
+    # data-parallel on ranks 0 and 1
     plan = results[0]["pipeline-split"]["plan"]
     assert [sorted(w.rank for w in plan.stage_workers(s.index)) for s in plan.stages] == [[2, 3], [0, 1]]
-    assert plan.stages[0].shard_sizes["model.layers.0.mlp.up_proj"] == [48, 16]
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert [results[r]["pipeline-split"]["slabs"][q].ranges for r in (2, 3)] == [((0, 24),), ((24, 32),)]
+    assert plan.stages[0].shard_sizes["transformer.h.0.attn.c_attn"] == [72, 24]
+    assert plan.stages[0].shard_sizes["transformer.h.0.mlp.c_fc"] == [88, 40]
+    qkv = "transformer.h.0.attn.c_attn.weight"          # fused q|k|v, [in, out]: three ranges each
+    assert [(results[r]["pipeline-split"]["slabs"][qkv].dim, results[r]["pipeline-split"]["slabs"][qkv].ranges)
+            for r in (2, 3)] == [(1, ((0, 24), (32, 56), (64, 88))), (1, ((24, 32), (56, 64), (88, 96)))]
     mine = lambda r, name: sum(v.numel() * 4 for k, v in initial.items()     # noqa: E731
                                if k in results[r][name]["slabs"] and results[r][name]["slabs"][k].whole)
     for name in PLANS:
         read = [r[name]["report"].bytes_read for r in results]
-        # stage 0: the embedding whole, the rest of block 0 3:1 (what each holds whole read by both)
-        assert read[2] - mine(2, name) == 3 * (read[3] - mine(3, name)) > 0, (name, read)
-        assert all(n == "model.embed_tokens.weight" or n.startswith("model.layers.0.")
+        # stage 0: what both hold whole read by both, every sliced tensor read once between them, unevenly
+        sliced = sum(initial[k].numel() * 4 for k, s in results[2][name]["slabs"].items() if not s.whole)
+        slices = [read[r] - mine(r, name) for r in (2, 3)]
+        assert slices[0] + slices[1] == sliced and slices[0] > 2 * slices[1] > 0, (name, read)
+        assert all(n.split(".")[1] in ("wte", "wpe") or n.startswith("transformer.h.0.")
                    for r in (2, 3) for n in results[r][name]["slabs"]), name
-        assert not any(n.startswith("model.layers.0.") for r in (0, 1) for n in results[r][name]["slabs"]), name
+        assert not any(n.startswith("transformer.h.0.") for r in (0, 1) for n in results[r][name]["slabs"]), name
     # stage 1: DDP's ranks each read the whole stage; ZeRO's ranks read its rows once between them,
     # FSDP2 evenly, ragged 3:1 (the tie, kept whole under ZeRO, by both)
     ddp = [r["pipeline-split"]["report"].bytes_read for r in results[:2]]
@@ -219,17 +226,17 @@ def _load_regions(model, saved: dict, directory, slabs: dict):
 
 
 def test_every_held_region_is_read_from_transformers_files(tmp_path):
-    src = llama(seed=0, annotate=False)
-    src.save_pretrained(tmp_path / "llama")
-    report = _load_regions(llama(seed=1, annotate=False), src.state_dict(), tmp_path / "llama", {
-        "model.embed_tokens.weight": Slab((VOCAB, 32)),
-        "model.embed_tokens.weight@lm_head.weight": Slab((VOCAB, 32), 0, ((10, 20), (40, 45))),  # a tie saved once
+    src = gpt2(seed=0, annotate=False)
+    src.save_pretrained(tmp_path / "gpt2")
+    report = _load_regions(gpt2(seed=1, annotate=False), src.state_dict(), tmp_path / "gpt2", {
+        "transformer.wte.weight": Slab((VOCAB, 32)),
+        "transformer.wte.weight@lm_head.weight": Slab((VOCAB, 32), 0, ((10, 20), (40, 45))),    # a tie saved once
         "lm_head.weight": Slab((VOCAB, 32), 1, ((3, 9),)),
-        "model.layers.0.self_attn.q_proj.weight": Slab((32, 32), 0, ((0, 8), (16, 24))),        # fused-style ranges
-        "model.layers.1.self_attn.o_proj.weight": Slab((32, 32), 1, ((5, 17),)),                # row-parallel columns
-        "model.norm.weight": Slab((32,))})
-    assert report.bytes_read == 4 * (VOCAB * 32 + 15 * 32 + VOCAB * 6 + 16 * 32 + 32 * 12 + 32)
-    assert (report.tensors, report.slices, report.read_whole) == (6, 8, ())
+        "transformer.h.0.attn.c_attn.weight": Slab((32, 96), 1, ((0, 8), (32, 40), (64, 72))),  # fused q|k|v
+        "transformer.h.1.attn.c_proj.weight": Slab((32, 32), 0, ((5, 17),)),     # row-parallel ([in, out])
+        "transformer.ln_f.weight": Slab((32,))})
+    assert report.bytes_read == 4 * (VOCAB * 32 + 15 * 32 + VOCAB * 6 + 32 * 24 + 12 * 32 + 32)
+    assert (report.tensors, report.slices, report.read_whole) == (6, 9, ())
 
     src = olmoe(seed=0)
     src.save_pretrained(tmp_path / "olmoe")          # one file tensor per expert and projection
@@ -306,7 +313,7 @@ def _check_saved_alone(root, result: dict) -> None:
 
 
 def test_load_errors_are_one_line(tmp_path):
-    model = llama(seed=0, annotate=False)
+    model = gpt2(seed=0, annotate=False)
     (tmp_path / "config.json").write_text("{}")
     for bad, match in ((tmp_path / "nowhere", r"no such directory"),
                        (tmp_path / "config.json", r"is a file, not a directory"),
@@ -314,11 +321,11 @@ def test_load_errors_are_one_line(tmp_path):
         with pytest.raises(PretrainedError, match=match) as e:
             load_state(model, {}, bad)
         assert "\n" not in str(e.value)
-    llama(seed=0, annotate=False, layers=1).save_pretrained(tmp_path / "shallower")
-    with pytest.raises(PretrainedError, match=r"lacks 9 of this model's 21 tensors: model\.layers\.1\.") as e:
+    gpt2(seed=0, annotate=False, layers=1).save_pretrained(tmp_path / "shallower")
+    with pytest.raises(PretrainedError, match=r"lacks 12 of this model's 29 tensors: transformer\.h\.1\.") as e:
         load_state(model, {}, tmp_path / "shallower")
     assert str(tmp_path / "shallower") in str(e.value)
-    llama(seed=0, annotate=False, intermediate_size=48).save_pretrained(tmp_path / "narrower")
-    with pytest.raises(PretrainedError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight \(48, 32\) there, "
-                                              r"\(64, 32\) in the model"):
+    gpt2(seed=0, annotate=False, n_inner=64).save_pretrained(tmp_path / "narrower")
+    with pytest.raises(PretrainedError, match=r"transformer\.h\.0\.mlp\.c_fc\.weight \(32, 64\) there, "
+                                              r"\(32, 128\) in the model"):
         load_state(model, {}, tmp_path / "narrower")

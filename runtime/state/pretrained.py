@@ -658,7 +658,8 @@ def _gather(name: str, moves: list[Move], held: NamedState, shape: tuple[int, ..
             buffer = torch.empty(region.shape, dtype=dtype, device=device)
             pending.append((dist.irecv(buffer, src=move.src), buffer, region))
         else:
-            pending.append((dist.isend(piece.contiguous(), dst=0), None, None))
+            sent = piece.contiguous()      # kept alive until the send completes
+            pending.append((dist.isend(sent, dst=0), sent, None))
     for work, buffer, region in pending:
         work.wait()
         if region is not None:
