@@ -538,6 +538,7 @@ def load(engine, checkpoint: "CheckpointInfo | str | os.PathLike") -> dict[str, 
         _set_rng_state(state[f"rng/rank{rank}"])
     _restore_recipe(engine, meta, info)
     engine.runtime.clock.step = meta["step"]
+    engine.filled()     # a model built on the meta device has its values now
     log.info("rank %d: resumed from %s (step %d, saved by %d ranks)", rank, info.path, info.step, info.world_size)
     return meta["extra"]
 

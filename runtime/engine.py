@@ -32,7 +32,9 @@ alike and none hangs; every collective goes through the rank's runtime; the plan
 """
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -53,6 +55,7 @@ from runtime.elastic.departure import Departures, Stopping, leave
 from runtime.emulation.compute import check_capacity
 from runtime.parallel.executor import ExecutorContext
 from runtime.rank import RankRuntime
+from runtime.state.pretrained import load_pretrained
 from runtime.replicas.replica_sync import after_step, runs_exact
 from runtime.state.checkpointer import Checkpointer
 from runtime.state.slot import ExecutorSlot
@@ -79,6 +82,18 @@ class Engine:
     (:mod:`runtime.training.schedules`). ``profile``: the cluster as ``whalelike profile`` measured it
     for this model (:class:`planner.devices.profile.Profile`): re-plans for measured speeds start
     from its rates and links instead of the spec sheet's.
+
+    ``model`` may be built on the meta device (``with torch.device("meta"): model = ...``, or
+    :func:`whalelike.empty_weights`, which keeps buffers real): each rank then gives storage only to
+    what its part of the plan holds (its stage, its tensor-parallel slice, its ZeRO shard; the
+    whole model nowhere but where a rank keeps it whole), on its device, when the executor is built.
+    ``weights`` fills it: a local ``save_pretrained`` directory (each rank reads the slices it holds,
+    :mod:`runtime.state.pretrained`) or a function ``(name, full_shape, dtype) -> tensor`` giving the
+    whole initial value of each parameter and buffer by the model's name (deterministic, so every
+    holder of a piece writes the same); or, given neither, a checkpoint loaded before the first step
+    (:func:`runtime.checkpoint.load`). A model built normally moves to the rank's device the same
+    way: only what the rank holds. ``Engine.setup_peak_bytes``: the peak bytes of building the
+    executor and filling it, measured as steps are (``measure_memory``).
 
     ``config`` (:class:`runtime.config.EngineConfig`) or the same options as keywords:
 
@@ -107,7 +122,8 @@ class Engine:
     def __init__(self, model: nn.Module, plan: Plan, optimizer: Optional[Callable] = None,
                  loss_fn: Optional[Callable] = None, cluster: Optional[Cluster] = None,
                  example_args: Any = None, scheduler: Optional[Callable] = None,
-                 profile: Optional[Profile] = None, config: Optional[EngineConfig] = None, **options: Any):
+                 profile: Optional[Profile] = None, weights: Any = None, config: Optional[EngineConfig] = None,
+                 **options: Any):
         if loss_fn is None:
             raise WhaleError("runtime.Engine needs loss_fn(outputs, targets) -> mean loss over the batch")
         if scheduler is not None and not callable(scheduler):
@@ -135,10 +151,13 @@ class Engine:
                         "--profile): a re-plan prices the devices from the cluster spec")
         # a precision some device of the plan cannot run (bf16 on a V100): every rank refuses alike
         cluster.check_precision(self.precision.name, [w.device for w in plan.workers])
+        self.empty = check_weights(model, weights)    # built on meta: filled by `weights` or a checkpoint
+        self.weights = weights
+        self.load_report = None   # what filling from a save_pretrained directory read (runtime.state.pretrained.LoadReport)
         self.runtime = RankRuntime.start(plan, cluster, config.guards.timeout_s, self.precision.name)
         self.precision.check_device(self.device)
         self.model, self.loss_fn = model, loss_fn
-        self.model.to(self.device)
+        self.setup_peak_bytes: Optional[int] = None
         self.meter = MemoryMeter(self.device, _measure_memory(recipe.measure_memory, self.emulator))
         self.scaler = PlanLossScaler(self.device) if self.precision.scales_loss else None
         self.update = OptimizerUpdate(config.guards.on_nonfinite, recipe.clip_grad_norm, self.scaler)
@@ -163,6 +182,10 @@ class Engine:
         share = batch if isinstance(batch, Share) else None
         inputs, targets = self._unpack(batch)
         self._build(inputs)
+        if self.empty:
+            raise WhaleError("runtime.Engine: the model was built on the meta device and nothing filled it: pass "
+                             "Engine(weights=<a save_pretrained directory, or an init (name, shape, dtype) -> tensor>), "
+                             "or runtime.checkpoint.load(engine, ...) before the first step")
         runtime, executor = self.runtime, self.slot.executor
         if share is None:
             self._check_batch(targets)
@@ -344,9 +367,36 @@ class Engine:
         self.graphs = graphs
         context = ExecutorContext.of(self.runtime, model=self.model, graphs=graphs, loss_fn=self.loss_fn,
                                      scaler=self.scaler, reduce_dtype=self.precision.reduce_dtype)
-        self.runtime.collective(lambda: self.slot.build(context))
+        # what this rank holds gets storage on its device while the executor is built, then its values
+        with self.meter.setup(self._held_tensors):
+            self.runtime.collective(lambda: self.slot.build(context))
+            gc.collect()    # building leaves cycles (fx graphs, FSDP's hooks) holding freed tensors
+            if self.weights is not None:
+                self._fill(self.weights)
+        self.setup_peak_bytes = self.meter.setup_peak_bytes
+        check_capacity(self.emulator, self.setup_peak_bytes, None)
         log.info("rank %d: %s executor, device %s, share %d samples in micro-batches %s", self.rank,
                  self.plan.kind, self.worker.device, self.worker.batch_share, self.worker.micro_batch_sizes)
+
+    def _fill(self, weights: Any) -> None:
+        """Write the held tensors from ``weights`` (see the class docstring); collective where reading
+        a checkpoint is."""
+        if callable(weights):
+            self.slot.fill(weights)
+        else:
+            self.load_report = load_pretrained(self, weights)
+        self.empty = False
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this rank keeps: its executor's parameters (a ragged sync's shards included)
+        and its modules' parameters and buffers."""
+        executor = self.slot.executor
+        module = executor.module
+        return [*executor.parameters(), *module.parameters(), *module.buffers()]
+
+    def filled(self) -> None:
+        """Say the held tensors have their values (:func:`runtime.checkpoint.load` calls it)."""
+        self.empty = False
 
     def _unpack(self, batch) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, Share):
@@ -363,6 +413,24 @@ class Engine:
 
     def _check_batch(self, targets: torch.Tensor) -> None:
         check_global_batch(self.plan, targets.shape[0] if targets.dim() > 0 else 0, f"rank {self.rank}, step {self.step}")
+
+
+def check_weights(model: nn.Module, weights: Any) -> bool:
+    """Whether ``model`` is built (at least in part) on the meta device, refusing what cannot be
+    filled: a buffer on meta that no checkpoint holds (a non-persistent one: build the model under
+    :func:`whalelike.empty_weights`, which keeps buffers real), or ``weights`` of the wrong kind."""
+    if weights is not None and not callable(weights) and not isinstance(weights, (str, os.PathLike)):
+        raise WhaleError(f"runtime.Engine(weights=...) takes a save_pretrained directory or a function "
+                         f"(name, full_shape, dtype) -> tensor, got {type(weights).__name__}")
+    empty = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if empty:
+        saved = set(model.state_dict().keys())
+        lost = sorted(name for name, buf in model.named_buffers() if buf.is_meta and name not in saved)
+        if lost:
+            raise WhaleError(f"runtime.Engine: the model's buffers {lost} are on the meta device and in no checkpoint "
+                             "or state dict (non-persistent), so nothing can give them values: build the model under "
+                             "whalelike.empty_weights() (parameters on meta, buffers real)")
+    return empty
 
 
 def _measure_memory(asked: Optional[bool], emulator) -> Optional[bool]:

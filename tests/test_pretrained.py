@@ -56,6 +56,7 @@ SHARD_BYTES = 24_000
 PLANS = {"pipeline-split": (dict(num_micro_batch=2), None),
          "zero3": (dict(num_micro_batch=2, zero_stage=3, ragged_shards=False), None),
          "ragged": (dict(num_micro_batch=2, zero_stage=3, ragged_shards=False), [0.75, 0.25])}
+ON_META = ("pipeline-split", "zero3")     # these Engines get a model built on the meta device
 
 
 def _cluster() -> Cluster:
@@ -117,18 +118,31 @@ def _ranks(rank: int, world_size: int, source: str, out: str) -> dict:
     results = {}
     for name in PLANS:
         plan = make_plan(name, graphs)
-        engine = Engine(gpt2(seed=1), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), loss_fn=lm_loss,
-                        cluster=_cluster(), timeout_s=120, example_args=data[0][0])   # other weights than saved
-        report = load_pretrained(engine, source)
+        if name in ON_META:
+            # built on the meta device: each rank gives storage only to what it holds and fills it from the
+            # directory (Engine(weights=...)); set-up is measured
+            with wl.empty_weights():
+                model = gpt2(seed=1)
+            engine = Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), loss_fn=lm_loss,
+                            cluster=_cluster(), timeout_s=120, example_args=data[0][0], weights=source,
+                            measure_memory=True)
+            assert not any(p.is_meta for p in model.parameters()) or engine.empty is False
+            report = engine.load_report
+        else:
+            engine = Engine(gpt2(seed=1), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), loss_fn=lm_loss,
+                            cluster=_cluster(), timeout_s=120, example_args=data[0][0])   # other weights than saved
+            report = load_pretrained(engine, source)
         state = engine.state_dict()
         assert state.keys() == saved.keys(), name
         for key, value in saved.items():
             assert torch.equal(state[key], value), f"{name}: {key} after load_pretrained"
         held = engine.executor.named_state()
         got = {"report": report, "plan": plan, "slabs": {n: s for n, (_, s) in held.items()},
-               "held": sum(local(t).numel() * 4 for t, _ in held.values())}    # the files hold float32
-        for batch in data:
-            engine.train_step(batch)
+               "held": sum(local(t).numel() * 4 for t, _ in held.values()),    # the files hold float32
+               "setup_peak": engine.setup_peak_bytes,
+               "buckets": _ddp_bucket_bytes(engine),
+               "layer": max(layer.param_bytes for layer in graphs.layers)}
+        got["losses"] = [float(engine.train_step(batch)) for batch in data]
         save_pretrained(engine, os.path.join(out, name), max_shard_bytes=SHARD_BYTES)
         final = engine.state_dict()
         if rank == 0:
@@ -136,6 +150,13 @@ def _ranks(rank: int, world_size: int, source: str, out: str) -> dict:
         results[name] = got
     results["alone"] = _save_alone(os.path.join(out, "alone"))
     return results
+
+
+def _ddp_bucket_bytes(engine) -> int:
+    """The bytes of the gradient buckets DDP allocated on this rank (0 where no DDP runs)."""
+    from runtime.replicas.ddp_sync import DDPSync
+    return sum(p.numel() * p.element_size() for sync in engine.executor.syncs() if isinstance(sync, DDPSync)
+               for p in sync.ddp.parameters() if p.requires_grad)
 
 
 def _file_bytes(directory) -> int:
@@ -158,8 +179,26 @@ def test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrain
     results = run_ranks(_ranks, 4, args=(str(source), str(tmp_path / "out")), init_process_group=False,
                         timeout_s=600)
     initial = gpt2(seed=0, annotate=False).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(source)      # the single-process run from the same files
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected = []
+    for inputs, targets in batches(2):
+        optimizer.zero_grad()
+        loss = lm_loss(reference(*inputs), targets)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
     for name in PLANS:
         got = [r[name] for r in results]
+        for g in got:
+            torch.testing.assert_close(g["losses"], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        if name in ON_META:
+            # built on meta: no rank's set-up ever held more than its share and one layer; a DDP rank's share
+            # includes the gradient buckets DDP allocates at construction (its gradients, held from then on)
+            for rank, g in enumerate(got):
+                share = g["held"] + g["buckets"]
+                assert g["setup_peak"] is not None and 0 < g["setup_peak"] <= share + g["layer"], \
+                    (name, rank, g["setup_peak"], g["held"], g["buckets"], g["layer"])
         # each rank read exactly what it holds, in slices, never the whole model
         assert [g["report"].bytes_read for g in got] == [g["held"] for g in got], name
         assert all(g["report"].read_whole == () and g["report"].bytes_read < total for g in got), name

@@ -389,7 +389,8 @@ def test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts
 
 
 def _out_of_memory(rank: int, world_size: int) -> None:
-    """Rank 1's emulated device holds 1 KiB, less than one step of the model needs."""
+    """Rank 1's emulated device holds 1 KiB, less than its share of the model: the Engine's set-up
+    is measured and fails (capacity is enforced from construction on, not only during steps)."""
     torch.manual_seed(0)
     model = Net()
     emulation = Emulation(base_gflops=1.0, enforce_memory=True)
@@ -407,4 +408,5 @@ def test_an_emulated_device_enforces_its_memory():
     error = outcomes[1].error or ""
     assert "EmulatedOutOfMemoryError" in error and "rank 1" in error and "emu-1" in error, error
     assert "1,024 bytes" in error, error           # the capacity, 2**-20 GiB
+    assert "during set-up" in error, error
     assert outcomes[0].error is not None          # its peer cannot go on without it (a GPU's OOM does the same)

@@ -14,12 +14,12 @@ from whalelike.cluster import Cluster, Device, Network
 from whalelike.errors import AnnotationError, CaptureError, SpecError, WhaleError
 from whalelike.losses import token_cross_entropy
 from whalelike.strategy import Strategy, replicate, set_default_strategy, split
-from whalelike.workload import Workload
+from whalelike.workload import Workload, empty_weights
 from whalelike.graphs.taskgraph import Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
 
 __all__ = [
     "Config", "Cluster", "Device", "Network",
     "AnnotationError", "CaptureError", "SpecError", "WhaleError",
     "Strategy", "replicate", "split", "set_default_strategy", "annotate", "capture",
-    "Workload", "token_cross_entropy", "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
+    "Workload", "empty_weights", "token_cross_entropy", "Boundary", "Layer", "TaskGraph", "TaskGraphs", "TensorSpec",
 ]

@@ -10,11 +10,16 @@ then ``examples/train.py --data FILE`` can train it on a text file (``runtime.te
 byte (token ids 0-255, so ``vocab_size`` must be at least 256) or through ``tokenizer`` (a callable
 from the file's text to a sequence of token ids below ``vocab_size``). Other workloads leave the
 three fields ``None``; nothing else reads them.
+
+:func:`empty_weights` builds a model whose parameters are on the meta device (no storage) while its
+buffers stay real: ``runtime.Engine`` then gives each rank storage for what its part of the plan
+holds and nothing more, and fills it from a checkpoint (``Engine(weights=...)``).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -75,3 +80,29 @@ def as_workload(obj: Any, origin: str) -> Workload:
         raise WhaleError(f"{origin}: Workload.tokenizer must be a callable from text to token ids, "
                          f"got {type(workload.tokenizer).__name__}")
     return workload
+
+
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build models whose parameters are on the meta device and whose buffers are real, e.g.
+    ``with wl.empty_weights(): model = LlamaForCausalLM(config)``.
+
+    Why not ``with torch.device("meta")``: it puts the buffers on meta too, and a buffer a module
+    computes when it is built and saves nowhere (a rotary embedding's frequencies, ``persistent=False``)
+    can then never get its values back. Here each parameter is moved to the meta device as the module
+    registers it (Hugging Face ``accelerate``'s ``init_empty_weights`` does the same, keeping
+    buffers): one parameter at a time has storage while the model is built, and the model ends with
+    none. The initialisation a module runs on its parameters still runs; on meta it computes nothing.
+    Invariant: the hook is removed when the block ends, an exception included."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original

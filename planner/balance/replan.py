@@ -13,7 +13,7 @@ Invariants:
   process group of the plan in force stays valid. New process groups would cost seconds on NCCL (and a
   collective agreement of every rank on them); what moves instead are amounts of work: batch
   shares (no data moves), layers between adjacent movable stages (their parameters and optimizer
-  state move point to point, :mod:`runtime.balance.state_transfer`) and the shard sizes of ``split``
+  state move point to point, :mod:`runtime.state.transfer`) and the shard sizes of ``split``
   stages (whole heads or feature granules, with their state). The device placement and the stage
   shapes are what :func:`planner.plan` chose; only :func:`planner.plan` changes them.
 * **Exact re-plans only.** The new plan does the same work as the old one, split differently, so

@@ -208,14 +208,17 @@ class EmulatedOutOfMemoryError(WhaleError):
     out-of-memory error is on real hardware."""
 
 
-def check_capacity(emulator: "Emulator", peak_bytes: Optional[int], step: int) -> None:
+def check_capacity(emulator: "Emulator", peak_bytes: Optional[int], step: Optional[int]) -> None:
     """Raise :class:`EmulatedOutOfMemoryError` when ``peak_bytes`` (this rank's measured peak of
-    ``step``) exceeds the emulated device's memory; no-op when the emulation does not enforce it."""
+    ``step``, or of its set-up when ``step`` is None) exceeds the emulated device's memory; no-op when
+    the emulation does not enforce it."""
     cap = emulator.capacity_bytes
     if cap is None or peak_bytes is None or peak_bytes <= cap:
         return
+    when = "during set-up (building the executor and filling its weights)" if step is None else f"in step {step}"
+    what = "set-up" if step is None else "the step"
     raise EmulatedOutOfMemoryError(
-        f"rank {emulator.rank}: emulated out of memory on device {emulator.device_name!r} in step {step}: the step "
+        f"rank {emulator.rank}: emulated out of memory on device {emulator.device_name!r} {when}: {what} "
         f"peaked at {peak_bytes:,} bytes ({peak_bytes / 2**30:.4g} GiB), more than its capacity of {cap:,} bytes "
         f"({cap / 2**30:.4g} GiB, memory_gib in the cluster spec); plan for this cluster (whalelike plan picks "
         "micro-batch sizes, a ZeRO stage and recompute that fit), or use a smaller batch or a higher zero_stage")

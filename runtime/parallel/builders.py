@@ -52,7 +52,7 @@ def _data_parallel(ctx: ExecutorContext) -> StepExecutor:
                                 recompute_layers=[layer.name for layer in ctx.graphs.layers],
                                 zero_layers=fsdp_unit_names(ctx.graphs.layers), idle=idle,
                                 memory_bytes_per_sample=stage_memory_bytes(ctx)[0],
-                                scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype)
+                                scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype, device=ctx.device)
 
 
 def _pipeline(ctx: ExecutorContext) -> StepExecutor:
@@ -66,7 +66,7 @@ def _pipeline(ctx: ExecutorContext) -> StepExecutor:
                             stage_memory_bytes=stage_memory_bytes(ctx),
                             dp_group=ctx.groups.dp.group, sharding=StageSharding.from_graphs(ctx.graphs, ctx.groups.tp.group),
                             network=NetworkModel.of_cluster(ctx.cluster) if ctx.cluster is not None else None,
-                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype,
+                            scaler=ctx.scaler, reduce_dtype=ctx.reduce_dtype, device=ctx.device,
                             idle_state=idle_state_of(ctx.graphs, ctx.plan, ctx.model))
 
 

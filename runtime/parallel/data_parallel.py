@@ -74,7 +74,8 @@ class DataParallelExecutor(StepExecutor):
     (:func:`planner.devices.cost_model.fsdp_unit_names`, what the memory model priced: tied weights
     stay in the root unit); None: ``recompute_layers``. ``idle``: the names of the module's
     parameters the captured forward never reads (``Layer.idle_state``), which the replica sync holds
-    whole and never reduces.
+    whole and never reduces. ``device``: where this rank computes; the replica sync gives storage
+    there to what the rank holds of the model (a model on the meta device is materialised only there).
     """
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, group: RankGroup, loss_fn: Callable,
@@ -82,7 +83,8 @@ class DataParallelExecutor(StepExecutor):
                  recompute_layers: Sequence[str] = (),
                  memory_bytes_per_sample: tuple[float, float] = (0.0, 0.0),
                  scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 zero_layers: Optional[Sequence[str]] = None, idle: Sequence[str] = ()):
+                 zero_layers: Optional[Sequence[str]] = None, idle: Sequence[str] = (),
+                 device: Optional[torch.device] = None):
         self.rank = rank
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.group = group
@@ -112,7 +114,8 @@ class DataParallelExecutor(StepExecutor):
                                                     reduce_dtype=reduce_dtype, zero_stage=zero,
                                                     fractions=plan.stages[0].state_fractions,
                                                     layers=recompute.layer_module_paths(module, zero_layers)
-                                                    if zero else (), idle=idle_parameters(module, idle))
+                                                    if zero else (), idle=idle_parameters(module, idle),
+                                                    device=device)
         # the Engine's runtime.control.exchange.Passenger: summed in this step's all-reduce
         self.passenger = None
         self._unpad = self.emulator.pad_forward(module, flops_per_sample[0], memory_bytes_per_sample[0])

@@ -210,7 +210,8 @@ class PipelineExecutor(StepExecutor):
     ``r`` of ``group``. ``dp_group``: the process group of every worker of this rank's stage in
     every replica (``runtime.groups.build_groups(...).dp.group``), needed when there are several.
     ``idle_state``: stage index -> the model's name -> tensor of the state the forward never reads
-    that the stage holds (:func:`idle_state_of`; default none).
+    that the stage holds (:func:`idle_state_of`; default none). ``device``: where this rank computes
+    (the stage's replica sync gives its part of the stage storage there; default: where it is).
     ``names``: the module whose parameter and buffer names :meth:`full_state_dict` uses (default
     ``graph_module``; pass the user's model if the capture renamed them). It must share its
     tensors with ``graph_module``, as :func:`whalelike.graphs.capture` does. ``network``: the link
@@ -236,6 +237,7 @@ class PipelineExecutor(StepExecutor):
         scaler: Optional[PlanLossScaler] = None,
         reduce_dtype: Optional[torch.dtype] = None,
         idle_state: Optional[Mapping[int, Mapping[str, torch.Tensor]]] = None,
+        device: Optional[torch.device] = None,
     ):
         plan.validate()
         self.plan = plan
@@ -271,7 +273,7 @@ class PipelineExecutor(StepExecutor):
             flops=stage_flops[self.stage.index] if stage_flops is not None else (0.0, 0.0),
             sharding=sharding, dp_group=dp_group, feature_shards=feature_shards,
             micro_batches={r: len(ranges) for r, ranges in self._all_ranges.items()}, scaler=scaler,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=reduce_dtype, device=device,
             memory_bytes=stage_memory_bytes[self.stage.index] if stage_memory_bytes is not None else (0.0, 0.0),
             idle=(idle_state or {}).get(self.stage.index))
         # every value and gradient crossing a stage boundary is a planned resharding (runtime.parallel.boundaries)

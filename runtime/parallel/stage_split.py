@@ -510,9 +510,13 @@ def _fake_run(root: fx.GraphModule, inputs: tuple, batch: int, recorder_type) ->
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():   # requires_grad as in training
             fake = [torch.empty((batch, *x.shape[1:]), dtype=x.dtype) for x in inputs]
-            # parameters a ZeRO sync holds sharded (DTensors, runtime.replicas.fsdp_sync) run as whole fakes
-            whole = {name: torch.empty(p.shape, dtype=p.dtype, requires_grad=p.requires_grad)
-                     for name, p in root.named_parameters() if is_dtensor(p)}
+            # parameters a ZeRO sync holds sharded (DTensors, runtime.replicas.fsdp_sync) run as whole
+            # fakes, and so does what has no storage on this rank (a model built on the meta device
+            # keeps the stages other ranks hold there): one device for the whole run
+            whole = {name: torch.empty(t.shape, dtype=t.dtype, requires_grad=t.requires_grad)
+                     for name, t in root.named_parameters(remove_duplicate=False) if is_dtensor(t) or t.is_meta}
+            whole.update({name: torch.empty(t.shape, dtype=t.dtype)
+                          for name, t in root.named_buffers(remove_duplicate=False) if t.is_meta})
             recorder = recorder_type(root)
             with _reparametrize_module(root, whole) if whole else nullcontext():
                 recorder.run(*fake)

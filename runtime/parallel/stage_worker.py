@@ -104,8 +104,10 @@ class StageWorker:
                  *, emulator: Emulator, flops: tuple[float, float], sharding: Optional[StageSharding],
                  dp_group: Optional[dist.ProcessGroup], feature_shards: dict, micro_batches: dict[int, int],
                  scaler: Optional[PlanLossScaler] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 memory_bytes: tuple[float, float] = (0.0, 0.0), idle: Optional[Mapping[str, torch.Tensor]] = None):
+                 memory_bytes: tuple[float, float] = (0.0, 0.0), idle: Optional[Mapping[str, torch.Tensor]] = None,
+                 device: Optional[torch.device] = None):
         self.plan, self.rank, self.group, self.split = plan, rank, group, split
+        self._device = device
         self.scaler = scaler   # fp16's loss scale (runtime.training.precision), None otherwise
         self.reduce_dtype = reduce_dtype   # the dtype the replica sync reduces gradients in (None: their own)
         self.worker = plan.worker(rank)
@@ -303,7 +305,9 @@ class StageWorker:
 
     @property
     def device(self) -> torch.device:
-        p = next(self.stage.module.parameters(), None)
+        if self._device is not None:
+            return torch.device(self._device)
+        p = next((p for p in self.stage.module.parameters() if not p.is_meta), None)
         return p.device if p is not None else torch.device("cpu")
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -335,7 +339,7 @@ class StageWorker:
                                   alone=alone, reduce_dtype=self.reduce_dtype,
                                   zero_stage=self.plan.stages[self.stage.index].zero_stage,
                                   fractions=self.plan.stages[self.stage.index].state_fractions,
-                                  keep_whole=self.kept_whole, idle=self.idle_params)
+                                  keep_whole=self.kept_whole, idle=self.idle_params, device=self._device)
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

@@ -79,13 +79,18 @@ class _Copy:
         return self.index is not None
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        return full if self.index is None else full.reshape(-1)[self.index]
+        return full if self.index is None else full.reshape(-1)[self._index_on(full.device)]
 
     def add_into(self, full: torch.Tensor, value: torch.Tensor) -> None:
         if self.index is None:
             full.add_(value)
         else:
-            full.view(-1).index_add_(0, self.index.reshape(-1), value.reshape(-1))
+            full.view(-1).index_add_(0, self._index_on(full.device).reshape(-1), value.reshape(-1))
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        if self.index.device != device:     # found before the copy had storage (built on meta)
+            self.index = self.index.to(device)
+        return self.index
 
 
 def find_ties(split: PipelineSplit, tensor_parallel_stages: set[int] = frozenset(),
@@ -162,9 +167,11 @@ class TiedParameters:
 
     @torch.no_grad()
     def _broadcast_initial(self) -> None:
-        """The copies start equal: the group's first rank's value goes to every holder."""
+        """The copies start equal: the group's first rank's value goes to every holder. A model on
+        the meta device has no values yet: its holders fill every copy from one source (a
+        checkpoint, an init by name), so they start equal without it."""
         for members, pg, held in self._groups:
-            if pg is None:
+            if pg is None or any(p.is_meta for _, p in held):
                 continue
             flat = torch.cat([p.detach().reshape(-1) for _, p in held])
             dist.broadcast(flat, src=members[0], group=pg)
@@ -193,7 +200,10 @@ class TiedParameters:
         for (members, pg, held), per_tie in zip(self._groups, self._copies):
             fulls = []
             for (_, original), copies in zip(held, per_tie):
-                full = torch.zeros_like(original)
+                # the whole value's shape on the copies' device (a model built on the meta device
+                # keeps the whole original there where this rank holds a slice)
+                device = copies[0].param.device if copies else original.device
+                full = torch.zeros(original.shape, dtype=original.dtype, device=device)
                 for copy in copies:
                     if contributes and copy.param.grad is not None and (copy.sharded or self.worker.tp_index == 0):
                         copy.add_into(full, copy.param.grad)
@@ -230,7 +240,8 @@ def _copies_of(tie: Tie, original: nn.Parameter, places: list[tuple[str, str]], 
             copies[id(p)] = _Copy(p)
         elif isinstance(module, ParallelLinear) and isinstance(p, nn.Parameter):
             # where each local entry sits in the full tensor: the layer's own slicing of the positions
-            positions = torch.arange(original.numel(), device=original.device).view_as(original)
+            # (on the CPU while the copy has no storage yet: a model built on the meta device)
+            positions = torch.arange(original.numel(), device="cpu" if p.is_meta else p.device).view(original.shape)
             index = module.shard_of(attr, positions)
             copies[id(p)] = _Copy(p) if module.sharded_dim(attr) is None else _Copy(p, index)
         else:

@@ -147,7 +147,7 @@ def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
 def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emulator: Optional[Emulator] = None,
              *, average: bool = False, devices: Optional[Sequence[str]] = None,
              bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None,
-             idle: Sequence[nn.Parameter] = ()) -> DistributedDataParallel:
+             idle: Sequence[nn.Parameter] = (), init_sync: bool = True) -> DistributedDataParallel:
     """DDP over ``process_group`` whose comm hook respects ``emulator``'s backward deadline.
 
     Gradients are summed (``average=False``): weight each rank's loss by its share of the global
@@ -173,6 +173,9 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     their own float32 (``Engine(grad_reduce_dtype="bf16")``, :mod:`runtime.training.precision`).
     ``idle``: parameters the forward never reads, left out of DDP (DDP's own list of parameters to
     ignore), which would otherwise wait for their gradients at every step.
+    ``init_sync`` False: no broadcast of rank 0's values at construction (DDP's own option), for a
+    module whose values are not there yet (built on the meta device: every replica is then filled
+    from one source, equal without it; the broadcast would cost a flat copy of the module).
     """
     emulator = emulator or Emulator.disabled()
     idle_ids = {id(p) for p in idle}
@@ -186,7 +189,7 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in idle_ids]
     if not params:
         raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
-    kwargs: dict[str, Any] = dict(process_group=process_group)
+    kwargs: dict[str, Any] = dict(process_group=process_group, init_sync=init_sync)
     kwargs[_NO_FORWARD_BUFFER_SYNC] = False
     total_bytes = sum(p.numel() * p.element_size() for p in params)
     overlap = emulator.enabled and emulator.network is not None and devices is not None
@@ -227,12 +230,13 @@ class DDPSync(Exact, WholeParameters):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, emulator: Optional[Emulator] = None,
                  devices: Optional[Sequence[str]] = None, average: bool = False,
                  bucket_cap_mb: Optional[float] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 idle: Sequence[nn.Parameter] = ()):
+                 idle: Sequence[nn.Parameter] = (), init_sync: bool = True):
         self.inner = module
         self.group = group
         self.ddp: Optional[DistributedDataParallel] = wrap_ddp(module, group, emulator, average=average,
                                                                devices=devices, bucket_cap_mb=bucket_cap_mb,
-                                                               reduce_dtype=reduce_dtype, idle=idle)
+                                                               reduce_dtype=reduce_dtype, idle=idle,
+                                                               init_sync=init_sync)
 
     @property
     def module(self) -> nn.Module:

@@ -47,7 +47,10 @@ small parameter does not name it. So checkpoints and live re-plans move ZeRO hol
 ``plan_moves`` as any other.
 
 Initial values: like DDP, the group's first rank broadcasts its parameters and buffers before
-sharding, so every replica starts from the same model.
+sharding, so every replica starts from the same model. A module on the meta device (built empty:
+each rank materialises only what it holds) is sharded first, then ``to_empty`` gives storage to its
+shards alone (FSDP2's meta-device path, as torchtitan uses it); its values come from a checkpoint
+or an init afterwards, written into the shards.
 
 Emulation enters here, at the seam: under an emulated network each all-gather and reduce-scatter
 is padded to its ring time on the group's devices (FSDP2's ``set_custom_all_gather`` /
@@ -76,7 +79,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState, dtensor_range, module_state
+from runtime.replicas.held_state import (NamedState, drop_memo_references, dtensor_range, is_dtensor, is_materialised,
+                                        module_state, place)
 from runtime.replicas.sync_parts import Exact, OwnPassenger, WholeParameters, own_units
 from whalelike.errors import WhaleError
 
@@ -141,7 +145,7 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,
                  emulator: Optional[Emulator] = None, devices: Optional[Sequence[str]] = None,
                  layers: Sequence[str] = (), reduce_dtype: Optional[torch.dtype] = None,
-                 keep_whole: Sequence[nn.Parameter] = ()):
+                 keep_whole: Sequence[nn.Parameter] = (), device: Optional[torch.device] = None):
         if stage not in (1, 2, 3):
             raise FSDPSyncError(f"StagePlan.zero_stage is {stage!r} for the 'fsdp' replica sync; it shards at ZeRO "
                                 "stages 1, 2 or 3 (stage 0 is replica_sync 'ddp'); make the plan with this version")
@@ -153,8 +157,15 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
         self.emulator = emulator or Emulator.disabled()
         self.size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        _broadcast_state(module, group)
+        # a module on the meta device (built empty, materialised rank by rank) is sharded first and
+        # then given storage for its shards only; its values come from a checkpoint or an init
+        empty = not is_materialised(module)
+        if device is None:
+            device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        device = torch.device(device)
+        if not empty:
+            place(module, device)
+            _broadcast_state(module, group)
         mesh = _mesh(group, device.type)
         reshard = stage == 3
         # a tensor-parallel slice is sharded further along its own split dimension, so what a rank
@@ -174,6 +185,8 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=placement,
                     ignored_params=ignored)
         self.units.append(module)
+        if empty:   # FSDP2 allocates each shard (and the whole ignored parameters), identities kept
+            _to_empty(module, device)
         network = self.emulator.network if self.emulator.enabled and devices is not None else None
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)            # summed: the losses carry n_i / B
@@ -242,6 +255,38 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
                 _unshard_permanently(unit)
         self.units = []
         return self.inner
+
+
+@torch.no_grad()
+def _to_empty(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)`` (FSDP2 gives its sharded parameters storage for their shards
+    alone and re-pads them) keeping what already had values: ``to_empty`` empties every tensor,
+    and a module built under ``whalelike.empty_weights`` keeps real buffers (a rotary embedding's
+    frequencies, computed when it was built and saved nowhere)."""
+    def named() -> dict:
+        return {**dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False))}
+
+    kept = {name: t.detach().clone() for name, t in named().items() if not t.is_meta and not is_dtensor(t)}
+    for tensor in named().values():
+        drop_memo_references(tensor)
+    with _swapping():     # (buffers are replaced, not swapped: restored by name)
+        module.to_empty(device=device)
+    now = named()
+    for name, value in kept.items():
+        now[name].copy_(value)
+
+
+@contextmanager
+def _swapping():
+    """``Module._apply`` swapping tensors in place (``torch.utils.swap_tensors``) instead of making new
+    parameter objects: the model, the captured graph and tied stages keep sharing each tensor."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
 def _within(slab: Slab, dim: int, start: int, stop: int) -> Slab:

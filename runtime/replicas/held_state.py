@@ -165,3 +165,73 @@ def dtensor_range(tensor: DTensor) -> Optional[tuple[int, int, int]]:
     chunk = math.ceil(size / n) if size else 0
     start, stop = min(rank * chunk, size), min((rank + 1) * chunk, size)
     return (dim, start, stop) if stop > start else None
+
+
+def is_materialised(module: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``module`` has storage (none is on the meta device)."""
+    return not any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def place(module: nn.Module, device: Optional[torch.device]) -> int:
+    """Give each parameter and buffer of ``module`` storage on ``device``, in place: a tensor on the
+    meta device gets uninitialised storage (its values come later: a checkpoint, an init), one on
+    another device is moved. Identity is kept (``torch.utils.swap_tensors``): the user's model, the
+    captured graph and every stage module that share a tensor still share it, and a rank gives
+    storage to what its part of the plan holds and nothing else. ``device`` None: where the module's
+    materialised tensors are (the CPU when none is). Returns the bytes allocated. ``DTensor``s are
+    FSDP2's to place (``to_empty``)."""
+    if device is None:
+        device = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta),
+                      torch.device("cpu"))
+    device = torch.device(device)
+    allocated, seen = 0, set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) in seen or is_dtensor(tensor):
+            continue
+        seen.add(id(tensor))
+        allocated += place_one(tensor, device)
+    return allocated
+
+
+@torch.no_grad()
+def place_one(tensor: torch.Tensor, device: torch.device) -> int:
+    """:func:`place` for one tensor (a parameter stays a parameter); the bytes allocated."""
+    if tensor.is_meta:
+        new = torch.empty_like(tensor, device=device)
+    elif tensor.device != torch.device(device):
+        new = tensor.to(device)
+    else:
+        return 0
+    if isinstance(tensor, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+    drop_memo_references(tensor)
+    torch.utils.swap_tensors(tensor, new)
+    return new.numel() * new.element_size()
+
+
+def drop_memo_references(tensor: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors`` refuses a tensor with weak references. Capture ran the model on
+    fake tensors, and torch's fake-tensor converters remember each real tensor they converted in a
+    ``torch.utils.weak.WeakIdKeyDictionary`` (a memo: a later conversion makes a new fake); those
+    entries are dropped, through the dictionary's own removal callback. Any other weak reference is
+    left, and the swap then says so."""
+    import weakref
+
+    from torch.utils.weak import WeakIdRef
+
+    for ref in weakref.getweakrefs(tensor):
+        callback = getattr(ref, "__callback__", None)
+        if isinstance(ref, WeakIdRef) and callback is not None:
+            callback(ref)
+
+
+def held_part(full: torch.Tensor, slab: Slab) -> torch.Tensor:
+    """The part of ``full`` (a whole tensor of ``slab.shape``) that ``slab`` describes, laid out as the
+    holder's local tensor: all of it, or its ranges along ``slab.dim`` concatenated in order."""
+    if tuple(full.shape) != tuple(slab.shape):
+        raise ValueError(f"a whole tensor of shape {tuple(full.shape)} for a slab of a {tuple(slab.shape)} tensor")
+    if slab.whole:
+        return full
+    parts = [full.narrow(slab.dim, a, b - a) for a, b in slab.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=slab.dim)

@@ -72,7 +72,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from planner.balance.state_moves import Slab
 from planner.devices.memory import RAGGED_BUCKET_BYTES
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.held_state import NamedState, is_materialised, module_state, place, place_one
 from runtime.replicas.sync_parts import Exact, OwnPassenger, own_units
 from whalelike.errors import WhaleError
 
@@ -137,7 +137,8 @@ class RaggedSync(Exact, OwnPassenger):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,
                  fractions: Sequence[float], emulator: Optional[Emulator] = None,
                  devices: Optional[Sequence[str]] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 layers: Sequence[str] = (), keep_whole: Sequence[nn.Parameter] = ()):
+                 layers: Sequence[str] = (), keep_whole: Sequence[nn.Parameter] = (),
+                 device: Optional[torch.device] = None):
         group = group if group is not None else dist.group.WORLD
         n = dist.get_world_size(group)
         if stage not in (1, 2, 3):
@@ -155,7 +156,25 @@ class RaggedSync(Exact, OwnPassenger):
         network = self.emulator.network if self.emulator.enabled and devices is not None else None
         self.ring = network.ring(tuple(devices)) if network is not None else None
         self.network = network
-        _broadcast(module, group)
+        # a module on the meta device: its whole parameters get storage (at stage 3 one at a time,
+        # freed at once: they hold none between uses), its shards are made empty; the values come
+        # from a checkpoint or an init written into the shards (named_state), gathered before use
+        empty = self._empty = not is_materialised(module)
+        if device is None:
+            device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        device = torch.device(device)
+        if not empty:
+            place(module, device)
+            _broadcast(module, group)
+        elif stage == 3:
+            for p in module.parameters():
+                if p.is_meta:
+                    place_one(p, device)
+                    if not any(p is q for q in keep_whole):
+                        p.untyped_storage().resize_(0)
+            place(module, device)     # the buffers
+        else:
+            place(module, device)
         # parameters the caller syncs itself (tied to another pipeline stage) stay whole, outside the shards
         self.whole = [p for p in module.parameters() if any(p is q for q in keep_whole)]
         self.params = [p for p in module.parameters() if p.requires_grad and not any(p is q for q in keep_whole)]
@@ -164,8 +183,12 @@ class RaggedSync(Exact, OwnPassenger):
         with torch.no_grad():
             for p in self.params:
                 a, b = self.rows[id(p)][self.rank]
+                shape = (b - a,) + tuple(p.shape[1:])
+                if empty:
+                    self.shards.append(nn.Parameter(torch.empty(shape, dtype=p.dtype, device=device)))
+                    continue
                 flat = p.reshape(p.shape[0] if p.dim() else 1, -1)
-                self.shards.append(nn.Parameter(flat[a:b].reshape((b - a,) + tuple(p.shape[1:])).clone()))
+                self.shards.append(nn.Parameter(flat[a:b].reshape(shape).clone()))
         # the whole parameters need the shards gathered before the next forward: after an optimizer
         # step over the shards and after the shards were handed out by named_state()
         # (a checkpoint load or a state move may write them); the same events on every rank, so every
@@ -336,7 +359,7 @@ class RaggedSync(Exact, OwnPassenger):
                 units.append((sub, indices))
         rest = [i for i, p in enumerate(self.params) if id(p) not in claimed]
         storages: dict[int, str] = {}
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.params if not self._empty else ()):   # fresh storages share nothing
             key = p.untyped_storage().data_ptr()
             if p.numel() and key in storages:
                 raise RaggedSyncError(f"parameters {storages[key]} and #{i} of {type(module).__name__} share one storage; "

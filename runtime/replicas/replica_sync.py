@@ -57,7 +57,7 @@ import torch.nn as nn
 from runtime.emulation.compute import Emulator
 from runtime.replicas.ddp_sync import DDPSync
 from runtime.replicas.ragged_sync import RaggedSync
-from runtime.replicas.held_state import NamedState, module_state
+from runtime.replicas.held_state import NamedState, is_materialised, module_state, place
 from runtime.replicas.partial_sync import PartialSync
 from runtime.replicas.sync_parts import Exact, OwnPassenger, WholeParameters
 from whalelike.config import REPLICA_SYNCS
@@ -128,34 +128,38 @@ class AloneSync(Exact, OwnPassenger, WholeParameters):
 
 
 def _ddp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
-         idle) -> DDPSync:
+         idle, device) -> DDPSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'ddp' with zero_stage {zero_stage}; DDP is ZeRO stage 0 "
                          "(make the plan with this version of whalelike: stages 1-3 use replica_sync 'fsdp')")
-    return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype, idle=idle)
+    empty = not is_materialised(module)    # built on meta: filled from one source later, no broadcast
+    place(module, device)
+    return DDPSync(module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype, idle=idle,
+                   init_sync=not empty)
 
 
 def _fsdp(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
-          idle) -> FSDPSync:
+          idle, device) -> FSDPSync:
     from runtime.replicas.fsdp_sync import FSDPSync   # FSDP2 imports torch.distributed.tensor: a second of CPU
     return FSDPSync(module, group, stage=zero_stage, emulator=emulator, devices=devices, layers=layers,
-                    reduce_dtype=reduce_dtype, keep_whole=[*keep_whole, *idle])
+                    reduce_dtype=reduce_dtype, keep_whole=[*keep_whole, *idle], device=device)
 
 
 def _ragged(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions, keep_whole,
-            idle) -> RaggedSync:
+            idle, device) -> RaggedSync:
     return RaggedSync(module, group, stage=zero_stage, fractions=fractions, emulator=emulator, devices=devices,
-                      reduce_dtype=reduce_dtype, layers=layers, keep_whole=[*keep_whole, *idle])
+                      reduce_dtype=reduce_dtype, layers=layers, keep_whole=[*keep_whole, *idle], device=device)
 
 
 def _partial(module, group, *, emulator, devices, reduce_dtype, zero_stage, layers, fractions,
-             keep_whole, idle) -> PartialSync:
+             keep_whole, idle, device) -> PartialSync:
     if zero_stage:
         raise WhaleError(f"StagePlan.replica_sync is 'partial' with zero_stage {zero_stage}; P-Reduce averages whole "
                          "parameters (ZeRO stage 0): re-create the plan with `whalelike plan`")
     if keep_whole:
         raise WhaleError("P-Reduce (replica_sync 'partial') on a ZeRO stage's kept-whole parameters: P-Reduce runs "
                          "at ZeRO stage 0; re-create the plan with `whalelike plan`")
+    place(module, device)
     return PartialSync(module, group, emulator=emulator, devices=devices)
 
 
@@ -169,7 +173,7 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
                        alone: bool = False, reduce_dtype: Optional[torch.dtype] = None,
                        zero_stage: int = 0, layers: Sequence[str] = (), fractions: Sequence[float] = (),
                        keep_whole: Sequence[nn.Parameter] = (),
-                       idle: Sequence[nn.Parameter] = ()) -> ReplicaSync:
+                       idle: Sequence[nn.Parameter] = (), device: Optional[torch.device] = None) -> ReplicaSync:
     """The ``kind`` sync (a ``StagePlan.replica_sync`` name) of ``module`` over ``group``.
 
     ``devices``: the group's devices in rank order (an emulated network prices its collectives on
@@ -184,16 +188,21 @@ def build_replica_sync(kind: str, module: nn.Module, group: Optional[dist.Proces
     ``idle``: parameters the forward never reads (``Layer.idle_state``: no gradient ever reaches
     them), which every sync holds whole and never reduces (DDP would wait for their gradients).
     P-Reduce averages them with the rest: they never change, so the average is themselves.
+    ``device``: where this rank computes; the sync gives storage there to what it holds of
+    ``module`` (:func:`runtime.replicas.held_state.place`: a module on the meta device, built empty,
+    is materialised rank by rank, the whole of it only where this rank keeps it whole, its shards
+    alone under ZeRO; a module on another device is moved). None: where the module is.
     """
     if kind not in _IMPLEMENTATIONS:
         raise WhaleError(f"StagePlan.replica_sync is {kind!r}; the replica syncs are {sorted(_IMPLEMENTATIONS)} "
                          f"(make the plan with this version of whalelike)")
     idle_ids = {id(p) for p in idle}
     if alone or not any(p.requires_grad and id(p) not in idle_ids for p in module.parameters()):
+        place(module, device)
         return AloneSync(module, group)
     return _IMPLEMENTATIONS[kind](module, group, emulator=emulator, devices=devices, reduce_dtype=reduce_dtype,
                                   zero_stage=zero_stage, layers=layers, fractions=fractions, keep_whole=keep_whole,
-                                  idle=tuple(idle))
+                                  idle=tuple(idle), device=device)
 
 
 def after_step(executor, plan, step: int, optimizer=None) -> None:

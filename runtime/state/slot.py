@@ -34,9 +34,11 @@ import torch.nn as nn
 from planner.plan import Plan
 from runtime.parallel.builders import build_executor
 from runtime.parallel.executor import ExecutorContext, StepExecutor
+from runtime.replicas.held_state import held_part, local
 from runtime.state.transfer import Snapshot, TransferReport, land, snapshot, switch_executor
 from runtime.training.clipping import GlobalGradNorm
 from runtime.training.schedules import build_scheduler
+from whalelike.errors import WhaleError
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,26 @@ class ExecutorSlot:
         self.executor, report = land(held, build_executor(self.context), self.optimizer, self.make_optimizer)
         self.compute_plan = None
         return report
+
+    @torch.no_grad()
+    def fill(self, values: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> int:
+        """Write every tensor this rank holds from ``values(name, full_shape, dtype)``, the whole
+        tensor of the model's ``name`` (deterministic: every holder of a piece computes the same),
+        of which each rank copies the part it holds, as a checkpoint load writes it: into the pieces
+        ``named_state`` gives (a ragged sync's shards, FSDP2's local rows), which the syncs take as the
+        state of record (collective only as ``named_state`` is: P-Reduce averages first). Returns the
+        number of tensors written."""
+        written = 0
+        for name, (tensor, slab) in self.executor.named_state().items():
+            canonical = name.split("@", 1)[0]      # a second copy of a tied tensor on one rank
+            full = values(canonical, tuple(slab.shape), tensor.dtype)
+            if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(slab.shape):
+                raise WhaleError(f"the weights' init for {canonical!r} gave "
+                                 f"{tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__}; "
+                                 f"it must return the whole tensor, of shape {tuple(slab.shape)}")
+            local(tensor).copy_(held_part(full.to(tensor.dtype), slab))
+            written += 1
+        return written
 
     # -- what a step reads --------------------------------------------------------------------------
     def clipper(self) -> GlobalGradNorm:

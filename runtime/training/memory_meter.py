@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -45,12 +45,16 @@ log = logging.getLogger(__name__)
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensor storages alive while it is active, and their peak."""
 
-    def __init__(self, alive: Iterable[torch.Tensor] = (), resizes: bool = False):
+    def __init__(self, alive: Iterable[torch.Tensor] = (), resizes: bool = False, inputs: Optional[bool] = None):
         super().__init__()
         # resizes: storages may change size in place (FSDP2 frees and re-allocates its unsharded
-        # parameters with ``untyped_storage().resize_``): operator inputs are counted too and every
-        # counted storage's size is read again after each operator (slower; only for ZeRO's modules)
+        # parameters with ``untyped_storage().resize_``): every counted storage's size is read again
+        # after each operator (slower; only for ZeRO's modules), and operator inputs are counted too
+        # (``inputs``, default: as ``resizes``; a step starts with such storages made before it).
+        # Set-up counts outputs only: an input made before it began (the source of the weights a
+        # rank copies in) is not the rank's.
         self.resizes = resizes
+        self.inputs = resizes if inputs is None else inputs
         self._refs: dict[int, weakref.ref] = {}
         self._sizes: dict[int, int] = {}
         self._finalizers: list = []
@@ -78,6 +82,13 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
         self._finalizers.append(weakref.finalize(storage, self._free, key))
 
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is counted (made while the counter was active, or tracked)."""
+        try:
+            return tensor.untyped_storage()._cdata in self._sizes
+        except (NotImplementedError, RuntimeError):
+            return False
+
     def _free(self, key: int) -> None:
         self.current -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
@@ -103,6 +114,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.resizes:
             self._refresh()        # what the Python code between operators resized
+        if self.inputs:
             for tensor in tree_flatten((args, kwargs))[0]:
                 self.track(tensor)
         out = func(*args, **(kwargs or {}))
@@ -147,6 +159,37 @@ class MemoryMeter:
         self.device = device
         self.enabled = device.type == "cuda" if enabled is None else bool(enabled)
         self.peak_bytes: Optional[int] = None
+        self.setup_peak_bytes: Optional[int] = None
+
+    @contextmanager
+    def setup(self, held: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+        """The peak bytes of building an executor and filling it (:attr:`setup_peak_bytes`): every
+        storage made until the block ends, at its peak, plus the storages ``held()`` (called at the
+        end: the tensors the rank keeps) had before it began: a model built normally keeps its held
+        tensors where they are, and what it does not hold is the caller's host memory, not this
+        device's (as the CUDA figure, the allocator's peak on the device, does not count it)."""
+        self.setup_peak_bytes = None
+        if not self.enabled:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            self.setup_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        counter = LiveBytes(resizes=True, inputs=False)
+        try:
+            with counter:
+                yield
+        finally:
+            counter.close()
+        before = {}
+        for tensor in held():
+            tensor = local(tensor)
+            if tensor.device.type != "meta" and not counter.counts(tensor):
+                storage = tensor.untyped_storage()
+                before[storage._cdata] = storage.nbytes()
+        self.setup_peak_bytes = int(counter.peak) + sum(before.values())
 
     @contextmanager
     def step(self, modules: list[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> Iterator[None]:

@@ -48,7 +48,7 @@ from whalelike.graphs.output_tree import OUTPUTS_META, OutputRecord, loss_reads,
 from whalelike.graphs.regions import ROOT_LAYER, Regions, assign_regions
 from whalelike.sharding.analysis import shardable_fields
 from whalelike.graphs.taskgraph import LAYER_META, Boundary, Layer, TaskGraph, TaskGraphs, TensorSpec
-from whalelike.graphs.tracing import placeholder_values, trace_reusable
+from whalelike.graphs.tracing import placeholder_values, retarget_device, trace_reusable
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
     batch = _batch_size(args, kwargs)
+    device = _input_device(args, kwargs)
+    args, kwargs = _on_model_device(model, args, kwargs)
 
     keyed = capture_cache.key_of(model, args, kwargs, optimizer, loss_fn)
     entry = capture_cache.lookup(keyed[0]) if keyed is not None else None
@@ -107,6 +109,9 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     if entry is not None:   # what is derived from this graph alone is shared by its later captures too
         gm.meta[capture_cache.DERIVED_META] = entry.derived
     gm.meta[OUTPUTS_META] = outputs
+    if device is not None and any(p.is_meta for p in model.parameters()):
+        # traced on meta, run where the inputs are: the device the trace baked in goes there
+        retarget_device(gm, torch.device("meta"), device)
     graphs = _assemble(gm, model, method, regions, costs, batch, optimizer, outputs=outputs)
     # the autocast figures (what a bf16 or fp16 plan holds) cost a second run of the whole graph,
     # doubling capture's time: measured when a plan first asks for them (with_autocast)
@@ -164,6 +169,26 @@ def _layer_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: 
             if layer is not None:
                 outputs[layer] += sum(_tensor_bytes(spec) for spec in costs.outputs.get(value.name, ())) / batch
     return {"input_activation": inputs, "output": outputs}
+
+
+def _input_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    """The device of the first tensor input (None when none has one other than meta)."""
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            return t.device
+    return None
+
+
+def _on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs on the meta device when the model's parameters are there (a model built
+    on ``meta`` to be materialised rank by rank): capture runs on fake tensors and needs one device,
+    while examples are written with ordinary CPU inputs. Otherwise the inputs as given."""
+    if not any(p.is_meta for p in model.parameters()):
+        return args, kwargs
+    from torch.utils._pytree import tree_map
+
+    move = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tree_map(move, args), tree_map(move, kwargs)
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:

@@ -166,6 +166,36 @@ def _finish_export(program, model: nn.Module) -> fx.GraphModule:
     return gm
 
 
+def retarget_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> int:
+    """Replace the device ``old`` by ``new`` in every node's arguments of ``gm`` (``x.to(x.device)``,
+    ``torch.arange(n, device=x.device)``: a trace bakes the device it ran on into the graph). A model
+    built on the meta device is traced there; its graph must run where its inputs are. Returns the
+    number of nodes changed."""
+    old, new = torch.device(old), torch.device(new)
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == old:
+            return new
+        if isinstance(value, str) and value == str(old):
+            return str(new)
+        return value
+
+    changed = 0
+    for module in gm.modules():      # the graph and those of its higher-order operators' bodies
+        if not isinstance(module, fx.GraphModule):
+            continue
+        here = 0
+        for node in module.graph.nodes:
+            args, kwargs = tree_map(swap, node.args), tree_map(swap, dict(node.kwargs))
+            if args != node.args or kwargs != dict(node.kwargs):
+                node.args, node.kwargs = args, kwargs
+                here += 1
+        if here:
+            module.recompile()
+        changed += here
+    return changed
+
+
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
     """``graph`` copied as ``Graph.__deepcopy__`` copies it, its code generator shared (passes replace
     a graph's code generator, never change it; copying one warns about pytree specs)."""
