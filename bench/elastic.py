@@ -239,7 +239,12 @@ def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts:
     first = later[0][0]
 
     def throughput(steps) -> float:
-        times = [ms for _, _, ms in steps[2:]]
+        # the first two steps after a start warm up; a short run (a smoke run on a loaded machine, where
+        # the loss lands late) may have no more than those, and then they are what there is
+        times = [ms for _, _, ms in (steps[2:] if len(steps) > 2 else steps)]
+        if not times:
+            raise RuntimeError(f"({path}) no step ran after the loss: raise --steps above --lose-at "
+                               f"({args.steps} and {args.lose_at})")
         return args.global_batch / (sum(times) / len(times) / 1e3)
 
     left = [speed for _, speed, _ in HOST_A[:args.host_a]]
