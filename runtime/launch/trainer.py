@@ -1,0 +1,594 @@
+"""Train a planned model under torchrun, optionally side by side with the capacity-blind plan.
+
+    torchrun --nproc_per_node 4 examples/train.py examples/hybrid_classifier.py:build \\
+        --plan out/plan.yaml --steps 30 --compare-naive
+
+Every rank loads the same workload and plan, draws the same synthetic global batches (a seeded
+generator: the "corpus" is made by the workload's ``make_batch``), and trains through
+``runtime.Engine``; each rank computes only its share. With ``--compare-naive`` the same model,
+from the same initial weights and on the same batches, is trained again under the naive plan
+(equal shares, equal layer counts, equal shards on the same devices), and rank 0 prints both loss
+curves and throughputs side by side. The emulated cluster's devices are "hardware": the plan was
+made from nominal figures only.
+
+Dynamic balancing (``--balance``, default ``exact``): the whalelike run re-plans when a device's
+measured speed changes (an ``emulation.stragglers`` entry in the cluster spec makes one slow down
+mid-run, e.g. ``--cluster examples/clusters/emulated-straggler.yaml``); rank 0 prints every re-plan
+event as it happens, and ``--run-timeline out/run.png`` draws step times per rank with the events
+(a Chrome trace goes next to it, ``.json``). The naive run never re-plans: it is the baseline.
+
+Checkpoints (``--checkpoint-dir DIR``): the whalelike run saves every ``--checkpoint-every`` steps
+and at the end (``runtime.checkpoint.save_async``: torch.distributed.checkpoint, atomic, written by
+a thread while training goes on), and a run started
+with the same ``--checkpoint-dir`` resumes from the newest complete checkpoint there: the step, the
+model and optimizer state, the data position (the batch generator's state) and the loss curve so far.
+``--plan`` may then be left out (the checkpoint's plan is used) or name a *different* plan (another
+cluster, other ranks): the state is resharded on load. Under ``torchrun --max-restarts N`` a rank
+that dies makes the others fail within ``--timeout`` seconds; torchrun restarts them all and they
+resume from the newest checkpoint. ``--no-resume`` starts from step 0 even if checkpoints exist.
+
+Elastic (the default with ``--cluster`` and ``--checkpoint-dir``; ``runtime.elastic.membership``):
+under ``torchrun --nnodes MIN:MAX --rdzv-backend c10d --max-restarts N`` each start of the workers
+finds which devices of the cluster spec are present (each node stands for the spec host named by
+``WHALELIKE_HOST``, or its host name; worker ``LOCAL_RANK`` i for that host's i-th device) and, when
+they are not the plan's, plans the model onto them under the plan's Config and resumes the newest
+checkpoint there: a node lost for good costs a restart, not a person; a node that joins is taken in
+at the next rendezvous. Rank 0 prints each change once (devices lost and gained, both plans, the
+predicted step times). When the devices present cannot hold the model, every rank stops with one
+line naming the memory missing and the devices present. ``--no-elastic`` runs the plan as given.
+With ``--leave-on-sigterm`` a worker that receives SIGTERM (a spot VM's preemption notice; torchrun's
+agent passes a node's on to its workers) finishes the step it is in and leaves at its boundary
+without a restart (``runtime.elastic.departure``): its state moves to the ranks that stay, which
+re-plan onto their devices and go on in the same processes, no checkpoint read and no step lost;
+the leaver exits 0. When every worker gets SIGTERM in the same step (the agent stopping them to
+restart, as it does when a node joins; a drain of the whole job) they stop at that step's boundary
+and write a checkpoint of it first (with ``--checkpoint-dir``), so the restart loses no step; exit
+status 143, as the signal would have given. Off by default: the agent also stops workers with
+SIGTERM when a peer failed, and a worker stuck in a collective then waits for its ``--timeout``
+or the agent's kill (30 s).
+
+Real data (``--data FILE``, with ``--seq-len N``, default the workload's ``seq_len``): a language
+model (a workload that sets ``vocab_size``, e.g. ``examples/hf_llama.py:build``) trains on a plain
+text file instead of synthetic batches, byte by byte (or through the workload's ``tokenizer``), in
+non-overlapping next-token windows (``runtime.text_data.ByteTextDataset``, the file's first 90%:
+the last 10% is its validation split). On a single-stage data-parallel plan each rank reads only
+its share of every global batch (``runtime.UnevenLoader``) and follows re-planned shares; on
+pipeline and tensor-parallel plans every rank reads the whole global batch (the same seeded
+permutation on every rank, ``plan.global_batch_size`` windows per step, an epoch's last short batch
+dropped). Epochs roll over with a new permutation (seeded by ``--seed`` + the epoch). The data
+position (epoch, windows of the epoch read, seed) is in every checkpoint; it is counted in windows,
+so a resumed run reads exactly the windows the uninterrupted run would have read next, also onto a
+plan with other shares or of another kind (a different global batch size regroups the windows
+that follow). A shipped text: ``examples/data/tinyshakespeare.txt`` (see ``examples/data/README.md``).
+
+The training recipe (``runtime.training``): ``--precision fp32|bf16|fp16`` (default: the plan's;
+autocast with float32 master weights, fp16 with a loss scaler; ``--grad-reduce-dtype bf16`` sums
+replicas' gradients in half the bytes), ``--clip-grad-norm X`` (the whole
+model's gradient clipped to global norm X; the norm is printed with each logged step),
+``--schedule cosine|linear|constant`` with ``--warmup-steps N`` and ``--min-lr-ratio R`` (a warm-up
+from ``--lr / N`` to ``--lr``, then the decay down to ``R * --lr`` at ``--steps``; saved in
+checkpoints), and ``--measure-memory`` (each rank's measured peak memory next to the plan's
+prediction, in a table at the end; always on GPUs, where it costs nothing). Activation
+checkpointing is asked for in the model's annotation (``wl.replicate(recompute=True)``) or chosen
+by the planner, and shows in the plan summary.
+
+Errors in the command line or its inputs (a missing plan file, a bad argument) are one line on
+stderr from rank 0 and exit status 2 on every rank, before any process group is made; a failure
+while training is one line per rank (which rank, which step, why) and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import planner
+import runtime
+import whalelike as wl
+from runtime import checkpoint
+from runtime.elastic import membership
+from runtime.elastic.departure import Departed, LeaveConfig, Stopping
+from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
+from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
+from whalelike.cli import load_workload
+from whalelike.config import PRECISIONS
+from whalelike.display import format_table
+from whalelike.errors import WhaleError, one_line
+from whalelike.files import check_output_paths
+
+WARMUP_STEPS = 2
+
+
+EXIT_USAGE, EXIT_FAILED = 2, 1
+EXIT_STOPPED = 128 + 15    # every rank got SIGTERM (--leave-on-sigterm): stopped at a step boundary, as a signal would
+_QUIET_RANKS_WAIT_S = 10.0   # the most a quiet rank waits for rank 0 to have said why (another host: all of it)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once per job (rank 0), not once per rank."""
+
+    def error(self, message):
+        _say_once(f"{self.prog}: error: {message} (see --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _said_marker() -> str:
+    """A file rank 0 creates once it has printed (same host: the other ranks stop waiting then)."""
+    job = f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return os.path.join(tempfile.gettempdir(), f"whalelike-train-said-{job}")
+
+
+def _say_once(line: str) -> None:
+    """Print ``line`` on rank 0 only. The other ranks, failing alike, wait before they exit (torchrun
+    stops every rank as soon as one exits with an error, and rank 0 must have said why): until rank 0
+    has printed (a marker file, on its host) or at most ``_QUIET_RANKS_WAIT_S``, so a loaded machine
+    cannot lose the line."""
+    marker = _said_marker()
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            open(marker, "w").close()
+        return
+    deadline = time.monotonic() + _QUIET_RANKS_WAIT_S
+    while time.monotonic() < deadline and not os.path.exists(marker):
+        time.sleep(0.05)
+    time.sleep(0.2)        # rank 0's exit goes first: torchrun then reports it, with its message
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="path/to/file.py:factory returning a whalelike.Workload with loss_fn and make_batch")
+    p.add_argument("--plan", help="plan YAML written by `whalelike plan` (optional when resuming: the checkpoint's)")
+    p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
+    p.add_argument("--profile", metavar="PROFILE.yaml",
+                   help="the cluster as `whalelike profile` measured it for this model (the one the plan was made "
+                        "from with `whalelike plan --profile`): re-plans for measured speeds start from its rates")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the peak of a --schedule; default 1e-3)")
+    p.add_argument("--precision", choices=list(PRECISIONS),
+                   help="training precision (default: the plan's, `whalelike plan --precision`)")
+    p.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype replicas sum gradients in: fp32 (exact, default) or bf16 (half the bytes)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="clip the whole model's gradient to this global norm before each step (default: no clipping)")
+    p.add_argument("--schedule", default="constant", choices=list(LR_SCHEDULES),
+                   help="learning-rate schedule after the warm-up (default constant)")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="steps of linear warm-up from lr/N to lr (default 0)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, metavar="R",
+                   help="cosine/linear decay ends at R * lr at the last step (default 0)")
+    p.add_argument("--measure-memory", action="store_true",
+                   help="measure each rank's peak memory on CPU too (slower; always on GPUs) and report it")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic batches, or of each epoch's permutation with --data (default 0)")
+    p.add_argument("--data", metavar="FILE", help="train a language model on this text file (byte-level, or the "
+                   "workload's tokenizer) instead of synthetic batches: each rank reads its share on a data-parallel "
+                   "plan, every rank the whole global batch on a pipeline or tensor-parallel plan")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per window with --data (default: the workload's seq_len, what the plan was made for)")
+    p.add_argument("--compare-naive", action="store_true", help="also train under the capacity-blind plan")
+    p.add_argument("--balance", default="exact", choices=["exact", "semi", "resize", "off"],
+                   help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
+    p.add_argument("--run-timeline", metavar="PNG", help="write step times per rank and re-plan events here "
+                   "(and a Chrome trace next to it, .json)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here and resume from the newest one")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="steps between checkpoints (default 10; one is also saved at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="newest checkpoints kept (default 2)")
+    p.add_argument("--no-resume", action="store_true", help="start at step 0 even if --checkpoint-dir has checkpoints")
+    p.add_argument("--no-elastic", action="store_true",
+                   help="with --cluster and --checkpoint-dir, run the plan as given even if the devices present differ "
+                        "(default: re-plan onto the devices present, runtime.elastic)")
+    p.add_argument("--leave-on-sigterm", action="store_true",
+                   help="a worker sent SIGTERM (a preemption notice) leaves at the next step boundary and the others "
+                        "go on without a restart, re-planned onto the devices left (runtime.elastic.departure)")
+    p.add_argument("--log-every", type=int, default=5, metavar="N",
+                   help="in a log (not a terminal), print every N-th step's line (default 5)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="bound on every collective: a dead or hung rank fails the others after this (default 300)")
+    p.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
+                   help="a NaN or inf loss stops training naming the step (raise, default) or skips that step")
+    p.add_argument("--batch-check-every", type=int, default=100, metavar="N",
+                   help="check every N steps (and the first) that all ranks pass the same batch; 0: never")
+    args = p.parse_args(argv)
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.log_every < 1:
+        p.error(f"--log-every must be at least 1, got {args.log_every}")
+    if args.keep_checkpoints < 1:
+        p.error(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if not (args.timeout > 0) or args.timeout == float("inf"):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.batch_check_every < 0:
+        p.error(f"--batch-check-every must be 0 (off) or a number of steps, got {args.batch_check_every}")
+    if args.clip_grad_norm is not None and not (0 < args.clip_grad_norm < float("inf")):
+        p.error(f"--clip-grad-norm must be a positive finite number (1.0 in most recipes), got {args.clip_grad_norm}")
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        p.error(f"--warmup-steps must be in [0, --steps {args.steps}), got {args.warmup_steps}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if not (args.lr > 0 and args.lr < float("inf")):
+        p.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.seq_len is not None and args.data is None:
+        p.error("--seq-len applies to --data only; give --data FILE or drop --seq-len")
+    if args.seq_len is not None and args.seq_len < 1:
+        p.error(f"--seq-len must be at least 1, got {args.seq_len}")
+    if args.compare_naive and args.leave_on_sigterm:
+        p.error("--compare-naive and --leave-on-sigterm do not mix: a rank that leaves cannot run the naive "
+                "baseline afterwards; drop one")
+    if args.compare_naive and args.checkpoint_dir:
+        p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
+                "a job to resume; drop one")
+    return args
+
+
+def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
+    """The profile of ``--profile`` (checked against the cluster and the plan's precision; the
+    Engine checks the model), or None."""
+    if args.profile is None:
+        return None
+    from planner.devices.profile import Profile
+    return Profile.from_yaml(args.profile, cluster=cluster, precision=args.precision or plan.precision)
+
+
+def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.Plan, cluster: wl.Cluster,
+          args, resume: "checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
+    """Train a fresh copy of the model under ``plan`` (continuing ``resume`` if given); return its
+    losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
+    model = copy.deepcopy(workload.model)
+    model.load_state_dict(initial_state)
+    engine = runtime.Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                            loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
+                            balance=args.balance if name == "whalelike" else "off",
+                            example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
+                            batch_check_every=args.batch_check_every, precision=args.precision,
+                            clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
+                            measure_memory=True if args.measure_memory else None,
+                            grad_reduce_dtype=args.grad_reduce_dtype,
+                            profile=_profile(args, cluster, plan) if name == "whalelike" else None,
+                            departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
+    batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
+        TextBatches(dataset, engine, args.seed)
+    losses, step_times, save_times = [], [], []
+    show = engine.rank == 0
+    if resume is not None:
+        extra = checkpoint.load(engine, resume)
+        batches.restore(extra, resume.path)
+        losses = list(extra["losses"])
+        if show:
+            moved = "" if resume.world_size == plan.world_size and _same_plan(resume, plan) else \
+                f", resharded from the {resume.world_size}-rank plan it was saved with"
+            print(f"\n[{name}] resumed at step {engine.step} from {resume.path}{moved}", flush=True)
+    elif show:
+        print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks"
+              f"{batches.describe()}", flush=True)
+    saving = args.checkpoint_dir is not None and name == "whalelike"
+    pending = None
+    stopping = None
+    for step in range(engine.step, args.steps):
+        batch = batches.next()
+        start = time.perf_counter()
+        try:
+            loss = engine.train_step(batch)
+        except Stopping as e:        # --leave-on-sigterm and every rank got SIGTERM: this step is done, then stop
+            loss, stopping = e.loss, e
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss))
+        if step >= WARMUP_STEPS:
+            step_times.append(elapsed)
+        show = engine.rank == 0      # a leave renumbers the ranks (the old rank 0 may have left)
+        if show:
+            progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None,
+                     every=args.log_every)
+            if engine.replans and engine.replans[-1].step == step:
+                print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
+            if engine.departures is not None and engine.departures.history and \
+                    engine.departures.history[-1].step == step:
+                print(f"  [elastic] leave after step {step + 1}: {engine.departures.history[-1].line().split(': ', 1)[1]}",
+                      flush=True)
+        if saving and (engine.step % args.checkpoint_every == 0 or engine.step == args.steps or stopping):
+            # written in the background while training goes on; the stall is the wait for the
+            # previous checkpoint (if still writing) and the snapshot of this rank's pieces
+            start = time.perf_counter()
+            if pending is not None:
+                pending.wait()
+            pending = checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
+                                            extra={**batches.state(), "losses": list(losses), "seed": args.seed})
+            save_times.append(time.perf_counter() - start)
+        if stopping is not None:
+            break
+    if pending is not None:
+        pending.wait()
+    if stopping is not None:
+        saved = f"; checkpoint step-{engine.step:08d} written, a restart resumes there" if saving else ""
+        if show:
+            print(f"  [elastic] stopped after step {engine.step}: every rank got SIGTERM{saved}", flush=True)
+        raise stopping
+    if args.run_timeline and name == "whalelike":
+        from runtime.balance.run_timeline import gather_run, write_run_png, write_run_trace
+
+        record = gather_run(engine)
+        if record is not None:
+            write_run_png(record, args.run_timeline, title=f"{name}: step times per rank, policy {args.balance}")
+            write_run_trace(record, _trace_path(args.run_timeline))
+            print(f"  wrote {args.run_timeline} and its Chrome trace", flush=True)
+    overruns = sum(s.overruns for s in engine.stats)
+    segments = sum(s.segments for s in engine.stats)
+    mean_step = sum(step_times) / len(step_times) if step_times else float("nan")
+    return {"name": name, "losses": losses, "step_ms": mean_step * 1e3, "replans": len(engine.replans),
+            "predicted_ms": plan.prediction.step_time_ms, "speeds": plan.speeds,
+            "throughput": plan.global_batch_size / mean_step, "overruns": f"{overruns}/{segments}",
+            "save_ms": [t * 1e3 for t in save_times], "memory": gather_memory(engine),
+            "norms": [s.grad_norm for s in engine.stats], "skipped": sum(s.skipped for s in engine.stats)}
+
+
+def schedule(args):
+    """The ``--schedule`` factory for the Engine, or None when the learning rate stays ``--lr`` (no
+    warm-up, constant): then no scheduler runs at all."""
+    if args.schedule == "constant" and args.warmup_steps == 0:
+        return None
+    return lr_schedule(args.schedule, args.warmup_steps, args.steps, args.min_lr_ratio)
+
+
+def gather_memory(engine: runtime.Engine) -> "list[dict] | None":
+    """Every rank's measured peak (the largest over its steps after the first) next to the plan's
+    prediction for its worker, on rank 0 (a collective); None when memory was not measured."""
+    peaks = [s.peak_memory_bytes for s in engine.stats[1:] if s.peak_memory_bytes is not None]
+    mine = {"rank": engine.rank, "device": engine.worker.device, "measured": max(peaks) if peaks else None,
+            "predicted": engine.plan.worker(engine.rank).memory_gib * 2**30}
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    return rows if all(r["measured"] is not None for r in rows) else None
+
+
+class SyntheticBatches:
+    """The workload's ``make_batch`` from a generator seeded with ``--seed``: every rank draws the same
+    whole global batch; the position is the generator's state."""
+
+    def __init__(self, workload: wl.Workload, plan: planner.Plan, seed: int):
+        self.make_batch, self.size = workload.make_batch, plan.global_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def describe(self) -> str:
+        return ""
+
+    def restore(self, extra: dict, where: str) -> None:
+        if "generator" not in extra:
+            raise WhaleError(f"{where} was trained on --data {extra.get('data_file', '?')}; resume with the same "
+                             "--data, or start afresh with --no-resume")
+        self.generator.set_state(extra["generator"])
+
+    def next(self):
+        return self.make_batch(self.size, self.generator)
+
+    def state(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+
+class TextBatches:
+    """``--data``: the batches of ``runtime.text_data.PlanBatches`` under the engine's plan (shares on a
+    data-parallel plan, following re-plans; whole global batches otherwise); the position is a
+    ``DataPosition``, counted in windows (see the module docstring)."""
+
+    def __init__(self, dataset: ByteTextDataset, engine: runtime.Engine, seed: int):
+        self.dataset, self.engine = dataset, engine
+        self.position = DataPosition(seed=seed, num_samples=len(dataset))
+        self._stream = None
+
+    def describe(self) -> str:
+        return f", reading {self.dataset}"
+
+    def restore(self, extra: dict, where: str) -> None:
+        if "data" not in extra:
+            raise WhaleError(f"{where} was trained on synthetic batches, not --data; drop --data to resume it, or "
+                             "start afresh with --no-resume")
+        self.position = DataPosition.from_dict(extra["data"])
+
+    def next(self):
+        if self._stream is None:   # after restore: the stream starts at the position
+            self._stream = PlanBatches(self.dataset, self.engine.plan, self.engine.rank, position=self.position,
+                                       engine=self.engine)
+            self._iter = iter(self._stream)
+        batch = next(self._iter)
+        self.position = self._stream.position
+        return batch
+
+    def state(self) -> dict:
+        return {"data": self.position.to_dict(), "data_file": os.path.basename(self.dataset.path)}
+
+
+def text_dataset(args, workload: wl.Workload) -> "ByteTextDataset | None":
+    """``--data``'s training windows, checked before training (every rank reads the same file, so
+    every rank fails alike); None without ``--data``."""
+    if args.data is None:
+        return None
+    if workload.vocab_size is None:
+        raise WhaleError(f"--data trains a language model on token ids, and {args.model} does not say it is one: "
+                         "its Workload must set vocab_size (and seq_len), as examples/hf_llama.py:build does")
+    seq_len = args.seq_len if args.seq_len is not None else workload.seq_len
+    if seq_len is None:
+        raise WhaleError(f"--seq-len is required: {args.model}'s Workload sets no seq_len")
+    try:
+        return ByteTextDataset(args.data, seq_len, tokenizer=workload.tokenizer, vocab_size=workload.vocab_size)
+    except TextDataError as e:
+        raise WhaleError(f"--data {e}") from None
+
+
+def _trace_path(png: str) -> str:
+    return os.path.splitext(png)[0] + ".json"
+
+
+def _same_plan(info, plan: planner.Plan) -> bool:
+    return info.load_plan().to_dict() == plan.to_dict()
+
+
+def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime.StepStats | None" = None,
+             show_lr: bool = False, every: int = 5) -> None:
+    """A bar redrawn in place on a terminal; every ``every``-th step (``--log-every``) on its own line
+    in a log. Losses of steps run with ZERO-resizing (policies semi/resize) or Prague's partial all-reduce (a plan whose
+    stages run replica_sync 'partial', whalelike plan --dp-sync partial) are marked approximate; the gradient norm
+    (with --clip-grad-norm), a scheduled learning rate and a skipped step are shown."""
+    done = step * 30 // steps
+    extra = ""
+    if stats is not None:
+        extra += " (approximate)" if stats.approximate else ""
+        extra += f"  norm {stats.grad_norm:.3f}" if stats.grad_norm is not None else ""
+        extra += f"  lr {stats.lr:.2e}" if show_lr and stats.lr is not None else ""
+        extra += " (skipped: fp16 overflow)" if stats.overflow else " (skipped)" if stats.skipped else ""
+    line = f"  [{'#' * done}{'.' * (30 - done)}] step {step}/{steps}  loss {loss:.4f}{extra}  {elapsed * 1e3:7.1f} ms"
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if step == steps else "", flush=True)
+    elif step % every == 0 or step == steps:
+        print(line, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        workload, plan, cluster, resume = inputs(args)
+        dataset = text_dataset(args, workload)
+    except (WhaleError, OSError) as e:
+        # the same inputs on every rank, checked before any process group exists: one line per job
+        _say_once(f"train.py: error: {one_line(e)}")
+        return EXIT_USAGE
+    if resume is not None and resume.step >= args.steps:
+        _say_once(f"train.py: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
+                  "(raise --steps to train on)")
+        return 0
+    try:
+        if elastic(args):
+            try:
+                plan, cluster = elastic_start(args, workload, plan, cluster, resume)
+            except membership.MembershipError as e:
+                # the same on every rank (gathered and broadcast): one line per job
+                _say_once(f"train.py: error: {one_line(e)}")
+                return EXIT_FAILED
+        initial_state = copy.deepcopy(workload.model.state_dict())
+        runs = [("whalelike", plan)]
+        if args.compare_naive:
+            graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
+                                loss_fn=workload.loss_fn)
+            config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
+                               schedule=plan.schedule, precision=plan.precision)
+            runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
+        results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None,
+                         dataset=dataset) for name, p in runs]
+        if dist.get_rank() == 0:
+            report(results, args.steps)
+    except Departed as e:
+        # this worker gave notice and handed its state over; the others train on: a success
+        print(f"train.py: rank {os.environ.get('RANK', '?')}: left the job after step {e.step + 1}/{args.steps} "
+              f"({e.reason}); its state went to the ranks that stay", flush=True)
+        return 0
+    except Stopping:
+        # every rank got SIGTERM (the agent restarting its workers, a drain): stopped at a step boundary
+        return EXIT_STOPPED
+    except (WhaleError, RuntimeError, OSError) as e:
+        # a failure while training differs by rank (which peer died, which step): one line each
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        print(f"train.py: rank {rank}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def elastic(args) -> bool:
+    """Whether this run follows the devices present (``runtime.elastic``): given a cluster spec to
+    find them in and a checkpoint directory to resume from, unless ``--no-elastic``."""
+    return args.cluster is not None and args.checkpoint_dir is not None and not args.no_elastic
+
+
+def elastic_start(args, workload: wl.Workload, plan: planner.Plan, spec: wl.Cluster, resume):
+    """The plan and cluster of the devices present at this start (``runtime.elastic.membership``):
+    the plan in force is the checkpoint's when resuming, else ``--plan``'s; ``--plan`` runs as it is
+    when its devices are the ones present. Rank 0 prints the change, if any, once."""
+    in_force = resume.load_plan() if resume is not None else plan
+    started = membership.start(spec, in_force, lambda: wl.capture(workload.model, workload.example_args,
+                                                                   workload.example_kwargs, loss_fn=workload.loss_fn),
+                               args.timeout, given=[plan] if args.plan is not None else [])
+    if started.change is not None and dist.get_rank() == 0:
+        print("\n".join(f"[elastic] {line}" for line in started.change.lines()), flush=True)
+    return started.plan, started.cluster
+
+
+def inputs(args):
+    """The workload, plan, cluster and checkpoint to resume, checked before training starts: every
+    rank reads the same files, so every rank fails alike (and none waits for the others)."""
+    if args.run_timeline is not None:
+        trace = "--run-timeline's trace"
+        check_output_paths({"--run-timeline": args.run_timeline, trace: _trace_path(args.run_timeline)},
+                           kinds={"--run-timeline": "png", trace: "json"})
+    workload = load_workload(args.model)
+    if workload.loss_fn is None or workload.make_batch is None:
+        raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
+    resume = None
+    if args.checkpoint_dir is not None and not args.no_resume:
+        if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+            raise WhaleError(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created)")
+        resume = checkpoint.latest(args.checkpoint_dir)
+    if args.plan is None and resume is None:
+        where = f" and {args.checkpoint_dir} holds no checkpoint to resume" if args.checkpoint_dir else ""
+        raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`){where}")
+    if args.plan is not None and not os.path.isfile(args.plan):
+        raise WhaleError(f"--plan {args.plan}: no such file; write one with `whalelike plan MODEL --cluster ... -o "
+                         f"{args.plan}`")
+    plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
+    cluster = wl.Cluster.load(args.cluster or plan.cluster)
+    # elastic: the plan is checked against the devices present once they are known (elastic_start)
+    plan.validate(cluster=None if elastic(args) else cluster)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if plan.world_size != world and not elastic(args):
+        raise WhaleError(f"the plan has {plan.world_size} workers but torchrun started {world} ranks; launch "
+                         f"`torchrun --nproc_per_node {plan.world_size} ...`, or make a plan for {world} devices")
+    if resume is not None and args.plan is not None:
+        saved = resume.load_plan()
+        if saved.global_batch_size != plan.global_batch_size:
+            _say_once(f"train.py: warning: {resume.path} was trained with global batches of {saved.global_batch_size} "
+                      f"samples, --plan has {plan.global_batch_size}: the run continues, with other batches than "
+                      "the uninterrupted run would have drawn")
+    return workload, plan, cluster, resume
+
+
+def report(results: list[dict], steps: int) -> None:
+    marks = sorted({0, *range(4, steps, 5), steps - 1} & set(range(len(results[0]["losses"]))))
+    print()
+    print(format_table(["step", *(f"{r['name']} loss" for r in results)],
+                       [[m + 1, *(f"{r['losses'][m]:.4f}" for r in results)] for m in marks],
+                       title="loss curve"))
+    print()
+    print(format_table(["plan", "ms/step", "predicted ms/step", "error", "samples/s", "re-plans", "emulation overruns"],
+                       [[r["name"], f"{r['step_ms']:.1f}", f"{r['predicted_ms']:.1f} ({r['speeds']})",
+                         f"{r['step_ms'] / r['predicted_ms'] - 1:+.1%}" if r["predicted_ms"] > 0 else "-",
+                         f"{r['throughput']:.1f}", r["replans"], r["overruns"]]
+                        for r in results],
+                       title=f"measured throughput (mean over the steps this run trained, after step {WARMUP_STEPS}) "
+                             "against the plan's prediction (error: measured / predicted - 1)"))
+    saves = results[0]["save_ms"]
+    if saves:
+        print(f"\ncheckpoints: {len(saves)} saved in the background; training stalled {sum(saves) / len(saves):.1f} ms "
+              f"per save on average (first {saves[0]:.1f} ms), not counted in ms/step")
+    memory = results[0]["memory"]
+    if memory is not None:
+        print()
+        print(format_table(["rank", "device", "measured peak MiB", "predicted MiB", "measured / predicted"],
+                           [[r["rank"], r["device"], f"{r['measured'] / 2**20:.1f}", f"{r['predicted'] / 2**20:.1f}",
+                             f"{r['measured'] / r['predicted']:.2f}" if r["predicted"] else "-"] for r in memory],
+                           title="memory per rank (measured: the largest step peak after the first; predicted: the plan)"))
+    if len(results) == 2:
+        print(f"\nmeasured speed-up of the hardware-aware plan over the naive plan: "
+              f"{results[0]['throughput'] / results[1]['throughput']:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
