@@ -81,6 +81,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
+import json
 import os
 import sys
 import tempfile
@@ -98,7 +100,7 @@ from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
 from whalelike.cli import load_workload
-from whalelike.config import PRECISIONS
+from whalelike.config import PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
 from whalelike.display import format_table
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import check_output_paths
@@ -142,8 +144,10 @@ def _say_once(line: str) -> None:
     time.sleep(0.2)        # rank 0's exit goes first: torchrun then reports it, with its message
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    """The trainer's flags: the one definition of every training option (type, default, help). The
+    job file's fields (:mod:`runtime.launch.job`) take their defaults and help from here."""
+    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="path/to/file.py:factory returning a whalelike.Workload with loss_fn and make_batch")
     p.add_argument("--plan", help="plan YAML written by `whalelike plan` (optional when resuming: the checkpoint's)")
     p.add_argument("--cluster", help="preset name or cluster YAML the plan was made for (default: the plan's preset)")
@@ -151,7 +155,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the cluster as `whalelike profile` measured it for this model (the one the plan was made "
                         "from with `whalelike plan --profile`): re-plans for measured speeds start from its rates")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the peak of a --schedule; default 1e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the peak of a --schedule; default 1e-3)")
+    p.add_argument("--optimizer", default="AdamW", metavar="NAME",
+                   help="torch.optim class: SGD, Adam or AdamW, whose state the planner prices (default AdamW)")
+    p.add_argument("--optimizer-args", type=_json_mapping, default={}, metavar="JSON",
+                   help="the optimizer's other keyword arguments as a JSON mapping, e.g. '{\"weight_decay\": 0.1}'")
+    p.add_argument("--weights", metavar="DIR",
+                   help="fill the model from this local Hugging Face save_pretrained directory (each rank reads "
+                        "the slices it holds; runtime.Engine(weights=...))")
     p.add_argument("--precision", choices=list(PRECISIONS),
                    help="training precision (default: the plan's, `whalelike plan --precision`)")
     p.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"],
@@ -173,6 +184,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "plan, every rank the whole global batch on a pipeline or tensor-parallel plan")
     p.add_argument("--seq-len", type=int, metavar="N",
                    help="tokens per window with --data (default: the workload's seq_len, what the plan was made for)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="with --data: a saved tokenizer directory; --data's files (text, JSON lines, parquet; "
+                        "glob patterns, comma-separated) are then tokenized and packed with document boundaries "
+                        "(runtime.packed_data.load_packed)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="with --data: evaluate on the validation split every N steps (0: never; runtime.evaluation)")
+    p.add_argument("--eval-batches", type=int, metavar="N",
+                   help="global batches per evaluation (default: every whole batch of the validation split)")
+    p.add_argument("--global-batch", type=int, metavar="N",
+                   help="without --plan: plan the model onto --cluster now, with this many samples per step")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="without --plan: micro-batches per step (default 1)")
+    p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), metavar="N",
+                   help="without --plan: ZeRO stage of every data-parallel stage (default: the planner picks)")
+    p.add_argument("--pipeline-schedule", default="1f1b", choices=list(SCHEDULE_CHOICES),
+                   help="without --plan: the pipeline schedule (default 1f1b)")
+    p.add_argument("--metrics-dir", metavar="DIR",
+                   help="rank 0 writes each step's figures there as JSON lines (steps.jsonl, "
+                        "runtime.control.step_log.StepLog)")
     p.add_argument("--compare-naive", action="store_true", help="also train under the capacity-blind plan")
     p.add_argument("--balance", default="exact", choices=["exact", "semi", "resize", "off"],
                    help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
@@ -197,7 +227,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a NaN or inf loss stops training naming the step (raise, default) or skips that step")
     p.add_argument("--batch-check-every", type=int, default=100, metavar="N",
                    help="check every N steps (and the first) that all ranks pass the same batch; 0: never")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    check_args(args, p.error)
+    return args
+
+
+def check_args(args: argparse.Namespace, fail) -> None:
+    """The checks across flags, ``fail(message)`` for the first broken one (the parser's error, or
+    the job file's, which names the key instead of the flag)."""
+    p = argparse.Namespace(error=fail)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
     if args.checkpoint_every < 1:
@@ -228,7 +271,72 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compare_naive and args.checkpoint_dir:
         p.error("--compare-naive and --checkpoint-dir do not mix: the naive run is a side-by-side baseline, not "
                 "a job to resume; drop one")
-    return args
+    if args.tokenizer is not None and args.data is None:
+        p.error("--tokenizer applies to --data only; give --data FILES or drop --tokenizer")
+    if args.eval_every < 0:
+        p.error(f"--eval-every must be 0 (never) or a number of steps, got {args.eval_every}")
+    if args.eval_every and args.data is None:
+        p.error("--eval-every evaluates on --data's validation split; give --data FILE or drop --eval-every")
+    if args.eval_batches is not None and args.eval_batches < 1:
+        p.error(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if args.global_batch is not None and args.global_batch < 1:
+        p.error(f"--global-batch must be a positive number of samples, got {args.global_batch}")
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be at least 1, got {args.micro_batches}")
+    try:
+        optimizer_class(args.optimizer, args.optimizer_args)
+    except WhaleError as e:
+        p.error(str(e))
+
+
+def _json_mapping(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON mapping of keyword arguments, got {text!r}")
+    return value
+
+
+# torch.optim's classes whose state the planner prices (whalelike.config.OPTIMIZERS names them);
+# SGD with momentum keeps one buffer per parameter, without none
+PRICED_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+
+def optimizer_class(name: str, kwargs: dict):
+    """The ``torch.optim`` class named ``name``, its keyword arguments ``kwargs`` checked against
+    its signature; a name the planner cannot price is an error saying which it can."""
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise WhaleError(f"--optimizer {name!r} is not a torch.optim optimizer; give one of "
+                         f"{', '.join(PRICED_OPTIMIZERS)} (torch.optim class names)")
+    if name not in PRICED_OPTIMIZERS:
+        raise WhaleError(f"--optimizer {name}: the planner cannot price its state (it prices "
+                         f"{', '.join(PRICED_OPTIMIZERS)}); use one of them")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params", "lr"}
+    for key in kwargs:
+        if key == "lr":
+            raise WhaleError("--optimizer-args: give the learning rate as --lr (the schedule's peak), not 'lr'")
+        if key not in accepted:
+            raise WhaleError(f"--optimizer-args: torch.optim.{name} takes no keyword {key!r}; it takes "
+                             f"{', '.join(sorted(accepted))}")
+    return cls
+
+
+def priced_optimizer(name: str, kwargs: dict) -> str:
+    """The planner's name (``wl.Config.optimizer``) for the state of ``torch.optim.<name>(**kwargs)``."""
+    optimizer_class(name, kwargs)
+    if name == "SGD":
+        return "sgd_momentum" if kwargs.get("momentum", 0) else "sgd"
+    return name.lower()
+
+
+def optimizer_factory(args):
+    """``params -> torch.optim.<--optimizer>(params, lr=--lr, **--optimizer-args)``."""
+    cls = optimizer_class(args.optimizer, args.optimizer_args)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in args.optimizer_args.items()}   # betas
+    return lambda params: cls(params, lr=args.lr, **kwargs)
 
 
 def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
@@ -246,7 +354,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
     losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
     model = copy.deepcopy(workload.model)
     model.load_state_dict(initial_state)
-    engine = runtime.Engine(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+    engine = runtime.Engine(model, plan, optimizer=optimizer_factory(args), weights=args.weights,
                             loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
                             balance=args.balance if name == "whalelike" else "off",
                             example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
@@ -258,6 +366,13 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
                             departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
+    evaluator = None
+    if args.eval_every and name == "whalelike":
+        from runtime.evaluation import Evaluator
+        evaluator = Evaluator(dataset.validation, args.eval_every, args.eval_batches)
+    if args.metrics_dir is not None and name == "whalelike":
+        from runtime.control.step_log import StepLog
+        engine.add_controller(StepLog(os.path.join(args.metrics_dir, "steps.jsonl")))
     losses, step_times, save_times = [], [], []
     show = engine.rank == 0
     if resume is not None:
@@ -285,10 +400,13 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         losses.append(float(loss))
         if step >= WARMUP_STEPS:
             step_times.append(elapsed)
+        result = evaluator.after_step(engine) if evaluator is not None and stopping is None else None
         show = engine.rank == 0      # a leave renumbers the ranks (the old rank 0 may have left)
         if show:
             progress(step + 1, args.steps, losses[-1], elapsed, engine.stats[-1], show_lr=engine.scheduler is not None,
                      every=args.log_every)
+            if result is not None:
+                print(f"  {result.line()}", flush=True)
             if engine.replans and engine.replans[-1].step == step:
                 print(f"  re-plan at {engine.replans[-1].line()}", flush=True)
             if engine.departures is not None and engine.departures.history and \
@@ -418,9 +536,19 @@ def text_dataset(args, workload: wl.Workload) -> "ByteTextDataset | None":
     if seq_len is None:
         raise WhaleError(f"--seq-len is required: {args.model}'s Workload sets no seq_len")
     try:
-        return ByteTextDataset(args.data, seq_len, tokenizer=workload.tokenizer, vocab_size=workload.vocab_size)
+        if args.tokenizer is not None:    # documents tokenized and packed (runtime.packed_data)
+            from runtime.packed_data import load_packed
+            train, val = load_packed(args.data.split(","), args.tokenizer, seq_len, vocab_size=workload.vocab_size)
+        else:
+            train = ByteTextDataset(args.data, seq_len, tokenizer=workload.tokenizer, vocab_size=workload.vocab_size)
+            val = ByteTextDataset(args.data, seq_len, split="val", tokenizer=workload.tokenizer,
+                                  vocab_size=workload.vocab_size) if args.eval_every else None
     except TextDataError as e:
         raise WhaleError(f"--data {e}") from None
+    if args.eval_every and val is None:
+        raise WhaleError(f"--eval-every {args.eval_every}: --data {args.data} keeps no validation split")
+    train.validation = val   # --eval-every's held-out windows (runtime.evaluation.Evaluator)
+    return train
 
 
 def _trace_path(png: str) -> str:
@@ -452,16 +580,21 @@ def progress(step: int, steps: int, loss: float, elapsed: float, stats: "runtime
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace, prog: str = "train.py") -> int:
+    """Train as the flags ``args`` say (checked by :func:`check_args`); the exit status. ``prog``
+    starts every line it prints about the job."""
     try:
         workload, plan, cluster, resume = inputs(args)
         dataset = text_dataset(args, workload)
     except (WhaleError, OSError) as e:
         # the same inputs on every rank, checked before any process group exists: one line per job
-        _say_once(f"train.py: error: {one_line(e)}")
+        _say_once(f"{prog}: error: {one_line(e)}")
         return EXIT_USAGE
     if resume is not None and resume.step >= args.steps:
-        _say_once(f"train.py: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
+        _say_once(f"{prog}: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
                   "(raise --steps to train on)")
         return 0
     try:
@@ -470,7 +603,7 @@ def main(argv=None) -> int:
                 plan, cluster = elastic_start(args, workload, plan, cluster, resume)
             except membership.MembershipError as e:
                 # the same on every rank (gathered and broadcast): one line per job
-                _say_once(f"train.py: error: {one_line(e)}")
+                _say_once(f"{prog}: error: {one_line(e)}")
                 return EXIT_FAILED
         initial_state = copy.deepcopy(workload.model.state_dict())
         runs = [("whalelike", plan)]
@@ -486,7 +619,7 @@ def main(argv=None) -> int:
             report(results, args.steps)
     except Departed as e:
         # this worker gave notice and handed its state over; the others train on: a success
-        print(f"train.py: rank {os.environ.get('RANK', '?')}: left the job after step {e.step + 1}/{args.steps} "
+        print(f"{prog}: rank {os.environ.get('RANK', '?')}: left the job after step {e.step + 1}/{args.steps} "
               f"({e.reason}); its state went to the ranks that stay", flush=True)
         return 0
     except Stopping:
@@ -495,7 +628,7 @@ def main(argv=None) -> int:
     except (WhaleError, RuntimeError, OSError) as e:
         # a failure while training differs by rank (which peer died, which step): one line each
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
-        print(f"train.py: rank {rank}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        print(f"{prog}: rank {rank}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         if dist.is_initialized():
@@ -537,14 +670,20 @@ def inputs(args):
         if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
             raise WhaleError(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created)")
         resume = checkpoint.latest(args.checkpoint_dir)
-    if args.plan is None and resume is None:
+    if args.weights is not None and not os.path.isdir(args.weights):
+        raise WhaleError(f"--weights {args.weights}: no such directory; give a local save_pretrained directory")
+    if args.plan is None and resume is None and args.global_batch is None:
         where = f" and {args.checkpoint_dir} holds no checkpoint to resume" if args.checkpoint_dir else ""
-        raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`){where}")
+        raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`), or --global-batch with --cluster "
+                         f"to plan now{where}")
     if args.plan is not None and not os.path.isfile(args.plan):
         raise WhaleError(f"--plan {args.plan}: no such file; write one with `whalelike plan MODEL --cluster ... -o "
                          f"{args.plan}`")
-    plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
-    cluster = wl.Cluster.load(args.cluster or plan.cluster)
+    if args.plan is None and resume is None:
+        plan, cluster = plan_now(args, workload)
+    else:
+        plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
+        cluster = wl.Cluster.load(args.cluster or plan.cluster)
     # elastic: the plan is checked against the devices present once they are known (elastic_start)
     plan.validate(cluster=None if elastic(args) else cluster)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -558,6 +697,30 @@ def inputs(args):
                       f"samples, --plan has {plan.global_batch_size}: the run continues, with other batches than "
                       "the uninterrupted run would have drawn")
     return workload, plan, cluster, resume
+
+
+def planning_config(args, precision: "str | None" = None) -> wl.Config:
+    """The planner's Config of the planning flags (``--global-batch`` ...), its optimizer the one
+    ``--optimizer`` names, priced."""
+    return wl.Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
+                     schedule=args.pipeline_schedule, zero_stage=args.zero,
+                     precision=precision or args.precision or "fp32",
+                     optimizer=priced_optimizer(args.optimizer, args.optimizer_args))
+
+
+def plan_now(args, workload: wl.Workload):
+    """Without ``--plan``: the model planned onto ``--cluster`` under the planning flags, on every
+    rank alike (capture and planning are deterministic and local: no rank waits for another)."""
+    if args.cluster is None:
+        raise WhaleError("--global-batch plans the model now and needs --cluster (a preset name or cluster YAML)")
+    cluster = wl.Cluster.load(args.cluster)
+    config = planning_config(args)
+    graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs, optimizer=config.optimizer,
+                        loss_fn=workload.loss_fn)
+    plan = planner.plan(graphs, cluster, config)
+    if os.environ.get("RANK", "0") == "0":
+        print(plan.summary(cluster), flush=True)
+    return plan, cluster
 
 
 def report(results: list[dict], steps: int) -> None:
