@@ -2,8 +2,9 @@
 
 This is the one place that ties ``whalelike``, ``planner`` (and, for training, ``runtime``)
 together (docs/ARCHITECTURE.md section 1); the planner is imported only by the commands that need it.
-Training itself is launched with the ordinary ``torchrun``, and so is ``profile`` (one rank per
-device; it imports ``runtime.profiling`` inside the command, the one command that runs the runtime).
+Training is launched with the ordinary ``torchrun``, and so is ``profile`` (one rank per device):
+``train`` and ``profile`` import ``runtime.launch`` and ``runtime.profiling`` inside the command, the
+two commands that run the runtime. ``train`` returns the trainer's exit status.
 
 Errors a user can cause (:class:`~whalelike.errors.WhaleError`, or a file that cannot be read or
 written) print one line, ``whalelike: error: ...``, and exit with status 2; ``--debug`` shows the
@@ -299,6 +300,14 @@ def cmd_profile(args: argparse.Namespace) -> None:
                 write(profile, tmp)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Under torchrun (one rank per device) or as one process: the job file with its overrides,
+    checked on every rank before any process group (runtime.launch), then trained; the exit status."""
+    import runtime.launch.job   # after argument parsing: importing torch takes seconds
+
+    return runtime.launch.job.main(args.config, args.overrides)
+
+
 # -- argument parsing ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -432,6 +441,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on every collective, the rendezvous included (default: 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_profile)
+
+    p = command("train", "train a model as a job file says (run under torchrun)",
+                "CONFIG is a YAML job (examples/job.yaml; sections model, cluster, plan, optimizer, train, data, "
+                "eval, checkpoint, metrics, balance, elastic: runtime/launch/job.py); --section.key VALUE "
+                "overrides one key. The resolved job is printed first; an unknown key, a wrong type or a missing "
+                "file is one line before any rank starts.",
+                "  torchrun --nproc-per-node 4 -m whalelike.cli train examples/job.yaml\n"
+                "  torchrun --nproc-per-node 2 -m whalelike.cli train examples/job.yaml --cluster.spec emulated-2 "
+                "--train.steps 4")
+    p.add_argument("config", metavar="CONFIG", help="the job's YAML file")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, metavar="--section.key VALUE",
+                   help="override one key of the job (e.g. --train.steps 10)")
+    p.set_defaults(run=cmd_train)
     return parser
 
 
@@ -440,7 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="whalelike: %(levelname)s: %(message)s")
     try:
-        args.run(args)
+        status = args.run(args)
     except BrokenPipeError:  # `whalelike inspect --json | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -453,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("whalelike: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":
