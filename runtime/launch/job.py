@@ -222,7 +222,8 @@ def from_dict(data: Any, origin: str = "the job", overrides: Sequence[str] = ())
             raise JobError(f"{origin}: section {section} must be a mapping with keys {', '.join(FIELDS[section])}, "
                            f"got {shown(body)}")
         for key, value in body.items():
-            values[section][_known_key(origin, section, key)] = _checked(origin, section, key, value)
+            _known_key(origin, section, key)     # before the value: an unknown key has no type
+            values[section][key] = _checked(origin, section, key, value)
     for section, key, value in _overrides(overrides):
         values[section][key] = _checked("command line", section, key, value)
     return Job({section: SECTIONS[section](**values[section]) for section in SECTIONS}, origin)
