@@ -30,6 +30,7 @@ from whalelike.config import DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHED
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
+from whalelike.workload import load_workload  # noqa: F401  (MODEL's loader; runtime.launch uses it too)
 
 log = logging.getLogger("whalelike")
 
@@ -64,64 +65,6 @@ Training with a plan is started with torchrun (see the README).
 
 
 # -- loading the user's model ----------------------------------------------------------------------
-def load_workload(spec: str):
-    """Import ``path/to/file.py`` by path, call ``factory()``, and return its Workload.
-
-    The file's directory goes on ``sys.path`` first, as when Python runs the file as a script, so
-    it may import its neighbours.
-    """
-    from whalelike.workload import as_workload
-
-    path_text, sep, factory_name = spec.rpartition(":")
-    if not sep or not path_text or not factory_name:
-        raise WhaleError(f"MODEL must be path/to/file.py:factory, got {spec!r}; e.g. examples/gpt.py:build")
-    path = Path(path_text)
-    if not path.is_file():
-        raise WhaleError(f"{path_text}: no such file (MODEL is path/to/file.py:factory, relative to "
-                         f"{os.getcwd()})")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    module_name = f"_whalelike_model_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise WhaleError(f"{path_text}: cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except WhaleError:
-        del sys.modules[module_name]
-        raise
-    except SystemExit as e:       # sys.exit() at import: a script's main guard missing, say so
-        del sys.modules[module_name]
-        raise WhaleError(f"{path_text}: importing it called sys.exit({e.code!r}); MODEL's file is imported, not "
-                         "run: put script code under `if __name__ == \"__main__\":`") from e
-    except Exception as e:
-        del sys.modules[module_name]
-        raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
-                         "for the traceback)") from e
-    factory = getattr(module, factory_name, None)
-    if factory is None:
-        callables = sorted(n for n, v in vars(module).items()
-                           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module_name)
-        listed = f"; functions defined there: {', '.join(callables)}" if callables else ""
-        raise WhaleError(f"{path_text} has no attribute {factory_name!r}{listed}")
-    if not callable(factory):
-        raise WhaleError(f"{spec}: {factory_name!r} is a {type(factory).__name__}, not a function; MODEL must "
-                         "name a function that takes no arguments")
-    try:
-        result = factory()
-    except WhaleError:
-        raise
-    except SystemExit as e:       # would end the command with the factory's status and no word
-        raise WhaleError(f"{spec}(): called sys.exit({e.code!r}); a model factory must return a model (or a "
-                         "Workload), or raise an exception that says what is wrong") from e
-    except Exception as e:
-        raise WhaleError(f"{spec}(): raised {type(e).__name__}: {e} (run with --debug for the traceback)") from e
-    return as_workload(result, origin=f"{spec}()")
-
-
 def capture_workload(args: argparse.Namespace):
     """The TaskGraphs of the command's MODEL, costed for its optimizer."""
     wl = load_workload(args.model)

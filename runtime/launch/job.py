@@ -95,7 +95,7 @@ _ACTIONS = _actions()
 def _kind(action: argparse.Action) -> type:
     if isinstance(action, argparse._StoreTrueAction):
         return bool
-    if action.type is trainer._json_mapping:
+    if action.type is trainer.json_mapping:
         return dict
     return action.type or str
 
@@ -348,7 +348,7 @@ def main(config: str, overrides: Sequence[str] = ()) -> int:
         job = load(config, overrides)
         args = to_args(job)
     except WhaleError as e:
-        trainer._say_once(f"{prog}: error: {trainer.one_line(e)}")
+        trainer.say_once(f"{prog}: error: {trainer.one_line(e)}")
         return trainer.EXIT_USAGE
     if args.metrics_dir is not None:
         os.makedirs(args.metrics_dir, exist_ok=True)

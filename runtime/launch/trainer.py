@@ -99,7 +99,7 @@ from runtime.elastic import membership
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
-from whalelike.cli import load_workload
+from whalelike.workload import load_workload
 from whalelike.config import PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
 from whalelike.display import format_table
 from whalelike.errors import WhaleError, one_line
@@ -117,7 +117,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job (rank 0), not once per rank."""
 
     def error(self, message):
-        _say_once(f"{self.prog}: error: {message} (see --help)")
+        say_once(f"{self.prog}: error: {message} (see --help)")
         raise SystemExit(EXIT_USAGE)
 
 
@@ -127,7 +127,7 @@ def _said_marker() -> str:
     return os.path.join(tempfile.gettempdir(), f"whalelike-train-said-{job}")
 
 
-def _say_once(line: str) -> None:
+def say_once(line: str) -> None:
     """Print ``line`` on rank 0 only. The other ranks, failing alike, wait before they exit (torchrun
     stops every rank as soon as one exits with an error, and rank 0 must have said why): until rank 0
     has printed (a marker file, on its host) or at most ``_QUIET_RANKS_WAIT_S``, so a loaded machine
@@ -158,7 +158,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the peak of a --schedule; default 1e-3)")
     p.add_argument("--optimizer", default="AdamW", metavar="NAME",
                    help="torch.optim class: SGD, Adam or AdamW, whose state the planner prices (default AdamW)")
-    p.add_argument("--optimizer-args", type=_json_mapping, default={}, metavar="JSON",
+    p.add_argument("--optimizer-args", type=json_mapping, default={}, metavar="JSON",
                    help="the optimizer's other keyword arguments as a JSON mapping, e.g. '{\"weight_decay\": 0.1}'")
     p.add_argument("--weights", metavar="DIR",
                    help="fill the model from this local Hugging Face save_pretrained directory (each rank reads "
@@ -289,7 +289,8 @@ def check_args(args: argparse.Namespace, fail) -> None:
         p.error(str(e))
 
 
-def _json_mapping(text: str) -> dict:
+def json_mapping(text: str) -> dict:
+    """``--optimizer-args``: a JSON mapping of keyword arguments."""
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -591,10 +592,10 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
         dataset = text_dataset(args, workload)
     except (WhaleError, OSError) as e:
         # the same inputs on every rank, checked before any process group exists: one line per job
-        _say_once(f"{prog}: error: {one_line(e)}")
+        say_once(f"{prog}: error: {one_line(e)}")
         return EXIT_USAGE
     if resume is not None and resume.step >= args.steps:
-        _say_once(f"{prog}: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
+        say_once(f"{prog}: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
                   "(raise --steps to train on)")
         return 0
     try:
@@ -603,7 +604,7 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
                 plan, cluster = elastic_start(args, workload, plan, cluster, resume)
             except membership.MembershipError as e:
                 # the same on every rank (gathered and broadcast): one line per job
-                _say_once(f"{prog}: error: {one_line(e)}")
+                say_once(f"{prog}: error: {one_line(e)}")
                 return EXIT_FAILED
         initial_state = copy.deepcopy(workload.model.state_dict())
         runs = [("whalelike", plan)]
@@ -693,7 +694,7 @@ def inputs(args):
     if resume is not None and args.plan is not None:
         saved = resume.load_plan()
         if saved.global_batch_size != plan.global_batch_size:
-            _say_once(f"train.py: warning: {resume.path} was trained with global batches of {saved.global_batch_size} "
+            say_once(f"train.py: warning: {resume.path} was trained with global batches of {saved.global_batch_size} "
                       f"samples, --plan has {plan.global_batch_size}: the run continues, with other batches than "
                       "the uninterrupted run would have drawn")
     return workload, plan, cluster, resume
