@@ -222,7 +222,7 @@ class Progress:
             records = {}
             for r in range(self.world_size):
                 if r != self.rank:
-                    reached, beat = self._read(_progress_key(r)), self._read(_heartbeat_key(r))
+                    reached, beat = self._read(_progress_key(r)), self._read(heartbeat_key(r))
                     records[r] = (tuple(map(int, reached.split())) if reached is not None else None,
                                   json.loads(beat) if beat is not None else None)
         except Exception as e:  # the store itself is gone: its host, rank 0, is the likely casualty
@@ -231,7 +231,7 @@ class Progress:
         if _PEER_CLOSED.search(str(cause)):
             time.sleep(0.1)   # a peer's sockets close a moment before its process is gone: let it finish dying
         now = time.time()
-        found = [_diagnose(r, where, _liveness(beat, now, self.silent_after), step, entered, waited)
+        found = [_diagnose(r, where, liveness(beat, now, self.silent_after), step, entered, waited)
                  for r, (where, beat) in records.items()]
         found = [line for line in found if line]
         if not found:
@@ -259,7 +259,7 @@ def _diagnose(rank: int, where: Optional[tuple[int, int]], liveness: tuple[str, 
     return f"rank {rank} began step {step} but {detail}"
 
 
-def _liveness(beat: Optional[dict], now: float, silent_after: float) -> tuple[str, str]:
+def liveness(beat: Optional[dict], now: float, silent_after: float) -> tuple[str, str]:
     """``(kind, text)`` about a peer from its heartbeat: dead, stopped, silent, computing, alive or
     unknown. A peer on this machine (same host and PID namespace) is also looked up by its PID."""
     if beat is None:
@@ -338,7 +338,7 @@ class _Heartbeat:
 
     def publish(self) -> None:
         computing = self.computing() if self.computing is not None else None
-        self.store.set(_heartbeat_key(self.rank), json.dumps(
+        self.store.set(heartbeat_key(self.rank), json.dumps(
             {"time": time.time(), "pid": os.getpid(), "machine": _MACHINE, "computing_s": computing}))
 
     @classmethod
@@ -370,5 +370,5 @@ def _progress_key(rank: int) -> str:
     return f"whalelike/progress/rank{rank}"
 
 
-def _heartbeat_key(rank: int) -> str:
+def heartbeat_key(rank: int) -> str:
     return f"whalelike/heartbeat/rank{rank}"

@@ -33,14 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("whalelike", "planner", "runtime")
 
 # (importing module, owner module, name) -> why it is still imported
-PRIVATE_IMPORTS_ALLOWED = {
-    ("runtime.replicas.group_generator", "runtime.distributed", "_liveness"):
-        "P-Reduce's generator reads the guard's heartbeat verdict; group_generator.py is being reworked by "
-        "the P-Reduce work (issue 30 item 6), which is to switch it to a public name in runtime/distributed.py",
-    ("runtime.replicas.partial_sync", "runtime.distributed", "_heartbeat_key"):
-        "P-Reduce's sync reads the guard's heartbeat key; partial_sync.py is being reworked by the P-Reduce "
-        "work (issue 30 item 6), which is to switch it to a public name in runtime/distributed.py",
-}
+PRIVATE_IMPORTS_ALLOWED: dict = {}
 
 
 def _module_files() -> dict[str, Path]:

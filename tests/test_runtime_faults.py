@@ -159,10 +159,10 @@ def test_hung_ranks_are_named_stopped_or_stuck_in_compute():
 
 def test_failure_lines_from_progress_and_heartbeat():
     """The survivors' lines for what a 3-rank spawn cannot stage cheaply (in-process, pure)."""
-    from runtime.distributed import _diagnose, _liveness
+    from runtime.distributed import _diagnose, liveness
 
     now = time.time()
-    alive = _liveness({"time": now - 0.3, "pid": 1, "machine": "elsewhere -", "computing_s": None}, now, 1.5)
+    alive = liveness({"time": now - 0.3, "pid": 1, "machine": "elsewhere -", "computing_s": None}, now, 1.5)
     assert alive == ("alive", "it is alive (heartbeat 0.3 s ago)")
     # began the step, then hung between two of the Engine's collectives (e.g. in its optimizer step)
     assert _diagnose(2, (5, 1), alive, step=5, entered=2, waited=40.0) == (
@@ -171,13 +171,13 @@ def test_failure_lines_from_progress_and_heartbeat():
     # a peer waiting in the same collective, alive, is no suspect
     assert _diagnose(2, (5, 2), alive, step=5, entered=2, waited=40.0) is None
     # another machine: no PID to ask, so a silent heartbeat says stopped, dead or hung
-    silent = _liveness({"time": now - 10.0, "pid": 77, "machine": "node7 pid:[1]", "computing_s": None}, now, 1.5)
+    silent = liveness({"time": now - 10.0, "pid": 77, "machine": "node7 pid:[1]", "computing_s": None}, now, 1.5)
     assert silent[0] == "silent" and silent[1].startswith(
         "its heartbeat stopped 10.0 s ago: it is hung in native code that holds the interpreter lock, stopped, "
         "or dead (PID 77 on node7)"), silent
     assert _diagnose(1, None, silent, step=0, entered=1, waited=3.0).startswith(
         "rank 1 never reached step 0 (last began: none); its heartbeat stopped")
-    assert _liveness(None, now, 1.5) == ("unknown", "")
+    assert liveness(None, now, 1.5) == ("unknown", "")
 
 
 def test_progress_survives_the_store_host_exiting_after_the_last_collective():

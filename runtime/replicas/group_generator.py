@@ -684,7 +684,7 @@ class GeneratorService:
 
     def _dead_member(self) -> Optional[str]:
         """A line naming the members whose processes died (from their Engine heartbeats), or None."""
-        from runtime.distributed import _liveness
+        from runtime.distributed import liveness
 
         now = time.time()
         dead = []
@@ -692,7 +692,7 @@ class GeneratorService:
             key = self._heartbeat_key(rank)
             if not self._beat_raw.check([key]):
                 continue
-            kind, detail = _liveness(json.loads(self._beat_raw.get(key)), now, self.silent_after)
+            kind, detail = liveness(json.loads(self._beat_raw.get(key)), now, self.silent_after)
             if kind == "dead":
                 dead.append(f"rank {rank}: {detail}")
         if not dead:

@@ -301,7 +301,7 @@ class PartialSync(WholeParameters):
     # -- the generator ----------------------------------------------------------------------------------
     def _build_generator(self, plan) -> GroupGenerator:
         """This group's generator, from the plan's settings of this rank's stage."""
-        from runtime.distributed import _heartbeat_key
+        from runtime.distributed import heartbeat_key
 
         st = plan.stages[plan.worker(self.rank).stage]
         members = sorted(self.ranks)
@@ -315,7 +315,7 @@ class PartialSync(WholeParameters):
         service = None
         if self.rank == host:
             groups = SmartGroups(members, hosts, st.partial_group_size, st.partial_delta_c, seed=self.instance)
-            service = GeneratorService(store, prefix, groups, host_rank=host, heartbeat_key=_heartbeat_key,
+            service = GeneratorService(store, prefix, groups, host_rank=host, heartbeat_key=heartbeat_key,
                                        silent_after=self.generator_silence_s)
         return SmartGenerator(store, prefix, self.rank, members, host_rank=host, service=service,
                               silence_s=self.generator_silence_s, timeout_s=max(60.0, 6 * self.generator_silence_s))
