@@ -99,12 +99,16 @@ def _launch(command: list, tmp_path) -> subprocess.CompletedProcess:
     return done
 
 
-def _losses(folder) -> list:
+def _saved(folder) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = str(folder) + ".pt"
     dcp_to_torch_save(os.path.join(folder, "step-00000004"), out)
-    return torch.load(out, weights_only=False)["meta"]["extra"]["losses"]
+    return torch.load(out, weights_only=False)
+
+
+def _losses(folder) -> list:
+    return _saved(folder)["meta"]["extra"]["losses"]
 
 
 def test_whalelike_train_runs_the_example_job_like_train_py(tmp_path):
@@ -115,7 +119,8 @@ def test_whalelike_train_runs_the_example_job_like_train_py(tmp_path):
                     "--cluster.spec", cluster, "--plan.global_batch_size", "8", "--plan.num_micro_batch", "1",
                     "--data.seq_len", "16", "--eval.every", "2", "--eval.batches", "1",
                     "--checkpoint.dir", str(tmp_path / "job"), "--metrics.dir", str(tmp_path / "metrics"),
-                    "--balance.policy", "off", "--train.timeout", "60"], tmp_path)
+                    "--export.dir", str(tmp_path / "export"), "--balance.policy", "off", "--train.timeout", "60"],
+                   tmp_path)
     assert "whalelike train: " in done.stdout and "resolved:" in done.stdout and "eval step 4: loss" in done.stdout
     assert os.path.getsize(tmp_path / "metrics" / "steps.jsonl") > 0
     _launch([os.path.join(ROOT, "examples", "train.py"), model, "--steps", "4", "--cluster", cluster,
@@ -125,3 +130,13 @@ def test_whalelike_train_runs_the_example_job_like_train_py(tmp_path):
              "--timeout", "60"], tmp_path)
     job, script = _losses(tmp_path / "job"), _losses(tmp_path / "script")
     assert len(job) == 4 and job == script, (job, script)
+    # export.dir: the trained model as safetensors, equal to the last checkpoint's model state
+    from safetensors.torch import load_file
+    exported = {}
+    for file in os.listdir(tmp_path / "export"):
+        if file.endswith(".safetensors"):
+            exported.update(load_file(tmp_path / "export" / file))
+    final = {k[len("model/"):]: v for k, v in _saved(tmp_path / "job").items() if k.startswith("model/")}
+    assert exported.keys() == final.keys() and exported, (sorted(exported), sorted(final))
+    for name, value in final.items():
+        assert torch.equal(exported[name], value), name

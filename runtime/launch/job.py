@@ -65,6 +65,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "checkpoint": {"dir": "--checkpoint-dir", "every": "--checkpoint-every", "keep": "--keep-checkpoints",
                    "resume": "--no-resume"},
     "metrics": {"dir": "--metrics-dir", "run_timeline": "--run-timeline"},
+    "export": {"dir": "--export"},
     "balance": {"policy": "--balance"},
     "elastic": {"enabled": "--no-elastic", "leave_on_sigterm": "--leave-on-sigterm"},
 }

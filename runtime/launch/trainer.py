@@ -96,6 +96,7 @@ import runtime
 import whalelike as wl
 from runtime import checkpoint
 from runtime.elastic import membership
+from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
@@ -200,9 +201,14 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                    help="without --plan: ZeRO stage of every data-parallel stage (default: the planner picks)")
     p.add_argument("--pipeline-schedule", default="1f1b", choices=list(SCHEDULE_CHOICES),
                    help="without --plan: the pipeline schedule (default 1f1b)")
+    p.add_argument("--export", metavar="DIR",
+                   help="after the last step, write the trained model there as a Hugging Face save_pretrained "
+                        "directory (safetensors shards, index, config.json) that from_pretrained loads "
+                        "(runtime.state.pretrained.save_pretrained; an existing directory's model files are replaced)")
     p.add_argument("--metrics-dir", metavar="DIR",
-                   help="rank 0 writes each step's figures there as JSON lines (steps.jsonl, "
-                        "runtime.control.step_log.StepLog)")
+                   help="rank 0 writes each step's figures there: JSON lines (steps.jsonl) and TensorBoard "
+                        "scalars (tensorboard/) with loss, lr, gradient norm, tokens/s, MFU per device kind, peak "
+                        "memory per rank, re-plans and leaves (runtime.control.metrics.Metrics)")
     p.add_argument("--compare-naive", action="store_true", help="also train under the capacity-blind plan")
     p.add_argument("--balance", default="exact", choices=["exact", "semi", "resize", "off"],
                    help="dynamic balancing policy of the whalelike run (default exact: never approximate)")
@@ -340,6 +346,24 @@ def optimizer_factory(args):
     return lambda params: cls(params, lr=args.lr, **kwargs)
 
 
+def metrics_controller(directory: str):
+    """``--metrics-dir``'s controller (:class:`runtime.control.metrics.Metrics`): each step's figures
+    as JSON lines in ``steps.jsonl`` (loss, learning rate, gradient norm, tokens/s, MFU per device kind,
+    peak memory per rank, re-plans and leaves), and as TensorBoard scalars in ``tensorboard/`` where
+    the ``tensorboard`` package is installed (``pip install 'whalelike[metrics]'``; without it, the
+    JSON lines alone, said once)."""
+    import importlib.util
+
+    from runtime.control.metrics import Metrics
+    board = None
+    if importlib.util.find_spec("tensorboard") is not None:
+        board = os.path.join(directory, "tensorboard")
+    else:
+        say_once(f"train.py: note: --metrics-dir {directory}: JSON lines only; install tensorboard "
+                 "(pip install 'whalelike[metrics]') for TensorBoard scalars too")
+    return Metrics(os.path.join(directory, "steps.jsonl"), tensorboard=board)
+
+
 def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
     """The profile of ``--profile`` (checked against the cluster and the plan's precision; the
     Engine checks the model), or None."""
@@ -349,12 +373,16 @@ def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
     return Profile.from_yaml(args.profile, cluster=cluster, precision=args.precision or plan.precision)
 
 
-def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.Plan, cluster: wl.Cluster,
+def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: planner.Plan, cluster: wl.Cluster,
           args, resume: "checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
-    """Train a fresh copy of the model under ``plan`` (continuing ``resume`` if given); return its
+    """Train the workload's model under ``plan`` (a fresh copy from ``initial_state`` when one is given,
+    for a run beside another; continuing ``resume`` if given); return its
     losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
-    model = copy.deepcopy(workload.model)
-    model.load_state_dict(initial_state)
+    if initial_state is None:
+        model = workload.model
+    else:
+        model = copy.deepcopy(workload.model)
+        model.load_state_dict(initial_state)
     engine = runtime.Engine(model, plan, optimizer=optimizer_factory(args), weights=args.weights,
                             loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
                             balance=args.balance if name == "whalelike" else "off",
@@ -372,8 +400,7 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
         from runtime.evaluation import Evaluator
         evaluator = Evaluator(dataset.validation, args.eval_every, args.eval_batches)
     if args.metrics_dir is not None and name == "whalelike":
-        from runtime.control.step_log import StepLog
-        engine.add_controller(StepLog(os.path.join(args.metrics_dir, "steps.jsonl")))
+        engine.add_controller(metrics_controller(args.metrics_dir))
     losses, step_times, save_times = [], [], []
     show = engine.rank == 0
     if resume is not None:
@@ -427,6 +454,13 @@ def train(name: str, workload: wl.Workload, initial_state: dict, plan: planner.P
             break
     if pending is not None:
         pending.wait()
+    if args.export is not None and name == "whalelike" and stopping is None:
+        # every rank sends what it holds, rank 0 writes (runtime.state.pretrained): from_pretrained loads it
+        start = time.perf_counter()
+        written = save_pretrained(engine, args.export, config=getattr(model, "config", None))
+        if show:
+            print(f"  exported the trained model to {written} (save_pretrained format) in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
     if stopping is not None:
         saved = f"; checkpoint step-{engine.step:08d} written, a restart resumes there" if saving else ""
         if show:
@@ -606,7 +640,9 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
                 # the same on every rank (gathered and broadcast): one line per job
                 say_once(f"{prog}: error: {one_line(e)}")
                 return EXIT_FAILED
-        initial_state = copy.deepcopy(workload.model.state_dict())
+        # a second copy of the model and of its initial state only for the naive baseline: a job trains the
+        # workload's own model, so no rank holds the whole model twice
+        initial_state = copy.deepcopy(workload.model.state_dict()) if args.compare_naive else None
         runs = [("whalelike", plan)]
         if args.compare_naive:
             graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
@@ -663,7 +699,12 @@ def inputs(args):
         trace = "--run-timeline's trace"
         check_output_paths({"--run-timeline": args.run_timeline, trace: _trace_path(args.run_timeline)},
                            kinds={"--run-timeline": "png", trace: "json"})
-    workload = load_workload(args.model)
+    if args.weights is not None and not os.path.isdir(args.weights):
+        raise WhaleError(f"--weights {args.weights}: no such directory; give a local save_pretrained directory")
+    # with --weights the factory builds the model without storage (whalelike.empty_weights): each rank
+    # then gives storage to what its part of the plan holds and reads only that from the files
+    with wl.empty_weights() if args.weights is not None else contextlib.nullcontext():
+        workload = load_workload(args.model)
     if workload.loss_fn is None or workload.make_batch is None:
         raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
     resume = None
@@ -671,8 +712,6 @@ def inputs(args):
         if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
             raise WhaleError(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created)")
         resume = checkpoint.latest(args.checkpoint_dir)
-    if args.weights is not None and not os.path.isdir(args.weights):
-        raise WhaleError(f"--weights {args.weights}: no such directory; give a local save_pretrained directory")
     if args.plan is None and resume is None and args.global_batch is None:
         where = f" and {args.checkpoint_dir} holds no checkpoint to resume" if args.checkpoint_dir else ""
         raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`), or --global-batch with --cluster "
