@@ -30,6 +30,9 @@ TIMEOUT_S = 300   # a smoke run takes seconds; the rest is headroom for a machin
 
 _X = r"\d+\.\d\dx"   # a ratio as the benches print it: 1.49x
 HEADLINES = {        # bench: its last line (re.fullmatch)
+    "real_job": rf"real_job: zero3 set-up peak today/whalelike >= {_X}, whalelike {_X} of share\+layer, set-up {_X} "
+                rf"faster; pipeline set-up peak today/whalelike >= {_X}, whalelike {_X} of share\+layer, set-up {_X} "
+                r"faster; whalelike train [\d,]+ tokens/s, MFU .* \(target <= 1\.10x share\+layer: (yes|NO)\)",
     "tp_moe": rf"whalelike / equal experts per rank speed-up: speeds 1/0\.5 {_X} .*; equal speeds {_X} .*",
     "checkpoint_cost": rf"checkpoint cost: whalelike save .* ms = {_X} DDP\+DCP's, async stall .* = {_X} "
                        rf"dcp\.async_save's \(.* steps\), load {_X}",
