@@ -58,6 +58,9 @@ COMPUTING = {
     "test_eager_pipeline.py::": 5,
     "test_guards.py::test_guards_on_two_ranks": 5,
     "test_evaluation.py::": 12,   # three ranks train and evaluate under three plans
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[real_job]": 90,  # 4 ranks, then a torchrun job
+    "test_pretrained.py::test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrained_loads": 40,
+    "test_idle_state.py::": 25,
 }
 # The head of the second half: tests that mostly wait (emulated slow steps, torchrun launches and
 # restarts, ranks timing out) or compute on one core, so they leave the other worker's ranks room.
@@ -85,6 +88,8 @@ WAITING = {
     "test_bench_smoke.py::": 10,   # the other benches' smoke runs, about 10 s each
     "test_layout.py::": 9,
     "test_capture.py::test_fingerprint_stable_across_processes": 8,
+    "test_launch.py::test_whalelike_train_runs_the_example_job_like_train_py": 35,   # two torchrun jobs
+    "test_metrics.py::": 12,
 }
 # Before everything else in the second half: train.py's one-line usage errors, where the quiet rank
 # waits at most 10 s for rank 0 to have printed, so they run while the other worker's first test is
