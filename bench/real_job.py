@@ -250,9 +250,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    parser.add_argument("--base-gflops", type=float, default=0.2,
+    parser.add_argument("--base-gflops", type=float, default=1.0,
                         help="GFLOP/s of an emulated device of speed 1 (low enough that 4 ranks on 2 cores never overrun)")
-    parser.add_argument("--steps", type=int, default=6, help="timed training steps of the whalelike train job")
+    parser.add_argument("--steps", type=int, default=4, help="timed training steps of the whalelike train job")
     args = parse_args(parser, smoke=dict(hidden=32, layers=2, heads=4, vocab=128, seq_len=16, steps=2))
     from transformers import LlamaForCausalLM
     folder = tempfile.mkdtemp(prefix="whalelike-real-job-")
