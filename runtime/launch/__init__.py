@@ -1,7 +1,7 @@
 """The installed launcher: ``whalelike train JOB.yaml [--section.key value ...]``.
 
 Role: turn a typed job file (:mod:`runtime.launch.job`: model, cluster, plan or planning options,
-optimizer, train, data, eval, checkpoint, metrics, balance, elastic) into one training run
+optimizer, train, data, eval, checkpoint, metrics, export, balance, elastic) into one training run
 (:mod:`runtime.launch.trainer`, what ``examples/train.py`` runs), under ``torchrun`` or as a single
 process.
 

@@ -11,6 +11,7 @@ A job is YAML, one mapping per section::
     eval:       {every: 20}
     checkpoint: {dir: out/ckpt, every: 10}
     metrics:    {dir: out/metrics}
+    export:     {dir: out/trained}          # save_pretrained after the last step
     balance:    {policy: exact}
     elastic:    {enabled: true, leave_on_sigterm: false}
 
