@@ -47,6 +47,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import yaml
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -62,6 +63,7 @@ from smoke import parse_args  # noqa: E402
 from timing import free_port, process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
+WARMUP_STEPS = 2     # the trainer's (runtime.launch.trainer.WARMUP_STEPS): a job runs more steps than that
 PLANS = ("zero3", "pipeline")
 SEED = 0
 
@@ -103,19 +105,7 @@ def measured(build, resizes: bool = True):
             result, held = build()
     finally:
         counter.close()
-    unseen = {}
-    for tensor in held():
-        tensor = local(tensor)
-        if tensor.device.type != "meta" and not counter.counts(tensor):
-            storage = tensor.untyped_storage()
-            unseen[storage._cdata] = storage.nbytes()
-    return result, counter.peak + sum(unseen.values())
-
-
-def timed(build) -> tuple:
-    start = time.perf_counter()
-    result = build()
-    return result, time.perf_counter() - start
+    return result, counter.peak + counter.uncounted_bytes(held())
 
 
 def held_tensors(*modules):
@@ -140,7 +130,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
             layer = max(layer.param_bytes for layer in graphs.layers)
 
             # today's path: the whole model on every rank, and a copy for the Engine. Its peak is measured
-            # up to the copy (a lower bound: the Engine's build only adds), its time to the Engine built
+            # up to the copy (a lower bound: the Engine's build only adds)
             def whole_and_copy():
                 model = annotate(LlamaForCausalLM.from_pretrained(args.checkpoint), name, args.layers)
                 kept = copy.deepcopy(model)
@@ -150,15 +140,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
             del model, kept
             gc.collect()
 
-            def today():
-                (model, kept), _ = whole_and_copy()
-                return model, Engine(kept, plan, optimizer=optimizer, loss_fn=loss_fn, cluster=cluster,
-                                     example_args=example[0], balance="off")
-
-            _, today_s = timed(today)
-            del _
-            gc.collect()
-
+            # whalelike's: built without storage, each rank filled from its slices of the files
             def meta():
                 with wl.empty_weights():
                     model = annotate(LlamaForCausalLM(config), name, args.layers)
@@ -172,8 +154,20 @@ def worker(rank: int, init_file: str, args, results) -> None:
                           for p in sync.ddp.parameters() if p.requires_grad)
             del engine
             gc.collect()
-            _, meta_s = timed(meta)
-            del _
+
+            # the seconds of each path to an Engine ready to train, without the meter (it slows every operator)
+            dist.barrier()
+            start = time.perf_counter()
+            (model, kept), _ = whole_and_copy()
+            Engine(kept, plan, optimizer=optimizer, loss_fn=loss_fn, cluster=cluster, example_args=example[0],
+                   balance="off")
+            today_s = time.perf_counter() - start
+            del model, kept
+            gc.collect()
+            dist.barrier()
+            start = time.perf_counter()
+            meta()
+            meta_s = time.perf_counter() - start
             gc.collect()
             worker_plan = plan.worker(rank)
             out[name] = dict(today_peak=int(today_peak), today_s=float(today_s), meta_peak=int(meta_peak),
@@ -223,7 +217,7 @@ def end_to_end(args, folder: str) -> dict:
     metrics = os.path.join(folder, "metrics")
     job = {"model": {"factory": f"{factory}:build", "weights": weights}, "cluster": cluster_file,
            "plan": {"global_batch_size": args.batch, "num_micro_batch": args.micro},
-           "train": {"steps": args.steps + 1}, "metrics": {"dir": metrics}}
+           "train": {"steps": args.steps + WARMUP_STEPS}, "metrics": {"dir": metrics}}
     job_file = os.path.join(folder, "job.yaml")
     with open(job_file, "w") as f:
         yaml.safe_dump(job, f)
@@ -253,7 +247,7 @@ def main() -> None:
     parser.add_argument("--base-gflops", type=float, default=1.0,
                         help="GFLOP/s of an emulated device of speed 1 (low enough that 4 ranks on 2 cores never overrun)")
     parser.add_argument("--steps", type=int, default=4, help="timed training steps of the whalelike train job")
-    args = parse_args(parser, smoke=dict(hidden=32, layers=2, heads=4, vocab=128, seq_len=16, steps=2))
+    args = parse_args(parser, smoke=dict(hidden=32, layers=2, heads=4, vocab=128, seq_len=16, steps=1))
     from transformers import LlamaForCausalLM
     folder = tempfile.mkdtemp(prefix="whalelike-real-job-")
     try:
@@ -283,7 +277,7 @@ def main() -> None:
                         f"{min(row['today_peak'] / row['meta_peak'] for row in rows):.2f}x, whalelike "
                         f"{max(row['meta_peak'] / (row['share'] + row['layer']) for row in rows):.2f}x of "
                         f"share+layer, set-up {statistics.median(row['today_s'] for row in rows) / statistics.median(row['meta_s'] for row in rows):.2f}x faster")
-    steps = job["steps"][1:]            # the first step warms up
+    steps = job["steps"][WARMUP_STEPS:]            # the trainer's warm-up steps are not timed
     tokens = statistics.median(line["tokens_per_s"] for line in steps)
     kinds = {}
     for line in steps:

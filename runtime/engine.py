@@ -370,7 +370,11 @@ class Engine:
         # what this rank holds gets storage on its device while the executor is built, then its values
         with self.meter.setup(self._held_tensors):
             self.runtime.collective(lambda: self.slot.build(context))
-            gc.collect()    # building leaves cycles (fx graphs, FSDP's hooks) holding freed tensors
+            if self.meter.enabled:
+                # building leaves cycles (fx graphs, FSDP's hooks) holding tensors no longer used: the
+                # set-up peak measures what the rank holds, not what the cyclic collector has not yet
+                # freed (a full collection costs most of a second with transformers loaded: only then)
+                gc.collect()
             if self.weights is not None:
                 self._fill(self.weights)
         self.setup_peak_bytes = self.meter.setup_peak_bytes

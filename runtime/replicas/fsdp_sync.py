@@ -79,8 +79,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from planner.balance.state_moves import Slab
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import (NamedState, drop_memo_references, dtensor_range, is_dtensor, is_materialised,
-                                        module_state, place)
+from runtime.replicas.held_state import (NamedState, compute_device, drop_memo_references, dtensor_range, is_dtensor,
+                                        is_materialised, module_state, place)
 from runtime.replicas.sync_parts import Exact, OwnPassenger, WholeParameters, own_units
 from whalelike.errors import WhaleError
 
@@ -160,9 +160,7 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
         # a module on the meta device (built empty, materialised rank by rank) is sharded first and
         # then given storage for its shards only; its values come from a checkpoint or an init
         empty = not is_materialised(module)
-        if device is None:
-            device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
-        device = torch.device(device)
+        device = compute_device(module, device)
         if not empty:
             place(module, device)
             _broadcast_state(module, group)

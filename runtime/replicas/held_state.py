@@ -172,6 +172,14 @@ def is_materialised(module: nn.Module) -> bool:
     return not any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
+def compute_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:
+    """``device``, or (None) where ``module``'s materialised tensors are: the CPU when none is."""
+    if device is None:
+        device = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta),
+                      torch.device("cpu"))
+    return torch.device(device)
+
+
 @torch.no_grad()
 def place(module: nn.Module, device: Optional[torch.device]) -> int:
     """Give each parameter and buffer of ``module`` storage on ``device``, in place: a tensor on the
@@ -181,10 +189,7 @@ def place(module: nn.Module, device: Optional[torch.device]) -> int:
     storage to what its part of the plan holds and nothing else. ``device`` None: where the module's
     materialised tensors are (the CPU when none is). Returns the bytes allocated. ``DTensor``s are
     FSDP2's to place (``to_empty``)."""
-    if device is None:
-        device = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta),
-                      torch.device("cpu"))
-    device = torch.device(device)
+    device = compute_device(module, device)
     allocated, seen = 0, set()
     for tensor in (*module.parameters(), *module.buffers()):
         if id(tensor) in seen or is_dtensor(tensor):

@@ -72,7 +72,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from planner.balance.state_moves import Slab
 from planner.devices.memory import RAGGED_BUCKET_BYTES
 from runtime.emulation.compute import Emulator
-from runtime.replicas.held_state import NamedState, is_materialised, module_state, place, place_one
+from runtime.replicas.held_state import NamedState, compute_device, is_materialised, module_state, place, place_one
 from runtime.replicas.sync_parts import Exact, OwnPassenger, own_units
 from whalelike.errors import WhaleError
 
@@ -160,9 +160,7 @@ class RaggedSync(Exact, OwnPassenger):
         # freed at once: they hold none between uses), its shards are made empty; the values come
         # from a checkpoint or an init written into the shards (named_state), gathered before use
         empty = self._empty = not is_materialised(module)
-        if device is None:
-            device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
-        device = torch.device(device)
+        device = compute_device(module, device)
         if not empty:
             place(module, device)
             _broadcast(module, group)

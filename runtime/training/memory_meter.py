@@ -82,6 +82,17 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
         self._finalizers.append(weakref.finalize(storage, self._free, key))
 
+    def uncounted_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The bytes of the storages of ``tensors`` this counter never counted (made before it began,
+        or where no operator made them: read by safetensors), each once."""
+        found = {}
+        for tensor in tensors:
+            tensor = local(tensor)
+            if tensor.device.type != "meta" and not self.counts(tensor):
+                storage = tensor.untyped_storage()
+                found[storage._cdata] = storage.nbytes()
+        return sum(found.values())
+
     def counts(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is counted (made while the counter was active, or tracked)."""
         try:
@@ -183,13 +194,7 @@ class MemoryMeter:
                 yield
         finally:
             counter.close()
-        before = {}
-        for tensor in held():
-            tensor = local(tensor)
-            if tensor.device.type != "meta" and not counter.counts(tensor):
-                storage = tensor.untyped_storage()
-                before[storage._cdata] = storage.nbytes()
-        self.setup_peak_bytes = int(counter.peak) + sum(before.values())
+        self.setup_peak_bytes = int(counter.peak) + counter.uncounted_bytes(held())
 
     @contextmanager
     def step(self, modules: list[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> Iterator[None]:
