@@ -268,7 +268,7 @@ def _parse_text(section: str, key: str, text: str) -> Any:
         try:
             value = float(value)
         except ValueError:
-            pass
+            return value       # not a number: the type check that follows names the key and the value
     return value
 
 

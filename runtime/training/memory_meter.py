@@ -97,7 +97,7 @@ class LiveBytes(TorchDispatchMode):
         """Whether ``tensor``'s storage is counted (made while the counter was active, or tracked)."""
         try:
             return tensor.untyped_storage()._cdata in self._sizes
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError):   # no storage (a subclass, sparse): never counted
             return False
 
     def _free(self, key: int) -> None:
@@ -180,39 +180,39 @@ class MemoryMeter:
         tensors where they are, and what it does not hold is the caller's host memory, not this
         device's (as the CUDA figure, the allocator's peak on the device, does not count it)."""
         self.setup_peak_bytes = None
-        if not self.enabled:
+        with self._measured(lambda: LiveBytes(resizes=True, inputs=False),
+                            lambda counter: counter.uncounted_bytes(held())) as peak:
             yield
-            return
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            yield
-            self.setup_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-            return
-        counter = LiveBytes(resizes=True, inputs=False)
-        try:
-            with counter:
-                yield
-        finally:
-            counter.close()
-        self.setup_peak_bytes = int(counter.peak) + counter.uncounted_bytes(held())
+        self.setup_peak_bytes = peak[0]
 
     @contextmanager
     def step(self, modules: list[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> Iterator[None]:
         self.peak_bytes = None
-        if not self.enabled:
+        with self._measured(lambda: LiveBytes(state_tensors(modules, optimizer),
+                                              resizes=any(frees_storage(m) for m in modules))) as peak:
             yield
+        self.peak_bytes = peak[0]
+
+    @contextmanager
+    def _measured(self, counter: Callable[[], LiveBytes],
+                  more: Optional[Callable[[LiveBytes], int]] = None) -> Iterator[list]:
+        """The block's peak bytes, in the one-item list it yields once the block ends (None when not
+        measuring): on CUDA the allocator's peak (it counts on the host, when a kernel's memory is
+        allocated, in stream order, so its peak needs no device synchronisation: measuring costs
+        nothing); on CPU ``counter()``'s peak, plus ``more(counter)``."""
+        peak: list = [None]
+        if not self.enabled:
+            yield peak
             return
         if self.device.type == "cuda":
-            # the caching allocator counts on the host, when a kernel's memory is allocated (stream
-            # order), so its peak needs no device synchronisation: measuring costs the step nothing
             torch.cuda.reset_peak_memory_stats(self.device)
-            yield
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            yield peak
+            peak[0] = int(torch.cuda.max_memory_allocated(self.device))
             return
-        counter = LiveBytes(state_tensors(modules, optimizer), resizes=any(frees_storage(m) for m in modules))
+        live = counter()
         try:
-            with counter:
-                yield
+            with live:
+                yield peak
         finally:
-            counter.close()
-        self.peak_bytes = int(counter.peak)
+            live.close()
+        peak[0] = int(live.peak) + (more(live) if more is not None else 0)
