@@ -8,18 +8,22 @@ tensor op or a collective), exactly as Python runs a script: ``__main__`` is the
 (``runpy.run_path``), its folder heads ``sys.path``, ``sys.argv`` is its command line, the
 working directory is the repository, the environment is the one given, stdout and stderr are
 files (so the bench's own subprocesses write there too), and the exit status is the script's.
-What differs from a cold start is only that the modules are imported already.
+What differs from a cold start is only that the modules are imported already. The CPU seconds the
+bench used (its own and those of the subprocesses it waited for) join the launching process's
+``dist_utils.RANK_CPU_S``, as a spawned rank's do, so that the suite's CPU accounting sees them.
 """
 from __future__ import annotations
 
 import os
 import pathlib
+import resource
 import runpy
 import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
 
+import dist_utils
 from dist_utils import _context
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,6 +49,8 @@ def run_bench(name: str, args: list[str], env: dict[str, str], timeout_s: float)
             process.join()
             raise TimeoutError(f"bench/{name}.py {' '.join(args)} still ran after {timeout_s:g} s:\n"
                                f"{_read(out)[-4000:]}\n{_read(err)[-4000:]}")
+        cpu = _read(os.path.join(tmp, "cpu"))
+        dist_utils.RANK_CPU_S[0] += float(cpu) if cpu else 0.0
         return Finished(process.exitcode, _read(out), _read(err))
 
 
@@ -81,4 +87,6 @@ def _main(name: str, args: list[str], env: dict[str, str], out: str, err: str) -
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        pathlib.Path(out).with_name("cpu").write_text(str(sum(u.ru_utime + u.ru_stime for u in usage)))
     sys.exit(code)

@@ -159,3 +159,64 @@ def _chunked(items: list, workers: int, sensitive: list, rest: list) -> list:
     for size, head in zip(sizes, heads):
         out += head + list(itertools.islice(fill, max(0, size - len(head))))
     return out + list(fill)
+
+
+# -- CPU accounting -------------------------------------------------------------------------------------
+# The budget is CPU on two cores, and wall time under three workers says little about what one test
+# costs. Each test's CPU seconds (setup and call): its own process's, its subprocesses' (torchrun jobs,
+# benches: children's usage once they are waited for, theirs included) and its spawned ranks'
+# (tests/dist_utils.py reports them). The summary lists the most expensive; WHALELIKE_TEST_CPU=FILE
+# writes every test's figure as JSON.
+import json
+import resource
+
+
+import pytest
+
+_CPU_KEY = pytest.StashKey[float]()
+_cpu_by_test: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    import dist_utils
+
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + dist_utils.RANK_CPU_S[0]
+
+
+def _measured(item):
+    start = _cpu_now()
+    yield
+    item.stash[_CPU_KEY] = item.stash.get(_CPU_KEY, 0.0) + _cpu_now() - start
+
+
+pytest_runtest_setup = pytest.hookimpl(hookwrapper=True)(_measured)
+pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(_measured)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "call":
+        item.user_properties.append(("cpu_s", round(item.stash.get(_CPU_KEY, 0.0), 2)))
+    yield
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        cpu = dict(report.user_properties).get("cpu_s")
+        if cpu is not None:
+            _cpu_by_test[report.nodeid] = cpu
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _cpu_by_test:
+        return
+    top = sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"CPU seconds (process, subprocesses, ranks): {sum(_cpu_by_test.values()):.0f} "
+                                    f"in all, the 15 largest")
+    for nodeid, cpu in top[:15]:
+        terminalreporter.write_line(f"{cpu:8.1f}s  {nodeid}")
+    path = os.environ.get("WHALELIKE_TEST_CPU")
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(top), f, indent=1)

@@ -33,17 +33,25 @@ and no state from other tests; it only starts with the modules imported. Each ra
 its launcher's environment at launch (the server's own, from its start, is replaced), as a spawned
 process would.
 
+Each rank also reports the CPU seconds it used (:data:`RANK_CPU_S` sums them in the launching
+process), which ``tests/conftest.py`` adds to each test's own and its subprocesses' CPU: the
+suite's budget is CPU on two cores, and a rank's CPU is otherwise invisible to the test process
+(ranks are the forkserver's children, not its own).
+
 Results travel back as ``torch.save`` bytes rather than as tensors through a torch queue, so a
 rank may exit right after returning without invalidating shared-memory handles.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import logging
 import multiprocessing as std_mp
 import os
 import queue as queue_mod
+import resource
+import signal
 import socket
 import time
 import traceback
@@ -68,6 +76,15 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoi
            "torch.export._trace", *(f"transformers.models.{m}.modeling_{m}" for m in (
                "gpt2", "llama", "phi3", "vit", "t5", "swin", "qwen2_moe", "olmoe", "mixtral", "bert", "bart", "resnet",
                "deberta_v2"))]
+
+
+# CPU seconds (user + system) of every rank this process launched that reported back, summed
+RANK_CPU_S = [0.0]
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _context():
@@ -133,12 +150,21 @@ def spawn_ranks(
     pg_timeout_s: float = 60.0,
     timeout_s: float = 180.0,
     env: Optional[dict[str, str]] = None,
+    warm: Optional[Callable[[], Any]] = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; one outcome per rank.
 
     ``timeout_s`` bounds the whole run: ranks still alive then are killed and reported as hung.
     ``env`` adds environment variables to every rank; ``OMP_NUM_THREADS`` defaults to 1 (several
     ranks share few cores).
+
+    ``warm`` (a module-level function of no arguments, or ``(function, args)``): run once, in the
+    ranks' environment, by a process that then forks the ranks, so that they start with what it
+    left behind. Its use is whalelike's capture cache: ``warm`` captures the models every rank will
+    capture (same classes, configuration and input shapes), once, and each rank's own capture is
+    then a cache hit (a fifth of a fresh capture's CPU) instead of a capture of its own. The ranks
+    run exactly the code they run without it; a warm-up that raises fails every rank with its
+    traceback. ``warm`` runs no collective and creates no process group (the ranks would inherit it).
     """
     ctx = _context()
     queue = ctx.Queue()
@@ -151,40 +177,50 @@ def spawn_ranks(
         **(env or {}),
     }
     environment = {**os.environ, **base_env}   # each rank's, exactly (see _rank_main)
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, args, init_process_group, backend, pg_timeout_s, queue, environment),
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
+    common = (fn, world_size, args, init_process_group, backend, pg_timeout_s, queue, environment)
+    if warm is None:
+        procs = [ctx.Process(target=_rank_main, args=(common[0], rank, *common[1:]), daemon=False)
+                 for rank in range(world_size)]
+    else:
+        procs = [ctx.Process(target=_zygote_main, args=(warm, *common), daemon=False)]
     for p in procs:
         p.start()
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
     reported: set[int] = set()
+    exits: Optional[dict[int, int]] = None     # the ranks' exit codes, from the warm-up process
     deadline = time.monotonic() + timeout_s
     # Drain the queue while waiting: a child blocks on exit until its queued bytes are read.
-    while len(reported) < world_size and time.monotonic() < deadline:
+    while (len(reported) < world_size or (warm is not None and exits is None)) and time.monotonic() < deadline:
         if not any(p.is_alive() for p in procs) and queue.empty():
             break
         try:
-            rank, kind, payload = queue.get(timeout=0.2)
+            rank, kind, payload, cpu_s = queue.get(timeout=0.2)
         except queue_mod.Empty:
+            continue
+        RANK_CPU_S[0] += cpu_s
+        if kind == "exits":
+            exits = payload
             continue
         reported.add(rank)
         if kind == "ok":
             outcomes[rank].value = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             outcomes[rank].error_type, outcomes[rank].error = payload
-    for rank, p in enumerate(procs):
+    for i, p in enumerate(procs):
         p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
+            if warm is not None:      # the ranks are its children, in its process group
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
             p.kill()
             p.join()
-            outcomes[rank].exitcode = None
-        else:
-            outcomes[rank].exitcode = p.exitcode
+            if warm is None:
+                outcomes[i].exitcode = None
+        elif warm is None:
+            outcomes[i].exitcode = p.exitcode
+    if warm is not None:
+        for rank in range(world_size):
+            outcomes[rank].exitcode = None if exits is None else exits.get(rank)
     queue.close()
     return [outcomes[r] for r in range(world_size)]
 
@@ -217,12 +253,52 @@ def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue
                 dist.destroy_process_group()
         buf = io.BytesIO()
         torch.save(value, buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        queue.put((rank, "ok", buf.getvalue(), _cpu_s()))
     except BaseException as e:  # report everything, including SystemExit from the code under test
-        queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
+        queue.put((rank, "error", (type(e).__name__, traceback.format_exc()), _cpu_s()))
         queue.close()
         queue.join_thread()
         os._exit(1)
+    queue.close()
+    queue.join_thread()
+
+
+def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, queue, environment) -> None:
+    """Run the warm-up in the ranks' environment, then fork the ranks and report their exit codes
+    (``spawn_ranks``' ``warm``); its own process group, so that a hung run is killed whole."""
+    os.setpgid(0, 0)
+    os.environ.clear()
+    os.environ.update(environment)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    warm_fn, warm_args = warm if isinstance(warm, tuple) else (warm, ())
+    import random
+
+    import numpy
+
+    seeds = (torch.random.get_rng_state(), random.getstate(), numpy.random.get_state())
+    try:
+        warm_fn(*warm_args)
+        # the ranks start from the random state they would have had (a warm-up building models draws from it)
+        torch.random.set_rng_state(seeds[0])
+        random.setstate(seeds[1])
+        numpy.random.set_state(seeds[2])
+    except BaseException:  # noqa: BLE001 - every rank fails with the warm-up's story
+        story = traceback.format_exc()
+        for rank in range(world_size):
+            queue.put((rank, "error", ("WarmUpFailed", f"the warm-up {warm_fn.__name__} raised:\n{story}"), 0.0))
+        queue.put((-1, "exits", {rank: 1 for rank in range(world_size)}, _cpu_s()))
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+    fork = std_mp.get_context("fork")
+    ranks = [fork.Process(target=_rank_main, args=(fn, rank, world_size, args, init_pg, backend, pg_timeout_s,
+                                                  queue, environment), daemon=False) for rank in range(world_size)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join()
+    queue.put((-1, "exits", {rank: p.exitcode for rank, p in enumerate(ranks)}, _cpu_s()))
     queue.close()
     queue.join_thread()
 

@@ -428,8 +428,16 @@ def test_what_a_pipeline_takes_in_place_is_sizes_and_counts_only():
 
 def test_semi_migrates_the_worst_straggler_and_resizes_the_mild_one(three):
     run = three["semi_two_stragglers"]
-    (step, action, exact), *_ = run["events"]
-    assert action == "migrate+resize" and not exact, run["events"]
+    # both stragglers start at ONSET, but under load the window that first flags the 6x one may not yet
+    # show the 1.5x one past the trigger: its work then migrates alone (exact), and the mild one is
+    # resized when it is flagged. Whatever the timing: nothing is resized before the first event that
+    # resizes, that event also migrates, and it prunes the mild straggler (rank 2) only.
+    acting = [(e, d) for e, d in zip(run["events"], run["details"]) if e[1] != "none"]
+    first = next(i for i, ((_, action, _), _) in enumerate(acting) if "resize" in action)
+    assert all(action == "migrate" and exact for (_, action, exact), _ in acting[:first]), run["events"]
+    (step, action, exact), detail = acting[first]
+    assert action == "migrate+resize" and not exact and step >= ONSET, run["events"]
+    assert "gamma rank 2" in detail and "gamma rank 1" not in detail, detail
     assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
 
 
