@@ -24,7 +24,9 @@ the capture its Engine then finds in whalelike's capture cache (planning from th
 the test process cost one more capture of the model; the two give the same stages and workers,
 only the predicted bytes differ), and every rank must have made the same plan. The ``split(2)``
 cases (two replicas, so each rank captures its share of the batch, which a capture of the whole
-batch cannot serve) are planned from the float32 model in the test process, as before.
+batch cannot serve) are planned from the float32 model in the test process, as before. A warm-up
+(``run_ranks(warm=)``) captures each float64 model once for all 4 ranks before they fork, so
+every rank's captures are capture-cache hits.
 """
 from __future__ import annotations
 
@@ -244,6 +246,13 @@ def _cuts(engine) -> list:
 PLANNED_BY_THE_TEST = ("gated-split2", "swin-window-bias")
 
 
+def _warm() -> None:
+    """Each case's float64 capture, once, before the ranks fork (dist_utils' ``warm``): the ranks' are cache hits."""
+    for name in CASES:
+        (example, _), = batches(name, 0, torch.float64)[:1]
+        wl.capture(build(name, torch.float64), example)
+
+
 def _ranks(rank: int, world_size: int, plans: dict) -> dict:
     lines = LogLines.attach("runtime.tensor.shard_pass")
     out = {}
@@ -286,7 +295,7 @@ def _expected_column(plan, rank: int, path: str) -> int:
 
 def test_forms_train_exactly_with_their_projections_sharded():
     results = run_ranks(_ranks, 4, args=({name: make_plan(name) for name in PLANNED_BY_THE_TEST},),
-                        init_process_group=False, timeout_s=600)
+                        init_process_group=False, timeout_s=600, warm=_warm)
     plans = {name: results[0][name + "/plan"] for name in CASES}
     for rank, got in enumerate(results):
         assert all(got[name + "/plan"] == plans[name] for name in CASES), rank   # every rank planned alike
