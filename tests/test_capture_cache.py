@@ -7,7 +7,10 @@ code, state-dict keys and order, parameters and buffers (persistent or not), the
 the new model's (never the first model's), and the outputs on the same inputs. Models: GPT-2 and
 Llama from ``transformers`` (torch.export; tied embeddings, non-persistent buffers, an autocast
 region's body), an fx-traced model under ``split`` with a plain tensor constant and a
-forward-time scope. Then what must miss: any change a trace could see.
+forward-time scope. At another batch size the trace serves (torch.fx's always, torch.export's when
+it kept the batch dimension symbolic) and the figures are measured afresh, again equal to a fresh
+capture; a trace that pins the batch size serves that size only. Then what must miss: any change a
+trace could see.
 """
 from __future__ import annotations
 
@@ -145,7 +148,6 @@ MISSES = {   # what a trace could see differ: each must be a miss (or not cached
     "a LayerNorm's eps": lambda: _scoped(eps=1e-3),
     "a constant's value": lambda: _scoped(scale=3.0),
     "the scope pattern (two split regions, not one)": lambda: _scoped(two_scopes=True),
-    "the batch size": lambda: (_scoped()[0], (torch.randn(6, 8),)),
     "a forward hook": _with_hook,
     "training mode": lambda: (_scoped()[0].eval(), _scoped()[1]),
 }
@@ -160,6 +162,74 @@ def test_what_a_trace_could_see_is_in_the_key(change):
     capture(model, inputs)
     after = capture_cache.stats()
     assert after["hits"] == before["hits"], f"{change}: a hit"
+
+
+class PinnedBatch(nn.Module):
+    """Code that reads the batch size as a number: torch.fx cannot trace it, torch.export pins the
+    batch dimension to the example's (its trace serves that batch size only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] == 4:
+            x = x * 2
+        return self.lin(x)
+
+
+def _gpt2_at(batch: int):
+    def build():
+        model, inputs = _hf("gpt2")()
+        return model, (torch.cat([inputs[0]] * 3)[:batch],)
+    return build
+
+
+AT_OTHER_SHAPES = {   # the trace serves (a trace hit), the figures are measured at the new shapes
+    "fx, another batch size": (_scoped, lambda: (_scoped()[0], (torch.randn(6, 8),))),
+    "torch.export, another batch size": (_gpt2_at(2), _gpt2_at(3)),
+}
+
+
+@pytest.mark.parametrize("case", list(AT_OTHER_SHAPES))
+def test_another_batch_size_reuses_the_trace_and_equals_a_fresh_capture(case, monkeypatch):
+    """A rank's share, a new micro-batch size: capture at another batch size reuses the trace when it
+    keeps the batch dimension symbolic, measures the costs afresh, and gives what a fresh capture
+    gives. The optimizer and the loss are not in the key either: a hit with other ones too."""
+    first, second = AT_OTHER_SHAPES[case]
+    capture_cache.clear()
+    capture(*first())
+    before = capture_cache.stats()
+    model, inputs = second()
+    got = capture(model, inputs, optimizer="sgd", loss_fn=lambda out, y: out.sum() if torch.is_tensor(out) else
+                  out.logits.sum())
+    after = capture_cache.stats()
+    assert after["trace_hits"] == before["trace_hits"] + 1 and after["misses"] == before["misses"], (before, after)
+    again_model, again_inputs = second()
+    again = capture(again_model, again_inputs, optimizer="adam")
+    assert capture_cache.stats()["hits"] == after["hits"] + 1
+
+    monkeypatch.setenv("WHALELIKE_CAPTURE_CACHE", "0")
+    for hit, hit_model, kwargs in ((got, model, dict(optimizer="sgd", loss_fn=lambda out, y: out.sum()
+                                                   if torch.is_tensor(out) else out.logits.sum())),
+                                   (again, again_model, dict(optimizer="adam"))):
+        fresh_model, fresh_inputs = second()
+        fresh = capture(fresh_model, fresh_inputs, **kwargs)
+        assert _facts(hit, hit_model) == _facts(fresh, fresh_model)
+        for a, b in zip(_outputs(hit, inputs), _outputs(fresh, fresh_inputs), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_trace_that_pins_the_batch_size_serves_that_size_only():
+    capture_cache.clear()
+    torch.manual_seed(0)
+    capture(PinnedBatch(), (torch.randn(4, 8),))
+    before = capture_cache.stats()
+    capture(PinnedBatch(), (torch.randn(6, 8),))
+    after = capture_cache.stats()
+    assert after["misses"] == before["misses"] + 1 and after["trace_hits"] == before["trace_hits"], (before, after)
+    capture(PinnedBatch(), (torch.randn(4, 8),))
+    assert capture_cache.stats()["hits"] == after["hits"] + 1
 
 
 def test_a_pipeline_splits_fake_values_serve_the_next_capture_and_hold_no_model(monkeypatch):

@@ -22,9 +22,10 @@ The pipeline, one module per step:
    the runtime decide where each output goes from the same record. A leaf the loss is known not to
    read is not live to the end of the model in the cut bytes.
 
-Steps 1-3 and 5 run once per architecture in a process: capturing an identical model again (same
-classes, configuration, shapes, inputs; :mod:`whalelike.graphs.capture_cache`) copies the first
-capture's graph and figures and binds them to the new model's parameters.
+Steps 1-3 run once per architecture in a process: capturing an identical model again (same
+classes, configuration, inputs; :mod:`whalelike.graphs.capture_cache`) copies the first capture's
+graph and binds it to the new model's parameters, and its measured figures where the input shapes
+are the same (at another batch size, the trace serves and step 3 measures afresh).
 """
 from __future__ import annotations
 
@@ -79,33 +80,38 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     device = _input_device(args, kwargs)
     args, kwargs = _on_model_device(model, args, kwargs)
 
-    keyed = capture_cache.key_of(model, args, kwargs, optimizer, loss_fn)
-    entry = capture_cache.lookup(keyed[0]) if keyed is not None else None
-    if entry is not None:   # the same architecture captured before in this process (capture_cache)
+    keys = capture_cache.key_of(model, args, kwargs, batch)
+    entry = capture_cache.lookup(keys) if keys is not None else None
+    if entry is not None:   # the same architecture traced before in this process (capture_cache)
         gm, method = entry.trace.bind(model), entry.trace.method
         regions = assign_regions(gm, model)
         recompute_constants(gm, regions)
         if regions != entry.regions:
-            capture_cache.reject(keyed[0])
+            capture_cache.reject(keys)
             entry = None
+    figures = None
     if entry is None:
         traced = trace_reusable(model, args, kwargs)
         gm, method = traced.bind(model), traced.method
         regions = assign_regions(gm, model)
         recompute_constants(gm, regions)
-        values = placeholder_values(gm, method, model, args, kwargs)
+        if keys is not None:
+            entry = capture_cache.Entry(traced, regions, capture_cache.batch_generic(traced, batch), alive=keys.alive)
+            capture_cache.store(keys, entry)
+    else:
+        figures = capture_cache.measured(entry, keys)
+    values = placeholder_values(gm, method, model, args, kwargs)
+    if figures is None:   # measured at these input shapes: per sample, from totals over this batch
         costs = measure(gm, values, regions.node_taskgraph)
         unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
         if unattributed:
             log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-        outputs = OutputRecord(record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch),
-                               loss_reads(loss_fn, output_leaves(gm)[1]))
-        if keyed is not None:
-            entry = capture_cache.Entry(traced, regions, costs, outputs, keyed[1])
-            capture_cache.store(keyed[0], entry)
-    else:
-        costs, outputs = entry.costs, entry.outputs
-        values = placeholder_values(gm, method, model, args, kwargs)
+        figures = (costs, record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch))
+        if entry is not None:
+            capture_cache.remember(entry, keys, figures)
+    costs = figures[0]
+    # which outputs the loss reads: traced for this capture's loss (cheap), never cached
+    outputs = OutputRecord(figures[1], loss_reads(loss_fn, output_leaves(gm)[1]))
     if entry is not None:   # what is derived from this graph alone is shared by its later captures too
         gm.meta[capture_cache.DERIVED_META] = entry.derived
     gm.meta[OUTPUTS_META] = outputs

@@ -15,6 +15,18 @@ regions, else the capture runs afresh.
 Why not torch's caches: ``torch.compile``'s cache keys compiled code on guards over one module
 object, and ``torch.export`` has none; neither carries our regions, costs and output record.
 
+Two levels. The trace (and the regions the passes give it) depends on the model and on the
+inputs' structure, never on the batch size when the trace holds the batch dimension symbolic
+(torch.fx never sees a shape; torch.export is asked for a dynamic batch dimension and keeps it so
+unless the model's code pins it, which :func:`batch_generic` reads off the program): such a
+trace is kept under a key in which the batch dimension of the inputs is a symbol, and serves a
+capture of any batch of 2 or more. What capture measures on it (costs, the output record) depends
+on the example batch: kept per exact input shapes within the entry. So a capture at a new batch
+size (a rank's share after a plan made at the global batch, a new micro-batch size) reuses the
+trace and measures afresh: :func:`stats` counts it a ``trace_hit``, a capture reusing both a ``hit``.
+The optimizer (which sets only the optimizer-state bytes, computed after the cache) and the loss
+(which only decides which outputs it reads, traced anew on every capture) are in neither key.
+
 Invariant: a hit is indistinguishable from a fresh capture of the new model. So the key holds
 everything a trace can depend on, and a model the key cannot describe is never cached:
 
@@ -25,14 +37,15 @@ everything a trace can depend on, and a model the key cannot describe is never c
   closure, plain tensors by content (a trace copies them in as constants);
 * every parameter and buffer by name, shape, dtype and device, and ``requires_grad`` (their
   values never enter a trace: both front ends lift or reference them);
-* the example inputs' structure, tensor shapes, dtypes, devices and ``requires_grad``, and their
-  non-tensor values (fx bakes those in); the optimizer; the loss function; the forward-time scope
-  open at capture; the default dtype.
+* the example inputs' structure, tensor shapes (the batch dimension as a symbol for a
+  batch-generic trace), dtypes, devices and ``requires_grad``, and their non-tensor values (fx
+  bakes those in); the forward-time scope open at capture; the default dtype.
 
 A forward or backward hook (on a module, or global), a bound method or a closure stored on a
 module, or an attribute of any other type makes a model undescribable: it is captured afresh
-every time. At most :data:`MAX_ENTRIES` entries, least recently used evicted; no entry refers to
-a captured model or its tensors. ``WHALELIKE_CAPTURE_CACHE=0`` in the environment turns it off.
+every time. At most :data:`MAX_ENTRIES` entries, least recently used evicted (and
+:data:`MAX_MEASURED` input shapes measured per entry); no entry refers to a captured model or its
+tensors. ``WHALELIKE_CAPTURE_CACHE=0`` in the environment turns it off.
 """
 from __future__ import annotations
 
@@ -43,7 +56,7 @@ import os
 import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -52,6 +65,7 @@ from torch.utils._pytree import tree_flatten
 from whalelike.strategy import current_scope
 
 MAX_ENTRIES = 32
+MAX_MEASURED = 8   # input shapes whose measured figures an entry keeps
 # a plain tensor attribute larger than this is not hashed: the model is captured afresh
 MAX_HASHED_BYTES = 64 << 20
 
@@ -60,15 +74,28 @@ class _Undescribable(Exception):
     """The model holds something the key cannot describe: no caching."""
 
 
+@dataclass(frozen=True)
+class Keys:
+    """:func:`key_of`'s answer: the trace's key at these exact input shapes, the key with the batch
+    dimension a symbol (None for a batch of 1), the exact inputs (the measured figures' key within
+    an entry), and what the keys name by identity (kept alive by the entry)."""
+
+    exact: tuple
+    generic: Optional[tuple]
+    inputs: tuple
+    alive: tuple
+
+
 @dataclass
 class Entry:
-    """One capture's reusable parts: the trace without the model, the regions the passes after it
-    gave (the check on a hit), and what capture measured (node-name keyed)."""
+    """One trace's reusable parts: the trace without the model, the regions the passes after it
+    gave (the check on a hit), whether it serves any batch of 2 or more, and per exact input
+    shapes what capture measured on it (node-name keyed: ``(NodeCosts, output leaves)``)."""
 
     trace: Any          # whalelike.graphs.tracing.Trace
     regions: Any        # whalelike.graphs.regions.Regions
-    costs: Any          # whalelike.graphs.costs.NodeCosts
-    outputs: Any        # whalelike.graphs.output_tree.OutputRecord
+    generic: bool = False
+    measured: "OrderedDict[tuple, tuple]" = field(default_factory=OrderedDict)
     alive: tuple = ()   # the classes and functions the key names by identity
     # what later steps derive from the graph alone (no tensor of any model: fake values, shapes), shared
     # by every graph module bound from this entry through its meta[DERIVED_META]; e.g. the fake value of
@@ -80,7 +107,7 @@ DERIVED_META = "whalelike_capture_derived"
 
 
 _entries: "OrderedDict[tuple, Entry]" = OrderedDict()
-_stats = {"hits": 0, "misses": 0, "undescribable": 0, "rejected": 0}
+_stats = {"hits": 0, "trace_hits": 0, "misses": 0, "undescribable": 0, "rejected": 0}
 
 
 def enabled() -> bool:
@@ -92,13 +119,15 @@ def clear() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Hits, misses, undescribable models and rejected hits (regions differed) in this process."""
+    """In this process: hits (trace and measured figures reused), trace hits (the trace reused, the
+    figures measured at new input shapes), misses, undescribable models and rejected hits (regions
+    differed)."""
     return dict(_stats)
 
 
-def key_of(model: nn.Module, args: tuple, kwargs: dict, optimizer: str,
-           loss_fn: Optional[Callable]) -> Optional[tuple[tuple, tuple]]:
-    """``(key, alive)`` for this capture, or None when the cache is off or the model undescribable."""
+def key_of(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> Optional[Keys]:
+    """The :class:`Keys` of this capture (``batch``: the example's batch size, the first dimension
+    of its first tensor), or None when the cache is off or the model undescribable."""
     if not enabled():
         return None
     alive: list = []
@@ -109,36 +138,87 @@ def key_of(model: nn.Module, args: tuple, kwargs: dict, optimizer: str,
                        for name, t in model.named_parameters(remove_duplicate=False))
         buffers = tuple((name, _tensor_kind(t)) for name, t in model.named_buffers(remove_duplicate=False))
         leaves, spec = tree_flatten((args, kwargs))
-        inputs = (repr(spec), tuple(_tensor_kind(x) + (x.requires_grad,) if isinstance(x, torch.Tensor)
-                                    else _describe(x, alive) for x in leaves))
-        rest = (optimizer, _describe(loss_fn, alive), _describe(current_scope(), alive), str(torch.get_default_dtype()))
+        described = [None if isinstance(x, torch.Tensor) else _describe(x, alive) for x in leaves]
+        rest = (_describe(current_scope(), alive), str(torch.get_default_dtype()))
     except _Undescribable:
         _stats["undescribable"] += 1
         return None
-    return (modules, params, buffers, inputs, rest), tuple(alive)
+
+    def inputs(symbolic: bool) -> tuple:
+        return (repr(spec), tuple(_tensor_kind(x, batch if symbolic else None) + (x.requires_grad,)
+                                  if isinstance(x, torch.Tensor) else d for x, d in zip(leaves, described)))
+
+    base = (modules, params, buffers, rest)
+    exact = inputs(False)
+    return Keys((base, exact), (base, inputs(True)) if batch >= 2 else None, exact, tuple(alive))
 
 
-def lookup(key: tuple) -> Optional[Entry]:
-    entry = _entries.get(key)
-    if entry is None:
-        _stats["misses"] += 1
-        return None
-    _entries.move_to_end(key)
-    _stats["hits"] += 1
-    return entry
+def lookup(keys: Keys) -> Optional[Entry]:
+    """The entry whose trace serves these inputs: one traced at exactly these shapes, else a
+    batch-generic one."""
+    for key in (keys.exact, keys.generic):
+        entry = _entries.get(key) if key is not None else None
+        if entry is not None and (key is keys.exact or entry.generic):
+            _entries.move_to_end(key)
+            return entry
+    _stats["misses"] += 1
+    return None
 
 
-def reject(key: tuple) -> None:
+def measured(entry: Entry, keys: Keys) -> Optional[tuple]:
+    """What capture measured on this entry's trace at these exact inputs, or None (counted: a hit,
+    or a trace hit)."""
+    found = entry.measured.get(keys.inputs)
+    _stats["hits" if found is not None else "trace_hits"] += 1
+    if found is not None:
+        entry.measured.move_to_end(keys.inputs)
+    return found
+
+
+def remember(entry: Entry, keys: Keys, figures: tuple) -> None:
+    entry.measured[keys.inputs] = figures
+    while len(entry.measured) > MAX_MEASURED:
+        entry.measured.popitem(last=False)
+
+
+def reject(keys: Keys) -> None:
     """A hit whose passes gave other regions than the cached ones: dropped, captured afresh."""
     _stats["rejected"] += 1
-    _entries.pop(key, None)
+    for key in (keys.exact, keys.generic):
+        if key is not None:
+            _entries.pop(key, None)
 
 
-def store(key: tuple, entry: Entry) -> None:
+def store(keys: Keys, entry: Entry) -> None:
+    """Keep a fresh capture's entry: under the batch-generic key when its trace is, else the exact one."""
+    key = keys.generic if entry.generic and keys.generic is not None else keys.exact
     _entries[key] = entry
     _entries.move_to_end(key)
     while len(_entries) > MAX_ENTRIES:
         _entries.popitem(last=False)
+
+
+def batch_generic(trace: Any, batch: int) -> bool:
+    """Whether ``trace`` (:class:`whalelike.graphs.tracing.Trace`) serves any batch of 2 or more:
+    torch.fx's always (it never sees a shape); torch.export's when every user input whose first
+    dimension was the batch kept it symbolic (an int there: the model's code pinned the size)."""
+    if batch < 2:
+        return False
+    if trace.method == "fx":
+        return True
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    program = trace.program
+    names = set(program.graph_signature.user_inputs)
+    for node in program.graph_module.graph.nodes:
+        if node.op != "placeholder" or node.name not in names:
+            continue
+        value = node.meta.get("val")
+        # a size the trace specialised stays a SymInt whose expression is the number
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and is_concrete_int(value.shape[0]) \
+                and int(value.shape[0]) == batch:
+            return False
+    return True
 
 
 # -- describing ---------------------------------------------------------------------------------------
@@ -168,8 +248,12 @@ def _describe_module(m: nn.Module, alive: list) -> tuple:
     return (id(type(m)), type(m).__qualname__, attrs)
 
 
-def _tensor_kind(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), str(t.dtype), str(t.device))
+def _tensor_kind(t: torch.Tensor, batch: Optional[int] = None) -> tuple:
+    """Shape, dtype and device; with ``batch``, a first dimension of that size is the symbol ``"B"``."""
+    shape = tuple(t.shape)
+    if batch is not None and shape and shape[0] == batch:
+        shape = ("B", *shape[1:])
+    return (shape, str(t.dtype), str(t.device))
 
 
 def _describe(v: Any, alive: list, depth: int = 0) -> Any:
