@@ -10,7 +10,8 @@ the second data-parallel on the two full-speed devices (the tie spans the stages
 stage is kept by DDP (``pipeline-split``), by ZeRO 3 on FSDP2 (``zero3``), and by ragged ZeRO 3
 holding 75% and 25% of every parameter's rows (``ragged``). One capture serves the three plans (a
 capture of a ``transformers`` model costs about ten seconds of CPU per rank; the planner's and the
-Engine's captures hit whalelike's capture cache).
+Engine's captures hit whalelike's capture cache), and a warm-up captures the model once for all ranks
+before they fork (``run_ranks(warm=)``), built in memory and on the meta device.
 
 For each, an Engine is built from *other* initial weights (seed 1) and ``load_pretrained`` reads the
 directory: the full state dict equals the saved model's exactly, and each rank read exactly the
@@ -152,6 +153,16 @@ def _ranks(rank: int, world_size: int, source: str, out: str) -> dict:
     return results
 
 
+def _warm() -> None:
+    """The ranks' captures, once before they fork (dist_utils' ``warm``): GPT-2 at their example batch,
+    built in memory and on the meta device (a key of its own); every rank's is then a cache hit."""
+    example = batches(2)[0][0]
+    wl.capture(gpt2(seed=1), example)
+    with wl.empty_weights():
+        model = gpt2(seed=1)
+    wl.capture(model, example)
+
+
 def _ddp_bucket_bytes(engine) -> int:
     """The bytes of the gradient buckets DDP allocated on this rank (0 where no DDP runs)."""
     from runtime.replicas.ddp_sync import DDPSync
@@ -177,7 +188,7 @@ def test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrain
     gpt2(seed=0, annotate=False).save_pretrained(source)
     total = _file_bytes(source)
     results = run_ranks(_ranks, 4, args=(str(source), str(tmp_path / "out")), init_process_group=False,
-                        timeout_s=600)
+                        timeout_s=600, warm=_warm)
     initial = gpt2(seed=0, annotate=False).state_dict()
     reference = AutoModelForCausalLM.from_pretrained(source)      # the single-process run from the same files
     optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
