@@ -23,7 +23,8 @@ Each rank reports which experts its stage holds (the :class:`ExpertParallel` ran
 each stacked weight it keeps); the test checks them against the plan's ``shard_sizes`` and that
 the faster device of a group holds more. The models use the ``batched_mm`` experts implementation:
 ``grouped_mm``'s CPU kernel refuses float64, the dtype the comparison runs in (the runtime replaces
-the experts' operators by its own either way).
+the experts' operators by its own either way). A warm-up (``run_ranks(warm=)``) captures each
+float64 model once for all 4 ranks before they fork, so every rank's captures are capture-cache hits.
 """
 from __future__ import annotations
 
@@ -174,6 +175,13 @@ def _held(engine) -> list[tuple]:
     return out
 
 
+def _warm() -> None:
+    """Each case's float64 capture, once, before the ranks fork (dist_utils' ``warm``): the ranks' are cache hits."""
+    for name in CASES:
+        (example, _), = batches(name, 1, torch.float64)[:1]
+        wl.capture(build(name, torch.float64), example)
+
+
 def _ranks(rank: int, world_size: int, plans: dict, directory: str) -> dict:
     lines = LogLines.attach("runtime.tensor.experts")
     out = {}
@@ -232,7 +240,8 @@ def test_experts_spread_by_speed_train_exactly_and_unrecognised_layers_fall_back
     assert mixtral_sizes == [(3, 3), (4, 2)]          # 0.5 and 0.25 devices: 4 and 2; two full ones: 3 each
     assert plans["olmoe-aux-loss"].stages[0].shard_sizes["model.layers.1.mlp.experts"] == [3, 3, 1, 1]
 
-    results = run_ranks(_ranks, 4, args=(plans, str(tmp_path / "ckpt")), init_process_group=False, timeout_s=600)
+    results = run_ranks(_ranks, 4, args=(plans, str(tmp_path / "ckpt")), init_process_group=False, timeout_s=600,
+                        warm=_warm)
     for rank, got in enumerate(results):
         for name in ("mixtral-pipeline", "olmoe-aux-loss"):
             expected = _expected(plans[name], rank)
