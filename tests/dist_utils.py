@@ -48,6 +48,7 @@ import datetime
 import io
 import logging
 import multiprocessing as std_mp
+import multiprocessing.connection as mp_connection
 import os
 import queue as queue_mod
 import resource
@@ -187,10 +188,11 @@ def spawn_ranks(
         p.start()
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
     reported: set[int] = set()
-    exits: Optional[dict[int, int]] = None     # the ranks' exit codes, from the warm-up process
+    exits: dict[int, int] = {}     # the ranks' exit codes, from the warm-up process
     deadline = time.monotonic() + timeout_s
     # Drain the queue while waiting: a child blocks on exit until its queued bytes are read.
-    while (len(reported) < world_size or (warm is not None and exits is None)) and time.monotonic() < deadline:
+    while (len(reported) < world_size or (warm is not None and len(exits) < world_size)) \
+            and time.monotonic() < deadline:
         if not any(p.is_alive() for p in procs) and queue.empty():
             break
         try:
@@ -198,8 +200,9 @@ def spawn_ranks(
         except queue_mod.Empty:
             continue
         RANK_CPU_S[0] += cpu_s
-        if kind == "exits":
-            exits = payload
+        if kind in ("exit", "warm"):
+            if kind == "exit":
+                exits[rank] = payload
             continue
         reported.add(rank)
         if kind == "ok":
@@ -218,9 +221,17 @@ def spawn_ranks(
                 outcomes[i].exitcode = None
         elif warm is None:
             outcomes[i].exitcode = p.exitcode
+    while warm is not None:   # what the warm-up process sent before it ended (or was killed)
+        try:
+            rank, kind, payload, cpu_s = queue.get(timeout=0.05)
+        except (queue_mod.Empty, OSError, EOFError):
+            break
+        RANK_CPU_S[0] += cpu_s
+        if kind == "exit":
+            exits[rank] = payload
     if warm is not None:
         for rank in range(world_size):
-            outcomes[rank].exitcode = None if exits is None else exits.get(rank)
+            outcomes[rank].exitcode = exits.get(rank)
     queue.close()
     return [outcomes[r] for r in range(world_size)]
 
@@ -272,22 +283,22 @@ def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, que
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     warm_fn, warm_args = warm if isinstance(warm, tuple) else (warm, ())
-    import random
-
     import numpy
 
-    seeds = (torch.random.get_rng_state(), random.getstate(), numpy.random.get_state())
+    # the ranks start from the random state they would have had (a warm-up building models draws from
+    # it); Python's own ``random`` is reseeded in every forked child by Python itself, with or without
+    seeds = (torch.random.get_rng_state(), numpy.random.get_state())
     try:
         warm_fn(*warm_args)
-        # the ranks start from the random state they would have had (a warm-up building models draws from it)
         torch.random.set_rng_state(seeds[0])
-        random.setstate(seeds[1])
-        numpy.random.set_state(seeds[2])
+        numpy.random.set_state(seeds[1])
     except BaseException:  # noqa: BLE001 - every rank fails with the warm-up's story
         story = traceback.format_exc()
         for rank in range(world_size):
             queue.put((rank, "error", ("WarmUpFailed", f"the warm-up {warm_fn.__name__} raised:\n{story}"), 0.0))
-        queue.put((-1, "exits", {rank: 1 for rank in range(world_size)}, _cpu_s()))
+        for rank in range(world_size):
+            queue.put((rank, "exit", 1, 0.0))
+        queue.put((-1, "warm", None, _cpu_s()))
         queue.close()
         queue.join_thread()
         os._exit(1)
@@ -296,9 +307,15 @@ def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, que
                                                   queue, environment), daemon=False) for rank in range(world_size)]
     for p in ranks:
         p.start()
-    for p in ranks:
-        p.join()
-    queue.put((-1, "exits", {rank: p.exitcode for rank, p in enumerate(ranks)}, _cpu_s()))
+    running = dict(enumerate(ranks))
+    while running:   # each rank's exit status as it ends (a hung one's never comes: the launcher kills us)
+        ended = mp_connection.wait([p.sentinel for p in running.values()])
+        for rank, p in list(running.items()):
+            if p.sentinel in ended:
+                p.join()
+                queue.put((rank, "exit", p.exitcode, 0.0))
+                del running[rank]
+    queue.put((-1, "warm", None, _cpu_s()))
     queue.close()
     queue.join_thread()
 
