@@ -19,7 +19,8 @@ and eager-1F1B (with and without delayed weight gradients), and on the emulated 
 messages, forwarding inside host ``b``).
 The plans are checked too: a forced strategy is the one run, and under ``broadcast`` and
 ``allgather`` no slice enters host ``b`` twice. Each case's plan is made once, in the test process,
-and travels to the ranks with the spawn.
+and travels to the ranks with the spawn; a warm-up (``_warm``) captures each layout's model once
+before the ranks fork, so that their Engines' captures are capture-cache hits.
 """
 from __future__ import annotations
 
@@ -126,6 +127,15 @@ def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool,
     return out
 
 
+def _warm() -> None:
+    """Each layout's model captured on its first global batch, as every rank's Engine captures it,
+    once, before the ranks fork (dist_utils' ``warm``)."""
+    for layout, (_, _, workers) in LAYOUTS.items():
+        model = make_model(layout)
+        batch = sum(sum(mbs) for stage, _, tp, _, mbs in workers if stage == 0 and tp == 0)
+        wl.capture(model, tp_case.batches(model, batch, seed=1)[0][0])
+
+
 def _ranks(rank: int, world_size: int, plans: dict) -> dict:
     return {case: _check(rank, *case, plans[case]) for case in CASES}
 
@@ -133,7 +143,7 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
 def test_boundaries_reshard_exactly_between_differently_laid_out_stages():
     plans = {(layout, schedule, strategy, emulated, delay): make_plan(layout, schedule, strategy, delay)
              for layout, schedule, strategy, emulated, delay in CASES}
-    results = run_ranks(_ranks, WORLD, args=(plans,), init_process_group=False, timeout_s=600)
+    results = run_ranks(_ranks, WORLD, args=(plans,), init_process_group=False, timeout_s=600, warm=_warm)
     shards = {case: [results[r][case].pop("feature_shards") for r in range(WORLD)] for case in CASES}
     programs = {case: [results[r][case].pop("programs") for r in range(WORLD)] for case in CASES}
     # the skip layout's two micro-batches have equal shares: they share one plan per crossing pair and
