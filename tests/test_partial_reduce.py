@@ -21,6 +21,8 @@ stores the replicas' average (read from every rank before it) and loads onto an 
 (e) ``SyncPolicy("auto")`` switches an exact plan to P-Reduce under short slowdowns and back to exact
 sync, with re-planned shares, when one rank stays slow, the replicas identical afterwards, optimizer
 state included; (d) a killed generator: every rank ends with a GroupGeneratorError naming it.
+Spawn 1's warm-up (dist_utils' ``warm``) captures the MLP at the ranks' dtypes and batch sizes once,
+so their captures are cache hits.
 Spawn 2: a killed worker ends every survivor with an error naming it.
 Fresh interpreters (issue 30): 2 ranks started as ``python -c`` (not forked: they finalize as Python does
 at exit) train with the smart generator through the Engine and return with its service still running; both
@@ -655,8 +657,18 @@ def _spawn_one(rank: int, world_size: int, checkpoint_dir: str) -> dict:
     return result
 
 
+def _warm(sizes: dict) -> None:
+    """The MLP captured in each dtype at every batch size the ranks' captures use, once, before the
+    ranks fork (dist_utils' ``warm``): their captures are then cache hits."""
+    for dtype, batches in sizes.items():
+        model = MLP().to(dtype)
+        for n in batches:
+            capture(model, (torch.randn(n, DIN, dtype=dtype),))
+
+
 def test_p_reduce_through_the_engine(tmp_path):
-    results = run_ranks(_spawn_one, WORLD, args=(str(tmp_path / "ckpt"),), init_process_group=False, timeout_s=300)
+    results = run_ranks(_spawn_one, WORLD, args=(str(tmp_path / "ckpt"),), init_process_group=False, timeout_s=300,
+                        warm=(_warm, ({torch.float64: (2, 24, 12), torch.float32: (2, 24)},)))
     # (c) convergence: the synchronous run on the same batches, from the same weights
     torch.manual_seed(0)
     model = MLP()
