@@ -8,7 +8,8 @@ sharded head; each with clipping whose norm is dominated by a different part (a 
 tensor-parallel shard, the tied weight: the reference asserts the domination), a warm-up + cosine
 schedule, in fp32 (exact: ``assert_close`` defaults) and bf16 / fp16 (tolerances below); an fp16
 overflow on one rank's samples only (every rank skips, every rank halves the scale); a schedule
-through a re-plan, a skipped NaN step and a resume onto another plan; bad inputs.
+through a re-plan, a skipped NaN step and a resume onto another plan; bad inputs. The spawn's warm-up
+(dist_utils' ``warm``) captures each model at the ranks' batch sizes once, so their captures are cache hits.
 
 Tolerances for bf16 and fp16: a parallel run computes each sample exactly as the reference does,
 but the reductions over samples (weight gradients: one matmul over the global batch in the
@@ -371,8 +372,18 @@ def _ranks(rank: int, world_size: int) -> dict:
             "memory": _measured_memory(rank)}
 
 
+def _warm() -> None:
+    """Each model the ranks train captured at the batch sizes their plans and Engines capture it at,
+    once, before the ranks fork (dist_utils' ``warm``): the ranks' captures are then cache hits."""
+    overflowing = nn.Sequential(nn.Linear(DIN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    for model, sizes in ((Net(), (2, 22, 8)), (overflowing, (2, 22)), (Hybrid(), (2, 8))):
+        for n in sizes:
+            capture(model, batches(n, 0, steps=1)[0][0])
+    capture(TiedLM(), batches(8, 0, steps=1, tokens=True)[0][0])
+
+
 def test_training_recipe_matches_single_process_reference():
-    results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=400)
+    results = run_ranks(_ranks, WORLD, init_process_group=False, timeout_s=400, warm=_warm)
     scales = results[0]["overflow"]["scales"]
     assert scales[1] == scales[0] / 2 and scales[2] == scales[1]
 
