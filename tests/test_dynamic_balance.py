@@ -13,7 +13,8 @@ twice, keeping the executor object). Approximate scenarios (ZERO-resizing, SEMI 
 SEMI in a hybrid plan) must train and mark their steps and events approximate. Detection is
 checked on the events: a rank slowed 2x is flagged within 3 steps of the onset, a 5% slowdown
 triggers nothing, and the policy ``"off"`` only records. Bad input: invalid policy, thresholds out
-of range, a schedule naming a missing rank. One 2-rank, one 3-rank and one 4-rank spawn.
+of range, a schedule naming a missing rank. One 2-rank, one 3-rank and one 4-rank spawn; before
+each, a warm-up (``_warm``) captures its models once, so that the ranks' captures are cache hits.
 """
 from __future__ import annotations
 
@@ -300,19 +301,39 @@ def _four_ranks(rank: int, world_size: int) -> dict:
                                          balance=BalanceConfig(warmup_steps=2, window=3, persist_steps=2))}
 
 
+def _warm(spawn: str) -> None:
+    """The float64 models a spawn's ranks capture, on the batches they capture them with, once,
+    before the ranks fork (dist_utils' ``warm``): the ranks' captures are cache hits."""
+    models = {"two": [(Mlp, ()), (lambda: Mlp(wl.replicate, wl.replicate), ()), (Block, ())],
+              "three": [(lambda: Mlp(lambda: wl.replicate(2), wl.replicate), ()), (Block, (3,)), (Block, (2, True))],
+              "four": [(ReplicatedSplit, ())]}[spawn]
+    for make, args in models:
+        capture(make(*args).double(), batches()[0][0])
+    if spawn == "two":
+        capture(TiedNet().double(), token_batches()[0][0])
+        # loader_scenario's plan (on 2 samples) and the Engine's capture of each rank's share
+        spec = cluster([1.0, 1.0], (Straggler(rank=1, factor=2.0, start_step=ONSET),))
+        model = Mlp().double()
+        g = torch.Generator().manual_seed(3)
+        xs = torch.randn(STEPS * BATCH, WIDTH, generator=g, dtype=torch.float64)
+        plan = planner.plan(capture(model, (xs[:2],)), spec, wl.Config(global_batch_size=BATCH))
+        for w in plan.workers:
+            capture(model, (xs[:sum(w.micro_batch_sizes)],))
+
+
 @pytest.fixture(scope="module")
 def four():
-    return run_ranks(_four_ranks, 4, timeout_s=600)[0]
+    return run_ranks(_four_ranks, 4, timeout_s=600, warm=(_warm, ("four",)))[0]
 
 
 @pytest.fixture(scope="module")
 def two():
-    return run_ranks(_two_ranks, 2, timeout_s=600)[0]
+    return run_ranks(_two_ranks, 2, timeout_s=600, warm=(_warm, ("two",)))[0]
 
 
 @pytest.fixture(scope="module")
 def three():
-    return run_ranks(_three_ranks, 3, timeout_s=600)[0]
+    return run_ranks(_three_ranks, 3, timeout_s=600, warm=(_warm, ("three",)))[0]
 
 
 def _first(result: dict) -> tuple:
