@@ -383,3 +383,16 @@ def test_simulate_checks_the_plans_devices_against_its_cluster(capsys, tmp_path)
     code, _, err = run(capsys, "simulate", str(path))
     assert_one_line_error(code, err, "plan.workers[1].device: unknown device 'gpu-9' for cluster 'emulated-4'")
     assert os.listdir(tmp_path) == ["plan.yaml"]
+
+
+def test_a_model_file_is_executed_once_while_it_is_unchanged(tmp_path):
+    """load_workload calls the factory again on the file it executed before (same classes, so whalelike's
+    capture cache knows the model), and executes the file again once it changed."""
+    source = tmp_path / "twice.py"
+    text = "import torch\nclass Net(torch.nn.Linear):\n    pass\ndef build():\n    return Net({n}, 2), torch.randn(2, {n})\n"
+    source.write_text(text.format(n=3))
+    first, second = (load_workload(f"{source}:build") for _ in range(2))
+    assert type(first.model) is type(second.model) and first.model is not second.model
+    source.write_text(text.format(n=40))
+    changed = load_workload(f"{source}:build")
+    assert type(changed.model) is not type(first.model) and changed.model.in_features == 40

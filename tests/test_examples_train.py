@@ -5,9 +5,8 @@ The planner decides everything here (stages, shares, shard sizes): the hybrid cl
 ``replicate`` feature extractor on two devices feeding a class-sharded ``split`` classifier on two,
 the GPT decoder and the third-party (``torch.export``-captured) encoder become pipelines. The
 emulation is switched off (exactness does not depend on it and the test stays fast); 3 steps with
-SGD and with AdamW, then losses and final parameters are compared. A warm-up captures the Hugging Face
-GPT-2 once for all ranks before they fork (``run_ranks(warm=)``; the other examples' classes are
-new on every load, see ``_warm``).
+SGD and with AdamW, then losses and final parameters are compared. A warm-up captures each example
+once for all ranks before they fork (``run_ranks(warm=)``).
 
 Real data through ``examples/train.py --data`` (two 2-rank ``torchrun`` launches of a small byte-level
 language model on the shipped text): a run checkpointed at step 3 of 6 and resumed onto a plan with
@@ -71,14 +70,13 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
 
 
 def _warm() -> None:
-    """The Hugging Face GPT-2's capture as the ranks' Engines make it (their first global batch), once
-    before they fork (dist_utils' ``warm``): every rank's is then a cache hit (and transformers is
-    imported once). Only that one: the other examples' classes are defined in their files, which
-    ``load_workload`` executes anew on each call, so a rank's classes are never the warm-up's (the
-    capture cache keys classes by identity) and warming them would be wasted."""
-    workload = _workload(EXAMPLES[3])
-    inputs, _ = workload.make_batch(GLOBAL_BATCH, torch.Generator().manual_seed(1))
-    wl.capture(workload.model, _double(inputs))
+    """Each example's capture as the ranks' Engines make it (their first global batch), once before
+    they fork (dist_utils' ``warm``): every rank's is then a cache hit (``load_workload`` reuses the
+    file it executed in the warm-up, so the ranks' models are of the warm-up's classes)."""
+    for spec in EXAMPLES:
+        workload = _workload(spec)
+        inputs, _ = workload.make_batch(GLOBAL_BATCH, torch.Generator().manual_seed(1))
+        wl.capture(workload.model, _double(inputs))
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,10 @@ def load_workload(spec: str):
     """Import ``path/to/file.py`` by path, call ``factory()``, and return its Workload.
 
     The file's directory goes on ``sys.path`` first, as when Python runs the file as a script, so
-    it may import its neighbours.
+    it may import its neighbours. A file imported before in this process and unchanged since (same
+    modification time and size) is not executed again: its factory is called again, on the same
+    classes, so that a second model from it (a second Engine, a naive baseline, every rank of a test)
+    is the architecture whalelike's capture cache already knows.
     """
     path_text, sep, factory_name = spec.rpartition(":")
     if not sep or not path_text or not factory_name:
@@ -129,24 +132,12 @@ def load_workload(spec: str):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     module_name = f"_whalelike_model_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise WhaleError(f"{path_text}: cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except WhaleError:
-        del sys.modules[module_name]
-        raise
-    except SystemExit as e:       # sys.exit() at import: a script's main guard missing, say so
-        del sys.modules[module_name]
-        raise WhaleError(f"{path_text}: importing it called sys.exit({e.code!r}); MODEL's file is imported, not "
-                         "run: put script code under `if __name__ == \"__main__\":`") from e
-    except Exception as e:
-        del sys.modules[module_name]
-        raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
-                         "for the traceback)") from e
+    stat = path.stat()
+    identity = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    module = _imported.get(identity)
+    if module is None or sys.modules.get(module_name) is not module:
+        module = _import_file(path, path_text, module_name)
+        _imported[identity] = module
     factory = getattr(module, factory_name, None)
     if factory is None:
         callables = sorted(n for n, v in vars(module).items()
@@ -166,3 +157,30 @@ def load_workload(spec: str):
     except Exception as e:
         raise WhaleError(f"{spec}(): raised {type(e).__name__}: {e} (run with --debug for the traceback)") from e
     return as_workload(result, origin=f"{spec}()")
+
+
+# the modules load_workload executed, by (resolved path, modification time, size)
+_imported: dict[tuple, Any] = {}
+
+
+def _import_file(path: Path, path_text: str, module_name: str):
+    """Execute the file ``path`` as the module ``module_name`` (registered in ``sys.modules``)."""
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise WhaleError(f"{path_text}: cannot be imported as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except WhaleError:
+        del sys.modules[module_name]
+        raise
+    except SystemExit as e:       # sys.exit() at import: a script's main guard missing, say so
+        del sys.modules[module_name]
+        raise WhaleError(f"{path_text}: importing it called sys.exit({e.code!r}); MODEL's file is imported, not "
+                         "run: put script code under `if __name__ == \"__main__\":`") from e
+    except Exception as e:
+        del sys.modules[module_name]
+        raise WhaleError(f"{path_text}: importing it failed: {type(e).__name__}: {e} (run with --debug "
+                         "for the traceback)") from e
+    return module
