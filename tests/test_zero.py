@@ -16,6 +16,9 @@ gradient (gathered) and the final parameters compared:
   reference's);
 * a checkpoint written under ZeRO 3 on 4 ranks, read under ZeRO 0 (DDP) on 2 ranks and on 1 rank
   (two more spawns), continuing exactly.
+
+A warm-up captures each model once for the 4 ranks before they fork (``run_ranks(warm=)``): their
+captures are cache hits.
 """
 from __future__ import annotations
 
@@ -366,9 +369,30 @@ def _resume(rank: int, world_size: int, directory: str) -> dict:
     return {"loaded": loaded, "after": after, "final": engine.state_dict()}
 
 
+def _warm() -> None:
+    """The captures every rank of ``_ranks`` makes, once before they fork (dist_utils' ``warm``): each
+    model at its plans' example (2 samples) and at each global batch its Engines take; theirs are then
+    cache hits."""
+    torch.manual_seed(0)
+    model = Net().double()
+    for sizes in SIZES.values():
+        capture(model, batches(make_plan(model, sizes, 0).global_batch_size, seed=0, steps=1)[0][0])
+    capture(model, batches(8, seed=0, steps=1)[0][0])                 # the pipelines'
+    tp_model = SplitInReplicate()
+    tp_plan = make_tp_plan(tp_model, "1f1b", [TP_IN_DP_STAGE],
+                           [(0, 0, 0, 2, [5, 3]), (0, 0, 1, 2, [5, 3]), (0, 1, 0, 2, [2, 2]), (0, 1, 1, 2, [2, 2])])
+    capture(tp_model, tp_batches(tp_model, tp_plan.global_batch_size, seed=0)[0][0])
+    tied = TiedNet().double()
+    for n in (2, 4):
+        capture(tied, (torch.zeros(n, 3, dtype=torch.long),))
+    fp32 = Net()
+    capture(fp32, (torch.randn(2, DIN),))
+    capture(fp32, (torch.randn(24, DIN),))
+
+
 def test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts(tmp_path):
     directory = str(tmp_path / "ckpt")
-    results = run_ranks(_ranks, WORLD, args=(directory,), init_process_group=False)
+    results = run_ranks(_ranks, WORLD, args=(directory,), init_process_group=False, warm=_warm)
     # a small device holds less: rank 3 holds no row of the 5-row head
     assert results[3]["zero3"]["weight"] < results[0]["zero3"]["weight"]
     # ragged: the state held follows the fractions (rank 3 holds nothing at 0.0)
