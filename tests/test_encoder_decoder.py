@@ -16,8 +16,7 @@ with no module path, fed only by a buffer) used to make a TaskGraph of its own w
 pipeline stage nobody asked for; it now joins the head's region (the README's rule for
 un-annotated code), and its plan trains exactly.
 
-One 4-rank spawn trains all three (the BART runs with AdamW only: each Engine captures the model on
-every rank, about 1.5 s of CPU each). The ranks' warm-up (dist_utils' ``warm``) captures each
+One 4-rank spawn trains all three (the BART runs with AdamW only, to keep the spawn short). The ranks' warm-up (dist_utils' ``warm``) captures each
 model once for all ranks: every rank's capture is then a cache hit.
 """
 from __future__ import annotations

@@ -23,8 +23,7 @@ whole batch (one ``split(4)`` group), each rank plans from its own capture of th
 the capture its Engine then finds in whalelike's capture cache (planning from the float32 model in
 the test process cost one more capture of the model; the two give the same stages and workers,
 only the predicted bytes differ), and every rank must have made the same plan. The ``split(2)``
-cases (two replicas, so each rank captures its share of the batch, which a capture of the whole
-batch cannot serve) are planned from the float32 model in the test process, as before. A warm-up
+cases (two replicas) are planned from the float32 model in the test process. A warm-up
 (``run_ranks(warm=)``) captures each float64 model once for all 4 ranks before they fork, so
 every rank's captures are capture-cache hits.
 """
