@@ -156,6 +156,8 @@ def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
         os.kill(worker_of(b.pid, local_rank=1), signal.SIGTERM)
         # it leaves at a step boundary and the three others go on, no restart; then node B is gone for good
         wait_for(lambda: saved_by(folder / "ckpt", 3), runs, "a checkpoint of the three-rank plan")
+        # the leaver's own last line, before its node goes (it may still be exiting when the checkpoint lands)
+        wait_for(lambda: "left the job after step" in output(b), runs, "the leaver's exit")
         kill_node(b)
         first_b = b
         b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns")
