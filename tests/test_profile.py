@@ -39,7 +39,7 @@ from planner.devices.profile import DeviceProfile, LinkProfile, Profile, Profile
 from planner.devices.speed_curves import SpeedCurve
 from runtime.emulation.compute import Emulator
 from runtime.profiling import cache
-from runtime.profiling.links import fit_alpha_beta, link_pairs
+from runtime.profiling.links import MAX_ROUNDS_FACTOR, Fastest, fit_alpha_beta, link_pairs
 from runtime.profiling.search import NothingFitsError, find_max_batch, timed_batches
 from runtime.profiling.steps import UnitStep
 from runtime.training.memory_meter import MemoryMeter
@@ -260,6 +260,33 @@ def test_alpha_beta_fit_recovers_the_line_and_stays_non_negative():
     assert_close((alpha, beta), (2e-3, 4e-8), rtol=0.05, atol=0.0)
     alpha, beta = fit_alpha_beta({4096: 1e-6, 32768: 2e-6})      # a link faster than its latency says
     assert alpha >= 0 and beta > 0
+
+
+def _exchanges(fastest: Fastest, times) -> int:
+    """Run a ping-pong's stopping rule over ``times`` (one per exchange, the untimed first included)
+    as the sender does: asked before each exchange; how many exchanges were made."""
+    times = iter(times)
+    while True:
+        another = fastest.more()
+        fastest.add(next(times))
+        if not another:
+            return fastest.exchanges
+
+
+def test_a_ping_pong_times_more_exchanges_while_the_fastest_still_moves():
+    """Quiet: ``repeats`` plus two timed exchanges; a loaded machine whose clean exchange comes late
+    is timed until it lands and the fastest holds; a machine that never settles stops at the cap."""
+    quiet = Fastest(5)
+    assert _exchanges(quiet, [9.0] + [1.0] * 50) == 1 + 5 + 2 and quiet.seconds == 1.0
+    loaded = [2.0, 1.8, 1.9, 1.6, 1.7, 1.5, 1.55, 1.4, 1.45, 1.3]    # delays that vary, until a clean one
+    assert min(loaded[:5]) == 1.6                                     # what the fastest of five would say
+    late = Fastest(5)
+    assert _exchanges(late, [9.0] + loaded + [1.0] * 50) == 1 + len(loaded) + 1 + 5 + 1
+    assert late.seconds == 1.0
+    falling = Fastest(5)     # every exchange faster than the last by 2%: capped
+    assert _exchanges(falling, [9.0] + [0.98 ** k for k in range(100)]) == MAX_ROUNDS_FACTOR * 5 + 1
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        Fastest(0)
 
 
 def test_link_pairs_pick_one_pair_per_kind_of_link():

@@ -11,14 +11,19 @@ are, so on emulated hardware the figures are the emulated network's and on real 
 links' (software overheads included, which the planner should count too).
 
 Timing is a ping-pong: the first device sends ``b`` bytes, the second sends them back, and half the
-round trip is the one-way time (a round trip needs no clock shared between hosts): the fastest of
-``repeats``, after one untimed exchange. The fastest, not the median (compute segments keep the
-median): a transfer's time is the link's plus whatever else delays the two processes (a busy core,
-a late wake-up), which only ever adds, and a small message is all delay; on the emulated network
-the link's own time is a floor the padding guarantees, so the fastest exchange is the closest to it.
-Sizes grow eightfold from 4 KiB until a transfer takes
-:data:`SPAN` times the smallest one (the bandwidth term then dominates, so beta is measured, not
-guessed) or reaches :data:`MAX_BYTES`; at least :data:`MIN_SIZES` sizes are timed.
+round trip is the one-way time (a round trip needs no clock shared between hosts): the fastest
+exchange, after one untimed one. The fastest, not the median (compute segments keep the median): a
+transfer's time is the link's plus whatever else delays the two processes (a busy core, a late
+wake-up), which only ever adds, and a small message is all delay; on the emulated network the link's
+own time is a floor the padding guarantees, so the fastest exchange is the closest to it. How many
+exchanges: at least ``repeats``, then more while the fastest still moves (stop once ``repeats``
+exchanges in a row improved it by less than :data:`SETTLED`), at most :data:`MAX_ROUNDS_FACTOR`
+times ``repeats``: on a quiet machine that is two more than ``repeats``, on a loaded one (the shared
+cluster the profile is for) enough for one clean exchange to land. The sender decides and says so in
+the ping itself (its first byte: "another follows"), so no message is added and both ends stop
+together. Sizes grow eightfold from 4 KiB until a transfer takes :data:`SPAN` times the smallest one
+(the bandwidth term then dominates, so beta is measured, not guessed) or reaches :data:`MAX_BYTES`;
+at least :data:`MIN_SIZES` sizes are timed.
 
 The fit is a least-squares fit of ``t = alpha + beta * b`` weighted by ``1 / t`` (relative
 residuals: the times span orders of magnitude, and an unweighted fit would let the largest message's
@@ -49,6 +54,8 @@ GROWTH = 8
 SPAN = 8.0                  # stop growing once a transfer takes this many times the smallest
 MAX_BYTES = 64 << 20
 MIN_SIZES = 3
+SETTLED = 0.01              # an exchange faster than the fastest by less than this does not count as moving it
+MAX_ROUNDS_FACTOR = 8       # at most this many times ``repeats`` timed exchanges per size
 TAG = 7                     # below runtime.emulation.network.STAMP_TAG, like every data tag
 
 
@@ -129,18 +136,54 @@ def _ping_pong(rank: int, src: int, dst: int, size: int, repeats: int, device: t
     peer = dst if rank == src else src
     peer_device = cluster.devices[peer].name
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    times = []
-    for attempt in range(repeats + 1):   # the first exchange is not timed (connections, buffers)
+    fastest = Fastest(repeats)
+    another = True
+    while another:
         start = time.perf_counter()
         if rank == src:
+            another = fastest.more()
+            buffer[0] = int(another)
             _send(buffer, peer, peer_device, network)
             _receive(buffer, peer, network)
         else:
             _receive(buffer, peer, network)
+            another = bool(buffer[0].item())
             _send(buffer, peer, peer_device, network)
-        if attempt:
-            times.append((time.perf_counter() - start) / 2)
-    return min(times) if rank == src else None
+        fastest.add((time.perf_counter() - start) / 2)
+    return fastest.seconds if rank == src else None
+
+
+class Fastest:
+    """The fastest of a ping-pong's exchanges and whether to time another: the first exchange is not
+    timed (connections, buffers); then at least ``repeats`` are, then more until ``repeats`` in a row
+    have left the fastest in place (faster by less than :data:`SETTLED`), never past
+    ``MAX_ROUNDS_FACTOR * repeats``. :meth:`more` is asked before each exchange is sent, so the one
+    then in flight is timed too."""
+
+    def __init__(self, repeats: int):
+        if repeats < 1:
+            raise ValueError(f"Fastest: repeats must be >= 1, got {repeats}")
+        self.repeats = repeats
+        self.times: list[float] = []
+        self.exchanges = 0
+        self.still = 0           # timed exchanges in a row that left the fastest in place
+
+    def add(self, seconds: float) -> None:
+        if self.exchanges:
+            fastest = self.seconds
+            self.still = 0 if fastest is None or seconds < fastest * (1 - SETTLED) else self.still + 1
+            self.times.append(seconds)
+        self.exchanges += 1
+
+    def more(self) -> bool:
+        """Whether another exchange follows the one about to be sent (number ``self.exchanges``)."""
+        if self.exchanges < self.repeats:
+            return True
+        return self.still < self.repeats and self.exchanges < MAX_ROUNDS_FACTOR * self.repeats
+
+    @property
+    def seconds(self) -> Optional[float]:
+        return min(self.times) if self.times else None
 
 
 def _send(tensor: torch.Tensor, peer: int, peer_device: str, network: Optional[NetworkEmulator]) -> None:
