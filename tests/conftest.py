@@ -166,7 +166,8 @@ def _chunked(items: list, workers: int, sensitive: list, rest: list) -> list:
 # costs. Each test's CPU seconds (setup and call): its own process's, its subprocesses' (torchrun jobs,
 # benches: children's usage once they are waited for, theirs included) and its spawned ranks'
 # (tests/dist_utils.py reports them). The summary lists the most expensive; WHALELIKE_TEST_CPU=FILE
-# writes every test's figure as JSON.
+# writes every test's figure as JSON; WHALELIKE_RANK_PROFILE=FOLDER runs every spawned rank under
+# cProfile (one .prof per rank and test, tests/dist_utils.py) to see where a test's CPU goes.
 import json
 import resource
 

@@ -258,7 +258,7 @@ def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
-            value = fn(rank, world_size, *args)
+            value = _profiled(fn, rank, world_size, args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -272,6 +272,28 @@ def _rank_main(fn, rank, world_size, args, init_pg, backend, pg_timeout_s, queue
         os._exit(1)
     queue.close()
     queue.join_thread()
+
+
+def _profiled(fn, rank: int, world_size: int, args: tuple):
+    """``fn(rank, world_size, *args)``, under cProfile when ``WHALELIKE_RANK_PROFILE`` names a folder:
+    each rank's statistics go to ``FOLDER/<test>-<fn>-rank<r>.prof`` (``python -m pstats``, or
+    ``pstats.Stats(path).sort_stats("cumulative").print_stats(40)``), to see where a test's ranks
+    spend their CPU."""
+    folder = os.environ.get("WHALELIKE_RANK_PROFILE")
+    if not folder:
+        return fn(rank, world_size, *args)
+    import cProfile
+    import re
+
+    test = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", "run").split(" ")[0])[-120:]
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        profile.disable()
+        os.makedirs(folder, exist_ok=True)
+        profile.dump_stats(os.path.join(folder, f"{test}-{getattr(fn, '__name__', 'fn')}-rank{rank}.prof"))
 
 
 def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, queue, environment) -> None:

@@ -49,6 +49,21 @@ def reference_once(model: nn.Module, batches: Sequence[tuple[tuple, torch.Tensor
     return payload[0]
 
 
+def warm_capture(model: nn.Module, inputs: tuple):
+    """What a rank's first pipeline step would work out for ``model`` on batches shaped like
+    ``inputs``, done once (a warm-up before ranks fork, ``dist_utils.spawn_ranks(warm=)``): its
+    capture (the capture cache's entry) and the fake values of every node at two batch sizes, kept
+    with that entry (``runtime.parallel.stage_split.fake_node_values``), which every Engine's
+    pipeline split of the same architecture reads to tell its boundary values' batch dimensions.
+    Returns the capture."""
+    import whalelike as wl
+    from runtime.parallel.stage_split import fake_node_values
+
+    graphs = wl.capture(model, inputs)
+    fake_node_values(graphs.graph_module, tuple(inputs))
+    return graphs
+
+
 def assert_engine_trains_like_reference(model: nn.Module, plan, batches: Sequence[tuple[tuple, torch.Tensor]],
                                         make_opt: Callable, loss_fn: Callable, cluster, label: str,
                                         timeout_s: float = 120, **engine_kwargs):

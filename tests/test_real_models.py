@@ -52,7 +52,7 @@ from planner.devices.network import NetworkModel
 from planner.plan import Plan
 from planner.resharding.spec import unbatched_rows
 from planner.schedule.boundary_traffic import BACKWARD, FORWARD, plan_traffic
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from whalelike.cluster import Cluster
 
 pytest.importorskip("transformers")  # a pinned test dependency (pyproject [dev]); never skipped in CI
@@ -181,7 +181,7 @@ def _warm() -> None:
     (dist_utils' ``warm``): the ranks' own captures (their Engines', their plans') are cache hits."""
     for name in (*sorted(TRANSFORMERS), *unbatched_models.MODELS):
         real = _build(name, dtype=torch.float64)
-        wl.capture(real.model, _data(real)[0][0])
+        warm_capture(real.model, _data(real)[0][0])
 
 
 def test_transformers_train_exactly_under_their_plans():

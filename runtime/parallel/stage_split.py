@@ -150,7 +150,7 @@ class PipelineSplit:
         finds its new boundary values there without running anything again. A split whose stages
         receive nothing (one stage) runs nothing."""
         received = [(stage, value) for stage in self.stages for value in stage.received]
-        known = _fake_node_values(self.source, inputs) if self.source is not None and received else None
+        known = fake_node_values(self.source, inputs) if self.source is not None and received else None
         runs = None
         specs = {}
         for stage, value in received:
@@ -463,13 +463,17 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
     return PipelineSplit(stages, root, result)
 
 
-def _fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
+def fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
     computed once per input shapes and autocast state and kept (fake tensors hold no storage): with
     the capture cache's entry of ``source``'s architecture when it has one (``meta[DERIVED_META]``:
     every later capture of the same architecture, e.g. the next Engine's model, finds them there),
     else on ``source``. The model's own tensors (``get_attr`` values) are left out, so nothing kept
-    refers to a model."""
+    refers to a model. A pipeline's first step asks for them (:meth:`PipelineSplit.value_specs`);
+    calling it ahead on a capture (``graphs.graph_module``, with the step's micro-batch inputs or any
+    batch of them: only the shapes past dimension 0, dtypes, device and autocast state count) does
+    that work once for every later Engine of the architecture in the process and in processes
+    forked from it."""
     device = next((x.device.type for x in inputs if isinstance(x, torch.Tensor)), "cpu")
     # autocast gives the values other dtypes (a bf16 step's boundary buffers are bf16)
     casting = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
