@@ -24,7 +24,8 @@ same batches as the reference; the losses, every entry of the full state dict (w
 tied matrix under both of the model's names) and, bit for bit, every rank's copy of the tied
 parameter are compared. Bad input: a plan on a subgroup of the world cannot create the tie's
 process group, and says so. The ranks' warm-up (dist_utils' ``warm``) captures each model once
-for all ranks: every rank's capture is then a cache hit.
+for all ranks and works out its pipeline's fake node values: every rank's capture, and its
+pipeline's first-step fake runs, are then cache hits.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from dist_utils import run_ranks
 from planner.devices.cost_model import fsdp_unit_names
 from planner.plan import Plan, StagePlan
 from plans import make_plan, worker
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from runtime import Engine
 from runtime.parallel.pipeline import PipelineExecutor
 from runtime.parallel.stage_split import node_stages_from_plan
@@ -220,9 +221,10 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan], zero_plans: dict[
 
 def _warm() -> None:
     """Each model's capture on the ranks' first batch, once, before the ranks fork (dist_utils'
-    ``warm``): the ranks' own captures (their Engines', the subgroup check's) are cache hits."""
+    ``warm``): the ranks' own captures (their Engines', the subgroup check's) are cache hits, and so
+    are their pipelines' fake node values (``reference.warm_capture``)."""
     for name in (*LAYOUTS, GPT2, GPT2_WHOLE, MISTRAL):
-        wl.capture(_model(name)[0], _batches(GLOBAL_BATCH)[0][0])
+        warm_capture(_model(name)[0], _batches(GLOBAL_BATCH)[0][0])
     wl.capture(_model("2-stages")[0], _batches(2)[0][0])   # _check_subgroup_plan_is_refused's
 
 
