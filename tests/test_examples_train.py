@@ -6,7 +6,7 @@ The planner decides everything here (stages, shares, shard sizes): the hybrid cl
 the GPT decoder and the third-party (``torch.export``-captured) encoder become pipelines. The
 emulation is switched off (exactness does not depend on it and the test stays fast); 3 steps with
 SGD and with AdamW, then losses and final parameters are compared. A warm-up captures each example
-once for all ranks before they fork (``run_ranks(warm=)``).
+once for all ranks before they fork (``run_ranks(warm=)``), its pipeline's fake node values with it.
 
 Real data through ``examples/train.py --data`` (two 2-rank ``torchrun`` launches of a small byte-level
 language model on the shipped text): a run checkpointed at step 3 of 6 and resumed onto a plan with
@@ -27,7 +27,7 @@ import torch
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from whalelike.cli import load_workload
 from whalelike.cluster import Cluster
 
@@ -72,11 +72,12 @@ def _ranks(rank: int, world_size: int, plans: dict) -> dict:
 def _warm() -> None:
     """Each example's capture as the ranks' Engines make it (their first global batch), once before
     they fork (dist_utils' ``warm``): every rank's is then a cache hit (``load_workload`` reuses the
-    file it executed in the warm-up, so the ranks' models are of the warm-up's classes)."""
+    file it executed in the warm-up, so the ranks' models are of the warm-up's classes), and so are their
+    pipelines' fake node values (``reference.warm_capture``)."""
     for spec in EXAMPLES:
         workload = _workload(spec)
         inputs, _ = workload.make_batch(GLOBAL_BATCH, torch.Generator().manual_seed(1))
-        wl.capture(workload.model, _double(inputs))
+        warm_capture(workload.model, _double(inputs))
 
 
 @pytest.fixture(scope="module")
