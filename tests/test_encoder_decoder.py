@@ -17,7 +17,8 @@ pipeline stage nobody asked for; it now joins the head's region (the README's ru
 un-annotated code), and its plan trains exactly.
 
 One 4-rank spawn trains all three (the BART runs with AdamW only, to keep the spawn short). The ranks' warm-up (dist_utils' ``warm``) captures each
-model once for all ranks: every rank's capture is then a cache hit.
+model once for all ranks, and its pipeline's fake node values: every rank's capture, and its
+pipeline's first-step fake runs, are then cache hits.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner import PlanError
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from runtime.parallel.stage_split import ModelInput, StageSplitError, node_stages_from_plan, split_stages
 from whalelike.cluster import Cluster
 
@@ -311,10 +312,11 @@ def _train(rank: int, world_size: int, plans: dict) -> dict:
 
 def _warm() -> None:
     """Each model's float64 capture on the ranks' first batch, once, before the ranks fork
-    (dist_utils' ``warm``): the ranks' Engines' captures are cache hits."""
+    (dist_utils' ``warm``): the ranks' Engines' captures are cache hits, and so are their pipelines'
+    fake node values (``reference.warm_capture``)."""
     for build, make_batch in dict.fromkeys((build, make_batch) for build, make_batch, _, _ in RUNS.values()):
         inputs, _ = make_batch(GLOBAL_BATCH, torch.Generator().manual_seed(1))
-        wl.capture(build(torch.float64), tuple(x.double() if x.is_floating_point() else x for x in inputs))
+        warm_capture(build(torch.float64), tuple(x.double() if x.is_floating_point() else x for x in inputs))
 
 
 def _state_names(module: nn.Module, layers: list[str]) -> set[str]:
