@@ -19,7 +19,8 @@ group) and a float64 ``transformers`` Llama 1F1B pipeline, each against the plai
 reference; and a data-parallel plan with one micro-batch in flight per rank under
 ``Engine(measure_memory=True)``, whose measured peak drops by the predicted amount (within 15%).
 A warm-up (``run_ranks(warm=)``) captures each model once for both ranks before they fork, so every
-rank's captures are capture-cache hits.
+rank's captures are capture-cache hits, and works out the pipelines' fake node values (their first
+step's fake runs of the whole graph) once for both.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from dist_utils import run_ranks
 from planner.devices.cost_model import StageCost, backward_flops
 from planner.devices.memory import MemoryTerms, recompute_unit, stage_memory
 from planner.plan import Plan, PlanError, StagePlan
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from runtime.training import recompute
 from synthetic import bert_large, synthetic_cluster, synthetic_model
 from whalelike.cluster import Cluster, Device, Network
@@ -610,10 +611,11 @@ def _measured_peaks(rank: int) -> dict:
 def _warm() -> None:
     """What every rank captures, once, before the ranks fork (dist_utils' ``warm``): their captures are
     cache hits. Each scenario's model at its example and (as its Engine does) at the whole first batch,
-    and the measured-memory model at its example and its Engines' global batch."""
+    and the measured-memory model at its example and its Engines' global batch; the pipelines' with
+    their fake node values (``reference.warm_capture``), which their first step reads."""
     for name in ("dp-uneven", "pipeline-1f1b", "split-uneven", "llama-pipeline"):
         model, _, data = _scenario(name)
-        capture(model, data[0][0])
+        (warm_capture if "pipeline" in name else capture)(model, data[0][0])
     torch.manual_seed(0)
     model = Deep(**MEASURED)
     for batch in (2, 2 * MEASURED_SAMPLES):
