@@ -20,7 +20,8 @@ messages, forwarding inside host ``b``).
 The plans are checked too: a forced strategy is the one run, and under ``broadcast`` and
 ``allgather`` no slice enters host ``b`` twice. Each case's plan is made once, in the test process,
 and travels to the ranks with the spawn; a warm-up (``_warm``) captures each layout's model once
-before the ranks fork, so that their Engines' captures are capture-cache hits.
+before the ranks fork, so that their Engines' captures are capture-cache hits, and works out its
+pipeline's fake node values (their first step's fake runs of the whole graph) once for all ranks.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 import test_runtime_tp as tp_case
 import whalelike as wl
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from whalelike.cluster import Cluster, Device, Emulation, Network
 
 WORLD = 4
@@ -129,11 +130,12 @@ def _check(rank: int, layout: str, schedule: str, strategy: str, emulated: bool,
 
 def _warm() -> None:
     """Each layout's model captured on its first global batch, as every rank's Engine captures it,
-    once, before the ranks fork (dist_utils' ``warm``)."""
+    once, before the ranks fork (dist_utils' ``warm``), with its pipeline's fake node values
+    (``reference.warm_capture``)."""
     for layout, (_, _, workers) in LAYOUTS.items():
         model = make_model(layout)
         batch = sum(sum(mbs) for stage, _, tp, _, mbs in workers if stage == 0 and tp == 0)
-        wl.capture(model, tp_case.batches(model, batch, seed=1)[0][0])
+        warm_capture(model, tp_case.batches(model, batch, seed=1)[0][0])
 
 
 def _ranks(rank: int, world_size: int, plans: dict) -> dict:
