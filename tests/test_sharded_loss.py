@@ -13,7 +13,8 @@ the unrecognised form and a form whose logits turn out not to be ``[rows, classe
 gathered fallback) must be exact as well. One case is Hugging Face GPT-2 with its (untied)
 ``lm_head`` split. Three ranks because a pipeline of a replicated body and a two-way head is the
 smallest layout where the head's stage is not also the whole model. The spawn's warm-up (dist_utils'
-``warm``) captures every case's model once, so the ranks' Engine captures are cache hits.
+``warm``) captures every case's model once, with its pipeline's fake node values, so the ranks'
+Engine captures, and their pipelines' first-step fake runs, are cache hits.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan, StagePlan
 from plans import make_plan, worker
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from runtime.tensor.sharded_loss import (ShardedLoss, UnrecognisedLoss, choose_classifier, plain_cross_entropy,
                                   recognise_cross_entropy)
 from whalelike.cluster import Cluster, Device, Network
@@ -305,10 +306,11 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
 
 def _warm() -> None:
     """Each case's model captured on its first batch, once, before the ranks fork (dist_utils'
-    ``warm``): every Engine's capture in the ranks is then a cache hit."""
+    ``warm``): every Engine's capture in the ranks is then a cache hit, and so are its pipeline's fake
+    node values (``reference.warm_capture``)."""
     for name in CASES:
         model, data = _case(name)
-        wl.capture(model, data[0][0])
+        warm_capture(model, data[0][0])
 
 
 def test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded():
