@@ -112,9 +112,33 @@ def held_tensors(*modules):
     return lambda: [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
-def worker(rank: int, init_file: str, args, results) -> None:
+def shape_model(config, name: str, layers: int):
+    """The model of plan ``name`` built under ``wl.empty_weights()``: no storage."""
     from transformers import LlamaForCausalLM
 
+    with wl.empty_weights():
+        return annotate(LlamaForCausalLM(config), name, layers)
+
+
+def whole_model(args, name: str):
+    """The model of plan ``name`` as today's path builds it: whole, read from the checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    return annotate(LlamaForCausalLM.from_pretrained(args.checkpoint), name, args.layers)
+
+
+def warm_captures(args) -> None:
+    """A smoke run's warm-up before the ranks fork (``timing.spawn_ranks(warm=)``): captures what
+    every rank captures, with the same models and example inputs (per plan the model on meta, which
+    the whalelike side's Engine captures too, and the whole model on the CPU, which today's side's
+    Engine captures), so that the ranks' captures are capture-cache hits. The ranks run the same code."""
+    config, example = llama_config(args), batch(args, torch.Generator().manual_seed(1))
+    for name in PLANS:
+        wl.capture(shape_model(config, name, args.layers), example[0])
+        wl.capture(whole_model(args, name), example[0])
+
+
+def worker(rank: int, init_file: str, args, results) -> None:
     with process_group(rank, init_file, WORLD):
         cluster = emulated(args)
         config = llama_config(args)
@@ -122,8 +146,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
         example = batch(args, torch.Generator().manual_seed(1))
         out = {}
         for name in PLANS:
-            with wl.empty_weights():
-                shape = annotate(LlamaForCausalLM(config), name, args.layers)
+            shape = shape_model(config, name, args.layers)
             graphs = wl.capture(shape, example[0])       # on fake tensors: no weights needed
             plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=args.batch, num_micro_batch=args.micro,
                                                            zero_stage=3 if name == "zero3" else None))
@@ -132,7 +155,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
             # today's path: the whole model on every rank, and a copy for the Engine. Its peak is measured
             # up to the copy (a lower bound: the Engine's build only adds)
             def whole_and_copy():
-                model = annotate(LlamaForCausalLM.from_pretrained(args.checkpoint), name, args.layers)
+                model = whole_model(args, name)
                 kept = copy.deepcopy(model)
                 return (model, kept), held_tensors(model, kept)
 
@@ -142,8 +165,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
 
             # whalelike's: built without storage, each rank filled from its slices of the files
             def meta():
-                with wl.empty_weights():
-                    model = annotate(LlamaForCausalLM(config), name, args.layers)
+                model = shape_model(config, name, args.layers)
                 return Engine(model, plan, optimizer=optimizer, loss_fn=loss_fn, cluster=cluster,
                               example_args=example[0], balance="off", weights=args.checkpoint)
 
@@ -254,7 +276,7 @@ def main() -> None:
         torch.manual_seed(SEED)
         LlamaForCausalLM(llama_config(args)).save_pretrained(os.path.join(folder, "weights"))
         args.checkpoint = os.path.join(folder, "weights")
-        results = spawn_ranks(worker, args, WORLD)
+        results = spawn_ranks(worker, args, WORLD, warm=lambda: warm_captures(args))
         job = end_to_end(args, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

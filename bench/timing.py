@@ -14,13 +14,14 @@ from the bench process instead, where those imports are done and no torch op has
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
 import tempfile
 import time
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,15 +50,59 @@ def start_method() -> str:
     return "fork"
 
 
-def spawn_ranks(worker: Callable, args: Any, world: int) -> dict:
+def spawn_ranks(worker: Callable, args: Any, world: int, warm: Optional[Callable[[], Any]] = None) -> dict:
     """Run ``worker(rank, init_file, args, results)`` on ``world`` new ranks (``init_file`` is a
     fresh file for ``init_process_group``'s ``file://`` rendezvous); returns what they put in the
-    shared ``results`` dict."""
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+    shared ``results`` dict.
+
+    ``warm`` (no arguments; smoke runs only): called once here before the ranks fork, so that they
+    inherit what it leaves in the process, e.g. whalelike's capture cache filled by capturing the
+    models every rank will capture (the same classes, configurations, annotations, devices and
+    example inputs), which makes the ranks' captures hits instead of one trace per rank. The ranks
+    then run exactly the code they run without it. It must run no collective and create no process
+    group; the random state (torch's, numpy's) is put back as it was, so the ranks draw what they
+    would have drawn. A spawned rank (a full-size run) inherits nothing: ``warm`` is not called."""
+    method = start_method()
+    if warm is not None and method == "fork":
+        warmed(warm)
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager, frozen(method == "fork"):
         results = manager.dict()
         mp.start_processes(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=world, join=True,
-                           start_method=start_method())
+                           start_method=method)
         return dict(results)
+
+
+@contextmanager
+def frozen(active: bool = True):
+    """While the ranks fork and run: the objects of this process (torch, the library, a warm-up's
+    captures) in the collector's permanent generation (``gc.freeze()``), so that a collection in a
+    forked rank (the benches' own ``gc.collect()`` between measurements, and the automatic ones)
+    walks only what the rank made, not the whole inherited heap, which it would also copy page by
+    page (writing each object's header). What a rank makes is collected as before."""
+    if not active:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def warmed(warm: Callable[[], Any]) -> Any:
+    """``warm()`` with the random state (torch's, numpy's) put back afterwards, and one intra-op
+    thread while it runs (as the ranks it prepares run), its answer returned; see :func:`spawn_ranks`."""
+    import numpy
+
+    seeds, threads = (torch.random.get_rng_state(), numpy.random.get_state()), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return warm()
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(seeds[0])
+        numpy.random.set_state(seeds[1])
 
 
 @contextmanager
