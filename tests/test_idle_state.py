@@ -16,7 +16,8 @@ losses and every entry of the full state dict, whose keys must be the model's ow
   pipeline whose first stage runs ZeRO 1;
 * a checkpoint of the DINOv2 pipeline, loaded by the data-parallel plan: ``mask_token`` comes back.
 
-The warm-up (``run_ranks(warm=)``) captures each model once for all four ranks. Plus, in one process: capture names the idle state and counts its parameter bytes with the layer
+The warm-up (``run_ranks(warm=)``) captures each model once for all four ranks, and the pipelines'
+fake node values (their first step's fake runs of the whole graph) with them. Plus, in one process: capture names the idle state and counts its parameter bytes with the layer
 that holds it.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.testing import assert_close
 import planner
 import whalelike as wl
 from dist_utils import run_ranks
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from runtime import Engine, checkpoint
 from whalelike.cluster import Cluster
 
@@ -147,9 +148,10 @@ def _ranks(rank: int, world_size: int, plans: dict, directory: str) -> dict:
 
 
 def _warm() -> None:
-    """Each model traced once before the ranks fork (dist_utils' ``warm``): their captures are cache hits."""
+    """Each model traced once before the ranks fork (dist_utils' ``warm``): their captures are cache hits,
+    and so are the pipelines' fake node values (``reference.warm_capture``)."""
     for name, layout in sorted({CASES[case][:2] for case in CASES}):
-        wl.capture(MODELS[name][0](layout), _batches(name)[0][0])
+        (warm_capture if layout == "pipeline" else wl.capture)(MODELS[name][0](layout), _batches(name)[0][0])
 
 
 def test_state_the_forward_never_reads_is_held_trained_around_and_saved(tmp_path):
