@@ -45,10 +45,10 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
-from planner.candidates import Priced, fastest_schedule, fold_patterns, folded_candidate, keep_fastest
+from planner.candidates import Priced, fastest_schedule, fold_patterns, folded_candidate, keep_fastest, plan_fits
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
-from planner.devices.placement import build_layout
+from planner.devices.placement import build_layout, shared_device_groups
 from planner.devices.profile import Profile
 from planner.devices.placement_search import best_aware_plan
 from planner.plan import Plan, PlanError
@@ -82,6 +82,17 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
         profile.validate(graphs=graphs, cluster=cluster)
         profile.check_precision(config.precision)
     graphs = _for_precision(graphs, config)
+    shared = shared_device_groups(graphs, len(cluster.devices))
+    if shared:
+        if profile is not None:
+            raise PlanError(f"the regions ask {graphs.devices_asked} devices and the cluster has {len(cluster.devices)}: "
+                            "a profile prices the regions as asked; plan without --profile on this cluster, or on "
+                            "one with the devices the regions ask")
+        result = _shared_plan(graphs, cluster, config, shared)
+        result.validate(graphs=graphs, cluster=cluster)
+        log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms); %s", result.world_size,
+                 result.prediction.step_time_ms, result.naive_prediction.step_time_ms, result.shared_devices)
+        return result
     layout = build_layout(graphs, cluster, precision=config.precision)
     check_batch(config, layout)
     if profile is None:
@@ -100,6 +111,46 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     log.info("planned %d workers: predicted %.2f ms per step (naive %.2f ms)", result.world_size,
              result.prediction.step_time_ms, result.naive_prediction.step_time_ms)
     return result
+
+
+def _shared_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, groupings: list[list[list[int]]]) -> Plan:
+    """The plan of a cluster smaller than the regions ask: each grouping of
+    :func:`~planner.devices.placement.shared_device_groups` planned as the aware plan is (every
+    placement, swaps), the fastest that fits kept as ``"aware"``; the naive decisions on the first
+    grouping's layout (as many stages as the devices allow, :func:`naive_plan`'s) as ``"naive"``;
+    ``Plan.shared_devices`` says what the regions asked and what the plan kept shares."""
+    priced, errors = [], []
+    for grouping in groupings:
+        try:
+            prediction, candidate = best_aware_plan(graphs, cluster, config, shared=grouping)
+        except PlanError as e:
+            errors.append(e)
+            log.debug("regions %s sharing %d device(s): %s", grouping, len(cluster.devices), e)
+            continue
+        priced.append((grouping, dataclasses.replace(candidate, prediction=prediction)))
+    if not priced:
+        raise errors[0]
+    fitting = [p for p in priced if plan_fits(p[1])] or priced
+    grouping, aware = min(fitting, key=lambda p: p[1].prediction.step_time_ms)
+    # the capacity-blind plan keeps as many stages as the devices allow (the first grouping), as naive_plan does
+    layout = build_layout(graphs, cluster, precision=config.precision, shared=groupings[0])
+    check_batch(config, layout)
+    naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
+    naive = dataclasses.replace(naive, prediction=aware.prediction if _simulated_alike(naive, aware)
+                                else predict(naive, cluster))
+    note = _shared_note(graphs, len(cluster.devices), grouping)
+    kept = keep_fastest([Priced("aware", aware), Priced("naive", naive)], naive.prediction)
+    return dataclasses.replace(kept, shared_devices=note)
+
+
+def _shared_note(graphs: TaskGraphs, devices: int, grouping: list[list[int]]) -> str:
+    """``Plan.shared_devices``: what the regions ask, what the cluster has, what was folded."""
+    asked = ", ".join(f"TaskGraph {tg.index}: {tg.strategy}" for tg in graphs)
+    folded = [run for run in grouping if len(run) > 1]
+    how = ("; folded into one stage: " + ", ".join("TaskGraphs " + "+".join(map(str, run)) for run in folded)
+           if folded else "")
+    return (f"the regions ask {graphs.devices_asked} device(s) ({asked}) and the cluster has {devices}: their "
+            f"counts are automatic{how}")
 
 
 # what the simulator does not read: two plans equal in everything else simulate to the same step
@@ -173,9 +224,12 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     check_trainable(graphs)
     check_precision(cluster, config.precision)
     graphs = _for_precision(graphs, config)
-    layout = build_layout(graphs, cluster, precision=config.precision)
+    shared = shared_device_groups(graphs, len(cluster.devices))
+    layout = build_layout(graphs, cluster, precision=config.precision, shared=shared[0] if shared else None)
     check_batch(config, layout)
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
+    if shared:
+        naive = dataclasses.replace(naive, shared_devices=_shared_note(graphs, len(cluster.devices), shared[0]))
     return with_predictions(naive, naive, cluster)
 
 

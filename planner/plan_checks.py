@@ -119,6 +119,17 @@ def _check_folds(plan: PlanRecord, graphs) -> None:
     if regions[-1][-1] != len(graphs) - 1:
         raise PlanError(f"plan.stages stand for TaskGraphs 0..{regions[-1][-1]} (StagePlan.folded), the model has "
                         f"0..{len(graphs) - 1}; re-plan for this model with `whalelike plan`")
+    if plan.shared_devices:
+        asked = graphs.devices_asked
+        if asked <= plan.world_size:
+            raise PlanError(f"plan.shared_devices says the regions share devices, but they ask {asked} and the plan has "
+                            f"{plan.world_size} workers: folded stages of other regions than adjacent plain replicate "
+                            "ones are for clusters smaller than the regions ask; re-plan with `whalelike plan`")
+        for st, tgs in zip(plan.stages, regions):
+            if len(tgs) > 1 and any(w.tp_size != 1 for w in plan.stage_workers(st.index)):
+                raise PlanError(f"plan.stages[{st.index}] folds TaskGraphs {tgs} but runs tensor-parallel groups: a "
+                                "stage of several regions is data parallel; re-plan with `whalelike plan`")
+        return
     for st, tgs in zip(plan.stages, regions):
         if len(tgs) < 2:
             continue
@@ -402,7 +413,8 @@ def _check_candidates(plan: PlanRecord) -> None:
     where = f"plan.candidates[{i}]"
     regions = stage_regions(plan)
     folds = any(st.folded for st in plan.stages)
-    if folds != (mine.name == "folded") and mine.name != "naive":
+    # on a cluster smaller than the regions ask, every candidate may fold (planner.devices.placement.shared_device_groups)
+    if folds != (mine.name == "folded") and mine.name != "naive" and not plan.shared_devices:
         have = f"stage(s) {[st.index for st in plan.stages if st.folded]} are folded" if folds else "no stage is folded"
         raise PlanError(f"plan.chosen is {plan.chosen!r} but {have} (StagePlan.folded): the 'folded' candidate has "
                         "folded stages, the 'aware' one none; re-plan with `whalelike plan`")

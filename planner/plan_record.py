@@ -208,6 +208,9 @@ class PlanRecord:
     schedule_steps_ms: dict[str, float] = rule(float, "each schedule planned for Config.schedule 'auto' -> the step "
                                                 f"predicted for its plan ({MS}); the fastest is this plan's schedule; "
                                                 "empty: the schedule was asked", ge=0, default_factory=dict)
+    # planner.devices.placement.shared_device_groups: a cluster smaller than the regions ask; the regions' counts
+    # became automatic and adjacent regions may share a stage (StagePlan.folded). Empty: every region got its ask
+    shared_devices: str = ""
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     @property

@@ -46,6 +46,8 @@ def plan_summary(plan: PlanRecord, cluster=None) -> str:
         # fp32 is the default and goes unsaid (summaries of fp32 plans read as before precision existed)
         + ("" if plan.precision == "fp32" else f", precision {plan.precision} (autocast, float32 master weights)")
     )
+    if plan.shared_devices:   # planner.devices.placement.shared_device_groups: a cluster smaller than the regions ask
+        title += f"\n  regions share devices: {plan.shared_devices}"
     stages = [
         f"  stage {st.index}: {st.strategy}, layers {st.layers[0]}..{st.layers[-1]} (TaskGraph(s) "
         f"{', '.join(map(str, st.taskgraphs))}){_folded(st)}{_zero(st)}{_recompute(st)}"

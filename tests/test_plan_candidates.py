@@ -193,7 +193,9 @@ def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs
         assert plan.prediction.step_time_ms <= naive.prediction.step_time_ms * TIE
     names = [c.name for c in plan.candidates]
     assert names == ["aware", "naive"] or (fold and fold_patterns(graphs) and names == ["aware", "naive", "folded"])
-    assert any(st.folded for st in plan.stages) == (plan.chosen == "folded")
+    # a cluster smaller than the regions ask (issue 35): any candidate may fold, and the plan says so
+    assert plan.shared_devices or any(st.folded for st in plan.stages) == (plan.chosen == "folded")
+    assert bool(plan.shared_devices) == (graphs.devices_asked > len(cluster.devices))
     assert plan.candidates[1].step_time_ms == naive.prediction.step_time_ms
     assert plan.candidates[1].fits == plan_fits(naive)
     for c in plan.candidates:

@@ -120,8 +120,6 @@ def test_split_groups_stay_on_one_host():
 @pytest.mark.parametrize(
     "graphs, kinds, config, message",
     [
-        (synthetic_model(4, [replicate(8), replicate(8)]), [(8, 10.0, 16)], Config(16, 2),
-         "request 16 devices"),
         (synthetic_model(4, [replicate()], hidden=8192), [(4, 10.0, 4)], Config(16),
          "short by"),
         (synthetic_model(4, [replicate()]), [(8, 10.0, 16)], Config(4),

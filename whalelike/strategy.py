@@ -95,6 +95,18 @@ class Strategy:
         return self._text(with_recompute=False)
 
     @property
+    def fixed_degrees(self) -> Optional[tuple[int, int]]:
+        """``(data-parallel, tensor-parallel)`` degrees the counts fix (``split(m)``: (1, m);
+        ``replicate(n)``: (n, 1); ``replicate(n)+split(m)``: (n, m)), None when a count is left to the
+        planner."""
+        inner = self.inner
+        if self.kind == "split":
+            return None if self.device_count is None else (1, self.device_count)
+        if self.device_count is None or (inner is not None and inner.device_count is None):
+            return None
+        return self.device_count, (inner.device_count if inner is not None else 1)
+
+    @property
     def asks_recompute(self) -> bool:
         """Whether this region (or the ``split`` nested in it) asked for activation checkpointing."""
         return self.recompute or (self.inner is not None and self.inner.recompute)

@@ -108,8 +108,9 @@ class Layout:
 def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape], int]:
     """Each stage's (dp, tp) and the number of pipeline replicas. Devices the fixed counts leave
     over go to the automatic stages, at least one each and the rest in proportion to their FLOPs
-    (largest remainder), so no device idles because the counts did not divide."""
-    fixed = [_fixed_degrees(tg.strategy) for tg in graphs]
+    (largest remainder), so no device idles because the counts did not divide. A cluster too small
+    for the counts asked is :func:`shared_device_groups`' case (:func:`squeezed_shapes`)."""
+    fixed = [tg.strategy.fixed_degrees for tg in graphs]
     auto = [i for i, f in enumerate(fixed) if f is None]
     requested = sum(dp * tp for f in fixed if f is not None for dp, tp in [f])
     what = ", ".join(f"TaskGraph {tg.index}: {tg.strategy}" for tg in graphs)
@@ -129,6 +130,88 @@ def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape]
     return shapes, replicas
 
 
+# -- fewer devices than the regions ask ------------------------------------------------------------
+MAX_SHARED_GROUPINGS = 8   # groupings of the regions planned when they share devices
+
+
+def shared_device_groups(graphs: TaskGraphs, num_devices: int) -> list[list[list[int]]]:
+    """How the regions run on a cluster smaller than they ask (``TaskGraphs.devices_asked``), as candidate
+    groupings of TaskGraph indices into stages (runs of adjacent regions, in order); empty when the
+    cluster has what they ask.
+
+    The counts written in the regions cannot be kept, so they become automatic (each stage gets
+    devices in proportion to its work). With at least as many devices as regions, the first grouping
+    keeps one stage per region. With fewer, adjacent regions fold into one data-parallel stage: for
+    each stage count ``G`` from ``min(regions, devices)`` down to 1, the cut into ``G`` runs of
+    adjacent regions whose largest FLOPs per sample is smallest (ties: the earliest cut); a folded
+    stage, and any stage on one device, runs its layers as plain modules (a ``split`` region of one
+    device is its module unsplit). At most :data:`MAX_SHARED_GROUPINGS` groupings; the planner plans
+    each and keeps the fastest that fits."""
+    regions = len(graphs)
+    if graphs.devices_asked <= num_devices:
+        return []
+    work = [max(tg.forward_flops + tg.backward_flops, 1.0) for tg in graphs]
+    out = []
+    for count in range(min(regions, num_devices), 0, -1):
+        grouping = balanced_runs(work, count)
+        if grouping not in out:
+            out.append(grouping)
+        if len(out) >= MAX_SHARED_GROUPINGS:
+            break
+    return out
+
+
+def balanced_runs(work: list[float], count: int) -> list[list[int]]:
+    """``range(len(work))`` cut into ``count`` runs of adjacent indices minimising the largest run's
+    total work (dynamic program over cut points; ties: the earliest cut)."""
+    n = len(work)
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the smallest largest run cutting the first i items into k runs; cut[k][i]: where the last starts
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0.0
+    for k in range(1, count + 1):
+        for i in range(k, n - (count - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] * (1 - 1e-12):
+                    best[k][i], cut[k][i] = value, j
+    runs, i = [], n
+    for k in range(count, 0, -1):
+        j = cut[k][i]
+        runs.append(list(range(j, i)))
+        i = j
+    return runs[::-1]
+
+
+def squeezed_shapes(graphs: TaskGraphs, grouping: list[list[int]], num_devices: int) -> list[StageShape]:
+    """The stages of ``grouping`` (a :func:`shared_device_groups` answer) on ``num_devices``: one
+    device each and the rest in proportion to their FLOPs per sample (largest remainder); a stage of
+    one region keeps its kind with automatic counts (a ``split`` region's group is all its devices), a
+    stage of several is a plain data-parallel stage of all of theirs (``StageShape.folded``)."""
+    if len(grouping) > num_devices:
+        raise PlanError(f"{len(grouping)} stages cannot share {num_devices} device(s): each stage needs one")
+    work = [max(sum(graphs[t].forward_flops + graphs[t].backward_flops for t in run), 1.0) for run in grouping]
+    extra = proportional_shares(num_devices - len(grouping), work, leftover=LARGEST_REMAINDER,
+                                ties=[(-w, i) for i, w in enumerate(work)])
+    shapes = []
+    for run, more in zip(grouping, extra):
+        budget = 1 + more
+        first = graphs[run[0]]
+        if len(run) == 1:
+            strategy = dataclasses.replace(first.strategy, device_count=None,
+                                           inner=dataclasses.replace(first.strategy.inner, device_count=None)
+                                           if first.strategy.inner is not None else None)
+            dp, tp = _auto_degrees(strategy, budget, first.index)
+            shapes.append(StageShape(first.index, first.strategy, dp, tp))
+        else:
+            shapes.append(StageShape(first.index, Strategy("replicate"), budget, 1, tuple(run)))
+    return shapes
+
+
 def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
     """Devices per automatic stage: one each, the rest proportional to FLOPs per sample (largest
     remainder, ties to the stage with more work)."""
@@ -138,15 +221,6 @@ def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
     counts = proportional_shares(spare - len(auto_graphs), work, leftover=LARGEST_REMAINDER,
                                  ties=[(-w, i) for i, w in enumerate(work)])
     return {tg.index: 1 + c for tg, c in zip(auto_graphs, counts)}
-
-
-def _fixed_degrees(strategy: Strategy):
-    inner = strategy.inner
-    if strategy.kind == "split":
-        return None if strategy.device_count is None else (1, strategy.device_count)
-    if strategy.device_count is None or (inner is not None and inner.device_count is None):
-        return None
-    return strategy.device_count, (inner.device_count if inner is not None else 1)
 
 
 def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int]:
@@ -197,24 +271,30 @@ def fold_layout(layout: Layout, stages: list[list[int]]) -> Layout:
 PLACEMENTS = ("memory", "speed")
 
 
-def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory", precision: str = "fp32") -> Layout:
+def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory", precision: str = "fp32",
+                 shared: list[list[int]] | None = None) -> Layout:
     """Place every stage of every pipeline replica on physical devices (see module docstring).
 
     ``placement="memory"`` is Whale's rule: devices ranked by memory (then speed) are dealt out in
     stage order. ``"speed"`` deals devices ranked by speed (then memory) to the stages with the
     most FLOPs per device first: better when a late stage (a wide classifier) dominates compute.
     The planner tries both and keeps the faster plan that fits. Speed is each device's at the
-    training ``precision`` (``Config.precision``).
+    training ``precision`` (``Config.precision``). ``shared``: a grouping of
+    :func:`shared_device_groups` (a cluster smaller than the regions ask): its stages
+    (:func:`squeezed_shapes`), one pipeline.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    shapes, replicas = stage_shapes(graphs, len(cluster.devices))
+    if shared is not None:
+        shapes, replicas = squeezed_shapes(graphs, shared, len(cluster.devices)), 1
+    else:
+        shapes, replicas = stage_shapes(graphs, len(cluster.devices))
     if placement == "memory":
         key = lambda p: (-p[1].memory_gib, -device_tflops(p[1], precision), p[0])  # noqa: E731
         stage_order = list(range(len(shapes)))
     else:
         key = lambda p: (-device_tflops(p[1], precision), -p[1].memory_gib, p[0])  # noqa: E731
-        work = [(graphs[sh.taskgraph].forward_flops + graphs[sh.taskgraph].backward_flops) / sh.devices
+        work = [sum(graphs[t].forward_flops + graphs[t].backward_flops for t in sh.taskgraphs) / sh.devices
                 for sh in shapes]
         stage_order = sorted(range(len(shapes)), key=lambda s: (-work[s], s))
     ranked = sorted(enumerate(cluster.devices), key=key)

@@ -210,6 +210,12 @@ class TaskGraphs:
         return self.graphs[i]
 
     @property
+    def devices_asked(self) -> int:
+        """The fewest devices the regions' counts take as written: each fixed count's devices
+        (``Strategy.fixed_degrees``), one per region whose count the planner chooses."""
+        return sum(dp * tp for dp, tp in (g.strategy.fixed_degrees or (1, 1) for g in self.graphs))
+
+    @property
     def dependency_graph(self) -> nx.DiGraph:
         """TaskGraph indices as nodes; an edge per boundary, carrying its bytes per sample."""
         import networkx as nx   # a quarter of a second to import: only this view of the graphs needs it
