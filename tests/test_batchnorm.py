@@ -18,8 +18,9 @@ statistics (the full state dict) are compared, and an evaluation with those stat
 * ``sync_batch_norm`` itself with per-rank batches of 5, 3, 0 and 2 samples against ``F.batch_norm``
   on all 10: output, input and parameter gradients, running statistics.
 
-The spawn's warm-up (dist_utils' ``warm``) captures both models once on their first batch, so every
-rank's Engine captures are cache hits.
+The spawn's warm-up (dist_utils' ``warm``) captures both models once on their first batch, with their
+pipelines' fake node values, so every rank's Engine captures, and its pipeline's first-step fake
+runs, are cache hits.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.plan import Plan
-from reference import OPTIMIZERS, assert_engine_trains_like_reference
+from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from whalelike.cluster import Cluster
 from whalelike.graphs.taskgraph import TaskGraphs
 
@@ -229,10 +230,11 @@ def _ranks(rank: int, world_size: int, plans: dict[str, Plan]) -> dict:
 
 def _warm() -> None:
     """Each model's capture on its first training batch, once, before the ranks fork (dist_utils'
-    ``warm``): every Engine's capture in the ranks is then a cache hit."""
+    ``warm``): every Engine's capture in the ranks is then a cache hit, and so are its pipeline's fake
+    node values (``reference.warm_capture``)."""
     for name in ("cnn", RESNET):
         model, _, size = _workload(name)
-        wl.capture(model, _batches(size)[0][0])
+        warm_capture(model, _batches(size)[0][0])
 
 
 def _fractions(n: int) -> list[float]:
