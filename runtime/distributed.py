@@ -9,7 +9,7 @@ for recv"). :class:`Progress` records in the default group's key-value store whe
 so when a collective fails the survivors can name the culprit:
 
 * the step each rank has begun and how many Engine-level collectives of it it has entered (one
-  small ``set`` per collective, none of its own): a rank that never reached the step, or that
+  small ``set`` per collective, written by the heartbeat's thread, none of its own): a rank that never reached the step, or that
   began it but never entered the collective the others wait in, is named;
 * a heartbeat: a daemon thread per rank writes a timestamp, the PID and the seconds spent inside
   the current compute segment (:meth:`runtime.emulation.compute.Emulator.busy_for`) every
@@ -24,7 +24,8 @@ collective of its own (a per-step cost, gloo only) and cannot tell a stopped ran
 its compute; NCCL's watchdog watches its own process only.
 
 Invariant: only the failure path reads the store, so a healthy step costs one ``set`` per
-Engine-level collective plus the heartbeat; a ``set`` that finds the store gone is dropped (rank 0
+Engine-level collective plus the heartbeat, both written by the heartbeat's thread (the step only
+posts its record there: no store round trip on the training thread); a ``set`` that finds the store gone is dropped (rank 0
 may exit after the run's last collective while its peers still record the step's last hooks). Heartbeat ages compare wall clocks across hosts, which
 assumes clocks synchronised to well under ``timeout_s / 2`` (NTP gives milliseconds). The store
 lives on rank 0; if rank 0 is gone, the message says so.
@@ -184,29 +185,23 @@ class Progress:
         self.rank, self.world_size = rank, world_size
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.step, self.entered = -1, 0
-        self._store_lost = False
         self._entered_at = time.monotonic()
         interval = min(5.0, max(0.1, timeout_s / 12))
         self.silent_after = min(timeout_s / 2, 6 * interval)   # a heartbeat older than this has stopped
-        _Heartbeat.attach(self.store, rank, interval, computing)
+        self._beat = _Heartbeat.attach(self.store, rank, interval, computing)
 
     def enter(self, step: int) -> None:
-        """This rank enters an Engine-level collective of ``step`` (one small ``set``)."""
+        """This rank enters an Engine-level collective of ``step``: the record is posted to the
+        heartbeat thread, which writes it to the store at once (no round trip on this thread). A
+        store found gone (rank 0 may exit after the run's last collective while its peers still
+        record that step's hooks) stops the records: they are a diagnostic, and were it a failure the
+        next collective fails and :meth:`failure` says the store is unreachable."""
         if step != self.step:
             self.step, self.entered = step, 0
         self.entered += 1
         self._entered_at = time.monotonic()
-        if self._store_lost:
-            return
-        try:
-            self.store.set(_progress_key(self.rank), f"{step} {self.entered}")
-        except dist.DistError as e:
-            # the store's host, rank 0, is gone: after the last collective of a run it may exit while
-            # its peers still record this step's hooks, which is no failure; were it a failure, the
-            # next collective fails and :meth:`failure` says the store is unreachable. The record is
-            # a diagnostic only: training must not die of it
-            self._store_lost = True
-            log.debug("rank %d, step %d: progress not recorded, the store is unreachable (%s)", self.rank, step, e)
+        if not self._beat.lost:
+            self._beat.post(_progress_key(self.rank), f"{step} {self.entered}")
 
     def failure(self, step: int, timeout_s: float, cause: BaseException) -> DistributedStepError:
         """The error to raise when a collective of ``step`` failed on this rank."""
@@ -312,7 +307,11 @@ _MACHINE = _machine()
 
 class _Heartbeat:
     """One daemon thread per process writing this rank's heartbeat every ``interval`` seconds:
-    wall-clock time, PID, machine, and seconds inside the current compute segment. The latest
+    wall-clock time, PID, machine, and seconds inside the current compute segment; and, as soon as
+    it is posted, the latest :class:`Progress` record (:meth:`post`): the training thread hands it
+    over and goes on, so a step pays no store round trip for it (one per Engine-level collective
+    was ~1 ms each under load, most of the runtime's own per-step cost on one rank). Records
+    posted faster than the store takes them are coalesced: only the latest is written. The latest
     :class:`Progress` (Engine) of the process is the one reported."""
 
     _current: Optional["_Heartbeat"] = None
@@ -321,25 +320,39 @@ class _Heartbeat:
     def __init__(self, store, rank: int, interval: float, computing):
         self.store, self.rank, self.interval, self.computing = store, rank, interval, computing
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._pending: Optional[tuple[str, str]] = None
+        self.lost = False                 # the store (rank 0) is gone: nothing more is written
         self._thread = threading.Thread(target=self._run, name=f"whalelike-heartbeat-rank{rank}", daemon=True)
 
     @classmethod
-    def attach(cls, store, rank: int, interval: float, computing) -> None:
+    def attach(cls, store, rank: int, interval: float, computing) -> "_Heartbeat":
         with cls._lock:
             beat = cls._current
             if beat is not None and beat.store is store and beat.rank == rank and beat._thread.is_alive():
                 beat.interval, beat.computing = interval, computing
-                return
+                return beat
             if beat is not None:
-                beat._stop.set()
+                beat._halt()
             cls._current = cls(store, rank, interval, computing)
             cls._current.publish()
             cls._current._thread.start()
+            return cls._current
+
+    def post(self, key: str, value: str) -> None:
+        """Have ``key`` set to ``value`` in the store by the thread, now (replacing a record posted
+        before it that the thread has not written yet)."""
+        self._pending = (key, value)
+        self._wake.set()
 
     def publish(self) -> None:
         computing = self.computing() if self.computing is not None else None
         self.store.set(heartbeat_key(self.rank), json.dumps(
             {"time": time.time(), "pid": os.getpid(), "machine": _MACHINE, "computing_s": computing}))
+
+    def _halt(self) -> None:
+        self._stop.set()
+        self._wake.set()
 
     @classmethod
     def stop_at_exit(cls) -> None:
@@ -350,15 +363,26 @@ class _Heartbeat:
         with cls._lock:
             beat, cls._current = cls._current, None
         if beat is not None:
-            beat._stop.set()
+            beat._halt()
             if beat._thread.is_alive():
                 beat._thread.join(timeout=max(1.0, 2 * beat.interval))
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while True:
+            self._wake.wait(max(0.0, due - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            pending, self._pending = self._pending, None
             try:
-                self.publish()
+                if pending is not None:
+                    self.store.set(*pending)
+                if time.monotonic() >= due:
+                    self.publish()
+                    due = time.monotonic() + self.interval
             except Exception as e:  # the store (rank 0) is gone: the collectives will say so
+                self.lost = True
                 log.debug("rank %d: heartbeat stopped: %s", self.rank, e)
                 return
 

@@ -199,7 +199,8 @@ def test_progress_survives_the_store_host_exiting_after_the_last_collective():
         port = int(host.stdout.readline())
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
         progress = Progress(1, 2, timeout_s=60.0, store=store)
-        progress.enter(0)
+        progress.enter(0)   # posted to the heartbeat's thread, which writes it at once
+        store.wait([_progress_key(1)], datetime.timedelta(seconds=5))
         assert store.get(_progress_key(1)) == b"0 1"
     finally:
         host.stdin.close()
