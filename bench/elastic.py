@@ -41,7 +41,6 @@ after the change against the ideal.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import re
 import shutil
@@ -61,7 +60,7 @@ sys.path.insert(0, ROOT)
 
 import smoke  # noqa: E402
 from smoke import parse_args  # noqa: E402
-from timing import free_port  # noqa: E402
+from timing import ENTRY_POINTS, Forked, free_port  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -146,76 +145,6 @@ class Log:
                 raise RuntimeError(f"the job ended before step {step}:\n{self.text()[-3000:]}")
             time.sleep(0.02)
         raise RuntimeError(f"no step {step} within {timeout:g} s:\n{self.text()[-3000:]}")
-
-
-# the console scripts the bench starts, by name: their entry points (what a smoke run calls in a fork)
-ENTRY_POINTS = {"torchrun": ("torch.distributed.run", "main"), "whalelike": ("whalelike.cli", "main")}
-
-
-class Forked:
-    """A smoke run's stand-in for ``subprocess.Popen`` of a console script (``torchrun``, ``whalelike``):
-    the bench process forked, in a new session, its output (stdout and stderr merged) on a pipe, the
-    environment, working directory and ``sys.argv`` of the command, calling the script's entry point
-    (``ENTRY_POINTS``) and exiting with its status. The same code runs as in the process the script
-    would start (a torchrun agent then starts its workers as fresh interpreters, as always); only
-    the interpreter's start-up and its imports (torch: seconds of CPU per process) are skipped,
-    as ``timing.start_method`` does for ranks."""
-
-    def __init__(self, command: list[str], env: dict[str, str]):
-        import importlib
-
-        module, name = ENTRY_POINTS[os.path.basename(command[0])]
-        entry = getattr(importlib.import_module(module), name)
-        read, write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:   # the child: never returns into the bench
-            code = 1
-            try:
-                gc.freeze()   # the inherited heap: left alone by the collector (no copy of its pages)
-                os.setsid()
-                os.close(read)
-                for fd in (1, 2):
-                    os.dup2(write, fd)
-                os.close(write)
-                os.environ.clear()
-                os.environ.update(env)
-                os.chdir(ROOT)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                sys.argv = [command[0], *command[1:]]
-                code = entry()
-                code = code if isinstance(code, int) else 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:  # noqa: BLE001 - as the interpreter does for an uncaught exception
-                import traceback
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        os.close(write)
-        self.pid, self.returncode = pid, None
-        self.stdout = os.fdopen(read, "r", errors="replace")
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.pid, timeout)
-            time.sleep(0.02)
-        return self.returncode
 
 
 def launch(command: list[str], env: dict[str, str]):

@@ -59,8 +59,9 @@ from runtime import Engine  # noqa: E402
 from runtime.replicas.ddp_sync import DDPSync  # noqa: E402
 from runtime.replicas.held_state import local  # noqa: E402
 from runtime.training.memory_meter import LiveBytes  # noqa: E402
+import smoke  # noqa: E402
 from smoke import parse_args  # noqa: E402
-from timing import free_port, process_group, spawn_ranks  # noqa: E402
+from timing import Forked, free_port, process_group, spawn_ranks  # noqa: E402
 
 WORLD = 4
 WARMUP_STEPS = 2     # the trainer's (runtime.launch.trainer.WARMUP_STEPS): a job runs more steps than that
@@ -245,10 +246,16 @@ def end_to_end(args, folder: str) -> dict:
         yaml.safe_dump(job, f)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD),
+               "--master-port", str(free_port()), "-m", "whalelike.cli", "train", job_file]
     start = time.perf_counter()
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD),
-                          "--master-port", str(free_port()), "-m", "whalelike.cli", "train", job_file],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if smoke.active():   # the agent a fork of this process (timing.Forked): its workers start as always
+        agent = Forked(command, env, cwd=ROOT)
+        output = agent.stdout.read()
+        returncode = agent.wait(timeout=1800)
+        run = subprocess.CompletedProcess(command, returncode, output, "")
+    else:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - start
     if run.returncode != 0:
         raise RuntimeError(f"whalelike train exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
