@@ -121,7 +121,10 @@ class RankRuntime:
 
     def sum_alone(self, vector: torch.Tensor) -> None:
         """All-reduce (sum) ``vector`` in place over the default group, on the device the backend
-        needs (nccl: the current GPU), as a collective of its own."""
+        needs (nccl: the current GPU), as a collective of its own; nothing to do on one rank."""
+        if dist.get_world_size() == 1:
+            return
+
         def run():
             if dist.get_backend() == "nccl":
                 moved = vector.to(torch.device("cuda", torch.cuda.current_device()))

@@ -111,6 +111,8 @@ class DataParallelExecutor(StepExecutor):
         self.sync: ReplicaSync = build_replica_sync(plan.stages[0].replica_sync, module, group.group,
                                                     emulator=self.emulator,
                                                     devices=[plan.worker(r).device for r in sorted(group.ranks)],
+                                                    # one worker: no replica to keep in step, no DDP buckets
+                                                    alone=len(group.ranks) == 1,
                                                     reduce_dtype=reduce_dtype, zero_stage=zero,
                                                     fractions=plan.stages[0].state_fractions,
                                                     layers=recompute.layer_module_paths(module, zero_layers)

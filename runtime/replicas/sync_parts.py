@@ -68,12 +68,13 @@ class OwnPassenger:
         self._passenger = (tensor, fill)
 
     def flush(self) -> None:
-        """Sum the passenger over the group (``fill`` writes it first)."""
+        """Sum the passenger over the group (``fill`` writes it first; a group of one rank is its sum)."""
         if self._passenger is not None:
             (tensor, fill), self._passenger = self._passenger, None
             if fill is not None:
                 fill(tensor)
-            dist.all_reduce(tensor, group=self.group)
+            if dist.get_world_size(self.group) > 1:
+                dist.all_reduce(tensor, group=self.group)
 
 
 class WholeParameters:
