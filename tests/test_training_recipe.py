@@ -374,12 +374,26 @@ def _ranks(rank: int, world_size: int) -> dict:
 
 def _warm() -> None:
     """Each model the ranks train captured at the batch sizes their plans and Engines capture it at,
-    once, before the ranks fork (dist_utils' ``warm``): the ranks' captures are then cache hits."""
+    once, before the ranks fork (dist_utils' ``warm``): the ranks' captures are then cache hits. So are
+    the fake node values of the models the ranks run as pipelines (their first step's fake runs of the
+    whole graph, ``runtime.parallel.stage_split.fake_node_values``), in fp32 and under bf16 autocast
+    (the Engine's, ``Precision.autocast``), which keys its own."""
     overflowing = nn.Sequential(nn.Linear(DIN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
     for model, sizes in ((Net(), (2, 22, 8)), (overflowing, (2, 22)), (Hybrid(), (2, 8))):
         for n in sizes:
-            capture(model, batches(n, 0, steps=1)[0][0])
-    capture(TiedLM(), batches(8, 0, steps=1, tokens=True)[0][0])
+            graphs = capture(model, batches(n, 0, steps=1)[0][0])
+        if model is not overflowing:   # the pipelines' batch (8) is the last size
+            _fill_fake_values(graphs, batches(8, 0, steps=1)[0][0])
+    tied = batches(8, 0, steps=1, tokens=True)[0][0]
+    _fill_fake_values(capture(TiedLM(), tied), tied)
+
+
+def _fill_fake_values(graphs, inputs) -> None:
+    from runtime.parallel.stage_split import fake_node_values
+
+    fake_node_values(graphs.graph_module, tuple(inputs))
+    with Precision("bf16").autocast(torch.device("cpu")):
+        fake_node_values(graphs.graph_module, tuple(inputs))
 
 
 def test_training_recipe_matches_single_process_reference():
