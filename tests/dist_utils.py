@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import io
 import logging
 import multiprocessing as std_mp
@@ -76,7 +77,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch.distributed.checkpoi
            # what ranks capturing with torch.export, or building the suite's transformers models, import
            "torch.export._trace", *(f"transformers.models.{m}.modeling_{m}" for m in (
                "gpt2", "llama", "phi3", "vit", "t5", "swin", "qwen2_moe", "olmoe", "mixtral", "bert", "bart", "resnet",
-               "deberta_v2"))]
+               "deberta_v2")),
+           "frozen_heap"]   # last: the preloaded heap into gc's permanent generation (tests/frozen_heap.py)
 
 
 # CPU seconds (user + system) of every rank this process launched that reported back, summed
@@ -324,6 +326,8 @@ def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, que
         queue.close()
         queue.join_thread()
         os._exit(1)
+    gc.collect()
+    gc.freeze()   # what the warm-up made, like the preloaded heap (tests/frozen_heap.py): ranks never walk it
     fork = std_mp.get_context("fork")
     ranks = [fork.Process(target=_rank_main, args=(fn, rank, world_size, args, init_pg, backend, pg_timeout_s,
                                                   queue, environment), daemon=False) for rank in range(world_size)]
