@@ -11,7 +11,8 @@ stage is kept by DDP (``pipeline-split``), by ZeRO 3 on FSDP2 (``zero3``), and b
 holding 75% and 25% of every parameter's rows (``ragged``). One capture serves the three plans (a
 capture of a ``transformers`` model costs about ten seconds of CPU per rank; the planner's and the
 Engine's captures hit whalelike's capture cache), and a warm-up captures the model once for all ranks
-before they fork (``run_ranks(warm=)``), built in memory and on the meta device.
+before they fork (``run_ranks(warm=)``), built in memory and on the meta device, with the fake node
+values its pipelines' first steps read (two fake runs of the whole graph).
 
 For each, an Engine is built from *other* initial weights (seed 1) and ``load_pretrained`` reads the
 directory: the full state dict equals the saved model's exactly, and each rank read exactly the
@@ -44,6 +45,7 @@ import planner
 import whalelike as wl
 from dist_utils import run_ranks
 from planner.balance.state_moves import Slab
+from reference import warm_capture
 from runtime import Engine
 from runtime.replicas.held_state import local
 from runtime.state.pretrained import PretrainedError, load_pretrained, load_state, save_pretrained
@@ -155,12 +157,13 @@ def _ranks(rank: int, world_size: int, source: str, out: str) -> dict:
 
 def _warm() -> None:
     """The ranks' captures, once before they fork (dist_utils' ``warm``): GPT-2 at their example batch,
-    built in memory and on the meta device (a key of its own); every rank's is then a cache hit."""
+    built in memory and on the meta device (a key of its own); every rank's is then a cache hit, and so
+    are its pipelines' fake node values (``reference.warm_capture``)."""
     example = batches(2)[0][0]
-    wl.capture(gpt2(seed=1), example)
+    warm_capture(gpt2(seed=1), example)
     with wl.empty_weights():
         model = gpt2(seed=1)
-    wl.capture(model, example)
+    warm_capture(model, example)
 
 
 def _ddp_bucket_bytes(engine) -> int:
