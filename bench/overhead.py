@@ -1,0 +1,185 @@
+"""The runtime's own per-step cost: ``runtime.Engine`` against a plain PyTorch loop, side by side.
+
+One rank (a process group of one, as ``torchrun --nproc_per_node 1`` makes), a cluster of one
+device without emulation, so both sides do only real work: for each example (``--examples``) at a
+small and a large batch, the plain loop (the model, AdamW, ``loss_fn(model(*inputs), targets)``,
+``backward``, ``step``) and the Engine on the one-device plan ``planner.plan`` makes (every region
+folded into one stage: issue 35's plans for few devices) train a copy of the same model on the same
+batch. The sides alternate in ``--rounds`` rounds of ``--steps`` steps; the median round of each is
+reported, and the overhead is the Engine's step minus the plain loop's. Then a breakdown of the
+Engine's own Python for the first example at the small batch: ``cProfile`` over ``--steps`` steps,
+the time spent in each of the library's files (their own code, not the torch calls they make) per
+step, largest first.
+
+Then four ranks at equal speeds, no emulation: ``DistributedDataParallel`` with equal shares
+against the Engine on the plan for four equal devices (equal shares too), same model, same global
+batch; the ratio of DDP's step to whalelike's (>= 0.99 is the target).
+
+Target (issue 35): one rank, overhead <= 0.5 ms per step or <= 2% of the plain loop's step,
+whichever is larger, on every example; four ranks >= 0.99x DDP. On this 2-core machine four ranks
+share two cores, so their figures carry the noise of that.
+
+Run: ``.venv/bin/python bench/overhead.py`` (a few minutes); ``--smoke`` runs one example, few steps.
+The last line is the headline.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import planner  # noqa: E402
+import runtime  # noqa: E402
+import whalelike as wl  # noqa: E402
+from whalelike.workload import load_workload  # noqa: E402
+from smoke import parse_args  # noqa: E402
+from timing import process_group, spawn_ranks  # noqa: E402
+
+EXAMPLES = ("wide_mlp", "gpt", "hybrid_classifier", "third_party", "hf_gpt2", "hf_llama")
+TARGET_MS, TARGET_FRACTION, TARGET_DDP = 0.5, 0.02, 0.99
+
+
+def cluster(devices: int) -> wl.Cluster:
+    """``devices`` equal devices on one host, no emulation."""
+    return wl.Cluster.from_dict({"name": f"{devices}-equal", "network": {"intra_host_gbps": 100, "inter_host_gbps": 10,
+                                                                        "latency_us": 5},
+                                 "hosts": [{"name": "localhost", "devices": [{"kind": "gpu", "count": devices,
+                                                                             "peak_tflops": 10, "memory_gib": 16}]}]})
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def sides(name: str, batch: int, world: int):
+    """(plain step, Engine step, the Engine) for example ``name`` at global batch ``batch`` on a
+    cluster of ``world`` equal devices; the plain side is DDP when ``world > 1``."""
+    workload = load_workload(os.path.join(ROOT, "examples", f"{name}.py:build"))
+    inputs, targets = workload.make_batch(batch, torch.Generator().manual_seed(0))
+    plan = planner.plan(wl.capture(workload.model, inputs), cluster(world), wl.Config(global_batch_size=batch))
+    engine = runtime.Engine(copy.deepcopy(workload.model), plan, optimizer=optimizer, loss_fn=workload.loss_fn,
+                            cluster=cluster(world), balance="off")
+    model = copy.deepcopy(workload.model)
+    if world > 1:
+        rank, share = dist.get_rank(), batch // world
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        mine = (tuple(x[rank * share:(rank + 1) * share] for x in inputs), targets[rank * share:(rank + 1) * share])
+    else:
+        mine = (inputs, targets)
+    opt = optimizer(model.parameters())
+
+    def plain():
+        opt.zero_grad(set_to_none=True)
+        workload.loss_fn(model(*mine[0]), mine[1]).backward()
+        opt.step()
+
+    return plain, lambda: engine.train_step((inputs, targets)), engine
+
+
+def timed_rounds(a, b, steps: int, rounds: int) -> tuple[float, float]:
+    """Median seconds per step of ``a`` and of ``b``, alternating rounds (after one warm-up round
+    each), between barriers when a process group of several ranks exists."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    out = ([], [])
+    for r in range(rounds + 1):
+        for i, fn in enumerate((a, b)):
+            if several:
+                dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            if several:
+                dist.barrier()
+            if r:
+                out[i].append((time.perf_counter() - start) / steps)
+    return statistics.median(out[0]), statistics.median(out[1])
+
+
+def breakdown(step, steps: int) -> list[tuple[str, float]]:
+    """(file, ms per step) of the library's own code (tottime of its functions, by file) over
+    ``steps`` calls of ``step``, largest first."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    by_file: dict[str, float] = {}
+    for (path, _, _), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
+        if path.startswith(ROOT) and not any(f"/{d}/" in path for d in (".venv", "bench", "examples")):
+            key = os.path.relpath(path, ROOT)
+            by_file[key] = by_file.get(key, 0.0) + tottime
+    return sorted(((k, 1e3 * v / steps) for k, v in by_file.items()), key=lambda kv: -kv[1])
+
+
+def one_rank(rank: int, init_file: str, args, results) -> None:
+    with process_group(rank, init_file, 1):
+        rows, split = [], None
+        for name in args.examples:
+            for batch in (args.small, args.large):
+                plain, engine_step, engine = sides(name, batch, 1)
+                plain_s, engine_s = timed_rounds(plain, engine_step, args.steps, args.rounds)
+                rows.append((name, batch, plain_s, engine_s))
+                if split is None:
+                    split = breakdown(engine_step, args.steps)
+        results[rank] = {"rows": rows, "breakdown": split}
+
+
+def four_ranks(rank: int, init_file: str, args, results) -> None:
+    with process_group(rank, init_file, args.world):
+        plain, engine_step, _ = sides(args.examples[0], args.ddp_batch, args.world)
+        ddp_s, engine_s = timed_rounds(plain, engine_step, args.steps, args.rounds)
+        results[rank] = (ddp_s, engine_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
+    parser.add_argument("--small", type=int, default=8, help="the small global batch")
+    parser.add_argument("--large", type=int, default=128, help="the large global batch")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per side (alternating)")
+    parser.add_argument("--world", type=int, default=4, help="ranks of the DDP comparison")
+    parser.add_argument("--ddp-batch", type=int, default=128, help="global batch of the DDP comparison")
+    args = parse_args(parser, smoke=dict(examples=["wide_mlp"], small=4, large=8, steps=2, rounds=1, world=2,
+                                         ddp_batch=8))
+    torch.manual_seed(0)
+    one = spawn_ranks(one_rank, args, 1)[0]
+    ddp = spawn_ranks(four_ranks, args, args.world)
+
+    print(f"\none rank, no emulation: the Engine's step against the plain loop's (median of {args.rounds} rounds of "
+          f"{args.steps} steps), ms")
+    print("example              batch    plain   engine  overhead  ratio  target (<= max(0.5 ms, 2%))")
+    worst, met = 0.0, 0
+    for name, batch, plain_s, engine_s in one["rows"]:
+        over = 1e3 * (engine_s - plain_s)
+        bound = max(TARGET_MS, TARGET_FRACTION * 1e3 * plain_s)
+        met += over <= bound
+        worst = max(worst, over)
+        print(f"{name:<20} {batch:>5} {1e3 * plain_s:>8.2f} {1e3 * engine_s:>8.2f} {over:>9.2f} "
+              f"{engine_s / plain_s:>6.3f}  {'yes' if over <= bound else 'NO'} (<= {bound:.2f})")
+    name, batch = one["rows"][0][:2]
+    print(f"\nwhere the Engine's own Python goes ({name}, batch {batch}; cProfile, the library's files' own time, "
+          "ms per step; the profiler inflates every call alike):")
+    for path, ms in one["breakdown"][:12]:
+        print(f"  {ms:7.3f}  {path}")
+    ddp_s = max(s for s, _ in ddp.values())
+    engine_s = max(s for _, s in ddp.values())
+    print(f"\n{args.world} ranks at equal speeds, no emulation, {args.examples[0]}, global batch {args.ddp_batch}: "
+          f"DDP {1e3 * ddp_s:.2f} ms, whalelike {1e3 * engine_s:.2f} ms per step (slowest rank's median round)")
+    print(f"\noverhead: one rank {met}/{len(one['rows'])} within target, worst {worst:.2f} ms per step; "
+          f"{args.world} ranks whalelike {ddp_s / engine_s:.3f}x DDP (target >= {TARGET_DDP})")
+
+
+if __name__ == "__main__":
+    main()
