@@ -185,7 +185,8 @@ def spawn_ranks(
         procs = [ctx.Process(target=_rank_main, args=(common[0], rank, *common[1:]), daemon=False)
                  for rank in range(world_size)]
     else:
-        procs = [ctx.Process(target=_zygote_main, args=(warm, *common), daemon=False)]
+        procs = [ctx.Process(target=_zygote_main, args=(warm, "MASTER_PORT" not in (env or {}), *common),
+                             daemon=False)]
     for p in procs:
         p.start()
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
@@ -298,7 +299,8 @@ def _profiled(fn, rank: int, world_size: int, args: tuple):
         profile.dump_stats(os.path.join(folder, f"{test}-{getattr(fn, '__name__', 'fn')}-rank{rank}.prof"))
 
 
-def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, queue, environment) -> None:
+def _zygote_main(warm, repick_port, fn, world_size, args, init_pg, backend, pg_timeout_s, queue,
+                 environment) -> None:
     """Run the warm-up in the ranks' environment, then fork the ranks and report their exit codes
     (``spawn_ranks``' ``warm``); its own process group, so that a hung run is killed whole."""
     os.setpgid(0, 0)
@@ -328,6 +330,10 @@ def _zygote_main(warm, fn, world_size, args, init_pg, backend, pg_timeout_s, que
         os._exit(1)
     gc.collect()
     gc.freeze()   # what the warm-up made, like the preloaded heap (tests/frozen_heap.py): ranks never walk it
+    if repick_port:
+        # the port was free when the launch began; the warm-up took seconds, in which the OS may have
+        # given it to another process (an outgoing connection, another test's rank 0): choose it now
+        environment = {**environment, "MASTER_PORT": str(free_port())}
     fork = std_mp.get_context("fork")
     ranks = [fork.Process(target=_rank_main, args=(fn, rank, world_size, args, init_pg, backend, pg_timeout_s,
                                                   queue, environment), daemon=False) for rank in range(world_size)]

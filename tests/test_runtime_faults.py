@@ -200,7 +200,11 @@ def test_progress_survives_the_store_host_exiting_after_the_last_collective():
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
         progress = Progress(1, 2, timeout_s=60.0, store=store)
         progress.enter(0)   # posted to the heartbeat's thread, which writes it at once
-        store.wait([_progress_key(1)], datetime.timedelta(seconds=5))
+        # polled, not store.wait: a client's wait holds the client's lock, which the thread's set needs
+        deadline = time.monotonic() + 10
+        while not store.check([_progress_key(1)]):
+            assert time.monotonic() < deadline, "the heartbeat's thread never wrote the progress record"
+            time.sleep(0.01)
         assert store.get(_progress_key(1)) == b"0 1"
     finally:
         host.stdin.close()
