@@ -194,12 +194,8 @@ def squeezed_shapes(graphs: TaskGraphs, grouping: list[list[int]], num_devices: 
     stage of several is a plain data-parallel stage of all of theirs (``StageShape.folded``)."""
     if len(grouping) > num_devices:
         raise PlanError(f"{len(grouping)} stages cannot share {num_devices} device(s): each stage needs one")
-    work = [max(sum(graphs[t].forward_flops + graphs[t].backward_flops for t in run), 1.0) for run in grouping]
-    extra = proportional_shares(num_devices - len(grouping), work, leftover=LARGEST_REMAINDER,
-                                ties=[(-w, i) for i, w in enumerate(work)])
     shapes = []
-    for run, more in zip(grouping, extra):
-        budget = 1 + more
+    for run, budget in zip(grouping, _one_each_by_work(grouping, graphs, num_devices)):
         first = graphs[run[0]]
         if len(run) == 1:
             strategy = dataclasses.replace(first.strategy, device_count=None,
@@ -217,10 +213,17 @@ def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
     remainder, ties to the stage with more work)."""
     if not auto_graphs:
         return {}
-    work = [max(tg.forward_flops + tg.backward_flops, 1.0) for tg in auto_graphs]
-    counts = proportional_shares(spare - len(auto_graphs), work, leftover=LARGEST_REMAINDER,
-                                 ties=[(-w, i) for i, w in enumerate(work)])
-    return {tg.index: 1 + c for tg, c in zip(auto_graphs, counts)}
+    counts = _one_each_by_work([[tg.index] for tg in auto_graphs], {tg.index: tg for tg in auto_graphs}, spare)
+    return {tg.index: c for tg, c in zip(auto_graphs, counts)}
+
+
+def _one_each_by_work(runs: list[list[int]], graphs, devices: int) -> list[int]:
+    """Devices per run of TaskGraphs (``graphs[t]``): one each, the rest proportional to the run's
+    FLOPs per sample (largest remainder, ties to the run with more work)."""
+    work = [max(sum(graphs[t].forward_flops + graphs[t].backward_flops for t in run), 1.0) for run in runs]
+    extra = proportional_shares(devices - len(runs), work, leftover=LARGEST_REMAINDER,
+                                ties=[(-w, i) for i, w in enumerate(work)])
+    return [1 + c for c in extra]
 
 
 def _auto_degrees(strategy: Strategy, budget: int, index: int) -> tuple[int, int]:
