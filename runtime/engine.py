@@ -191,7 +191,7 @@ class Engine:
             self._check_batch(targets)
             self.board.on_batch(self.plan, inputs, targets)
             guard = self.config.guards
-            if guards.batch_check_due(self.step, guard.batch_check_every):
+            if runtime.world_size > 1 and guards.batch_check_due(self.step, guard.batch_check_every):
                 runtime.collective(lambda: guards.check_same_batch(inputs, targets, self.step, self.rank,
                                                                    guard.batch_check_every))
         elif not executor.takes_shares:

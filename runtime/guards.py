@@ -17,7 +17,8 @@ takes its own slice of it). On the first step and every ``batch_check_every`` st
 hashes its batch (structure, shapes, dtypes and bytes: a 64-bit BLAKE2b digest of a CPU copy) and
 the ranks all-gather the digests: 8 bytes per rank, one small collective on check steps only.
 Why not compare the tensors: that would move the whole batch; the digest finds the same mismatch.
-Steps on :class:`runtime.data.Share` (rank-local batches) are not checked: they differ by design.
+Steps on :class:`runtime.data.Share` (rank-local batches) are not checked: they differ by design; nor
+is a world of one rank: there is no other batch to differ from.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def check_options(on_nonfinite: str, batch_check_every: int) -> None:
 
 # -- non-finite loss ---------------------------------------------------------------------------------
 def is_finite(loss: Any) -> bool:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:   # the usual scalar: one read, no kernels
+        return math.isfinite(loss.item())
     return bool(torch.isfinite(torch.as_tensor(loss).detach()).all())
 
 

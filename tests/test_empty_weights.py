@@ -49,3 +49,26 @@ def test_a_meta_buffer_no_checkpoint_holds_is_refused():
 def test_weights_of_the_wrong_kind_are_refused():
     with pytest.raises(WhaleError, match="save_pretrained directory or a function"):
         check_weights(Rotary(), 3)
+
+
+def test_a_model_built_on_meta_captures_with_cpu_inputs_and_measures_its_autocast_activations():
+    """Issue 36: a real-size model is built on meta and given ordinary CPU example inputs; its
+    bf16/fp16 activation bytes are measured under autocast on fake tensors (meta has no autocast),
+    and equal those of the same model built with storage."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import hf_llama
+    from whalelike.graphs.capture import capture, with_autocast
+
+    built = hf_llama.build()
+    with wl.empty_weights():
+        empty = hf_llama.build()
+    assert all(p.is_meta for p in empty.model.parameters())
+    assert not any(t.is_meta for t in empty.example_args)
+    expected = with_autocast(capture(built.model, built.example_args))
+    got = with_autocast(capture(empty.model, empty.example_args))
+    assert all(layer.autocast is not None for layer in got.layers)
+    assert [layer.autocast for layer in got.layers] == [layer.autocast for layer in expected.layers]
+    assert [layer.activation_bytes_per_sample for layer in got.layers] == [layer.activation_bytes_per_sample for layer in expected.layers]

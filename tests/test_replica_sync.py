@@ -13,6 +13,7 @@ from plans import make_plan, worker
 from planner import Plan, PlanError
 from planner.plan import StagePlan
 from runtime.replicas.replica_sync import AloneSync, build_replica_sync
+from runtime.replicas import ddp_sync
 from runtime.replicas.ddp_sync import DDPSync
 from whalelike.errors import WhaleError
 
@@ -57,6 +58,19 @@ def _sync_checks(rank: int, world_size: int) -> dict:
     out["passenger"] = passenger.tolist()
     out["grads_match"] = all(torch.allclose(p.grad, r) for p, r in zip(model.parameters(), reference))
 
+    # a last bucket above JOIN_BYTES: the passenger is summed in an all-reduce of its own beside it
+    joined, ddp_sync.JOIN_BYTES = ddp_sync.JOIN_BYTES, 0
+    try:
+        model.zero_grad()
+        beside = torch.tensor([float(rank + 1)], dtype=torch.float64)
+        sync.carry(beside, lambda t: t.mul_(2.0))     # written at send time
+        (nn.functional.mse_loss(sync.module(x[mine]), y[mine]) * weight).backward()
+        sync.flush()
+    finally:
+        ddp_sync.JOIN_BYTES = joined
+    out["beside"] = beside.tolist()
+    out["beside_grads_match"] = all(torch.allclose(p.grad, r) for p, r in zip(model.parameters(), reference))
+
     # arm: a forward under no_sync, then a backward that syncs all the same (a pipeline's last backward)
     model.zero_grad()
     with sync.no_sync():
@@ -90,6 +104,7 @@ def test_ddp_sync_keeps_uneven_replicas_in_step_on_two_ranks():
         assert out["kind"] == "DDPSync" and out["syncs"]
         assert out["passenger"] == [3.0, 30.0]                 # summed in the gradient all-reduce
         assert out["grads_match"] and out["armed_grads_match"] and out["after_release_match"]
+        assert out["beside"] == [6.0] and out["beside_grads_match"]     # (1 + 2) * 2, beside a large bucket
         assert out["held"] == {"0.weight": (3, 4), "0.bias": (3,), "2.weight": (2, 3), "2.bias": (2,)}
         assert out["alone"] == ("AloneSync", False, 5.0)       # 2 + 3: filled at send time, summed
 

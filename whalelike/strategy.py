@@ -237,15 +237,12 @@ class _ScopeStack(threading.local):
         effective = _nest(outer, strategy)
         self.entries.append(effective)
         self.export.enter(effective)
-        if len(self.entries) == 1:
-            _install_module_tagging()
+        _install_module_tagging()
         return effective
 
     def pop(self) -> None:
         self.export.exit()
         self.entries.pop()
-        if not self.entries:
-            _remove_module_tagging()
 
     def current(self) -> Optional[Strategy]:
         return self.entries[-1] if self.entries else None
@@ -316,24 +313,28 @@ def default_strategy_is_set() -> bool:
 
 
 # -- construction-time tagging -------------------------------------------------------------
-_original_module_init = nn.Module.__init__
-
-
 def _install_module_tagging() -> None:
     """Tag modules created under a scope. ``nn.Module.__init__`` runs first in every subclass's
-    ``__init__``; we tag there, and children created later under a *different* scope get theirs."""
+    ``__init__``; we tag there, and children created later under a *different* scope get theirs.
+
+    Installed when a scope first opens and left in place (a module created outside every scope is
+    not tagged: the wrapper reads the open scope, this thread's). Not installed and removed at each
+    outermost scope's entry and exit: a forward that opens scopes (``with wl.replicate():`` in
+    ``forward``) would assign to ``nn.Module`` twice per scope per step, and each assignment
+    invalidates the attribute caches of every module class, a cost the user's own loop paid. A
+    wrapper someone installed after ours is wrapped again at the next opening, never replaced."""
+    current = nn.Module.__init__
+    if getattr(current, "_wl_tagging", False):
+        return
 
     def tagging_init(module, *args, **kwargs):
-        _original_module_init(module, *args, **kwargs)
+        current(module, *args, **kwargs)
         scope = _STACK.current()
         if scope is not None:
             object.__setattr__(module, "_wl_scope", scope)
 
+    tagging_init._wl_tagging = True
     nn.Module.__init__ = tagging_init
-
-
-def _remove_module_tagging() -> None:
-    nn.Module.__init__ = _original_module_init
 
 
 def module_scope(module: nn.Module) -> Optional[Strategy]:

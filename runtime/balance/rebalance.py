@@ -177,7 +177,8 @@ class Rebalancer(Controller):
     ``"rebalance"``, order 20): the monitor, the speeds the plan in force was made for, the history.
     Its share of the step-end exchange is the monitor's figures on exchange steps; it reacts with
     ``apply``, ``migrate`` or ``end_migration`` changes (the Engine applies them) and, under the
-    approximate policies, sets ZERO-resizing on the module this rank computes with."""
+    approximate policies, sets ZERO-resizing on the module this rank computes with. On a world of
+    one rank it neither measures nor exchanges: there is no other rank to give work to."""
 
     name = "rebalance"
     order = 20
@@ -210,8 +211,8 @@ class Rebalancer(Controller):
         """The monitor's figures when an exchange is due (filled when the step's last collective is
         about to run: its compute is done then, so this step's figures travel). The same decision on
         every rank: it depends on the step and the sample count only."""
-        if (step < self.config.warmup_steps or self._fresh or step % self.config.exchange_every
-                or len(self.monitor.samples) + 1 < self.config.window):
+        if (runtime.world_size == 1 or step < self.config.warmup_steps or self._fresh
+                or step % self.config.exchange_every or len(self.monitor.samples) + 1 < self.config.window):
             return None
 
         def fill() -> torch.Tensor:
@@ -242,7 +243,7 @@ class Rebalancer(Controller):
         compare with the speeds the plan was made for and maybe ask for a change (collective where
         SEMI pre-tests)."""
         step = view.step
-        if step < self.config.warmup_steps:
+        if step < self.config.warmup_steps or view.runtime.world_size == 1:   # one rank: nothing to balance
             return None
         if self._fresh:
             # the first step of a rebuilt executor pays one-time costs (shape propagation,

@@ -217,14 +217,14 @@ class DataParallelExecutor(StepExecutor):
         micro-batches no larger than the plan's largest."""
         # under synchronised BatchNorm every rank runs as many forwards as the plan's (each syncs)
         sizes = self.layout.micro_batches(self.rank, share.targets.shape[0], keep_count=self.sync_batchnorm)
-        # the reported loss in the model's dtype (a float64 model's loss is not rounded to float32)
-        dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
-        total = torch.zeros((), device=share.targets.device, dtype=dtype)
+        total = torch.zeros((), device=share.targets.device, dtype=self._loss_dtype())
         passenger, self.passenger = self.passenger, None
         carrier, fill = total, None
         lo = 0
+        whole = len(sizes) == 1
         for m, size in enumerate(sizes):
-            inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
+            inputs, targets = (_as_tuple(share.inputs), share.targets) if whole else \
+                slice_batch(share.inputs, share.targets, lo, lo + size)
             lo += size
             last = m == len(sizes) - 1
             with nullcontext() if last else self.sync.no_sync():
@@ -280,6 +280,16 @@ class DataParallelExecutor(StepExecutor):
         self.sync.release()
         recompute.unwrap_stage(self.module)
 
+    _dtype: Optional[torch.dtype] = None
+
+    def _loss_dtype(self) -> torch.dtype:
+        """The reported loss's dtype: the model's (a float64 model's loss is not rounded to float32);
+        read once, the module's parameters keep their dtype while this executor runs it."""
+        if self._dtype is None:
+            self._dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()),
+                               torch.get_default_dtype())
+        return self._dtype
+
     def _weighted_loss(self, inputs: tuple, targets: torch.Tensor, global_size: int) -> torch.Tensor:
         """This slice's mean loss times its fraction of the global batch. An empty slice (a rank
         with no samples in a short last batch) still runs forward and backward so DDP's all-reduce
@@ -289,6 +299,11 @@ class DataParallelExecutor(StepExecutor):
         if n == 0:
             return sum(t.sum() for t in _tensors(outputs)) * 0.0
         return weighted_loss(self.loss_fn(outputs, targets), n, global_size, self.scaler)
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    """The model's positional inputs as :func:`runtime.data.slice_batch` gives them."""
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

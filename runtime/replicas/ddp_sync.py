@@ -9,8 +9,9 @@ and the comm hook *sums*: the summed gradient is then exactly the gradient of th
 loss, whatever the shares (Whale's load balancing, Poplar's per-device micro-batch sizes).
 
 The passenger (:meth:`DDPSync.carry`): a small tensor (the step's loss, the straggler monitor's
-figures) summed in the same all-reduce as the gradients, appended to the last bucket, so a step
-costs one collective, as plain DDP's does.
+figures) summed with the last bucket: appended to it when that bucket is small, so a step costs one
+collective, as plain DDP's does; beside it, in a tiny all-reduce of its own launched right after the
+bucket's, when appending would copy a large bucket (:data:`JOIN_BYTES`).
 
 Emulation enters here, at the seam, not in the executors: without an emulated network the comm
 hook waits for the backward's modeled end before communicating, so modeled time never includes
@@ -42,6 +43,13 @@ from runtime.emulation.compute import Emulator
 # torch >= 2.13 renamed ``broadcast_buffers`` (which also skipped the sync at construction).
 _NO_FORWARD_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
                            inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+
+
+# The passenger joins the last bucket (one collective) when that bucket is at most this many bytes;
+# a larger one is summed in place and the passenger in a second, tiny all-reduce launched right
+# behind it: appending means copying the whole bucket, which costs more than the second collective's
+# latency beyond about a MiB (measured on gloo: bench/overhead.py's four ranks).
+JOIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -82,6 +90,8 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
     if state.fill is not None:
         state.fill, fill = None, state.fill
         fill(passenger)
+    if tensor.numel() * tensor.element_size() > JOIN_BYTES:
+        return _beside(state, bucket, tensor, passenger, network)
     joint = torch.cat([tensor, passenger.reshape(-1).to(tensor.dtype)])
     if network is not None:
         _emulate_overlap(state, bucket, joint)
@@ -93,6 +103,18 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
         return out[: tensor.numel()]
 
     return work.get_future().then(unpack)
+
+
+def _beside(state: _HookState, bucket, tensor: torch.Tensor, passenger: torch.Tensor, network) -> torch.futures.Future:
+    """A large last bucket summed in place and the passenger in an all-reduce of its own, launched
+    right behind it (see :data:`JOIN_BYTES`)."""
+    if network is not None:
+        _emulate_overlap(state, bucket, tensor)
+    work = dist.all_reduce(tensor, group=state.group, async_op=True)
+    carried = dist.all_reduce(passenger, group=state.group, async_op=True)
+    # done when both are (no callback blocks a backend thread on the other)
+    both = torch.futures.collect_all([work.get_future(), carried.get_future()])
+    return both.then(lambda fut: fut.value()[0].value()[0])
 
 
 def _low_precision_allreduce(state: _HookState, bucket, tensor: torch.Tensor, passenger: Optional[torch.Tensor],

@@ -102,7 +102,7 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
         figures = capture_cache.measured(entry, keys)
     values = placeholder_values(gm, method, model, args, kwargs)
     if figures is None:   # measured at these input shapes: per sample, from totals over this batch
-        costs = measure(gm, values, regions.node_taskgraph)
+        costs = measure(gm, values, regions.node_taskgraph, device=_measured_on(gm))
         unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
         if unattributed:
             log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
@@ -148,13 +148,23 @@ def with_autocast(graphs: TaskGraphs) -> TaskGraphs:
 def _measure_autocast(gm: fx.GraphModule, values: list, regions: Regions) -> Optional[NodeCosts]:
     """The costs under bf16 autocast (the dtypes a bf16 or fp16 plan's activations have: both are
     2 bytes, and autocast casts the same operators for both), or None when the graph cannot run
-    under autocast on fake tensors (then the planner scales the float32 bytes)."""
+    under autocast on fake tensors (then the planner scales the float32 bytes). A graph of a model
+    built on ``meta`` runs as fake CPU tensors (:func:`_measured_on`)."""
     try:
-        return measure(gm, values, regions.node_taskgraph, autocast_dtype=torch.bfloat16)
+        return measure(gm, values, regions.node_taskgraph, autocast_dtype=torch.bfloat16, device=_measured_on(gm))
     except (CaptureError, RuntimeError) as e:
         log.warning("capture: measuring under autocast failed (%s); bf16/fp16 plans will price activations as "
                     "half the float32 bytes", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+def _measured_on(gm: fx.GraphModule) -> Optional[torch.device]:
+    """Where the costs of ``gm`` are measured: a graph of a model built on ``meta`` runs as fake CPU
+    tensors (still nothing allocated), where it is where its parameters are. On ``meta`` operators
+    take their generic paths (attention through the math path, which saves the whole score matrix,
+    where the fused kernels of a real device save a row statistic) and there is no autocast; fake
+    CPU tensors measure what the same model built with storage measures, float32 and autocast alike."""
+    return torch.device("cpu") if any(t.is_meta for t in [*gm.parameters(), *gm.buffers()]) else None
 
 
 def _layer_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> dict[str, list[float]]:

@@ -122,15 +122,18 @@ class NodeCosts:
 
 
 def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int],
-            autocast_dtype: Optional[torch.dtype] = None) -> NodeCosts:
+            autocast_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> NodeCosts:
     """Run ``gm`` forward and backward on fake copies of itself and ``inputs``; attribute the costs.
 
     ``group`` maps node names to the unit (TaskGraph) within which a saved tensor is counted once.
     ``autocast_dtype``: run under ``torch.autocast`` at that dtype (the module docstring).
+    ``device``: run the fake copies there instead of where ``gm`` and ``inputs`` are, a device only
+    named (nothing is allocated): a graph traced on ``meta`` (a model built there) is measured under
+    autocast as a device that has autocast, since ``meta`` has none.
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_gm = fake_copy(gm, fake_mode)
-    fake_inputs = tree_map(lambda x: _to_fake(x, fake_mode), inputs)
+    fake_gm = fake_copy(gm, fake_mode, device)
+    fake_inputs = tree_map(lambda x: _to_fake(x, fake_mode, device), inputs)
     with fake_mode:  # factory calls in the graph (arange, ones) make fake tensors too
         return _measure(fake_gm, fake_inputs, group, autocast_dtype)
 
@@ -189,23 +192,34 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
     return costs
 
 
-def fake_copy(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> fx.GraphModule:
+def fake_copy(gm: fx.GraphModule, fake_mode: FakeTensorMode, device: Optional[torch.device] = None) -> fx.GraphModule:
     """A deep copy of ``gm`` whose parameters and buffers are fake tensors of ``fake_mode`` (same
-    shape, dtype, device and ``requires_grad``; tying preserved; no memory)."""
+    shape, dtype, device and ``requires_grad``; tying preserved; no memory). ``device``: the fakes
+    are there instead, and so is every device the graph's nodes name (the devices it was traced on)."""
     memo: dict[int, Any] = {}
     for p in gm.parameters():
-        memo[id(p)] = nn.Parameter(_to_fake(p.detach(), fake_mode), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(_to_fake(p.detach(), fake_mode, device), requires_grad=p.requires_grad)
     for b in gm.buffers():
-        memo[id(b)] = _to_fake(b, fake_mode)
+        memo[id(b)] = _to_fake(b, fake_mode, device)
     with warnings.catch_warnings():  # torch's own pytree specs warn about deprecated checks when copied
         warnings.simplefilter("ignore", FutureWarning)
-        return copy.deepcopy(gm, memo)
+        copied = copy.deepcopy(gm, memo)
+    if device is not None:
+        from whalelike.graphs.tracing import retarget_device
+
+        for old in {t.device for t in [*gm.parameters(), *gm.buffers()]} - {torch.device(device)}:
+            retarget_device(copied, old, torch.device(device))
+    return copied
 
 
-def _to_fake(x: Any, fake_mode: FakeTensorMode) -> Any:
+def _to_fake(x: Any, fake_mode: FakeTensorMode, device: Optional[torch.device] = None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    return fake_mode.from_tensor(x.detach()).requires_grad_(x.requires_grad)
+    if device is None or x.device == torch.device(device):
+        return fake_mode.from_tensor(x.detach()).requires_grad_(x.requires_grad)
+    with fake_mode:   # a fake tensor made on ``device``: its shape, strides and dtype, no memory
+        made = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+    return made.requires_grad_(x.requires_grad)
 
 
 class _Recorder(fx.Interpreter):
