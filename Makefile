@@ -43,10 +43,14 @@ test: $(STAMP)
 setup: $(STAMP)
 
 # torch is pinned to the CPU build that ships on this machine's disk: a bare `torch` would pull CUDA.
+# The project's own bytecode is compiled once here, as pip compiles a package it installs (an editable
+# install is not compiled): otherwise the first processes to import it (make test's three pytest
+# workers, starting together) each compile all of it.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m compileall -q -j 0 whalelike planner runtime examples bench tests
 	touch $(STAMP)
 
 clean:

@@ -46,7 +46,18 @@ def _module_files() -> dict[str, Path]:
 
 
 MODULES = _module_files()
-TREES = {module: ast.parse(path.read_text(), filename=str(path)) for module, path in MODULES.items()}
+
+
+class _Trees(dict):
+    """Each module's syntax tree, parsed when first asked for (parsing all of them at import cost
+    every pytest worker 2 s of collection, most of which never run these tests)."""
+
+    def __missing__(self, module: str) -> ast.Module:
+        tree = self[module] = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+        return tree
+
+
+TREES = _Trees()
 
 
 def _known(name: str) -> str | None:

@@ -94,7 +94,6 @@ import torch.distributed as dist
 import planner
 import runtime
 import whalelike as wl
-from runtime import checkpoint
 from runtime.elastic import membership
 from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
@@ -374,7 +373,7 @@ def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
 
 
 def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: planner.Plan, cluster: wl.Cluster,
-          args, resume: "checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
+          args, resume: "runtime.checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
     """Train the workload's model under ``plan`` (a fresh copy from ``initial_state`` when one is given,
     for a run beside another; continuing ``resume`` if given); return its
     losses and timings (rank 0 prints). Only the whalelike run checkpoints."""
@@ -404,7 +403,7 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
     losses, step_times, save_times = [], [], []
     show = engine.rank == 0
     if resume is not None:
-        extra = checkpoint.load(engine, resume)
+        extra = runtime.checkpoint.load(engine, resume)
         batches.restore(extra, resume.path)
         losses = list(extra["losses"])
         if show:
@@ -447,7 +446,7 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
             start = time.perf_counter()
             if pending is not None:
                 pending.wait()
-            pending = checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
+            pending = runtime.checkpoint.save_async(engine, args.checkpoint_dir, keep=args.keep_checkpoints,
                                             extra={**batches.state(), "losses": list(losses), "seed": args.seed})
             save_times.append(time.perf_counter() - start)
         if stopping is not None:
@@ -711,7 +710,7 @@ def inputs(args):
     if args.checkpoint_dir is not None and not args.no_resume:
         if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
             raise WhaleError(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a directory (it is created)")
-        resume = checkpoint.latest(args.checkpoint_dir)
+        resume = runtime.checkpoint.latest(args.checkpoint_dir)
     if args.plan is None and resume is None and args.global_batch is None:
         where = f" and {args.checkpoint_dir} holds no checkpoint to resume" if args.checkpoint_dir else ""
         raise WhaleError(f"--plan is required (a plan YAML from `whalelike plan`), or --global-batch with --cluster "
