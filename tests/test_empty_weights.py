@@ -62,9 +62,10 @@ def test_a_model_built_on_meta_captures_with_cpu_inputs_and_measures_its_autocas
     import hf_llama
     from whalelike.graphs.capture import capture, with_autocast
 
-    built = hf_llama.build()
+    small = dict(n_layer=2, hidden_size=32, n_head=2, n_kv_head=1, seq_len=16, batch_size=2)
+    built = hf_llama.build(**small)
     with wl.empty_weights():
-        empty = hf_llama.build()
+        empty = hf_llama.build(**small)
     assert all(p.is_meta for p in empty.model.parameters())
     assert not any(t.is_meta for t in empty.example_args)
     expected = with_autocast(capture(built.model, built.example_args))
