@@ -217,8 +217,20 @@ def build():
 """
 
 
+def first_devices(devices: list[dict], n: int) -> list[dict]:
+    """The first ``n`` devices of a preset host's device list (entries with ``count`` cut short)."""
+    kept = []
+    for entry in devices:
+        take = min(entry.get("count", 1), n - sum(e.get("count", 1) for e in kept))
+        if take <= 0:
+            break
+        kept.append({**entry, "count": take})
+    return kept
+
+
 def end_to_end(args, folder: str) -> dict:
-    """``whalelike train`` under torchrun on 4 ranks: ``examples/hf_llama.py``'s Llama at the bench's
+    """``whalelike train`` under torchrun on ``--job-ranks`` ranks (the first devices of emulated-4; a
+    smoke run two): ``examples/hf_llama.py``'s Llama at the bench's
     sizes, its weights from a local save_pretrained directory (``model.weights``: built on meta, each
     rank reading its slices), planned now on emulated-4, ``--steps`` steps on synthetic tokens,
     metrics to JSON lines. Returns the job's wall seconds and its steps.jsonl lines."""
@@ -235,6 +247,7 @@ def end_to_end(args, folder: str) -> dict:
     with open(os.path.join(ROOT, "whalelike", "presets", "emulated-4.yaml")) as f:
         spec = yaml.safe_load(f)
     spec["emulation"]["base_gflops"] = args.base_gflops
+    spec["hosts"][0]["devices"] = first_devices(spec["hosts"][0]["devices"], args.job_ranks)
     with open(cluster_file, "w") as f:
         yaml.safe_dump(spec, f)
     metrics = os.path.join(folder, "metrics")
@@ -246,7 +259,7 @@ def end_to_end(args, folder: str) -> dict:
         yaml.safe_dump(job, f)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(WORLD),
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(args.job_ranks),
                "--master-port", str(free_port()), "-m", "whalelike.cli", "train", job_file]
     start = time.perf_counter()
     if smoke.active():   # the agent a fork of this process (timing.Forked): its workers start as always
@@ -276,7 +289,9 @@ def main() -> None:
     parser.add_argument("--base-gflops", type=float, default=1.0,
                         help="GFLOP/s of an emulated device of speed 1 (low enough that 4 ranks on 2 cores never overrun)")
     parser.add_argument("--steps", type=int, default=4, help="timed training steps of the whalelike train job")
-    args = parse_args(parser, smoke=dict(hidden=32, layers=2, heads=4, vocab=128, seq_len=16, steps=1))
+    parser.add_argument("--job-ranks", type=int, default=WORLD, choices=range(2, WORLD + 1),
+                        help="ranks of the whalelike train job: the first devices of emulated-4 (default 4)")
+    args = parse_args(parser, smoke=dict(hidden=32, layers=2, heads=4, vocab=128, seq_len=16, steps=1, job_ranks=2))
     from transformers import LlamaForCausalLM
     folder = tempfile.mkdtemp(prefix="whalelike-real-job-")
     try:
@@ -314,7 +329,8 @@ def main() -> None:
             kinds.setdefault(kind, []).append(figures.get("emulated_mfu", figures["mfu"]))
     mfu = ", ".join(f"{kind} {100 * statistics.median(v):.1f}%" for kind, v in sorted(kinds.items()))
     print(f"\nwhalelike train (examples/hf_llama.py at these sizes, weights from a local save_pretrained directory, "
-          f"planned on emulated-4 at {args.base_gflops:g} GFLOP/s for speed 1): {job['seconds']:.1f} s for the job, "
+          f"planned on the first {args.job_ranks} devices of emulated-4 at {args.base_gflops:g} GFLOP/s for speed 1, "
+          f"{args.job_ranks} ranks): {job['seconds']:.1f} s for the job, "
           f"{tokens:,.0f} tokens/s (median of {len(steps)} steps), MFU of the emulated peaks per device kind: {mfu}")
     print(f"\nreal_job: {'; '.join(headline)}; whalelike train {tokens:,.0f} tokens/s, MFU {mfu} "
           f"(target <= 1.10x share+layer: {'yes' if worst <= 1.1 else 'NO'})")
