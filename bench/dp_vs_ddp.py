@@ -33,7 +33,7 @@ Run (spawns 4 ranks itself)::
 
 What is not emulated (the optimizer step, the loss, Python, the real all-reduces and the sleeps'
 wake-up) costs both sides a fixed time per step on a 2-core machine (printed as "unmodeled":
-~10-15 ms for DDP, ~5 ms more for whalelike, whose Engine also writes its progress to the store
+~13-18 ms for DDP, ~2-5 ms more for whalelike, whose Engine also hands its progress records to a thread
 and runs the straggler monitor); the ratio approaches the ideal as modeled compute grows (a larger
 batch, or a lower ``base_gflops``). That is why two-hosts runs a global batch of 704 at 1 GFLOP/s
 (whalelike's step ~490 ms modeled, 4x the one-host case's), and why its link is 1 Gb/s: the

@@ -58,7 +58,7 @@ COMPUTING = {
     "test_eager_pipeline.py::": 5,
     "test_guards.py::test_guards_on_two_ranks": 5,
     "test_evaluation.py::": 12,   # three ranks train and evaluate under three plans
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[real_job]": 90,  # 4 ranks, then a torchrun job
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[real_job]": 60,  # 4 ranks, then a 2-rank torchrun job
     "test_pretrained.py::test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrained_loads": 40,
     "test_idle_state.py::": 25,
 }
