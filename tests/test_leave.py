@@ -179,3 +179,23 @@ def test_the_leave_flags_ride_with_the_monitor_figures():
     assert alone.fill().tolist() == [0.0, 0.0, 0.0]
     alone.arrived(alone.vector)
     assert quiet.leaving() == []
+
+
+def test_a_notice_that_straddles_the_exchange_is_read_again_before_anyone_leaves():
+    """torchrun's agent stops its workers with one SIGTERM each, one after another: rank 0's flag was
+    in the step's exchange, rank 1's signal landed after it sent its own. Read again before anyone
+    leaves, every rank has given notice: a stop, not a leave. A lone notice stays a leave."""
+    from types import SimpleNamespace
+
+    def boundary(noticed_late: bool):
+        rank1 = Departures(LeaveConfig(sigterm=False))
+        others = torch.tensor([1.0, 0.0], dtype=torch.float64)          # rank 0 gave notice before the exchange
+        runtime = SimpleNamespace(world_size=2, rank=1, sum_alone=lambda v: v.add_(others))
+        rank1.exchange(4, runtime, None).arrived(others.clone())          # the exchange carried rank 0's flag only
+        if noticed_late:
+            rank1.notice()
+        return rank1.react(SimpleNamespace(step=4, runtime=runtime, figures={}))
+
+    assert boundary(noticed_late=True).kind == "stop"
+    lone = boundary(noticed_late=False)
+    assert lone.kind == "leave" and lone.leavers == (0,)

@@ -43,6 +43,10 @@ The protocol, identical on every rank (every decision a function of values every
 5. The leaver destroys its process group and raises :class:`Departed`, a ``SystemExit`` with code
    0: uncaught, the process exits 0 (torchrun's agent sees a worker that succeeded).
 
+A notice the exchange carries for some ranks only is read once more, in a small all-reduce after the
+step's update, before anyone leaves (:meth:`Departures._confirmed`): the agent's SIGTERMs reach its
+workers one after another and may straddle the exchange.
+
 When *every* rank gives notice in the same step, nobody can stay: the whole job is being stopped
 (torchrun's agent stops its workers with SIGTERM to restart them when a node joins or a peer
 failed; a scheduler drains the job). No leave runs; every rank raises :class:`Stopping` at the
@@ -312,6 +316,8 @@ class Departures(Controller):
 
     def react(self, view: StepView) -> Optional[PlanChange]:
         notices = self._leaving if self._step == view.step else []
+        if notices and len(notices) < view.runtime.world_size:
+            notices = self._leaving = self._confirmed(view.runtime)
         if len(notices) == view.runtime.world_size:   # the whole job is being stopped: nobody can stay
             return PlanChange("stop", reason="every rank gave notice (SIGTERM)")
         slow = self.slow(view) if not notices else None
@@ -319,6 +325,18 @@ class Departures(Controller):
             return None
         leavers, reasons = reasons_of(notices, slow)
         return PlanChange("leave", reason="; ".join(reasons), leavers=tuple(leavers), reasons=tuple(reasons))
+
+    def _confirmed(self, runtime) -> list[int]:
+        """The ranks that have given notice by now, read again in a collective of its own (every rank
+        reaches it alike: the exchange's notices are the same everywhere) before anyone leaves.
+        torchrun's agent stops its workers by sending each SIGTERM, one after another: a signal can
+        land on one rank before its flag was sent and on another just after, and the exchange then
+        reads a stop as a leave. The step's backward and update lie between the two reads, far longer
+        than the agent's loop over its workers; a lone notice costs this one small all-reduce."""
+        flags = torch.zeros(runtime.world_size, dtype=torch.float64)
+        flags[runtime.rank] = 1.0 if self.notice_at is not None else 0.0
+        runtime.sum_alone(flags)
+        return [r for r, v in enumerate(flags.tolist()) if v > 0.5]
 
     def slow(self, view: StepView) -> Optional[int]:
         """The rank the slowness rule sends away after this step's exchange, or None (it reads the
