@@ -209,7 +209,8 @@ class DataParallelExecutor(StepExecutor):
         n = targets.shape[0]
         check_global_batch(self.plan, n, f"rank {self.rank}")
         lo, hi = self.layout.split(n, self.rank)
-        return self.train_share(Share(*slice_batch(inputs, targets, lo, hi), global_size=n))
+        mine = (_as_tuple(inputs), targets) if (lo, hi) == (0, n) else slice_batch(inputs, targets, lo, hi)
+        return self.train_share(Share(*mine, global_size=n))
 
     def train_share(self, share: Share) -> torch.Tensor:
         """Like :meth:`train_step` on a batch that holds only this rank's samples (from

@@ -122,7 +122,8 @@ def weighted_loss(loss: torch.Tensor, samples: int, global_size: int,
     """``loss`` (a mean over ``samples``) weighted by its share of a global batch of ``global_size``
     samples, with its backward scaled by ``scaler`` when one is given (fp16). The value is the
     weighted loss either way: only the gradient carries the scale."""
-    weighted = loss * (samples / global_size)
+    # the whole batch (one rank, one micro-batch): its weight is 1, and no operator is needed for it
+    weighted = loss if samples == global_size else loss * (samples / global_size)
     return _ScaleGradient.apply(weighted, scaler) if scaler is not None else weighted
 
 
