@@ -47,8 +47,9 @@ _NO_FORWARD_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
 
 # The passenger joins the last bucket (one collective) when that bucket is at most this many bytes;
 # a larger one is summed in place and the passenger in a second, tiny all-reduce launched right
-# behind it: appending means copying the whole bucket, which costs more than the second collective's
-# latency beyond about a MiB (measured on gloo: bench/overhead.py's four ranks).
+# behind it: appending copies the whole bucket (and DDP copies the result back), a cost that grows
+# with the bucket, where the second collective costs one small message's latency. The threshold is
+# a judgement: bench/overhead.py's four ranks on two cores did not resolve either side of it.
 JOIN_BYTES = 1 << 20
 
 
