@@ -2,8 +2,8 @@
 
 The job: ``examples/train.py`` training ``examples/wide_mlp.py`` (a smaller width) on an emulated
 cluster of two hosts, ``host-a`` with three devices (speeds 1, 1, 0.5) and ``host-b`` with one
-(0.25), checkpoints every ``--every`` steps. After step ``--lose-at`` completes, ``host-b``'s device
-is gone for good (its worker, or its whole torchrun node, SIGKILL). The paths, side by side in one run:
+(0.25), checkpoints every ``--every`` steps. After step ``--lose-at`` completes (for the paths that
+resume, once a checkpoint is complete), ``host-b``'s device is gone for good (its worker, or its whole torchrun node, SIGKILL). The paths, side by side in one run:
 
 * **(a) today's path** (README "A device gone for good"): one torchrun agent of 4 ranks; the
   survivors' collectives fail, the job exits; a person writes the survivors' cluster spec, runs
@@ -269,13 +269,30 @@ def outcome(path: str, job: Job, before: Log, after: Log, lost_at: float, parts:
                    job.ideal(left), job.ideal(left + [HOST_B[0][1]]), {**parts, "start to next step": first - started})
 
 
-def one_agent_loses(job: Job, checkpoints: str, flag: str, sent: signal.Signals) -> tuple[Log, float]:
-    """One torchrun agent of all the ranks, ``train.py ... flag``; once step ``--lose-at`` is done,
-    host-b's worker (the last rank) is sent ``sent``. The job's log and the time it was sent."""
+def wait_for_checkpoint(folder: str, timeout: float) -> None:
+    """Until ``folder`` holds a complete checkpoint. A loss before any is complete leaves nothing to
+    resume and would time a fresh start: on a loaded machine the background saves of a short run (a
+    smoke run's) may all be in flight still when step ``--lose-at`` is done."""
+    from runtime import checkpoint
+
+    deadline = time.monotonic() + timeout
+    while not checkpoint.complete(folder):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no checkpoint in {folder} was complete {timeout:.0f} s after step --lose-at")
+        time.sleep(0.05)
+
+
+def one_agent_loses(job: Job, checkpoints: str, flag: str, sent: signal.Signals,
+                    resumes: bool = True) -> tuple[Log, float]:
+    """One torchrun agent of all the ranks, ``train.py ... flag``; once step ``--lose-at`` is done
+    (and, for a path that ``resumes``, a checkpoint is complete), host-b's worker (the last rank) is
+    sent ``sent``. The job's log and the time it was sent."""
     world = job.args.host_a + 1
     log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
                  "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, flag)])
     log.wait_for_step(job.args.lose_at, timeout=600)
+    if resumes:
+        wait_for_checkpoint(checkpoints, timeout=600)
     os.kill(workers_of(log.process.pid)[world - 1], sent)
     return log, time.monotonic()
 
@@ -319,6 +336,7 @@ def replan_on_restart(job: Job) -> Outcome:
     # the 4-rank steps print on the node of rank 0: either agent
     before = a if a.process.pid in _rank0_agent(a, b) else b
     before.wait_for_step(args.lose_at, timeout=600)
+    wait_for_checkpoint(checkpoints, timeout=600)
     for pid in [b.process.pid, *workers_of(b.process.pid).values()]:
         os.kill(pid, signal.SIGKILL)
     lost_at = time.monotonic()
@@ -349,7 +367,8 @@ def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
 def leave_without_restart(job: Job) -> Outcome:
     """(c): one agent of 4 ranks with ``--leave-on-sigterm``; host-b's worker (the last rank) receives
     SIGTERM, leaves at the step boundary, and the others go on in the same processes."""
-    log, lost_at = one_agent_loses(job, os.path.join(job.folder, "c-ckpt"), "--leave-on-sigterm", signal.SIGTERM)
+    log, lost_at = one_agent_loses(job, os.path.join(job.folder, "c-ckpt"), "--leave-on-sigterm", signal.SIGTERM,
+                                   resumes=False)
     finish(log, timeout=600)
     if log.process.returncode != 0:
         raise RuntimeError(f"(c) the job failed:\n{log.text()[-3000:]}")
