@@ -134,10 +134,10 @@ class Log:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
-    def wait_for_step(self, step: int, timeout: float) -> float:
+    def wait_for_step(self, step: int, timeout: float, after: float = 0.0) -> float:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = [t for t, s, _ in self.steps() if s >= step]
+            done = [t for t, s, _ in self.steps(after) if s >= step]
             if done:
                 return done[0]
             if self.process.poll() is not None:
@@ -333,9 +333,11 @@ def replan_on_restart(job: Job) -> Outcome:
 
     a = agent("host-a", args.host_a, True)
     b = agent("host-b", 1, False)
-    # the 4-rank steps print on the node of rank 0: either agent
-    before = a if a.process.pid in _rank0_agent(a, b) else b
-    before.wait_for_step(args.lose_at, timeout=600)
+    # the job on every device prints on the node of rank 0 (either agent); on a loaded machine host-a's
+    # agent may start alone first (--nnodes 1:2) and restart when host-b joins: its steps before that
+    # ran on fewer devices, and host-b lost then was never part of the job
+    before, started = _full_start([a, b], args.host_a + 1, timeout=600)
+    before.wait_for_step(args.lose_at, timeout=600, after=started)
     wait_for_checkpoint(checkpoints, timeout=600)
     for pid in [b.process.pid, *workers_of(b.process.pid).values()]:
         os.kill(pid, signal.SIGKILL)
@@ -353,15 +355,24 @@ def first_line_after(log: Log, after: float, marker: str) -> float:
     return next((t for t, line in log.lines if t > after and marker in line), after)
 
 
-def _rank0_agent(a: Log, b: Log, timeout: float = 120) -> set[int]:
-    """The pid of the agent whose workers include rank 0, once they are up."""
+def _full_start(logs: list[Log], world: int, timeout: float) -> tuple[Log, float]:
+    """The log and the time of the job's first start on all ``world`` ranks: once every agent has a
+    worker, the first ``training ... on {world} ranks`` or ``resumed at step`` line (rank 0 prints
+    it, on its node's agent)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for log in (a, b):
-            if 0 in workers_of(log.process.pid):
-                return {log.process.pid}
+    while not all(workers_of(log.process.pid) for log in logs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every agent had a worker within {timeout:g} s")
         time.sleep(0.05)
-    raise RuntimeError(f"no rank 0 within {timeout:g} s:\n{a.text()[-2000:]}\n{b.text()[-2000:]}")
+    joined = time.monotonic()
+    start = re.compile(rf"training \d+ steps of \d+ samples on {world} ranks|resumed at step")
+    while time.monotonic() < deadline:
+        for log in logs:
+            found = [t for t, line in list(log.lines) if t > joined and start.search(line)]
+            if found:
+                return log, found[0]
+        time.sleep(0.05)
+    raise RuntimeError(f"no start on {world} ranks within {timeout:g} s:\n" + "\n".join(l.text()[-1500:] for l in logs))
 
 
 def leave_without_restart(job: Job) -> Outcome:
