@@ -51,8 +51,13 @@ def slice_batch(inputs: Any, targets: torch.Tensor, lo: int, hi: int) -> tuple[t
     """Samples ``[lo, hi)`` of a batch: every batched tensor input is sliced on dimension 0, other
     inputs pass through. ``inputs`` may be one tensor, a tuple or a list (as collated)."""
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    sliced = tuple(x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
-    return sliced, targets[lo:hi]
+    sliced = tuple(_rows(x, lo, hi) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
+    return sliced, _rows(targets, lo, hi)
+
+
+def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``x[lo:hi]``; ``x`` itself when that is all of it (a rank holding the whole batch: no view made)."""
+    return x if lo == 0 and hi == x.shape[0] else x[lo:hi]
 
 
 def dp_shares(plan: Plan, rank: int) -> tuple[list[int], int]:

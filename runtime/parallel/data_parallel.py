@@ -209,8 +209,7 @@ class DataParallelExecutor(StepExecutor):
         n = targets.shape[0]
         check_global_batch(self.plan, n, f"rank {self.rank}")
         lo, hi = self.layout.split(n, self.rank)
-        mine = (_as_tuple(inputs), targets) if (lo, hi) == (0, n) else slice_batch(inputs, targets, lo, hi)
-        return self.train_share(Share(*mine, global_size=n))
+        return self.train_share(Share(*slice_batch(inputs, targets, lo, hi), global_size=n))
 
     def train_share(self, share: Share) -> torch.Tensor:
         """Like :meth:`train_step` on a batch that holds only this rank's samples (from
@@ -222,10 +221,8 @@ class DataParallelExecutor(StepExecutor):
         passenger, self.passenger = self.passenger, None
         carrier, fill = total, None
         lo = 0
-        whole = len(sizes) == 1
         for m, size in enumerate(sizes):
-            inputs, targets = (_as_tuple(share.inputs), share.targets) if whole else \
-                slice_batch(share.inputs, share.targets, lo, lo + size)
+            inputs, targets = slice_batch(share.inputs, share.targets, lo, lo + size)
             lo += size
             last = m == len(sizes) - 1
             with nullcontext() if last else self.sync.no_sync():
@@ -300,11 +297,6 @@ class DataParallelExecutor(StepExecutor):
         if n == 0:
             return sum(t.sum() for t in _tensors(outputs)) * 0.0
         return weighted_loss(self.loss_fn(outputs, targets), n, global_size, self.scaler)
-
-
-def _as_tuple(inputs: Any) -> tuple:
-    """The model's positional inputs as :func:`runtime.data.slice_batch` gives them."""
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
