@@ -192,6 +192,27 @@ def finish(log: Log, timeout: float) -> None:
     log._thread.join(timeout=5)
 
 
+def kill_all(*logs: Log) -> None:
+    """These torchrun agents and their workers (each in a session of its own), SIGKILL."""
+    for log in logs:
+        if log.process.poll() is None:
+            for pid in [*workers_of(log.process.pid).values(), log.process.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def lost_in_time(log: Log, job: "Job", lost_at: float, path: str) -> None:
+    """Raises if the job had trained its last step before the device was lost (then nothing was lost:
+    on a loaded machine the bench may react after the job is done, and a path would wait for a resume
+    that never comes)."""
+    last = [t for t, s, _ in log.steps() if s >= job.args.steps]
+    if last and last[0] <= lost_at:
+        raise RuntimeError(f"({path}) the job trained all {job.args.steps} steps before the device was lost after step "
+                           f"{job.args.lose_at}: raise --steps or lower --base-gflops (slower emulated steps)")
+
+
 def spec_dict(hosts: dict[str, list], base_gflops: float) -> dict:
     """A cluster spec of ``hosts`` (name -> devices), each device's peak the emulated speed priced
     as examples/clusters do (speed * base_gflops / 1000 / 0.4), so the planner predicts what runs."""
@@ -290,11 +311,19 @@ def one_agent_loses(job: Job, checkpoints: str, flag: str, sent: signal.Signals,
     world = job.args.host_a + 1
     log = start([os.path.join(BIN, "torchrun"), "--nproc_per_node", str(world), "--master_port", str(free_port()),
                  "--max-restarts", "0", *job.train_args(job.plan, job.spec, checkpoints, flag)])
-    log.wait_for_step(job.args.lose_at, timeout=600)
-    if resumes:
-        wait_for_checkpoint(checkpoints, timeout=600)
-    os.kill(workers_of(log.process.pid)[world - 1], sent)
-    return log, time.monotonic()
+    try:
+        log.wait_for_step(job.args.lose_at, timeout=600)
+        if resumes:
+            wait_for_checkpoint(checkpoints, timeout=600)
+        victim = workers_of(log.process.pid).get(world - 1)
+        if victim is not None:
+            os.kill(victim, sent)
+        lost_at = time.monotonic()
+        lost_in_time(log, job, lost_at, "every path")
+    except BaseException:
+        kill_all(log)
+        raise
+    return log, lost_at
 
 
 def restart_by_hand(job: Job) -> Outcome:
@@ -336,12 +365,16 @@ def replan_on_restart(job: Job) -> Outcome:
     # the job on every device prints on the node of rank 0 (either agent); on a loaded machine host-a's
     # agent may start alone first (--nnodes 1:2) and restart when host-b joins: its steps before that
     # ran on fewer devices, and host-b lost then was never part of the job
-    before, started = _full_start([a, b], args.host_a + 1, timeout=600)
-    before.wait_for_step(args.lose_at, timeout=600, after=started)
-    wait_for_checkpoint(checkpoints, timeout=600)
-    for pid in [b.process.pid, *workers_of(b.process.pid).values()]:
-        os.kill(pid, signal.SIGKILL)
-    lost_at = time.monotonic()
+    try:
+        before, started = _full_start([a, b], args.host_a + 1, timeout=600)
+        before.wait_for_step(args.lose_at, timeout=600, after=started)
+        wait_for_checkpoint(checkpoints, timeout=600)
+        kill_all(b)
+        lost_at = time.monotonic()
+        lost_in_time(before, job, lost_at, "b")
+    except BaseException:
+        kill_all(a, b)
+        raise
     finish(a, timeout=600)
     finish(b, timeout=10)
     if a.process.returncode != 0:
@@ -356,21 +389,21 @@ def first_line_after(log: Log, after: float, marker: str) -> float:
 
 
 def _full_start(logs: list[Log], world: int, timeout: float) -> tuple[Log, float]:
-    """The log and the time of the job's first start on all ``world`` ranks: once every agent has a
-    worker, the first ``training ... on {world} ranks`` or ``resumed at step`` line (rank 0 prints
-    it, on its node's agent)."""
+    """The log and the time of the job's first start on all ``world`` ranks: the first ``training
+    ... on {world} ranks`` or ``resumed at step N on {world} ranks`` line (rank 0 prints it, on its
+    node's agent). A start on fewer ranks (host-a's agent alone, before host-b joined) prints a
+    smaller count, so no line is skipped by when it arrived (a gate on the agents' workers being
+    seen first missed a start that came before the bench's scan of ``/proc`` on a loaded machine)."""
     deadline = time.monotonic() + timeout
-    while not all(workers_of(log.process.pid) for log in logs):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not every agent had a worker within {timeout:g} s")
-        time.sleep(0.05)
-    joined = time.monotonic()
-    start = re.compile(rf"training \d+ steps of \d+ samples on {world} ranks|resumed at step")
+    start = re.compile(rf"(training \d+ steps of \d+ samples|resumed at step \d+) on {world} ranks")
     while time.monotonic() < deadline:
         for log in logs:
-            found = [t for t, line in list(log.lines) if t > joined and start.search(line)]
+            found = [t for t, line in list(log.lines) if start.search(line)]
             if found:
                 return log, found[0]
+        if all(log.process.poll() is not None for log in logs):
+            raise RuntimeError(f"every agent ended before a start on {world} ranks:\n" +
+                               "\n".join(l.text()[-1500:] for l in logs))
         time.sleep(0.05)
     raise RuntimeError(f"no start on {world} ranks within {timeout:g} s:\n" + "\n".join(l.text()[-1500:] for l in logs))
 
@@ -417,8 +450,10 @@ def main() -> None:
     parser.add_argument("--base-gflops", type=float, default=0.1, help="the emulation's speed 1 (default 0.1)")
     parser.add_argument("--host-a", type=int, default=3, choices=[1, 2, 3], help="devices on host-a (default 3)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"paths to run (default {','.join(PATHS)})")
-    args = parse_args(parser, smoke=dict(steps=12, every=3, lose_at=7, width=16, blocks=2, host_a=1,
-                                         base_gflops=0.01))
+    # a smoke run's steps are slow by emulation (sleeps, no CPU): the device is lost in a window of
+    # seconds between step --lose-at and the last, which a bench on a loaded machine still meets
+    args = parse_args(parser, smoke=dict(steps=16, every=3, lose_at=7, width=16, blocks=2, host_a=1,
+                                         base_gflops=0.001))
     job = prepare(args)
     world = args.host_a + 1
     print(f"elastic: {world} ranks ({args.host_a} on host-a, 1 on host-b), {args.steps} steps of {args.global_batch} "

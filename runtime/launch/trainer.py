@@ -409,7 +409,8 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
         if show:
             moved = "" if resume.world_size == plan.world_size and _same_plan(resume, plan) else \
                 f", resharded from the {resume.world_size}-rank plan it was saved with"
-            print(f"\n[{name}] resumed at step {engine.step} from {resume.path}{moved}", flush=True)
+            print(f"\n[{name}] resumed at step {engine.step} on {plan.world_size} ranks from {resume.path}{moved}",
+                  flush=True)
     elif show:
         print(f"\n[{name}] training {args.steps} steps of {plan.global_batch_size} samples on {plan.world_size} ranks"
               f"{batches.describe()}", flush=True)
