@@ -45,7 +45,9 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
-from planner.candidates import Priced, fastest_schedule, fold_patterns, folded_candidate, keep_fastest, plan_fits
+from planner.candidates import (
+    Priced, faster, fastest_schedule, fold_patterns, folded_candidate, idle_fold_candidate, keep_fastest, plan_fits,
+)
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout, shared_device_groups
@@ -103,7 +105,8 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
                                     else predict(naive, cluster))
         candidates = [Priced("aware", aware), Priced("naive", naive)]
         folded = folded_candidate(graphs, cluster, config) if config.fold_stages else None
-        result = keep_fastest(candidates + ([folded] if folded is not None else []), naive.prediction)
+        folded = faster(folded, idle_fold_candidate(graphs, cluster, config, aware))
+        result = keep_fastest(candidates + ([folded] if folded is not None else []), naive.prediction, graphs)
     else:
         result = _profiled_plan(graphs, cluster, config, profile)
     result.validate(graphs=graphs, cluster=cluster)

@@ -73,6 +73,7 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
             zero_stage=dec.zero_stage(s),
             zero_reason=dec.zero_reason[s] if dec.zero_reason else "none",
             folded=list(layout.shapes[s].folded),
+            kept_work=dict(dec.kept_work).get(s),
         )
         for s, layers in enumerate(dec.stage_layers)
     ]

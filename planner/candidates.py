@@ -48,6 +48,8 @@ from whalelike.config import AUTO_SCHEDULES, Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import fits
+from planner.devices.placement import build_layout, fold_layout
+from planner.shares.batch_fit import divisors, most_groups
 from planner.devices.placement_search import best_aware_plan
 from planner.errors import PlanError
 from planner.partition.stage_layers import foldable_runs
@@ -67,20 +69,67 @@ class Priced(NamedTuple):
     plan: Plan
 
 
+def idle_stages(plan: Plan, graphs: TaskGraphs) -> list[int]:
+    """The stages of ``plan`` with nothing to compute: no FLOPs in their layers while the regions they
+    stand for have some (the partitioner moved every compute layer to a neighbour and left the glue,
+    a final norm, issue 36). Such a stage holds devices that do no work."""
+    regions = stage_regions(plan)
+    out = []
+    for st, tgs in zip(plan.stages, regions):
+        own = sum(graphs[t].forward_flops + graphs[t].backward_flops for t in tgs)
+        held = sum(graphs.layers[i].forward_flops + graphs.layers[i].backward_flops for i in st.layers)
+        if held <= 0 < own:
+            out.append(st.index)
+    return out
+
+
+def idle_folds(plan: Plan, graphs: TaskGraphs) -> list[list[int]]:
+    """The stages of ``plan`` (runs of TaskGraph indices) with each of its :func:`idle_stages`, and each
+    stage the partitioner kept a layer on so that it computes (``StagePlan.kept_work``), folded into
+    the neighbour that holds most of the compute layers it was given (the one the partitioner moved
+    them to); empty when there is none."""
+    idle = sorted(set(idle_stages(plan, graphs)) | {st.index for st in plan.stages if st.kept_work is not None})
+    if not idle:
+        return []
+    runs = [list(r) for r in stage_regions(plan)]
+    home = [{i for t in r for i in graphs[t].layers if graphs.layers[i].forward_flops + graphs.layers[i].backward_flops > 0}
+            for r in runs]
+    into = {}
+    for s in idle:
+        neighbours = [n for n in (s - 1, s + 1) if 0 <= n < len(runs) and n not in idle]
+        if neighbours:
+            into[s] = max(neighbours, key=lambda n: (len(home[s] & set(plan.stages[n].layers)), -n))
+    merged: list[list[int]] = []
+    for s, run in enumerate(runs):
+        if s and (into.get(s) == s - 1 or into.get(s - 1) == s):
+            merged[-1].extend(run)
+        else:
+            merged.append(list(run))
+    return merged
+
+
 def plan_fits(plan: Plan) -> bool:
     """Whether every worker's estimated peak memory is within its device's (``Worker.capacity_gib``)."""
     return all(fits(w.memory_gib, w.capacity_gib) for w in plan.workers)
 
 
-def keep_fastest(candidates: list[Priced], naive_prediction: Prediction) -> Plan:
+def keep_fastest(candidates: list[Priced], naive_prediction: Prediction, graphs: TaskGraphs | None = None) -> Plan:
     """The fastest candidate that fits (the first one, the aware plan, when none is faster by more
     than :data:`TIE`, or when none fits: the caller's validation then says why), with
-    ``naive_prediction``, ``chosen`` and every candidate recorded in ``candidates``."""
+    ``naive_prediction``, ``chosen`` and every candidate recorded in ``candidates``. Given ``graphs``,
+    a candidate with a stage that has nothing to compute (:func:`idle_stages`, recorded in
+    ``CandidatePlan.idle_stages``) is kept only when no candidate without one fits: its devices
+    would hold a stage and do no work."""
     fitting = [plan_fits(c.plan) for c in candidates]
+    idle = [idle_stages(c.plan, graphs) if graphs is not None else [] for c in candidates]
+    if any(f and not i for f, i in zip(fitting, idle)):
+        eligible = [f and not i for f, i in zip(fitting, idle)]
+    else:
+        eligible = fitting
     best = 0
     for i, c in enumerate(candidates):
-        if fitting[i] and (not fitting[best] or
-                           c.plan.prediction.step_time_ms < candidates[best].plan.prediction.step_time_ms * (1 - TIE)):
+        if eligible[i] and (not eligible[best] or
+                            c.plan.prediction.step_time_ms < candidates[best].plan.prediction.step_time_ms * (1 - TIE)):
             best = i
     kept = candidates[best]
     if best:
@@ -88,9 +137,13 @@ def keep_fastest(candidates: list[Priced], naive_prediction: Prediction) -> Plan
         log.info("the %s are predicted faster than the %s (%.2f ms against %.2f ms per step): keeping them",
                     CANDIDATE_LABELS[kept.name], CANDIDATE_LABELS[candidates[0].name], kept.plan.prediction.step_time_ms,
                     aware)
+    if idle[best]:
+        log.warning("stage(s) %s of the plan kept have nothing to compute (the partitioner moved their layers to a "
+                    "neighbour) and no plan that folds them fits: their devices hold glue layers only",
+                    ", ".join(map(str, idle[best])))
     record = [CandidatePlan(c.name, c.plan.prediction.step_time_ms, ok,
-                            stage_regions(c.plan) if any(st.folded for st in c.plan.stages) else [])
-              for c, ok in zip(candidates, fitting)]
+                            stage_regions(c.plan) if any(st.folded for st in c.plan.stages) else [], own_idle)
+              for c, ok, own_idle in zip(candidates, fitting, idle)]
     return dataclasses.replace(kept.plan, naive_prediction=naive_prediction, chosen=kept.name, candidates=record)
 
 
@@ -189,3 +242,55 @@ def folded_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Pr
         if best is None or prediction.step_time_ms < best.plan.prediction.step_time_ms * (1 - TIE):
             best = Priced("folded", dataclasses.replace(plan, prediction=prediction))
     return best
+
+
+def idle_fold_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config, plan: Plan) -> Priced | None:
+    """When ``plan`` has stages with nothing to compute (:func:`idle_stages`): the fastest predicted of
+    the plans that fold each into its neighbour (:func:`idle_folds`), planned as the aware plan is
+    (every placement, swaps), in two ways: the folded stage on the union of both stages' devices
+    (:func:`~planner.devices.placement.fold_layout`: a data-parallel group that may mix device kinds),
+    or the devices dealt out again over the fewer stages by their work
+    (:func:`~planner.devices.placement.regrouped_shapes`: a ``split`` stage that bottlenecks takes the
+    idle stage's devices). None when no stage is idle or no fold can be planned."""
+    way = idle_folds(plan, graphs)
+    if not way or any(len(run) > 1 and not all(_plain(graphs[t]) for t in run) for run in way):
+        return None
+    best = None
+    for how in ("fold", "shared"):
+        try:
+            fed = _feeding(graphs, cluster, config, **{how: way})
+            prediction, folded = best_aware_plan(graphs, cluster, fed, **{how: way})
+        except PlanError as e:
+            log.debug("folding the idle stage(s) of TaskGraphs %s (%s): %s", way, how, e)
+            continue
+        folded = dataclasses.replace(folded, prediction=prediction)
+        if best is None or (plan_fits(folded), -prediction.step_time_ms) > (plan_fits(best.plan), -best.plan.prediction.step_time_ms * (1 - TIE)):
+            best = Priced("folded", folded)
+    return best
+
+
+def _feeding(graphs: TaskGraphs, cluster: Cluster, config: Config, fold: list[list[int]] | None = None,
+             shared: list[list[int]] | None = None) -> Config:
+    """``config`` with at most as many micro-batches as a fold's stages can feed: a folded stage has
+    the data-parallel groups of both, and each needs a sample of every micro-batch
+    (:func:`~planner.shares.batch_fit.check_batch`). The most micro-batches up to the ones asked that
+    divide the global batch and give every group a sample; ``config`` as it is when those fit."""
+    layout = build_layout(graphs, cluster, precision=config.precision, shared=shared)
+    if fold is not None:
+        layout = fold_layout(layout, fold)
+    gbs, groups = config.global_batch_size, most_groups(layout)
+    if gbs // config.num_micro_batch >= groups or gbs < groups:
+        return config
+    fitting = divisors(gbs, 1, min(config.num_micro_batch, gbs // groups))
+    return dataclasses.replace(config, num_micro_batch=fitting[-1]) if fitting else config
+
+
+def faster(one: Priced | None, other: Priced | None) -> Priced | None:
+    """The one of two candidates of the same name that fits and is predicted faster (either may be None)."""
+    if one is None or other is None:
+        return one or other
+    return min((one, other), key=lambda c: (not plan_fits(c.plan), c.plan.prediction.step_time_ms))
+
+
+def _plain(tg) -> bool:
+    return tg.strategy.kind == "replicate" and tg.strategy.inner is None

@@ -109,6 +109,7 @@ class Decisions:
     zero: tuple[int, ...] = ()
     zero_reason: tuple[str, ...] = ()
     state_fractions: tuple[tuple[float, ...], ...] = ()
+    kept_work: tuple[tuple[int, int], ...] = ()   # (stage, layer): pinned so the stage computes (StageLayers.kept_work)
 
     def recomputes(self, s: int) -> bool:
         return bool(self.recompute) and bool(self.recompute[s])
@@ -213,9 +214,9 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     Raises PlanError when the stages do not fit.
     """
     if stage_layers is None:
-        stage_layers, solver, gap, _ = partition_stage_layers(graphs, layout, config, network)
+        stage_layers, solver, gap, _, kept_work = partition_stage_layers(graphs, layout, config, network)
     else:
-        solver, gap = "greedy", None
+        solver, gap, kept_work = "greedy", None, {}
     gbs, m = config.global_batch_size, config.num_micro_batch
     asked = asked_recompute(graphs, stage_layers)
     reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
@@ -228,7 +229,8 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
 
     def decided(stages, sizes, count):
         chosen = [why_zero[s] if fixed[s] is not None else ("fit" if z else "none") for s, z in enumerate(zeros)]
-        return _decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons, zeros, chosen)
+        return dataclasses.replace(_decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons, zeros,
+                                            chosen), kept_work=tuple(sorted(kept_work.items())))
 
     if sizes is not None:
         count = max(len(n) for replica in sizes for stage in replica for n in stage)

@@ -429,7 +429,9 @@ def _check_candidates(plan: PlanRecord) -> None:
         raise PlanError(f"{where}.step_time_ms is {mine.step_time_ms!r} but the plan ({mine.name!r}) predicts "
                         f"{plan.prediction.step_time_ms!r} ms (plan.prediction.step_time_ms); they are one figure")
     for j, other in enumerate(plan.candidates):
-        if other.fits and other.step_time_ms < mine.step_time_ms * (1 - 1e-9):
+        # a candidate with a stage that computes nothing loses to any that fits without one (planner.candidates)
+        if other.fits and other.step_time_ms < mine.step_time_ms * (1 - 1e-9) and \
+                not (other.idle_stages and not mine.idle_stages):
             raise PlanError(f"plan.candidates[{j}] ({other.name!r}) fits and is predicted faster ({other.step_time_ms:g} "
                             f"ms) than the plan chosen ({mine.name!r}, {mine.step_time_ms:g} ms): the planner keeps the "
                             "fastest that fits; re-plan with `whalelike plan`")

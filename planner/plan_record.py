@@ -129,6 +129,9 @@ class StagePlan:
     # their devices (empty: one region's stage, the next after the previous stage's; a re-plan keeps the fold)
     folded: list[int] = rule(int, "the TaskGraphs folded into this stage (two or more adjacent replicate regions of "
                              "automatic device count; empty: the stage of one TaskGraph)", ge=0, default_factory=list)
+    kept_work: Optional[int] = rule(int, "the compute layer the partitioner kept on this stage: its best split left the "
+                                    "stage nothing to compute (its layers ran on a neighbour); None: none was needed",
+                                    ge=0, default=None)
 
 
 @dataclass
@@ -162,6 +165,9 @@ class CandidatePlan:
     stages: list[list[int]] = rule(int, "the TaskGraphs of each stage of a plan with folded stages (the 'folded' "
                                    "candidate, or a re-plan's naive one on a folded plan; empty: one stage per "
                                    "TaskGraph)", ge=0, default_factory=list)
+    idle_stages: list[int] = rule(int, "its stages with nothing to compute (the partitioner moved their compute layers "
+                                  "to a neighbour); such a candidate is kept only when no other fits", ge=0,
+                                  default_factory=list)
 
 
 @dataclass

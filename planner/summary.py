@@ -116,10 +116,17 @@ def choice_lines(plan: PlanRecord) -> list[str]:
         return []
     kept = next(c for c in plan.candidates if c.name == plan.chosen)
     shown = ", ".join(f"{c.name}{_stages(c)} {c.step_time_ms:.2f} ms" + (" (kept)" if c is kept else "")
-                      + ("" if c.fits else " (does not fit in memory)") for c in plan.candidates)
-    lines = [f"candidates (predicted step; the fastest that fits is kept): {shown}"]
+                      + ("" if c.fits else " (does not fit in memory)")
+                      + (f" (stage(s) {', '.join(map(str, c.idle_stages))} with nothing to compute)" if c.idle_stages
+                         else "") for c in plan.candidates)
+    lines = [f"candidates (predicted step; the fastest that fits with no stage idle is kept): {shown}"]
     aware = next((c for c in plan.candidates if c.name == "aware"), None)
-    if aware is not None and kept is not aware:
+    if aware is not None and aware.idle_stages and kept is not aware:
+        lines.append(f"kept the {CANDIDATE_LABELS.get(kept.name, kept.name)}: the hardware-aware decisions left stage(s) "
+                     f"{', '.join(map(str, aware.idle_stages))} with nothing to compute on devices of their own "
+                     f"({aware.step_time_ms:.2f} ms per step); the plan kept has every stage computing "
+                     f"({kept.step_time_ms:.2f} ms)")
+    elif aware is not None and kept is not aware:
         lines.append(f"kept the {CANDIDATE_LABELS.get(kept.name, kept.name)}: predicted faster than the hardware-aware "
                      f"decisions ({kept.step_time_ms:.2f} ms against {aware.step_time_ms:.2f} ms per step)")
     return lines
@@ -134,7 +141,10 @@ def _stages(candidate) -> str:
 def _folded(st) -> str:
     """', folded from regions 0+1 (one data-parallel stage on their devices)' for a folded stage."""
     folded = getattr(st, "folded", [])
-    return f", folded from regions {'+'.join(map(str, folded))} (one stage on their devices)" if folded else ""
+    kept = getattr(st, "kept_work", None)
+    return (f", folded from regions {'+'.join(map(str, folded))} (one stage on their devices)" if folded else "") + (
+        f", keeps layer {kept} so that its devices compute (the best split ran all its layers on a neighbour)"
+        if kept is not None else "")
 
 
 def memory_lines(plan: PlanRecord) -> list[str]:

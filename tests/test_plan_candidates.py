@@ -25,7 +25,7 @@ import planner.decisions
 from planner import Plan, PlanError
 from dist_utils import run_ranks
 from planner.balance.replan import rebalance
-from planner.candidates import fold_patterns, plan_fits
+from planner.candidates import fold_patterns, idle_stages, plan_fits
 from planner.devices.cost_model import device_tflops
 from planner.devices.placement_search import best_aware_plan
 from planner.partition.stage_layers import StageLayers, foldable_runs
@@ -192,16 +192,21 @@ def test_the_plan_is_never_predicted_slower_than_a_plan_the_planner_knows(graphs
     if plan_fits(naive):
         assert plan.prediction.step_time_ms <= naive.prediction.step_time_ms * TIE
     names = [c.name for c in plan.candidates]
-    assert names == ["aware", "naive"] or (fold and fold_patterns(graphs) and names == ["aware", "naive", "folded"])
+    assert names in (["aware", "naive"], ["aware", "naive", "folded"])
+    if names[-1] == "folded" and not (fold and fold_patterns(graphs)):
+        # folds are planned for a stage the partitioner would leave with nothing to compute (issue 36)
+        aware = best_aware_plan(graphs, cluster, config)[1]
+        assert idle_stages(aware, graphs) or any(st.kept_work is not None for st in aware.stages)
     # a cluster smaller than the regions ask (issue 35): any candidate may fold, and the plan says so
     assert plan.shared_devices or any(st.folded for st in plan.stages) == (plan.chosen == "folded")
     assert bool(plan.shared_devices) == (graphs.devices_asked > len(cluster.devices))
     assert plan.candidates[1].step_time_ms == naive.prediction.step_time_ms
     assert plan.candidates[1].fits == plan_fits(naive)
-    for c in plan.candidates:
-        if c.fits:
-            assert plan.prediction.step_time_ms <= c.step_time_ms * TIE
     kept = next(c for c in plan.candidates if c.name == plan.chosen)
+    for c in plan.candidates:
+        if c.fits and not (c.idle_stages and not kept.idle_stages):   # a stage computing nothing loses (issue 36)
+            assert plan.prediction.step_time_ms <= c.step_time_ms * TIE
+    assert not kept.idle_stages or all(c.idle_stages or not c.fits for c in plan.candidates)
     assert kept.fits and kept.step_time_ms == plan.prediction.step_time_ms
     plan.validate(graphs=graphs, cluster=cluster)
 
@@ -364,3 +369,96 @@ def test_planning_from_a_profile_keeps_the_rule_with_folds():
     assert all(plan.prediction.step_time_ms <= c.step_time_ms * TIE for c in plan.candidates if c.fits)
     assert kept.step_time_ms == plan.prediction.step_time_ms
     plan.validate(graphs=graphs, cluster=cluster)
+
+
+# -- no stage with nothing to compute (issue 36, item 2) ---------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _llama_two_replicate_regions() -> TaskGraphs:
+    """A ``transformers`` Llama annotated by path as the issue's user did: the blocks in two
+    ``replicate()`` regions, ``lm_head`` under ``split()``; the final norm joins the second region."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import whalelike as wl
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         use_cache=False, tie_word_embeddings=False))
+    wl.annotate(model, {"model.layers.0-1": wl.replicate(), "model.layers.2-3": wl.replicate(), "lm_head": wl.split()})
+    return wl.capture(model, (torch.randint(0, 4096, (2, 64)),))
+
+
+def _stage_flops(graphs: TaskGraphs, plan: Plan) -> list[float]:
+    return [sum(graphs.layers[i].forward_flops + graphs.layers[i].backward_flops for i in st.layers) for st in plan.stages]
+
+
+def test_a_stage_the_best_split_leaves_without_compute_keeps_a_layer_and_its_fold_is_priced(tmp_path):
+    """On lab-mixed at 16 micro-batches the best split runs both block regions on the A100s and
+    leaves the second stage (three V100s and the 3090) only the final norm. The stage keeps one of its
+    blocks (every device computes), the plan says so, and the plan with that stage folded into its
+    neighbour is priced next to it."""
+    graphs = _llama_two_replicate_regions()
+    cluster = Cluster.load("examples/clusters/lab-mixed.yaml")
+    config = Config(global_batch_size=64, num_micro_batch=16, precision="fp16")
+    plan = planner.plan(graphs, cluster, config)
+    assert all(f > 0 for f in _stage_flops(graphs, plan)), [st.layers for st in plan.stages]
+    kept = [st for st in plan.stages if st.kept_work is not None]
+    assert [st.index for st in kept] == [1]
+    assert kept[0].kept_work in kept[0].layers and kept[0].kept_work in graphs[1].layers
+    # without the kept layer the split is the one that leaves the stage nothing: the layer was the only one moved back
+    assert plan.stages[0].layers == sorted([*graphs[0].layers, *(i for i in graphs[1].layers if i < kept[0].kept_work)])
+    assert [c.name for c in plan.candidates] == ["aware", "naive", "folded"]
+    assert plan.candidates[2].stages == [[0, 1], [2]] and not any(c.idle_stages for c in plan.candidates)
+    assert "keeps layer" in plan.summary(cluster)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    again = Plan.from_yaml(path)
+    assert [st.kept_work for st in again.stages] == [st.kept_work for st in plan.stages]
+    again.validate(graphs=graphs, cluster=cluster)
+
+
+def test_a_candidate_with_an_idle_stage_loses_to_one_that_fits_without_one():
+    """``keep_fastest``'s rule, and the checker's: a faster candidate whose stage computes nothing is
+    not kept while another fits, and a plan file that kept the slower one is valid; one that kept
+    a slower candidate with no idle stage over a faster one with none is refused."""
+    from planner.candidates import Priced, keep_fastest
+    from planner.plan_record import CandidatePlan
+
+    graphs = _llama_two_replicate_regions()
+    cluster = Cluster.load("examples/clusters/lab-mixed.yaml")
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=16, precision="fp16"))
+    stages = [dataclasses.replace(st, layers=list(st.layers)) for st in plan.stages]
+    # the idle variant: stage 1 holds the final norm alone, stage 0 every block
+    norm = stages[1].layers[-1]
+    stages[0].layers = sorted(stages[0].layers + stages[1].layers[:-1])
+    stages[1].layers = [norm]
+    idle = dataclasses.replace(plan, stages=stages, prediction=dataclasses.replace(
+        plan.prediction, step_time_ms=plan.prediction.step_time_ms / 2))
+    assert idle_stages(idle, graphs) == [1] and idle_stages(plan, graphs) == []
+    kept = keep_fastest([Priced("aware", idle), Priced("naive", plan)], plan.prediction, graphs)
+    assert kept.chosen == "naive" and kept.candidates[0].idle_stages == [1] and kept.candidates[1].idle_stages == []
+    assert keep_fastest([Priced("aware", idle), Priced("naive", plan)], plan.prediction).chosen == "aware"
+    with_candidates = dataclasses.replace(plan, chosen="naive", candidates=[
+        CandidatePlan("aware", plan.prediction.step_time_ms / 2, True, [], [1]),
+        CandidatePlan("naive", plan.prediction.step_time_ms, True)])
+    with_candidates.validate(graphs=graphs, cluster=cluster)
+    refused = dataclasses.replace(with_candidates, candidates=[
+        CandidatePlan("aware", plan.prediction.step_time_ms / 2, True),
+        CandidatePlan("naive", plan.prediction.step_time_ms, True)])
+    with pytest.raises(PlanError, match="predicted faster"):
+        refused.validate(graphs=graphs, cluster=cluster)
+
+
+def test_regrouped_stages_keep_fixed_counts_and_deal_the_rest_by_work():
+    """``regrouped_shapes``: a region of one keeps its counts, a run of several is one data-parallel
+    stage (the sum of fixed counts, or an automatic count); the spare devices go by work."""
+    from planner.devices.placement import regrouped_shapes
+
+    graphs = synthetic_model(5, [replicate(), replicate(), split()], layers_per_graph=[2, 2, 1])
+    shapes, replicas = regrouped_shapes(graphs, [[0, 1], [2]], 9)
+    assert replicas == 1 and [s.folded for s in shapes] == [(0, 1), ()]
+    assert sum(s.devices for s in shapes) == 9 and shapes[1].tp == shapes[1].devices
+    fixed = synthetic_model(5, [replicate(2), replicate(3), split(2)], layers_per_graph=[2, 2, 1])
+    shapes, replicas = regrouped_shapes(fixed, [[0, 1], [2]], 7)
+    assert [(s.dp, s.tp) for s in shapes] == [(5, 1), (1, 2)] and replicas == 1

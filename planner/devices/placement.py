@@ -208,6 +208,43 @@ def squeezed_shapes(graphs: TaskGraphs, grouping: list[list[int]], num_devices: 
     return shapes
 
 
+def regrouped_shapes(graphs: TaskGraphs, grouping: list[list[int]], num_devices: int) -> tuple[list[StageShape], int]:
+    """The stages of ``grouping`` (runs of adjacent TaskGraph indices, in order) on a cluster with the
+    devices the regions ask, and the number of pipeline replicas: a stage of one region keeps its
+    counts (fixed, or automatic: a share of the spare devices by work, as :func:`stage_shapes`), a
+    stage of several is one data-parallel stage of all their layers (``StageShape.folded``) with the
+    sum of their fixed counts when every one is fixed, else an automatic count. The layout of a
+    candidate that folds a stage the partitioner left with nothing to compute into its neighbour
+    (:func:`planner.candidates.idle_folds`): the devices that stage held are dealt out again, to
+    whichever stages the work asks for. On a cluster smaller than the regions ask:
+    :func:`squeezed_shapes`."""
+    if graphs.devices_asked > num_devices:
+        return squeezed_shapes(graphs, grouping, num_devices), 1
+    fixed: list[tuple[int, int] | None] = []
+    for run in grouping:
+        degrees = [graphs[t].strategy.fixed_degrees for t in run]
+        if len(run) == 1:
+            fixed.append(degrees[0])
+        else:
+            fixed.append((sum(d[0] * d[1] for d in degrees), 1) if all(degrees) else None)
+    requested = sum(dp * tp for f in fixed if f is not None for dp, tp in [f])
+    auto = [k for k, f in enumerate(fixed) if f is None]
+    if requested + len(auto) > num_devices:
+        raise PlanError(f"the stages {grouping} ask {requested} devices plus at least {len(auto)} for automatic counts "
+                        f"but the cluster has {num_devices}")
+    budgets = _one_each_by_work([grouping[k] for k in auto], graphs, num_devices - requested) if auto else []
+    budget = dict(zip(auto, budgets))
+    shapes = []
+    for k, (run, f) in enumerate(zip(grouping, fixed)):
+        first = graphs[run[0]]
+        if len(run) > 1:
+            shapes.append(StageShape(first.index, first.strategy, f[0] if f else budget[k], 1, tuple(run)))
+            continue
+        dp, tp = f if f is not None else _auto_degrees(first.strategy, budget[k], first.index)
+        shapes.append(StageShape(first.index, first.strategy, dp, tp))
+    return shapes, (1 if auto else num_devices // requested)
+
+
 def _auto_budgets(auto_graphs, spare: int) -> dict[int, int]:
     """Devices per automatic stage: one each, the rest proportional to FLOPs per sample (largest
     remainder, ties to the stage with more work)."""
@@ -282,14 +319,15 @@ def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory"
     stage order. ``"speed"`` deals devices ranked by speed (then memory) to the stages with the
     most FLOPs per device first: better when a late stage (a wide classifier) dominates compute.
     The planner tries both and keeps the faster plan that fits. Speed is each device's at the
-    training ``precision`` (``Config.precision``). ``shared``: a grouping of
-    :func:`shared_device_groups` (a cluster smaller than the regions ask): its stages
-    (:func:`squeezed_shapes`), one pipeline.
+    training ``precision`` (``Config.precision``). ``shared``: runs of adjacent TaskGraphs, one
+    stage each (:func:`regrouped_shapes`): a grouping of :func:`shared_device_groups` (a cluster
+    smaller than the regions ask: :func:`squeezed_shapes`, one pipeline), or a fold of a stage
+    with nothing to compute (:func:`planner.candidates.idle_folds`).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if shared is not None:
-        shapes, replicas = squeezed_shapes(graphs, shared, len(cluster.devices)), 1
+        shapes, replicas = regrouped_shapes(graphs, shared, len(cluster.devices))
     else:
         shapes, replicas = stage_shapes(graphs, len(cluster.devices))
     if placement == "memory":

@@ -19,6 +19,7 @@ replicas in step one way.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import NamedTuple
@@ -103,6 +104,7 @@ class StageLayers(NamedTuple):
     solver: str
     gap: float | None
     partitioned: bool
+    kept_work: dict[int, int] = {}   # stage -> the compute layer pinned to it so that it computes (see below)
 
 
 def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
@@ -145,7 +147,41 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
         log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s",
                     micro_batch, e, "TaskGraph boundaries" if in_force is None else "layers in force")
         return StageLayers(layers if in_force is None else in_force, "greedy", None, False)
-    return StageLayers([[order[i] for i in stage] for stage in result.stage_layers()], result.solver, result.gap, True)
+    found = [[order[i] for i in stage] for stage in result.stage_layers()]
+    keep = _work_to_keep(graphs, layers, found, movable)
+    if keep:
+        try:
+            again = partition(dataclasses.replace(problem, pinned={**problem.pinned,
+                                                                   **{order.index(i): s for s, i in keep.items()}}))
+        except PartitionInfeasible as e:
+            log.warning("stage(s) %s have nothing to compute in the best split (their layers run on a neighbour) and "
+                        "no split that keeps a layer on them fits (%s)", ", ".join(map(str, keep)), e)
+            return StageLayers(found, result.solver, result.gap, True)
+        log.info("the best split leaves stage(s) %s nothing to compute; each keeps one of its layers (%s) so that its "
+                 "devices work, and a plan with it folded into its neighbour is priced too (planner.candidates)",
+                 ", ".join(map(str, keep)), ", ".join(f"layer {i}" for i in keep.values()))
+        return StageLayers([[order[i] for i in stage] for stage in again.stage_layers()], again.solver, again.gap, True,
+                           keep)
+    return StageLayers(found, result.solver, result.gap, True)
+
+
+def _computes(graphs: TaskGraphs, i: int) -> bool:
+    layer = graphs.layers[i]
+    return layer.forward_flops + layer.backward_flops > 0
+
+
+def _work_to_keep(graphs: TaskGraphs, home: list[list[int]], found: list[list[int]], movable: set[int]) -> dict[int, int]:
+    """The movable stages ``found`` leaves with nothing to compute while their own layers (``home``)
+    have some, each with the compute layer of its own to pin on it: the last when most of its compute
+    layers went to the stage before, else the first (the neighbour keeps the rest)."""
+    keep = {}
+    for s in sorted(movable):
+        mine = [i for i in home[s] if _computes(graphs, i)]
+        if not mine or any(_computes(graphs, i) for i in found[s]):
+            continue
+        before = sum(1 for i in mine if s > 0 and i in set(found[s - 1]))
+        keep[s] = mine[-1] if before * 2 >= len(mine) else mine[0]
+    return keep
 
 
 def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: float | None = None,
