@@ -5,7 +5,8 @@ A ``transformers`` ResNet of bottleneck blocks annotated as three ``replicate`` 
 micro-batch, on ``emulated-4``: the hardware-aware plan was predicted 0.81x the naive one, because the
 partitioner shaved the slowest stage by moving a layer from the two fast devices onto a slow one,
 which one micro-batch (the stages run one after another) pays in full. The regression test checks
-the decision itself (the aware plan keeps the layer, and beats the naive plan), the rule test checks
+the decision itself (the first stage keeps the layer, the plan beats the naive plan, and the middle
+stage the best split leaves only a pooling layer is folded away, issue 36), the rule test checks
 that a decision slower than the naive plan is not kept whatever the decision rule did, and the
 property test checks the rule over random models and clusters against the naive plan computed on
 its own (``planner.naive_plan``) and against every candidate the plan records.
@@ -67,12 +68,18 @@ def test_resnet_of_three_replicate_stages_with_one_micro_batch_beats_the_naive_p
     naive = planner.naive_plan(graphs, cluster, config)
     assert plan.naive_prediction == naive.prediction
     # the decision itself: the first stage (the two fastest devices) keeps the first region's layers
-    assert plan.chosen == "aware" and plan.stages[0].layers[:2] == list(graphs[0].layers[:2])
+    assert plan.stages[0].layers[:2] == list(graphs[0].layers[:2])
     assert plan.prediction.step_time_ms < naive.prediction.step_time_ms / 1.2
-    assert [(c.name, c.fits) for c in plan.candidates] == [("aware", True), ("naive", True)]
+    # the best split leaves the middle region's stage only the pooling layer (no FLOPs): the aware plan keeps
+    # that region's block on it (issue 36), and the plan with the stage folded into the first is faster
+    aware = best_aware_plan(graphs, cluster, config)[1]
+    assert [st.kept_work for st in aware.stages] == [None, graphs[1].layers[0], None]
+    assert [(c.name, c.fits, c.stages) for c in plan.candidates] == [
+        ("aware", True, []), ("naive", True, []), ("folded", True, [[0, 1], [2]])]
+    assert plan.chosen == "folded" and plan.stages[0].folded == [0, 1]
     summary = plan.summary()
     assert "predicted speed-up over naive: 1." in summary
-    assert f"aware {plan.prediction.step_time_ms:.2f} ms (kept), naive {naive.prediction.step_time_ms:.2f} ms" in summary
+    assert f"folded [TaskGraphs 0+1 | 2] {plan.prediction.step_time_ms:.2f} ms (kept)" in summary
 
 
 # -- the rule, whatever the decisions --------------------------------------------------------------
@@ -238,9 +245,10 @@ def test_the_resnet_folded_into_one_stage_is_kept_when_faster(tmp_path):
     unfolded = planner.plan(graphs, cluster, dataclasses.replace(config, fold_stages=False))
     assert plan.chosen == "folded" and len(plan.stages) == 1 and plan.stages[0].folded == [0, 1, 2]
     assert plan.stages[0].strategy == "replicate(4)" and plan.naive_prediction == unfolded.naive_prediction
-    assert plan.prediction.step_time_ms < unfolded.prediction.step_time_ms
+    # without fold_stages only the fold of the stage left with nothing to compute is priced (issue 36)
+    assert plan.prediction.step_time_ms < unfolded.prediction.step_time_ms and unfolded.stages[0].folded == [0, 1]
     assert [(c.name, c.stages) for c in plan.candidates] == [("aware", []), ("naive", []), ("folded", [[0, 1, 2]])]
-    assert plan.candidates[0].step_time_ms == unfolded.prediction.step_time_ms
+    assert plan.candidates[0].step_time_ms == unfolded.candidates[0].step_time_ms
     summary = plan.summary()
     assert "folded from regions 0+1+2 (one stage on their devices)" in summary
     assert (f"folded [TaskGraphs 0+1+2] {plan.prediction.step_time_ms:.2f} ms (kept)" in summary
