@@ -46,7 +46,8 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
 from planner.candidates import (
-    Priced, faster, fastest_schedule, fold_patterns, folded_candidate, idle_fold_candidate, keep_fastest, plan_fits,
+    Priced, faster, fastest_count, fastest_schedule, fold_patterns, folded_candidate, idle_fold_candidate,
+    keep_fastest, plan_fits,
 )
 from planner.decisions import check_trainable, naive_decisions
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
@@ -100,8 +101,8 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     if profile is None:
         naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
         prediction, aware = best_aware_plan(graphs, cluster, config)
-        aware = dataclasses.replace(aware, prediction=prediction)
-        naive = dataclasses.replace(naive, prediction=prediction if _simulated_alike(naive, aware)
+        aware = fastest_count(graphs, cluster, config, dataclasses.replace(aware, prediction=prediction))
+        naive = dataclasses.replace(naive, prediction=aware.prediction if _simulated_alike(naive, aware)
                                     else predict(naive, cluster))
         candidates = [Priced("aware", aware), Priced("naive", naive)]
         folded = folded_candidate(graphs, cluster, config) if config.fold_stages else None

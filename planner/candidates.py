@@ -49,7 +49,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import fits
 from planner.devices.placement import build_layout, fold_layout
-from planner.shares.batch_fit import divisors, most_groups
+from planner.shares.batch_fit import divisors, micro_batch_counts, most_groups
 from planner.devices.placement_search import best_aware_plan
 from planner.errors import PlanError
 from planner.partition.stage_layers import foldable_runs
@@ -59,6 +59,7 @@ from planner.summary import CANDIDATE_LABELS
 
 log = logging.getLogger(__name__)
 
+MAX_MORE_COUNTS = 4   # larger micro-batch counts priced when no split fits the asked one (fastest_count)
 TIE = 1e-9   # relative: a candidate must be faster than this to replace an earlier one (plan_checks keeps it too)
 MAX_FOLDS = 16   # fold patterns planned in full at most (each one plan per placement, then swaps)
 
@@ -253,7 +254,10 @@ def idle_fold_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config, pl
     (:func:`~planner.devices.placement.regrouped_shapes`: a ``split`` stage that bottlenecks takes the
     idle stage's devices). None when no stage is idle or no fold can be planned."""
     way = idle_folds(plan, graphs)
-    if not way or any(len(run) > 1 and not all(_plain(graphs[t]) for t in run) for run in way):
+    foldable = [set(run) for run in foldable_runs(graphs)]
+    # only regions that may fold (plain replicate, automatic counts, equal options; plan_checks holds
+    # plans to it): a stage of fixed counts keeps the layer the partitioner left on it
+    if not way or any(len(run) > 1 and not any(set(run) <= f for f in foldable) for run in way):
         return None
     best = None
     for how in ("fold", "shared"):
@@ -264,8 +268,7 @@ def idle_fold_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config, pl
             log.debug("folding the idle stage(s) of TaskGraphs %s (%s): %s", way, how, e)
             continue
         folded = dataclasses.replace(folded, prediction=prediction)
-        if best is None or (plan_fits(folded), -prediction.step_time_ms) > (plan_fits(best.plan), -best.plan.prediction.step_time_ms * (1 - TIE)):
-            best = Priced("folded", folded)
+        best = faster(best, Priced("folded", folded))
     return best
 
 
@@ -292,5 +295,31 @@ def faster(one: Priced | None, other: Priced | None) -> Priced | None:
     return min((one, other), key=lambda c: (not plan_fits(c.plan), c.plan.prediction.step_time_ms))
 
 
-def _plain(tg) -> bool:
-    return tg.strategy.kind == "replicate" and tg.strategy.inner is None
+
+def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
+    """The aware plan at the micro-batch count that is predicted fastest, when the asked count could not
+    be kept (issue 36: no split of the layers fits micro-batches that large, or the stages' memory asked
+    for more of them): the counts up to :data:`MAX_MORE_COUNTS` past the one the planner reached, each
+    planned in full (cut points, shares, ZeRO stage and recompute for that count) and simulated; fewer,
+    larger micro-batches run faster per sample and more of them fill the pipeline better, and only the
+    simulator weighs the two. ``aware`` itself when the asked count was kept."""
+    if aware.num_micro_batch == config.num_micro_batch:
+        return aware
+    layout = build_layout(graphs, cluster, precision=config.precision)
+    larger = [c for c in micro_batch_counts(config.global_batch_size, aware.num_micro_batch, layout)
+              if c > aware.num_micro_batch][:MAX_MORE_COUNTS]
+    best = aware
+    for count in larger:
+        try:
+            prediction, plan = best_aware_plan(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
+        except PlanError as e:
+            log.debug("%d micro-batches: %s", count, e)
+            continue
+        plan = dataclasses.replace(plan, prediction=prediction)
+        if plan_fits(plan) and prediction.step_time_ms < best.prediction.step_time_ms * (1 - TIE):
+            best = plan
+    if best is not aware:
+        log.info("%d micro-batches are predicted fastest (%.2f ms against %.2f ms at %d, the fewest that fit)",
+                 best.num_micro_batch, best.prediction.step_time_ms, aware.prediction.step_time_ms,
+                 aware.num_micro_batch)
+    return best

@@ -213,11 +213,11 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     even or ragged shards.
     Raises PlanError when the stages do not fit.
     """
+    gbs, m = config.global_batch_size, config.num_micro_batch
     if stage_layers is None:
-        stage_layers, solver, gap, _, kept_work = partition_stage_layers(graphs, layout, config, network)
+        stage_layers, solver, gap, _, kept_work, m = _partition_at_a_count(graphs, config, layout, network, counts)
     else:
         solver, gap, kept_work = "greedy", None, {}
-    gbs, m = config.global_batch_size, config.num_micro_batch
     asked = asked_recompute(graphs, stage_layers)
     reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
     fixed = list(zero) if zero is not None else asked_zero(graphs, config, layout, stage_layers)
@@ -616,6 +616,29 @@ def _holds_equal_shares(layout: Layout, st: PricedStage, sizes) -> bool:
                 if not fits(need, device.memory_gib * GIB):
                     return False
     return True
+
+
+def _partition_at_a_count(graphs: TaskGraphs, config: Config, layout: Layout, network, counts: list[int] | None):
+    """The partitioner's stage layers at the asked micro-batch count or, when no split fits its
+    micro-batches (issue 36), at the fewest more micro-batches that lets one fit (smaller micro-batches:
+    less activation memory a stage), instead of keeping the TaskGraph boundaries and raising the count
+    for them: the cut points and the count are searched together. ``(layers, solver, gap, partitioned,
+    kept_work, count)``; the count the batch fitting starts from (the asked one when nothing fits at
+    any: the boundaries stand, and the fitting's ZeRO and recompute ladder decides). ``counts``: the
+    counts a caller allows (a re-plan's), the first tried alone."""
+    m = config.num_micro_batch
+    found = partition_stage_layers(graphs, layout, config, network, quiet=True)
+    if found.partitioned or layout.num_stages == 1:
+        return (*found, m)
+    tried = list(counts) if counts is not None else micro_batch_counts(config.global_batch_size, m, layout)
+    for count in tried[1:]:
+        again = partition_stage_layers(graphs, layout, dataclasses.replace(config, num_micro_batch=count), network,
+                                       quiet=True)
+        if again.partitioned:
+            log.warning("no split of the layers fits micro-batches of %d samples; %d micro-batches (%d samples each) "
+                        "let one fit", config.global_batch_size // m, count, config.global_batch_size // count)
+            return (*again, count)
+    return (*partition_stage_layers(graphs, layout, config, network), m)
 
 
 def _decided(layout: Layout, stage_layers, stages: list[PricedStage], sizes, count: int, solver: str,

@@ -83,7 +83,7 @@ def test_resnet_of_three_replicate_stages_with_one_micro_batch_beats_the_naive_p
 
 
 # -- the rule, whatever the decisions --------------------------------------------------------------
-def _piled_on_the_last_stage(graphs, layout, config, network, in_force=None) -> StageLayers:
+def _piled_on_the_last_stage(graphs, layout, config, network, in_force=None, quiet=False) -> StageLayers:
     """A decision rule that ignores what the simulator prices: every layer but one per stage on the
     last stage."""
     n, S = len(graphs.layers), layout.num_stages

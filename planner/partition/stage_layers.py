@@ -108,7 +108,7 @@ class StageLayers(NamedTuple):
 
 
 def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
-                           in_force: list[list[int]] | None = None) -> StageLayers:
+                           in_force: list[list[int]] | None = None, quiet: bool = False) -> StageLayers:
     """The hardware-aware split (:class:`StageLayers`).
 
     The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
@@ -118,7 +118,8 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     of the schedule over ``Config.num_micro_batch`` micro-batches; its split is not proven optimal,
     gap None). When the partition is infeasible at this micro-batch size, the user's boundaries
     stand (or ``in_force``, a re-plan's layers in force), ``partitioned`` False, and the memory
-    balancer reports what does not fit.
+    balancer reports what does not fit (``quiet``: said at debug level, for a caller that tries other
+    micro-batch counts first, :func:`planner.decisions.aware_decisions`).
     """
     layers = home_layers(graphs, layout)
     runs = movable_runs(graphs, layout)
@@ -144,8 +145,9 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     try:
         result = partition(problem)
     except PartitionInfeasible as e:
-        log.warning("pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s",
-                    micro_batch, e, "TaskGraph boundaries" if in_force is None else "layers in force")
+        (log.debug if quiet else log.warning)(
+            "pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s", micro_batch, e,
+            "TaskGraph boundaries" if in_force is None else "layers in force")
         return StageLayers(layers if in_force is None else in_force, "greedy", None, False)
     found = [[order[i] for i in stage] for stage in result.stage_layers()]
     keep = _work_to_keep(graphs, layers, found, movable)
