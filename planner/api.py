@@ -46,7 +46,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.assemble import build_plan, predict, with_predictions
 from planner.balance.replan import repriced_plan
 from planner.candidates import (
-    Priced, faster, fastest_count, fastest_schedule, fold_patterns, folded_candidate, idle_fold_candidate,
+    Priced, aware_plan_searched, faster, fastest_count, fastest_schedule, fold_patterns, folded_candidate, idle_fold_candidate,
     keep_fastest, plan_fits,
 )
 from planner.decisions import check_trainable, naive_decisions
@@ -100,8 +100,7 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     check_batch(config, layout)
     if profile is None:
         naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
-        prediction, aware = best_aware_plan(graphs, cluster, config)
-        aware = fastest_count(graphs, cluster, config, dataclasses.replace(aware, prediction=prediction))
+        aware = fastest_count(graphs, cluster, config, aware_plan_searched(graphs, cluster, config))
         naive = dataclasses.replace(naive, prediction=aware.prediction if _simulated_alike(naive, aware)
                                     else predict(naive, cluster))
         candidates = [Priced("aware", aware), Priced("naive", naive)]

@@ -48,7 +48,8 @@ from whalelike.config import AUTO_SCHEDULES, Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.memory import fits
-from planner.devices.placement import build_layout, fold_layout
+from planner.devices.cost_model import device_tflops
+from planner.devices.placement import build_layout, fold_layout, stage_shapes
 from planner.shares.batch_fit import divisors, micro_batch_counts, most_groups
 from planner.devices.placement_search import best_aware_plan
 from planner.errors import PlanError
@@ -59,6 +60,7 @@ from planner.summary import CANDIDATE_LABELS
 
 log = logging.getLogger(__name__)
 
+MAX_COUNT_ROUNDS = 6   # device moves between automatic stages kept at most (count_search)
 MAX_MORE_COUNTS = 4   # larger micro-batch counts priced when no split fits the asked one (fastest_count)
 TIE = 1e-9   # relative: a candidate must be faster than this to replace an earlier one (plan_checks keeps it too)
 MAX_FOLDS = 16   # fold patterns planned in full at most (each one plan per placement, then swaps)
@@ -296,30 +298,81 @@ def faster(one: Priced | None, other: Priced | None) -> Priced | None:
 
 
 
+def aware_plan_searched(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+    """The fastest hardware-aware plan (:func:`~planner.devices.placement_search.best_aware_plan`, its
+    prediction filled in) with the devices of its automatic stages searched (:func:`count_search`)."""
+    prediction, aware = best_aware_plan(graphs, cluster, config)
+    return count_search(graphs, cluster, config, dataclasses.replace(aware, prediction=prediction))
+
+
 def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
     """The aware plan at the micro-batch count that is predicted fastest, when the asked count could not
     be kept (issue 36: no split of the layers fits micro-batches that large, or the stages' memory asked
     for more of them): the counts up to :data:`MAX_MORE_COUNTS` past the one the planner reached, each
     planned in full (cut points, shares, ZeRO stage and recompute for that count) and simulated; fewer,
     larger micro-batches run faster per sample and more of them fill the pipeline better, and only the
-    simulator weighs the two. ``aware`` itself when the asked count was kept."""
+    simulator weighs the two. ``aware`` itself when the asked count was kept. Each count's plan is
+    :func:`aware_plan_searched`'s, the count reached included (asked outright, every placement plans
+    for it)."""
     if aware.num_micro_batch == config.num_micro_batch:
         return aware
     layout = build_layout(graphs, cluster, precision=config.precision)
-    larger = [c for c in micro_batch_counts(config.global_batch_size, aware.num_micro_batch, layout)
-              if c > aware.num_micro_batch][:MAX_MORE_COUNTS]
+    # the count reached too, asked outright: every placement then plans for it (at the asked count some
+    # placement may have fit and another not)
+    larger = micro_batch_counts(config.global_batch_size, aware.num_micro_batch, layout)[:MAX_MORE_COUNTS + 1]
     best = aware
     for count in larger:
         try:
-            prediction, plan = best_aware_plan(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
+            plan = aware_plan_searched(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
         except PlanError as e:
             log.debug("%d micro-batches: %s", count, e)
             continue
-        plan = dataclasses.replace(plan, prediction=prediction)
-        if plan_fits(plan) and prediction.step_time_ms < best.prediction.step_time_ms * (1 - TIE):
+        if plan_fits(plan) and plan.prediction.step_time_ms < best.prediction.step_time_ms * (1 - TIE):
             best = plan
     if best is not aware:
         log.info("%d micro-batches are predicted fastest (%.2f ms against %.2f ms at %d, the fewest that fit)",
                  best.num_micro_batch, best.prediction.step_time_ms, aware.prediction.step_time_ms,
                  aware.num_micro_batch)
+    return best
+
+
+def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
+    """The aware plan with the devices of the automatic stages searched (issue 36): the placement splits
+    them by work alone, a device count per stage, but devices of unequal speed are not equal shares
+    (a fast stage needs fewer; a slow device in a stage of fast ones gets a whole sample it takes long
+    over). From the split by work, one device at a time moves from one automatic stage to another
+    while the simulator predicts the step shorter, each layout planned in full (every placement,
+    swaps), at most :data:`MAX_COUNT_ROUNDS` moves. Only on a cluster of devices of unequal speed at
+    the plan's precision with two or more automatic stages and one pipeline (on equal devices the
+    split by work is the split by time); ``aware`` when no move helps."""
+    auto = [tg.index for tg in graphs if tg.strategy.fixed_degrees is None]
+    if len(auto) < 2 or len({device_tflops(d, config.precision) for d in cluster.devices}) < 2:
+        return aware
+    shapes, replicas = stage_shapes(graphs, len(cluster.devices))
+    counts = {sh.taskgraph: sh.devices for sh in shapes if sh.taskgraph in auto}
+    fixed = sum(sh.devices for sh in shapes if sh.taskgraph not in auto)
+    if replicas != 1 or fixed + sum(counts.values()) != len(cluster.devices):
+        return aware
+    config = dataclasses.replace(config, num_micro_batch=aware.num_micro_batch)
+    best, start = aware, dict(counts)
+    for _ in range(MAX_COUNT_ROUNDS):
+        found = None
+        for a, b in itertools.permutations(auto, 2):
+            if counts[a] <= 1:
+                continue
+            trial = {**counts, a: counts[a] - 1, b: counts[b] + 1}
+            try:
+                prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
+            except PlanError as e:
+                log.debug("devices per stage %s: %s", trial, e)
+                continue
+            plan = dataclasses.replace(plan, prediction=prediction)
+            if plan_fits(plan) and prediction.step_time_ms < (found or (best, None))[0].prediction.step_time_ms * (1 - TIE):
+                found = (plan, trial)
+        if found is None:
+            break
+        best, counts = found
+    if best is not aware:
+        log.info("devices per automatic stage %s (split by work: %s) are predicted faster: %.2f ms against %.2f ms",
+                 counts, start, best.prediction.step_time_ms, aware.prediction.step_time_ms)
     return best

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import planner
+import planner.candidates
 import planner.decisions
 from planner import Plan, PlanError
 from dist_utils import run_ranks
@@ -95,6 +96,8 @@ def test_a_decision_predicted_slower_than_the_naive_plan_is_not_kept(monkeypatch
     cluster = synthetic_cluster([(2, 60.0, 40), (2, 20.0, 16)], per_host=4)
     config = Config(global_batch_size=16, num_micro_batch=2)
     monkeypatch.setattr(planner.decisions, "partition_stage_layers", _piled_on_the_last_stage)
+    # the rule alone: no search of the devices per stage to make up for the decision rule
+    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware)
     plan = planner.plan(graphs, cluster, config)
     naive = planner.naive_plan(graphs, cluster, config)
     aware = best_aware_plan(graphs, cluster, config)[0]
@@ -470,3 +473,45 @@ def test_regrouped_stages_keep_fixed_counts_and_deal_the_rest_by_work():
     fixed = synthetic_model(5, [replicate(2), replicate(3), split(2)], layers_per_graph=[2, 2, 1])
     shapes, replicas = regrouped_shapes(fixed, [[0, 1], [2]], 7)
     assert [(s.dp, s.tp) for s in shapes] == [(5, 1), (1, 2)] and replicas == 1
+
+
+# -- devices per stage and micro-batches searched (issue 36, items 4 and 5) ------------------------------
+def test_devices_per_automatic_stage_are_searched_on_unequal_devices():
+    """Four fast and eight slow devices, three automatic regions: the split by work (4, 6, 2) puts slow
+    devices beside fast ones and starves the split head; the count search moves devices between the
+    stages while the simulator says the step gets shorter, and every stage still computes."""
+    from planner.candidates import count_search
+    from planner.devices.placement import stage_shapes
+
+    graphs = synthetic_model(12, [replicate(), replicate(), split()], layers_per_graph=[5, 6, 1], hidden=1024, seq=128,
+                             heads=8, vocab=8000)
+    cluster = synthetic_cluster([(4, 125.0, 40), (8, 20.0, 16)], per_host=4)
+    config = Config(global_batch_size=64, num_micro_batch=8)
+    by_work = [sh.devices for sh in stage_shapes(graphs, 12)[0]]
+    prediction, split_by_work = best_aware_plan(graphs, cluster, config)
+    plan = planner.plan(graphs, cluster, config)
+    counts = [len(plan.stage_workers(st.index)) for st in plan.stages]
+    assert by_work == [4, 6, 2] and counts != by_work and sum(counts) == 12
+    assert plan.chosen == "aware" and plan.prediction.step_time_ms < prediction.step_time_ms / 1.2
+    assert all(f > 0 for f in _stage_flops(graphs, plan))
+    plan.validate(graphs=graphs, cluster=cluster)
+    # one device kind: the split by work is the split by time, nothing is searched
+    equal = synthetic_cluster([(12, 125.0, 40)], per_host=4)
+    aware = dataclasses.replace(best_aware_plan(graphs, equal, config)[1], prediction=prediction)
+    assert count_search(graphs, equal, config, aware) is aware
+
+
+def test_no_split_at_the_asked_micro_batches_searches_more_of_them(caplog):
+    """Two regions, the second on small-memory devices: at one micro-batch of 64 samples no split of the
+    layers fits. The planner searches micro-batch counts with the cut points (the fewest that let a split
+    fit, then larger ones priced in full) instead of keeping the TaskGraph boundaries."""
+    graphs = synthetic_model(12, [replicate(), replicate()], layers_per_graph=[6, 6], hidden=1024, seq=512, heads=8)
+    cluster = synthetic_cluster([(2, 125.0, 40), (2, 20.0, 4)], per_host=2)
+    with caplog.at_level("WARNING", logger="planner.decisions"):
+        plan = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=1))
+    assert "no split of the layers fits micro-batches of 64 samples" in caplog.text
+    assert "keeping the TaskGraph boundaries" not in caplog.text
+    assert plan.num_micro_batch > 1 and plan.stages[0].layers != list(graphs[0].layers)
+    asked = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=plan.num_micro_batch))
+    assert plan.prediction.step_time_ms <= asked.prediction.step_time_ms * TIE
+    plan.validate(graphs=graphs, cluster=cluster)

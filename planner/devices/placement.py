@@ -105,7 +105,8 @@ class Layout:
         return dataclasses.replace(self, groups=tuple(swap(r) for r in self.groups))
 
 
-def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape], int]:
+def stage_shapes(graphs: TaskGraphs, num_devices: int,
+                 counts: dict[int, int] | None = None) -> tuple[list[StageShape], int]:
     """Each stage's (dp, tp) and the number of pipeline replicas. Devices the fixed counts leave
     over go to the automatic stages, at least one each and the rest in proportion to their FLOPs
     (largest remainder), so no device idles because the counts did not divide. A cluster too small
@@ -122,6 +123,11 @@ def stage_shapes(graphs: TaskGraphs, num_devices: int) -> tuple[list[StageShape]
             "or use a larger cluster"
         )
     budgets = _auto_budgets([graphs[i] for i in auto], num_devices - requested)
+    if counts is not None:   # a count search's (planner.candidates.count_search): devices per automatic stage
+        if sorted(counts) != auto or sum(counts.values()) != num_devices - requested or min(counts.values()) < 1:
+            raise PlanError(f"counts {counts} must give each automatic stage {auto} at least one of the "
+                            f"{num_devices - requested} devices the fixed counts leave, all of them")
+        budgets = dict(counts)
     shapes: list[StageShape] = []
     for tg, f in zip(graphs, fixed):
         dp, tp = f if f is not None else _auto_degrees(tg.strategy, budgets[tg.index], tg.index)
@@ -312,7 +318,7 @@ PLACEMENTS = ("memory", "speed")
 
 
 def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory", precision: str = "fp32",
-                 shared: list[list[int]] | None = None) -> Layout:
+                 shared: list[list[int]] | None = None, counts: dict[int, int] | None = None) -> Layout:
     """Place every stage of every pipeline replica on physical devices (see module docstring).
 
     ``placement="memory"`` is Whale's rule: devices ranked by memory (then speed) are dealt out in
@@ -322,14 +328,16 @@ def build_layout(graphs: TaskGraphs, cluster: Cluster, placement: str = "memory"
     training ``precision`` (``Config.precision``). ``shared``: runs of adjacent TaskGraphs, one
     stage each (:func:`regrouped_shapes`): a grouping of :func:`shared_device_groups` (a cluster
     smaller than the regions ask: :func:`squeezed_shapes`, one pipeline), or a fold of a stage
-    with nothing to compute (:func:`planner.candidates.idle_folds`).
+    with nothing to compute (:func:`planner.candidates.idle_folds`). ``counts``: the devices of each
+    automatic stage (TaskGraph index -> count) instead of the split by work
+    (:func:`planner.candidates.count_search`).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if shared is not None:
         shapes, replicas = regrouped_shapes(graphs, shared, len(cluster.devices))
     else:
-        shapes, replicas = stage_shapes(graphs, len(cluster.devices))
+        shapes, replicas = stage_shapes(graphs, len(cluster.devices), counts)
     if placement == "memory":
         key = lambda p: (-p[1].memory_gib, -device_tflops(p[1], precision), p[0])  # noqa: E731
         stage_order = list(range(len(shapes)))

@@ -34,21 +34,23 @@ Candidate = tuple[Prediction, Plan, Layout]
 
 def best_aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config,
                     fold: list[list[int]] | None = None,
-                    shared: list[list[int]] | None = None) -> tuple[Prediction, Plan]:
+                    shared: list[list[int]] | None = None,
+                    counts: dict[int, int] | None = None) -> tuple[Prediction, Plan]:
     """The fastest predicted hardware-aware plan and its prediction: one per device placement that
     fits (:data:`~planner.devices.placement.PLACEMENTS`), the best improved by :func:`swap_search`.
     ``fold``: runs of adjacent stages (one per TaskGraph, by index) each placement's layout runs as
     one stage on the union of their devices (:func:`~planner.devices.placement.fold_layout`,
     :mod:`planner.candidates`). ``shared``: the stages of a cluster smaller than the regions ask
-    (:func:`~planner.devices.placement.shared_device_groups`). Raises the error of the Whale-rule
-    placement when none fits."""
+    (:func:`~planner.devices.placement.shared_device_groups`). ``counts``: devices per automatic
+    stage (:func:`planner.candidates.count_search`). Raises the error of the Whale-rule placement when
+    none fits."""
     scored, first_error, tried = [], None, []
     for placement in PLACEMENTS:
         try:
-            layout = build_layout(graphs, cluster, placement, config.precision, shared=shared)
+            layout = build_layout(graphs, cluster, placement, config.precision, shared=shared, counts=counts)
             if fold is not None:
                 layout = fold_layout(layout, fold)
-            if fold is not None or shared is not None:
+            if fold is not None or shared is not None or counts is not None:
                 check_batch(config, layout)   # a folded stage has more data-parallel groups to feed
             if layout in tried:   # both rules dealt the same devices: the same plan, planned once
                 continue
