@@ -99,6 +99,31 @@ def build(name: str, seq: int, vocab: int):
     return model, (example,)
 
 
+def workload(name: str):
+    """The model of ``name`` as a ``whalelike.Workload`` (the factories below): for ``whalelike plan
+    bench/lab_plans.py:llama_1b --cluster examples/clusters/lab-mixed.yaml ...``."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from hf_llama import causal_lm_loss
+
+    from whalelike.workload import Workload, counting_tokens
+
+    model, example = build(name, SEQ, VOCAB)
+    return Workload(model=model, example_args=example, loss_fn=causal_lm_loss, make_batch=counting_tokens(VOCAB, SEQ),
+                    vocab_size=VOCAB, seq_len=SEQ)
+
+
+def llama_1b():
+    return workload("1B")
+
+
+def llama_7b():
+    return workload("7B")
+
+
+def llama_13b():
+    return workload("13B")
+
+
 def load_cluster(name: str):
     from whalelike.cluster import Cluster
 

@@ -38,6 +38,7 @@ plan file). A later candidate replaces an earlier one only when it is faster by 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -70,6 +71,20 @@ class Priced(NamedTuple):
 
     name: str
     plan: Plan
+
+
+@contextlib.contextmanager
+def trials():
+    """The planner's warnings while it plans layouts it only tries (a count search's moves, a fold, a
+    micro-batch count) are at most errors: each trial's decisions (a stage recomputing to fit, more
+    micro-batches) say nothing of the plan kept, whose summary states its own."""
+    logger = logging.getLogger("planner")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def idle_stages(plan: Plan, graphs: TaskGraphs) -> list[int]:
@@ -264,8 +279,9 @@ def idle_fold_candidate(graphs: TaskGraphs, cluster: Cluster, config: Config, pl
     best = None
     for how in ("fold", "shared"):
         try:
-            fed = _feeding(graphs, cluster, config, **{how: way})
-            prediction, folded = best_aware_plan(graphs, cluster, fed, **{how: way})
+            with trials():
+                fed = _feeding(graphs, cluster, config, **{how: way})
+                prediction, folded = best_aware_plan(graphs, cluster, fed, **{how: way})
         except PlanError as e:
             log.debug("folding the idle stage(s) of TaskGraphs %s (%s): %s", way, how, e)
             continue
@@ -323,7 +339,8 @@ def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: P
     best = aware
     for count in larger:
         try:
-            plan = aware_plan_searched(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
+            with trials():
+                plan = aware_plan_searched(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
         except PlanError as e:
             log.debug("%d micro-batches: %s", count, e)
             continue
@@ -362,7 +379,8 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
                 continue
             trial = {**counts, a: counts[a] - 1, b: counts[b] + 1}
             try:
-                prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
+                with trials():
+                    prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
             except PlanError as e:
                 log.debug("devices per stage %s: %s", trial, e)
                 continue

@@ -214,8 +214,10 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     Raises PlanError when the stages do not fit.
     """
     gbs, m = config.global_batch_size, config.num_micro_batch
-    if stage_layers is None:
-        stage_layers, solver, gap, _, kept_work, m = _partition_at_a_count(graphs, config, layout, network, counts)
+    searched = stage_layers is None
+    partitioned = True
+    if searched:
+        stage_layers, solver, gap, partitioned, kept_work = partition_stage_layers(graphs, layout, config, network)
     else:
         solver, gap, kept_work = "greedy", None, {}
     asked = asked_recompute(graphs, stage_layers)
@@ -254,6 +256,14 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                 short = e
                 break
             if count != m:
+                if searched and not partitioned and counts is None:
+                    # the cut points searched with the count (issue 36): the partition that did not fit
+                    # m micro-batches may fit these smaller ones, instead of the TaskGraph boundaries
+                    again = _repartitioned(graphs, dataclasses.replace(config, num_micro_batch=count), layout, network,
+                                           recompute=recompute, zero=zero, zero_reason=zero_reason,
+                                           state_fractions=state_fractions, shards=shards)
+                    if again is not None:
+                        return again
                 log.warning("micro-batches of %d samples do not fit; using num_micro_batch=%d (%d samples each)",
                             gbs // m, count, gbs // count)
             return decided(stages, sizes, count)
@@ -618,27 +628,20 @@ def _holds_equal_shares(layout: Layout, st: PricedStage, sizes) -> bool:
     return True
 
 
-def _partition_at_a_count(graphs: TaskGraphs, config: Config, layout: Layout, network, counts: list[int] | None):
-    """The partitioner's stage layers at the asked micro-batch count or, when no split fits its
-    micro-batches (issue 36), at the fewest more micro-batches that lets one fit (smaller micro-batches:
-    less activation memory a stage), instead of keeping the TaskGraph boundaries and raising the count
-    for them: the cut points and the count are searched together. ``(layers, solver, gap, partitioned,
-    kept_work, count)``; the count the batch fitting starts from (the asked one when nothing fits at
-    any: the boundaries stand, and the fitting's ZeRO and recompute ladder decides). ``counts``: the
-    counts a caller allows (a re-plan's), the first tried alone."""
-    m = config.num_micro_batch
-    found = partition_stage_layers(graphs, layout, config, network, quiet=True)
-    if found.partitioned or layout.num_stages == 1:
-        return (*found, m)
-    tried = list(counts) if counts is not None else micro_batch_counts(config.global_batch_size, m, layout)
-    for count in tried[1:]:
-        again = partition_stage_layers(graphs, layout, dataclasses.replace(config, num_micro_batch=count), network,
-                                       quiet=True)
-        if again.partitioned:
-            log.warning("no split of the layers fits micro-batches of %d samples; %d micro-batches (%d samples each) "
-                        "let one fit", config.global_batch_size // m, count, config.global_batch_size // count)
-            return (*again, count)
-    return (*partition_stage_layers(graphs, layout, config, network), m)
+def _repartitioned(graphs: TaskGraphs, config: Config, layout: Layout, network, **kwargs) -> Decisions | None:
+    """The decisions at ``config``'s micro-batch count with the layers partitioned for it, when no
+    split fitted the count asked and the TaskGraph boundaries needed this one (issue 36: the cut
+    points are searched with the count, not fixed before it); None when no split fits this count
+    either (the boundaries then stand, as the caller found them)."""
+    if not partition_stage_layers(graphs, layout, config, network, quiet=True).partitioned:
+        return None
+    log.warning("no split of the layers fits the micro-batches asked; at %d micro-batches (%d samples each), "
+                "which the stages need, one does", config.num_micro_batch,
+                config.global_batch_size // config.num_micro_batch)
+    try:
+        return aware_decisions(graphs, config, layout, network, **kwargs)
+    except PlanError:
+        return None
 
 
 def _decided(layout: Layout, stage_layers, stages: list[PricedStage], sizes, count: int, solver: str,

@@ -28,7 +28,7 @@ from planner import Plan, PlanError
 from dist_utils import run_ranks
 from planner.balance.replan import rebalance
 from planner.candidates import fold_patterns, idle_stages, plan_fits
-from planner.devices.cost_model import device_tflops
+from planner.devices.cost_model import GIB, StageCost, device_tflops
 from planner.devices.placement_search import best_aware_plan
 from planner.partition.stage_layers import StageLayers, foldable_runs
 from planner.plan_checks import stage_regions
@@ -502,16 +502,17 @@ def test_devices_per_automatic_stage_are_searched_on_unequal_devices():
 
 
 def test_no_split_at_the_asked_micro_batches_searches_more_of_them(caplog):
-    """Two regions, the second on small-memory devices: at one micro-batch of 64 samples no split of the
-    layers fits. The planner searches micro-batch counts with the cut points (the fewest that let a split
-    fit, then larger ones priced in full) instead of keeping the TaskGraph boundaries."""
-    graphs = synthetic_model(12, [replicate(), replicate()], layers_per_graph=[6, 6], hidden=1024, seq=512, heads=8)
-    cluster = synthetic_cluster([(2, 125.0, 40), (2, 20.0, 4)], per_host=2)
+    """Two regions on four small-memory devices: at two micro-batches no split of the layers fits, and
+    the TaskGraph boundaries need four. The planner partitions the layers for the count the stages need
+    (the cut points searched with the count, instead of the boundaries kept), then plans that count and
+    larger ones in full and keeps the fastest: no slower than the plan asked at the count it kept."""
+    graphs = synthetic_model(8, [replicate(), replicate()], hidden=256, seq=32)
+    cost = StageCost.of_layers(graphs, range(4))
+    cluster = synthetic_cluster([(4, 10.0, (cost.static_bytes + 6 * cost.bytes_per_sample(2)) / GIB)])
     with caplog.at_level("WARNING", logger="planner.decisions"):
-        plan = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=1))
-    assert "no split of the layers fits micro-batches of 64 samples" in caplog.text
-    assert "keeping the TaskGraph boundaries" not in caplog.text
-    assert plan.num_micro_batch > 1 and plan.stages[0].layers != list(graphs[0].layers)
-    asked = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=plan.num_micro_batch))
+        plan = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=2))
+    assert "no split of the layers fits the micro-batches asked; at 4 micro-batches" in caplog.text
+    assert plan.num_micro_batch >= 4
+    asked = planner.plan(graphs, cluster, Config(global_batch_size=32, num_micro_batch=plan.num_micro_batch))
     assert plan.prediction.step_time_ms <= asked.prediction.step_time_ms * TIE
     plan.validate(graphs=graphs, cluster=cluster)

@@ -56,25 +56,44 @@ def test_one_device_kind_is_simulated_once(simulations):
     assert plan.prediction == simulate(plan, record_events=False, network=cluster).prediction
 
 
-def test_two_device_kinds_simulate_each_plan(simulations):
+def test_two_device_kinds_simulate_each_plan(simulations, monkeypatch):
     """Two kinds under a pipeline whose first stage holds the embedding: the speed-first rule deals
     other devices than the memory-first one and the naive shares differ from the aware ones, so
-    each candidate and the naive plan are simulated (three), as before."""
+    each candidate and the naive plan are simulated (three), as before; the search of the devices per
+    stage (planner.candidates.count_search) simulates each layout it tries on top, one per placement
+    that deals other devices."""
+    import planner.candidates
+
     cluster = synthetic_cluster([(4, 125.0, 80), (4, 65.0, 40)], per_host=4, name="two-kinds")
     graphs = synthetic_model(8, (replicate(), replicate()), hidden=256, seq=64, heads=4, vocab=5000)
+    tried = []
+    searched = planner.candidates.best_aware_plan
+
+    def counting_moves(*args, counts=None, **kwargs):
+        before = simulations[0]
+        out = searched(*args, counts=counts, **kwargs)
+        if counts is not None:
+            tried.append(simulations[0] - before)
+        return out
+
+    monkeypatch.setattr(planner.candidates, "best_aware_plan", counting_moves)
     plan = planner.plan(graphs, cluster, Config(32, 4))
-    assert simulations[0] == 3
+    assert tried and simulations[0] == 3 + sum(tried)
     naive = planner.naive_plan(graphs, cluster, Config(32, 4)).prediction
     assert plan.naive_prediction == naive and naive.step_time_ms > plan.prediction.step_time_ms
 
 
 @pytest.mark.parametrize("layers, hidden, heads", [(12, 768, 12), (24, 1024, 16)])
-def test_a_pipeline_re_plan_predicts_what_planning_from_scratch_predicts(layers, hidden, heads):
+def test_a_pipeline_re_plan_predicts_what_planning_from_scratch_predicts(layers, hidden, heads, monkeypatch):
     """bench/replan_speed.py's two-stage pipeline: rank 1 measures half its speed. The re-plan keeps
     rank 1 at data-parallel index 1 (scratch puts it last), so the boundary's slices leave the
     stage in another order; unpaced, as the runtime sends them, both predict the same step."""
+    import planner.candidates
+
     cluster = synthetic_cluster([(4, 125.0, 80), (4, 65.0, 40)], per_host=4, name="mixed-8")
     graphs = synthetic_model(layers + 1, (replicate(), replicate()), hidden=hidden, seq=1024, heads=heads, vocab=50257)
+    # the re-plan keeps each stage's devices: the plans compared keep the split by work (no count search)
+    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware)
     plan = planner.plan(graphs, cluster, Config(128, 16))
     speeds = [device_tflops(cluster.device(w.device)) * 1e12 for w in plan.workers]
     speeds[1] /= 2
