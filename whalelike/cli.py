@@ -51,7 +51,7 @@ examples:
   whalelike plan examples/gpt.py:build --cluster emulated-4 --global-batch 32 \\
       --micro-batches 4 -o plan.yaml --timeline plan.png
   whalelike simulate plan.yaml --timeline plan.png    replay a saved plan's step
-  torchrun --nproc-per-node 4 -m whalelike.cli profile examples/gpt.py:build --cluster emulated-4 \
+  torchrun --nproc-per-node 4 -m whalelike.cli profile examples/gpt.py:build --cluster emulated-4 \\
       -o profile.yaml --plot curves.png               measure every device (one rank each)
 
 MODEL names a function in your file that takes no arguments, for example:
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradients), 3 (and parameters), on FSDP2; default: the planner picks per stage the lowest "
                         "that fits")
     p.add_argument("--even-shards", action="store_true",
-                   help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-2 of a single stage where even "
+                   help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-3 of a single stage where even "
                         "shards do not fit, each device holds a fraction of the state in proportion to the memory "
                         "it has left (ragged shards)")
     p.add_argument("--dp-sync", choices=DP_SYNCS, default="exact",

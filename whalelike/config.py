@@ -27,7 +27,7 @@ RESHARDING_STRATEGIES = ("broadcast", "allgather", "send_recv")
 RESHARDING = ("auto", *RESHARDING_STRATEGIES)   # "auto": the planner's fastest per boundary
 # how a data-parallel group keeps its replicas in step (StagePlan.replica_sync; runtime.replicas.replica_sync
 # builds each): "ddp" (ZeRO stage 0: every rank holds everything), "fsdp" (ZeRO stages 1-3 on torch's FSDP2,
-# StagePlan.zero_stage says which), "ragged" (ZeRO stages 1-2 with memory-proportional shards,
+# StagePlan.zero_stage says which), "ragged" (ZeRO stages 1-3 with memory-proportional shards,
 # StagePlan.state_fractions), "partial" (Prague's P-Reduce: each replica steps on its own gradient, then
 # averages its parameters with a small group; approximate, runtime.replicas.partial_sync)
 REPLICA_SYNCS = ("ddp", "fsdp", "ragged", "partial")
@@ -78,7 +78,7 @@ class Config:
                        one worker (a region's ``replicate(n, zero=k)`` fixes its own stages instead);
                        0 DDP, 1 optimizer state, 2 and gradients, 3 and parameters sharded
                        (``StagePlan.zero_stage``, ``planner.devices.memory``).
-    ragged_shards:     True (the default): at ZeRO stages 1-2 of a single-stage plan without ``split``,
+    ragged_shards:     True (the default): at ZeRO stages 1-3 of a single-stage plan without ``split``,
                        the planner may give each data-parallel worker its own fraction of the sharded
                        state, in proportion to the memory it has left (Cephalo; ``StagePlan.replica_sync``
                        ``"ragged"``, ``planner.shares.state_fractions``) where FSDP2's even shards do not
