@@ -16,7 +16,10 @@ steps and whether they fit, ``Plan.chosen`` names the one kept, and
 The candidates, in order:
 
 * ``"aware"``: the hardware-aware decisions on the fastest placement
-  (:func:`planner.devices.placement_search.best_aware_plan`: every placement rule, then device swaps);
+  (:func:`planner.devices.placement_search.best_aware_plan`: every placement rule, then device swaps),
+  with the devices of its automatic stages searched on unequal devices (:func:`count_search`) and, when
+  the asked micro-batch count could not be kept, the fastest of that count and a few larger ones
+  (:func:`fastest_count`);
 * ``"naive"``: the capacity-blind decisions on Whale's placement (equal shares, shards and layer
   counts: :func:`planner.decisions.naive_decisions`), the baseline of the predicted speed-up. It may
   exceed a device's memory; then it is listed with ``fits`` false and never kept;
@@ -29,7 +32,13 @@ The candidates, in order:
   is the candidate (``CandidatePlan.stages``: its stages' TaskGraphs). Off by default: regions usually
   mean a pipeline on purpose, and each fold is a plan to make and simulate. The runtime runs a folded
   plan as it runs any (its stages' layers are what it splits the model by; one stage is data
-  parallel), and a re-plan keeps the fold (:func:`planner.balance.replan.plan_layout`).
+  parallel), and a re-plan keeps the fold (:func:`planner.balance.replan.plan_layout`). Also without
+  ``fold_stages``, when the partitioner's best split left a stage nothing to compute (it then keeps one
+  of that stage's layers on it, ``StagePlan.kept_work``): that stage folded into its neighbour, on the
+  union of their devices or with the devices dealt out again by work (:func:`idle_fold_candidate`).
+
+A candidate with a stage that computes nothing (:func:`idle_stages`, ``CandidatePlan.idle_stages``) is
+kept only when no other fits: its devices would hold a stage and do no work (issue 36).
 
 A candidate fits when every worker's estimated peak is within its device's memory (the memory model's
 rule, :func:`planner.devices.memory.fits`, which :func:`planner.plan_checks.check_cluster` applies to a
