@@ -1,7 +1,7 @@
 """A shares-only re-plan of a pipeline: adopted in place against rebuilding the executor, side by side.
 
 Workloads (``--model``), each on the built-in emulated 4-device cluster, 4 gloo ranks on CPU,
-where ``planner.plan`` gives a ``replicate(2)`` stage (the two slower devices) feeding a
+planned as a ``replicate(2)`` stage (the two slower devices) feeding a
 ``split(2)`` one (the two fast ones):
 
 * ``hf_gpt2`` (default): ``examples/hf_gpt2.py``, a ``transformers`` GPT-2 annotated by path, its
@@ -11,7 +11,9 @@ where ``planner.plan`` gives a ``replicate(2)`` stage (the two slower devices) f
   extractor feeding a 20,000-class classifier), as ``bench/checkpoint_cost.py`` runs it; a global
   batch of 64 in 4 micro-batches.
 
-Plan A is ``planner.plan``'s; :func:`planner.balance.replan.rebalance` with the replicated stage's
+Plan A is the planner's hardware-aware plan with two devices a stage
+(``best_aware_plan(..., counts={0: 2, 1: 2})``; ``planner.plan`` itself gives the split head a third
+device); :func:`planner.balance.replan.rebalance` with the replicated stage's
 first device measured 3x slower makes plan B, which differs only in that stage's micro-batch sizes
 (the re-plan the straggler monitor makes for a stage's data-parallel group; every part was allowed
 to change).
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -55,9 +58,9 @@ from torch.testing import assert_close
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
 from planner.balance.replan import plan_changes, rebalance  # noqa: E402
+from planner.devices.placement_search import best_aware_plan  # noqa: E402
 from planner.devices.cost_model import device_tflops  # noqa: E402
 from runtime import Engine  # noqa: E402
 from smoke import parse_args  # noqa: E402
@@ -90,7 +93,12 @@ def worker(rank: int, init_file: str, args, results) -> None:
             workload = getattr(__import__(factory.split(".py")[0]), "build")(**smoke_sizes)
         cluster = wl.Cluster.preset("emulated-4")
         graphs = wl.capture(workload.model, workload.example_args)
-        first = planner.plan(graphs, cluster, wl.Config(global_batch_size=global_batch, num_micro_batch=micro_batches))
+        # the planner's hardware-aware plan with two devices a stage (the split by work): what the bench re-plans
+        # is a data-parallel stage's shares (planner.plan's search of the devices per stage gives these models'
+        # split head a third device and leaves the replicated stage one, whose shares cannot move)
+        config = wl.Config(global_batch_size=global_batch, num_micro_batch=micro_batches)
+        prediction, first = best_aware_plan(graphs, cluster, config, counts={0: 2, 1: 2})
+        first = dataclasses.replace(first, prediction=prediction)
         slow = first.stage_workers(0)[0].rank   # the feature stage's first device, measured 3x slower
         speeds = [device_tflops(cluster.devices[w.rank], first.precision) * 1e12 / (3 if w.rank == slow else 1)
                   for w in first.workers]

@@ -371,7 +371,7 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
     (a fast stage needs fewer; a slow device in a stage of fast ones gets a whole sample it takes long
     over). From the split by work, one device at a time moves from one automatic stage to another
     while the simulator predicts the step shorter by :data:`MOVE_GAIN` at least, each layout planned in full (every placement,
-    swaps), at most :data:`MAX_COUNT_ROUNDS` moves. Only on a cluster of devices of unequal speed at
+    swaps), at most :data:`MAX_COUNT_ROUNDS` moves, each keeping the plan's micro-batch count. Only on a cluster of devices of unequal speed at
     the plan's precision with two or more automatic stages and one pipeline (on equal devices the
     split by work is the split by time); ``aware`` when no move helps."""
     auto = [tg.index for tg in graphs if tg.strategy.fixed_degrees is None]
@@ -397,7 +397,10 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
                 log.debug("devices per stage %s: %s", trial, e)
                 continue
             plan = dataclasses.replace(plan, prediction=prediction)
-            if plan_fits(plan) and prediction.step_time_ms < (found or (best, None))[0].prediction.step_time_ms * (1 - MOVE_GAIN):
+            # the micro-batch count stays the plan's: a layout that fits only with more of them changes what
+            # was asked (fastest_count searches counts, and only when the asked one cannot be kept)
+            if plan_fits(plan) and plan.num_micro_batch == aware.num_micro_batch and \
+                    prediction.step_time_ms < (found or (best, None))[0].prediction.step_time_ms * (1 - MOVE_GAIN):
                 found = (plan, trial)
         if found is None:
             break
