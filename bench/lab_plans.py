@@ -7,7 +7,8 @@ module path as a user who cannot edit the model would (the blocks in two ``repli
 and planned by ``planner.plan`` at fp16, or bf16 where every device runs it. It never trains.
 
 Per case, printed: the planning time (capture apart), the devices that compute (a device on a stage
-with no FLOPs does not), the fullest device's memory, the predicted tokens/s (global batch x
+with no FLOPs does not), the fullest device's memory and each device kind's most held at its peak, the
+predicted tokens/s (global batch x
 sequence / predicted step), against
 
 * (a) the best plan that uses one device kind of the cluster: the same model planned on each kind's
@@ -190,6 +191,17 @@ def fullest(plan) -> tuple[str, float]:
     return w.device, w.memory_gib / w.capacity_gib
 
 
+def memory_by_kind(plan, cluster) -> str:
+    """Per device kind, the most a device of it holds at its peak: 'A100-40GB 30.9/40 GiB, ...'."""
+    kind = {d.name: d.kind for d in cluster.devices}
+    most: dict[str, tuple[float, float]] = {}
+    for w in plan.workers:
+        k = kind[w.device]
+        if k not in most or w.memory_gib > most[k][0]:
+            most[k] = (w.memory_gib, w.capacity_gib)
+    return ", ".join(f"{k} {held:.1f}/{cap:.0f} GiB" for k, (held, cap) in most.items())
+
+
 def bound(graphs, cluster, precision: str, seq: int) -> float:
     """Tokens/s of every device's sustained FLOP/s over the training FLOPs of a token."""
     from planner.devices.cost_model import device_tflops
@@ -250,7 +262,8 @@ def main() -> None:
                 rows.append(f"{model_name:>4}  {cluster_name:<10} {precision}  plan {mine.seconds:5.2f} s  "
                             f"devices computing {used}/{len(cluster.devices)}  {len(plan.stages)} stage(s), "
                             f"{plan.num_micro_batch} micro-batches  fullest {device} {share:.0%}  "
-                            f"{tps:9,.0f} tokens/s = {versus}, {tps / top:.0%} of the bound {top:,.0f}")
+                            f"{tps:9,.0f} tokens/s = {versus}, {tps / top:.0%} of the bound {top:,.0f}; "
+                            f"memory at the peak {memory_by_kind(plan, cluster)}")
             print(rows[-1], flush=True)
             cases.append(case)
     planned = [c for c in cases if c["fits"]]
