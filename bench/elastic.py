@@ -41,6 +41,7 @@ after the change against the ideal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -197,10 +198,8 @@ def kill_all(*logs: Log) -> None:
     for log in logs:
         if log.process.poll() is None:
             for pid in [*workers_of(log.process.pid).values(), log.process.pid]:
-                try:
+                with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 def lost_in_time(log: Log, job: "Job", lost_at: float, path: str) -> None:
