@@ -63,7 +63,7 @@ from planner.devices.placement import build_layout, fold_layout, stage_shapes
 from planner.shares.batch_fit import divisors, micro_batch_counts, most_groups
 from planner.devices.placement_search import best_aware_plan
 from planner.errors import PlanError
-from planner.partition.stage_layers import foldable_runs
+from planner.partition.stage_layers import computes, foldable_runs
 from planner.plan import CandidatePlan, Plan, Prediction
 from planner.plan_checks import stage_regions
 from planner.summary import CANDIDATE_LABELS
@@ -103,14 +103,9 @@ def idle_stages(plan: Plan, graphs: TaskGraphs) -> list[int]:
     """The stages of ``plan`` with nothing to compute: no FLOPs in their layers while the regions they
     stand for have some (the partitioner moved every compute layer to a neighbour and left the glue,
     a final norm, issue 36). Such a stage holds devices that do no work."""
-    regions = stage_regions(plan)
-    out = []
-    for st, tgs in zip(plan.stages, regions):
-        own = sum(graphs[t].forward_flops + graphs[t].backward_flops for t in tgs)
-        held = sum(graphs.layers[i].forward_flops + graphs.layers[i].backward_flops for i in st.layers)
-        if held <= 0 < own:
-            out.append(st.index)
-    return out
+    return [st.index for st, tgs in zip(plan.stages, stage_regions(plan))
+            if not any(computes(graphs, i) for i in st.layers)
+            and any(computes(graphs, i) for t in tgs for i in graphs[t].layers)]
 
 
 def idle_folds(plan: Plan, graphs: TaskGraphs) -> list[list[int]]:
@@ -122,8 +117,7 @@ def idle_folds(plan: Plan, graphs: TaskGraphs) -> list[list[int]]:
     if not idle:
         return []
     runs = [list(r) for r in stage_regions(plan)]
-    home = [{i for t in r for i in graphs[t].layers if graphs.layers[i].forward_flops + graphs.layers[i].backward_flops > 0}
-            for r in runs]
+    home = [{i for t in r for i in graphs[t].layers if computes(graphs, i)} for r in runs]
     into = {}
     for s in idle:
         neighbours = [n for n in (s - 1, s + 1) if 0 <= n < len(runs) and n not in idle]
@@ -370,10 +364,11 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
     them by work alone, a device count per stage, but devices of unequal speed are not equal shares
     (a fast stage needs fewer; a slow device in a stage of fast ones gets a whole sample it takes long
     over). From the split by work, one device at a time moves from one automatic stage to another
-    while the simulator predicts the step shorter by :data:`MOVE_GAIN` at least, each layout planned in full (every placement,
-    swaps), at most :data:`MAX_COUNT_ROUNDS` moves, each keeping the plan's micro-batch count. Only on a cluster of devices of unequal speed at
-    the plan's precision with two or more automatic stages and one pipeline (on equal devices the
-    split by work is the split by time); ``aware`` when no move helps."""
+    while the simulator predicts the step shorter by :data:`MOVE_GAIN` at least, each layout planned
+    in full (every placement, swaps), at most :data:`MAX_COUNT_ROUNDS` moves, each keeping the plan's
+    micro-batch count. Only on a cluster of devices of unequal speed at the plan's precision with two
+    or more automatic stages and one pipeline (on equal devices the split by work is the split by
+    time); ``aware`` when no move helps."""
     auto = [tg.index for tg in graphs if tg.strategy.fixed_degrees is None]
     if len(auto) < 2 or len({device_tflops(d, config.precision) for d in cluster.devices}) < 2:
         return aware
@@ -399,8 +394,8 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
             plan = dataclasses.replace(plan, prediction=prediction)
             # the micro-batch count stays the plan's: a layout that fits only with more of them changes what
             # was asked (fastest_count searches counts, and only when the asked one cannot be kept)
-            if plan_fits(plan) and plan.num_micro_batch == aware.num_micro_batch and \
-                    prediction.step_time_ms < (found or (best, None))[0].prediction.step_time_ms * (1 - MOVE_GAIN):
+            bar = (found[0] if found else best).prediction.step_time_ms * (1 - MOVE_GAIN)
+            if plan_fits(plan) and plan.num_micro_batch == aware.num_micro_batch and prediction.step_time_ms < bar:
                 found = (plan, trial)
         if found is None:
             break

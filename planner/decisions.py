@@ -219,7 +219,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     if searched:
         stage_layers, solver, gap, partitioned, kept_work = partition_stage_layers(graphs, layout, config, network)
     else:
-        solver, gap, kept_work = "greedy", None, {}
+        solver, gap, kept_work = "greedy", None, ()
     asked = asked_recompute(graphs, stage_layers)
     reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
     fixed = list(zero) if zero is not None else asked_zero(graphs, config, layout, stage_layers)
@@ -232,7 +232,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     def decided(stages, sizes, count):
         chosen = [why_zero[s] if fixed[s] is not None else ("fit" if z else "none") for s, z in enumerate(zeros)]
         return dataclasses.replace(_decided(layout, stage_layers, stages, sizes, count, solver, gap, reasons, zeros,
-                                            chosen), kept_work=tuple(sorted(kept_work.items())))
+                                            chosen), kept_work=kept_work)
 
     if sizes is not None:
         count = max(len(n) for replica in sizes for stage in replica for n in stage)

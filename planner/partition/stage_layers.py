@@ -104,7 +104,7 @@ class StageLayers(NamedTuple):
     solver: str
     gap: float | None
     partitioned: bool
-    kept_work: dict[int, int] = {}   # stage -> the compute layer pinned to it so that it computes (see below)
+    kept_work: tuple[tuple[int, int], ...] = ()   # (stage, the compute layer pinned to it so that it computes)
 
 
 def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
@@ -163,11 +163,12 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
                  "devices work, and a plan with it folded into its neighbour is priced too (planner.candidates)",
                  ", ".join(map(str, keep)), ", ".join(f"layer {i}" for i in keep.values()))
         return StageLayers([[order[i] for i in stage] for stage in again.stage_layers()], again.solver, again.gap, True,
-                           keep)
+                           tuple(sorted(keep.items())))
     return StageLayers(found, result.solver, result.gap, True)
 
 
-def _computes(graphs: TaskGraphs, i: int) -> bool:
+def computes(graphs: TaskGraphs, i: int) -> bool:
+    """Whether layer ``i`` has FLOPs to run (glue such as a final norm or a pooling layer has none)."""
     layer = graphs.layers[i]
     return layer.forward_flops + layer.backward_flops > 0
 
@@ -178,10 +179,11 @@ def _work_to_keep(graphs: TaskGraphs, home: list[list[int]], found: list[list[in
     layers went to the stage before, else the first (the neighbour keeps the rest)."""
     keep = {}
     for s in sorted(movable):
-        mine = [i for i in home[s] if _computes(graphs, i)]
-        if not mine or any(_computes(graphs, i) for i in found[s]):
+        mine = [i for i in home[s] if computes(graphs, i)]
+        if not mine or any(computes(graphs, i) for i in found[s]):
             continue
-        before = sum(1 for i in mine if s > 0 and i in set(found[s - 1]))
+        upstream = set(found[s - 1]) if s > 0 else set()
+        before = sum(1 for i in mine if i in upstream)
         keep[s] = mine[-1] if before * 2 >= len(mine) else mine[0]
     return keep
 
