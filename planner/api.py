@@ -142,7 +142,7 @@ def _shared_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, groupings
     naive = dataclasses.replace(naive, prediction=aware.prediction if _simulated_alike(naive, aware)
                                 else predict(naive, cluster))
     note = _shared_note(graphs, len(cluster.devices), grouping)
-    kept = keep_fastest([Priced("aware", aware), Priced("naive", naive)], naive.prediction)
+    kept = keep_fastest([Priced("aware", aware), Priced("naive", naive)], naive.prediction, graphs)
     return dataclasses.replace(kept, shared_devices=note)
 
 
@@ -193,7 +193,7 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
             folded = plan
     if folded is not None:
         candidates.append(Priced("folded", folded))
-    result = keep_fastest(candidates, naive.prediction)
+    result = keep_fastest(candidates, naive.prediction, graphs)
     return dataclasses.replace(result, speeds="profile")
 
 
