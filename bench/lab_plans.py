@@ -46,7 +46,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import smoke  # noqa: E402
 from smoke import parse_args  # noqa: E402
 
 # name -> (hidden size, layers, attention heads, key/value heads, MLP width)
@@ -138,20 +137,10 @@ def precision_of(cluster) -> str:
 
 
 def one_kind(cluster, kind: str):
-    """``cluster`` with only its devices of ``kind`` (their hosts and network as they are)."""
-    from whalelike.cluster import Cluster
-
-    hosts = []
-    for host in cluster.hosts:
-        devices = [d for d in cluster.devices if d.host == host and d.kind == kind]
-        if devices:
-            hosts.append({"name": host, "devices": [{"kind": d.kind, "memory_gib": d.memory_gib,
-                                                     "peak_tflops": {p: d.tflops(p) for p in d.precisions}}
-                                                    for d in devices]})
-    net = cluster.network
-    return Cluster.from_dict({"name": f"{cluster.name}/{kind}", "hosts": hosts,
-                              "network": {"intra_host_gbps": net.intra_host_gbps, "inter_host_gbps": net.inter_host_gbps,
-                                          "latency_us": net.latency_us}})
+    """``cluster`` with only its devices of ``kind``: the same device records (peaks and measured rates
+    alike, so the one-kind plan is priced as the mixed one prices those devices), hosts and network."""
+    devices = tuple(d for d in cluster.devices if d.kind == kind)
+    return dataclasses.replace(cluster, name=f"{cluster.name}/{kind}", devices=devices)
 
 
 @dataclasses.dataclass
