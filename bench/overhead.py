@@ -16,7 +16,8 @@ step, largest first.
 
 Then four ranks at equal speeds, no emulation: ``DistributedDataParallel`` with equal shares
 against the Engine on the plan for four equal devices (equal shares too), same model, same global
-batch; the ratio of DDP's step to whalelike's (>= 0.99 is the target).
+batch, timed in pairs as above (each step after a barrier of all ranks); the ratio of DDP's step to
+whalelike's (>= 0.99 is the target).
 
 Target (issue 35): one rank, overhead <= 0.5 ms per step or <= 2% of the plain loop's step,
 whichever is larger, on every example; four ranks >= 0.99x DDP. On this 2-core machine four ranks
@@ -90,36 +91,21 @@ def sides(name: str, batch: int, world: int):
     return plain, lambda: engine.train_step((inputs, targets)), engine
 
 
-def timed_rounds(a, b, steps: int, rounds: int) -> tuple[float, float]:
-    """Median seconds per step of ``a`` and of ``b``, alternating rounds (after one warm-up round
-    each), between barriers when a process group of several ranks exists."""
-    several = dist.is_initialized() and dist.get_world_size() > 1
-    out = ([], [])
-    for r in range(rounds + 1):
-        for i, fn in enumerate((a, b)):
-            if several:
-                dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            if several:
-                dist.barrier()
-            if r:
-                out[i].append((time.perf_counter() - start) / steps)
-    return statistics.median(out[0]), statistics.median(out[1])
-
-
 def timed_pairs(a, b, pairs: int) -> tuple[float, float]:
     """Seconds per step of ``a``, and of ``b`` as ``a``'s plus the median of the paired differences:
     ``pairs`` times one step of each, back to back, in alternating order (after a warm-up pair), so
     that a drift of the machine's speed (this bench's noise on a shared virtual machine: whole
     rounds of one side ran 10-20% faster than the next round of the other) falls on both steps of a
-    pair alike and cancels in their difference."""
+    pair alike and cancels in their difference. With a process group of several ranks, every step
+    starts after a barrier (all ranks time the same pair: the step ends in a collective anyway)."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
     a(), b()
     first, second = [], []
     for i in range(pairs):
         order = ((a, first), (b, second)) if i % 2 == 0 else ((b, second), (a, first))
         for fn, out in order:
+            if several:
+                dist.barrier()
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
@@ -159,7 +145,7 @@ def one_rank(rank: int, init_file: str, args, results) -> None:
 def four_ranks(rank: int, init_file: str, args, results) -> None:
     with process_group(rank, init_file, args.world):
         plain, engine_step, _ = sides(args.examples[0], args.ddp_batch, args.world)
-        ddp_s, engine_s = timed_rounds(plain, engine_step, args.steps, args.rounds)
+        ddp_s, engine_s = timed_pairs(plain, engine_step, args.steps * args.rounds)
         results[rank] = (ddp_s, engine_s)
 
 
@@ -197,7 +183,8 @@ def main() -> None:
     ddp_s = max(s for s, _ in ddp.values())
     engine_s = max(s for _, s in ddp.values())
     print(f"\n{args.world} ranks at equal speeds, no emulation, {args.examples[0]}, global batch {args.ddp_batch}: "
-          f"DDP {1e3 * ddp_s:.2f} ms, whalelike {1e3 * engine_s:.2f} ms per step (slowest rank's median round)")
+          f"DDP {1e3 * ddp_s:.2f} ms, whalelike {1e3 * engine_s:.2f} ms per step (slowest rank's; paired steps "
+          "after a barrier each)")
     print(f"\noverhead: one rank {met}/{len(one['rows'])} within target, worst {worst:.2f} ms per step; "
           f"{args.world} ranks whalelike {ddp_s / engine_s:.3f}x DDP (target >= {TARGET_DDP})")
 

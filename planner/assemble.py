@@ -39,7 +39,7 @@ from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.decisions import Decisions, stage_syncs, zero_shards
+from planner.decisions import Decisions, cut_into_units, stage_syncs, zero_shards
 from planner.groups import groups_of
 from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
@@ -176,7 +176,7 @@ def _fill_allreduce(workers: list[Worker], layout: Layout, dec: Decisions, comm:
         ring = [by_name[w.device] for w in sorted(ws, key=lambda w: w.rank)]
         z = dec.zero_stage(s)
         if z:
-            units = len(fsdp_units(dec.costs[s], layout.num_stages == 1))
+            units = len(fsdp_units(dec.costs[s], layout.num_stages == 1, cut_into_units(layout, s)))
             if dec.fractions(s):   # ragged: one collective per bucket, padded to the largest rank's rows
                 nbytes *= padded_scale(dec.fractions(s))
                 units = ragged_collectives(dec.costs[s], z, layout.num_stages == 1)

@@ -400,7 +400,7 @@ def zero_comm(layout: Layout, st: PricedStage, network):
     (:func:`~planner.shares.state_fractions.padded_scale`)."""
     comm = CommModel(network)
     groups = layout.stage_groups(st.index)
-    units = len(fsdp_units(st.cost, layout.num_stages == 1))
+    units = len(fsdp_units(st.cost, layout.num_stages == 1, cut_into_units(layout, st.index)))
     rings = [[g[t] for g in groups] for t in range(len(groups[0]))]
     scale = 1.0
     if st.ragged:   # one padded collective per bucket (runtime.replicas.ragged_sync)
@@ -423,7 +423,14 @@ def zero_shards(layout: Layout, s: int, cost: StageCost, stage: int, fractions=(
         unit, root = ragged_unit(cost, stage, whole_model)
         return ZeroShards(stage, len(layout.stage_groups(s)), unit, share=1.0 / len(fractions),
                           padding=padded_scale(fractions), root=root)
-    return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, whole_model))
+    return ZeroShards(stage, len(layout.stage_groups(s)), fsdp_unit_share(cost, whole_model, cut_into_units(layout, s)))
+
+
+def cut_into_units(layout: Layout, s: int) -> bool:
+    """Whether stage ``s`` of a pipeline, sharded evenly under ZeRO, runs cut into one FSDP unit per
+    layer (``runtime.parallel.stage_units``): every stage without tensor-parallel slices (a parallel
+    Linear's slice stays in the stage's one unit)."""
+    return layout.shapes[s].tp == 1
 
 
 def partial_stages(graphs: TaskGraphs, config: Config, layout: Layout, stage_layers: list[list[int]]) -> list[bool]:

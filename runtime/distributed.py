@@ -8,9 +8,11 @@ A failed collective says little by itself ("Connection closed by peer", "Timed o
 for recv"). :class:`Progress` records in the default group's key-value store where each rank is,
 so when a collective fails the survivors can name the culprit:
 
-* the step each rank has begun and how many Engine-level collectives of it it has entered (one
-  small ``set`` per collective, written by the heartbeat's thread, none of its own): a rank that never reached the step, or that
-  began it but never entered the collective the others wait in, is named;
+* the step each rank has begun and how many Engine-level collectives of it it has entered (a
+  small ``set`` written by the heartbeat's thread: the first of a step at once, later ones at most
+  every 50 ms, the latest then; none in a world of one rank, which has no peer to read them): a
+  rank that never reached the step, or that began it but never entered the collective the others
+  wait in, is named;
 * a heartbeat: a daemon thread per rank writes a timestamp, the PID and the seconds spent inside
   the current compute segment (:meth:`runtime.emulation.compute.Emulator.busy_for`) every
   ``timeout_s / 12`` seconds (0.1 to 5): no collective, a few hundred bytes. A rank whose
@@ -23,9 +25,10 @@ Why not torch's ``monitored_barrier``: it names the ranks that miss a barrier, b
 collective of its own (a per-step cost, gloo only) and cannot tell a stopped rank from one stuck in
 its compute; NCCL's watchdog watches its own process only.
 
-Invariant: only the failure path reads the store, so a healthy step costs one ``set`` per
-Engine-level collective plus the heartbeat, both written by the heartbeat's thread (the step only
-posts its record there: no store round trip on the training thread); a ``set`` that finds the store gone is dropped (rank 0
+Invariant: only the failure path reads the store, so a healthy step costs one ``set`` when it
+begins and at most one more per 50 ms, plus the heartbeat, all written by the heartbeat's thread
+(the step only posts its record there: no store round trip on the training thread); a record is
+in the store within 50 ms of its collective's entry; a ``set`` that finds the store gone is dropped (rank 0
 may exit after the run's last collective while its peers still record the step's last hooks). Heartbeat ages compare wall clocks across hosts, which
 assumes clocks synchronised to well under ``timeout_s / 2`` (NTP gives milliseconds). The store
 lives on rank 0; if rank 0 is gone, the message says so.
@@ -196,12 +199,15 @@ class Progress:
         store found gone (rank 0 may exit after the run's last collective while its peers still
         record that step's hooks) stops the records: they are a diagnostic, and were it a failure the
         next collective fails and :meth:`failure` says the store is unreachable."""
-        if step != self.step:
+        began = step != self.step
+        if began:
             self.step, self.entered = step, 0
         self.entered += 1
         self._entered_at = time.monotonic()
-        if not self._beat.lost:
-            self._beat.post(_progress_key(self.rank), f"{step} {self.entered}")
+        # a world of one rank has no peer to read its records; the first record of a step is written
+        # at once (a rank stopped or stuck right after beginning a step must be seen to have begun it)
+        if self.world_size > 1 and not self._beat.lost:
+            self._beat.post(_progress_key(self.rank), f"{step} {self.entered}", now=began)
 
     def failure(self, step: int, timeout_s: float, cause: BaseException) -> DistributedStepError:
         """The error to raise when a collective of ``step`` failed on this rank."""
@@ -305,14 +311,21 @@ def _machine() -> str:
 _MACHINE = _machine()
 
 
+# the most often a rank's progress record is written to the store (seconds): a record posted within
+# this time of the last write waits, and only the latest posted by then is written
+RECORD_EVERY_S = 0.05
+
+
 class _Heartbeat:
     """One daemon thread per process writing this rank's heartbeat every ``interval`` seconds:
     wall-clock time, PID, machine, and seconds inside the current compute segment; and, as soon as
     it is posted, the latest :class:`Progress` record (:meth:`post`): the training thread hands it
     over and goes on, so a step pays no store round trip for it (one per Engine-level collective
-    was ~1 ms each under load, most of the runtime's own per-step cost on one rank). Records
-    posted faster than the store takes them are coalesced: only the latest is written. The latest
-    :class:`Progress` (Engine) of the process is the one reported."""
+    was ~1 ms each under load, most of the runtime's own per-step cost on one rank). Records are
+    written at most once per :data:`RECORD_EVERY_S`, the latest posted by then (a write and the
+    thread's wake-up still cost 0.2-0.4 ms of a step's CPU on one rank when made twice a step,
+    ``bench/overhead.py``); a failure is diagnosed seconds later (``timeout_s``), by when the last
+    record is written. The latest :class:`Progress` (Engine) of the process is the one reported."""
 
     _current: Optional["_Heartbeat"] = None
     _lock = threading.Lock()
@@ -322,6 +335,8 @@ class _Heartbeat:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._pending: Optional[tuple[str, str]] = None
+        self._scheduled = False           # a record is posted and the thread will write it
+        self._urgent = False              # ... at once
         self.lost = False                 # the store (rank 0) is gone: nothing more is written
         self._thread = threading.Thread(target=self._run, name=f"whalelike-heartbeat-rank{rank}", daemon=True)
 
@@ -339,11 +354,18 @@ class _Heartbeat:
             cls._current._thread.start()
             return cls._current
 
-    def post(self, key: str, value: str) -> None:
-        """Have ``key`` set to ``value`` in the store by the thread, now (replacing a record posted
-        before it that the thread has not written yet)."""
+    def post(self, key: str, value: str, now: bool = False) -> None:
+        """Have ``key`` set to ``value`` in the store by the thread within :data:`RECORD_EVERY_S`, or
+        at once if ``now`` (replacing a record posted before it that the thread has not written
+        yet). A post that is not ``now`` wakes the thread only when no write is scheduled: it rides
+        the one scheduled."""
         self._pending = (key, value)
-        self._wake.set()
+        if now:
+            self._urgent = True
+            self._wake.set()
+        elif not self._scheduled:
+            self._scheduled = True
+            self._wake.set()
 
     def publish(self) -> None:
         computing = self.computing() if self.computing is not None else None
@@ -369,15 +391,23 @@ class _Heartbeat:
 
     def _run(self) -> None:
         due = time.monotonic() + self.interval
+        written = float("-inf")     # when the last record was written
         while True:
             self._wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 return
             self._wake.clear()
+            if self._scheduled and not self._urgent:   # at most one record per RECORD_EVERY_S: the latest then
+                wait = written + RECORD_EVERY_S - time.monotonic()
+                if wait > 0 and self._wake.wait(wait) and self._stop.is_set():
+                    return
+                self._wake.clear()
+            self._scheduled = self._urgent = False
             pending, self._pending = self._pending, None
             try:
                 if pending is not None:
                     self.store.set(*pending)
+                    written = time.monotonic()
                 if time.monotonic() >= due:
                     self.publish()
                     due = time.monotonic() + self.interval

@@ -9,6 +9,8 @@ gradient (gathered) and the final parameters compared:
 * what each rank holds: its rows of every parameter (``torch.chunk``'s layout over the group), its
   gradient and optimizer-state rows the same, counted in bytes against the layout;
 * ZeRO 3 with the model's layers as FSDP units (gathered one at a time), under emulation;
+* in a pipeline, ZeRO 1-3 on FSDP2 with each stage cut into its layers, each an FSDP unit
+  (runtime.parallel.stage_units);
 * ragged (memory-proportional) shards at ZeRO 1, 2 and 3, a rank holding nothing, in pipelines too;
 * weights tied across pipeline stages under ZeRO (kept whole, summed over each stage's group);
 * activation checkpointing under ZeRO 3 (synchronised BatchNorm under ZeRO: tests/test_batchnorm.py);
@@ -278,7 +280,11 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         for step, batch in enumerate(data):
             assert_close(engine.train_step(batch), losses[step], msg=f"pipeline {sync}{zero}: loss of step {step}")
         assert type(engine.executor).__name__ == "PipelineExecutor"
-        assert engine.executor.stage_worker.sync.name == sync
+        worker = engine.executor.stage_worker
+        assert worker.sync.name == sync
+        if sync == "fsdp":   # each stage cut into its two layers, each an FSDP unit, then the stage (root)
+            assert worker.units == ["units.submod_0", "units.submod_1"], worker.units
+            assert len(worker.sync.units) == 3
         for key, value in engine.state_dict().items():
             assert_close(value, final[key], msg=f"pipeline {sync}{zero}: final {key}")
 

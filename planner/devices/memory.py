@@ -342,22 +342,25 @@ class ZeroShards:
 NO_ZERO = ZeroShards()
 
 
-def fsdp_units(cost: "StageCost", whole_model: bool) -> tuple[float, ...]:
+def fsdp_units(cost: "StageCost", whole_model: bool, cut: bool = False) -> tuple[float, ...]:
     """Parameter bytes of each FSDP unit of a stage, as the runtime wraps them
     (``runtime.replicas.fsdp_sync``): a single-stage plan (``whole_model``) wraps each capture Layer
     that is a module path as its own unit and the rest in the root unit (``StageCost.fsdp_unit_bytes``,
-    the modules :func:`runtime.training.recompute.wrap_layers` picks); a stage of a pipeline is one
-    unit, the whole stage module."""
-    units = cost.fsdp_unit_bytes if whole_model else ()
+    the modules :func:`runtime.training.recompute.wrap_layers` picks); a stage of a pipeline sharded
+    evenly (``cut``: FSDP2 over a group of workers without tensor-parallel slices) is cut into one
+    unit per layer plus the root unit (``StageCost.stage_unit_bytes``,
+    ``runtime.parallel.stage_units``); any other stage of a pipeline is one unit, the whole stage
+    module (ragged shards, a tensor-parallel stage)."""
+    units = cost.fsdp_unit_bytes if whole_model else (getattr(cost, "stage_unit_bytes", ()) if cut else ())
     return tuple(units) if units else (float(cost.param_bytes),)
 
 
-def fsdp_unit_share(cost: "StageCost", whole_model: bool) -> float:
+def fsdp_unit_share(cost: "StageCost", whole_model: bool, cut: bool = False) -> float:
     """``u``: the largest FSDP unit's share of the stage's parameter bytes (:func:`fsdp_units`); 1 for
-    a pipeline stage (one unit) or a stage without parameters."""
+    a pipeline stage of one unit or a stage without parameters."""
     if cost.param_bytes <= 0:
         return 1.0
-    return min(max(max(fsdp_units(cost, whole_model)) / cost.param_bytes, 1e-12), 1.0)
+    return min(max(max(fsdp_units(cost, whole_model, cut)) / cost.param_bytes, 1e-12), 1.0)
 
 
 def parameter_share(cost: "StageCost") -> float:

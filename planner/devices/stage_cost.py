@@ -100,6 +100,9 @@ class StageCost:
     # per layer in order: (its parameter bytes, its largest parameter's; 0: unknown): ragged ZeRO 1's buckets
     param_layers: tuple[tuple[float, float], ...] = ()
     root_param_bytes: float = 0.0            # parameter bytes in no FSDP layer unit (ragged ZeRO 3's root unit)
+    # parameter bytes of each FSDP unit of the stage run as a pipeline stage cut into layers
+    # (runtime.parallel.stage_units), the root unit (parameters several layers read) last when it holds any
+    stage_unit_bytes: tuple[float, ...] = ()
     unbatched_boundary_bytes: float = 0.0    # whole, per micro-batch in flight: boundary values without a batch dim
 
     def __post_init__(self):
@@ -190,6 +193,7 @@ class StageCost:
             if all(l.param_tensors or not l.param_bytes for l in chosen) else 0,
             param_layers=tuple((float(l.param_bytes), float(l.max_param_bytes)) for l in chosen),
             root_param_bytes=params - sum(fsdp_layer_unit_bytes(chosen)),
+            stage_unit_bytes=stage_unit_bytes(chosen, params),
             unbatched_boundary_bytes=float(unbatched),
         )
 
@@ -249,6 +253,29 @@ def fsdp_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     units = fsdp_layer_unit_bytes(chosen)
     if not units:
         return (float(param_bytes),)
+    root = float(param_bytes) - sum(units)
+    return tuple(units) + ((root,) if root > 0 else ())
+
+
+def stage_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
+    """Parameter bytes of each FSDP unit when ``chosen`` (a stage's Layers) run as a pipeline stage
+    cut into layers (``runtime.parallel.stage_units``): one unit per Layer with the parameters only
+    it reads, then the root unit with every parameter read by several Layers of the stage (a weight
+    tied inside it: the owner's and each borrower's reads) and the copies of weights owned by
+    another stage (left out when it holds none). A stage of one Layer is one unit."""
+    if len(chosen) < 2:
+        return (float(param_bytes),)
+    inside = {l.index for l in chosen}
+    shared: dict[tuple[int, str], float] = {}   # (owner, name) -> bytes of a parameter several layers here read
+    for layer in chosen:
+        for owner, name, size in layer.borrowed_params:
+            if owner in inside and owner != layer.index:
+                shared[(owner, name)] = float(size)
+    units = []
+    for layer in chosen:
+        own = float(layer.param_bytes) - sum(size for (owner, _), size in shared.items() if owner == layer.index)
+        if own > 0:
+            units.append(own)
     root = float(param_bytes) - sum(units)
     return tuple(units) + ((root,) if root > 0 else ())
 

@@ -45,6 +45,7 @@ from runtime.replicas.held_state import NamedState
 from runtime.replicas.replica_sync import ReplicaSync, build_replica_sync
 from planner.schedule.program import splits_backward
 from runtime.parallel.split_backward import WeightGradients, backward_inputs
+from runtime.parallel import stage_units
 from runtime.parallel.stage_split import PipelineSplit
 from runtime.parallel.sync_batchnorm import check_equal_micro_batches, synchronise_batchnorm
 from runtime.parallel.tied_weights import TiedParameters
@@ -137,12 +138,17 @@ class StageWorker:
         self._peers = [w.rank for w in peers]
         if plan.sync_batchnorm:
             self._synchronise_batchnorm(peers, dp_group, micro_batches)
+        # under even ZeRO shards (FSDP2) the stage is cut into one module per layer, each an FSDP
+        # unit of its own (runtime.parallel.stage_units: one layer gathered at a time); the tensors
+        # stay, the stage's own keys change, so the names are derived again
+        self.units = self._cut_into_units(peers, names)
         # activation checkpointing (runtime.training.recompute) of the stage module as sharded and
         # rewritten above, one layer at a time (or whole, as the plan says), inside the replica
-        # sync's wrapper; the emulated backward runs the forward again
+        # sync's wrapper (and inside each ZeRO unit); the emulated backward runs the forward again
         self.recomputes = plan.stages[self.stage.index].recompute
         if self.recomputes:
-            recompute.wrap_stage(self.stage.module, plan.stages[self.stage.index].recompute_unit)
+            recompute.wrap_stage(self.stage.module, plan.stages[self.stage.index].recompute_unit,
+                                 layer_names=self.units or None)
             self.flops = (flops[0], flops[1] + flops[0])
             self.memory_bytes = (memory_bytes[0], memory_bytes[1] + memory_bytes[0])
         self.sync: ReplicaSync = self._replica_sync(peers, dp_group)
@@ -336,10 +342,23 @@ class StageWorker:
         devices = [w.device for w in sorted(peers, key=lambda w: w.rank)]
         self._dp_group = dp_group
         return build_replica_sync(kind, self.stage.module, dp_group, emulator=self.emulator, devices=devices,
-                                  alone=alone, reduce_dtype=self.reduce_dtype,
+                                  alone=alone, reduce_dtype=self.reduce_dtype, layers=self.units,
                                   zero_stage=self.plan.stages[self.stage.index].zero_stage,
                                   fractions=self.plan.stages[self.stage.index].state_fractions,
                                   keep_whole=self.kept_whole, idle=self.idle_params, device=self._device)
+
+    def _cut_into_units(self, peers: Sequence, names: nn.Module) -> list[str]:
+        """Cut the stage into layer units when it is sharded evenly under ZeRO (``replica_sync``
+        'fsdp' over more than one worker, no tensor-parallel slice: a parallel Linear's slice stays
+        in one unit with the stage) and return their paths; ``[]`` otherwise (the stage is one unit)."""
+        st = self.plan.stages[self.stage.index]
+        if (st.replica_sync != "fsdp" or not st.zero_stage or len(peers) < 2 or not self.segments_per_stage
+                or not self.has_parameters()):
+            return []
+        paths = stage_units.cut(self.stage.module)
+        if paths:
+            self._state_names = self._model_names(names)
+        return paths
 
     def _synchronise_batchnorm(self, peers: Sequence, dp_group: Optional[dist.ProcessGroup],
                                micro_batches: dict[int, int]) -> None:

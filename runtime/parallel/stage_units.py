@@ -1,0 +1,129 @@
+"""A pipeline stage cut into layer modules that own their parameters: ZeRO's units inside a stage.
+
+Why. A pipeline stage is an ``fx.GraphModule`` cut from the capture (:mod:`runtime.parallel.stage_split`)
+whose parameters are flat attributes of the stage itself. FSDP2 gathers a unit's parameters when
+the unit's ``forward`` is called, so a stage sharded as one unit gathers *all* of its parameters at
+once: under ZeRO 3 every rank then holds its rows plus the whole stage at its peak (``w = f + 1``),
+which is what a rank without ZeRO holds, and a model whose stages do not fit one device whole cannot
+be trained at all however many devices shard it. FSDP2's answer for eager models is one unit per
+transformer block (torchtitan shards each block, then the root); this module gives a graph stage
+the same structure: one submodule per layer of the capture, each holding the parameters only it
+reads, so FSDP2 gathers one layer (and prefetches the next) at a time.
+
+How. :func:`cut` splits the stage's graph by the capture's Layer marks with torch's
+``split_module`` (the units of :func:`runtime.training.recompute.layer_units`: one per Layer, nodes
+without a mark in the layer running when they appear, layers joined where one writes in place to
+another's value), then moves each parameter that exactly one unit reads into that unit (registered
+there; the unit's graph reads it as an attribute instead of an argument). A parameter several units
+read (weights tied inside the stage, a relative-position table every block reads) and every buffer
+stay on the layered module's root, in the stage's root unit, gathered across all their uses (FSDP2
+refuses a parameter in two units, and one freed after its first use would be missing at the next).
+The stage module then holds the layered module as its child ``units`` and nothing else the graph
+reads (state the forward never reads, ``Layer.idle_state``, stays where it was), and its instance
+``forward`` runs the layered module, so ``stage(...)`` still runs the stage's own hooks (the root
+unit's, the emulator's). The same tensors are moved, never copied: identity, values and the
+model's names of the state are unchanged; only the stage's own state-dict keys gain the unit's
+path, so the stage worker derives its names after cutting.
+
+Why not ``torch.distributed.pipelining``'s stage module: it takes the stage as the user wrote it
+(eager submodules), which a stage cut from a traced graph does not have.
+
+The units serve recompute too (:func:`runtime.training.recompute.wrap_layers` over
+:func:`unit_paths`): each layer is then checkpointed inside its FSDP unit, the layout torchtitan
+uses (activation checkpointing applied to a block, then ``fully_shard`` of the block), so a
+recomputed layer runs on the parameters FSDP2 gathered for its backward.
+
+Invariant: a cut stage computes the same values and gradients as the uncut one, operator for
+operator (``split_module`` keeps the graph's order); :func:`unit_paths` lists every unit in the order
+it runs; a parameter is registered in exactly one module of the stage's tree.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.split_module import split_module
+
+from runtime.training.recompute import layer_units
+
+UNITS = "units"   # the stage module's child that holds the layered module
+_CUT = "_wl_stage_units"   # instance attribute: the unit paths of a cut stage
+
+
+def cut(stage: fx.GraphModule) -> list[str]:
+    """Cut ``stage`` into one module per layer, in place (module docstring); returns the units' paths
+    in ``stage``, in the order they run (:func:`unit_paths`). A stage whose graph computes nothing, or
+    in one layer, is left as it is (one unit: itself; returns ``[]``)."""
+    if not isinstance(stage, fx.GraphModule):
+        raise TypeError(f"stage_units.cut expects a pipeline stage (an fx.GraphModule), got {type(stage).__name__}")
+    if _CUT in stage.__dict__:
+        raise ValueError("stage_units.cut: the stage is already cut into units")
+    units = layer_units(stage)
+    if len(set(units.values())) < 2:
+        object.__setattr__(stage, _CUT, [])
+        return []
+    read = _read_attributes(stage)
+    layered = split_module(stage, stage, units.__getitem__, keep_original_order=True)
+    _sink_single_use_parameters(layered)
+    # the stage keeps only what its graph never reads (idle state); the rest lives in the layered module
+    for target in read:
+        owner, _, name = target.rpartition(".")
+        module = stage.get_submodule(owner)
+        for table in (module._parameters, module._buffers, module._modules):
+            table.pop(name, None)
+    stage.add_module(UNITS, layered)
+    paths = [f"{UNITS}.{name}" for name, _ in layered.named_children() if name.startswith("submod_")]
+    object.__setattr__(stage, _CUT, paths)
+    object.__setattr__(stage, "forward", types.MethodType(_units_forward, stage))
+    return paths
+
+
+def unit_paths(stage: nn.Module) -> Optional[list[str]]:
+    """The unit paths of a stage :func:`cut` cut (``[]``: it computes in one unit, itself); None for a
+    stage that was never cut."""
+    paths = stage.__dict__.get(_CUT)
+    return None if paths is None else list(paths)
+
+
+def _units_forward(self: fx.GraphModule, *args, **kwargs):
+    """The stage's graph, unit by unit (:func:`cut`)."""
+    return self._modules[UNITS](*args, **kwargs)
+
+
+def _read_attributes(stage: fx.GraphModule) -> list[str]:
+    """The targets of every attribute and module the stage's graph reads."""
+    return list(dict.fromkeys(n.target for n in stage.graph.nodes if n.op in ("get_attr", "call_module")))
+
+
+def _sink_single_use_parameters(layered: fx.GraphModule) -> None:
+    """Each parameter the layered module's root reads for exactly one unit becomes that unit's own
+    attribute (as :func:`runtime.parallel.stage_split._sink_attributes` does for stages); the rest
+    stay at the root. Each unit changed is recompiled once."""
+    changed: dict[int, fx.GraphModule] = {}
+    for attr in [n for n in layered.graph.nodes if n.op == "get_attr"]:
+        owner, _, name = attr.target.rpartition(".")
+        if name not in layered.get_submodule(owner)._parameters:
+            continue                                   # a buffer: the root unit keeps it
+        users = list(attr.users)
+        if len(users) != 1 or users[0].op != "call_module" or users[0].args.count(attr) != 1:
+            continue                                   # read by several units (or by the root): the root's
+        call = users[0]
+        unit: fx.GraphModule = layered.get_submodule(call.target)
+        position = call.args.index(attr)
+        placeholder = [n for n in unit.graph.nodes if n.op == "placeholder"][position]
+        local = "_" + attr.target.replace(".", "_")
+        unit.register_parameter(local, layered.get_parameter(attr.target))
+        first_op = next(n for n in unit.graph.nodes if n.op != "placeholder")
+        with unit.graph.inserting_before(first_op):
+            placeholder.replace_all_uses_with(unit.graph.get_attr(local))
+        unit.graph.erase_node(placeholder)
+        call.args = call.args[:position] + call.args[position + 1:]
+        layered.graph.erase_node(attr)
+        owner_module = layered.get_submodule(owner)
+        del owner_module._parameters[name]
+        changed[id(unit)] = unit
+    for unit in changed.values():
+        unit.recompile()
+    layered.recompile()
