@@ -557,8 +557,9 @@ def next_zero(layout: Layout, s: int, ladder: list[int], current: int, stage_lay
     """The next ZeRO stage of ``ladder`` above ``current`` at which stage ``s``'s workers hold less
     weights, gradients and optimizer state in all (the activations are the same at every ZeRO
     stage), or None. One that holds no less cannot fit where ``current`` does not and is skipped: in
-    a pipeline, whose stages are one FSDP unit each, stages 2 and 3 hold what stage 1 does; over two
-    workers with AdamW, stage 1 holds what stage 0 does (``1.5 + 1.5 + 0.5 * 2 = 1 + 1 + 2``)."""
+    a stage of one FSDP unit (ragged shards or tensor-parallel slices in a pipeline), stages 2 and 3
+    hold what stage 1 does; over two workers with AdamW, stage 1 holds what stage 0 does
+    (``1.5 + 1.5 + 0.5 * 2 = 1 + 1 + 2``)."""
     cost = StageCost.of_layers(graphs, stage_layers[s], config.precision)
 
     def static(z: int) -> float:

@@ -16,7 +16,10 @@ each case trains two steps with AdamW (the first makes what the new plan holds);
 the runtime's own meter (``Engine(measure_memory=True)``: :class:`runtime.training.memory_meter.LiveBytes`,
 every tensor storage from the step's start to its end) and the prediction is the plan's
 ``Worker.memory_gib`` (:mod:`planner.devices.memory`, term by term in ``weights_gib`` ... ``activations_gib``).
-Also checked on the ranks: the ragged sync's largest ZeRO 1 bucket against the planner's bound
+Then a pipeline: the same blocks as two ``replicate(2)`` regions (two stages of two workers), FSDP2's
+even shards at ZeRO 1, 2 and 3 with two micro-batches, each stage cut into its layers, each an FSDP
+unit of its own (``runtime.parallel.stage_units``; ZeRO 3 gathers one block at a time), on a second
+Engine in the same ranks. Also checked on the ranks: the ragged sync's largest ZeRO 1 bucket against the planner's bound
 (:func:`planner.devices.memory.ragged_bucket_bytes`). A warm-up captures the model once for all ranks
 before they fork (``run_ranks(warm=)``): their Engines' captures are cache hits.
 """
@@ -57,6 +60,27 @@ CASES = {
     "ragged ZeRO 2": (2, True, 1, 7.0),
     "ragged ZeRO 3": (3, True, 1, 4.5),
 }
+# pipeline case -> ZeRO stage (two micro-batches per step)
+PIPELINE_CASES = {"pipeline, even ZeRO 1": 1, "pipeline, even ZeRO 2": 2, "pipeline, even ZeRO 3": 3}
+
+
+class TwoRegions(WideMLP):
+    """WideMLP's blocks in two ``replicate(2)`` regions: a pipeline of two stages of two workers."""
+
+    def forward(self, x):
+        half = len(self.blocks) // 2
+        with wl.replicate(2):
+            for block in self.blocks[:half]:
+                x = block(x)
+        with wl.replicate(2):
+            for block in self.blocks[half:]:
+                x = block(x)
+            return self.head(x)
+
+
+def pipeline_model() -> TwoRegions:
+    torch.manual_seed(0)
+    return TwoRegions(WIDTH, BLOCKS, CLASSES)
 
 
 def model() -> WideMLP:
@@ -72,13 +96,21 @@ def cluster(unit: float | None, params: int) -> Cluster:
 
 
 def _ranks(rank: int, world_size: int, plans: dict, spec: Cluster) -> dict:
-    """Every case on one Engine, which moves its state from plan to plan (``Engine.apply_plan``: the
-    model is captured once)."""
+    """Every case on one Engine per model, which moves its state from plan to plan
+    (``Engine.apply_plan``: the model is captured once)."""
     generator = torch.Generator().manual_seed(1)
+    out = {}
+    for make, cases in ((model, {c: p for c, p in plans.items() if c not in PIPELINE_CASES}),
+                        (pipeline_model, {c: p for c, p in plans.items() if c in PIPELINE_CASES})):
+        out.update(_cases(make, cases, spec, generator))
+    return out
+
+
+def _cases(make, plans: dict, spec: Cluster, generator: torch.Generator) -> dict:
     engine, out = None, {}
     for case, plan in plans.items():
         if engine is None:
-            engine = Engine(model(), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            engine = Engine(make(), plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                             loss_fn=F.cross_entropy, cluster=spec, example_args=(torch.randn(2, WIDTH),),
                             measure_memory=True, timeout_s=120)
         else:
@@ -88,6 +120,9 @@ def _ranks(rank: int, world_size: int, plans: dict, spec: Cluster) -> dict:
             engine.train_step(((torch.randn(BATCH, WIDTH, generator=generator),),
                                torch.randint(0, CLASSES, (BATCH,), generator=generator)))
         out[case] = {"peak": engine.stats[-1].peak_memory_bytes, "sync": engine.plan.stages[0].replica_sync}
+        if case in PIPELINE_CASES:
+            out[case]["units"] = len(engine.executor.stage_worker.units)
+            continue
         sync = engine.executor.sync
         if plan.stages[0].replica_sync == "ragged" and plan.stages[0].zero_stage == 1:
             out[case]["bucket"] = max(sum(sync.params[i].numel() * sync.params[i].element_size()
@@ -99,6 +134,7 @@ def _warm() -> None:
     """The ranks' one capture (their Engine's, at its example input), once before they fork (dist_utils'
     ``warm``): theirs are cache hits."""
     wl.capture(model(), (torch.randn(2, WIDTH),))
+    wl.capture(pipeline_model(), (torch.randn(2, WIDTH),))
 
 
 def test_every_ranks_peak_is_within_10_percent_of_the_prediction():
@@ -121,10 +157,17 @@ def test_every_ranks_peak_is_within_10_percent_of_the_prediction():
                 planner.plan(graphs, clusters[case], even)
         counts = {len(w.micro_batch_sizes) for w in plan.workers}
         assert counts == {micro_batches}, (case, [w.micro_batch_sizes for w in plan.workers])
+    pipeline_graphs = wl.capture(pipeline_model(), (torch.randn(2, WIDTH),))
+    for case, zero in PIPELINE_CASES.items():
+        plans[case] = plan = planner.plan(pipeline_graphs, cluster(None, params),
+                                          wl.Config(global_batch_size=BATCH, num_micro_batch=2, zero_stage=zero))
+        assert [(st.zero_stage, st.replica_sync, len(st.layers) > 1) for st in plan.stages] == [(zero, "fsdp", True)] * 2
     # the Engine runs on the roomy cluster (the same devices, names and speeds), where every plan fits
     results = run_ranks(_ranks, 4, args=(plans, cluster(None, params)), init_process_group=False, timeout_s=400,
                         warm=_warm)
     assert all(r[case]["sync"] == plans[case].stages[0].replica_sync for r in results for case in plans)
+    # every pipeline stage ran cut into its layers (several units each)
+    assert all(r[case]["units"] > 1 for r in results for case in PIPELINE_CASES)
 
     ratios = {}
     for case, plan in plans.items():

@@ -276,16 +276,22 @@ def test_zero_collectives_are_priced_on_the_network_model(gpt2_graphs):
         assert plan.prediction.step_time_ms >= max(w.compute_ms for w in plan.workers) + expected * (1 - 1e-9)
 
 
-def test_a_pipeline_stage_escalates_too_and_stages_2_3_hold_no_less_there():
+def test_a_pipeline_stage_escalates_too_and_zero_3_shards_it_layer_by_layer():
     graphs = synthetic_model(num_layers=8, strategies=[wl.replicate(4), wl.replicate(4)], hidden=256, seq=16, heads=4)
     cost = StageCost.of_layers(graphs, list(range(4)))
-    assert fsdp_unit_share(cost, False) == 1.0
-    z0 = stage_memory(cost, 2, zero=ZeroShards(0, 4, 1.0))
-    z1 = stage_memory(cost, 2, zero=ZeroShards(1, 4, 1.0))
-    # stages 2 and 3 over one unit hold no less than stage 1: the whole stage's gradients and
-    # reduce-scatter buffers at every micro-batch, besides the sharded gradient (and its parameters)
-    for z in (2, 3):
-        assert stage_memory(cost, 2, zero=ZeroShards(z, 4, 1.0)).static() >= z1.static()
+    # a stage sharded evenly runs cut into its layers (runtime.parallel.stage_units): its units are
+    # the layers' parameters, and u is the largest layer's share, not the whole stage
+    assert fsdp_unit_share(cost, False) == 1.0                    # one unit (ragged, tensor-parallel)
+    assert sum(cost.stage_unit_bytes) == pytest.approx(cost.param_bytes)
+    u = fsdp_unit_share(cost, False, cut=True)
+    assert u == pytest.approx(max(cost.stage_unit_bytes) / cost.param_bytes) and u < 0.5
+    z0 = stage_memory(cost, 2, zero=ZeroShards(0, 4, u))
+    z1 = stage_memory(cost, 2, zero=ZeroShards(1, 4, u))
+    z3 = stage_memory(cost, 2, zero=ZeroShards(3, 4, u))
+    # stage 3 holds its rows plus two layers (the one computing, the one prefetched), far below stage 1
+    assert z3.static() < z1.static() < z0.static()
+    assert z3.static() == pytest.approx((0.25 + 2 * u) * cost.param_bytes + (0.25 + 2 * u) * cost.param_bytes
+                                        + 0.25 * cost.optimizer_bytes, rel=1e-9)
     # between ZeRO 1 with one sample per micro-batch and ZeRO 0's state alone: no micro-batch count
     # makes ZeRO 0 fit, ZeRO 1 fits with small micro-batches
     assert z1.total(1) < z0.static()
@@ -298,10 +304,18 @@ def test_a_pipeline_stage_escalates_too_and_stages_2_3_hold_no_less_there():
     # a re-plan from measured speeds keeps the ZeRO stages
     again = rebalance(plan, graphs, cluster, [1.0] * 7 + [0.5])
     assert [(st.zero_stage, st.zero_reason) for st in again.stages] == [(1, "fit")] * 2
-    # too small for ZeRO 1: the error says which stages were tried, and that 2 and 3 hold no more
-    tiny = synthetic_cluster([(8, 10.0, z1.static() * 0.9 / GIB)])
-    with pytest.raises(PlanError, match=r"short by .* bytes\).*ZeRO stages up to 1 were tried over its 4 data-parallel "
-                                        r"workers \(the higher ones hold no less here\)"):
+    # too small for ZeRO 1 and 2 (which keep every layer gathered through the step): ZeRO 3, which
+    # gathers one layer at a time, fits
+    z2 = stage_memory(cost, 2, zero=ZeroShards(2, 4, u))
+    assert z3.total(1) < z2.static() < z1.static()
+    small = synthetic_cluster([(8, 10.0, (z3.total(1) + z2.static()) / 2 / GIB)])
+    plan = planner.plan(graphs, small, config)
+    assert [st.zero_stage for st in plan.stages] == [3, 3] and all(st.zero_reason == "fit" for st in plan.stages)
+    assert all(w.memory_gib <= w.capacity_gib for w in plan.workers)
+    # too small for ZeRO 3: the error says which stages were tried
+    tiny = synthetic_cluster([(8, 10.0, z3.static() * 0.9 / GIB)])
+    with pytest.raises(PlanError, match=r"short by .* bytes\).*ZeRO stages up to 3 were tried over its 4 data-parallel "
+                                        r"workers"):
         planner.plan(graphs, tiny, config)
 
 

@@ -96,10 +96,12 @@ high by up to the activations); the activations freed by the time the last bucke
 activations term counts them whole); FSDP2's padding of each parameter to ``n`` rows; weights tied
 across pipeline stages, which ragged shards keep whole outside the rows (priced as sharded). Checked
 (test and bench, gloo): within 10% of the measured peak on every rank for even ZeRO 1-3 and ragged
-ZeRO 1-3 of single-stage plans (0.94-1.01 in ``tests/test_zero_memory.py``). A pipeline stage (one
-unit) is priced by the same rules and is not in the test; measured once on a two-stage WideMLP:
-ragged 0.99-1.01, FSDP2 1.0 at ZeRO 2 but 0.88-0.89 at ZeRO 1 and 3, high there because the one unit's
-reduce-scatter buffers partly take the place of its freed parameters.
+ZeRO 1-3 of single-stage plans (0.94-1.01 in ``tests/test_zero_memory.py``), and for even ZeRO 1-3 of
+a two-stage pipeline whose stages are cut into layer units (``runtime.parallel.stage_units``; u the
+largest layer's share, :attr:`StageCost.stage_unit_bytes`) with two micro-batches (0.95-1.05, same
+test). With one micro-batch a pipeline stage at ZeRO 3 measured 0.82-0.93 of the prediction (high:
+the prefetched unit is not always held at the peak). A stage of one unit (ragged shards in a
+pipeline), measured once on a two-stage WideMLP: ragged 0.99-1.01.
 
 Boundary values without a batch dimension (a statistic of the micro-batch,
 ``StageCost.unbatched_boundary_bytes``) cross whole: every worker of the stage holds their buffers
