@@ -18,7 +18,7 @@ from whalelike.spec import check_fields, rule
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
-from planner.devices.memory import MemoryTerms, worker_fractions
+from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, MemoryTerms, ZeroShards, worker_fractions
 from planner.plan import PlanError
 from planner.schedule.actions import SCHEDULES as SCHEDULE_NAMES, build_schedule, max_in_flight
 
@@ -104,6 +104,8 @@ class DeviceMemory:
                                                  le=1, default=None)
     optimizer_fraction: Optional[float] = _number("share of the stage's optimizer state (default: weight_fraction)",
                                                   le=1, default=None)
+    fixed_bytes: float = _number("bytes held whatever layers the stage runs (ZeRO's gathered units, priced "
+                                 "at the largest layer's)", default=0.0)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ", error=ValueError)
@@ -112,13 +114,15 @@ class DeviceMemory:
                 object.__setattr__(self, name, self.weight_fraction)
 
     @classmethod
-    def of_worker(cls, capacity_bytes: float, shard: float, batch_share: float, name: str = "") -> "DeviceMemory":
+    def of_worker(cls, capacity_bytes: float, shard: float, batch_share: float, name: str = "",
+                  zero: ZeroShards = NO_ZERO, fixed_bytes: float = 0.0) -> "DeviceMemory":
         """A worker holding ``shard`` of the stage (its tensor-parallel fraction) whose group takes
-        ``batch_share`` of each micro-batch: the fractions of
+        ``batch_share`` of each micro-batch, under ``zero`` (its data-parallel group's ZeRO shards;
+        ``fixed_bytes`` the units' buffers they hold whatever the layers): the fractions of
         :func:`planner.devices.memory.worker_fractions`, the planner's one rule of who holds what."""
-        f = worker_fractions(shard, batch_share)
+        f = worker_fractions(shard, batch_share, zero=zero)
         return cls(capacity_bytes, f["weight_fraction"], f["activation_fraction"], name,
-                   f["gradient_fraction"], f["optimizer_fraction"])
+                   f["gradient_fraction"], f["optimizer_fraction"], fixed_bytes)
 
     @property
     def fractions(self) -> tuple[float, float, float, float]:
@@ -130,7 +134,8 @@ class DeviceMemory:
         bytes (numbers, arrays over layer ranges or ILP expressions); its ``total`` takes the
         pipeline's micro-batch size."""
         return MemoryTerms(weights, gradients, optimizer, activations_per_sample, in_flight,
-                           self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction)
+                           self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction,
+                           whole_bytes=self.fixed_bytes)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import GIB, CommModel, device_tflops
+from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, ZeroShards
 from planner.devices.network import BYTES_PER_MS_PER_GBPS, NetworkModel
 from planner.partition.solve import (
     DeviceMemory, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, layer_costs, partition,
@@ -143,7 +144,7 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
         pinned={order.index(i): s for i, s in pinned.items()}, objective="step",
     )
     try:
-        result = partition(problem)
+        result, problem = _fitting_partition(problem, graphs, layout, config, micro_batch, network, order)
     except PartitionInfeasible as e:
         (log.debug if quiet else log.warning)(
             "pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s", micro_batch, e,
@@ -188,8 +189,78 @@ def _work_to_keep(graphs: TaskGraphs, home: list[list[int]], found: list[list[in
     return keep
 
 
+def _fitting_partition(problem: PartitionProblem, graphs: TaskGraphs, layout: Layout, config: Config,
+                       micro_batch: float, network: Network, order: list[int]):
+    """``(partition, problem)``: the split of ``problem``, or, when none fits with every worker holding
+    its stage's whole state and every activation, the split priced as the ZeRO escalation and the
+    recompute choice that follow it may make it fit: each stage's state sharded over its
+    data-parallel workers (ZeRO 3, layer by layer: :func:`_sharded_slots`), then also recomputing
+    layer by layer (:func:`_recomputed`). The ZeRO stage and recompute of each stage are chosen
+    afterwards on the split found, the lowest that fit (:mod:`planner.decisions`); raises the first
+    :class:`PartitionInfeasible` when none fits."""
+    try:
+        return partition(problem), problem
+    except PartitionInfeasible as first:
+        sharded = _sharded_slots(graphs, layout, config, micro_batch, network, order)
+        tries = ([("sharded over its data-parallel workers (ZeRO 3, layer by layer)",
+                   dataclasses.replace(problem, slots=sharded))] if sharded is not None else [])
+        tries.append(("sharded as far as ZeRO may and recomputing layer by layer",
+                      _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), graphs, order,
+                                  config.precision, micro_batch)))
+        for how, again in tries:
+            try:
+                result = partition(again)
+            except PartitionInfeasible:
+                continue
+            log.info("no split fits with every worker holding its stage's whole state and activations; the split is "
+                     "priced with each stage's state %s; each stage's ZeRO stage and recompute are then the lowest "
+                     "that fit", how)
+            return result, again
+        raise first
+
+
+def _recomputed(problem: PartitionProblem, graphs: TaskGraphs, order: list[int], precision: str,
+                micro_batch: float) -> PartitionProblem:
+    """``problem`` with every layer recomputing its activations in the backward (per layer, as
+    :mod:`runtime.training.recompute` runs a stage): a layer keeps its input per micro-batch in
+    flight (the previous layer's output), its backward runs its forward again, and one layer's
+    activations of one micro-batch are alive at a time, priced at the largest layer's on every
+    device (an upper bound: each device's share of the micro-batch is less)."""
+    layers, transient = [], 0.0
+    for k, (i, cost) in enumerate(zip(order, problem.layers)):
+        before = problem.layers[k - 1].cut_bytes if k > 0 else 0.0
+        layers.append(dataclasses.replace(cost, backward_flops=cost.backward_flops + cost.forward_flops,
+                                          activation_bytes=min(before, cost.activation_bytes)))
+        transient = max(transient, cost.activation_bytes)
+    extra = transient * micro_batch
+    slots = [dataclasses.replace(slot, devices=tuple(dataclasses.replace(d, fixed_bytes=d.fixed_bytes + extra)
+                                                    for d in slot.devices))
+             for slot in problem.slots]
+    return dataclasses.replace(problem, layers=tuple(layers), slots=slots)
+
+
+def _sharded_slots(graphs: TaskGraphs, layout: Layout, config: Config, micro_batch: float, network: Network,
+                   order: list[int]) -> list[StageSlot] | None:
+    """The partition's slots with every stage that ZeRO 3 may shard priced under it (a split that
+    fits no other way), or None when no stage may: ``Config.zero_stage`` fixed below 3 or P-Reduce
+    (``Config.dp_sync`` 'partial'; a region's own ``zero=`` or ``sync=`` is checked after the split,
+    by the ZeRO escalation). A stage of one data-parallel worker per shard, or with tensor-parallel
+    slices (one FSDP unit: ZeRO 3 gathers it whole), stays priced whole. A stage's units are its
+    layers (``runtime.parallel.stage_units``), each gathered whole while it computes: priced at the
+    largest movable layer's parameters, whatever layers the stage takes (an upper bound)."""
+    if config.zero_stage not in (None, 3) or config.dp_sync == "partial":
+        return None
+    sharded = [s for s in range(layout.num_stages)
+               if len(layout.stage_groups(s)) > 1 and layout.shapes[s].tp == 1]
+    if not sharded:
+        return None
+    largest = max(float(graphs.layers[i].param_bytes) for i in order)
+    return [_slot(layout, s, config.precision, micro_batch, network, zero_unit_bytes=largest if s in sharded else None)
+            for s in range(layout.num_stages)]
+
+
 def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: float | None = None,
-          network: Network | None = None) -> StageSlot:
+          network: Network | None = None, zero_unit_bytes: float | None = None) -> StageSlot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
     batch share proportional to its speed, every device of a tensor-parallel group a shard
     proportional to its own speed at the training ``precision``, of every memory term and of the group's activations
@@ -206,13 +277,24 @@ def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: floa
     Given ``network``, also the stage's gradient all-reduce once per step: the ring of its
     data-parallel workers of tensor-parallel index 0 over every replica, as
     :func:`planner.assemble` prices it (:meth:`planner.devices.cost_model.CommModel.allreduce_ms`, linear
-    in the bytes), which a stage of many layers on many hosts pays after its last backward."""
+    in the bytes), which a stage of many layers on many hosts pays after its last backward.
+
+    Given ``zero_unit_bytes``, each worker holds the stage's state under ZeRO 3 over the stage's
+    data-parallel workers: its rows of every term, plus the units FSDP2 holds gathered at once (the
+    one computing and the one prefetched, and the gradients of one with their reduce-scatter
+    buffers: :class:`planner.devices.memory.ZeroShards`) priced at ``zero_unit_bytes`` each."""
     groups = layout.groups[0][stage]
     speeds = [[device_tflops(d, precision) * 1e12 for d in g] for g in groups]
     group_speeds = [sum(gs) for gs in speeds]
     total = sum(group_speeds)
+    zero, fixed = NO_ZERO, 0.0
+    if zero_unit_bytes is not None:
+        # the rows alone (a unit of no bytes), then the units' bytes apart: w = f + 2u, g = f + (1 + c) u
+        zero = ZeroShards(3, len(layout.stage_groups(stage)), 1e-12)
+        fixed = (2 + 1 + REDUCE_SCATTER_COPIES) * zero_unit_bytes
     devices = tuple(
-        DeviceMemory.of_worker(d.memory_gib * GIB, shard=v / sum(gs), batch_share=sum(gs) / total, name=d.name)
+        DeviceMemory.of_worker(d.memory_gib * GIB, shard=v / sum(gs), batch_share=sum(gs) / total, name=d.name,
+                               zero=zero, fixed_bytes=fixed)
         for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
     )
     speed = total
