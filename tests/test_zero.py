@@ -40,6 +40,7 @@ from dist_utils import run_ranks, spawn_ranks
 from planner.plan import Plan, StagePlan
 from runtime import Engine, checkpoint
 from runtime.replicas.held_state import local
+from runtime.training import recompute
 from whalelike.cluster import Cluster, Device, Emulation, Network
 from whalelike.graphs.capture import capture
 from test_runtime_tp import TP_IN_DP_STAGE, SplitInReplicate, batches as tp_batches, make_plan as make_tp_plan
@@ -264,14 +265,16 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
     # (FSDP2) or raggedly with fractions of each stage's own
     graphs = capture(model, (torch.randn(2, DIN),))
     layers = list(range(len(graphs.layers)))
-    for zero, sync in ((1, "fsdp"), (2, "fsdp"), (3, "fsdp"), (1, "ragged"), (2, "ragged"), (3, "ragged")):
+    for zero, sync, again in ((1, "fsdp", False), (2, "fsdp", False), (3, "fsdp", False), (3, "fsdp", True),
+                              (1, "ragged", False), (2, "ragged", False), (3, "ragged", False)):
         fractions = ([0.7, 0.3], [0.2, 0.8]) if sync == "ragged" else ([], [])
-        plan = dataclasses.replace(
+        plan = dataclasses.replace(   # again: recomputing layer by layer, inside each layer's FSDP unit
             make_plan(model, [[3, 2], [1, 2], [2, 2], [2, 2]], zero), num_micro_batch=2, global_batch_size=8,
             stages=[StagePlan(0, [0], layers[:2], "replicate(2)", replica_sync=sync, zero_stage=zero,
-                              state_fractions=fractions[0]),
+                              state_fractions=fractions[0], recompute=again, recompute_reason="asked" if again else "none"),
                     StagePlan(1, [0], layers[2:], "replicate(2)", replica_sync=sync, zero_stage=zero,
-                              state_fractions=fractions[1])])
+                              state_fractions=fractions[1], recompute=again,
+                              recompute_reason="asked" if again else "none")])
         plan.workers = [dataclasses.replace(w, stage=w.rank // 2, dp_index=w.rank % 2) for w in plan.workers]
         engine = Engine(copy.deepcopy(model), plan, optimizer=OPTIMIZERS["adamw"], loss_fn=F.cross_entropy,
                         cluster=make_cluster(), timeout_s=60)
@@ -285,6 +288,7 @@ def _ranks(rank: int, world_size: int, directory: str) -> dict:
         if sync == "fsdp":   # each stage cut into its two layers, each an FSDP unit, then the stage (root)
             assert worker.units == ["units.submod_0", "units.submod_1"], worker.units
             assert len(worker.sync.units) == 3
+            assert recompute.recomputed_layers(worker.stage.module) == (worker.units if again else None)
         for key, value in engine.state_dict().items():
             assert_close(value, final[key], msg=f"pipeline {sync}{zero}: final {key}")
 

@@ -319,6 +319,31 @@ def test_a_pipeline_stage_escalates_too_and_zero_3_shards_it_layer_by_layer():
         planner.plan(graphs, tiny, config)
 
 
+def test_a_split_nothing_holds_whole_is_priced_under_zero_3(caplog):
+    # every split of the 8 layers over the two stages leaves one stage at least 4 layers; the devices
+    # hold 4 layers' state only sharded four ways (ZeRO 3, layer by layer), so the partitioner prices
+    # the split that way (not the TaskGraph boundaries as a last resort) and the ZeRO escalation
+    # then picks, on the split found, the lowest stage that fits
+    graphs = synthetic_model(num_layers=8, strategies=[wl.replicate(4), wl.replicate(4)], hidden=256, seq=16, heads=4)
+    cost = StageCost.of_layers(graphs, list(range(4)))
+    u = fsdp_unit_share(cost, False, cut=True)
+    z0 = stage_memory(cost, 2, zero=ZeroShards(0, 4, u))
+    z3 = stage_memory(cost, 2, zero=ZeroShards(3, 4, u))
+    capacity = z0.static() * 0.6   # no stage of 4 layers holds its state whole; sharded it does
+    assert z3.total(2) < capacity
+    config = wl.Config(global_batch_size=16, num_micro_batch=2)
+    with caplog.at_level("INFO", logger="planner"):
+        plan = planner.plan(graphs, synthetic_cluster([(8, 10.0, capacity / GIB)]), config)
+    assert "the split is priced with each stage's state sharded over its data-parallel workers" in caplog.text
+    assert "keeping the TaskGraph boundaries" not in caplog.text
+    assert all(st.zero_stage >= 1 and st.zero_reason == "fit" for st in plan.stages)
+    assert all(w.memory_gib <= w.capacity_gib for w in plan.workers)
+    # with the state fixed whole (ZeRO 0 asked), no such split exists: the boundaries stand and it fails
+    with pytest.raises(PlanError):
+        planner.plan(graphs, synthetic_cluster([(8, 10.0, capacity / GIB)]),
+                     dataclasses.replace(config, zero_stage=0))
+
+
 # -- fixed by the user ------------------------------------------------------------------------------
 def test_config_and_region_fix_the_zero_stage(gpt2_graphs):
     roomy = cluster_of([8 * need(gpt2_graphs, 0, samples=32)] * 4)
