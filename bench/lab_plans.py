@@ -4,7 +4,9 @@ Each case is a ``transformers`` ``LlamaForCausalLM`` at real size built under
 ``whalelike.empty_weights()`` (no storage: the planner reads shapes and costs only), annotated by
 module path as a user who cannot edit the model would (the blocks in two ``replicate()`` regions,
 ``lm_head`` under ``split()``; the embedding and the final norm join their neighbours), captured,
-and planned by ``planner.plan`` at fp16, or bf16 where every device runs it. It never trains.
+and planned by ``planner.plan`` at fp16, or bf16 where every device runs it, at 8 and at 16
+micro-batches (``--micro-batches``), the plan predicted faster kept, as a user tries a few counts
+(the planner keeps the count it is asked for when it fits). It never trains.
 
 Per case, printed: the planning time (capture apart), the devices that compute (a device on a stage
 with no FLOPs does not), the fullest device's memory and each device kind's most held at its peak, the
@@ -163,6 +165,17 @@ def plan_on(graphs, cluster, config) -> Planned:
     return Planned(time.perf_counter() - start, plan)
 
 
+def plan_fastest(graphs, cluster, config, counts) -> Planned:
+    """:func:`plan_on` at each micro-batch count of ``counts``, the plan predicted fastest kept (as a
+    user tries a few counts: the planner keeps the count it is asked for when it fits); its planning
+    time is that plan's. None fits: the first count's reason."""
+    tried = [plan_on(graphs, cluster, dataclasses.replace(config, num_micro_batch=m)) for m in counts]
+    fitting = [t for t in tried if t.plan is not None]
+    if not fitting:
+        return tried[0]
+    return min(fitting, key=lambda t: t.plan.prediction.step_time_ms)
+
+
 def tokens_per_s(plan, seq: int) -> float:
     return plan.global_batch_size * seq / (plan.prediction.step_time_ms / 1e3)
 
@@ -205,11 +218,12 @@ def main() -> None:
     parser.add_argument("--clusters", default=",".join(CLUSTERS), help=f"clusters (default {','.join(CLUSTERS)})")
     parser.add_argument("--global-batch", type=int, default=0,
                         help="sequences per step (default: each cluster's, BATCHES: 64 on lab-mixed, 128 on the others)")
-    parser.add_argument("--micro-batches", type=int, default=16,
-                        help="micro-batches per step asked of every plan, mixed and single-kind alike (default 16)")
+    parser.add_argument("--micro-batches", default="8,16",
+                        help="micro-batch counts per step asked of every plan, mixed and single-kind alike, the "
+                             "fastest kept (default 8,16)")
     parser.add_argument("--seq", type=int, default=SEQ, help=f"sequence length (default {SEQ})")
     parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary (default {VOCAB})")
-    args = parse_args(parser, smoke=dict(models="tiny", clusters="lab-mixed,a100+t4", seq=64, vocab=512, micro_batches=4))
+    args = parse_args(parser, smoke=dict(models="tiny", clusters="lab-mixed,a100+t4", seq=64, vocab=512, micro_batches="4"))
     logging.getLogger("planner").setLevel(logging.ERROR)
     logging.getLogger("whalelike").setLevel(logging.ERROR)
 
@@ -227,10 +241,12 @@ def main() -> None:
         for cluster_name in args.clusters.split(","):
             cluster = load_cluster(cluster_name)
             precision = precision_of(cluster)
-            config = Config(global_batch_size=args.global_batch or BATCHES[cluster_name], num_micro_batch=args.micro_batches, precision=precision)
-            mine = plan_on(graphs, cluster, config)
+            counts = [int(m) for m in str(args.micro_batches).split(",")]
+            config = Config(global_batch_size=args.global_batch or BATCHES[cluster_name], num_micro_batch=counts[0],
+                            precision=precision)
+            mine = plan_fastest(graphs, cluster, config, counts)
             kinds = sorted({d.kind for d in cluster.devices})
-            singles = {kind: plan_on(graphs, one_kind(cluster, kind), config) for kind in kinds}
+            singles = {kind: plan_fastest(graphs, one_kind(cluster, kind), config, counts) for kind in kinds}
             fitting = {k: p for k, p in singles.items() if p.plan is not None}
             best_kind = max(fitting, key=lambda k: tokens_per_s(fitting[k].plan, args.seq)) if fitting else None
             single = tokens_per_s(fitting[best_kind].plan, args.seq) if best_kind else 0.0

@@ -335,27 +335,15 @@ def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: P
     larger micro-batches run faster per sample and more of them fill the pipeline better, and only the
     simulator weighs the two. ``aware`` itself when the asked count was kept. Each count's plan is
     :func:`aware_plan_searched`'s, the count reached included (asked outright, every placement plans
-    for it).
-
-    A pipeline whose stage runs ZeRO 3 gathers that stage's parameters for every micro-batch's forward
-    and again for its backward (:func:`planner.devices.cost_model.zero_collectives`): fewer micro-batches
-    gather less, at the price of a larger bubble and larger micro-batches to hold. So for such a plan the
-    counts below the one reached are tried too (up to :data:`MAX_MORE_COUNTS`, nearest first), whether the
-    asked count was kept or not."""
-    regathers = len(aware.stages) > 1 and any(st.zero_stage == 3 for st in aware.stages)
-    if aware.num_micro_batch == config.num_micro_batch and not regathers:
+    for it)."""
+    if aware.num_micro_batch == config.num_micro_batch:
         return aware
     layout = build_layout(graphs, cluster, precision=config.precision)
-    counts = []
-    if aware.num_micro_batch != config.num_micro_batch:
-        # the count reached too, asked outright: every placement then plans for it (at the asked count
-        # some placement may have fit and another not)
-        counts += micro_batch_counts(config.global_batch_size, aware.num_micro_batch, layout)[:MAX_MORE_COUNTS + 1]
-    if regathers:
-        fewer = [m for m in micro_batch_counts(config.global_batch_size, 1, layout) if m < aware.num_micro_batch]
-        counts += fewer[::-1][:MAX_MORE_COUNTS]
+    # the count reached too, asked outright: every placement then plans for it (at the asked count some
+    # placement may have fit and another not)
+    larger = micro_batch_counts(config.global_batch_size, aware.num_micro_batch, layout)[:MAX_MORE_COUNTS + 1]
     best = aware
-    for count in counts:
+    for count in larger:
         try:
             with trials():
                 plan = aware_plan_searched(graphs, cluster, dataclasses.replace(config, num_micro_batch=count))
@@ -365,7 +353,7 @@ def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: P
         if plan_fits(plan) and plan.prediction.step_time_ms < best.prediction.step_time_ms * (1 - TIE):
             best = plan
     if best is not aware:
-        log.info("%d micro-batches are predicted fastest (%.2f ms against %.2f ms at %d)",
+        log.info("%d micro-batches are predicted fastest (%.2f ms against %.2f ms at %d, the fewest that fit)",
                  best.num_micro_batch, best.prediction.step_time_ms, aware.prediction.step_time_ms,
                  aware.num_micro_batch)
     return best

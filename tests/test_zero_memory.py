@@ -162,6 +162,7 @@ def test_every_ranks_peak_is_within_10_percent_of_the_prediction():
         plans[case] = plan = planner.plan(pipeline_graphs, cluster(None, params),
                                           wl.Config(global_batch_size=BATCH, num_micro_batch=2, zero_stage=zero))
         assert [(st.zero_stage, st.replica_sync, len(st.layers) > 1) for st in plan.stages] == [(zero, "fsdp", True)] * 2
+        assert plan.num_micro_batch == 2, case
     # the Engine runs on the roomy cluster (the same devices, names and speeds), where every plan fits
     results = run_ranks(_ranks, 4, args=(plans, cluster(None, params)), init_process_group=False, timeout_s=400,
                         warm=_warm)

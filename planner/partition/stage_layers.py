@@ -191,16 +191,21 @@ def _work_to_keep(graphs: TaskGraphs, home: list[list[int]], found: list[list[in
 
 def _fitting_partition(problem: PartitionProblem, graphs: TaskGraphs, layout: Layout, config: Config,
                        micro_batch: float, network: Network, order: list[int]):
-    """``(partition, problem)``: the split of ``problem``, or, when none fits with every worker holding
-    its stage's whole state and every activation, the split priced as the ZeRO escalation and the
-    recompute choice that follow it may make it fit: each stage's state sharded over its
-    data-parallel workers (ZeRO 3, layer by layer: :func:`_sharded_slots`), then also recomputing
-    layer by layer (:func:`_recomputed`). The ZeRO stage and recompute of each stage are chosen
-    afterwards on the split found, the lowest that fit (:mod:`planner.decisions`); raises the first
-    :class:`PartitionInfeasible` when none fits."""
+    """``(partition, problem)``: the split of ``problem``, or, when no split holds every stage's state
+    whole (weights, gradients and optimizer state, whatever the activations: a model too large for its
+    stages, where no micro-batch count helps), the split priced as the ZeRO escalation and the
+    recompute choice that follow it may make it fit, as every recipe for such a model does (FSDP and
+    activation checkpointing): each stage's state sharded over its data-parallel workers (ZeRO 3,
+    layer by layer: :func:`_sharded_slots`), then also recomputing layer by layer
+    (:func:`_recomputed`). The ZeRO stage and recompute of each stage are chosen afterwards on the
+    split found, the lowest that fit (:mod:`planner.decisions`). A split that fails on activations
+    alone raises, as before: more micro-batches are tried first (:func:`planner.decisions._repartitioned`).
+    Raises the first :class:`PartitionInfeasible` when none fits."""
     try:
         return partition(problem), problem
     except PartitionInfeasible as first:
+        if _holds_state(problem):
+            raise
         sharded = _sharded_slots(graphs, layout, config, micro_batch, network, order)
         tries = ([("sharded over its data-parallel workers (ZeRO 3, layer by layer)",
                    dataclasses.replace(problem, slots=sharded))] if sharded is not None else [])
@@ -217,6 +222,18 @@ def _fitting_partition(problem: PartitionProblem, graphs: TaskGraphs, layout: La
                      "that fit", how)
             return result, again
         raise first
+
+
+def _holds_state(problem: PartitionProblem) -> bool:
+    """Whether some split of ``problem`` holds every stage's weights, gradients and optimizer state
+    (its activations and boundary buffers left out)."""
+    bare = dataclasses.replace(problem, layers=tuple(dataclasses.replace(l, activation_bytes=0.0, cut_bytes=0.0)
+                                                     for l in problem.layers))
+    try:
+        partition(bare)
+    except PartitionInfeasible:
+        return False
+    return True
 
 
 def _recomputed(problem: PartitionProblem, graphs: TaskGraphs, order: list[int], precision: str,
