@@ -35,7 +35,9 @@ recomputed layer runs on the parameters FSDP2 gathered for its backward.
 
 Invariant: a cut stage computes the same values and gradients as the uncut one, operator for
 operator (``split_module`` keeps the graph's order); :func:`unit_paths` lists every unit in the order
-it runs; a parameter is registered in exactly one module of the stage's tree.
+it runs; cutting registers no parameter more often than the stage did (a parameter that a module
+the graph calls also registers, a tied weight, is left where it is: FSDP2's units are then chosen by
+:func:`runtime.replicas.sync_parts.own_units`, which leaves such a unit to the root).
 """
 from __future__ import annotations
 
@@ -102,12 +104,26 @@ def _sink_single_use_parameters(layered: fx.GraphModule) -> None:
     attribute (as :func:`runtime.parallel.stage_split._sink_attributes` does for stages); the rest
     stay at the root. Each unit changed is recompiled once."""
     changed: dict[int, fx.GraphModule] = {}
-    for attr in [n for n in layered.graph.nodes if n.op == "get_attr"]:
+    attrs = [n for n in layered.graph.nodes if n.op == "get_attr"]
+    # a tensor may be read under several names (weights tied by the model: lm_head.weight is wte.weight)
+    reads: dict[int, int] = {}
+    for attr in attrs:
+        tensor = _attribute(layered, attr.target)
+        reads[id(tensor)] = reads.get(id(tensor), 0) + sum(u.args.count(attr) if u.op == "call_module" else 2
+                                                           for u in attr.users)
+    # a module the graph calls (a leaf module) is registered in the unit that calls it, with its parameters
+    held: dict[int, set[str]] = {}
+    for unit_name, unit in layered.named_children():
+        for param in unit.parameters():
+            held.setdefault(id(param), set()).add(unit_name)
+    for attr in attrs:
         owner, _, name = attr.target.rpartition(".")
         if name not in layered.get_submodule(owner)._parameters:
             continue                                   # a buffer: the root unit keeps it
         users = list(attr.users)
-        if len(users) != 1 or users[0].op != "call_module" or users[0].args.count(attr) != 1:
+        param = layered.get_parameter(attr.target)
+        if reads[id(param)] != 1 or users[0].op != "call_module" or held.get(id(param), {users[0].target}) != {
+                users[0].target}:
             continue                                   # read by several units (or by the root): the root's
         call = users[0]
         unit: fx.GraphModule = layered.get_submodule(call.target)
@@ -127,3 +143,9 @@ def _sink_single_use_parameters(layered: fx.GraphModule) -> None:
     for unit in changed.values():
         unit.recompile()
     layered.recompile()
+
+
+def _attribute(module: nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    holder = module.get_submodule(owner)
+    return holder._parameters.get(name, holder._buffers.get(name))
