@@ -159,12 +159,14 @@ def _data(real) -> list:
 def _ranks(rank: int, world_size: int, plans: dict, unbatched: tuple = ()) -> dict:
     shapes = {}
     for name, plan in plans.items():
-        real = _build(name, dtype=torch.float64)
+        real = _build(name.split("/")[0], dtype=torch.float64)
         data = _data(real)
         for opt, make_opt in OPTIMIZERS.items():
             engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, make_opt, real.loss_fn,
                                                                _cluster(), f"{name}/{opt}")
         shapes[name] = engine.worker.stage
+        if name.endswith("/zero3"):   # each stage cut into its layers, each an FSDP unit (stage_units)
+            shapes[name + " units"] = len(engine.executor.stage_worker.units)
     for name in unbatched:   # planned here (module docstring), on the first batch the Engine captures too
         real = _build(name, dtype=torch.float64)
         data = _data(real)
@@ -198,10 +200,18 @@ def test_transformers_train_exactly_under_their_plans():
     for name in sorted(TRANSFORMERS):
         plans[name] = _planned(name)   # from the float32 capture: the plan is made once, training casts the model
         assert len(plans[name].stages) >= 2, plans[name].summary()
+    # Llama's pipeline at ZeRO 3 recomputing: every stage of two workers cut into its layers, each an FSDP
+    # unit gathered one at a time, each layer checkpointed inside its unit
+    plans["llama/zero3"] = planner.plan(_captured("llama")[2], _cluster(),
+                                        dataclasses.replace(_config(), zero_stage=3))
+    plans["llama/zero3"].stages = [dataclasses.replace(st, recompute=True, recompute_reason="fit")
+                                   for st in plans["llama/zero3"].stages]
+    assert all(st.zero_stage == 3 for st in plans["llama/zero3"].stages if len(plans["llama/zero3"].stage_workers(st.index)) > 1)
     unbatched = tuple(unbatched_models.MODELS)
     stages = run_ranks(_ranks, 4, args=(plans, unbatched), init_process_group=False, timeout_s=600, warm=_warm)
     for name, plan in plans.items():
         assert [s[name] for s in stages] == [w.stage for w in plan.workers]
+    assert max(s["llama/zero3 units"] for s in stages) > 1
     for name in unbatched:
         plan = Plan.from_dict(stages[0][name]["plan"])
         assert len(plan.stages) >= 2 and all(s[name]["plan"] == stages[0][name]["plan"] for s in stages), name

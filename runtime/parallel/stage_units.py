@@ -67,8 +67,16 @@ def cut(stage: fx.GraphModule) -> list[str]:
         object.__setattr__(stage, _CUT, [])
         return []
     read = _read_attributes(stage)
+    # buffers kept out of the state dict (``position_ids``, rotary ``inv_freq``) stay out of it:
+    # split_module registers every attribute it copies as persistent
+    transient = {id(b) for m in stage.modules() for n, b in m.named_buffers(recurse=False)
+                 if n in m._non_persistent_buffers_set}
     layered = split_module(stage, stage, units.__getitem__, keep_original_order=True)
     _sink_single_use_parameters(layered)
+    for module in layered.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if id(buffer) in transient:
+                module._non_persistent_buffers_set.add(name)
     # the stage keeps only what its graph never reads (idle state); the rest lives in the layered module
     for target in read:
         owner, _, name = target.rpartition(".")
