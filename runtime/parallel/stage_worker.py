@@ -12,7 +12,8 @@ room and each analysis runs once, here, at construction:
 * its tensor-parallel sharding (:mod:`runtime.tensor.shard_pass`; the group's collectives are
   priced there when the network is emulated) and, on the last stage, the sharded loss;
 * its replica sync over the workers holding the same parameters
-  (:mod:`runtime.replicas.replica_sync`: DDP today), tied parameters shared with other stages
+  (:mod:`runtime.replicas.replica_sync`: DDP, FSDP2's ZeRO 1-3 with the stage cut into one unit per
+  layer by :mod:`runtime.parallel.stage_units`, ragged shards, P-Reduce), tied parameters shared with other stages
   (:mod:`runtime.parallel.tied_weights`) and BatchNorm statistics over its data-parallel group
   (:mod:`runtime.parallel.sync_batchnorm`);
 * its compute segments for the emulator: one per forward and backward of a micro-batch, with the

@@ -22,8 +22,9 @@ them). The three ZeRO stages are three ways of driving it, chosen per stage by
   parameters before its forward and again before its backward and frees them after; FSDP2
   prefetches the next unit's all-gather while one computes. Units: the executor passes the module
   paths of the model's layers (``layers``, the capture's Layers that are submodules, e.g.
-  ``transformer.h.3``); each is ``fully_shard``-ed on its own before the root, so one layer's
-  parameters are whole at a time. A layer sharing a parameter with the rest of the model (tied
+  ``transformer.h.3``; in a pipeline stage, the layer modules :mod:`runtime.parallel.stage_units`
+  cut it into, ``units.submod_3``); each is ``fully_shard``-ed on its own before the root, so one
+  layer's parameters are whole at a time. A layer sharing a parameter with the rest of the model (tied
   input and output embeddings) is no unit of its own: the shared parameter is the root unit's,
   gathered across all its uses (:func:`runtime.replicas.sync_parts.own_units`; FSDP2 refuses a
   parameter in two units, and one freed after the embedding would be missing at the output).

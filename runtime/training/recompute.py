@@ -32,7 +32,10 @@ How, per executor:
   it after everything that rewrites the stage (tensor-parallel sharding swaps Linears, BatchNorm
   sync, sharded outputs): what runs is the graph as it is then. Nodes such passes add carry no
   mark and join the layer running when they appear; a node that writes in place to a value another
-  layer made joins that layer with every layer between (recomputing it would write twice);
+  layer made joins that layer with every layer between (recomputing it would write twice). A stage
+  sharded under ZeRO is already cut into the same units, each owning its parameters
+  (:mod:`runtime.parallel.stage_units`): the stage worker then checkpoints each unit in place
+  (:func:`wrap_layers` over their paths), inside its FSDP unit;
 * the data-parallel executor runs the user's eager module: :func:`wrap_layers` checkpoints the
   submodule of each Layer whose name is a module path (``model.layers.3``), leaving code layers (the
   model's own ``forward``, ``<root>``, and any module whose subtree holds another layer) to run
