@@ -202,7 +202,7 @@ class Engine:
         before = emulator.stats.snapshot()
         start = time.perf_counter()
         with self.meter.step([executor.module], self.slot.optimizer):
-            self.slot.optimizer.zero_grad(set_to_none=True)
+            self.slot.optimizer.zero_grad(set_to_none=not executor.gradients_in_place)
             # the controllers' figures ride in the collective that ends the step (the executor's
             # passenger slot); an executor that has none sums them on their own
             exchange = self.board.exchange(self.step, runtime, lambda: emulator.stats.since(before))

@@ -88,6 +88,12 @@ class StepExecutor(abc.ABC):
     @abc.abstractmethod
     def syncs(self) -> list: ...
 
+    @property
+    def gradients_in_place(self) -> bool:
+        """Whether the optimizer zeroes the gradients in place between steps (a sync whose gradients
+        are views of its buffers: :attr:`runtime.replicas.replica_sync.ReplicaSync.gradients_in_place`)."""
+        return any(sync.gradients_in_place for sync in self.syncs())
+
     @abc.abstractmethod
     def named_state(self) -> NamedState: ...
 

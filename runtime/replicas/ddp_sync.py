@@ -8,6 +8,12 @@ which is the global-batch mean only when every rank holds the same number of sam
 and the comm hook *sums*: the summed gradient is then exactly the gradient of the global-batch mean
 loss, whatever the shares (Whale's load balancing, Poplar's per-device micro-batch sizes).
 
+The gradients are views of DDP's buckets (``gradient_as_bucket_view``): one copy of them, not a
+``.grad`` per parameter beside a bucket holding the same bytes (a third more memory on a rank of
+AdamW's state, measured). :attr:`DDPSync.gradients_in_place` tells the Engine to zero them in place
+between steps (set to None, the next backward would allocate them anew beside the buckets), once DDP
+has rebuilt its buckets after the first backward.
+
 The passenger (:meth:`DDPSync.carry`): a small tensor (the step's loss, the straggler monitor's
 figures) summed with the last bucket: appended to it when that bucket is small, so a step costs one
 collective, as plain DDP's does; beside it, in a tiny all-reduce of its own launched right after the
@@ -212,7 +218,9 @@ def wrap_ddp(module: nn.Module, process_group: Optional[dist.ProcessGroup], emul
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in idle_ids]
     if not params:
         raise ValueError("wrap_ddp: the module has no trainable parameters; data parallelism has nothing to sync")
-    kwargs: dict[str, Any] = dict(process_group=process_group, init_sync=init_sync)
+    # the gradients are views of the buckets (torch's option): one copy of them, not two (DDPSync
+    # zeroes them in place: gradients_in_place)
+    kwargs: dict[str, Any] = dict(process_group=process_group, init_sync=init_sync, gradient_as_bucket_view=True)
     kwargs[_NO_FORWARD_BUFFER_SYNC] = False
     total_bytes = sum(p.numel() * p.element_size() for p in params)
     overlap = emulator.enabled and emulator.network is not None and devices is not None
@@ -273,6 +281,14 @@ class DDPSync(Exact, WholeParameters):
         """The next backward from ``roots`` syncs, though its forward ran under :meth:`no_sync`
         (as ``torch.distributed.pipelining``'s stage arms DDP's reducer by hand)."""
         self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(roots))))
+
+    @property
+    def gradients_in_place(self) -> bool:
+        """The gradients are views of DDP's buckets (``wrap_ddp``): zeroed in place between steps once
+        DDP has rebuilt its buckets in the order the first backward made the gradients ready (it does
+        so in the second forward; gradients kept until then would hold the first buckets beside the
+        new ones)."""
+        return bool(getattr(self.ddp, "_has_rebuilt_buckets", True))
 
     def carry(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Sum ``tensor`` (in place) over the group in the gradient all-reduce of the next syncing

@@ -141,6 +141,7 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
     """
 
     name = "fsdp"
+    gradients_in_place = False
     syncs = True
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,

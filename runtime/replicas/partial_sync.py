@@ -116,6 +116,7 @@ class PartialSync(WholeParameters):
     """
 
     name = "partial"
+    gradients_in_place = False
     syncs = True
     exact = False            # its steps are approximate (StepStats.approximate)
     generator_silence_s = SILENCE_S

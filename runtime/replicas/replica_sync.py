@@ -95,6 +95,10 @@ class ReplicaSync(Protocol):
     def release(self) -> nn.Module: ...
 
     exact: bool          # False for a sync whose steps are approximate (P-Reduce)
+    # the parameters' gradients are views of the sync's own buffers (DDP's buckets): the optimizer
+    # zeroes them in place between steps (set to None, the next backward would allocate them anew
+    # beside the buffers, and accumulation over micro-batches hold both)
+    gradients_in_place: bool
 
     def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None: ...
 
@@ -105,6 +109,7 @@ class AloneSync(Exact, OwnPassenger, WholeParameters):
 
     name = "alone"
     syncs = False
+    gradients_in_place = False
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None):
         self.inner = module
