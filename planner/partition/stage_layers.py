@@ -120,7 +120,9 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     gap None). When the partition is infeasible at this micro-batch size, the user's boundaries
     stand (or ``in_force``, a re-plan's layers in force), ``partitioned`` False, and the memory
     balancer reports what does not fit (``quiet``: said at debug level, for a caller that tries other
-    micro-batch counts first, :func:`planner.decisions.aware_decisions`).
+    micro-batch counts first, :func:`planner.decisions.aware_decisions`). Before that, a split no
+    stage holds whole is priced under ZeRO 3 and recompute (:func:`_fitting_partition`), except in a
+    re-plan, which keeps the ZeRO stages and recompute in force.
     """
     layers = home_layers(graphs, layout)
     runs = movable_runs(graphs, layout)
@@ -144,7 +146,10 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
         pinned={order.index(i): s for i, s in pinned.items()}, objective="step",
     )
     try:
-        result, problem = _fitting_partition(problem, graphs, layout, config, micro_batch, network, order)
+        if in_force is None:
+            result, problem = _fitting_partition(problem, graphs, layout, config, micro_batch, network, order)
+        else:   # a re-plan keeps the ZeRO stages and recompute in force: the split is priced as they hold
+            result = partition(problem)
     except PartitionInfeasible as e:
         (log.debug if quiet else log.warning)(
             "pipeline partition infeasible at %g samples per micro-batch (%s); keeping the %s", micro_batch, e,
