@@ -28,7 +28,7 @@ from whalelike.cluster import Network
 from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
-from planner.devices.cost_model import GIB, CommModel, device_tflops
+from planner.devices.cost_model import GIB, CommModel, device_tflops, zero_collectives
 from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, ZeroShards
 from planner.devices.network import BYTES_PER_MS_PER_GBPS, NetworkModel
 from planner.partition.solve import (
@@ -277,12 +277,13 @@ def _sharded_slots(graphs: TaskGraphs, layout: Layout, config: Config, micro_bat
     if not sharded:
         return None
     largest = max(float(graphs.layers[i].param_bytes) for i in order)
-    return [_slot(layout, s, config.precision, micro_batch, network, zero_unit_bytes=largest if s in sharded else None)
+    return [_slot(layout, s, config.precision, micro_batch, network, zero_unit_bytes=largest if s in sharded else None,
+                  micro_batches=config.num_micro_batch)
             for s in range(layout.num_stages)]
 
 
 def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: float | None = None,
-          network: Network | None = None, zero_unit_bytes: float | None = None) -> StageSlot:
+          network: Network | None = None, zero_unit_bytes: float | None = None, micro_batches: int = 1) -> StageSlot:
     """Replica 0's groups of ``stage`` as one partition slot: every data-parallel group takes a
     batch share proportional to its speed, every device of a tensor-parallel group a shard
     proportional to its own speed at the training ``precision``, of every memory term and of the group's activations
@@ -304,7 +305,12 @@ def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: floa
     Given ``zero_unit_bytes``, each worker holds the stage's state under ZeRO 3 over the stage's
     data-parallel workers: its rows of every term, plus the units FSDP2 holds gathered at once (the
     one computing and the one prefetched, and the gradients of one with their reduce-scatter
-    buffers: :class:`planner.devices.memory.ZeroShards`) priced at ``zero_unit_bytes`` each."""
+    buffers: :class:`planner.devices.memory.ZeroShards`) priced at ``zero_unit_bytes`` each, and its
+    collectives are ZeRO 3's instead of the all-reduce: per step, over ``micro_batches``
+    micro-batches, an all-gather of the stage's parameters before each forward and each backward and a
+    reduce-scatter of its gradients after each backward (:func:`planner.devices.cost_model.zero_collectives`),
+    each half an all-reduce's bytes on the ring, priced per byte of the rows a worker holds (the
+    gradient bytes the partition's step counts)."""
     groups = layout.groups[0][stage]
     speeds = [[device_tflops(d, precision) * 1e12 for d in g] for g in groups]
     group_speeds = [sum(gs) for gs in speeds]
@@ -330,6 +336,11 @@ def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: floa
         comm = CommModel(network)
         latency = comm.allreduce_ms(1.0, ring) * 1e-3
         per_byte = (comm.allreduce_ms(float(GIB) + 1.0, ring) * 1e-3 - latency) / GIB
+        if zero_unit_bytes is not None:
+            gathers, scatters = zero_collectives(3, micro_batches)
+            collectives = (gathers + scatters) / 2            # each half an all-reduce's traffic
+            latency *= gathers + scatters
+            per_byte *= collectives * zero.group               # per byte of the 1/n rows held
     return StageSlot(f"stage {stage}", speed, devices, latency, per_byte)
 
 
