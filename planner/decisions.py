@@ -292,6 +292,20 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
             note += zero_note(layout, first.stage.index, ladders, zeros, fixed, zero is not None)
             err = shortfall_error(layout, first, m, gbs, tried)
             raise PlanError(f"{err}{note}") from None
+        if searched and not partitioned and counts is None and recompute is None:
+            # the boundaries stood because no split fitted without recompute: before recomputing on them,
+            # the split priced recomputing (and sharded where ZeRO may), its own decisions made on it
+            again = partition_stage_layers(graphs, layout, config, network, quiet=True, last_resort=True)
+            if again.partitioned and again.layers != stage_layers:
+                log.info("no split fits without recomputing; the layers are split as they fit recomputing")
+                try:
+                    return dataclasses.replace(
+                        aware_decisions(graphs, config, layout, network, stage_layers=again.layers, shards=shards,
+                                        zero=zero, zero_reason=zero_reason, state_fractions=state_fractions),
+                        solver=again.solver, optimality_gap=again.gap, kept_work=again.kept_work)
+                except PlanError as e:
+                    log.debug("the split priced recomputing does not fit either (%s); recomputing on the boundaries", e)
+            partitioned = True     # tried once
         reasons[chosen.index] = "fit"
         zeros[chosen.index] = ladders[chosen.index][0]   # the lowest ZeRO stage that fits, now recomputing
         log.warning("stage %d does not fit its devices at any micro-batch count or ZeRO stage tried; it recomputes "

@@ -109,7 +109,8 @@ class StageLayers(NamedTuple):
 
 
 def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, network: Network,
-                           in_force: list[list[int]] | None = None, quiet: bool = False) -> StageLayers:
+                           in_force: list[list[int]] | None = None, quiet: bool = False,
+                           last_resort: bool = False) -> StageLayers:
     """The hardware-aware split (:class:`StageLayers`).
 
     The whole pipeline is one partition problem (stage ``k`` on replica 0's device groups of
@@ -122,7 +123,9 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     balancer reports what does not fit (``quiet``: said at debug level, for a caller that tries other
     micro-batch counts first, :func:`planner.decisions.aware_decisions`). Before that, a split no
     stage holds whole is priced under ZeRO 3 and recompute (:func:`_fitting_partition`), except in a
-    re-plan, which keeps the ZeRO stages and recompute in force.
+    re-plan, which keeps the ZeRO stages and recompute in force. ``last_resort``: the split priced
+    recomputing layer by layer (and sharded under ZeRO 3 where it may) outright, for the decisions'
+    last resort (:func:`planner.decisions.aware_decisions`: no split fits otherwise).
     """
     layers = home_layers(graphs, layout)
     runs = movable_runs(graphs, layout)
@@ -145,6 +148,10 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
         layer_costs(graphs, order, config.precision), slots, links, micro_batch, config.num_micro_batch, config.schedule,
         pinned={order.index(i): s for i, s in pinned.items()}, objective="step",
     )
+    if last_resort:
+        sharded = _sharded_slots(graphs, layout, config, micro_batch, network, order)
+        problem = _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), graphs, order,
+                              config.precision, micro_batch)
     try:
         if in_force is None:
             result, problem = _fitting_partition(problem, graphs, layout, config, micro_batch, network, order)
