@@ -110,6 +110,7 @@ class Decisions:
     zero_reason: tuple[str, ...] = ()
     state_fractions: tuple[tuple[float, ...], ...] = ()
     kept_work: tuple[tuple[int, int], ...] = ()   # (stage, layer): pinned so the stage computes (StageLayers.kept_work)
+    resplit: bool = False   # made on the split priced recomputing, the last resort (aware_decisions' resplit)
 
     def recomputes(self, s: int) -> bool:
         return bool(self.recompute) and bool(self.recompute[s])
@@ -197,7 +198,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                     sizes: list | None = None, counts: list[int] | None = None,
                     recompute: list[str] | None = None, zero: list[int] | None = None,
                     zero_reason: list[str] | None = None,
-                    state_fractions: list[tuple[float, ...]] | None = None) -> Decisions:
+                    state_fractions: list[tuple[float, ...]] | None = None, resplit: bool = True) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of :mod:`planner.api`.
 
     A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
@@ -211,6 +212,9 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     ``state_fractions`` (per stage its ragged state fractions in ``Layout.stage_groups`` order, empty
     for even shards: the runtime keeps its replica sync only for the same ones) instead of choosing
     even or ragged shards.
+    ``resplit``: at the last resort (no split fits without recomputing, the TaskGraph boundaries
+    stood), first the decisions on the split priced recomputing (``Decisions.resplit``); False: recompute
+    on the boundaries (the caller compares the two: :func:`planner.devices.placement_search.aware_plan`).
     Raises PlanError when the stages do not fit.
     """
     gbs, m = config.global_batch_size, config.num_micro_batch
@@ -292,7 +296,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
             note += zero_note(layout, first.stage.index, ladders, zeros, fixed, zero is not None)
             err = shortfall_error(layout, first, m, gbs, tried)
             raise PlanError(f"{err}{note}") from None
-        if searched and not partitioned and counts is None and recompute is None:
+        if resplit and searched and not partitioned and counts is None and recompute is None:
             # the boundaries stood because no split fitted without recompute: before recomputing on them,
             # the split priced recomputing (and sharded where ZeRO may), its own decisions made on it
             again = partition_stage_layers(graphs, layout, config, network, quiet=True, last_resort=True)
@@ -302,7 +306,7 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                     return dataclasses.replace(
                         aware_decisions(graphs, config, layout, network, stage_layers=again.layers, shards=shards,
                                         zero=zero, zero_reason=zero_reason, state_fractions=state_fractions),
-                        solver=again.solver, optimality_gap=again.gap, kept_work=again.kept_work)
+                        solver=again.solver, optimality_gap=again.gap, kept_work=again.kept_work, resplit=True)
                 except PlanError as e:
                     log.debug("the split priced recomputing does not fit either (%s); recomputing on the boundaries", e)
             partitioned = True     # tried once

@@ -664,3 +664,35 @@ def test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory
         assert drop == pytest.approx(predicted, rel=0.15)
         # delayed weight gradients are declined by a recomputing stage (it would recompute twice)
         assert results[rank]["pipeline-1f1b", "sgd"]["splits"] is False
+
+
+def test_the_last_resort_splits_the_layers_as_they_fit_recomputing_and_keeps_the_faster(monkeypatch, caplog):
+    # two fast devices with memory for little more than the state, two slow ones with less: no split
+    # fits without recomputing at the micro-batch counts tried, so the regions' boundaries (4 | 4 layers)
+    # stood and the last resort recomputed on them. Now the split priced recomputing is tried too,
+    # with its own decisions (the fast devices take more layers), and the two are simulated: here the
+    # old path is faster, and kept
+    import planner.decisions
+    from planner.devices.placement import build_layout
+    from planner.devices.placement_search import aware_plan
+
+    graphs = synthetic_model(8, [wl.replicate(), wl.replicate()], hidden=256, seq=512, heads=4)
+    cluster = synthetic_cluster([(2, 40.0, 0.3), (2, 10.0, 0.1)])
+    config = wl.Config(global_batch_size=8, num_micro_batch=2)
+    layout = build_layout(graphs, cluster, precision=config.precision)
+    with caplog.at_level("INFO", logger="planner"):
+        resplit = planner.decisions.aware_decisions(graphs, config, layout, cluster.network)
+    assert "no split fits without recomputing; the layers are split as they fit recomputing" in caplog.text
+    assert resplit.resplit and any(len(layers) > 4 for layers in resplit.stage_layers)
+    # without the re-split: recomputing on the boundaries, which then fit more micro-batches, at which a
+    # split without recomputing is found (the existing path)
+    boundaries = planner.decisions.aware_decisions(graphs, config, layout, cluster.network, resplit=False)
+    assert not boundaries.resplit and any(resplit.recomputes(s) for s in range(2))
+    prediction, plan, _ = aware_plan(graphs, cluster, config, layout)
+    times = {}
+    for name, decisions in (("resplit", resplit), ("boundaries", boundaries)):
+        times[name] = planner.devices.placement_search.predict(
+            planner.devices.placement_search.build_plan(graphs, cluster, config, decisions), cluster).step_time_ms
+    assert prediction.step_time_ms == min(times.values()) and times["boundaries"] < times["resplit"]
+    assert [st.layers for st in plan.stages] == boundaries.stage_layers
+    assert all(w.memory_gib <= w.capacity_gib for w in plan.workers)
