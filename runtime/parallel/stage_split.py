@@ -386,27 +386,42 @@ def _sink_attributes(root: fx.GraphModule) -> None:
     stage's code per attribute cost a whole-graph recompile each (tens of milliseconds apiece)."""
     changed: dict[int, fx.GraphModule] = {}
     for attr in [n for n in root.graph.nodes if n.op == "get_attr"]:
-        tensor = root.get_parameter(attr.target) if _is_parameter(root, attr.target) else root.get_buffer(attr.target)
         for call in list(attr.users):
-            sub: fx.GraphModule = root.get_submodule(call.target)
-            position = call.args.index(attr)
-            placeholder = [n for n in sub.graph.nodes if n.op == "placeholder"][position]
-            local = "_" + attr.target.replace(".", "_")
-            if isinstance(tensor, nn.Parameter):
-                sub.register_parameter(local, tensor)
-            else:
-                sub.register_buffer(local, tensor)
-            first_op = next(n for n in sub.graph.nodes if n.op != "placeholder")
-            with sub.graph.inserting_before(first_op):
-                placeholder.replace_all_uses_with(sub.graph.get_attr(local))
-            sub.graph.erase_node(placeholder)
+            sub = sink_attribute(root, attr, call)
             changed[id(sub)] = sub
-            call.args = call.args[:position] + call.args[position + 1:]
         root.graph.erase_node(attr)
     for sub in changed.values():
         sub.recompile()
     root.recompile()
     root.delete_all_unused_submodules()
+
+
+def attribute_tensor(root: nn.Module, target: str) -> torch.Tensor:
+    """The parameter or buffer ``target`` (a dotted path) of ``root``."""
+    return root.get_parameter(target) if _is_parameter(root, target) else root.get_buffer(target)
+
+
+def sink_attribute(root: fx.GraphModule, attr: fx.Node, call: fx.Node) -> fx.GraphModule:
+    """Make the tensor of ``root``'s ``get_attr`` node ``attr`` an attribute of the submodule that
+    ``call`` (a ``call_module`` of ``root``, one of ``attr``'s users) runs, read there instead of
+    passed in: registered under a local name, its placeholder replaced by a ``get_attr`` and the
+    argument dropped from ``call``. Returns the submodule; the caller recompiles it (once, after all
+    its attributes) and erases ``attr`` when no user is left."""
+    tensor = attribute_tensor(root, attr.target)
+    sub: fx.GraphModule = root.get_submodule(call.target)
+    position = call.args.index(attr)
+    placeholder = [n for n in sub.graph.nodes if n.op == "placeholder"][position]
+    local = "_" + attr.target.replace(".", "_")
+    if isinstance(tensor, nn.Parameter):
+        sub.register_parameter(local, tensor)
+    else:
+        sub.register_buffer(local, tensor)
+    first_op = next(n for n in sub.graph.nodes if n.op != "placeholder")
+    with sub.graph.inserting_before(first_op):
+        placeholder.replace_all_uses_with(sub.graph.get_attr(local))
+    sub.graph.erase_node(placeholder)
+    call.args = call.args[:position] + call.args[position + 1:]
+    return sub
 
 
 def _match_buffer_persistence(root: fx.GraphModule, original: nn.Module) -> None:

@@ -48,6 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
+from runtime.parallel.stage_split import attribute_tensor, sink_attribute
 from runtime.training.recompute import layer_units
 
 UNITS = "units"   # the stage module's child that holds the layered module
@@ -109,14 +110,14 @@ def _read_attributes(stage: fx.GraphModule) -> list[str]:
 
 def _sink_single_use_parameters(layered: fx.GraphModule) -> None:
     """Each parameter the layered module's root reads for exactly one unit becomes that unit's own
-    attribute (as :func:`runtime.parallel.stage_split._sink_attributes` does for stages); the rest
+    attribute (:func:`runtime.parallel.stage_split.sink_attribute`, as stages get theirs); the rest
     stay at the root. Each unit changed is recompiled once."""
     changed: dict[int, fx.GraphModule] = {}
     attrs = [n for n in layered.graph.nodes if n.op == "get_attr"]
     # a tensor may be read under several names (weights tied by the model: lm_head.weight is wte.weight)
     reads: dict[int, int] = {}
     for attr in attrs:
-        tensor = _attribute(layered, attr.target)
+        tensor = attribute_tensor(layered, attr.target)
         reads[id(tensor)] = reads.get(id(tensor), 0) + sum(u.args.count(attr) if u.op == "call_module" else 2
                                                            for u in attr.users)
     # a module the graph calls (a leaf module) is registered in the unit that calls it, with its parameters
@@ -133,27 +134,11 @@ def _sink_single_use_parameters(layered: fx.GraphModule) -> None:
         if reads[id(param)] != 1 or users[0].op != "call_module" or held.get(id(param), {users[0].target}) != {
                 users[0].target}:
             continue                                   # read by several units (or by the root): the root's
-        call = users[0]
-        unit: fx.GraphModule = layered.get_submodule(call.target)
-        position = call.args.index(attr)
-        placeholder = [n for n in unit.graph.nodes if n.op == "placeholder"][position]
-        local = "_" + attr.target.replace(".", "_")
-        unit.register_parameter(local, layered.get_parameter(attr.target))
-        first_op = next(n for n in unit.graph.nodes if n.op != "placeholder")
-        with unit.graph.inserting_before(first_op):
-            placeholder.replace_all_uses_with(unit.graph.get_attr(local))
-        unit.graph.erase_node(placeholder)
-        call.args = call.args[:position] + call.args[position + 1:]
+        unit = sink_attribute(layered, attr, users[0])
         layered.graph.erase_node(attr)
-        owner_module = layered.get_submodule(owner)
-        del owner_module._parameters[name]
+        del layered.get_submodule(owner)._parameters[name]
         changed[id(unit)] = unit
     for unit in changed.values():
         unit.recompile()
     layered.recompile()
 
-
-def _attribute(module: nn.Module, target: str):
-    owner, _, name = target.rpartition(".")
-    holder = module.get_submodule(owner)
-    return holder._parameters.get(name, holder._buffers.get(name))
