@@ -150,8 +150,7 @@ def partition_stage_layers(graphs: TaskGraphs, layout: Layout, config: Config, n
     )
     if last_resort:
         sharded = _sharded_slots(graphs, layout, config, micro_batch, network, order)
-        problem = _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), graphs, order,
-                              config.precision, micro_batch)
+        problem = _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), micro_batch)
     try:
         if in_force is None:
             result, problem = _fitting_partition(problem, graphs, layout, config, micro_batch, network, order)
@@ -222,8 +221,7 @@ def _fitting_partition(problem: PartitionProblem, graphs: TaskGraphs, layout: La
         tries = ([("sharded over its data-parallel workers (ZeRO 3, layer by layer)",
                    dataclasses.replace(problem, slots=sharded))] if sharded is not None else [])
         tries.append(("sharded as far as ZeRO may and recomputing layer by layer",
-                      _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), graphs, order,
-                                  config.precision, micro_batch)))
+                      _recomputed(dataclasses.replace(problem, slots=sharded or problem.slots), micro_batch)))
         for how, again in tries:
             try:
                 result = partition(again)
@@ -248,24 +246,21 @@ def _holds_state(problem: PartitionProblem) -> bool:
     return True
 
 
-def _recomputed(problem: PartitionProblem, graphs: TaskGraphs, order: list[int], precision: str,
-                micro_batch: float) -> PartitionProblem:
+def _recomputed(problem: PartitionProblem, micro_batch: float) -> PartitionProblem:
     """``problem`` with every layer recomputing its activations in the backward (per layer, as
     :mod:`runtime.training.recompute` runs a stage): a layer keeps its input per micro-batch in
     flight (the previous layer's output), its backward runs its forward again, and one layer's
     activations of one micro-batch are alive at a time, priced at the largest layer's on every
     device (an upper bound: each device's share of the micro-batch is less)."""
-    layers, transient = [], 0.0
-    for k, (i, cost) in enumerate(zip(order, problem.layers)):
-        before = problem.layers[k - 1].cut_bytes if k > 0 else 0.0
-        layers.append(dataclasses.replace(cost, backward_flops=cost.backward_flops + cost.forward_flops,
-                                          activation_bytes=min(before, cost.activation_bytes)))
-        transient = max(transient, cost.activation_bytes)
-    extra = transient * micro_batch
+    before = [0.0] + [cost.cut_bytes for cost in problem.layers[:-1]]   # each layer's input
+    layers = tuple(dataclasses.replace(cost, backward_flops=cost.backward_flops + cost.forward_flops,
+                                       activation_bytes=min(kept, cost.activation_bytes))
+                   for cost, kept in zip(problem.layers, before))
+    extra = max(cost.activation_bytes for cost in problem.layers) * micro_batch
     slots = [dataclasses.replace(slot, devices=tuple(dataclasses.replace(d, fixed_bytes=d.fixed_bytes + extra)
                                                     for d in slot.devices))
              for slot in problem.slots]
-    return dataclasses.replace(problem, layers=tuple(layers), slots=slots)
+    return dataclasses.replace(problem, layers=layers, slots=slots)
 
 
 def _sharded_slots(graphs: TaskGraphs, layout: Layout, config: Config, micro_batch: float, network: Network,
