@@ -75,6 +75,9 @@ MAX_COUNT_ROUNDS = 6   # device moves between automatic stages kept at most (cou
 # miss by several percent (issue 33), and a plan reshaped for less is a gain the model cannot promise
 MOVE_GAIN = 0.05
 MAX_MORE_COUNTS = 4   # larger micro-batch counts priced when no split fits the asked one (fastest_count)
+# other device counts per automatic stage tried, nearest the split by work first, when that split fits no
+# placement (fitting_counts): each a layout planned in full, and a count that does not fit fails fast
+MAX_FIT_TRIALS = 64
 TIE = 1e-9   # relative: a candidate must be faster than this to replace an earlier one (plan_checks keeps it too)
 MAX_FOLDS = 16   # fold patterns planned in full at most (each one plan per placement, then swaps)
 
@@ -322,9 +325,74 @@ def faster(one: Priced | None, other: Priced | None) -> Priced | None:
 
 def aware_plan_searched(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     """The fastest hardware-aware plan (:func:`~planner.devices.placement_search.best_aware_plan`, its
-    prediction filled in) with the devices of its automatic stages searched (:func:`count_search`)."""
-    prediction, aware = best_aware_plan(graphs, cluster, config)
-    return count_search(graphs, cluster, config, dataclasses.replace(aware, prediction=prediction))
+    prediction filled in) with the devices of its automatic stages searched (:func:`count_search`); when
+    the split by work fits no placement, from the nearest device counts that do (:func:`fitting_counts`)."""
+    try:
+        prediction, aware = best_aware_plan(graphs, cluster, config)
+        counts = None
+    except PlanError as e:
+        found = fitting_counts(graphs, cluster, config, e)
+        if found is None:
+            raise
+        counts, aware = found
+        prediction = aware.prediction
+    return count_search(graphs, cluster, config, dataclasses.replace(aware, prediction=prediction), counts=counts)
+
+
+def _automatic_counts(graphs: TaskGraphs, cluster: Cluster) -> dict[int, int] | None:
+    """The split by work's device count of each automatic stage (TaskGraph index -> count), or None when
+    the counts cannot move: fewer than two automatic stages, several pipeline replicas, or devices the
+    stages do not all take."""
+    auto = [tg.index for tg in graphs if tg.strategy.fixed_degrees is None]
+    if len(auto) < 2:
+        return None
+    shapes, replicas = stage_shapes(graphs, len(cluster.devices))
+    counts = {sh.taskgraph: sh.devices for sh in shapes if sh.taskgraph in auto}
+    fixed = sum(sh.devices for sh in shapes if sh.taskgraph not in auto)
+    if replicas != 1 or len(counts) != len(auto) or fixed + sum(counts.values()) != len(cluster.devices):
+        return None
+    return counts
+
+
+def nearest_counts(split: dict[int, int]) -> list[dict[int, int]]:
+    """Every other way of dealing the split's devices to its stages (each at least one), nearest the split
+    first (fewest devices moved), at most :data:`MAX_FIT_TRIALS` of them."""
+    stages, total = sorted(split), sum(split.values())
+    ways = []
+    for cuts in itertools.combinations(range(1, total), len(stages) - 1):
+        sizes = [b - a for a, b in zip((0,) + cuts, cuts + (total,))]
+        moved = sum(abs(n - split[t]) for t, n in zip(stages, sizes))
+        if moved:
+            ways.append((moved, tuple(sizes)))
+    ways.sort()
+    return [dict(zip(stages, sizes)) for _, sizes in ways[:MAX_FIT_TRIALS]]
+
+
+def fitting_counts(graphs: TaskGraphs, cluster: Cluster, config: Config,
+                   error: PlanError) -> tuple[dict[int, int], Plan] | None:
+    """When the split by work fits no placement (``error``): the nearest device counts per automatic stage
+    that do (:func:`nearest_counts`), and their plan (its prediction filled in); None if none does.
+
+    Why: the split by work gives each stage devices in proportion to its FLOPs, blind to memory. On a
+    cluster of large and small devices a stage of half the layers dealt six devices, four large and
+    two small, fits where the same half on five small ones does not (issue 36: 7B Llama on four A100s
+    and eight T4s); moving devices toward the stage that is short fits it. The counts found are where
+    :func:`count_search` starts."""
+    split = _automatic_counts(graphs, cluster)
+    if split is None:
+        return None
+    for trial in nearest_counts(split):
+        try:
+            with trials():
+                prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
+        except PlanError as e:
+            log.debug("devices per stage %s: %s", trial, e)
+            continue
+        if plan_fits(plan):
+            log.info("the split by work (devices per automatic stage %s) fits no placement (%s); %s fits",
+                     split, str(error).split(";")[0], trial)
+            return trial, dataclasses.replace(plan, prediction=prediction)
+    return None
 
 
 def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
@@ -359,24 +427,23 @@ def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: P
     return best
 
 
-def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
+def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan,
+                 counts: dict[int, int] | None = None) -> Plan:
     """The aware plan with the devices of the automatic stages searched (issue 36): the placement splits
     them by work alone, a device count per stage, but devices of unequal speed are not equal shares
     (a fast stage needs fewer; a slow device in a stage of fast ones gets a whole sample it takes long
-    over). From the split by work, one device at a time moves from one automatic stage to another
+    over). From the split by work (or ``counts``, the ones ``aware`` was planned on:
+    :func:`fitting_counts`), one device at a time moves from one automatic stage to another
     while the simulator predicts the step shorter by :data:`MOVE_GAIN` at least, each layout planned
     in full (every placement, swaps), at most :data:`MAX_COUNT_ROUNDS` moves, each keeping the plan's
     micro-batch count. Only on a cluster of devices of unequal speed at the plan's precision with two
     or more automatic stages and one pipeline (on equal devices the split by work is the split by
     time); ``aware`` when no move helps."""
-    auto = [tg.index for tg in graphs if tg.strategy.fixed_degrees is None]
-    if len(auto) < 2 or len({device_tflops(d, config.precision) for d in cluster.devices}) < 2:
+    split = _automatic_counts(graphs, cluster)
+    if split is None or len({device_tflops(d, config.precision) for d in cluster.devices}) < 2:
         return aware
-    shapes, replicas = stage_shapes(graphs, len(cluster.devices))
-    counts = {sh.taskgraph: sh.devices for sh in shapes if sh.taskgraph in auto}
-    fixed = sum(sh.devices for sh in shapes if sh.taskgraph not in auto)
-    if replicas != 1 or fixed + sum(counts.values()) != len(cluster.devices):
-        return aware
+    auto = sorted(split)
+    counts = dict(counts or split)
     config = dataclasses.replace(config, num_micro_batch=aware.num_micro_batch)
     best, start = aware, dict(counts)
     for _ in range(MAX_COUNT_ROUNDS):
@@ -401,6 +468,6 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
             break
         best, counts = found
     if best is not aware:
-        log.info("devices per automatic stage %s (split by work: %s) are predicted faster: %.2f ms against %.2f ms",
+        log.info("devices per automatic stage %s (from %s) are predicted faster: %.2f ms against %.2f ms",
                  counts, start, best.prediction.step_time_ms, aware.prediction.step_time_ms)
     return best

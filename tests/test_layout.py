@@ -143,7 +143,7 @@ EXPECTED = {
 def test_planner_made_plans(name, monkeypatch):
     graphs, kinds, config = PLANNED[name]
     # the layouts below are the planner's with the devices per stage split by work (not searched)
-    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware)
+    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware, counts=None: aware)
     plan = planner.plan(graphs, synthetic_cluster(kinds, per_host=4), config)
     layout = SampleLayout.of(plan)
     ranges = layout.all_ranges()

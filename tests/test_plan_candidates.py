@@ -97,7 +97,7 @@ def test_a_decision_predicted_slower_than_the_naive_plan_is_not_kept(monkeypatch
     config = Config(global_batch_size=16, num_micro_batch=2)
     monkeypatch.setattr(planner.decisions, "partition_stage_layers", _piled_on_the_last_stage)
     # the rule alone: no search of the devices per stage to make up for the decision rule
-    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware)
+    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware, counts=None: aware)
     plan = planner.plan(graphs, cluster, config)
     naive = planner.naive_plan(graphs, cluster, config)
     aware = best_aware_plan(graphs, cluster, config)[0]
@@ -499,6 +499,33 @@ def test_devices_per_automatic_stage_are_searched_on_unequal_devices():
     equal = synthetic_cluster([(12, 125.0, 40)], per_host=4)
     aware = dataclasses.replace(best_aware_plan(graphs, equal, config)[1], prediction=prediction)
     assert count_search(graphs, equal, config, aware) is aware
+
+
+def test_a_split_by_work_that_fits_nowhere_starts_the_count_search_where_it_fits(caplog):
+    """Four large fast devices and eight small slow ones, three automatic regions: the split by work
+    (4, 6, 2) puts half the layers on six small devices, which fits no placement, at any ZeRO stage or
+    recompute (before, the plan was refused). The nearest device counts that fit start the count
+    search, and the plan fits with every stage computing (issue 36: 7B Llama on 4 A100s and 8 T4s)."""
+    graphs = synthetic_model(12, [replicate(), replicate(), split()], layers_per_graph=[5, 6, 1], hidden=1024, seq=128,
+                             heads=8, vocab=8000)
+    cluster = synthetic_cluster([(4, 125.0, 40), (8, 20.0, 0.2)], per_host=4)
+    config = Config(global_batch_size=64, num_micro_batch=8)
+    with pytest.raises(PlanError, match="does not fit"):
+        best_aware_plan(graphs, cluster, config)
+    with caplog.at_level("INFO", logger="planner.candidates"):
+        plan = planner.plan(graphs, cluster, config)
+    assert "the split by work (devices per automatic stage {0: 4, 1: 6, 2: 2}) fits no placement" in caplog.text
+    counts = [len(plan.stage_workers(st.index)) for st in plan.stages]
+    assert counts != [4, 6, 2] and sum(counts) == 12 and plan.chosen == "aware" and plan_fits(plan)
+    assert all(f > 0 for f in _stage_flops(graphs, plan))
+    plan.validate(graphs=graphs, cluster=cluster)
+    # the counts tried: every other way of dealing the devices, nearest first, bounded
+    from planner.candidates import MAX_FIT_TRIALS, nearest_counts
+    ways = nearest_counts({0: 4, 1: 6, 2: 2})
+    assert ways[0] in ({0: 3, 1: 7, 2: 2}, {0: 3, 1: 6, 2: 3}, {0: 4, 1: 5, 2: 3}, {0: 4, 1: 7, 2: 1},
+                       {0: 5, 1: 5, 2: 2}, {0: 5, 1: 6, 2: 1})
+    assert len(ways) == min(MAX_FIT_TRIALS, 55 - 1) and {0: 4, 1: 6, 2: 2} not in ways
+    assert all(sum(w.values()) == 12 and min(w.values()) >= 1 for w in ways)
 
 
 def test_no_split_at_the_asked_micro_batches_searches_more_of_them(caplog):

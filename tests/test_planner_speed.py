@@ -93,7 +93,7 @@ def test_a_pipeline_re_plan_predicts_what_planning_from_scratch_predicts(layers,
     cluster = synthetic_cluster([(4, 125.0, 80), (4, 65.0, 40)], per_host=4, name="mixed-8")
     graphs = synthetic_model(layers + 1, (replicate(), replicate()), hidden=hidden, seq=1024, heads=heads, vocab=50257)
     # the re-plan keeps each stage's devices: the plans compared keep the split by work (no count search)
-    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware)
+    monkeypatch.setattr(planner.candidates, "count_search", lambda graphs, cluster, config, aware, counts=None: aware)
     plan = planner.plan(graphs, cluster, Config(128, 16))
     speeds = [device_tflops(cluster.device(w.device)) * 1e12 for w in plan.workers]
     speeds[1] /= 2

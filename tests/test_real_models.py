@@ -173,7 +173,7 @@ def _ranks(rank: int, world_size: int, plans: dict, unbatched: tuple = ()) -> di
         graphs = wl.capture(real.model, data[0][0])
         # each block on a stage of its own, so the table is read on two stages (the devices per stage kept
         # as split by work: searched, both blocks run on a first stage of two devices)
-        with mock.patch.object(planner.candidates, "count_search", lambda graphs, cluster, config, aware: aware):
+        with mock.patch.object(planner.candidates, "count_search", lambda graphs, cluster, config, aware, counts=None: aware):
             plan = planner.plan(graphs, _cluster(), _config())
         engine, _, _ = assert_engine_trains_like_reference(real.model, plan, data, OPTIMIZERS["sgd"], real.loss_fn,
                                                            _cluster(), f"{name}/sgd")
