@@ -15,6 +15,8 @@ sequence / predicted step), against
 
 * (a) the best plan that uses one device kind of the cluster: the same model planned on each kind's
   devices alone (their hosts and network as they are), the fastest that fits;
+  Beside it, the ratio of all devices' FLOP/s to that kind's: what a plan of all devices gains over
+  that kind at equal efficiency (a plan above it uses the devices better than the one-kind plan does);
 * (b) the bound: every device's sustained FLOP/s at the plan's precision (the planner's
   ``device_tflops``: the spec sheet's peak times the cost model's efficiency) over the model's
   training FLOPs per token, the work split perfectly and nothing else costing time. The gap to it
@@ -251,8 +253,10 @@ def main() -> None:
             best_kind = max(fitting, key=lambda k: tokens_per_s(fitting[k].plan, args.seq)) if fitting else None
             single = tokens_per_s(fitting[best_kind].plan, args.seq) if best_kind else 0.0
             top = bound(graphs, cluster, precision, args.seq)
+            # what all devices could gain over that kind's alone at equal efficiency: their FLOP/s' ratio
+            gain = top / bound(graphs, one_kind(cluster, best_kind), precision, args.seq) if best_kind else 0.0
             case = dict(model=model_name, cluster=cluster_name, seconds=mine.seconds, fits=mine.plan is not None,
-                        devices=len(cluster.devices), single=single, single_kind=best_kind, bound=top)
+                        devices=len(cluster.devices), single=single, single_kind=best_kind, bound=top, gain=gain)
             if mine.plan is None:
                 rows.append(f"{model_name:>4}  {cluster_name:<10} {precision}  plan {mine.seconds:5.2f} s  does not fit: "
                             f"{mine.error}")
@@ -262,8 +266,8 @@ def main() -> None:
                 device, share = fullest(plan)
                 tps = tokens_per_s(plan, args.seq)
                 case.update(used=used, tps=tps, stages=len(plan.stages), micro=plan.num_micro_batch)
-                versus = f"{tps / single:5.2f}x best one kind ({best_kind} {single:,.0f})" if single else \
-                    "no single kind fits"
+                versus = (f"{tps / single:5.2f}x best one kind ({best_kind} {single:,.0f}; all devices' FLOP/s are "
+                          f"{gain:.2f}x its)") if single else "no single kind fits"
                 rows.append(f"{model_name:>4}  {cluster_name:<10} {precision}  plan {mine.seconds:5.2f} s  "
                             f"devices computing {used}/{len(cluster.devices)}  {len(plan.stages)} stage(s), "
                             f"{plan.num_micro_batch} micro-batches  fullest {device} {share:.0%}  "
@@ -274,13 +278,14 @@ def main() -> None:
     planned = [c for c in cases if c["fits"]]
     idle = sum(c["devices"] - c["used"] for c in planned)
     against = [c["tps"] / c["single"] for c in planned if c["single"]]
-    lab = [c["tps"] / c["single"] for c in planned if c["cluster"] == "lab-mixed" and c["single"]]
+    lab = [(c["tps"] / c["single"], c["gain"]) for c in planned if c["cluster"] == "lab-mixed" and c["single"]]
     seven = next((c for c in cases if c["model"] == "7B" and c["cluster"] == "lab-mixed"), None)
     print(f"lab_plans: {len(planned)}/{len(cases)} cases planned, the longest in "
           f"{max(c['seconds'] for c in cases):.1f} s (target < 30 s); idle devices {idle}; 7B on lab-mixed "
           f"{'not run' if seven is None else ('fits' if seven['fits'] else 'does NOT fit')}; plan / best single kind "
           + (f"{min(against):.2f}-{max(against):.2f}x" if against else "n/a")
-          + (f" (lab-mixed {min(lab):.2f}x, target >= 1.30x)" if lab else "")
+          + (f" (lab-mixed {min(lab)[0]:.2f}x, target >= 1.30x, where all its devices' FLOP/s are {min(lab)[1]:.2f}x the "
+             "best kind's)" if lab else "")
           + "; plan / bound " + (f"{min(c['tps'] / c['bound'] for c in planned):.0%}-"
                                   f"{max(c['tps'] / c['bound'] for c in planned):.0%}" if planned else "n/a"), flush=True)
 
