@@ -71,6 +71,9 @@ class Worker:
     gradient_bytes: float = rule(float, "bytes of gradients the worker all-reduces per step (its shard of the "
                                  "stage's parameters; the simulator's DDP buckets; 0 under ZeRO, whose "
                                  "collectives allreduce_ms prices)", ge=0, default=0.0)
+    update_ms: float = rule(float, f"the optimizer's update of the parameters the worker updates, after its last "
+                            f"collective of the step (0: not priced, the device's update rate unmeasured), {MS}",
+                            ge=0, default=0.0)
     # planner.devices.memory's terms at the worker's peak (memory_gib is their sum; 0 in plans made before them)
     weights_gib: float = rule(float, "parameters held at the peak (with autocast's copies) in GiB", ge=0, default=0.0)
     gradients_gib: float = rule(float, "gradients held at the peak in GiB", ge=0, default=0.0)

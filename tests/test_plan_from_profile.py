@@ -160,3 +160,35 @@ def test_re_plans_for_measured_speeds_start_from_the_profile():
     # the same shares (the measured speeds decide them), priced on the measured links: slower
     assert [w.micro_batch_sizes for w in with_profile.workers] == [w.micro_batch_sizes for w in without.workers]
     assert with_profile.prediction.step_time_ms > without.prediction.step_time_ms
+
+
+def test_the_measured_update_is_priced_on_each_worker_for_the_parameters_it_updates():
+    """A profile's update rate (``DeviceProfile.update_ns_per_byte``) prices each worker's optimizer
+    update: its parameter bytes at its device's rate, after its last collective; under ZeRO its shard's.
+    The step grows by the slowest-finishing worker's update, and a profile without the rate prices none."""
+    graphs, cluster = _graphs(), _cluster()
+    config = wl.Config(global_batch_size=GLOBAL_BATCH)
+    plain = emulated_profile(graphs, cluster)
+    rates = {"emu-hbm": 2.0, "emu-gddr": 0.5}   # ns per byte
+    profile = dataclasses.replace(plain, devices=tuple(dataclasses.replace(d, update_ns_per_byte=rates[d.kind])
+                                                       for d in plain.devices))
+    unpriced = planner.plan(graphs, cluster, config, profile=plain)
+    priced = planner.plan(graphs, cluster, config, profile=profile)
+    assert all(w.update_ms == 0 for w in unpriced.workers)
+    param_bytes = sum(l.param_bytes for l in graphs.layers)
+    kinds = {d.name: d.kind for d in cluster.devices}
+    for w in priced.workers:   # DDP: every worker updates the whole model
+        assert w.update_ms == pytest.approx(param_bytes * rates[kinds[w.device]] * 1e-6)
+    from planner.schedule.simulator import simulate
+    result = simulate(priced, network=cluster)
+    updates = [e for e in result.events if e.kind == "update"]
+    assert sorted(e.rank for e in updates) == [w.rank for w in priced.workers]
+    assert result.step_time_ms == pytest.approx(max(e.end_ms for e in updates))
+    assert all(t.update_ms == w.update_ms for t, w in zip(result.workers, priced.workers))
+    # the same plan without its updates is that much faster: nothing else moved
+    bare = dataclasses.replace(priced, workers=[dataclasses.replace(w, update_ms=0.0) for w in priced.workers])
+    assert simulate(bare, network=cluster).step_time_ms < result.step_time_ms
+    # ZeRO 1 shards the optimizer's update over the group: each worker steps its own shard
+    zero = planner.plan(graphs, cluster, dataclasses.replace(config, zero_stage=1), profile=profile)
+    for w in zero.workers:
+        assert w.update_ms == pytest.approx(param_bytes * rates[kinds[w.device]] * 1e-6 / len(zero.workers), rel=0.01)

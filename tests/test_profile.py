@@ -136,6 +136,26 @@ def _profile_runs(rank, world_size, runs):
     return out
 
 
+def _adamw_ns_per_byte(model, repeats: int = 5) -> float:
+    """AdamW's step over ``model``'s parameters (gradients of ones), the median, ns per parameter byte."""
+    import copy
+    import statistics
+    import time
+
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params)
+    opt.step()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) / sum(p.numel() * p.element_size() for p in params) * 1e9
+
+
 def test_profile_recovers_what_the_emulation_was_given(tmp_path):
     cluster_path = _cluster_file(tmp_path)
     cluster = Cluster.from_yaml(cluster_path)
@@ -180,6 +200,10 @@ def test_profile_recovers_what_the_emulation_was_given(tmp_path):
             emulator.network.close()
         assert set(device.memory_bytes) == set(device.batches)
         assert max(device.memory_bytes.values()) <= device.capacity_bytes
+        # the optimizer's update is timed at the machine's own speed (the runtime does not pad it): the
+        # same AdamW step timed here, within the noise of ranks sharing the cores
+        assert 0.1 * _adamw_ns_per_byte(workload.model) < device.update_ns_per_byte < 10 * _adamw_ns_per_byte(
+            workload.model), device.update_ns_per_byte
     link = profile.link("inter-host")
     assert profile.link("intra-host") is None          # one device per host: no pair within a host
     assert (link.src, link.dst) == ("emu-a-0", "emu-b-0")

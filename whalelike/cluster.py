@@ -152,6 +152,12 @@ class Device:
     emulated_memory_gbps: Optional[float] = rule(
         float, "GB/s at which the emulated device moves the bytes of non-matmul operators (element-wise, norms, "
         "softmax), e.g. 0.5 where speed 1 is 2 GFLOP/s", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY, default=None)
+    # the optimizer's update, measured (whalelike profile): the planner prices it after each worker's last
+    # collective, per byte of the parameters the worker updates (None: not priced)
+    measured_update_ns_per_byte: Optional[float] = rule(
+        float, "measured optimizer update time per byte of parameters the device updates, in nanoseconds (whalelike "
+        "profile measures it), e.g. 0.75; default: the update is not priced", ge=0, le=1e6,
+        le_why="a millisecond per byte of parameters is no device's optimizer", default=None)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ")

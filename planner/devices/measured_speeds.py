@@ -11,7 +11,9 @@ reads the measurements without a branch of its own:
 * a device's rate is the FLOPs it ran over the seconds it took, on the units its stage runs and
   at the micro-batch sizes the plan gives it (:func:`device_rate`): a device whose memory
   bandwidth or small-batch efficiency its spec sheet hides is priced as slow as it measured;
-* the links' fitted bandwidths and latency replace the spec's (:func:`measured_network`).
+* the links' fitted bandwidths and latency replace the spec's (:func:`measured_network`);
+* the optimizer's measured update rate (``DeviceProfile.update_ns_per_byte``) becomes the device's
+  ``measured_update_ns_per_byte``, which prices each worker's update (:func:`planner.assemble.update_ms`).
 
 Why a fixed point (:func:`planner.api.plan` with ``profile=``): a device's rate depends on its
 micro-batch size (time per sample falls as a device fills), which the plan chooses from the rates.
@@ -118,7 +120,10 @@ def measured_cluster(cluster: Cluster, profile: Profile, graphs: TaskGraphs, pre
     for d in cluster.devices:
         measured = profile.device(d.name)
         rate = device_rate(measured, flops, units_of.get(d.name), sizes_of.get(d.name))
-        devices.append(d.with_measured(precision, rate))
+        d = d.with_measured(precision, rate)
+        if measured.update_ns_per_byte:   # the optimizer's update, priced per worker (planner.assemble.update_ms)
+            d = dataclasses.replace(d, measured_update_ns_per_byte=measured.update_ns_per_byte)
+        devices.append(d)
     return dataclasses.replace(cluster, devices=tuple(devices), network=measured_network(cluster.network, profile))
 
 

@@ -21,6 +21,9 @@ The API the planner reads (every figure in seconds, bytes and samples; units are
   ``"memory"`` (``max_batch + 1`` ran out of memory) or ``"cap"`` (the profiling cap fitted: the
   edge lies beyond); ``device.memory_bytes[batch]``: that step's measured peak;
   ``device.capacity_bytes``: the memory it was checked against (None: no limit was enforced);
+* ``device.update_ns_per_byte``: the optimizer's update (``optimizer.step()`` over the whole model on
+  the device, the median of ``repeats`` after a step's backward) per byte of parameters, the rate
+  the planner prices each worker's update at (:func:`planner.assemble.update_ms`; 0: not measured);
 * ``device.step_seconds(batch)``, ``device.curve(unit=None, phase="both")``: a
   :class:`planner.devices.speed_curves.SpeedCurve` of seconds per sample (PCHIP through the points);
 * ``profile.links``: one :class:`LinkProfile` per kind of link measured (``"intra-host"``,
@@ -78,6 +81,9 @@ class DeviceProfile:
     memory_bytes: dict[int, int] = rule(int, "batch -> measured peak bytes of a training step", ge=0)
     capacity_bytes: Optional[int] = rule(int, "memory the device was checked against, in bytes", ge=1, default=None)
     cached: bool = rule(bool, "the figures came from the profile cache, measured in an earlier run", default=False)
+    update_ns_per_byte: float = rule(float, "the optimizer's update (the profile's optimizer, every parameter of the "
+                                     "model on the device), nanoseconds per byte of parameters; 0: not measured "
+                                     "(a profile or cache entry made before it was)", ge=0, default=0.0)
 
     @property
     def batches(self) -> list[int]:
@@ -244,4 +250,6 @@ def device_dict(d: DeviceProfile) -> dict:
         out["capacity_bytes"] = d.capacity_bytes
     if d.cached:
         out["cached"] = True
+    if d.update_ns_per_byte:
+        out["update_ns_per_byte"] = d.update_ns_per_byte
     return out

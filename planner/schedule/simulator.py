@@ -45,6 +45,10 @@ model of execution is the runtime's:
   ``hidden_allreduce_ms`` the rest.
   With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
   (:func:`planner.schedule.gradient_buckets.plan_buckets`), as the runtime overlaps them.
+* The optimizer's update (``Worker.update_ms``: the bytes of parameters the worker updates at its
+  device's measured rate, :func:`planner.assemble.update_ms`; 0 when unmeasured) runs on each worker
+  after its last collective, and the step ends with the latest update (a P-Reduce worker updates
+  before its exchange; the sum is the same).
 * A P-Reduce stage (``StagePlan.replica_sync`` ``"partial"``) all-reduces no gradients: after its
   optimizer step each worker averages its parameters with a group of ``partial_group_size``
   (runtime.replicas.partial_sync). Each worker's exchange starts when its own compute ends (it
@@ -89,7 +93,7 @@ log = logging.getLogger(__name__)
 
 class SimEvent(NamedTuple):
     """One timed slice of the step on worker ``rank``: compute (``F``/``B``), a ``send`` to
-    ``peer_stage``, or the gradient ``allreduce`` (``micro_batch`` is None). A named tuple: a
+    ``peer_stage``, the gradient ``allreduce`` or the optimizer's ``update`` (``micro_batch`` None). A named tuple: a
     1024-device step has ~10^5 of them."""
 
     rank: int
@@ -110,6 +114,8 @@ class SimEvent(NamedTuple):
     def label(self) -> str:
         if self.kind == "allreduce":
             return "all-reduce"
+        if self.kind == "update":
+            return "optimizer update"
         if self.kind == "send":
             return f"send {self.micro_batch} -> stage {self.peer_stage}" + (f" ({self.detail})" if self.detail else "")
         return f"{self.kind}{self.micro_batch}"
@@ -120,7 +126,8 @@ class WorkerTime:
     """Where one worker's step went. ``idle_ms`` is waiting: for inputs (pipeline bubbles), for a
     slower tensor-parallel peer, or for slower data-parallel peers before the all-reduce.
     ``allreduce_ms`` is the gradient all-reduce time after the worker's own compute ended (all of
-    it without overlap), ``hidden_allreduce_ms`` the part overlapped with its backward."""
+    it without overlap), ``hidden_allreduce_ms`` the part overlapped with its backward; ``update_ms`` the
+    optimizer's update after it (``Worker.update_ms``)."""
 
     rank: int
     device: str
@@ -131,10 +138,11 @@ class WorkerTime:
     idle_ms: float
     peak_in_flight: int
     hidden_allreduce_ms: float = 0.0
+    update_ms: float = 0.0
 
     @property
     def busy_ms(self) -> float:
-        return self.compute_ms + self.allreduce_ms
+        return self.compute_ms + self.allreduce_ms + self.update_ms
 
 
 @dataclass(frozen=True)
@@ -377,6 +385,11 @@ def simulate(plan: Plan, record_events: bool = True,
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
     compute_ms, last_backward = _member_times(groups)
     allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
+    for w in plan.workers:   # the optimizer's update, once the step's gradients are in
+        if w.update_ms > 0:
+            if record_events:
+                events.append(SimEvent(w.rank, w.stage, "update", None, finish[w.rank], finish[w.rank] + w.update_ms))
+            finish[w.rank] += w.update_ms
     step_ms = max(finish.values())
     reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
     return _result(plan, groups, events, compute_ms, allreduce, step_ms, reshardings)
@@ -596,8 +609,8 @@ def _result(plan: Plan, groups: list[_Group], events: list[SimEvent], compute: d
             in_flight[w.rank] = peaks[id(g.actions)]
     workers = [
         WorkerTime(w.rank, w.device, w.replica, w.stage, compute[w.rank], allreduce[w.rank][0],
-                   max(step_ms - compute[w.rank] - allreduce[w.rank][0], 0.0), in_flight[w.rank],
-                   allreduce[w.rank][1])
+                   max(step_ms - compute[w.rank] - allreduce[w.rank][0] - w.update_ms, 0.0), in_flight[w.rank],
+                   allreduce[w.rank][1], w.update_ms)
         for w in plan.workers
     ]
     total = step_ms * len(workers)

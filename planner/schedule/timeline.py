@@ -24,9 +24,10 @@ from whalelike.files import write_atomic
 from planner.plan import Plan
 from planner.schedule.simulator import SimResult, WorkerTime, simulate
 
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "BI": "#8FD19E", "BW": "#2F6B3D", "send": "#8C8C8C", "allreduce": "#C44E52"}
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "BI": "#8FD19E", "BW": "#2F6B3D", "send": "#8C8C8C", "allreduce": "#C44E52",
+           "update": "#8172B2"}
 CATEGORIES = {"F": "forward", "B": "backward", "BI": "backward (input half)", "BW": "backward (weight half)",
-              "send": "transfer", "allreduce": "all-reduce"}
+              "send": "transfer", "allreduce": "all-reduce", "update": "optimizer update"}
 COMPUTE_TRACK, SEND_TRACK = 0, 1
 
 
@@ -120,7 +121,7 @@ def write_png(source: Union[Plan, SimResult], path: str | os.PathLike, max_rows:
         y = row_of[e.rank]
         low, high = (y + 0.3, y + 0.42) if e.kind == "send" else (y - 0.3, y + 0.3)
         boxes[e.kind].append([(e.start_ms, low), (e.end_ms, low), (e.end_ms, high), (e.start_ms, high)])
-        text = "AR" if e.kind == "allreduce" else str(e.micro_batch)
+        text = {"allreduce": "AR", "update": "U"}.get(e.kind, str(e.micro_batch))
         if e.kind != "send" and e.duration_ms > char_ms * (len(text) + 1):
             ax.text(e.start_ms + e.duration_ms / 2, y, text, ha="center", va="center", fontsize=7, color="white")
     for kind, verts in boxes.items():

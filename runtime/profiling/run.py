@@ -315,6 +315,7 @@ class DeviceMeasurement:
             for u in range(step.units):
                 times[u][batch] = (statistics.median(r[u][0] for r in runs), statistics.median(r[u][1] for r in runs))
             self.batches.drop(batch)
+        update = step.timed_update(settings.repeats)   # the last timed step's gradients are there
         if retried:
             log.info("device %s: %d timed steps overran their modeled time and were run again", self.spec.name, retried)
         if kept_overruns:
@@ -327,7 +328,7 @@ class DeviceMeasurement:
         return DeviceProfile(name=self.spec.name, kind=self.spec.kind, host=self.spec.host,
                              max_batch=self.edge.max_batch, edge=self.edge.edge, times=times,
                              memory_bytes={b: self.memory[b] for b in timed if self.memory.get(b) is not None},
-                             capacity_bytes=self.capacity)
+                             capacity_bytes=self.capacity, update_ns_per_byte=update)
 
 
 def _nothing_fits(device_spec, step: UnitStep) -> ProfilingError:
