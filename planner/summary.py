@@ -36,6 +36,10 @@ def plan_summary(plan: PlanRecord, cluster=None) -> str:
         ]
         for w in plan.workers
     ]
+    if any(w.update_ms for w in plan.workers):   # the optimizer's update, priced from a measured rate
+        headers.append("update ms")
+        for row, w in zip(rows, plan.workers):
+            row.append(f"{w.update_ms:.2f}")
     title = (
         f"plan for model {plan.model_fingerprint[:12]} on {plan.cluster}: {len(plan.stages)} stage(s), "
         f"{plan.num_replicas} pipeline replica(s), {plan.world_size} workers, global batch "

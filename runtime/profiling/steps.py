@@ -159,8 +159,8 @@ class UnitStep:
         """The optimizer's update after a step's backward (call it after :meth:`timed`: the gradients are
         there), nanoseconds per byte of the parameters it updates: the median of ``repeats`` timed
         ``optimizer.step()`` calls over the whole model (the update runs at the machine's own speed on
-        emulated hardware too: the runtime does not pad it). The parameters move; a profile's model
-        trains nothing."""
+        emulated hardware too: the runtime does not pad it). At the profile's learning rate 0 the
+        parameters stay as they are, and the update's arithmetic all runs."""
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         nbytes = sum(p.numel() * p.element_size() for p in params)
         if not nbytes:
