@@ -147,6 +147,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
         update_ms=update_ms(cost, fraction, zero, device),
+        action_overhead_ms=(device.measured_action_overhead_us or 0.0) * 1e-3,
     )
 
 

@@ -71,6 +71,9 @@ class Worker:
     gradient_bytes: float = rule(float, "bytes of gradients the worker all-reduces per step (its shard of the "
                                  "stage's parameters; the simulator's DDP buckets; 0 under ZeRO, whose "
                                  "collectives allreduce_ms prices)", ge=0, default=0.0)
+    action_overhead_ms: float = rule(float, f"time outside the compute segments per compute action (a forward or a "
+                                     f"backward: the runtime's Python, dispatch and bookkeeping around it; 0: not "
+                                     f"priced, the device's figure unmeasured), {MS}", ge=0, default=0.0)
     update_ms: float = rule(float, f"the optimizer's update of the parameters the worker updates, after its last "
                             f"collective of the step (0: not priced, the device's update rate unmeasured), {MS}",
                             ge=0, default=0.0)

@@ -192,3 +192,30 @@ def test_the_measured_update_is_priced_on_each_worker_for_the_parameters_it_upda
     zero = planner.plan(graphs, cluster, dataclasses.replace(config, zero_stage=1), profile=profile)
     for w in zero.workers:
         assert w.update_ms == pytest.approx(param_bytes * rates[kinds[w.device]] * 1e-6 / len(zero.workers), rel=0.01)
+
+
+def test_the_measured_cost_outside_compute_is_priced_on_every_forward_and_backward():
+    """A profile's time outside the compute segments per unit forward or backward
+    (``DeviceProfile.action_overhead_s``) becomes each worker's ``action_overhead_ms``, and the simulator
+    adds it to every compute action: each forward and backward event is its compute plus that."""
+    graphs, cluster = _graphs(), _cluster()
+    config = wl.Config(global_batch_size=GLOBAL_BATCH, num_micro_batch=2)
+    plain = emulated_profile(graphs, cluster)
+    overhead = {"emu-hbm": 0.004, "emu-gddr": 0.001}   # seconds per action
+    profile = dataclasses.replace(plain, devices=tuple(dataclasses.replace(d, action_overhead_s=overhead[d.kind])
+                                                       for d in plain.devices))
+    plan = planner.plan(graphs, cluster, config, profile=profile)
+    kinds = {d.name: d.kind for d in cluster.devices}
+    assert [w.action_overhead_ms for w in plan.workers] == pytest.approx([overhead[kinds[w.device]] * 1e3
+                                                                          for w in plan.workers])
+    from planner.schedule.simulator import simulate
+    result = simulate(plan, network=cluster)
+    by_rank = {w.rank: w for w in plan.workers}
+    computed = [e for e in result.events if e.kind in ("F", "B")]
+    assert computed
+    for e in computed:
+        w = by_rank[e.rank]
+        own = (w.forward_ms if e.kind == "F" else w.backward_ms)[e.micro_batch]
+        assert e.duration_ms == pytest.approx(own + w.action_overhead_ms)
+    bare = dataclasses.replace(plan, workers=[dataclasses.replace(w, action_overhead_ms=0.0) for w in plan.workers])
+    assert simulate(bare, network=cluster).step_time_ms < result.step_time_ms

@@ -204,6 +204,8 @@ def test_profile_recovers_what_the_emulation_was_given(tmp_path):
         # same AdamW step timed here, within the noise of ranks sharing the cores
         assert 0.1 * _adamw_ns_per_byte(workload.model) < device.update_ns_per_byte < 10 * _adamw_ns_per_byte(
             workload.model), device.update_ns_per_byte
+        # and the step's time outside its units' compute segments, per forward or backward: some, far below a step
+        assert 0 < device.action_overhead_s < device.step_seconds(1), device.action_overhead_s
     link = profile.link("inter-host")
     assert profile.link("intra-host") is None          # one device per host: no pair within a host
     assert (link.src, link.dst) == ("emu-a-0", "emu-b-0")

@@ -152,6 +152,12 @@ class Device:
     emulated_memory_gbps: Optional[float] = rule(
         float, "GB/s at which the emulated device moves the bytes of non-matmul operators (element-wise, norms, "
         "softmax), e.g. 0.5 where speed 1 is 2 GFLOP/s", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY, default=None)
+    # the runtime's cost outside compute segments per forward or backward, measured (whalelike profile):
+    # the planner adds it to every compute action of a worker on the device (None: not priced)
+    measured_action_overhead_us: Optional[float] = rule(
+        float, "measured time outside the compute segments per forward or backward (the step's Python, dispatch "
+        "and bookkeeping), in microseconds (whalelike profile measures it), e.g. 300; default: not priced", ge=0,
+        le=1e7, le_why="ten seconds of bookkeeping per forward is no runtime's", default=None)
     # the optimizer's update, measured (whalelike profile): the planner prices it after each worker's last
     # collective, per byte of the parameters the worker updates (None: not priced)
     measured_update_ns_per_byte: Optional[float] = rule(

@@ -13,7 +13,9 @@ reads the measurements without a branch of its own:
   bandwidth or small-batch efficiency its spec sheet hides is priced as slow as it measured;
 * the links' fitted bandwidths and latency replace the spec's (:func:`measured_network`);
 * the optimizer's measured update rate (``DeviceProfile.update_ns_per_byte``) becomes the device's
-  ``measured_update_ns_per_byte``, which prices each worker's update (:func:`planner.assemble.update_ms`).
+  ``measured_update_ns_per_byte``, which prices each worker's update (:func:`planner.assemble.update_ms`),
+  and the time outside the compute segments per forward or backward (``DeviceProfile.action_overhead_s``)
+  its ``measured_action_overhead_us``, which the simulator adds to each of a worker's compute actions.
 
 Why a fixed point (:func:`planner.api.plan` with ``profile=``): a device's rate depends on its
 micro-batch size (time per sample falls as a device fills), which the plan chooses from the rates.
@@ -123,6 +125,8 @@ def measured_cluster(cluster: Cluster, profile: Profile, graphs: TaskGraphs, pre
         d = d.with_measured(precision, rate)
         if measured.update_ns_per_byte:   # the optimizer's update, priced per worker (planner.assemble.update_ms)
             d = dataclasses.replace(d, measured_update_ns_per_byte=measured.update_ns_per_byte)
+        if measured.action_overhead_s:    # outside the compute segments, per forward or backward
+            d = dataclasses.replace(d, measured_action_overhead_us=measured.action_overhead_s * 1e6)
         devices.append(d)
     return dataclasses.replace(cluster, devices=tuple(devices), network=measured_network(cluster.network, profile))
 

@@ -21,6 +21,10 @@ The API the planner reads (every figure in seconds, bytes and samples; units are
   ``"memory"`` (``max_batch + 1`` ran out of memory) or ``"cap"`` (the profiling cap fitted: the
   edge lies beyond); ``device.memory_bytes[batch]``: that step's measured peak;
   ``device.capacity_bytes``: the memory it was checked against (None: no limit was enforced);
+* ``device.action_overhead_s``: a timed step's wall time outside its compute segments (the step's
+  Python, autograd's dispatch, the loss's bookkeeping) per unit forward or backward, the median
+  over the timed steps: what the planner adds to each compute action of a worker on the device
+  (``Worker.action_overhead_ms``; 0: not measured);
 * ``device.update_ns_per_byte``: the optimizer's update (``optimizer.step()`` over the whole model on
   the device, the median of ``repeats`` after a step's backward) per byte of parameters, the rate
   the planner prices each worker's update at (:func:`planner.assemble.update_ms`; 0: not measured);
@@ -81,6 +85,9 @@ class DeviceProfile:
     memory_bytes: dict[int, int] = rule(int, "batch -> measured peak bytes of a training step", ge=0)
     capacity_bytes: Optional[int] = rule(int, "memory the device was checked against, in bytes", ge=1, default=None)
     cached: bool = rule(bool, "the figures came from the profile cache, measured in an earlier run", default=False)
+    action_overhead_s: float = rule(float, "a timed step's wall time outside its compute segments, per unit forward "
+                                    "or backward (the median over the timed steps); 0: not measured (a profile or "
+                                    "cache entry made before it was)", ge=0, default=0.0)
     update_ns_per_byte: float = rule(float, "the optimizer's update (the profile's optimizer, every parameter of the "
                                      "model on the device), nanoseconds per byte of parameters; 0: not measured "
                                      "(a profile or cache entry made before it was)", ge=0, default=0.0)
@@ -250,6 +257,8 @@ def device_dict(d: DeviceProfile) -> dict:
         out["capacity_bytes"] = d.capacity_bytes
     if d.cached:
         out["cached"] = True
+    if d.action_overhead_s:
+        out["action_overhead_s"] = d.action_overhead_s
     if d.update_ns_per_byte:
         out["update_ns_per_byte"] = d.update_ns_per_byte
     return out

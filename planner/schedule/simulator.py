@@ -74,7 +74,7 @@ import logging
 from collections import defaultdict, deque
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 from whalelike.display import format_table
@@ -397,12 +397,13 @@ def simulate(plan: Plan, record_events: bool = True,
 
 def _took(w: Worker, kind: str, m: int, share: float) -> float:
     """Worker ``w``'s time for compute action ``kind`` of micro-batch ``m`` (a split backward's
-    halves: ``share`` of its backward time, and the rest)."""
+    halves: ``share`` of its backward time, and the rest), each with the worker's cost outside its
+    compute segments per action (``Worker.action_overhead_ms``)."""
     if kind == "F":
-        return w.forward_ms[m]
+        return w.forward_ms[m] + w.action_overhead_ms
     if kind == "B":
-        return w.backward_ms[m]
-    return w.backward_ms[m] * (share if kind == "BI" else 1.0 - share)
+        return w.backward_ms[m] + w.action_overhead_ms
+    return w.backward_ms[m] * (share if kind == "BI" else 1.0 - share) + w.action_overhead_ms
 
 
 def _member_times(groups: list[_Group]) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
@@ -528,9 +529,12 @@ def _groups(plan: Plan, programs, traffic: dict, resources: _Resources) -> tuple
                     outputs["F", b.dst_stage].append((forward, b.transfer_ms, src_groups))
                     inputs["B", b.dst_stage].append((backward, [dst_groups] * num_micro_batch))
         share = shares[stage]
-        whole = [max(times) for times in zip(*(w.backward_ms for w in ws))]
-        longest = {"F": [max(times) for times in zip(*(w.forward_ms for w in ws))], "B": whole,
-                   "BI": [t * share for t in whole], "BW": [t * (1.0 - share) for t in whole]}
+        over = [w.action_overhead_ms for w in ws]
+        backs = list(zip(*(w.backward_ms for w in ws)))
+        longest = {"F": [max(map(add, times, over)) for times in zip(*(w.forward_ms for w in ws))],
+                   "B": [max(map(add, times, over)) for times in backs],
+                   "BI": [max(t * share + o for t, o in zip(times, over)) for times in backs],
+                   "BW": [max(t * (1.0 - share) + o for t, o in zip(times, over)) for times in backs]}
         out.append(_Group(index, replica, stage, ws, actions, dict(inputs), dict(outputs), dict(sends), share,
                           longest=longest))
     return out, routes

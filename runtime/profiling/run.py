@@ -295,6 +295,7 @@ class DeviceMeasurement:
         timed = timed_batches(self.edge.max_batch)
         times: dict[int, dict[int, tuple[float, float]]] = {u: {} for u in range(step.units)}
         kept_overruns = retried = 0
+        outside: list[float] = []
         for batch in timed:
             inputs, targets = self.batches.get(batch)
             runs: list = []
@@ -302,7 +303,9 @@ class DeviceMeasurement:
             for attempt in range(per_step):
                 while True:
                     before = self.emulator.stats.snapshot()
+                    start = time.perf_counter()
                     measured = self._timed(inputs, targets, batch)
+                    wall = time.perf_counter() - start
                     overran = self.emulator.stats.since(before).overruns > 0
                     if attempt < settings.warmup or not overran or spare == 0:
                         break
@@ -310,6 +313,8 @@ class DeviceMeasurement:
                     retried += 1
                 if attempt >= settings.warmup:
                     runs.append(measured)
+                    # outside the segments: what the step spends around its units' compute, per forward or backward
+                    outside.append(max(wall - sum(f + b for f, b in measured), 0.0) / (2 * step.units))
                     kept_overruns += overran
                 self._tick(f"batch {batch}: timing ({attempt + 1}/{per_step})")
             for u in range(step.units):
@@ -328,7 +333,8 @@ class DeviceMeasurement:
         return DeviceProfile(name=self.spec.name, kind=self.spec.kind, host=self.spec.host,
                              max_batch=self.edge.max_batch, edge=self.edge.edge, times=times,
                              memory_bytes={b: self.memory[b] for b in timed if self.memory.get(b) is not None},
-                             capacity_bytes=self.capacity, update_ns_per_byte=update)
+                             capacity_bytes=self.capacity, update_ns_per_byte=update,
+                             action_overhead_s=statistics.median(outside))
 
 
 def _nothing_fits(device_spec, step: UnitStep) -> ProfilingError:
