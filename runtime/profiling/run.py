@@ -13,7 +13,9 @@ The run, on every rank (Poplar's online profiling, seed paper 002, section "Onli
    Algorithm 1 (:mod:`runtime.profiling.search`) over whole training steps that fit or run out of
    memory (:meth:`runtime.profiling.steps.UnitStep.fits`), then, once every rank has its largest
    batch, each unit's forward and backward time at the powers of two up to it and at it,
-   ``warmup`` steps then the median of ``repeats``;
+   ``warmup`` steps then the median of ``repeats`` (and each step's time outside its units' segments);
+   then, all measuring ranks at once after a barrier, the optimizer's update
+   (:meth:`runtime.profiling.steps.UnitStep.timed_update`);
 6. all ranks gather the devices' figures, then time the links (:mod:`runtime.profiling.links`);
 7. rank 0 stores what was measured in the cache. Every rank returns the same
    :class:`planner.devices.profile.Profile`.
@@ -27,6 +29,7 @@ the file is the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -128,6 +131,12 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     if rank == 0:
         board.wait(timeout_s)
     _agree(failure, world)
+    # the optimizer's update, timed on every measuring rank at once, as the runtime runs it (every rank steps
+    # right after the step's gradient sync): ranks that share a machine's cores share them here as there (on
+    # emulated hardware the update runs unpadded, at the cores' speed); the last timed step's gradients are there
+    dist.barrier()
+    if measurement is not None:
+        mine = dataclasses.replace(mine, update_ns_per_byte=measurement.step.timed_update(repeats))
     devices: list[Any] = [None] * world
     dist.all_gather_object(devices, mine)
     board.report(0, 1, "timing links")
@@ -320,7 +329,6 @@ class DeviceMeasurement:
             for u in range(step.units):
                 times[u][batch] = (statistics.median(r[u][0] for r in runs), statistics.median(r[u][1] for r in runs))
             self.batches.drop(batch)
-        update = step.timed_update(settings.repeats)   # the last timed step's gradients are there
         if retried:
             log.info("device %s: %d timed steps overran their modeled time and were run again", self.spec.name, retried)
         if kept_overruns:
@@ -333,8 +341,7 @@ class DeviceMeasurement:
         return DeviceProfile(name=self.spec.name, kind=self.spec.kind, host=self.spec.host,
                              max_batch=self.edge.max_batch, edge=self.edge.edge, times=times,
                              memory_bytes={b: self.memory[b] for b in timed if self.memory.get(b) is not None},
-                             capacity_bytes=self.capacity, update_ns_per_byte=update,
-                             action_overhead_s=statistics.median(outside))
+                             capacity_bytes=self.capacity, action_overhead_s=statistics.median(outside))
 
 
 def _nothing_fits(device_spec, step: UnitStep) -> ProfilingError:
