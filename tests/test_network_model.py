@@ -136,6 +136,33 @@ def test_of_cluster_agrees_with_the_cost_model_on_a_preset():
                                                                                   cluster.devices[-1]))
 
 
+def test_a_measured_collective_floor_slows_rings_and_never_speeds_them():
+    """``Network.collective_latency_us`` / ``collective_gbps`` (whalelike profile's ring all-reduce) are a
+    floor under every ring: a ring step is the slower of the links' and the measured one, point to point
+    transfers are left alone, and the cost model and the network model agree on it."""
+    import dataclasses
+
+    from planner.devices.cost_model import CommModel
+
+    names = ["a0", "a1"]
+    plain = two_hosts()
+    floored = two_hosts(collective_latency_us=1000.0, collective_gbps=1.0)
+    assert floored.ring(names).latency_ms == pytest.approx(1.0)
+    assert floored.ring(names).ms_per_byte == pytest.approx(1 / 1e6)
+    assert floored.ring_allreduce_ms(MB, names) > plain.ring_allreduce_ms(MB, names)
+    assert floored.transfer_ms(MB, "a0", "b0") == plain.transfer_ms(MB, "a0", "b0")
+    # a floor below the links changes nothing
+    low = two_hosts(collective_latency_us=0.1, collective_gbps=1e5)
+    assert low.ring_allreduce_ms(MB, ["a0", "a1", "b0"]) == pytest.approx(plain.ring_allreduce_ms(MB, ["a0", "a1", "b0"]))
+    cluster = Cluster.preset("whale-v100-p100")
+    cluster = dataclasses.replace(cluster, network=dataclasses.replace(cluster.network, collective_latency_us=500.0,
+                                                                       collective_gbps=0.5))
+    net, comm = NetworkModel.of_cluster(cluster), CommModel(cluster.network)
+    assert net.ring_allreduce_ms(300 * MB, [d.name for d in cluster.devices]) == pytest.approx(
+        comm.allreduce_ms(300 * MB, cluster.devices))
+    assert Cluster.from_dict(cluster.to_dict()) == cluster   # the spec keeps the floor
+
+
 @pytest.mark.parametrize("field,value", [("intra_host_gbps", 0), ("inter_host_gbps", -1.0),
                                          ("inter_host_gbps", math.nan), ("intra_host_gbps", math.inf),
                                          ("latency_us", -5.0), ("latency_us", math.nan)])

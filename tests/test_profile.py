@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from planner.devices.measured_speeds import measured_network
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -206,6 +208,12 @@ def test_profile_recovers_what_the_emulation_was_given(tmp_path):
             workload.model), device.update_ns_per_byte
         # and the step's time outside its units' compute segments, per forward or backward: some, far below a step
         assert 0 < device.action_overhead_s < device.step_seconds(1), device.action_overhead_s
+    ring = profile.link("collective")   # a ring all-reduce over both devices, fitted per ring step
+    assert (ring.src, ring.dst) == ("emu-a-0", "emu-b-0") and len(ring.points) == 4
+    assert ring.latency_s >= 0 and ring.seconds_per_byte > 0
+    assert "ring all-reduce over the 2 devices" in profile.summary()
+    measured = measured_network(cluster.network, profile)
+    assert measured.collective_latency_us == pytest.approx(ring.latency_us)
     link = profile.link("inter-host")
     assert profile.link("intra-host") is None          # one device per host: no pair within a host
     assert (link.src, link.dst) == ("emu-a-0", "emu-b-0")

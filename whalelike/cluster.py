@@ -318,6 +318,15 @@ class Network:
     inter_host_gbps: float = rule(float, "GB/s between hosts", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY)
     latency_us: float = rule(float, "per-message latency in microseconds", ge=0, le=MAX_LATENCY_US,
                              le_why=MAX_LATENCY_WHY)
+    # a ring collective's step as measured over the real transport (whalelike profile): a floor under the
+    # figures above for collectives, where the transport (or, on emulated devices, the machine) is slower
+    collective_latency_us: Optional[float] = rule(
+        float, "measured latency of one step of a ring collective (whalelike profile), microseconds; the "
+        "collectives' floor under latency_us; default none", ge=0, le=MAX_LATENCY_US, le_why=MAX_LATENCY_WHY,
+        default=None)
+    collective_gbps: Optional[float] = rule(
+        float, "measured GB/s of one step of a ring collective (whalelike profile); the collectives' floor under "
+        "the links' GB/s; default none", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY, default=None)
 
     def __post_init__(self):
         check_fields(self, "network: ")

@@ -549,7 +549,9 @@ class ProfileError(SpecError):
 
 PROFILE_UNITS = ("taskgraph", "layer")       # what one measured unit is: a TaskGraph, or a Layer
 PROFILE_EDGES = ("memory", "cap")             # how max_batch was found (see DeviceProfile.edge)
-PROFILE_LINK_KINDS = ("intra-host", "inter-host")   # planner.devices.network's INTRA_HOST, INTER_HOST
+# planner.devices.network's INTRA_HOST, INTER_HOST, and "collective": a ring all-reduce over every device, fitted
+# per ring step (runtime.profiling.links.measure_collective)
+PROFILE_LINK_KINDS = ("intra-host", "inter-host", "collective")
 
 
 def _profile_fix(profile: Any) -> str:

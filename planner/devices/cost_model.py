@@ -75,7 +75,8 @@ class CommModel:
     def _model(self, devices: Sequence[Device]) -> NetworkModel:
         net = self.network
         return NetworkModel(net.intra_host_gbps, net.inter_host_gbps, net.latency_us,
-                            {d.name: d.host for d in devices})
+                            {d.name: d.host for d in devices}, collective_latency_us=net.collective_latency_us,
+                            collective_gbps=net.collective_gbps)
 
     def _ring(self, devices: Sequence[Device]) -> Ring:
         return self._model(devices).ring([d.name for d in devices])

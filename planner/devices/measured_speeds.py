@@ -38,7 +38,7 @@ import math
 from collections import Counter
 from typing import Optional, Sequence
 
-from whalelike.cluster import Cluster, Device, Network
+from whalelike.cluster import MAX_GBPS, Cluster, Device, Network
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.network import INTER_HOST, INTRA_HOST
@@ -89,8 +89,9 @@ def best_batch(device: DeviceProfile, flops: Sequence[float], units: Sequence[in
 
 
 def measured_network(network: Network, profile: Profile) -> Network:
-    """``network`` with the profile's fitted links: intra- and inter-host bandwidth, and the
-    latency of the slower measured link (the network model has one latency for both)."""
+    """``network`` with the profile's fitted links: intra- and inter-host bandwidth, the latency of
+    the slower measured link (the network model has one latency for both), and the measured ring
+    step of a collective as the collectives' floor (``collective_latency_us``, ``collective_gbps``)."""
     intra, inter = profile.link(INTRA_HOST), profile.link(INTER_HOST)
     changes = {}
     if intra is not None:
@@ -100,6 +101,10 @@ def measured_network(network: Network, profile: Profile) -> Network:
     latencies = [link.latency_us for link in (intra, inter) if link is not None]
     if latencies:
         changes["latency_us"] = max(latencies)
+    ring = profile.link("collective")   # a ring step over the real transport: the collectives' floor
+    if ring is not None:
+        changes["collective_latency_us"] = ring.latency_us
+        changes["collective_gbps"] = min(ring.gbps, MAX_GBPS)
     return dataclasses.replace(network, **changes)
 
 

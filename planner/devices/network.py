@@ -139,7 +139,8 @@ class NetworkModel:
 
     def __init__(self, intra_host_gbps: float, inter_host_gbps: float, latency_us: float,
                  device_hosts: Mapping[str, str], nic_gbps: Optional[Mapping[str, float]] = None,
-                 hosts: Sequence[str] = ()):
+                 hosts: Sequence[str] = (), collective_latency_us: Optional[float] = None,
+                 collective_gbps: Optional[float] = None):
         self.intra_host_gbps = _positive(intra_host_gbps, "intra_host_gbps", "GB/s between devices of one host")
         self.inter_host_gbps = _positive(inter_host_gbps, "inter_host_gbps", "GB/s between hosts")
         if (isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not math.isfinite(latency_us)
@@ -147,6 +148,10 @@ class NetworkModel:
             raise NetworkError(f"network: latency_us must be a finite number >= 0 (per-message latency in "
                                f"microseconds), got {latency_us!r}; fix the cluster spec's network block")
         self.latency_ms = float(latency_us) * 1e-3
+        # a ring step's measured floor (Network.collective_*: whalelike profile), 0 when none
+        self.collective_latency_ms = float(collective_latency_us or 0.0) * 1e-3
+        self.collective_ms_per_byte = (1.0 / (_positive(collective_gbps, "collective_gbps", "GB/s of a measured ring "
+                                                        "step") * BYTES_PER_MS_PER_GBPS) if collective_gbps else 0.0)
         if not device_hosts and not hosts:
             raise NetworkError("network: no devices and no hosts; pass device_hosts (device name -> host), e.g. "
                                "NetworkModel.of_cluster(cluster), or hosts (NetworkModel.of_hosts)")
@@ -162,7 +167,8 @@ class NetworkModel:
         """The model of a :class:`~whalelike.cluster.Cluster`'s network and device placement."""
         net = cluster.network
         return cls(net.intra_host_gbps, net.inter_host_gbps, net.latency_us,
-                   {d.name: d.host for d in cluster.devices}, nic_gbps)
+                   {d.name: d.host for d in cluster.devices}, nic_gbps,
+                   collective_latency_us=net.collective_latency_us, collective_gbps=net.collective_gbps)
 
     @classmethod
     def of_hosts(cls, intra_host_gbps: float, inter_host_gbps: float, latency_us: float, hosts: Sequence[str],
@@ -286,7 +292,9 @@ class NetworkModel:
         # every hop has the same latency, so the slowest hop is the one with the least bandwidth
         ms_per_byte = max((max(leaving[h.src_host], entering[h.dst_host]) if h.kind == INTER_HOST else 1)
                           / (h.gbps * BYTES_PER_MS_PER_GBPS) for h in hops)
-        return Ring(len(devices), self.latency_ms, ms_per_byte)
+        # never faster than a ring step measured over the real transport (NetworkModel's collective floor)
+        return Ring(len(devices), max(self.latency_ms, self.collective_latency_ms),
+                    max(ms_per_byte, self.collective_ms_per_byte))
 
     def ring_allreduce_ms(self, nbytes: float, devices: Sequence[str]) -> float:
         """Ring all-reduce of ``nbytes`` per device: reduce-scatter then all-gather, ``2(n-1)`` steps."""

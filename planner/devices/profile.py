@@ -34,7 +34,9 @@ The API the planner reads (every figure in seconds, bytes and samples; units are
   ``"inter-host"``: :data:`planner.devices.network.INTRA_HOST`, ``INTER_HOST``), ``profile.link(kind)``:
   ``latency_s`` (alpha) and ``seconds_per_byte`` (beta), ``time_s(nbytes)``, ``gbps``, ``latency_us``
   (the cluster spec's units), and the timed ``points`` (bytes -> one-way seconds, the fastest of
-  the repeats: :mod:`runtime.profiling.links`).
+  the repeats: :mod:`runtime.profiling.links`); and kind ``"collective"``: a ring all-reduce over every
+  device, ``points`` its seconds per size, ``latency_s`` and ``seconds_per_byte`` one ring step's (a floor
+  under every ring the planner prices: ``Network.collective_latency_us``, ``collective_gbps``).
 
 A profile answers for one model (``model_fingerprint``, :attr:`whalelike.graphs.taskgraph.TaskGraphs.fingerprint`),
 one cluster (its devices by name, kind and host) and one ``precision``: :meth:`Profile.validate`
@@ -111,7 +113,8 @@ class LinkProfile:
     """One kind of link, fitted from timed transfers between ``src`` and ``dst``: a message of
     ``b`` bytes takes ``latency_s + b * seconds_per_byte`` (the network model's alpha-beta)."""
 
-    kind: str = rule(str, "which link: 'intra-host' or 'inter-host'", choices=PROFILE_LINK_KINDS)
+    kind: str = rule(str, "which link: 'intra-host', 'inter-host', or 'collective' (a ring all-reduce over every "
+                     "device from src to dst in rank order, fitted per ring step)", choices=PROFILE_LINK_KINDS)
     src: str = rule(str, "device that sent the timed messages")
     dst: str = rule(str, "device that received them")
     latency_s: float = rule(float, "fitted latency (alpha), seconds", ge=0)
@@ -242,6 +245,10 @@ class Profile:
                               title=f"profile of cluster {self.cluster} at {self.precision}, per {self.unit}, "
                                     f"{self.warmup} warm-up + median of {self.repeats}, {self.seconds:.1f} s")]
         for link in self.links:
+            if link.kind == "collective":
+                lines.append(f"ring all-reduce over the {len(self.devices)} devices: a ring step {link.latency_us:.4g} us "
+                             f"latency, {link.gbps:.4g} GB/s (a floor under the collectives' links)")
+                continue
             lines.append(f"{link.kind} link ({link.src} -> {link.dst}): {link.latency_us:.4g} us latency, "
                          f"{link.gbps:.4g} GB/s")
         return "\n".join(lines)

@@ -29,6 +29,11 @@ The fit is a least-squares fit of ``t = alpha + beta * b`` weighted by ``1 / t``
 residuals: the times span orders of magnitude, and an unweighted fit would let the largest message's
 noise decide the latency), with ``alpha, beta >= 0`` (scipy's ``nnls``).
 
+Collectives (:func:`measure_collective`): a ring all-reduce over every device at a few sizes, fitted per ring
+step, a floor the planner puts under every ring it prices (on emulated hardware the machine's own
+collectives outlast the emulated links; the runtime pads a collective to its modeled time, never
+shortens it).
+
 Invariant: every rank takes part in every exchange's barrier and ends with the same fitted links
 (each fit is broadcast from the device that timed it), so the profile is identical on every rank.
 """
@@ -125,6 +130,51 @@ def measure_links(cluster: Cluster, rank: int, device: torch.device, network: Op
         out.append(LinkProfile(kind=kind, src=cluster.devices[src].name, dst=cluster.devices[dst].name,
                                latency_s=alpha, seconds_per_byte=beta, points=points))
     return out
+
+
+# a ring all-reduce over every device, per device: these sizes (bytes), median of the repeats
+COLLECTIVE_BYTES = (1 << 14, 1 << 18, 1 << 22, 1 << 24)
+
+
+def measure_collective(cluster: Cluster, rank: int, device: torch.device, repeats: int = 5,
+                       on_size=None) -> Optional[LinkProfile]:
+    """A ring all-reduce over every device (the default process group, rank order) at
+    :data:`COLLECTIVE_BYTES` per device, each the median of ``repeats`` after an untimed one, every
+    all-reduce after a barrier (as the ranks reach a step's gradient sync together): kind
+    ``"collective"``, ``points`` the all-reduce seconds per size, and ``latency_s`` and
+    ``seconds_per_byte`` one ring step's (``t = 2 (n - 1) (alpha + beta * b / n)`` on ``n`` devices),
+    so the planner prices any ring with them as a floor under the cluster's links
+    (``Network.collective_latency_us``, ``collective_gbps``). The real transport's time, unpadded: on
+    emulated devices what the machine's own collectives cost beyond the emulated links (the runtime
+    pads a collective to its modeled end, never shortens it), on real ones the links' with software
+    overheads. Rank 0's figures, broadcast. None on one device (no collective)."""
+    world = len(cluster.devices)
+    if world < 2:
+        return None
+    points: dict[int, float] = {}
+    for size in COLLECTIVE_BYTES:
+        buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        seconds = []
+        for attempt in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if attempt:
+                seconds.append(time.perf_counter() - start)
+        points[size] = float(np.median(seconds))
+        if on_size is not None:
+            on_size()
+    shared = [points]
+    dist.broadcast_object_list(shared, src=0)
+    points = shared[0]
+    steps = 2 * (world - 1)
+    alpha, beta = fit_alpha_beta({max(size // world, 1): t / steps for size, t in points.items()})
+    if beta <= 0:   # a machine so fast the per-byte term vanished: no bandwidth floor (the fit's beta must be > 0)
+        beta = 1e-15
+    return LinkProfile(kind="collective", src=cluster.devices[0].name, dst=cluster.devices[-1].name,
+                       latency_s=alpha, seconds_per_byte=beta, points=points)
 
 
 def _ping_pong(rank: int, src: int, dst: int, size: int, repeats: int, device: torch.device,

@@ -16,7 +16,8 @@ The run, on every rank (Poplar's online profiling, seed paper 002, section "Onli
    ``warmup`` steps then the median of ``repeats`` (and each step's time outside its units' segments);
    then, all measuring ranks at once after a barrier, the optimizer's update
    (:meth:`runtime.profiling.steps.UnitStep.timed_update`);
-6. all ranks gather the devices' figures, then time the links (:mod:`runtime.profiling.links`);
+6. all ranks gather the devices' figures, then time the links and a ring all-reduce over every device
+   (:mod:`runtime.profiling.links`);
 7. rank 0 stores what was measured in the cache. Every rank returns the same
    :class:`planner.devices.profile.Profile`.
 
@@ -44,7 +45,7 @@ from planner.devices.profile import DeviceProfile, Profile
 from runtime import distributed
 from runtime.emulation.compute import Emulator
 from runtime.profiling import cache
-from runtime.profiling.links import measure_links
+from runtime.profiling.links import measure_collective, measure_links
 from runtime.profiling.progress import FAILED, Board
 from runtime.profiling.search import NothingFitsError, find_max_batch, timed_batches
 from runtime.profiling.steps import UnitStep
@@ -141,6 +142,8 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
     dist.all_gather_object(devices, mine)
     board.report(0, 1, "timing links")
     links = measure_links(cluster, rank, device, emulator.network)
+    collective = measure_collective(cluster, rank, device)
+    links += [collective] if collective is not None else []
     board.report(1, 1, "done")
     elapsed = [time.perf_counter() - started]
     dist.broadcast_object_list(elapsed, src=0)
