@@ -55,7 +55,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
                  r"-?\d+%; all losses match their references",
     "lab_plans": r"lab_plans: \d+/\d+ cases planned, the longest in \d+\.\d s \(target < 30 s\); idle devices \d+; 7B on "
                  r"lab-mixed (not run|fits|does NOT fit); plan / best single kind (n/a|\d+\.\d\d-\d+\.\d\dx)"
-                 r"( \(lab-mixed \d+\.\d\dx, target >= 1\.30x\))?; plan / bound (n/a|\d+%-\d+%)",
+                 r"( \(lab-mixed \d+\.\d\dx, target >= 1\.30x, where all its devices' FLOP/s are \d+\.\d\dx the "
+                 r"best kind's\))?; plan / bound (n/a|\d+%-\d+%)",
     "memory": rf"memory: largest global batch fp32 \d+, bf16 \d+ \({_X}\), bf16\+recompute \d+ \({_X}\); measured / "
               r"predicted per rank \d+\.\d\d-\d+\.\d\d \(target within 10%: (yes|NO)\)",
     "pipeline_shares": r"pipeline_shares \((demo|hf_gpt2)\): a shares-only re-plan's switch takes \d+\.\d ms in place vs "
