@@ -655,7 +655,13 @@ class Cluster:
                  "peak TFLOPS per data type ('-': the device cannot run it; a known GPU's unlisted figures from its "
                  "spec sheet, whalelike.hardware)",
                  f"network: {net.intra_host_gbps:g} GB/s within a host, {net.inter_host_gbps:g} GB/s "
-                 f"between hosts, {net.latency_us:g} us latency"]
+                 f"between hosts, {net.latency_us:g} us latency"
+                 + ("" if net.collective_latency_us is None and net.collective_gbps is None else
+                    "; a collective's ring step no faster than "
+                    + " and ".join(x for x in (f"{net.collective_latency_us:g} us" if net.collective_latency_us
+                                               is not None else "", f"{net.collective_gbps:g} GB/s"
+                                               if net.collective_gbps is not None else "") if x)
+                    + " (measured)")]
         if emulated:
             em = self.emulation
             curve = ("" if em.half_efficiency_batch is None
