@@ -382,17 +382,24 @@ def fitting_counts(graphs: TaskGraphs, cluster: Cluster, config: Config,
     if split is None:
         return None
     for trial in nearest_counts(split):
-        try:
-            with trials():
-                prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
-        except PlanError as e:
-            log.debug("devices per stage %s: %s", trial, e)
-            continue
-        if plan_fits(plan):
+        plan = _plan_on_counts(graphs, cluster, config, trial)
+        if plan is not None and plan_fits(plan):
             log.info("the split by work (devices per automatic stage %s) fits no placement (%s); %s fits",
                      split, str(error).split(";")[0], trial)
-            return trial, dataclasses.replace(plan, prediction=prediction)
+            return trial, plan
     return None
+
+
+def _plan_on_counts(graphs: TaskGraphs, cluster: Cluster, config: Config, counts: dict[int, int]) -> Plan | None:
+    """The best aware plan with ``counts`` devices per automatic stage, its prediction filled in; None
+    (logged at debug) when no placement of those counts plans."""
+    try:
+        with trials():
+            prediction, plan = best_aware_plan(graphs, cluster, config, counts=counts)
+    except PlanError as e:
+        log.debug("devices per stage %s: %s", counts, e)
+        return None
+    return dataclasses.replace(plan, prediction=prediction)
 
 
 def fastest_count(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Plan) -> Plan:
@@ -452,17 +459,13 @@ def count_search(graphs: TaskGraphs, cluster: Cluster, config: Config, aware: Pl
             if counts[a] <= 1:
                 continue
             trial = {**counts, a: counts[a] - 1, b: counts[b] + 1}
-            try:
-                with trials():
-                    prediction, plan = best_aware_plan(graphs, cluster, config, counts=trial)
-            except PlanError as e:
-                log.debug("devices per stage %s: %s", trial, e)
+            plan = _plan_on_counts(graphs, cluster, config, trial)
+            if plan is None:
                 continue
-            plan = dataclasses.replace(plan, prediction=prediction)
             # the micro-batch count stays the plan's: a layout that fits only with more of them changes what
             # was asked (fastest_count searches counts, and only when the asked one cannot be kept)
             bar = (found[0] if found else best).prediction.step_time_ms * (1 - MOVE_GAIN)
-            if plan_fits(plan) and plan.num_micro_batch == aware.num_micro_batch and prediction.step_time_ms < bar:
+            if plan_fits(plan) and plan.num_micro_batch == aware.num_micro_batch and plan.prediction.step_time_ms < bar:
                 found = (plan, trial)
         if found is None:
             break
