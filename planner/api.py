@@ -34,6 +34,7 @@ a second simulation of the same step (a third of ``plan()``'s time at 1024 devic
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Optional
@@ -50,6 +51,7 @@ from planner.candidates import (
     keep_fastest, plan_fits,
 )
 from planner.decisions import check_trainable, naive_decisions
+from planner.devices.memory import with_reserve
 from planner.devices.measured_speeds import ROUNDS, measured_cluster, sizes_signature
 from planner.devices.placement import build_layout, shared_device_groups
 from planner.devices.profile import Profile
@@ -84,6 +86,12 @@ def plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional
     if profile is not None:
         profile.validate(graphs=graphs, cluster=cluster)
         profile.check_precision(config.precision)
+    with reserve_named(config):
+        return _plan(graphs, with_reserve(cluster, config.memory_reserve), config, profile)
+
+
+def _plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional[Profile]) -> Plan:
+    """:func:`plan` on ``cluster``, the view with the memory reserve set aside."""
     graphs = _for_precision(graphs, config)
     shared = shared_device_groups(graphs, len(cluster.devices))
     if shared:
@@ -226,6 +234,7 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
         config = dataclasses.replace(config, schedule=AUTO_SCHEDULES[0])
     check_trainable(graphs)
     check_precision(cluster, config.precision)
+    cluster = with_reserve(cluster, config.memory_reserve)
     graphs = _for_precision(graphs, config)
     shared = shared_device_groups(graphs, len(cluster.devices))
     layout = build_layout(graphs, cluster, precision=config.precision, shared=shared[0] if shared else None)
@@ -234,6 +243,21 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     if shared:
         naive = dataclasses.replace(naive, shared_devices=_shared_note(graphs, len(cluster.devices), shared[0]))
     return with_predictions(naive, naive, cluster)
+
+
+@contextlib.contextmanager
+def reserve_named(config: Config):
+    """A :class:`PlanError` about memory raised inside names the reserve (``Config.memory_reserve``): the
+    capacities it gives are the devices' memory less it."""
+    try:
+        yield
+    except PlanError as e:
+        text = str(e)
+        if config.memory_reserve and any(word in text for word in ("fit", "memory", "GiB", "MiB")):
+            note = (f"each device's capacity here is its memory less the {config.memory_reserve:.0%} reserve a plan "
+                    "keeps free (Config.memory_reserve, `whalelike plan --memory-reserve`)")
+            e.args = (f"{text}; {note}",) + e.args[1:]
+        raise
 
 
 def _for_precision(graphs: TaskGraphs, config: Config) -> TaskGraphs:

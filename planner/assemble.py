@@ -42,7 +42,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from planner.decisions import Decisions, cut_into_units, stage_syncs, zero_shards
 from planner.groups import groups_of
 from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives
-from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, stage_memory
+from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, runs_foreach, stage_memory
 from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES, StageCost
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.state_fractions import in_rank_order, padded_scale
@@ -107,6 +107,8 @@ def build_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, dec: Decisi
         resharding=config.resharding,
         delay_weight_gradients=config.delay_weight_gradients,
         precision=config.precision,
+        # Worker.capacity_gib is the memory of the cluster's view: the devices' less this reserve
+        memory_reserve=cluster.memory_reserved,
     )
     _fill_transfers(plan, cluster)
     return plan
@@ -136,7 +138,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     # a worker of one micro-batch per step holds less under ZeRO 1-2 (planner.devices.memory, "ZeRO")
     zero = dataclasses.replace(zero_of(dec, s, group), single=len(sizes) == 1)
     memory = stage_memory(cost, dec.in_flight[s], fraction, recompute=again, unit_share=dec.shards[s].unit_share(t),
-                          zero=zero)
+                          zero=zero, foreach=runs_foreach(device))
     terms = memory.term_bytes(max(sizes))
     return Worker(
         rank=rank, device=device.name, host=device.host, replica=r, stage=s, dp_index=d,
@@ -144,6 +146,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
         memory_gib=memory.total(max(sizes)) / GIB,
         weights_gib=terms["weight"] / GIB, gradients_gib=terms["gradient"] / GIB,
         optimizer_gib=terms["optimizer"] / GIB, activations_gib=terms["activation"] / GIB,
+        update_gib=terms["update"] / GIB,
         capacity_gib=device.memory_gib,
         compute_ms=sum(forward) + sum(backward), forward_ms=forward, backward_ms=backward,
         update_ms=update_ms(cost, fraction, zero, device),

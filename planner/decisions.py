@@ -648,7 +648,7 @@ def _holds_equal_shares(layout: Layout, st: PricedStage, sizes) -> bool:
         for d, group in enumerate(replica[st.index]):
             samples = max(sizes[r][st.index][d])
             for t, device in enumerate(group):
-                need = st.memory(st.shards.fractions[t], st.shards.unit_share(t)).total(samples)
+                need = st.memory(st.shards.fractions[t], st.shards.unit_share(t), device=device).total(samples)
                 if not fits(need, device.memory_gib * GIB):
                     return False
     return True

@@ -62,7 +62,8 @@ class Worker:
     tp_size: int = rule(int, "workers in the tensor-parallel group", ge=1, default=1)
     micro_batch_sizes: list[int] = rule(int, "samples in each micro-batch of a step", ge=1, default_factory=list)
     memory_gib: float = rule(float, "estimated peak memory in GiB", ge=0, default=0.0)
-    capacity_gib: float = rule(float, "the device's memory in GiB", ge=0, default=0.0)
+    capacity_gib: float = rule(float, "the device's memory in GiB the plan may fill (less Plan.memory_reserve)", ge=0,
+                               default=0.0)
     compute_ms: float = rule(float, f"forward+backward compute time per step, {MS}", ge=0, default=0.0)
     forward_ms: list[float] = rule(float, f"forward time per micro-batch, {MS}", ge=0, default_factory=list)
     backward_ms: list[float] = rule(float, f"backward time per micro-batch, {MS}", ge=0, default_factory=list)
@@ -77,11 +78,13 @@ class Worker:
     update_ms: float = rule(float, f"the optimizer's update of the parameters the worker updates, after its last "
                             f"collective of the step (0: not priced, the device's update rate unmeasured), {MS}",
                             ge=0, default=0.0)
-    # planner.devices.memory's terms at the worker's peak (memory_gib is their sum; 0 in plans made before them)
+    # planner.devices.memory's terms at the worker's peak (memory_gib is the first three plus the larger of the last
+    # two: the update's temporaries come after the backward has freed the activations; 0 in plans made before them)
     weights_gib: float = rule(float, "parameters held at the peak (with autocast's copies) in GiB", ge=0, default=0.0)
     gradients_gib: float = rule(float, "gradients held at the peak in GiB", ge=0, default=0.0)
     optimizer_gib: float = rule(float, "optimizer state held in GiB", ge=0, default=0.0)
     activations_gib: float = rule(float, "activations and boundary buffers at the peak in GiB", ge=0, default=0.0)
+    update_gib: float = rule(float, "the optimizer update's temporaries in GiB (after the backward)", ge=0, default=0.0)
 
     @property
     def batch_share(self) -> int:
@@ -223,6 +226,10 @@ class PlanRecord:
     # planner.devices.placement.shared_device_groups: a cluster smaller than the regions ask; the regions' counts
     # became automatic and adjacent regions may share a stage (StagePlan.folded). Empty: every region got its ask
     shared_devices: str = ""
+    # planner.devices.memory.with_reserve (Config.memory_reserve): the fraction of every device's memory the plan
+    # leaves free; each Worker.capacity_gib is the device's memory less it (0 in plans made before the reserve)
+    memory_reserve: float = rule(float, "fraction of each device's memory the plan leaves free", ge=0, le=0.9,
+                                 default=0.0)
     schema_version: int = rule(int, "plan file format version", default=SCHEMA_VERSION)
 
     @property

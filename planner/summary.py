@@ -161,12 +161,22 @@ def memory_lines(plan: PlanRecord) -> list[str]:
     rows = [[w.rank, w.device, w.stage, plan.stages[w.stage].zero_stage, _gib(w.weights_gib), _gib(w.gradients_gib),
              _gib(w.optimizer_gib), _gib(w.activations_gib), f"{_gib(w.memory_gib)} / {_gib(w.capacity_gib)}"]
             for w in plan.workers]
+    update = any(getattr(w, "update_gib", 0.0) for w in plan.workers)
+    if update:   # the optimizer update's temporaries: the peak holds them or the activations, the larger
+        headers.insert(8, "update")
+        for row, w in zip(rows, plan.workers):
+            row.insert(8, _gib(w.update_gib))
     shares = state_shares(plan)
     if shares:   # ragged shards: each device's fraction of its stage's sharded state
         headers.insert(4, "state")
         for row, w in zip(rows, plan.workers):
             row.insert(4, shares.get(w.rank, "-"))
-    return [format_table(headers, rows, title="memory per device at its peak (GiB):"), ""]
+    title = "memory per device at its peak (GiB)" + (
+        "; total: weights, gradients and optimizer state, plus the activations or the optimizer update's "
+        "temporaries (after the backward), the larger" if update else "") + (
+        f"; memory: what the plan may fill, the device's less the {plan.memory_reserve:.0%} reserve it keeps free "
+        "(Config.memory_reserve)" if plan.memory_reserve else "") + ":"
+    return [format_table(headers, rows, title=title), ""]
 
 
 def state_shares(plan: PlanRecord) -> dict[int, str]:

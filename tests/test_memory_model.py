@@ -17,8 +17,8 @@ import planner
 import whalelike as wl
 from planner.devices.cost_model import GIB, StageCost
 from planner.devices.memory import (
-    FIT_TOLERANCE, TERMS, UNBOUNDED_SAMPLES, MemoryTerms, fits, max_shard, recompute_unit, stage_memory,
-    worker_fractions,
+    DDP_JOIN_BYTES, FIT_TOLERANCE, TERMS, UNBOUNDED_SAMPLES, MemoryTerms, ZeroShards, fits, max_shard, recompute_unit,
+    runs_foreach, stage_memory, update_bytes, worker_fractions,
 )
 from planner.partition.pricing import Pricing
 from planner.partition.solve import (
@@ -68,9 +68,10 @@ def test_only_activations_scale_with_samples_and_in_flight():
 
 def test_equal_fractions_price_a_shard_as_before_bit_for_bit():
     """One shard fraction for every term gives ``f * (static + n * per-sample bytes)``, the formula
-    StageCost used, to the last bit (terms that share a fraction are added before scaling)."""
+    StageCost used, to the last bit (terms that share a fraction are added before scaling), while the
+    micro-batches run (the optimizer update's temporaries, after them: :func:`test_the_update_temporaries_come_after_the_backward`)."""
     graphs = bert_large([replicate()])
-    cost = StageCost.of_layers(graphs, range(5))
+    cost = dataclasses.replace(StageCost.of_layers(graphs, range(5)), optimizer="")
     for f in (1.0, 0.5, 0.37, 1 / 3):
         for n, in_flight in ((0, 1), (1, 1), (7, 3), (104, 1)):
             old = f * (cost.static_bytes + n * ((cost.activation_bytes + cost.boundary_bytes) * in_flight))
@@ -100,7 +101,7 @@ def test_max_samples_is_the_inverse_of_total(fractions):
 
 def test_max_samples_matches_the_old_cap_bit_for_bit():
     graphs = bert_large([replicate()])
-    cost = StageCost.of_layers(graphs, range(25))
+    cost = dataclasses.replace(StageCost.of_layers(graphs, range(25)), optimizer="")   # no update temporaries
     for f in (1.0, 0.5, 0.3):
         for in_flight in (1, 4):
             per_sample = (cost.activation_bytes + cost.boundary_bytes) * in_flight
@@ -119,7 +120,7 @@ def test_boundary_values_without_a_batch_dimension_are_held_whole_per_micro_batc
     graphs = bert_large([replicate()])
     graphs.layers[0] = dataclasses.replace(graphs.layers[0], cut_bytes_unbatched=100.0)
     graphs.layers[4] = dataclasses.replace(graphs.layers[4], cut_bytes_unbatched=28.0)
-    cost = StageCost.of_layers(graphs, range(1, 5))
+    cost = dataclasses.replace(StageCost.of_layers(graphs, range(1, 5)), optimizer="")   # the terms while it runs
     assert cost.unbatched_boundary_bytes == 128.0   # received after layer 0, sent after layer 4
     assert StageCost.of_layers(graphs, range(5, 10)).unbatched_boundary_bytes == 28.0   # received
     assert StageCost.of_layers(graphs, range(6, 10)).unbatched_boundary_bytes == 0.0
@@ -203,12 +204,21 @@ def test_real_plans_memory_equals_the_formulas_written_out(hybrid):
             per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive + cost.loss_bytes
             divided = alive * cost.sharded_activation_bytes + cost.sharded_loss_bytes
             a = 1 - divided / per_sample * (1 - layout.unit_shares[w.tp_index]) if divided else f
-            model = stage_memory(cost, alive, f, unit_share=layout.unit_share(w.tp_index))
-            assert model.total(n) / GIB == pytest.approx((f * cost.static_bytes + a * n * per_sample) / GIB, rel=1e-12)
+            # after the backward: the update's temporaries (foreach on a GPU: all the parameters' bytes; one by one:
+            # twice the largest), or DDP's last bucket joined with the step's exchange, the larger
+            device = cluster.device(w.device)
+            group = sum(1 for x in plan.workers if (x.stage, x.tp_index) == (w.stage, w.tp_index))
+            assert plan.stages[w.stage].zero_stage == 0
+            update = cost.param_bytes if runs_foreach(device) else 2 * cost.max_param_bytes
+            join = min(f * cost.param_bytes, DDP_JOIN_BYTES) if group > 1 else 0.0
+            model = stage_memory(cost, alive, f, unit_share=layout.unit_share(w.tp_index),
+                                 zero=ZeroShards(0, group), foreach=runs_foreach(device))
+            written = f * cost.static_bytes + max(a * n * per_sample, f * update, join)
+            assert model.total(n) / GIB == pytest.approx(written / GIB, rel=1e-12)
             assert model.total(n) / GIB == w.memory_gib, w
             cap = model.max_samples(capacity[w.device])
             assert model.total(cap) <= capacity[w.device] < model.total(cap + 1) and cap >= n, w
-            need = max(cost.static_bytes + n * per_sample, 1.0)
+            need = max(cost.static_bytes + max(n * per_sample, 2 * cost.max_param_bytes), 1.0)
             assert max_shard(cost, alive, n, capacity[w.device]) == pytest.approx(capacity[w.device] / need, rel=1e-12)
             assert fits(w.memory_gib, w.capacity_gib)
             seen_tp |= w.tp_size > 1 and f < 1
@@ -221,13 +231,17 @@ def test_real_plans_memory_equals_the_formulas_written_out(hybrid):
 # -- the partitioner -------------------------------------------------------------------------------
 def _old_need(p: PartitionProblem, k: int, d: DeviceMemory, first: int, last: int) -> float:
     """The partitioner's formula before the model: one weight fraction for parameters, gradients
-    and optimizer state, one batch fraction for the activations and boundary buffers."""
+    and optimizer state, one batch fraction for the activations and boundary buffers; then, the
+    larger of those and the update's temporaries."""
     chosen = p.layers[first:last + 1]
     per_sample = sum(l.activation_bytes for l in chosen)
     per_sample += p.layers[first - 1].cut_bytes if k > 0 else 0.0
     per_sample += p.layers[last].cut_bytes if k < len(p.slots) - 1 else 0.0
     static = sum(l.param_bytes + l.state_bytes for l in chosen)
-    return d.weight_fraction * static + d.batch_fraction * p.micro_batch * p.in_flight[k] * per_sample
+    # the optimizer update's temporaries, after the backward: the larger of them and the activations
+    update = sum(l.foreach_update_bytes for l in chosen) if d.foreach else max(l.update_bytes for l in chosen)
+    return d.weight_fraction * static + max(d.batch_fraction * p.micro_batch * p.in_flight[k] * per_sample,
+                                            d.optimizer_fraction * update)
 
 
 def test_partitioner_prices_real_layers_as_before():
@@ -362,7 +376,7 @@ def test_the_loss_is_held_once_on_the_last_stage_only(residual):
     assert StageCost.of_layers(residual, range(2, n), "bf16").loss_bytes == elements * (2 + LOSS_TEMPORARY_BYTES["bf16"])
     one, three = stage_memory(last, 1), stage_memory(last, 3)
     assert three.total(5) - one.total(5) == 5 * 2 * (last.activation_bytes + last.boundary_bytes)
-    assert one.total(5) == one.static() + 5 * (last.activation_bytes + last.boundary_bytes + last.loss_bytes)
+    assert one.total(5) == one.static_terms() + 5 * (last.activation_bytes + last.boundary_bytes + last.loss_bytes)
 
 
 def test_a_split_stage_holds_what_its_groups_leave_whole_whole():
@@ -403,7 +417,8 @@ def test_recompute_per_layer_keeps_layer_inputs_and_one_layers_activations():
     boundary buffers and the layers' inputs, once the largest layer's activations; the whole stage at
     once only where that holds less; ``total`` and ``max_samples`` stay exact inverses."""
     graphs = bert_large([replicate(2), replicate(2)])
-    cost = StageCost.of_layers(graphs, list(range(1, 13)))   # 12 blocks
+    # 12 blocks, the terms while the micro-batches run (the update's temporaries come after them)
+    cost = dataclasses.replace(StageCost.of_layers(graphs, list(range(1, 13))), optimizer="")
     cut, block = graphs.layers[1].cut_bytes_per_sample, graphs.layers[1].activation_bytes_per_sample
     assert cost.layer_input_bytes == 11 * cut and cost.max_layer_activation_bytes == block
     for in_flight in (1, 2, 8):
@@ -426,3 +441,44 @@ def test_recompute_per_layer_keeps_layer_inputs_and_one_layers_activations():
     hand = StageCost(1e9, 2e9, 1e8, 4e8, activation_bytes=3e6, boundary_bytes=2e5, layer_output_bytes=(1e5,))
     assert recompute_unit(hand, 16) == "layer"
     assert stage_memory(hand, 16, recompute="layer") == stage_memory(hand, 16, recompute="stage")
+
+
+def test_the_update_temporaries_come_after_the_backward():
+    """The optimizer update's temporaries (``UPDATE_COPIES``): with AdamW, parameter by parameter (torch's
+    default on CPU) twice the largest parameter, with the foreach kernels (its default on CUDA) all the
+    parameters' bytes once; none with SGD. They come after the backward has freed the activations, so the
+    peak is the static terms plus the larger of the two, each at the worker's fraction; ``max_samples``
+    stays ``total``'s inverse, and a device that cannot hold the update holds no sample."""
+    from planner.devices.memory import UPDATE_COPIES
+
+    graphs = bert_large([replicate()])
+    cost = StageCost.of_layers(graphs, range(5))
+    assert cost.optimizer == "adamw" and UPDATE_COPIES["adamw"] == (2, 1)
+    assert update_bytes(cost) == 2 * cost.max_param_bytes and update_bytes(cost, foreach=True) == cost.param_bytes
+    assert update_bytes(dataclasses.replace(cost, optimizer="sgd_momentum"), foreach=True) == 0.0
+    for f, foreach in ((1.0, False), (0.25, True)):
+        m = stage_memory(cost, 1, f, foreach=foreach)
+        after = f * update_bytes(cost, foreach)
+        assert m.term_bytes(0)["update"] == after
+        assert m.total(0) == m.static() == pytest.approx(f * cost.static_bytes + after, rel=1e-12)
+        n = next(k for k in range(1, 10**6) if m.activations(k) > after)   # the activations outgrow the update
+        assert m.total(n) == pytest.approx(m.static_terms() + m.activations(n), rel=1e-12)
+        assert m.total(n - 1) == pytest.approx(m.static_terms() + after, rel=1e-12)
+        for capacity in np.linspace(m.static(), m.static() + 2 * m.activations(n), 23):
+            k = m.max_samples(capacity)
+            assert m.total(k) <= capacity * (1 + FIT_TOLERANCE) and capacity < m.total(k + 1), (capacity, k)
+        assert m.max_samples(m.static() * (1 - 1e-6)) == -1
+    # the devices that step at once: real GPUs; an emulated device runs on CPU, one parameter at a time
+    from whalelike.cluster import Device
+
+    gpu = Device("a0", "A100-SXM4-40GB", "h0", peak_tflops=19.5, memory_gib=40)
+    assert runs_foreach(gpu)
+    assert not runs_foreach(dataclasses.replace(gpu, emulated_speed=1.0))
+    assert not runs_foreach(dataclasses.replace(gpu, kind="emu"))
+    assert not any(runs_foreach(d) for d in Cluster.load("examples/clusters/emulated-mixed-bf16.yaml").devices)
+
+
+def test_the_planner_and_the_runtime_agree_on_the_ddp_join():
+    from runtime.replicas.ddp_sync import JOIN_BYTES
+
+    assert DDP_JOIN_BYTES == JOIN_BYTES

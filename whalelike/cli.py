@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster
-from whalelike.config import DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULE_CHOICES, ZERO_STAGES, Config
+from whalelike.config import DEFAULT_MEMORY_RESERVE, DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULE_CHOICES, ZERO_STAGES, Config
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
@@ -168,7 +168,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                     schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients,
                     precision=args.precision, zero_stage=args.zero, ragged_shards=not args.even_shards,
-                    dp_sync=args.dp_sync)
+                    dp_sync=args.dp_sync, memory_reserve=args.memory_reserve)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
                "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO state in FSDP2's even shards only; default: at ZeRO 1-3 of a single stage where even "
                         "shards do not fit, each device holds a fraction of the state in proportion to the memory "
                         "it has left (ragged shards)")
+    p.add_argument("--memory-reserve", type=float, default=DEFAULT_MEMORY_RESERVE, metavar="F",
+                   help="the fraction of each device's memory the plan leaves free for what the memory model does "
+                        f"not price (default {DEFAULT_MEMORY_RESERVE:g}; 0 plans to the last byte)")
     p.add_argument("--dp-sync", choices=DP_SYNCS, default="exact",
                    help="how data-parallel replicas stay in step: exact (summed gradients, the default) or partial "
                         "(Prague's P-Reduce: each replica steps on its own gradient, then averages with a small "

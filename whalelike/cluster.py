@@ -453,6 +453,10 @@ class Cluster:
     devices: tuple[Device, ...]     # in rank order
     network: Network
     emulation: Optional[Emulation] = None
+    # the planner's view of a cluster (planner.devices.memory.with_reserve): the fraction of each device's
+    # memory already set aside, so that its devices' memory_gib are what a plan may fill; 0 as loaded, and
+    # never written to a file
+    memory_reserved: float = 0.0
 
     # whalelike.spec.validate: the records check their fields when built, the cluster its invariants
     spec_checks = {"self": lambda cluster: _check_cluster(cluster)}
@@ -703,6 +707,9 @@ def _check_cluster(c: Cluster) -> None:
         raise SpecError(f"cluster name must be a non-empty string, got {c.name!r}")
     if not c.devices:
         raise SpecError(f"cluster {c.name!r} has no devices; list at least one host with one device")
+    if not (isinstance(c.memory_reserved, (int, float)) and 0 <= c.memory_reserved < 1):
+        raise SpecError(f"cluster {c.name!r}: memory_reserved must be in [0, 1) (a fraction of each device's memory "
+                        f"set aside), got {c.memory_reserved!r}")
     if len(c.devices) > MAX_DEVICES:
         raise SpecError(f"cluster {c.name!r} has {len(c.devices):,} devices, more than {MAX_DEVICES:,} "
                         f"({MAX_DEVICES_WHY})")

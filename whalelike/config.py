@@ -43,6 +43,9 @@ ZERO_STAGES = (0, 1, 2, 3)   # StagePlan.zero_stage: 0 DDP, 1 optimizer state, 2
 # training precision (runtime.training.precision runs it; planner.devices.cost_model prices it): float32, or
 # autocast to bfloat16 / float16 with float32 master weights and optimizer state (fp16 with a loss scaler)
 PRECISIONS = ("fp32", "bf16", "fp16")
+# Config.memory_reserve: the default covers the memory model's measured misses (planner.devices.memory, "Reserve")
+DEFAULT_MEMORY_RESERVE = 0.10
+MAX_MEMORY_RESERVE = 0.9   # a plan that may fill a tenth of each device is already a mistake, not a reserve
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ class Config:
                        that fits (``planner.candidates``; ``Plan.candidates`` lists the best fold). Off by
                        default: separate regions usually mean a pipeline on purpose, and each fold is a
                        plan to make and simulate.
+    memory_reserve:    the fraction of every device's memory a plan leaves free (default
+                       :data:`DEFAULT_MEMORY_RESERVE`): the planner fits each worker's predicted peak into
+                       the rest (``Worker.capacity_gib``, ``Plan.memory_reserve``), so that what the memory
+                       model misses (``planner.devices.memory``, "Reserve") does not run a device out of
+                       memory. 0 plans to the last byte.
     """
 
     global_batch_size: int = rule(int, gt=0, says="a positive integer")
@@ -122,6 +130,9 @@ class Config:
     partial_delta_c: int = rule(int, ge=1, says="an integer >= 1 (Prague's threshold: how many requests a worker "
                                 "may lag the requester and still join its group)", default=2)
     fold_stages: bool = rule(bool, default=False)
+    memory_reserve: float = rule(float, ge=0, le=MAX_MEMORY_RESERVE,
+                                 says=f"a fraction in [0, {MAX_MEMORY_RESERVE:g}] of each device's memory kept free, "
+                                      "e.g. 0.1", default=DEFAULT_MEMORY_RESERVE)
 
     # whalelike.spec.validate: the fields are checked when built, then the cross-field rule
     spec_checks = {"self": lambda config: _check_config(config)}

@@ -65,6 +65,7 @@ from planner.assemble import build_plan, predict
 from planner.candidates import Priced, keep_fastest
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
+from planner.devices.memory import with_reserve
 from planner.groups import group_key
 from planner.plan import Plan, PlanError, Prediction
 from planner.plan_checks import WORKER_MAPPING, check_same_workers, stage_regions
@@ -113,7 +114,8 @@ def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[fl
     plan.validate(graphs=graphs, cluster=cluster)
     if plan.precision != "fp32":   # a low-precision plan's memory is priced with the autocast figures
         graphs = with_autocast(graphs)
-    measured = measured_cluster(plan, cluster, speeds)
+    # the re-plan keeps the plan's memory reserve: it fits into what the plan may fill
+    measured = measured_cluster(plan, with_reserve(cluster, plan.memory_reserve), speeds)
     layout = plan_layout(plan, graphs, measured)
     config = config_of(plan)
     network = measured.network
@@ -194,6 +196,7 @@ def repriced_plan(plan: Plan, graphs: TaskGraphs, cluster: Cluster) -> Plan:
     timing fields and the prediction at those rates (:func:`repriced`)."""
     if plan.precision != "fp32":
         graphs = with_autocast(graphs)
+    cluster = with_reserve(cluster, plan.memory_reserve)
     layout = plan_layout(plan, graphs, cluster)
     config = config_of(plan)
     rebuilt = _rebuilt(plan, graphs, cluster, config, layout, [list(st.layers) for st in plan.stages],
@@ -214,7 +217,8 @@ def config_of(plan: Plan) -> Config:
                         partial_group_size=first.partial_group_size, partial_delta_c=first.partial_delta_c)
     return Config(plan.global_batch_size, _micro_batch_count(plan), plan.schedule,
                   sync_batchnorm=plan.sync_batchnorm, resharding=plan.resharding,
-                  delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision, **settings)
+                  delay_weight_gradients=plan.delay_weight_gradients, precision=plan.precision,
+                  memory_reserve=plan.memory_reserve, **settings)
 
 
 def measured_cluster(plan: Plan, cluster: Cluster, speeds: Sequence[float]) -> Cluster:

@@ -104,6 +104,9 @@ class StageCost:
     # (runtime.parallel.stage_units), the root unit (parameters several layers read) last when it holds any
     stage_unit_bytes: tuple[float, ...] = ()
     unbatched_boundary_bytes: float = 0.0    # whole, per micro-batch in flight: boundary values without a batch dim
+    # the optimizer the state is priced for (TaskGraphs.optimizer; "": not known, its update's temporaries not
+    # priced): planner.devices.memory.update_bytes
+    optimizer: str = ""
 
     def __post_init__(self):
         if self.optimizer_bytes is None:
@@ -195,6 +198,7 @@ class StageCost:
             root_param_bytes=params - sum(fsdp_layer_unit_bytes(chosen)),
             stage_unit_bytes=stage_unit_bytes(chosen, params),
             unbatched_boundary_bytes=float(unbatched),
+            optimizer=graphs.optimizer,
         )
 
     @property

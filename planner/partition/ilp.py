@@ -100,7 +100,11 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
     # what each position holds and sends; FLOPs and bytes as fractions of their largest possible
     # value, so that no row mixes coefficients of 1e12 and 1e-12 (CBC's tolerances are absolute)
     max_cut = max(l.cut_bytes for l in p.layers)
-    held = {"weights": "param_bytes", "gradients": "gradient_bytes", "optimizer": "optimizer_bytes"}
+    held = {"weights": "param_bytes", "gradients": "gradient_bytes", "optimizer": "optimizer_bytes",
+            "foreach_update": "foreach_update_bytes"}
+    # stepping parameter by parameter a stage holds its largest layer's update temporaries: no linear term, so
+    # every stage is priced at the largest layer's (an upper bound; Pricing, which judges the split, is exact)
+    loop_update = max(l.update_bytes for l in p.layers)
     bounds = {"flops": sum(l.flops for l in p.layers),
               **{name: sum(getattr(l, field) for l in p.layers) for name, field in held.items()},
               "per_sample": sum(l.activation_bytes for l in p.layers) + 2 * max_cut}
@@ -160,12 +164,15 @@ def solve_ilp(p: "PartitionProblem", warm: Optional["Partition"], time_limit_s: 
             on = pv[g, k] if len(slots) > 1 else 1
             for d in p.slots[g].memory_classes:
                 most = d.terms(bounds["weights"], bounds["gradients"], bounds["optimizer"], bounds["per_sample"],
-                               p.in_flight[k])
+                               p.in_flight[k], bounds["foreach_update"] if d.foreach else loop_update)
                 if most.total(mb) <= d.capacity_bytes:
                     continue  # fits whatever the stage holds
+                update = (parts[g]["foreach_update"] * bounds["foreach_update"] if d.foreach
+                          else loop_update * on if loop_update else 0.0)
                 held_here = d.terms(*(parts[g][name] * bounds[name] for name in ("weights", "gradients", "optimizer",
-                                                                                 "per_sample")), p.in_flight[k])
-                prob += held_here.total(mb) / d.capacity_bytes <= on
+                                                                                 "per_sample")), p.in_flight[k], update)
+                for peak in held_here.peaks(mb):   # while the micro-batches run, and at the update after them
+                    prob += peak / d.capacity_bytes <= on
 
     if step:
         E = prob.add_variable("E", lowBound=0)

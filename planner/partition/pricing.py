@@ -56,6 +56,10 @@ class Pricing:
         self.gradients = prefix([l.gradient_bytes for l in p.layers])
         self.optimizer = prefix([l.optimizer_bytes for l in p.layers])
         self.act = prefix([l.activation_bytes for l in p.layers])
+        self.foreach_update = prefix([l.foreach_update_bytes for l in p.layers])
+        # stepping parameter by parameter, a range holds its largest layer's update temporaries: [i, j] their max
+        each = np.array([l.update_bytes for l in p.layers], dtype=float)
+        self.loop_update = np.maximum.accumulate(np.triu(np.broadcast_to(each, (L, L))), axis=1)
         cut = np.array([l.cut_bytes for l in p.layers], dtype=float)
         self.cut_in = np.concatenate(([0.0], cut[:-1]))   # received by a stage starting at i
         self.cut_out = np.concatenate((cut[:-1], [0.0]))  # sent by a stage ending at j
@@ -127,8 +131,9 @@ class Pricing:
         :class:`~planner.devices.memory.MemoryTerms`, over every range at once)."""
         cin, cout = self._cuts(k)
         per_sample = self._range(self.act) + cin + cout
+        update = self._range(self.foreach_update) if d.foreach else self.loop_update
         terms = d.terms(self._range(self.params), self._range(self.gradients), self._range(self.optimizer),
-                        per_sample, self.p.in_flight[k])
+                        per_sample, self.p.in_flight[k], update)
         return terms.total(self.p.micro_batch)
 
     def overflow(self, k: int, g: int) -> np.ndarray:

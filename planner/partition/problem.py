@@ -12,13 +12,15 @@ solver never sees a negative, infinite or inconsistent input; the model they des
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 from whalelike.spec import check_fields, rule
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
-from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, MemoryTerms, ZeroShards, worker_fractions
+from planner.devices.memory import (
+    NO_ZERO, REDUCE_SCATTER_COPIES, MemoryTerms, ZeroShards, update_bytes, worker_fractions,
+)
 from planner.plan import PlanError
 from planner.schedule.actions import SCHEDULES as SCHEDULE_NAMES, build_schedule, max_in_flight
 
@@ -51,6 +53,11 @@ class LayerCost:
     cut_bytes: float = _number("bytes per sample sent when a stage boundary follows this layer")
     optimizer_bytes: float = _number("bytes of its optimizer state, part of state_bytes (the rest is gradients)",
                                      default=0.0)
+    # the optimizer update's temporaries (planner.devices.memory.update_bytes): stepping parameter by parameter
+    # (a stage holds its largest layer's), and with the foreach kernels (a stage holds the sum of its layers')
+    update_bytes: float = _number("bytes of the update's temporaries stepping its parameters one by one", default=0.0)
+    foreach_update_bytes: float = _number("bytes of the update's temporaries stepping its parameters at once",
+                                          default=0.0)
 
     def __post_init__(self):
         check_fields(self, f"layer {self.name!r}: ", error=ValueError)
@@ -84,7 +91,8 @@ def layer_costs(graphs: TaskGraphs, layers: Optional[Sequence[int]] = None, prec
         out.append(LayerCost(
             layer.name, cost.forward_flops, cost.backward_flops, cost.param_bytes + cost.param_copy_bytes,
             cost.static_bytes - cost.param_bytes, cost.activation_bytes, cost.layer_output_bytes[0],
-            optimizer_bytes=cost.optimizer_bytes,
+            optimizer_bytes=cost.optimizer_bytes, update_bytes=update_bytes(cost, False),
+            foreach_update_bytes=update_bytes(cost, True),
         ))
     return tuple(out)
 
@@ -106,6 +114,7 @@ class DeviceMemory:
                                                   le=1, default=None)
     fixed_bytes: float = _number("bytes held whatever layers the stage runs (ZeRO's gathered units, priced "
                                  "at the largest layer's)", default=0.0)
+    foreach: bool = False   # its optimizer steps with the foreach kernels (planner.devices.memory.runs_foreach)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ", error=ValueError)
@@ -115,27 +124,29 @@ class DeviceMemory:
 
     @classmethod
     def of_worker(cls, capacity_bytes: float, shard: float, batch_share: float, name: str = "",
-                  zero: ZeroShards = NO_ZERO, fixed_bytes: float = 0.0) -> "DeviceMemory":
+                  zero: ZeroShards = NO_ZERO, fixed_bytes: float = 0.0, foreach: bool = False) -> "DeviceMemory":
         """A worker holding ``shard`` of the stage (its tensor-parallel fraction) whose group takes
         ``batch_share`` of each micro-batch, under ``zero`` (its data-parallel group's ZeRO shards;
         ``fixed_bytes`` the units' buffers they hold whatever the layers): the fractions of
         :func:`planner.devices.memory.worker_fractions`, the planner's one rule of who holds what."""
         f = worker_fractions(shard, batch_share, zero=zero)
         return cls(capacity_bytes, f["weight_fraction"], f["activation_fraction"], name,
-                   f["gradient_fraction"], f["optimizer_fraction"], fixed_bytes)
+                   f["gradient_fraction"], f["optimizer_fraction"], fixed_bytes, foreach)
 
     @property
     def fractions(self) -> tuple[float, float, float, float]:
         """(weights, gradients, optimizer state, activations): what it holds of each term."""
         return (self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction)
 
-    def terms(self, weights, gradients, optimizer, activations_per_sample, in_flight: int) -> MemoryTerms:
+    def terms(self, weights, gradients, optimizer, activations_per_sample, in_flight: int,
+              update: Any = 0.0) -> MemoryTerms:
         """This device's :class:`~planner.devices.memory.MemoryTerms` for a stage of these whole-stage
-        bytes (numbers, arrays over layer ranges or ILP expressions); its ``total`` takes the
-        pipeline's micro-batch size."""
+        bytes (numbers, arrays over layer ranges or ILP expressions; ``update``: its optimizer
+        update's temporaries as it steps, :attr:`foreach` or not); its ``total`` takes the pipeline's
+        micro-batch size."""
         return MemoryTerms(weights, gradients, optimizer, activations_per_sample, in_flight,
                            self.weight_fraction, self.gradient_fraction, self.optimizer_fraction, self.batch_fraction,
-                           whole_bytes=self.fixed_bytes)
+                           whole_bytes=self.fixed_bytes, update_bytes=update)
 
 
 @dataclass(frozen=True)
@@ -175,11 +186,11 @@ class StageSlot:
     def memory_classes(self) -> tuple[DeviceMemory, ...]:
         """The devices that can bind: one per (capacity, fractions), without those another device
         dominates (no more room, no less load)."""
-        unique = {(d.capacity_bytes, *d.fractions): d for d in self.devices}
+        unique = {(d.capacity_bytes, *d.fractions, d.foreach): d for d in self.devices}
         keep = []
         for d in unique.values():
             dominated = any(
-                o is not d and o.capacity_bytes <= d.capacity_bytes
+                o is not d and o.capacity_bytes <= d.capacity_bytes and o.foreach == d.foreach
                 and all(mine >= theirs for mine, theirs in zip(o.fractions, d.fractions)) for o in unique.values()
             )
             if not dominated:
@@ -189,7 +200,7 @@ class StageSlot:
     @property
     def signature(self) -> tuple:
         """Slots with equal signatures are interchangeable."""
-        return (self.flops_per_s, tuple((d.capacity_bytes, *d.fractions) for d in self.memory_classes),
+        return (self.flops_per_s, tuple((d.capacity_bytes, *d.fractions, d.foreach) for d in self.memory_classes),
                 self.allreduce_latency_s, self.allreduce_s_per_byte)
 
 

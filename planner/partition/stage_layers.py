@@ -29,7 +29,7 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import GIB, CommModel, device_tflops, zero_collectives
-from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, ZeroShards
+from planner.devices.memory import NO_ZERO, REDUCE_SCATTER_COPIES, ZeroShards, runs_foreach
 from planner.devices.network import BYTES_PER_MS_PER_GBPS, NetworkModel
 from planner.partition.solve import (
     DeviceMemory, PartitionInfeasible, PartitionProblem, StageLink, StageSlot, layer_costs, partition,
@@ -324,7 +324,7 @@ def _slot(layout: Layout, stage: int, precision: str = "fp32", micro_batch: floa
         fixed = (2 + 1 + REDUCE_SCATTER_COPIES) * zero_unit_bytes
     devices = tuple(
         DeviceMemory.of_worker(d.memory_gib * GIB, shard=v / sum(gs), batch_share=sum(gs) / total, name=d.name,
-                               zero=zero, fixed_bytes=fixed)
+                               zero=zero, fixed_bytes=fixed, foreach=runs_foreach(d))
         for g, gs in zip(groups, speeds) for d, v in zip(g, gs)
     )
     speed = total

@@ -40,7 +40,7 @@ from whalelike.config import Config
 from whalelike.display import human_bytes
 
 from planner.devices.cost_model import GIB, StageCost, device_tflops, training_flops
-from planner.devices.memory import NO_ZERO, ZeroShards, stage_memory
+from planner.devices.memory import NO_ZERO, ZeroShards, runs_foreach, stage_memory
 from planner.devices.placement import Layout
 from planner.plan import PlanError
 from planner.shares.batch_shares import (
@@ -158,12 +158,14 @@ class PricedStage:
             return self.zero
         return dataclasses.replace(self.zero, share=self._share_of[tuple(d.name for d in group)])
 
-    def memory(self, fraction: float, unit_share: Optional[float] = None, group: Optional[tuple[Device, ...]] = None):
+    def memory(self, fraction: float, unit_share: Optional[float] = None, group: Optional[tuple[Device, ...]] = None,
+               device: Optional[Device] = None):
         """The memory model of a worker of ``group`` holding ``fraction`` of this stage (``unit_share`` of
         its shard groups' units, :func:`planner.devices.memory.stage_memory`; its state fraction under
-        ragged shards, :meth:`zero_of`)."""
+        ragged shards, :meth:`zero_of`) on ``device`` (how its optimizer steps,
+        :func:`planner.devices.memory.runs_foreach`; None: parameter by parameter)."""
         return stage_memory(self.cost, self.in_flight, fraction, recompute=self.recompute, unit_share=unit_share,
-                            zero=self.zero_of(group))
+                            zero=self.zero_of(group), foreach=device is not None and runs_foreach(device))
 
     def group_speed(self, group: tuple[Device, ...]) -> float:
         """Samples per ms: a tensor-parallel group is as fast as its slowest shard. A stage that
@@ -174,12 +176,12 @@ class PricedStage:
 
     def group_cap(self, group: tuple[Device, ...]) -> int:
         """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
-        return min(self.memory(f, self.shards.unit_share(t), group).max_samples(d.memory_gib * GIB)
+        return min(self.memory(f, self.shards.unit_share(t), group, d).max_samples(d.memory_gib * GIB)
                    for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
     def group_util(self, group: tuple[Device, ...], samples: int) -> float:
         """The highest memory use / capacity over ``group``'s devices with ``samples`` per micro-batch."""
-        return max(self.memory(f, self.shards.unit_share(t), group).total(samples) / (d.memory_gib * GIB)
+        return max(self.memory(f, self.shards.unit_share(t), group, d).total(samples) / (d.memory_gib * GIB)
                    for t, (d, f) in enumerate(zip(group, self.shards.fractions)))
 
 
@@ -418,8 +420,8 @@ def memory_error(layout: Layout, s: int, cost: StageCost, in_flight: int, groups
         mine = zero_of(group)
         for t, d in enumerate(group):
             f = shards.fractions[t] if shards else 1.0 / len(group)
-            need = stage_memory(cost, in_flight, f, recompute=recompute,
-                                unit_share=shards.unit_share(t) if shards else None, zero=mine).total(samples)
+            need = stage_memory(cost, in_flight, f, recompute=recompute, unit_share=shards.unit_share(t) if shards else None,
+                                zero=mine, foreach=runs_foreach(d)).total(samples)
             short = need - d.memory_gib * GIB
             if worst is None or short > worst[0]:
                 worst = (short, need, d, mine)

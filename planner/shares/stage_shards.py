@@ -15,7 +15,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 from whalelike.sharding.groups import WHAT_SPLIT_SHARDS, ShardGroup
 
 from planner.devices.cost_model import GIB, StageCost, device_tflops
-from planner.devices.memory import NO_ZERO, ZeroShards, max_shard
+from planner.devices.memory import NO_ZERO, ZeroShards, max_shard, runs_foreach
 from planner.devices.placement import Layout
 from planner.plan import PlanError
 from planner.shares.batch_fit import memory_error
@@ -62,7 +62,8 @@ def aware_shards(layout: Layout, s: int, cost: StageCost, in_flight: int, sharda
     tp = layout.shapes[s].tp
     speeds = [sum(device_tflops(g[t], cost.precision) for g in groups) for t in range(tp)]
     for n in (samples, 0):
-        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB, recompute, zero) for g in groups)
+        max_fractions = [min(max_shard(cost, in_flight, n, g[t].memory_gib * GIB, recompute, zero, runs_foreach(g[t]))
+                             for g in groups)
                          for t in range(tp)]
         try:
             return shard_layout(shardable, speeds, max_fractions, shard_groups, cost.flops_per_sample)

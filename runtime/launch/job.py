@@ -54,7 +54,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "model": {"factory": "model", "weights": "--weights"},
     "cluster": {"spec": "--cluster", "profile": "--profile"},
     "plan": {"file": "--plan", "global_batch_size": "--global-batch", "num_micro_batch": "--micro-batches",
-             "zero_stage": "--zero", "schedule": "--pipeline-schedule"},
+             "zero_stage": "--zero", "schedule": "--pipeline-schedule", "memory_reserve": "--memory-reserve"},
     "optimizer": {"name": "--optimizer", "lr": "--lr", "args": "--optimizer-args"},
     "train": {"steps": "--steps", "schedule": "--schedule", "warmup_steps": "--warmup-steps",
               "min_lr_ratio": "--min-lr-ratio", "precision": "--precision", "grad_reduce_dtype": "--grad-reduce-dtype",

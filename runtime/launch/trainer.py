@@ -100,7 +100,7 @@ from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
 from whalelike.workload import load_workload
-from whalelike.config import PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
+from whalelike.config import DEFAULT_MEMORY_RESERVE, PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
 from whalelike.display import format_table
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import check_output_paths
@@ -200,6 +200,9 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                    help="without --plan: ZeRO stage of every data-parallel stage (default: the planner picks)")
     p.add_argument("--pipeline-schedule", default="1f1b", choices=list(SCHEDULE_CHOICES),
                    help="without --plan: the pipeline schedule (default 1f1b)")
+    p.add_argument("--memory-reserve", type=float, default=DEFAULT_MEMORY_RESERVE, metavar="F",
+                   help="without --plan: the fraction of each device's memory the plan leaves free "
+                        f"(default {DEFAULT_MEMORY_RESERVE:g}; whalelike.Config.memory_reserve)")
     p.add_argument("--export", metavar="DIR",
                    help="after the last step, write the trained model there as a Hugging Face save_pretrained "
                         "directory (safetensors shards, index, config.json) that from_pretrained loads "
@@ -743,7 +746,7 @@ def planning_config(args, precision: "str | None" = None) -> wl.Config:
     """The planner's Config of the planning flags (``--global-batch`` ...), its optimizer the one
     ``--optimizer`` names, priced."""
     return wl.Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
-                     schedule=args.pipeline_schedule, zero_stage=args.zero,
+                     schedule=args.pipeline_schedule, zero_stage=args.zero, memory_reserve=args.memory_reserve,
                      precision=precision or args.precision or "fp32",
                      optimizer=priced_optimizer(args.optimizer, args.optimizer_args))
 

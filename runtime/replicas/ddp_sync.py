@@ -105,9 +105,12 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
     work = dist.all_reduce(joint, group=state.group, async_op=True)
 
     def unpack(fut):
+        # the sums go back into the bucket and the passenger here, so the joined copy is freed with the collective
+        # (a view of it handed to DDP would keep it alive through the optimizer's update: memory the planner prices
+        # only until then, planner.devices.memory.DDP_JOIN_BYTES)
         out = fut.value()[0]
         passenger.copy_(out[tensor.numel():].view_as(passenger))
-        return out[: tensor.numel()]
+        return tensor.copy_(out[: tensor.numel()])
 
     return work.get_future().then(unpack)
 
