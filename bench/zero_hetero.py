@@ -185,9 +185,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-blocks", type=int, default=64, help="largest model searched, in blocks")
     # smoke: a tiny model's collective buffers are large next to its parameters (one FSDP unit is half of it,
-    # one ragged bucket all of it), so it gets 12 bytes per parameter per unit (every side plans ZeRO 1);
-    # its buffers and the interpreter's small tensors are near the capacity: not enforced
-    args = parse_args(parser, smoke=dict(blocks=2, width=32, batch=22, steps=2, rounds=1, max_blocks=8, unit=12.0,
+    # one ragged bucket all of it), so it gets 14 bytes per parameter per unit (every side plans ZeRO 1 in what the
+    # 10% reserve leaves); its buffers and the interpreter's small tensors are near the capacity: not enforced
+    args = parse_args(parser, smoke=dict(blocks=2, width=32, batch=22, steps=2, rounds=1, max_blocks=8, unit=14.0,
                                          enforce_memory=False))
     model = build(args)
     args.params = sum(p.numel() for p in model.parameters())

@@ -171,12 +171,11 @@ def memory_lines(plan: PlanRecord) -> list[str]:
         headers.insert(4, "state")
         for row, w in zip(rows, plan.workers):
             row.insert(4, shares.get(w.rank, "-"))
-    title = "memory per device at its peak (GiB)" + (
-        "; total: weights, gradients and optimizer state, plus the activations or the optimizer update's "
-        "temporaries (after the backward), the larger" if update else "") + (
-        f"; memory: what the plan may fill, the device's less the {plan.memory_reserve:.0%} reserve it keeps free "
-        "(Config.memory_reserve)" if plan.memory_reserve else "") + ":"
-    return [format_table(headers, rows, title=title), ""]
+    notes = (["total: weights, gradients and optimizer state, plus the activations or the optimizer update's "
+              "temporaries (after the backward), the larger"] if update else []) + (
+        [f"memory: what the plan may fill, the device's less the {plan.memory_reserve:.0%} reserve it keeps free "
+         "(Config.memory_reserve)"] if plan.memory_reserve else [])
+    return [format_table(headers, rows, title="memory per device at its peak (GiB):"), *notes, ""]
 
 
 def state_shares(plan: PlanRecord) -> dict[int, str]:

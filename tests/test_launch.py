@@ -84,7 +84,7 @@ def test_the_optimizer_is_a_torch_optim_name_priced_by_the_planner():
     built = trainer.optimizer_factory(args)([torch.nn.Parameter(torch.zeros(2))])
     assert type(built) is torch.optim.SGD and built.defaults["momentum"] == 0.5 and built.defaults["lr"] == 0.1
     config = trainer.planning_config(argparse.Namespace(global_batch=8, micro_batches=1, pipeline_schedule="1f1b",
-                                                        zero=None, precision=None, **vars(args)))
+                                                        zero=None, precision=None, memory_reserve=0.1, **vars(args)))
     assert config.optimizer == "sgd_momentum"
 
 

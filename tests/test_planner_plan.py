@@ -102,7 +102,7 @@ def test_pipeline_replicas_and_placement():
     plan = planner.plan(graphs, cluster, Config(global_batch_size=64, num_micro_batch=4))
     _check_invariants(plan, graphs, cluster)
     assert plan.num_replicas == 2 and plan.world_size == 8
-    assert all(w.capacity_gib == 32 for w in plan.workers if w.stage == 0)
+    assert all(w.capacity_gib == pytest.approx(32 * (1 - plan.memory_reserve)) for w in plan.workers if w.stage == 0)
     homogeneous = synthetic_cluster([(8, 10.0, 16)], per_host=4)
     plan = planner.plan(graphs, homogeneous, Config(global_batch_size=64, num_micro_batch=4))
     for r in range(2):
@@ -154,7 +154,7 @@ def test_whale_setting_first_taskgraph_on_the_32gb_devices():
     graphs = bert_large([replicate(8), replicate(8)])
     plan = planner.plan(graphs, cluster, Config(global_batch_size=96, num_micro_batch=4))
     _check_invariants(plan, graphs, cluster)
-    assert {w.capacity_gib for w in plan.workers if w.stage == 0} == {32.0}
+    assert {w.capacity_gib for w in plan.workers if w.stage == 0} == {32.0 * (1 - plan.memory_reserve)}
     dp = planner.plan(bert_large([replicate(16)]), cluster, Config(global_batch_size=256))
     speedup = dp.naive_prediction.step_time_ms / dp.prediction.step_time_ms
     print(f"\nWhale setting, hardware-aware DP predicted speed-up over naive: {speedup:.2f}x")

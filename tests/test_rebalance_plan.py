@@ -112,7 +112,7 @@ def test_shares_stay_within_memory():
     cost = StageCost.of_layers(graphs, range(4))
     memory = (cost.static_bytes + 10.5 * cost.bytes_per_sample(1)) / GIB
     cluster = synthetic_cluster([(2, 10.0, memory)])
-    plan = planner.plan(graphs, cluster, Config(16, 1))
+    plan = planner.plan(graphs, cluster, Config(16, 1, memory_reserve=0.0))   # the memory is the edge itself
     assert [w.micro_batch_sizes for w in plan.workers] == [[8], [8]]
     new = rebalance(plan, graphs, cluster, [4.0, 1.0])
     assert [w.micro_batch_sizes for w in new.workers] == [[10], [6]]
@@ -127,7 +127,7 @@ def test_accumulating_plan_accumulates_again_at_the_measured_speeds():
     the measured speeds (the mapping of a single stage is the same either way)."""
     graphs = bert_large([replicate()])
     cluster = synthetic_cluster([(2, 15.7, 32), (2, 9.3, 16)])
-    plan = planner.plan(graphs, cluster, Config(global_batch_size=1000, num_micro_batch=1))
+    plan = planner.plan(graphs, cluster, Config(global_batch_size=1000, num_micro_batch=1, memory_reserve=0.0))
     assert plan.num_micro_batch > 1 and len({len(w.micro_batch_sizes) for w in plan.workers}) > 1
     speeds = [15.7, 15.7 / 4, 9.3, 9.3]
     new = rebalance(plan, graphs, cluster, speeds)
@@ -138,7 +138,8 @@ def test_accumulating_plan_accumulates_again_at_the_measured_speeds():
     caps = {w.rank: max(w.micro_batch_sizes) for w in plan.workers}
     for w in new.workers:   # as few micro-batches as memory allows
         assert len(w.micro_batch_sizes) == -(-w.batch_share // caps[w.rank]), (w.rank, w.micro_batch_sizes)
-    scratch = planner.plan(graphs, measured_cluster(plan, cluster, speeds), Config(global_batch_size=1000))
+    scratch = planner.plan(graphs, measured_cluster(plan, cluster, speeds),
+                           Config(global_batch_size=1000, memory_reserve=0.0))
     assert [w.micro_batch_sizes for w in new.workers] == [w.micro_batch_sizes for w in scratch.workers]
     (line,) = [l for l in plan_changes(plan, new).describe().splitlines() if l.startswith("rank 1:")]
     assert line.startswith("rank 1: batch share 314 -> ") and "(micro-batches [104, 104, 104, 2] -> [" in line
@@ -240,7 +241,7 @@ def test_an_infeasible_partition_keeps_the_layers_in_force(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(planner.decisions, "_repartitioned", lambda *args, **kwargs: None)
         patch.setattr(planner.api, "fastest_count", lambda graphs, cluster, config, aware: aware)
-        plan = planner.plan(graphs, cluster, Config(32, 2))
+        plan = planner.plan(graphs, cluster, Config(32, 2, memory_reserve=0.0))   # sized to the edge
     assert [w.stage for w in plan.workers] == [0, 0, 1, 1]
     result = replan(plan, graphs, cluster, [1.0, 0.02, 1.0, 0.02])
     assert result.kept == ("stage layers: the pipeline partition for the measured speeds does not fit in memory",)

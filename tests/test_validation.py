@@ -243,7 +243,7 @@ def _set(*path):
     (_set("workers", 2, "memory_gib", -1), r"plan\.workers\[2\]\.memory_gib must be >= 0, got -1"),
     (_set("workers", 3, "micro_batch_sizes", 0, 0), r"plan\.workers\[3\]\.micro_batch_sizes\[0\] must be >= 1, got 0"),
     (_set("workers", 1, "memory_gib", 100.0),
-     r"plan\.workers\[1\]\.memory_gib is 100 GiB, above its capacity_gib 32; the worker would run out of memory"),
+     r"plan\.workers\[1\]\.memory_gib is 100 GiB, above its capacity_gib 28.8; the worker would run out of memory"),
 ])
 def test_hand_edited_times_sizes_and_memory_are_refused(capsys, setting, tmp_path, change, message):
     _, _, plan = setting
