@@ -168,8 +168,8 @@ def _emulate_overlap(state: _HookState, bucket, sent: torch.Tensor) -> None:
     state.launched_bytes += nbytes
     emulator = state.emulator
     if bucket.is_last():
+        ready = emulator.segment_ready(1.0)   # the segment's modeled end, not when a loaded host woke
         emulator.wait_deadline()
-        ready = None
     else:
         ready = emulator.segment_ready(state.launched_bytes / max(state.total_bytes, 1))
     emulator.network.allreduce_launched(time.monotonic() if ready is None else ready, nbytes, state.devices,
