@@ -12,7 +12,8 @@ section            fields
 =================  ==========================================================================
 ``recipe``         ``precision`` (None: the plan's), ``grad_reduce_dtype``, ``clip_grad_norm``,
                    ``measure_memory`` (:mod:`runtime.training`)
-``guards``         ``timeout_s``, ``on_nonfinite``, ``batch_check_every`` (:mod:`runtime.guards`)
+``guards``         ``timeout_s``, ``on_nonfinite``, ``batch_check_every`` (:mod:`runtime.guards`),
+                   ``memory_check`` (:mod:`runtime.balance.memory_check`)
 ``balance``        :class:`runtime.balance.rebalance.BalanceConfig` (keyword ``balance``: a policy
                    name or the record)
 ``leave``          :class:`runtime.elastic.departure.LeaveConfig`, or None: off (keyword
@@ -61,15 +62,21 @@ class RecipeConfig:
 class GuardConfig:
     """The step's guards (:mod:`runtime.guards`): ``timeout_s`` bounds every collective,
     ``on_nonfinite`` ``"raise"`` or ``"skip"`` a NaN or inf loss, ``batch_check_every`` compares
-    the ranks' global batches every that many steps (0: never)."""
+    the ranks' global batches every that many steps (0: never), ``memory_check`` compares each
+    rank's measured peak with the plan's prediction a few steps into every plan and re-prices the
+    plan where a rank runs above it (:mod:`runtime.balance.memory_check`; False: the plan's
+    prediction is left as it is, for a benchmark of the prediction itself)."""
 
     timeout_s: float = rule(float, gt=0, default=300.0)
     on_nonfinite: str = rule(str, choices=guards.ON_NONFINITE, default="raise")
     batch_check_every: int = rule(int, ge=0, default=guards.DEFAULT_BATCH_CHECK_EVERY)
+    memory_check: bool = rule(bool, default=True)
 
     def __post_init__(self):
         object.__setattr__(self, "timeout_s", guards.check_timeout(self.timeout_s))
         guards.check_options(self.on_nonfinite, self.batch_check_every)
+        if not isinstance(self.memory_check, bool):
+            raise WhaleError(f"runtime.Engine: memory_check must be True or False, got {self.memory_check!r}")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from planner.plan import Plan, PlanError
 from planner.plan_checks import check_same_workers
 from planner.shares.layout import check_global_batch
 from runtime import distributed, guards
+from runtime.balance.memory_check import MemoryCheck
 from runtime.balance.rebalance import Rebalancer, ReplanEvent
 from runtime.config import EngineConfig
 from runtime.control.board import Board
@@ -169,6 +170,8 @@ class Engine:
         self.board = Board()
         if config.leave is not None:
             self.board.add(Departures(config.leave))
+        if config.guards.memory_check:
+            self.board.add(MemoryCheck(self.rank))
         self.board.add(Rebalancer(config.balance, self.rank, plan.world_size))
         if example_args is not None:
             self._build(example_args if isinstance(example_args, tuple) else (example_args,))

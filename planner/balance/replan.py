@@ -54,7 +54,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from whalelike.cluster import Cluster, Device
 from whalelike.config import Config
@@ -65,7 +65,7 @@ from planner.assemble import build_plan, predict
 from planner.candidates import Priced, keep_fastest
 from planner.decisions import Decisions, aware_decisions, naive_decisions
 from planner.devices.cost_model import StageCost, device_tflops
-from planner.devices.memory import with_reserve
+from planner.devices.memory import derated, with_reserve
 from planner.groups import group_key
 from planner.plan import Plan, PlanError, Prediction
 from planner.plan_checks import WORKER_MAPPING, check_same_workers, stage_regions
@@ -93,29 +93,37 @@ class Replan:
 
 
 def rebalance(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[float], *,
-              move_layers: bool = True, reshard: bool = True) -> Plan:
+              move_layers: bool = True, reshard: bool = True,
+              memory_scale: Optional[dict[str, float]] = None) -> Plan:
     """The plan for measured ``speeds`` (FLOP/s per rank, any scale) on the mapping of ``plan``.
 
     See the module docstring; :func:`replan` also returns what was kept and the plan in force's
     prediction. Parts kept because they do not fit are logged as warnings.
     Raises :class:`PlanError` for speeds of the wrong length, non-positive or non-finite speeds, or
     a ``cluster`` / ``graphs`` the plan was not made for.
+    ``memory_scale``: devices (by name) whose memory the plan may fill only this share of, on top
+    of the reserve (:func:`planner.devices.memory.derated`; the memory check while training,
+    :mod:`runtime.balance.memory_check`, sets it where a device's peak ran above its prediction).
     """
-    result = replan(plan, graphs, cluster, speeds, move_layers=move_layers, reshard=reshard)
+    result = replan(plan, graphs, cluster, speeds, move_layers=move_layers, reshard=reshard,
+                    memory_scale=memory_scale)
     for line in result.kept:
         log.warning("rebalance: %s", line)
     return result.plan
 
 
 def replan(plan: Plan, graphs: TaskGraphs, cluster: Cluster, speeds: Sequence[float], *,
-           move_layers: bool = True, reshard: bool = True) -> Replan:
+           move_layers: bool = True, reshard: bool = True,
+           memory_scale: Optional[dict[str, float]] = None) -> Replan:
     """:func:`rebalance` with its :class:`Replan` record."""
     _check_inputs(plan, cluster, speeds)
     plan.validate(graphs=graphs, cluster=cluster)
     if plan.precision != "fp32":   # a low-precision plan's memory is priced with the autocast figures
         graphs = with_autocast(graphs)
-    # the re-plan keeps the plan's memory reserve: it fits into what the plan may fill
-    measured = measured_cluster(plan, with_reserve(cluster, plan.memory_reserve), speeds)
+    # the re-plan keeps the plan's memory reserve (it fits into what the plan may fill) and any
+    # device de-rated by the memory check
+    usable = derated(with_reserve(cluster, plan.memory_reserve), memory_scale or {})
+    measured = measured_cluster(plan, usable, speeds)
     layout = plan_layout(plan, graphs, measured)
     config = config_of(plan)
     network = measured.network

@@ -651,6 +651,23 @@ def with_reserve(cluster: Cluster, reserve: float) -> Cluster:
     return dataclasses.replace(cluster, devices=devices, memory_reserved=float(reserve))
 
 
-def whole_memory_gib(cluster: Cluster, memory_gib: float) -> float:
-    """A figure of ``cluster``'s view (:func:`with_reserve`) as a share of the devices' whole memory."""
-    return memory_gib / (1.0 - cluster.memory_reserved)
+def derated(cluster: Cluster, scale: dict[str, float]) -> Cluster:
+    """``cluster`` with each named device's ``memory_gib`` multiplied by its factor in ``scale``
+    (device name -> factor in (0, 1]): what the memory check while training
+    (:mod:`runtime.balance.memory_check`) sets where a device's measured peak ran above the
+    prediction, so the model's figure is fitted into the memory over the measured ratio.
+    ``cluster`` itself when ``scale`` is empty."""
+    if not scale:
+        return cluster
+    names = {d.name for d in cluster.devices}
+    unknown = sorted(set(scale) - names)
+    if unknown:
+        raise ValueError(f"derated: no device named {', '.join(map(repr, unknown))} in cluster "
+                         f"{cluster.name!r} (its devices: {', '.join(sorted(names))})")
+    bad = {n: f for n, f in scale.items() if not (isinstance(f, (int, float)) and 0 < f <= 1)}
+    if bad:
+        raise ValueError(f"derated: each scale factor must be in (0, 1] (a share of the device's memory), "
+                         f"got {bad}")
+    devices = tuple(dataclasses.replace(d, memory_gib=d.memory_gib * scale[d.name]) if d.name in scale else d
+                    for d in cluster.devices)
+    return dataclasses.replace(cluster, devices=devices)

@@ -66,6 +66,7 @@ from whalelike.errors import SpecError
 
 if TYPE_CHECKING:
     from runtime.balance.straggler_monitor import Measured, SpeedChange
+    from whalelike.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,16 @@ class ReplanEvent:
 
 def _rate(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e9:.3g} GFLOP/s"
+
+
+def replanning_cluster(view: StepView) -> Cluster:
+    """The cluster a step-boundary re-plan prices on: the spec's, with the profile's measured rates
+    when the run has one (the measured speeds are relative to the profile's rates, not the spec's)."""
+    cluster = view.runtime.cluster
+    if view.profile is not None:
+        from planner.devices.measured_speeds import measured_cluster
+        cluster = measured_cluster(cluster, view.profile, view.graphs, view.plan.precision, plan=view.plan)
+    return cluster
 
 
 class Rebalancer(Controller):
@@ -361,11 +372,8 @@ class Rebalancer(Controller):
     def _new_plan(self, view: StepView, speeds: Sequence[float]):
         from planner.balance.replan import plan_changes, rebalance
 
-        cluster = view.runtime.cluster
-        if view.profile is not None:   # the measured speeds are relative to the profile's rates, not the spec's
-            from planner.devices.measured_speeds import measured_cluster
-            cluster = measured_cluster(cluster, view.profile, view.graphs, view.plan.precision, plan=view.plan)
-        new = rebalance(view.plan, view.graphs, cluster, list(speeds))
+        scale = (view.figures.get("memory") or {}).get("scale")   # devices the memory check de-rated
+        new = rebalance(view.plan, view.graphs, replanning_cluster(view), list(speeds), memory_scale=scale)
         return new, plan_changes(view.plan, new)
 
     def _apply(self, view: StepView, speeds: Sequence[float]) -> "_Proposal":

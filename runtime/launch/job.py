@@ -60,7 +60,7 @@ FIELDS: dict[str, dict[str, str]] = {
               "min_lr_ratio": "--min-lr-ratio", "precision": "--precision", "grad_reduce_dtype": "--grad-reduce-dtype",
               "clip_grad_norm": "--clip-grad-norm", "seed": "--seed", "timeout": "--timeout",
               "on_nonfinite": "--on-nonfinite", "batch_check_every": "--batch-check-every",
-              "measure_memory": "--measure-memory", "log_every": "--log-every"},
+              "measure_memory": "--measure-memory", "memory_check": "--no-memory-check", "log_every": "--log-every"},
     "data": {"path": "--data", "tokenizer": "--tokenizer", "seq_len": "--seq-len"},
     "eval": {"every": "--eval-every", "batches": "--eval-batches"},
     "checkpoint": {"dir": "--checkpoint-dir", "every": "--checkpoint-every", "keep": "--keep-checkpoints",
@@ -71,7 +71,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "elastic": {"enabled": "--no-elastic", "leave_on_sigterm": "--leave-on-sigterm"},
 }
 # flags whose job field is their negation (``--no-resume`` is ``checkpoint.resume: false``)
-NEGATED = {"--no-resume", "--no-elastic"}
+NEGATED = {"--no-resume", "--no-elastic", "--no-memory-check"}
 # the trainer's flags a job does not set: the naive side-by-side run is a demonstration, not a job
 NOT_IN_JOBS = {"--compare-naive", "-h"}
 # a section given as a scalar is its first field (``cluster: emulated-4``, ``model: file.py:build``)

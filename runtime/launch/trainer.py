@@ -177,6 +177,10 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                    help="cosine/linear decay ends at R * lr at the last step (default 0)")
     p.add_argument("--measure-memory", action="store_true",
                    help="measure each rank's peak memory on CPU too (slower; always on GPUs) and report it")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="leave the plan as planned when a rank's measured peak memory runs above its prediction "
+                   "(default: a few steps into each plan the ranks compare, and the plan is re-priced for the "
+                   "measured ratios; needs measured peaks: GPUs, or --measure-memory)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic batches, or of each epoch's permutation with --data (default 0)")
     p.add_argument("--data", metavar="FILE", help="train a language model on this text file (byte-level, or the "
@@ -392,6 +396,7 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
                             batch_check_every=args.batch_check_every, precision=args.precision,
                             clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
                             measure_memory=True if args.measure_memory else None,
+                            memory_check=not args.no_memory_check,
                             grad_reduce_dtype=args.grad_reduce_dtype,
                             profile=_profile(args, cluster, plan) if name == "whalelike" else None,
                             departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
