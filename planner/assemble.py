@@ -41,7 +41,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.decisions import Decisions, cut_into_units, stage_syncs, zero_shards
 from planner.groups import groups_of
-from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives
+from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives, update_ms
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, runs_foreach, stage_memory
 from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES, StageCost
 from planner.shares.batchnorm_statistics import stage_batchnorms
@@ -152,18 +152,6 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
         update_ms=update_ms(cost, fraction, zero, device),
         action_overhead_ms=(device.measured_action_overhead_us or 0.0) * 1e-3,
     )
-
-
-def update_ms(cost: StageCost, fraction: float, zero: ZeroShards, device: Device) -> float:
-    """The optimizer's update on a worker, ms: the bytes of the parameters it updates (its tensor-parallel
-    ``fraction`` of the stage's; under ZeRO 1-3 its share of the group's, the shards the optimizer steps)
-    at the device's measured rate (``Device.measured_update_ns_per_byte``, ``whalelike profile``); 0 when
-    the rate was not measured (the update is then not priced, as before the profile measured it)."""
-    rate = device.measured_update_ns_per_byte
-    if not rate:
-        return 0.0
-    share = (zero.share if zero.share is not None else 1.0 / zero.group) if zero.stage else 1.0
-    return cost.param_bytes * fraction * share * rate * 1e-6
 
 
 def zero_of(dec: Decisions, s: int, group: tuple[Device, ...] | None = None) -> ZeroShards:

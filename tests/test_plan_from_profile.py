@@ -152,7 +152,7 @@ def test_re_plans_for_measured_speeds_start_from_the_profile():
     def view(profile):      # what the Rebalancer reads of a step boundary
         from types import SimpleNamespace
         return SimpleNamespace(runtime=SimpleNamespace(cluster=cluster, plan=plan), plan=plan, graphs=_graphs(),
-                               profile=profile)
+                               profile=profile, figures={})
 
     speeds = [3.0, 3.0, 1.0, 1.0]     # as measured: the first two ranks three times faster
     with_profile = Rebalancer(BalanceConfig.of("exact"), 0, 4)._new_plan(view(profile), speeds)[0]
@@ -181,9 +181,13 @@ def test_the_measured_update_is_priced_on_each_worker_for_the_parameters_it_upda
         assert w.update_ms == pytest.approx(param_bytes * rates[kinds[w.device]] * 1e-6)
     from planner.schedule.simulator import simulate
     result = simulate(priced, network=cluster)
-    updates = [e for e in result.events if e.kind == "update"]
-    assert sorted(e.rank for e in updates) == [w.rank for w in priced.workers]
-    assert result.step_time_ms == pytest.approx(max(e.end_ms for e in updates))
+    updates = {e.rank: e for e in result.events if e.kind == "update"}
+    assert sorted(updates) == [w.rank for w in priced.workers]
+    # the steady state: each worker's step starts with its update of the step before, then computes
+    for w in priced.workers:
+        assert (updates[w.rank].start_ms, updates[w.rank].end_ms) == (0.0, pytest.approx(w.update_ms))
+        first = min(e.start_ms for e in result.events if e.rank == w.rank and e.kind == "F")
+        assert first >= updates[w.rank].end_ms - 1e-9
     assert all(t.update_ms == w.update_ms for t, w in zip(result.workers, priced.workers))
     # the same plan without its updates is that much faster: nothing else moved
     bare = dataclasses.replace(priced, workers=[dataclasses.replace(w, update_ms=0.0) for w in priced.workers])

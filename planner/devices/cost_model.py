@@ -40,7 +40,7 @@ from typing import Sequence
 from whalelike.cluster import Device, Network
 
 from planner.devices.memory import (  # noqa: F401 (UNBOUNDED_SAMPLES: re-exported)
-    RAGGED_BUCKET_BYTES, UNBOUNDED_SAMPLES, fsdp_units,
+    RAGGED_BUCKET_BYTES, UNBOUNDED_SAMPLES, ZeroShards, fsdp_units,
 )
 from planner.devices.stage_cost import (  # noqa: F401 (the record and its unit rule: re-exported)
     LOSS_TEMPORARY_BYTES, StageCost, fsdp_unit_bytes, fsdp_unit_names,
@@ -62,6 +62,18 @@ def device_tflops(device: Device, precision: str = "fp32") -> float:
 def compute_ms(flops: float, device: Device, precision: str = "fp32") -> float:
     """Milliseconds ``device`` needs for ``flops`` floating-point operations at ``precision``."""
     return flops / (device_tflops(device, precision) * 1e9)
+
+
+def update_ms(cost: StageCost, fraction: float, zero: ZeroShards, device: Device) -> float:
+    """The optimizer's update on a worker, ms: the bytes of the parameters it updates (its tensor-parallel
+    ``fraction`` of the stage's; under ZeRO 1-3 its share of the group's, the shards the optimizer steps)
+    at the device's measured rate (``Device.measured_update_ns_per_byte``, ``whalelike profile``); 0 when
+    the rate was not measured (the update is then not priced, as before the profile measured it)."""
+    rate = device.measured_update_ns_per_byte
+    if not rate:
+        return 0.0
+    share = (zero.share if zero.share is not None else 1.0 / zero.group) if zero.stage else 1.0
+    return cost.param_bytes * fraction * share * rate * 1e-6
 
 
 @dataclass(frozen=True)

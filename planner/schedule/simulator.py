@@ -46,9 +46,13 @@ model of execution is the runtime's:
   With ``network`` and no ``buckets``, the buckets are DDP's from ``Worker.gradient_bytes``
   (:func:`planner.schedule.gradient_buckets.plan_buckets`), as the runtime overlaps them.
 * The optimizer's update (``Worker.update_ms``: the bytes of parameters the worker updates at its
-  device's measured rate, :func:`planner.assemble.update_ms`; 0 when unmeasured) runs on each worker
-  after its last collective, and the step ends with the latest update (a P-Reduce worker updates
-  before its exchange; the sum is the same).
+  device's measured rate, :func:`planner.devices.cost_model.update_ms`; 0 when unmeasured) runs on
+  each worker after its last collective, and its next step starts when it ends. The simulated step
+  is the steady state: each worker starts with its update of the step before (time 0 is the end of
+  the previous step's collectives), so a worker that updates faster computes sooner, and a
+  data-parallel step takes ``max(update + compute) + all-reduce`` over its workers, not the slowest
+  compute plus the slowest update (a P-Reduce worker updates before its exchange; the sum is the
+  same).
 * A P-Reduce stage (``StagePlan.replica_sync`` ``"partial"``) all-reduces no gradients: after its
   optimizer step each worker averages its parameters with a group of ``partial_group_size``
   (runtime.replicas.partial_sync). Each worker's exchange starts when its own compute ends (it
@@ -300,6 +304,11 @@ def simulate(plan: Plan, record_events: bool = True,
     waiting: dict[tuple, list[_Group]] = defaultdict(list)
     link_free: dict[tuple[int, str], float] = defaultdict(float)
     ready = deque(groups)
+    for g in groups:   # the steady state: each worker's step starts after its own update of the step before
+        g.free_ms = max(w.update_ms for w in g.members)
+        if record_events:
+            events.extend(SimEvent(w.rank, w.stage, "update", None, 0.0, w.update_ms) for w in g.members
+                          if w.update_ms > 0)
 
     def arrive(channel: tuple, m: int, done: float, expected: int) -> None:
         arrived = arrivals[channel, m]
@@ -385,11 +394,6 @@ def simulate(plan: Plan, record_events: bool = True,
     finish = {w.rank: g.free_ms for g in groups for w in g.members}
     compute_ms, last_backward = _member_times(groups)
     allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
-    for w in plan.workers:   # the optimizer's update, once the step's gradients are in
-        if w.update_ms > 0:
-            if record_events:
-                events.append(SimEvent(w.rank, w.stage, "update", None, finish[w.rank], finish[w.rank] + w.update_ms))
-            finish[w.rank] += w.update_ms
     step_ms = max(finish.values())
     reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
     return _result(plan, groups, events, compute_ms, allreduce, step_ms, reshardings)

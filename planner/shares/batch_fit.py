@@ -39,7 +39,7 @@ from whalelike.cluster import Device
 from whalelike.config import Config
 from whalelike.display import human_bytes
 
-from planner.devices.cost_model import GIB, StageCost, device_tflops, training_flops
+from planner.devices.cost_model import GIB, StageCost, device_tflops, training_flops, update_ms
 from planner.devices.memory import NO_ZERO, ZeroShards, runs_foreach, stage_memory
 from planner.devices.placement import Layout
 from planner.plan import PlanError
@@ -174,6 +174,15 @@ class PricedStage:
         return min(device_tflops(d, self.cost.precision) * 1e9 / (flops * f)
                    for d, f in zip(group, self.shards.fractions))
 
+    def group_fixed_ms(self, group: tuple[Device, ...], micro_batches: int) -> float:
+        """The ms a worker of ``group`` spends per micro-batch whatever its samples (the slowest of
+        the group): its optimizer update (:func:`planner.devices.cost_model.update_ms`) over the
+        step's ``micro_batches``, and the launch cost of its forward and backward actions
+        (``Device.measured_action_overhead_us``). 0 without a profile's rates."""
+        return max(update_ms(self.cost, f, self.zero_of(group), d) / micro_batches
+                   + 2 * (d.measured_action_overhead_us or 0.0) * 1e-3
+                   for d, f in zip(group, self.shards.fractions))
+
     def group_cap(self, group: tuple[Device, ...]) -> int:
         """The most samples per micro-batch every device of ``group`` holds (-1: not even the weights)."""
         return min(self.memory(f, self.shards.unit_share(t), group, d).max_samples(d.memory_gib * GIB)
@@ -234,10 +243,15 @@ def fit_pipeline(layout: Layout, stages: list[PricedStage], micro_batch: int, co
     return sizes
 
 
-def group_shares(st: PricedStage, groups, samples: int, micro_batch: int) -> list[int]:
+def group_shares(st: PricedStage, groups, samples: int, micro_batch: int, micro_batches: int = 0) -> list[int]:
     """``samples`` over ``groups`` of stage ``st`` by speed, memory-balanced (Whale's Algorithm 1).
+    ``micro_batches`` > 0 (a single stage, every group running that many per step): the shares
+    equalise each group's whole time per micro-batch, its fixed part included
+    (:meth:`PricedStage.group_fixed_ms`: a device that updates slower gets fewer samples); 0: work
+    over speed alone (a pipeline's stages, whose updates run after the flush).
     Raises :class:`StageDoesNotFit` (for a micro-batch of ``micro_batch`` samples)."""
-    slots = [Slot(st.group_speed(g), st.group_cap(g)) for g in groups]
+    slots = [Slot(st.group_speed(g), st.group_cap(g), st.group_fixed_ms(g, micro_batches) if micro_batches else 0.0)
+             for g in groups]
     try:
         return balanced_shares(samples, slots, lambda i, n: st.group_util(groups[i], n))
     except DoesNotFit as e:
@@ -254,12 +268,14 @@ def fit_single_stage(layout: Layout, st: PricedStage, gbs: int, m: int) -> tuple
     check_fit(layout, first, samples=1)
     groups = layout.stage_groups(0)
     try:
-        per_group = _by_group([group_shares(first, groups, n, n) for n in equal_batches(gbs, m)])
+        per_group = _by_group([group_shares(first, groups, n, n, m) for n in equal_batches(gbs, m)])
         count = m
     except StageDoesNotFit:
         check_fit(layout, st, samples=1)
         speeds = [st.group_speed(g) for g in groups]
-        totals = proportional_shares(gbs, speeds, minimum=1)
+        # the update once per step and one micro-batch's launches (the rest follow how many micro-batches each
+        # device then runs, not known here)
+        totals = proportional_shares(gbs, speeds, minimum=1, fixed=[st.group_fixed_ms(g, 1) for g in groups])
         check_accumulation(layout, st, totals, groups, gbs)
         per_group = [accumulation_sizes(n, st.group_cap(g)) for n, g in zip(totals, groups)]
         count = max(len(f) for f in per_group)

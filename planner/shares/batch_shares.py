@@ -14,6 +14,8 @@ Three pure functions over integer sample counts:
   share does not fit in memory are *peaks*, those with room are *valleys*; load moves, one sample at
   a time, from the peak with the highest memory utilisation to the valley with the lowest
   (flop utilisation, memory utilisation) until no peak is left or no valley can take more.
+  A slot's fixed time (``Slot.fixed``: the optimizer's update, launches; time spent whatever the
+  share) counts in both: the shares equalise each device's whole step, not its work alone.
 * :func:`accumulation_sizes`: Poplar's gradient accumulation when a device's share of the whole
   batch does not fit at once: its micro-batch size is the largest that fits (best throughput) and
   its last micro-batch takes the remainder, so devices may run different numbers of micro-batches.
@@ -29,15 +31,20 @@ from typing import Optional, Sequence
 @dataclass(frozen=True)
 class Slot:
     """One data-parallel participant as the balancer sees it: relative speed (samples per unit
-    time) and the most samples it can hold (``cap``; -1 when not even its weights fit). The
-    partitioner's device group for a pipeline stage is :class:`planner.partition.problem.StageSlot`."""
+    time), the most samples it can hold (``cap``; -1 when not even its weights fit) and the time
+    it spends whatever its share (``fixed``, in the units of ``1 / speed``: the optimizer's update,
+    launches). The partitioner's device group for a pipeline stage is
+    :class:`planner.partition.problem.StageSlot`."""
 
     speed: float
     cap: int
+    fixed: float = 0.0
 
     def __post_init__(self):
         if not self.speed > 0:
             raise ValueError(f"Slot.speed must be > 0, got {self.speed!r}")
+        if not (self.fixed >= 0 and math.isfinite(self.fixed)):
+            raise ValueError(f"Slot.fixed must be a finite time >= 0, got {self.fixed!r}")
 
 
 class DoesNotFit(Exception):
@@ -54,8 +61,12 @@ LEFTOVER_RULES = (SOONEST, LARGEST_REMAINDER)
 
 
 def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *, leftover: str = SOONEST,
-                        ties: Optional[Sequence] = None) -> list[int]:
+                        ties: Optional[Sequence] = None, fixed: Optional[Sequence[float]] = None) -> list[int]:
     """Integers proportional to ``speeds``, each >= ``minimum``, summing exactly to ``total``.
+
+    ``fixed`` (``"soonest"`` only): each device's time whatever its share, in the units of
+    ``1 / speed``. The shares then equalise the whole time ``fixed + share / speed`` instead of
+    ``share / speed`` (:func:`_finishing_together`); all zeros or None is the rule below.
 
     Each first gets the floor of its ideal share ``total * speed / sum(speeds)`` (at least
     ``minimum``); the leftovers then go one at a time by ``leftover``:
@@ -82,6 +93,10 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *
         raise ValueError(f"leftover must be one of {LEFTOVER_RULES}, got {leftover!r}")
     if total < minimum * n:
         raise ValueError(f"cannot give {n} devices at least {minimum} of {total}")
+    if fixed is not None and any(fixed):
+        if leftover != SOONEST or len(fixed) != n or any(not (f >= 0 and math.isfinite(f)) for f in fixed):
+            raise ValueError(f"fixed times need the soonest rule and one finite time >= 0 per device, got {list(fixed)}")
+        return _finishing_together(total, speeds, minimum, fixed, ties)
     weight = sum(speeds)
     shares = [math.floor(total * s / weight) for s in speeds]
     # beyond 2**53 samples the float shares miss the total by more than one per device: share
@@ -110,6 +125,37 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *
     return shares
 
 
+def _finishing_together(total: int, speeds: Sequence[float], minimum: int, fixed: Sequence[float],
+                        ties: Optional[Sequence]) -> list[int]:
+    """:func:`proportional_shares` with fixed times: the continuous shares that end together,
+    ``(T - fixed[i]) * speed[i]`` summing to ``total`` (a device whose fixed time alone passes
+    ``T`` held at ``minimum``, ``T`` found again without it), floored; every leftover then to the
+    device that would end it soonest, ``fixed + (share + 1) / speed`` smallest. Makespan-optimal
+    for the integer shares, as the rule without fixed times."""
+    n = len(speeds)
+    free, level = set(range(n)), 0.0
+    while free:   # at most n rounds: each drops a device whose share would fall below the minimum
+        rest = total - minimum * (n - len(free))
+        level = (rest + math.fsum(fixed[i] * speeds[i] for i in free)) / math.fsum(speeds[i] for i in free)
+        low = {i for i in free if (level - fixed[i]) * speeds[i] < minimum}
+        if not low:
+            break
+        free -= low
+    shares = [max(minimum, math.floor((level - fixed[i]) * speeds[i])) if i in free else minimum for i in range(n)]
+    while sum(shares) > total:   # rounding at the level's edge: take back from the last to end
+        i = max((i for i in range(n) if shares[i] > minimum), key=lambda i: (fixed[i] + shares[i] / speeds[i], -i))
+        shares[i] -= 1
+    tie = range(n) if ties is None else ties
+    key = lambda i: (fixed[i] + (shares[i] + 1) / speeds[i], tie[i])  # noqa: E731
+    heap = [(*key(i), i) for i in range(n)]
+    heapq.heapify(heap)
+    for _ in range(total - sum(shares)):
+        i = heapq.heappop(heap)[-1]
+        shares[i] += 1
+        heapq.heappush(heap, (*key(i), i))
+    return shares
+
+
 def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) -> list[int]:
     """Whale Algorithm 1: move samples off devices over their memory cap onto the least utilised
     devices with room. ``memory_util(i, samples)`` is device ``i``'s memory use / capacity (the
@@ -117,7 +163,7 @@ def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) ->
     with ``MemoryTerms.max_samples`` as the slots' caps).
 
     Every peak ends at its cap; each moved sample goes to the valley that would finish it soonest
-    (``(share + 1) / speed``, then memory utilisation), so the valleys receive the moved samples
+    (``fixed + (share + 1) / speed``, then memory utilisation), so the valleys receive the moved samples
     with the smallest such keys. Those below a threshold are placed in bulk
     (:func:`_fill_below`) and the last ones one by one, so the work is bounded by the number of
     devices, not by the number of samples moved (a batch of 10**12 samples moves as fast as 64).
@@ -138,7 +184,7 @@ def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) ->
     for i in peaks:
         shares[i] = slots[i].cap
     moved = _fill_below(shares, slots, valleys, excess)
-    heap = [((shares[i] + 1) / slots[i].speed, memory_util(i, shares[i] + 1), i)
+    heap = [(slots[i].fixed + (shares[i] + 1) / slots[i].speed, memory_util(i, shares[i] + 1), i)
             for i in valleys if shares[i] < slots[i].cap]
     heapq.heapify(heap)
     for _ in range(excess - moved):
@@ -146,12 +192,13 @@ def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) ->
         shares[valley] += 1
         if shares[valley] < slots[valley].cap:
             s = shares[valley]
-            heapq.heappush(heap, ((s + 1) / slots[valley].speed, memory_util(valley, s + 1), valley))
+            heapq.heappush(heap, (slots[valley].fixed + (s + 1) / slots[valley].speed, memory_util(valley, s + 1),
+                                  valley))
     return shares
 
 
 def _fill_below(shares: list[int], slots: Sequence[Slot], valleys: Sequence[int], excess: int) -> int:
-    """Give the valleys, in bulk, every sample whose key ``k / speed`` (its ``k``-th sample) lies
+    """Give the valleys, in bulk, every sample whose key ``fixed + k / speed`` (its ``k``-th sample) lies
     below the largest threshold at which they take at most ``excess - len(valleys)`` samples; those
     are among the ``excess`` smallest keys, so one-by-one placement would have placed them too.
     Returns how many samples were placed (0 for small ``excess``: the caller places them all)."""
@@ -160,10 +207,10 @@ def _fill_below(shares: list[int], slots: Sequence[Slot], valleys: Sequence[int]
         return 0
 
     def taken(threshold: float) -> list[int]:
-        return [min(slots[i].cap, max(shares[i], math.ceil(threshold * slots[i].speed) - 1)) - shares[i]
-                for i in valleys]
+        return [min(slots[i].cap, max(shares[i], math.ceil((threshold - slots[i].fixed) * slots[i].speed) - 1))
+                - shares[i] for i in valleys]
 
-    low, high = 0.0, max((slots[i].cap + 1) / slots[i].speed for i in valleys)
+    low, high = 0.0, max(slots[i].fixed + (slots[i].cap + 1) / slots[i].speed for i in valleys)
     for _ in range(200):
         middle = (low + high) / 2
         if middle in (low, high):
@@ -179,8 +226,9 @@ def _fill_below(shares: list[int], slots: Sequence[Slot], valleys: Sequence[int]
 
 
 def balanced_shares(total: int, slots: Sequence[Slot], memory_util, minimum: int = 1) -> list[int]:
-    """Speed-proportional shares of ``total`` (each >= ``minimum``), then memory-balanced."""
-    shares = proportional_shares(total, [s.speed for s in slots], minimum)
+    """Speed-proportional shares of ``total`` (each >= ``minimum``; equalising each slot's fixed time
+    plus its share over its speed), then memory-balanced."""
+    shares = proportional_shares(total, [s.speed for s in slots], minimum, fixed=[s.fixed for s in slots])
     return balance_memory(shares, slots, memory_util)
 
 
