@@ -196,14 +196,15 @@ def fullest(plan) -> tuple[str, float]:
 
 
 def memory_by_kind(plan, cluster) -> str:
-    """Per device kind, the most a device of it holds at its peak: 'A100-40GB 30.9/40 GiB, ...'."""
+    """Per device kind, the most a device of it holds at its peak over what a plan may fill (its memory less
+    the plan's reserve): 'A100-40GB 30.9/36.0 GiB, ...'."""
     kind = {d.name: d.kind for d in cluster.devices}
     most: dict[str, tuple[float, float]] = {}
     for w in plan.workers:
         k = kind[w.device]
         if k not in most or w.memory_gib > most[k][0]:
             most[k] = (w.memory_gib, w.capacity_gib)
-    return ", ".join(f"{k} {held:.1f}/{cap:.0f} GiB" for k, (held, cap) in most.items())
+    return ", ".join(f"{k} {held:.1f}/{cap:.1f} GiB" for k, (held, cap) in most.items())
 
 
 def bound(graphs, cluster, precision: str, seq: int) -> float:
