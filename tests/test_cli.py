@@ -211,10 +211,30 @@ def test_inspect_prints_the_table_or_json(capsys, scoped_model):
 def test_plan_end_to_end(capsys, scoped_model, tmp_path):
     out_yaml = tmp_path / "plan.yaml"
     code, out, _ = run(capsys, "plan", scoped_model, "--cluster", "emulated-2", "--global-batch", "8",
-                       "--micro-batches", "2", "--schedule", "gpipe", "-o", str(out_yaml))
+                       "--micro-batches", "2", "--pipeline-schedule", "gpipe", "-o", str(out_yaml))
     assert code == 0 and "predicted speed-up over naive" in out
     plan = planner.Plan.from_yaml(out_yaml, cluster=Cluster.preset("emulated-2"))
     assert plan.schedule == "gpipe" and plan.global_batch_size == 8 and len(plan.stages) == 2
+
+
+def test_plan_names_the_pipeline_schedule_as_train_py_does(capsys, scoped_model, tmp_path):
+    """One name for one concept: ``--pipeline-schedule`` on ``whalelike plan`` and on train.py (whose
+    ``--schedule`` is the learning-rate schedule); the old spelling says the new one."""
+    code, _, err = run(capsys, "plan", scoped_model, "--cluster", "emulated-4", "--global-batch", "8",
+                       "--schedule", "gpipe", "-o", str(tmp_path / "p.yaml"))
+    assert_one_line_error(code, err, "--schedule is now --pipeline-schedule", "--pipeline-schedule gpipe")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_plan_takes_every_p_reduce_setting_as_a_flag(capsys, scoped_model, tmp_path):
+    out_yaml = tmp_path / "partial.yaml"
+    code, _, err = run(capsys, "plan", scoped_model, "--cluster", "emulated-4", "--global-batch", "8",
+                       "--dp-sync", "partial", "--partial-generator", "static", "--partial-group-size", "2",
+                       "--partial-delta-c", "3", "-o", str(out_yaml))
+    assert code == 0, err
+    stages = [s for s in planner.Plan.from_yaml(out_yaml, cluster=Cluster.preset("emulated-4")).stages if s.replica_sync == "partial"]
+    assert stages and all((s.partial_generator, s.partial_group_size, s.partial_delta_c) == ("static", 2, 3)
+                          for s in stages)
 
 
 def test_plan_precision_flag(capsys, scoped_model, tmp_path):
@@ -254,10 +274,11 @@ def test_simulate_prints_the_step_and_writes_pictures(capsys, plan_file, tmp_pat
 
 def test_simulate_writes_nothing_when_one_output_cannot_be_written(capsys, plan_file, tmp_path):
     trace = tmp_path / "step.json"
+    (tmp_path / "a-file").write_text("mine")
     code, _, err = run(capsys, "simulate", str(plan_file), "--trace", str(trace),
-                       "--timeline", str(tmp_path / "no-such-dir" / "step.png"))
-    assert_one_line_error(code, err, "no-such-dir", "does not exist")
-    assert os.listdir(tmp_path) == []
+                       "--timeline", str(tmp_path / "a-file" / "step.png"))
+    assert_one_line_error(code, err, "a-file is not a directory")
+    assert os.listdir(tmp_path) == ["a-file"]
 
 
 def test_simulate_a_missing_or_hand_broken_plan(capsys, plan_file, tmp_path):

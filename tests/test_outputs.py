@@ -130,12 +130,40 @@ def test_trace_path_under_a_file(capsys, plan_file, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_trace_in_a_missing_directory(capsys, plan_file, tmp_path):
-    trace = tmp_path / "out" / "step.json"
-    code, _, err = run(capsys, "simulate", str(plan_file), "--trace", str(trace))
-    assert_one_line_error(code, err, f"--trace {trace}: directory {tmp_path / 'out'} does not exist",
-                          f"mkdir -p {tmp_path / 'out'}")
-    assert_files(tmp_path)
+def test_trace_in_a_missing_directory_is_written_there(capsys, plan_file, tmp_path):
+    """``--trace out/deep/step.json`` before ``out/`` exists: the directories are made (mkdir -p)."""
+    trace = tmp_path / "out" / "deep" / "step.json"
+    code, out, _ = run(capsys, "simulate", str(plan_file), "--trace", str(trace))
+    assert code == 0 and f"wrote {trace}" in out
+    assert_files(tmp_path, "out")
+    assert os.listdir(tmp_path / "out" / "deep") == ["step.json"]
+
+
+def test_directories_made_for_a_command_that_fails_are_removed(tmp_path):
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError, match="the work failed"):
+        with Outputs() as out:
+            out.stage(tmp_path / "kept" / "new" / "deeper" / "a.json", kind="json")
+            out.stage(tmp_path / "made" / "b.json", kind="json")
+            assert (tmp_path / "made").is_dir() and (tmp_path / "kept" / "new" / "deeper").is_dir()
+            raise RuntimeError("the work failed")
+    assert_files(tmp_path, "kept")   # only what was there before
+    assert os.listdir(tmp_path / "kept") == []
+
+
+def test_a_missing_directory_under_a_file_or_a_read_only_one_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="notes.txt is not a directory"):
+        check_output_paths({"-o": tmp_path / "notes.txt" / "sub" / "plan.yaml"})
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    # the kernel's answer for a read-only directory (the suite may run as root, who writes anywhere)
+    real_access = os.access
+    monkeypatch.setattr("whalelike.files.os.access",
+                        lambda path, mode: False if os.fspath(path) == str(locked) else real_access(path, mode))
+    with pytest.raises(OutputError, match=f"directory {locked / 'sub'} does not exist and cannot be made in {locked}"):
+        check_output_paths({"-o": locked / "sub" / "plan.yaml"})
+    assert_files(tmp_path, "locked", "notes.txt")
 
 
 def test_trace_in_an_unwritable_directory(capsys, plan_file, tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster
-from whalelike.config import DEFAULT_MEMORY_RESERVE, DP_SYNCS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULE_CHOICES, ZERO_STAGES, Config
+from whalelike.config import DEFAULT_MEMORY_RESERVE, DP_SYNCS, GROUP_GENERATORS, OPTIMIZERS, PRECISIONS, RESHARDING, SCHEDULE_CHOICES, ZERO_STAGES, Config
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import Outputs, check_output_paths
 from whalelike.spec import validate
@@ -157,6 +157,10 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    if args.renamed_schedule is not None:
+        raise WhaleError(f"whalelike plan: --schedule is now --pipeline-schedule (one name for the pipeline "
+                         f"schedule on every command; train.py's --schedule is the learning-rate schedule): "
+                         f"--pipeline-schedule {args.renamed_schedule}")
     model_file = args.model.rpartition(":")[0] or None
     outputs = _check_outputs(args, PLAN_OUTPUTS, inputs={"MODEL": model_file, "--cluster": args.cluster,
                                                          "--profile": args.profile})
@@ -165,10 +169,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cluster = Cluster.load(args.cluster)
     config = Config(global_batch_size=args.global_batch, num_micro_batch=args.micro_batches,
-                    schedule=args.schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
+                    schedule=args.pipeline_schedule, optimizer=args.optimizer, sync_batchnorm=args.sync_batchnorm,
                     resharding=args.resharding, delay_weight_gradients=args.delay_weight_gradients,
                     precision=args.precision, zero_stage=args.zero, ragged_shards=not args.even_shards,
-                    dp_sync=args.dp_sync, memory_reserve=args.memory_reserve)
+                    dp_sync=args.dp_sync, partial_generator=args.partial_generator,
+                    partial_group_size=args.partial_group_size, partial_delta_c=args.partial_delta_c,
+                    memory_reserve=args.memory_reserve)
     writers = {"-o": planner.Plan.to_yaml,   # the timelines on the cluster's network, as predicted
                "--timeline": lambda plan, path: planner.schedule.timeline.write_png(plan, path, network=cluster),
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
@@ -297,16 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
                 "Files are written only if everything succeeds.",
                 "  whalelike plan examples/gpt.py:build --cluster emulated-4 --global-batch 32 -o plan.yaml\n"
                 "  whalelike plan examples/gpt.py:build --cluster my.yaml --global-batch 256 \\\n"
-                "      --micro-batches 8 --schedule gpipe -o plan.yaml --timeline plan.png --trace plan.json")
+                "      --micro-batches 8 --pipeline-schedule gpipe -o plan.yaml --timeline plan.png --trace plan.json")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--cluster", required=True, metavar="NAME_OR_YAML",
                    help="preset name (see `whalelike cluster`) or path to a cluster YAML file")
     p.add_argument("--global-batch", required=True, type=int, metavar="N", help="samples per optimizer step")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M",
                    help="micro-batches per step: pipeline depth, or gradient accumulation for one stage (default: 1)")
-    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
+    p.add_argument("--pipeline-schedule", choices=SCHEDULE_CHOICES, default="1f1b",
                    help="pipeline schedule (default: 1f1b; auto: the planner plans 1f1b and zb-h1 and keeps the "
-                        "faster predicted)")
+                        "faster predicted); the same flag as train.py's")
+    p.add_argument("--schedule", dest="renamed_schedule", help=argparse.SUPPRESS)   # the old name: says the new
     p.add_argument("--optimizer", **optimizer)
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="BatchNorm in training mode takes its statistics over each stage's data-parallel group "
@@ -334,6 +341,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how data-parallel replicas stay in step: exact (summed gradients, the default) or partial "
                         "(Prague's P-Reduce: each replica steps on its own gradient, then averages with a small "
                         "group; tolerates short slowdowns, APPROXIMATE)")
+    p.add_argument("--partial-generator", choices=GROUP_GENERATORS, default="smart",
+                   help="with --dp-sync partial: how P-Reduce forms its groups (default smart: random divisions "
+                        "served at each request, a straggler left out of a fast worker's group; static: a fixed, "
+                        "conflict-free schedule every worker computes alone)")
+    p.add_argument("--partial-group-size", type=int, default=2, metavar="G",
+                   help="with --dp-sync partial: workers per P-Reduce group (default 2)")
+    p.add_argument("--partial-delta-c", type=int, default=2, metavar="C",
+                   help="with --dp-sync partial: Prague's threshold, how many requests a worker may lag the "
+                        "requester and still join its group (default 2)")
     p.add_argument("--profile", metavar="PROFILE.yaml",
                    help="device speeds and links measured by `whalelike profile` for this model, cluster and "
                         "precision, instead of the cluster spec's figures")

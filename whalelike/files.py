@@ -12,9 +12,12 @@ mode, a new one gets ``0o666 & ~umask``).
 How:
 
 - :func:`check_output_paths` refuses, before any work, what would fail (or do harm) only at the
-  final move: an empty path, a directory, a missing or non-directory parent, a FIFO, device or
-  socket, a read-only file, an unwritable directory, the wrong extension for the kind of file, and
-  two outputs that name the same file.
+  final move: an empty path, a directory, a parent that is a file, a FIFO, device or socket, a
+  read-only file, an unwritable directory, the wrong extension for the kind of file, and two
+  outputs that name the same file. A missing parent directory is made (``mkdir -p``) when the
+  file is staged, where its nearest existing ancestor is a writable directory, and removed again
+  if the command fails before anything is written (``-o out/plan.yaml`` works before ``out/``
+  exists, as users expect of an output option).
 - :class:`Outputs` stages each target as a temporary file beside it (same directory, so the move
   is an atomic ``rename``), and at :meth:`Outputs.commit` checks every target again and sets every
   mode *before* the first rename; only then does it move the files. A rename that still fails
@@ -115,6 +118,7 @@ class Outputs:
 
     def __init__(self) -> None:
         self._staged: list[_Staged] = []
+        self._made: list[str] = []      # directories made for the targets (outermost first), removed on discard
         self._finished = False          # committed or discarded: no more staging or moving
         self._written: list[str] = []   # targets moved into place
 
@@ -137,6 +141,9 @@ class Outputs:
         for earlier in self._staged:
             if earlier.real == real:
                 raise OutputError(_same_file(earlier.label, label, target))
+        folder = os.path.dirname(real)
+        if not os.path.exists(folder):
+            self._made += _make_folder(label, target, folder)
         temp, new_mode = _create_temp(label, target, real)
         self._staged.append(_Staged(os.fspath(target), real, temp, label, kind, new_mode))
         return temp
@@ -178,9 +185,11 @@ class Outputs:
         return list(written)
 
     def discard(self) -> None:
-        """Remove every temporary file not yet moved into place (the targets are untouched)."""
+        """Remove every temporary file not yet moved into place (the targets are untouched), and the
+        directories made for them that are still empty."""
         self._finished = True
         self._discard(self._staged)
+        _remove_folders(self._made)
 
     @staticmethod
     def _discard(staged: list["_Staged"]) -> None:
@@ -220,11 +229,14 @@ def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
         _check_extension(label, text, kind)
     real = os.path.realpath(text)
     folder = os.path.dirname(real)
-    if not os.path.exists(folder):
-        raise OutputError(f"{label} {text}: directory {folder} does not exist; create it (mkdir -p {folder}) "
-                          "or choose another path")
-    if not os.path.isdir(folder):
-        raise OutputError(f"{label} {text}: {folder} is not a directory; choose a path inside a directory")
+    existing = _existing_ancestor(folder)   # a missing folder is made when the file is staged (mkdir -p)
+    if not os.path.isdir(existing):
+        raise OutputError(f"{label} {text}: {existing} is not a directory; choose a path inside a directory")
+    if existing != folder:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise OutputError(f"{label} {text}: directory {folder} does not exist and cannot be made in {existing} "
+                              "(permission denied or a read-only file system); choose a writable directory")
+        return real
     try:
         info = os.stat(real)
     except FileNotFoundError:
@@ -242,6 +254,41 @@ def _check_target(label: str, path: PathLike, kind: Optional[str]) -> str:
         raise OutputError(f"{label} {text}: cannot create files in {folder} (permission denied or a "
                           "read-only file system); choose a writable directory")
     return real
+
+
+def _existing_ancestor(folder: str) -> str:
+    """``folder`` if it exists, else its nearest ancestor that does (a file, when a component is one)."""
+    while not os.path.exists(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return folder
+
+
+def _make_folder(label: str, target: PathLike, folder: str) -> list[str]:
+    """Make ``folder`` and its missing parents; returns the directories made, outermost first."""
+    made = []
+    missing = folder
+    while not os.path.exists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
+    made.reverse()
+    try:
+        for path in made:
+            os.mkdir(path)
+    except OSError as e:
+        _remove_folders(made)
+        raise OutputError(f"{label} {os.fspath(target)}: cannot make directory {folder} ({e.strerror or e}); "
+                          "choose a writable directory") from e
+    return made
+
+
+def _remove_folders(made: list[str]) -> None:
+    """Remove the directories a command made (innermost first), where they are still empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _check_extension(label: str, text: str, kind: str) -> None:
