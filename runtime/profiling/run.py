@@ -133,11 +133,16 @@ def profile_cluster(workload: Workload, cluster: Cluster, *, precision: str = "f
         board.wait(timeout_s)
     _agree(failure, world)
     # the optimizer's update, timed on every measuring rank at once, as the runtime runs it (every rank steps
-    # right after the step's gradient sync): ranks that share a machine's cores share them here as there (on
-    # emulated hardware the update runs unpadded, at the cores' speed); the last timed step's gradients are there
+    # right after the step's backward and gradient sync): ranks that share a machine's cores share them here as
+    # there (on emulated hardware the update runs unpadded, at the cores' speed). Each timed update follows a
+    # step at the largest timed batch and a barrier (DeviceMeasurement.timed_update); a rank whose figures came
+    # from the cache joins the barriers
     dist.barrier()
     if measurement is not None:
-        mine = dataclasses.replace(mine, update_ns_per_byte=measurement.step.timed_update(repeats))
+        mine = dataclasses.replace(mine, update_ns_per_byte=measurement.timed_update(repeats))
+    else:
+        for _ in range(max(repeats, 1)):
+            dist.barrier()
     devices: list[Any] = [None] * world
     dist.all_gather_object(devices, mine)
     board.report(0, 1, "timing links")
@@ -278,6 +283,20 @@ class DeviceMeasurement:
                 self._fits(batch)
         if self.board is not None:
             self.board.report(self.done, self.total, "waiting for the other ranks' largest batch")
+
+    def timed_update(self, repeats: int) -> float:
+        """The optimizer's update as training runs it (:meth:`UnitStep.timed_update`): before each timed
+        update, a step at the largest timed batch and a barrier of every rank (as the gradient sync
+        aligns them), so the update starts with its gradients just made, at once on every rank. Every
+        rank of the profiling world calls ``dist.barrier()`` ``repeats`` times here or beside it."""
+        batch = timed_batches(self.edge.max_batch)[-1]
+        inputs, targets = self.batches.get(batch)
+
+        def before() -> None:
+            self._timed(inputs, targets, batch)
+            dist.barrier()
+
+        return self.step.timed_update(repeats, before)
 
     def _timed(self, inputs: tuple, targets: Optional[torch.Tensor], batch: int) -> list[tuple[float, float]]:
         """One timed step; a real out-of-memory error (a GPU's allocator holds the unit-cut step's
