@@ -14,8 +14,8 @@ The run, on every rank (Poplar's online profiling, seed paper 002, section "Onli
    memory (:meth:`runtime.profiling.steps.UnitStep.fits`), then, once every rank has its largest
    batch, each unit's forward and backward time at the powers of two up to it and at it,
    ``warmup`` steps then the median of ``repeats`` (and each step's time outside its units' segments);
-   then, all measuring ranks at once after a barrier, the optimizer's update
-   (:meth:`runtime.profiling.steps.UnitStep.timed_update`);
+   then, all measuring ranks at once, the optimizer's update, each timed update after a step at the
+   largest timed batch and a barrier (:meth:`DeviceMeasurement.timed_update`);
 6. all ranks gather the devices' figures, then time the links and a ring all-reduce over every device
    (:mod:`runtime.profiling.links`);
 7. rank 0 stores what was measured in the cache. Every rank returns the same
