@@ -495,3 +495,22 @@ def test_a_unit_cut_step_computes_the_plain_models_gradients_and_leaves_it_uncha
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert_close(p.grad, q.grad, msg=name)
         assert_close(model.state_dict(), before)     # the optimizer runs at learning rate 0
+
+
+def test_a_kind_s_costs_outside_compute_are_one_figure(measured):
+    """``runtime.profiling.run.kind_figures``: the devices of a kind measured in this run share the median
+    of their update and per-action figures (identical devices measured apart must not get unequal shares
+    for noise); a cached device keeps its entry's; compute times stay each device's."""
+    from runtime.profiling.run import kind_figures
+
+    profile, _, _ = measured
+    first = profile.devices[0]
+    same = [dataclasses.replace(first, name=f"emu-same-{i}", update_ns_per_byte=rate, action_overhead_s=rate * 1e-4)
+            for i, rate in enumerate((4.0, 6.0, 5.5))]
+    cached = dataclasses.replace(first, name="emu-same-cached", update_ns_per_byte=9.0, cached=True)
+    other = dataclasses.replace(profile.devices[1], kind="another-kind", update_ns_per_byte=1.0)
+    out = kind_figures([*same, cached, other])
+    assert [d.update_ns_per_byte for d in out] == [5.5, 5.5, 5.5, 9.0, 1.0]
+    assert [d.action_overhead_s for d in out[:3]] == [pytest.approx(5.5e-4)] * 3
+    assert all(d.times == first.times for d in out[:3]) and [d.name for d in out] == [d.name for d in
+                                                                                      [*same, cached, other]]
