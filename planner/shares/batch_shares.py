@@ -116,7 +116,13 @@ def proportional_shares(total: int, speeds: Sequence[float], minimum: int = 0, *
     else:
         ideal = [total * s / weight for s in speeds]
         key = lambda i: (shares[i] - ideal[i], tie[i])  # noqa: E731
-    heap = [(*key(i), i) for i in range(n)]
+    return _give_leftovers(shares, total, key)
+
+
+def _give_leftovers(shares: list[int], total: int, key) -> list[int]:
+    """``shares`` raised to sum to ``total``, one sample at a time to the device with the smallest
+    ``key(i)`` (re-read after each sample it takes)."""
+    heap = [(*key(i), i) for i in range(len(shares))]
     heapq.heapify(heap)
     for _ in range(total - sum(shares)):
         i = heapq.heappop(heap)[-1]
@@ -146,14 +152,7 @@ def _finishing_together(total: int, speeds: Sequence[float], minimum: int, fixed
         i = max((i for i in range(n) if shares[i] > minimum), key=lambda i: (fixed[i] + shares[i] / speeds[i], -i))
         shares[i] -= 1
     tie = range(n) if ties is None else ties
-    key = lambda i: (fixed[i] + (shares[i] + 1) / speeds[i], tie[i])  # noqa: E731
-    heap = [(*key(i), i) for i in range(n)]
-    heapq.heapify(heap)
-    for _ in range(total - sum(shares)):
-        i = heapq.heappop(heap)[-1]
-        shares[i] += 1
-        heapq.heappush(heap, (*key(i), i))
-    return shares
+    return _give_leftovers(shares, total, lambda i: (fixed[i] + (shares[i] + 1) / speeds[i], tie[i]))
 
 
 def balance_memory(shares: Sequence[int], slots: Sequence[Slot], memory_util) -> list[int]:
