@@ -52,7 +52,7 @@ def _train(rank: int, world_size: int, plan, spec: Cluster) -> dict:
     engine = Engine(w.model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=w.loss_fn,
                     cluster=spec, example_args=w.example_args, measure_memory=True, balance="off", timeout_s=120)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(5):
+    for _ in range(6):
         engine.train_step(w.make_batch(BATCH, generator))
     check = engine.board.get(MemoryCheck.name)
     return {"lines": list(check.lines), "ratios": check.ratios, "scale": dict(check.scale),

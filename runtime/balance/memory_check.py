@@ -13,8 +13,10 @@ order 15: before the re-planner):
 1. :data:`CHECK_AFTER` steps after a plan starts (its first steps build what it holds: the
    optimizer's state at the first update, DDP's buckets rebuilt in the second forward), every rank
    sends its measured peak over its prediction (``StepStats.peak_memory_bytes`` over
-   ``Worker.memory_gib``) in one small all-reduce. Nothing happens where a rank does not measure
-   its peak (on CPU without ``Engine(measure_memory=True)``; GPUs always do).
+   ``Worker.memory_gib``) in the next step's exchange (:mod:`runtime.control.exchange`: it rides
+   the collective that ends that step, so no collective of its own, and none a P-Reduce group
+   could be waiting in), and the ranks decide at that step's boundary. Nothing happens where a
+   rank does not measure its peak (on CPU without ``Engine(measure_memory=True)``; GPUs always do).
 2. Where some rank's peak is more than :data:`THRESHOLD` above its prediction, it says so in one
    line (rank 0) and re-prices: each such rank's device is de-rated by its measured ratio
    (``Device.memory_gib / ratio``: the model's figure times the ratio must fit, so the model's
@@ -29,7 +31,8 @@ order 15: before the re-planner):
    device name) and the re-planner de-rates the same devices whenever it re-plans for speed.
 
 Invariant: every decision is a function of the summed ratios, the plan and the step, identical on
-every rank, so every rank returns the same change (one collective, at the check's step only).
+every rank, so every rank returns the same change; whether a step carries the check's part depends
+on the count of steps under the plan alone, the same on every rank.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Optional
 import torch
 
 from planner.devices.cost_model import GIB, device_tflops
+from runtime.control.exchange import Part
 from runtime.control.protocol import Controller, PlanChange, StepView
 
 log = logging.getLogger(__name__)
@@ -66,23 +70,41 @@ class MemoryCheck(Controller):
         self.scale: dict[str, float] = {}
         self.ratios: Optional[tuple[float, ...]] = None
         self._steps = 0          # steps run under the plan in force
+        self._mine: Optional[torch.Tensor] = None     # this rank's slots of the check's vector
+        self._summed: Optional[torch.Tensor] = None   # every rank's, as the exchange summed them
 
     def publish(self) -> dict:
         return {"scale": dict(self.scale), "ratios": self.ratios}
 
+    def exchange(self, step: int, runtime, so_far) -> Optional[Part]:
+        """The step after the check's: this rank's ratio rides the step-end exchange (every rank
+        decides alike: the count of steps under the plan is the same on every rank)."""
+        if runtime.world_size == 1 or self._steps != self.check_after or self._mine is None:
+            return None
+        mine = self._mine
+
+        def arrived(values: torch.Tensor) -> None:
+            self._summed = values.clone()
+
+        return Part(mine.numel(), lambda: mine, arrived)
+
     def react(self, view: StepView) -> Optional[PlanChange]:
         self._steps += 1
-        if self._steps != self.check_after:
-            return None
         runtime, plan = view.runtime, view.plan
-        peak = view.stats.peak_memory_bytes
-        predicted = plan.worker(runtime.rank).memory_gib * GIB
-        # each rank's slot: its ratio, and 1 when it measured (a rank that did not leaves the check undecided)
-        vector = torch.zeros(2 * runtime.world_size, dtype=torch.float64)
-        if peak is not None and predicted > 0:
-            vector[2 * runtime.rank] = peak / predicted
-            vector[2 * runtime.rank + 1] = 1.0
-        runtime.sum_alone(vector)
+        if self._steps == self.check_after:
+            # each rank's slot: its ratio, and 1 when it measured (a rank that did not leaves the check undecided)
+            peak = view.stats.peak_memory_bytes
+            predicted = plan.worker(runtime.rank).memory_gib * GIB
+            self._mine = torch.zeros(2 * runtime.world_size, dtype=torch.float64)
+            if peak is not None and predicted > 0:
+                self._mine[2 * runtime.rank] = peak / predicted
+                self._mine[2 * runtime.rank + 1] = 1.0
+            if runtime.world_size > 1:
+                return None   # decided at the next step, from the exchange
+            self._summed = self._mine
+        if self._summed is None:
+            return None
+        vector, self._summed, self._mine = self._summed, None, None
         if not bool((vector[1::2] == 1.0).all()):
             return None
         self.ratios = tuple(float(r) for r in vector[0::2])
@@ -121,8 +143,8 @@ class MemoryCheck(Controller):
         return PlanChange("apply", new, reason=changes.describe().replace("\n", "; "))
 
     def applied(self, view: StepView, change: PlanChange, report) -> None:
-        self._steps = 0
+        self._steps, self._mine, self._summed = 0, None, None
 
     def changed(self, view: StepView, change: PlanChange) -> None:
         if change.kind in ("apply", "migrate", "leave"):
-            self._steps = 0
+            self._steps, self._mine, self._summed = 0, None, None
