@@ -32,7 +32,9 @@ order 15: before the re-planner):
 
 Invariant: every decision is a function of the summed ratios, the plan and the step, identical on
 every rank, so every rank returns the same change; whether a step carries the check's part depends
-on the count of steps under the plan alone, the same on every rank.
+on the count of steps under the plan and on whether peaks are measured, the same on every rank. A
+run that measures no peak exchanges nothing for the check (under P-Reduce, whose steps hold no
+collective of the whole group, that matters: a measured check costs one such, drained, per plan).
 """
 from __future__ import annotations
 
@@ -92,11 +94,13 @@ class MemoryCheck(Controller):
         self._steps += 1
         runtime, plan = view.runtime, view.plan
         if self._steps == self.check_after:
-            # each rank's slot: its ratio, and 1 when it measured (a rank that did not leaves the check undecided)
             peak = view.stats.peak_memory_bytes
+            if peak is None:   # not measured here, so on no rank (the meter follows the Engine's options and
+                return None    # the device type, the same on every rank): no exchange, nothing to decide
+            # each rank's slot: its ratio, and 1 when it has a prediction (a rank without one leaves it undecided)
             predicted = plan.worker(runtime.rank).memory_gib * GIB
             self._mine = torch.zeros(2 * runtime.world_size, dtype=torch.float64)
-            if peak is not None and predicted > 0:
+            if predicted > 0:
                 self._mine[2 * runtime.rank] = peak / predicted
                 self._mine[2 * runtime.rank + 1] = 1.0
             if runtime.world_size > 1:
