@@ -107,3 +107,33 @@ def test_derated_devices_and_the_check_s_arguments():
         derated(spec, {"d0": 1.5})
     with pytest.raises(ValueError):
         MemoryCheck(0, check_after=0)
+
+
+def test_the_check_exchanges_only_where_peaks_are_measured_and_decides_a_step_later():
+    """The rules that keep every rank alike (a single process, the controller alone): no peak measured at
+    the check's step, no part in the next step's exchange (a P-Reduce step keeps no whole-group
+    collective); a peak measured, this rank's ratio and flag ride the next exchange, and the decision
+    waits for it (nothing over the threshold: no change, the ratios kept)."""
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(memory_gib=2.0, device="d0", rank=0)
+    plan = SimpleNamespace(workers=[worker, SimpleNamespace(memory_gib=2.0, device="d1", rank=1)],
+                           worker=lambda r: worker)
+    runtime = SimpleNamespace(rank=0, world_size=2)
+
+    def view(peak):
+        return SimpleNamespace(runtime=runtime, plan=plan, stats=SimpleNamespace(peak_memory_bytes=peak), figures={})
+
+    unmeasured = MemoryCheck(0, check_after=2)
+    for _ in range(2):
+        assert unmeasured.react(view(None)) is None
+    assert unmeasured.exchange(3, runtime, None) is None
+
+    check = MemoryCheck(0, check_after=2)
+    assert check.react(view(GIB)) is None and check.exchange(2, runtime, None) is None   # not yet the check's step
+    assert check.react(view(2 * GIB)) is None                                           # measured: decided later
+    part = check.exchange(3, runtime, None)
+    assert part.size == 4 and part.fill().tolist() == [1.0, 1.0, 0.0, 0.0]
+    part.arrived(torch.tensor([1.0, 1.0, 1.02, 1.0], dtype=torch.float64))              # rank 1: 2% above
+    assert check.react(view(2 * GIB)) is None and check.ratios == (1.0, 1.02) and check.lines == []
+    assert check.exchange(4, runtime, None) is None                                      # once per plan

@@ -172,7 +172,7 @@ def kind_figures(devices: list[DeviceProfile]) -> list[DeviceProfile]:
     measured in this run of ``update_ns_per_byte`` and ``action_overhead_s`` (a cached device keeps its
     entry's). Why: they are the kind's (the same GPU model and host software), measured on each device
     with noise, and the planner's data-parallel shares equalise them (:class:`planner.shares.batch_shares.Slot`
-    ``fixed``): two identical devices measured 44 and 52 ms for one update got 24 and 22 samples of 48.
+    ``fixed``): two identical devices measured 44 and 52 ms for one update and got 24 and 22 samples.
     One figure per kind is also what the cache keeps."""
     measured: dict[str, list[DeviceProfile]] = {}
     for d in devices:
