@@ -1,0 +1,192 @@
+"""Every command and code block of the user docs runs: the README and the pages under ``docs/`` cannot
+drift from the code, because each fenced block is executed or checked here, page by page.
+
+The kind of a block is its fence's first word, and every opening fence must name one:
+
+- ``bash``: run with ``bash -euo pipefail``. A page's blocks run in order in one scratch directory
+  where the repository's top-level entries (``examples/``, ``.venv/``, ``bench/``, ...) are links, so
+  a later block reads what an earlier one wrote (``out/plan.yaml``) and nothing lands in the
+  repository. Two rewrites keep the suite's time: a step count (``--steps N``, ``--train.steps N``)
+  is capped at :data:`STEPS` (the command must run; how long is the benches' business), and a fixed
+  rendezvous port (``localhost:29400``) becomes a free one.
+- ``python``: a complete script, run in that directory with the suite's interpreter; a first line
+  ``# torchrun --nproc-per-node N`` runs it under torchrun with ``N`` ranks, and a first line
+  ``# file: NAME`` writes it to ``NAME`` there instead (a factory or a module that a later command of
+  the page runs; it is compiled at once).
+- ``yaml``: parsed; a first line ``# cluster`` loads it as a cluster (``Cluster.from_dict``), ``# job``
+  resolves it as a job file (``runtime.launch.job``).
+- ``json``: parsed.
+- ``text``: output or a synopsis, shown and not run.
+
+A ``bash`` or ``python`` block may say why it cannot run here, ``norun=REASON``, with a reason from
+:data:`NORUN`: it needs a CUDA device or several machines, or it is the suite's own set-up. Its
+flags are still checked by ``tests/test_docs_flags.py``. Relative links of every page must resolve.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"bash", "python", "yaml", "json", "text"}
+NORUN = {
+    "cuda": "needs a CUDA device (make gpu-check runs the one-GPU checks)",
+    "machines": "needs several machines",
+    "suite": "the set-up or the suite itself (make setup, make demo, make test)",
+}
+STEPS = 2
+TIMEOUT_S = 600
+FENCE = re.compile(r"^```(.*)$")
+TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc[-_]per[-_]node[ =](\d+)\s*$")
+FILE = re.compile(r"^#\s*file:\s*(\S+)\s*$")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md"))]
+
+
+def blocks(page: Path) -> list[tuple[int, str, dict, str]]:
+    """(line, kind, options, text) of each fenced block of ``page``, in order."""
+    found, open_at, info, body = [], None, "", []
+    for number, line in enumerate(page.read_text().split("\n"), 1):
+        fence = FENCE.match(line)
+        if open_at is None:
+            if fence:
+                open_at, info, body = number, fence.group(1).strip(), []
+        elif fence and not fence.group(1).strip():
+            words = info.split()
+            kind = words[0] if words else ""
+            options = dict(w.split("=", 1) if "=" in w else (w, "") for w in words[1:])
+            found.append((open_at, kind, options, "\n".join(body) + "\n"))
+            open_at = None
+        else:
+            body.append(line)
+    assert open_at is None, f"{page.relative_to(ROOT)}:{open_at}: a fenced block is never closed"
+    return found
+
+
+def _id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_every_block_declares_its_kind():
+    bad = []
+    for page in _pages():
+        for line, kind, options, _ in blocks(page):
+            where = f"{_id(page)}:{line}"
+            if kind not in KINDS:
+                bad.append(f"{where}: kind {kind!r} (one of {sorted(KINDS)})")
+            reason = options.get("norun")
+            if reason is not None and (reason not in NORUN or kind not in {"bash", "python"}):
+                bad.append(f"{where}: norun={reason!r} (a bash or python block, one of {sorted(NORUN)})")
+    assert not bad, "fenced blocks the docs test cannot classify:\n" + "\n".join(bad)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in _pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for match in LINK.finditer(text):
+            target = (match.group(1) or match.group(2)).split("#", 1)[0]
+            if not target or re.match(r"^[a-z]+:", target):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{_id(page)}: {target}")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def _scratch(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in {".git", "out", "__pycache__"}:
+            (work / entry.name).symlink_to(entry)
+    return work
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shrunk(command: str, port: int) -> str:
+    """``command`` as the test runs it: step counts capped at :data:`STEPS`, the fixed rendezvous
+    port replaced by ``port``."""
+    command = re.sub(r"(--(?:train\.)?steps)([ =])(\d+)", lambda m: f"{m.group(1)}{m.group(2)}{min(int(m.group(3)), STEPS)}",
+                     command)
+    return command.replace("localhost:29400", f"localhost:{port}")
+
+
+def _run(argv: list[str], cwd: Path, where: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
+               f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, (f"{where} failed (exit {done.returncode}):\n{' '.join(argv)}\n"
+                                  f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
+
+
+def _check_yaml(text: str, where: str) -> None:
+    data = yaml.safe_load(text)
+    first = text.lstrip().split("\n", 1)[0].strip()
+    if first == "# cluster":
+        import whalelike as wl
+        wl.Cluster.from_dict(data)
+    elif first == "# job":
+        from runtime.launch import job
+        job.from_dict(data, origin=where)
+
+
+def _runnable_pages() -> list[Path]:
+    return [p for p in _pages() if any(kind in {"bash", "python", "yaml", "json"} and "norun" not in options
+                                       for _, kind, options, _ in blocks(p))]
+
+
+@pytest.mark.parametrize("page", _runnable_pages(), ids=_id)
+def test_the_page_s_blocks_run(page, tmp_path):
+    import json
+    work = _scratch(tmp_path)
+    port = _free_port()
+    for line, kind, options, text in blocks(page):
+        where = f"{_id(page)}:{line}"
+        if "norun" in options or kind == "text":
+            continue
+        if kind == "yaml":
+            _check_yaml(text, where)
+        elif kind == "json":
+            json.loads(text)
+        elif kind == "bash":
+            script = work / f"block_{line}.sh"
+            script.write_text(shrunk(text, port))
+            _run(["bash", "-euo", "pipefail", str(script)], work, where)
+        elif kind == "python":
+            named = FILE.match(text.split("\n", 1)[0])
+            if named:
+                target = work / named.group(1)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+                compile(text, where, "exec")
+                continue
+            script = work / f"block_{line}.py"
+            script.write_text(text)
+            ranks = TORCHRUN.match(text.split("\n", 1)[0])
+            argv = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks.group(1),
+                     "--master-port", str(_free_port()), script.name] if ranks else [sys.executable, script.name])
+            _run(argv, work, where)
+
+
+def test_the_rewrites():
+    """What the runner changes in a command, and only that."""
+    assert shrunk("train.py m --steps 30 --compare-naive", 1) == "train.py m --steps 2 --compare-naive"
+    assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 2"
+    assert shrunk("--steps 1 --rdzv-endpoint localhost:29400", 5) == "--steps 1 --rdzv-endpoint localhost:5"
+    assert shlex.split(shrunk("--warmup-steps 5", 1)) == ["--warmup-steps", "5"]
