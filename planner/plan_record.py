@@ -52,6 +52,10 @@ MS = "ms, predicted"
 
 @dataclass
 class Worker:
+    """What one rank does in a step (see the module docstring): its device and host, its place in
+    the plan (replica, stage, data-parallel and tensor-parallel index), its samples per
+    micro-batch, and the planner's predicted memory and times for it."""
+
     rank: int = rule(int, "the torchrun rank running this worker", ge=0)
     device: str = rule(str, "device name in the cluster, e.g. 'v100-0'")
     host: str = rule(str, "host of the device")
@@ -93,6 +97,10 @@ class Worker:
 
 @dataclass
 class StagePlan:
+    """One pipeline stage: the TaskGraphs and layers it runs, its strategy and shard sizes, how its
+    data-parallel replicas stay in step (``replica_sync``, ``zero_stage``, P-Reduce's settings),
+    and whether it recomputes its activations in the backward."""
+
     index: int = rule(int, "stage index, in pipeline order", ge=0)
     taskgraphs: list[int] = rule(int, "TaskGraph indices whose layers this stage runs", ge=0)
     layers: list[int] = rule(int, "contiguous layer indices", ge=0)
@@ -145,6 +153,9 @@ class StagePlan:
 
 @dataclass
 class BoundaryPlan:
+    """The activations one stage sends to a later one: the tensors, their bytes per sample (and
+    those without a batch dimension, sent whole) and the predicted transfer time per micro-batch."""
+
     src_stage: int = rule(int, "stage sending the activations", ge=0)
     dst_stage: int = rule(int, "stage receiving them", ge=0)
     tensors: list[str]
@@ -156,6 +167,9 @@ class BoundaryPlan:
 
 @dataclass
 class Prediction:
+    """The planner's prediction for one optimizer step: its time, the share of the workers' time
+    spent idle, and samples per second."""
+
     step_time_ms: float = rule(float, f"time of one step, {MS}", ge=0)
     bubble_fraction: float = rule(float, "idle share of the workers' time", ge=0)
     throughput: float = rule(float, "samples per second", ge=0)

@@ -100,6 +100,8 @@ class CheckpointInfo:
 
 # -- finding checkpoints ---------------------------------------------------------------------------
 def step_directory(directory: str | os.PathLike, step: int) -> str:
+    """The path of the checkpoint of ``step`` in ``directory``: ``step-<N>``, ``N`` zero-padded to
+    eight digits."""
     return os.path.join(os.fspath(directory), f"step-{step:08d}")
 
 

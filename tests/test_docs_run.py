@@ -14,7 +14,8 @@ The kind of a block is its fence's first word, and every opening fence must name
   ``# file: NAME`` writes it to ``NAME`` there instead (a factory or a module that a later command of
   the page runs; it is compiled at once).
 - ``yaml``: parsed; a first line ``# cluster`` loads it as a cluster (``Cluster.from_dict``), ``# job``
-  resolves it as a job file (``runtime.launch.job``).
+  checks it as a job file (``runtime.launch.job.from_dict``: keys and types), and ``# file: NAME``
+  writes it to ``NAME`` for a later command of the page.
 - ``json``: parsed.
 - ``text``: output or a synopsis, shown and not run.
 
@@ -162,6 +163,9 @@ def test_the_page_s_blocks_run(page, tmp_path):
             continue
         if kind == "yaml":
             _check_yaml(text, where)
+            named = FILE.match(text.lstrip().split("\n", 1)[0])
+            if named:
+                (work / named.group(1)).write_text(text)
         elif kind == "json":
             json.loads(text)
         elif kind == "bash":

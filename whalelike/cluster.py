@@ -314,6 +314,10 @@ def cannot_run_message(devices: Sequence["Device"], precision: str, runnable: Se
 
 @dataclass(frozen=True)
 class Network:
+    """The cluster's links: GB/s between devices on one host and between hosts, and the latency of
+    one message; ``collective_latency_us`` and ``collective_gbps``, when ``whalelike profile``
+    measured them, are a floor under those figures for ring collectives."""
+
     intra_host_gbps: float = rule(float, "GB/s between devices on one host", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY)
     inter_host_gbps: float = rule(float, "GB/s between hosts", gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY)
     latency_us: float = rule(float, "per-message latency in microseconds", ge=0, le=MAX_LATENCY_US,
@@ -449,6 +453,12 @@ def _names(devices: Sequence["Device"]) -> str:
 
 @dataclass(frozen=True)
 class Cluster:
+    """A cluster spec: its devices in rank order, its network and, for emulated hardware, its
+    ``emulation`` block (see the module docstring for the file format). Made by
+    :meth:`load` (a preset name or a spec file), :meth:`from_yaml`, :meth:`preset` or
+    :meth:`from_dict`; checked when built. ``memory_reserved``: the fraction of each device's
+    memory already set aside in this view of the cluster (0 as loaded; never written to a file)."""
+
     name: str
     devices: tuple[Device, ...]     # in rank order
     network: Network

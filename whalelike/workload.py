@@ -33,6 +33,12 @@ from whalelike.errors import WhaleError
 
 @dataclass
 class Workload:
+    """What a model factory returns (see the module docstring): the model and example inputs, and
+    for training a ``loss_fn(outputs, targets)`` returning the mean loss over the batch's samples
+    and a ``make_batch(num_samples, generator)`` returning ``(inputs tuple, targets)``.
+    ``vocab_size``, ``seq_len`` and ``tokenizer`` describe a next-token language model on token
+    ids; other workloads leave them None."""
+
     model: nn.Module
     example_args: tuple
     example_kwargs: dict = field(default_factory=dict)

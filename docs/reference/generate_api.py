@@ -24,7 +24,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "reference" / "api.md"
@@ -149,7 +149,7 @@ def _signature_of(obj: Any) -> Optional[inspect.Signature]:
 # ------------------------------------------------------------------------------------- docstrings
 
 
-def _own_doc(obj: Any) -> Optional[str]:
+def own_doc(obj: Any) -> Optional[str]:
     """The docstring written for ``obj`` itself: not one inherited from a base class, and not the
     ``Name(field, ...)`` text ``dataclasses`` puts on a class that has none."""
     doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
@@ -293,7 +293,7 @@ def _member(cls: type, name: str, member: Any, owner: type) -> list[str]:
         sig = _signature_of(getter)
         ret = "" if sig is None or sig.return_annotation is sig.empty else f": {_annotation(sig.return_annotation)}"
         head = f"- `{name}{ret}` *(property)*{inherited}"
-        doc = _own_doc(getter) or (member.__doc__ if isinstance(member, property) and member.__doc__ else None)
+        doc = own_doc(getter) or (member.__doc__ if isinstance(member, property) and member.__doc__ else None)
     else:
         label = ""
         if isinstance(member, staticmethod):
@@ -305,7 +305,7 @@ def _member(cls: type, name: str, member: Any, owner: type) -> list[str]:
         else:
             function, drop = member, True
         text = _signature(name, _signature_of(function), drop_first=drop)
-        doc = _own_doc(function)
+        doc = own_doc(function)
         if "\n" in text:   # the name and what it does in the list, the wrapped signature below it
             paragraph = _first_paragraph(doc)
             head = f"- `{name}`{label}{inherited}" + (": " + paragraph[0] if paragraph else "")
@@ -326,7 +326,7 @@ def _entry(qualified: str, obj: Any) -> tuple[str, list[str]]:
     heading = f"`{qualified}` ({kind})"
     lines = [f"### {heading}", ""]
     if kind == "module":
-        doc = _own_doc(obj)
+        doc = own_doc(obj)
         lines += _first_paragraph(doc) + ["", f"Its public names: [module `{obj.__name__}`]"
                                                 f"(#{_anchor(f'Module `{obj.__name__}`')}) below.", ""]
         return heading, lines
@@ -349,7 +349,7 @@ def _entry(qualified: str, obj: Any) -> tuple[str, list[str]]:
     if signature is not None and not (inspect.isclass(obj) and issubclass(obj, BaseException)
                                       and "__init__" not in vars(obj)):
         lines += ["```text", _signature(name, signature, returns=not inspect.isclass(obj)), "```", ""]
-    doc = _own_doc(obj)
+    doc = own_doc(obj)
     lines += (_markdown(doc) if doc else ["*No docstring.*"]) + [""]
     if inspect.isclass(obj):
         if dataclasses.is_dataclass(obj):
@@ -384,7 +384,7 @@ def render() -> str:
         section = f"{kind} `{module_name}`"
         toc.append(f"- [{section}](#{_anchor(section)})")
         body += [f"## {section}", ""]
-        intro = _first_paragraph(_own_doc(module))
+        intro = _first_paragraph(own_doc(module))
         chosen = "its `__all__`" if what == "__all__" else (
             "the public classes and functions it defines" if what == "defined" else
             "the names its users import")
