@@ -447,7 +447,7 @@ def _check_schedule_choice(plan: PlanRecord) -> None:
     unknown = sorted(set(steps) - set(SCHEDULES))
     if unknown:
         raise PlanError(f"plan.schedule_steps_ms names {unknown}, not schedules ({', '.join(SCHEDULES)}); re-plan "
-                        "with `whalelike plan --schedule auto`")
+                        "with `whalelike plan --pipeline-schedule auto`")
     if plan.schedule not in steps:
         raise PlanError(f"plan.schedule is {plan.schedule!r}, not one of the schedules planned "
                         f"(plan.schedule_steps_ms: {', '.join(steps)}); set it to the one kept or re-plan")
@@ -458,7 +458,7 @@ def _check_schedule_choice(plan: PlanRecord) -> None:
         if ms < steps[plan.schedule] * (1 - 1e-9):
             raise PlanError(f"plan.schedule_steps_ms[{schedule!r}] ({ms:g} ms) is predicted faster than the schedule "
                             f"kept ({plan.schedule!r}, {steps[plan.schedule]:g} ms): the planner keeps the fastest; "
-                            "re-plan with `whalelike plan --schedule auto`")
+                            "re-plan with `whalelike plan --pipeline-schedule auto`")
 
 
 def check_model(plan: PlanRecord, graphs) -> None:

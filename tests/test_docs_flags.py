@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*(?:\.[a-z_]+)?")
 # the docs' own placeholder for a job override: ``--section.key value``
 PLACEHOLDERS = {"--section.key"}
+# flags of other tools the install page shows (pip's)
+OTHER_TOOLS = {"--index-url"}
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -55,7 +57,7 @@ def test_every_flag_named_in_the_docs_exists():
     missing = {}
     for page in _doc_pages():
         for token in FLAG.findall(page.read_text()):
-            if token in PLACEHOLDERS:
+            if token in PLACEHOLDERS or token in OTHER_TOOLS:
                 continue
             if "." in token:   # a job override: --section.key
                 section, key = token[2:].split(".", 1)

@@ -7,7 +7,8 @@ The kind of a block is its fence's first word, and every opening fence must name
   where the repository's top-level entries (``examples/``, ``.venv/``, ``bench/``, ...) are links, so
   a later block reads what an earlier one wrote (``out/plan.yaml``) and nothing lands in the
   repository. Two rewrites keep the suite's time: a step count (``--steps N``, ``--train.steps N``)
-  is capped at :data:`STEPS` (the command must run; how long is the benches' business), and a fixed
+  is capped at :data:`STEPS` (the command must run; how long is the benches' business; the trainer's
+  timing needs more steps than its two warm-up steps), and a fixed
   rendezvous port (``localhost:29400``) becomes a free one.
 - ``python``: a complete script, run in that directory with the suite's interpreter; a first line
   ``# torchrun --nproc-per-node N`` runs it under torchrun with ``N`` ranks, and a first line
@@ -43,7 +44,7 @@ NORUN = {
     "machines": "needs several machines",
     "suite": "the set-up or the suite itself (make setup, make demo, make test)",
 }
-STEPS = 2
+STEPS = 3
 TIMEOUT_S = 600
 FENCE = re.compile(r"^```(.*)$")
 TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc[-_]per[-_]node[ =](\d+)\s*$")
@@ -190,7 +191,7 @@ def test_the_page_s_blocks_run(page, tmp_path):
 
 def test_the_rewrites():
     """What the runner changes in a command, and only that."""
-    assert shrunk("train.py m --steps 30 --compare-naive", 1) == "train.py m --steps 2 --compare-naive"
-    assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 2"
+    assert shrunk("train.py m --steps 30 --compare-naive", 1) == "train.py m --steps 3 --compare-naive"
+    assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 3"
     assert shrunk("--steps 1 --rdzv-endpoint localhost:29400", 5) == "--steps 1 --rdzv-endpoint localhost:5"
     assert shlex.split(shrunk("--warmup-steps 5", 1)) == ["--warmup-steps", "5"]

@@ -70,7 +70,7 @@ class Config:
                        (``runtime.parallel.sync_batchnorm``).
     resharding:        how values cross stage boundaries (``runtime.parallel.boundaries``): ``"auto"`` (the
                        planner's fastest per boundary), or always ``"broadcast"``, ``"allgather"`` or
-                       ``"send_recv"`` (seed paper 001's strategies).
+                       ``"send_recv"`` (the cross-mesh resharding strategies).
     delay_weight_gradients: each backward computes its input gradients, sends them, and only then
                        its weight gradients, so the send overlaps compute (``runtime.parallel.split_backward``).
     precision:         ``"fp32"``, or ``"bf16"``/``"fp16"``: autocast with float32 master weights and
