@@ -5,7 +5,7 @@ cluster of two hosts, ``host-a`` with three devices (speeds 1, 1, 0.5) and ``hos
 (0.25), checkpoints every ``--every`` steps. After step ``--lose-at`` completes (for the paths that
 resume, once a checkpoint is complete), ``host-b``'s device is gone for good (its worker, or its whole torchrun node, SIGKILL). The paths, side by side in one run:
 
-* **(a) today's path** (README "A device gone for good"): one torchrun agent of 4 ranks; the
+* **(a) today's path** (docs/guides/multi-node-elastic.md, "The fallback by hand"): one torchrun agent of 4 ranks; the
   survivors' collectives fail, the job exits; a person writes the survivors' cluster spec, runs
   ``whalelike plan`` on it and starts torchrun again on 3 ranks with the new plan, which resumes
   the newest checkpoint resharded. The person's reaction time is not counted (zero here), only

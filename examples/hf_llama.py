@@ -28,7 +28,7 @@ it on any text file with no tokenizer, e.g. the shipped ``examples/data/tinyshak
         --data examples/data/tinyshakespeare.txt --steps 20
 
 ``build_recompute`` is ``build(recompute=True)``: the same model with activation checkpointing on both
-regions (README "A training recipe" plans it with ``--precision bf16`` on
+regions (docs/guides/training-recipe.md plans it with ``--precision bf16`` on
 ``examples/clusters/emulated-mixed-bf16.yaml`` and trains it with clipping and a cosine schedule).
 
 Nothing is downloaded: the config is built in code. ``build()`` defaults train a few dozen steps on

@@ -63,8 +63,10 @@ class DistributedStepError(RuntimeError):
 
 
 # gloo reports timeouts and dead peers as plain RuntimeErrors ("Timed out waiting 3000ms for recv
-# operation", "Connection closed by peer"); newer torch raises DistError subclasses for some.
-_TRANSPORT_FAILURE = re.compile(r"gloo|nccl|timed out|connection (closed|reset|refused)|by peer|broken pipe",
+# operation", "Connection closed by peer", "Application timeout caused pair closure" when a peer hangs inside
+# a DDP all-reduce); newer torch raises DistError subclasses for some.
+_TRANSPORT_FAILURE = re.compile(r"gloo|nccl|timed out|timeout caused|pair closure|connection (closed|reset|refused)|"
+                                r"by peer|broken pipe",
                                 re.IGNORECASE)
 
 _PEER_CLOSED = re.compile(r"connection (closed|reset)|by peer|broken pipe", re.IGNORECASE)

@@ -7,8 +7,8 @@ The kind of a block is its fence's first word, and every opening fence must name
   where the repository's top-level entries (``examples/``, ``.venv/``, ``bench/``, ...) are links, so
   a later block reads what an earlier one wrote (``out/plan.yaml``) and nothing lands in the
   repository. Two rewrites keep the suite's time: a step count (``--steps N``, ``--train.steps N``)
-  is capped at :data:`STEPS` (the command must run; how long is the benches' business; the trainer's
-  timing needs more steps than its two warm-up steps), and a fixed
+  is capped at :data:`STEPS` (the command must run; how long is the benches' business; enough for the
+  trainer's warm-up steps and the docs' learning-rate warm-ups), and a fixed
   rendezvous port (``localhost:29400``) becomes a free one.
 - ``python``: a complete script, run in that directory with the suite's interpreter; a first line
   ``# torchrun --nproc-per-node N`` runs it under torchrun with ``N`` ranks, and a first line
@@ -18,7 +18,9 @@ The kind of a block is its fence's first word, and every opening fence must name
   checks it as a job file (``runtime.launch.job.from_dict``: keys and types), and ``# file: NAME``
   writes it to ``NAME`` for a later command of the page.
 - ``json``: parsed.
-- ``text``: output or a synopsis, shown and not run.
+- ``text``: output or a synopsis, shown and not run, except its commands: a line ``$ COMMAND`` (with
+  its ``\\`` continuation lines) is a command the page shows with its output, and runs like a
+  ``bash`` block's (from the same directory, after the blocks above it).
 
 A ``bash`` or ``python`` block may say why it cannot run here, ``norun=REASON``, with a reason from
 :data:`NORUN`: it needs a CUDA device or several machines, or it is the suite's own set-up. Its
@@ -44,7 +46,7 @@ NORUN = {
     "machines": "needs several machines",
     "suite": "the set-up or the suite itself (make setup, make demo, make test)",
 }
-STEPS = 3
+STEPS = 6
 TIMEOUT_S = 600
 FENCE = re.compile(r"^```(.*)$")
 TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc[-_]per[-_]node[ =](\d+)\s*$")
@@ -148,9 +150,26 @@ def _check_yaml(text: str, where: str) -> None:
         job.from_dict(data, origin=where)
 
 
+def shown_commands(text: str) -> list[str]:
+    """The ``$ COMMAND`` lines of a ``text`` block, each with its ``\\`` continuation lines."""
+    commands, current = [], None
+    for line in text.split("\n"):
+        if current is not None:
+            current.append(line)
+        elif line.startswith("$ "):
+            current = [line[2:]]
+        else:
+            continue
+        if not line.rstrip().endswith("\\"):
+            commands.append("\n".join(current))
+            current = None
+    return commands
+
+
 def _runnable_pages() -> list[Path]:
-    return [p for p in _pages() if any(kind in {"bash", "python", "yaml", "json"} and "norun" not in options
-                                       for _, kind, options, _ in blocks(p))]
+    return [p for p in _pages() if any((kind in {"bash", "python", "yaml", "json"} and "norun" not in options)
+                                       or (kind == "text" and shown_commands(text))
+                                       for _, kind, options, text in blocks(p))]
 
 
 @pytest.mark.parametrize("page", _runnable_pages(), ids=_id)
@@ -160,7 +179,13 @@ def test_the_page_s_blocks_run(page, tmp_path):
     port = _free_port()
     for line, kind, options, text in blocks(page):
         where = f"{_id(page)}:{line}"
-        if "norun" in options or kind == "text":
+        if "norun" in options:
+            continue
+        if kind == "text":
+            for number, command in enumerate(shown_commands(text)):
+                script = work / f"shown_{line}_{number}.sh"
+                script.write_text(shrunk(command, port) + "\n")
+                _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})")
             continue
         if kind == "yaml":
             _check_yaml(text, where)
@@ -189,9 +214,14 @@ def test_the_page_s_blocks_run(page, tmp_path):
             _run(argv, work, where)
 
 
+def test_shown_commands_are_found_with_their_continuations():
+    text = "$ whalelike plan m.py:f \\\n      -o p.yaml\nplan for model ...\n$ whalelike simulate p.yaml\nstep 1 ms\n"
+    assert shown_commands(text) == ["whalelike plan m.py:f \\\n      -o p.yaml", "whalelike simulate p.yaml"]
+
+
 def test_the_rewrites():
     """What the runner changes in a command, and only that."""
-    assert shrunk("train.py m --steps 30 --compare-naive", 1) == "train.py m --steps 3 --compare-naive"
-    assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 3"
+    assert shrunk("train.py m --steps 30 --compare-naive", 1) == "train.py m --steps 6 --compare-naive"
+    assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 6"
     assert shrunk("--steps 1 --rdzv-endpoint localhost:29400", 5) == "--steps 1 --rdzv-endpoint localhost:5"
     assert shlex.split(shrunk("--warmup-steps 5", 1)) == ["--warmup-steps", "5"]

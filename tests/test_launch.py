@@ -52,7 +52,7 @@ def test_job_fields_are_the_trainers_flags():
     ({}, ["--train.steps", "ten"], "command line: train.steps must be an integer, got 'ten'"),
     ({"train": {"steps": 2.5}}, [], "j.yaml: train.steps must be an integer, got 2.5"),
     ({"train": {"schedule": "cosin"}}, [], "train.schedule must be one of cosine"),
-    ({"train": {"steps": 2}}, [], "j.yaml: train.steps must exceed the 2 warm-up steps, got 2"),
+    ({"train": {"steps": 2}}, [], "j.yaml: train.steps must exceed the 2 untimed warm-up steps of the throughput table, got 2"),
     ({"model": {"factory": "examples/gpt.py:build", "weights": "/no/such/ckpt"}}, [],
      "model.weights /no/such/ckpt: no such directory"),
     ({"data": {"path": "/no/such.txt"}}, [], "data.path /no/such.txt: no such file"),

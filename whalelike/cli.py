@@ -60,7 +60,7 @@ MODEL names a function in your file that takes no arguments, for example:
       model = MyNet()                                 # with wl.replicate(...) / wl.split(...) scopes
       return model, (torch.randn(8, 512),)            # the model and example inputs (batch first)
 
-Training with a plan is started with torchrun (see the README).
+Training with a plan is started with torchrun (see docs/quickstart.md).
 """
 
 

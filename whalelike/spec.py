@@ -557,7 +557,7 @@ PROFILE_LINK_KINDS = ("intra-host", "inter-host", "collective")
 def _profile_fix(profile: Any) -> str:
     world = len(profile.devices)
     return (f"measure it again: torchrun --nproc-per-node {world} -m whalelike.cli profile MODEL --cluster CLUSTER "
-            "-o PROFILE.yaml (README, 'Measuring your devices')")
+            "-o PROFILE.yaml (docs/guides/profiling.md)")
 
 
 def check_profile(profile: Any) -> None:

@@ -254,7 +254,7 @@ def check_args(args: argparse.Namespace, fail) -> None:
     the job file's, which names the key instead of the flag)."""
     p = argparse.Namespace(error=fail)
     if args.steps <= WARMUP_STEPS:
-        p.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps, got {args.steps}")
+        p.error(f"--steps must exceed the {WARMUP_STEPS} untimed warm-up steps of the throughput table, got {args.steps}")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.log_every < 1:
