@@ -90,6 +90,7 @@ WAITING = {
     "test_capture.py::test_fingerprint_stable_across_processes": 8,
     "test_launch.py::test_whalelike_train_runs_the_example_job_like_train_py": 35,   # two torchrun jobs
     "test_metrics.py::": 12,
+    "test_docs_run.py::test_the_page_s_blocks_run": 60,   # each page's torchrun jobs and plans, in order
 }
 # Before everything else in the second half: train.py's one-line usage errors, where the quiet rank
 # waits at most 10 s for rank 0 to have printed, so they run while the other worker's first test is
