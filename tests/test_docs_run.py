@@ -16,7 +16,7 @@ The kind of a block is its fence's first word, and every opening fence must name
   the page runs; it is compiled at once).
 - ``yaml``: parsed; a first line ``# cluster`` loads it as a cluster (``Cluster.from_dict``), ``# job``
   checks it as a job file (``runtime.launch.job.from_dict``: keys and types), and ``# file: NAME``
-  writes it to ``NAME`` for a later command of the page.
+  writes it to ``NAME`` for a later command of the page (and loads it as a cluster if it has ``hosts``).
 - ``json``: parsed.
 - ``text``: output or a synopsis, shown and not run, except its commands: a line ``$ COMMAND`` (with
   its ``\\`` continuation lines) is a command the page shows with its output, and runs like a
@@ -197,6 +197,9 @@ def test_the_page_s_blocks_run(page, tmp_path):
             named = FILE.match(text.lstrip().split("\n", 1)[0])
             if named:
                 (work / named.group(1)).write_text(text)
+                if isinstance(yaml.safe_load(text), dict) and "hosts" in yaml.safe_load(text):
+                    import whalelike as wl
+                    wl.Cluster.from_dict(yaml.safe_load(text))   # a cluster file written for later commands
         elif kind == "json":
             json.loads(text)
         elif kind == "bash":
