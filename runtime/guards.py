@@ -73,7 +73,7 @@ def nonfinite_error(loss: Any, step: int, rank: int) -> NonFiniteLossError:
         f"rank {rank}, step {step}: the loss is {shown} (the global-mean loss over every rank's samples, so "
         f"every rank stops at this step); the parameters are those before step {step}, the optimizer did not "
         f"step. Look for NaN or inf in that step's batch, lower the learning rate or clip gradients, or pass "
-        f"runtime.Engine(on_nonfinite='skip') (train.py and job files: --on-nonfinite skip) to drop such steps on "
+        f"runtime.Engine(on_nonfinite='skip') (train.py: --on-nonfinite skip) to drop such steps on "
         f"every rank and go on")
 
 

@@ -180,6 +180,18 @@ def test_failure_lines_from_progress_and_heartbeat():
     assert liveness(None, now, 1.5) == ("unknown", "")
 
 
+def test_transport_messages_are_communication_failures():
+    """gloo's words for a dead or hung peer make a DistributedStepError naming the rank, the model's own
+    errors do not (pure: the messages as gloo prints them)."""
+    from runtime.distributed import is_communication_failure
+
+    for text in ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:1234: Connection reset "
+                 "by peer", "Timed out waiting 3000ms for recv operation to complete",
+                 "Application timeout caused pair closure"):
+        assert is_communication_failure(RuntimeError(text)), text
+    assert not is_communication_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x3 and 4x5)"))
+
+
 def test_progress_survives_the_store_host_exiting_after_the_last_collective():
     """Rank 0 hosts the store and may exit once the run's last collective is done while a peer still
     records the step's last hooks: recording is a diagnostic, so it must not raise; a collective that

@@ -397,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed steps per batch; the median is kept (default: 3)")
     p.add_argument("--cache-dir", metavar="DIR",
-                   help="profile cache (default: $WHALELIKE_CACHE, else ~/.cache/whalelike/profiles)")
+                   help="profile cache (default: $WHALELIKE_CACHE, else $XDG_CACHE_HOME/whalelike/profiles, else "
+                        "~/.cache/whalelike/profiles)")
     p.add_argument("--refresh", action="store_true", help="measure every device, even the kinds the cache holds")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="bound on every collective, the rendezvous included (default: 300)")

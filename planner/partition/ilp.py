@@ -252,7 +252,7 @@ def cbc_path() -> str:
             return path
     raise PlanError(
         f"the ILP partitioner needs the CBC solver and PuLP {pulp.__version__} has none installed; run "
-        "`pip install 'pulp[cbc]'`, or use solver='greedy'"
+        "`pip install 'pulp[cbc]'` (its cbc extra installs the solver)"
     )
 
 

@@ -238,7 +238,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"],
                    help="a NaN or inf loss stops training naming the step (raise, default) or skips that step")
     p.add_argument("--batch-check-every", type=int, default=100, metavar="N",
-                   help="check every N steps (and the first) that all ranks pass the same batch; 0: never")
+                   help="check every N steps (and the first) that all ranks pass the same batch; 0: never (default 100)")
     return p
 
 
@@ -731,7 +731,13 @@ def inputs(args):
         plan, cluster = plan_now(args, workload)
     else:
         plan = planner.Plan.from_yaml(args.plan if args.plan is not None else resume.plan)
-        cluster = wl.Cluster.load(args.cluster or plan.cluster)
+        try:
+            cluster = wl.Cluster.load(args.cluster or plan.cluster)
+        except WhaleError as e:
+            if args.cluster:
+                raise
+            raise WhaleError(f"{e}; the plan{' of the checkpoint resumed' if args.plan is None else ''} was made for "
+                             f"cluster {plan.cluster!r}: pass its file with --cluster FILE") from None
     # elastic: the plan is checked against the devices present once they are known (elastic_start)
     plan.validate(cluster=None if elastic(args) else cluster)
     world = int(os.environ.get("WORLD_SIZE", "1"))
