@@ -86,13 +86,17 @@ def test_a_rank_above_its_prediction_is_de_rated_and_the_plan_re_priced():
     edge_bytes = edge * GIB
     for rank, result in enumerate(results):
         new = result["plan"].workers[rank]
-        # the new plan's prediction, times the measured ratio, fits the device
-        assert new.memory_gib * max(r0 if rank == 0 else r1, 1.0) <= edge * (1 + 1e-9), (rank, new)
+        # the new plan's prediction fits the device, times the measured ratio where the device was de-rated (a
+        # ratio within the threshold is left as it is)
+        ratio = (r0 if rank == 0 else r1) if f"d{rank}" in first["scale"] else 1.0
+        assert new.memory_gib * ratio <= edge * (1 + 1e-9), (rank, new, ratio)
         peaks = result["peaks"]
         # the third step (the check's) ran above the device's memory on rank 1; the last, under the
-        # re-priced plan, fits it (within 2%: the ratio measured at one micro-batch size, applied at another)
+        # re-priced plan, fits it: within 2% where the device was de-rated (the ratio measured at one
+        # micro-batch size, applied at another), within the threshold the check leaves where it was not
         assert peaks[2] > edge_bytes if rank == 1 else True, (rank, peaks, edge_bytes)
-        assert peaks[-1] <= 1.02 * edge_bytes, (rank, peaks, edge_bytes)
+        slack = 1.02 if f"d{rank}" in first["scale"] else 1 + THRESHOLD
+        assert peaks[-1] <= slack * edge_bytes, (rank, peaks, edge_bytes, slack)
 
 
 

@@ -201,7 +201,9 @@ def test_real_plans_memory_equals_the_formulas_written_out(hybrid):
         for w in plan.workers:
             (cost, layout), n = stages[w.stage], max(w.micro_batch_sizes)
             f, alive = layout.fractions[w.tp_index], in_flight[w.stage]
-            per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive + cost.loss_bytes
+            # one layer's backward temporaries, held once beside the loss
+            per_sample = (cost.activation_bytes + cost.boundary_bytes) * alive + max(cost.loss_bytes,
+                                                                                     cost.max_layer_backward_bytes)
             divided = alive * cost.sharded_activation_bytes + cost.sharded_loss_bytes
             a = 1 - divided / per_sample * (1 - layout.unit_shares[w.tp_index]) if divided else f
             # after the backward: the update's temporaries (foreach on a GPU: all the parameters' bytes; one by one:
@@ -376,7 +378,8 @@ def test_the_loss_is_held_once_on_the_last_stage_only(residual):
     assert StageCost.of_layers(residual, range(2, n), "bf16").loss_bytes == elements * (2 + LOSS_TEMPORARY_BYTES["bf16"])
     one, three = stage_memory(last, 1), stage_memory(last, 3)
     assert three.total(5) - one.total(5) == 5 * 2 * (last.activation_bytes + last.boundary_bytes)
-    assert one.total(5) == one.static_terms() + 5 * (last.activation_bytes + last.boundary_bytes + last.loss_bytes)
+    assert one.total(5) == one.static_terms() + 5 * (last.activation_bytes + last.boundary_bytes
+                                                     + max(last.loss_bytes, last.max_layer_backward_bytes))
 
 
 def test_a_split_stage_holds_what_its_groups_leave_whole_whole():
@@ -482,3 +485,44 @@ def test_the_planner_and_the_runtime_agree_on_the_ddp_join():
     from runtime.replicas.ddp_sync import JOIN_BYTES
 
     assert DDP_JOIN_BYTES == JOIN_BYTES
+
+
+class _Blocks(torch.nn.Module):
+    """Two blocks ``x + W2 tanh(W1 x)`` of width ``d`` and hidden width ``h``, one region."""
+
+    def __init__(self, d: int = 16, h: int = 64):
+        super().__init__()
+        with replicate():
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.Tanh(),
+                                                                  torch.nn.Linear(h, d)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_layer_s_backward_temporaries_are_measured_per_sample_and_priced_once():
+    """Capture records what each layer's backward holds above its start (its gradient temporaries)
+    per sample: the same at any example batch, growing with the hidden width (what the batch's
+    tensors hold), never the weights' gradients (a width-``h`` block's backward holds about two
+    hidden-wide gradients, 2 x 4h bytes a sample, however large its weights); the memory model holds
+    it once, beside the activations, or the loss's bytes on the stage computing it, the larger."""
+    def temporaries(h: int, batch: int) -> list[float]:
+        torch.manual_seed(0)
+        graphs = wl.capture(_Blocks(h=h), (torch.randn(batch, 16),))
+        return [layer.backward_temporary_bytes_per_sample for layer in graphs.layers]
+
+    narrow = temporaries(64, 4)
+    assert narrow == temporaries(64, 8) and all(t > 0 for t in narrow)
+    wide = temporaries(256, 4)
+    assert [w / n for w, n in zip(wide, narrow)] == pytest.approx([256 / 64] * 2, rel=0.15)
+    assert max(wide) <= 3 * 4 * 256      # no weight-sized gradient (256 x 16 floats = 16 KiB) among them
+    torch.manual_seed(0)
+    graphs = wl.capture(_Blocks(h=256), (torch.randn(4, 16),))
+    cost = StageCost.of_layers(graphs, range(len(graphs.layers)))
+    assert cost.max_layer_backward_bytes == max(wide)
+    terms = stage_memory(cost, 2)
+    assert terms.transient_bytes_per_sample == max(cost.loss_bytes, cost.max_layer_backward_bytes)
+    with_loss = dataclasses.replace(cost, loss_bytes=10 * cost.max_layer_backward_bytes)
+    assert stage_memory(with_loss, 2).transient_bytes_per_sample == with_loss.loss_bytes

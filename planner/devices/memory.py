@@ -126,9 +126,16 @@ and off the last stage the transient term is 0 and is not even added, so every f
 was before it existed.
 
 What runs, term by term (checked against the measured peak per rank by ``bench/memory.py``, with
-``Engine(measure_memory=True)``): the transient term also holds, on the stage that returns the model
-outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the loss
-of one micro-batch is computed, and back-propagated, at a time). A ``split`` stage's worker holds its
+``Engine(measure_memory=True)``): the transient term also holds one micro-batch's backward
+temporaries, those of the stage's layer whose backward holds the most above its start
+(``StageCost.max_layer_backward_bytes``, measured by capture on its fake backward: a float32
+softmax's gradient in attention, an MLP's hidden-wide gradients), or, on the stage that returns the
+model outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the
+loss of one micro-batch is computed, and back-propagated, at a time), the larger
+(:func:`transient_bytes`). Measured on ``bench/memory.py``'s Llama: fp32 1.01-1.06 before it,
+1.01-1.04 after; a recomputing stage 1.18 before, 1.14 after (the recomputed layer's backward holds
+more than capture's graph measures for it at bf16: 12 KiB a sample captured, 44-60 KiB measured on
+the same layer run eagerly, not yet explained). A ``split`` stage's worker holds its
 shard of what the shard groups divide (the projections' weights, the activations between a group's
 projections, a class-sharded head's logits) and the rest whole (norms, residual stream, boundary
 buffers, a column projection's input): so its activation fraction is not its shard fraction but
@@ -520,7 +527,7 @@ def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None
     if unit_share is None or (cost.sharded_activation_bytes <= 0 and divided_loss <= 0):
         return shard
     kept, once = recompute_of(cost, in_flight, recompute)
-    whole = in_flight * kept + once + cost.loss_bytes
+    whole = in_flight * kept + once + transient_bytes(cost)
     if whole <= 0:
         return shard
     # recomputing: the divided activations are alive for one micro-batch (the one recomputed); the
@@ -544,6 +551,14 @@ def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool,
             return boundary_bytes, once
         return boundary_bytes + layer_input_bytes, once
     return activation_bytes + boundary_bytes, 0.0
+
+
+def transient_bytes(cost: "StageCost") -> Any:
+    """Per sample, held once beside the activations: the loss's outputs and temporaries on the stage that
+    computes it, or one layer's backward temporaries (``StageCost.max_layer_backward_bytes``), the larger:
+    the loss's are freed as the backward begins, the layers' made after (one micro-batch is in its
+    backward at a time)."""
+    return max(cost.loss_bytes, getattr(cost, "max_layer_backward_bytes", 0.0))
 
 
 def recompute_unit(cost: "StageCost", in_flight: int) -> str:
@@ -607,8 +622,8 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     optimizer steps with its foreach kernels (:func:`runs_foreach` of the worker's device), which
     sizes its update's temporaries (:func:`update_bytes`)."""
     kept, once = recompute_of(cost, in_flight, recompute)
-    if cost.loss_bytes:   # a plain 0 is not added: a stage without the loss prices as before, bit for bit
-        once = once + cost.loss_bytes
+    if transient_bytes(cost):   # a plain 0 is not added: such a stage prices as before, bit for bit
+        once = once + transient_bytes(cost)
     return MemoryTerms(
         weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,

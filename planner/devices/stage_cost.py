@@ -62,7 +62,9 @@ class StageCost:
     so a long skip connection counts at every cut it crosses, an upper bound), and
     ``max_layer_activation_bytes``, the largest single layer's saved activations less what it saves
     of its input (kept anyway; None, for a stage priced by hand as one block: all of
-    ``activation_bytes``, no layer inputs of its own).
+    ``activation_bytes``, no layer inputs of its own). With or without it, one layer's backward holds
+    its gradient temporaries above what it started with, ``max_layer_backward_bytes`` at the most
+    (held once: one micro-batch is in its backward at a time).
 
     ``precision`` is the training precision the stage is priced at: its FLOPs run at each device's
     rate for it (:func:`planner.devices.cost_model.compute_ms`), and bytes per element follow it
@@ -94,6 +96,9 @@ class StageCost:
     sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
     layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
     max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
+    # per sample: the most one of its layers' backward holds above what it started with (its gradient temporaries;
+    # Layer.backward_temporary_bytes_per_sample), held once, beside the activations (planner.devices.memory)
+    max_layer_backward_bytes: float = 0.0
     fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
     max_param_bytes: float = 0.0             # its largest single parameter (0: unknown; memory.parameter_share)
     param_tensors: int = 0                   # how many parameters it holds (0: unknown; ragged: a collective each)
@@ -188,6 +193,8 @@ class StageCost:
             max_layer_activation_bytes=max(at_precision(l, "activation", l.activation_bytes_per_sample)
                                            - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
                                            for l in chosen),
+            max_layer_backward_bytes=max(l.autocast.get("backward_temporary", l.backward_temporary_bytes_per_sample * scale)
+                                         if measured else l.backward_temporary_bytes_per_sample * scale for l in chosen),
             fsdp_unit_bytes=fsdp_unit_bytes(chosen, params),
             # a layer without the figure (made by hand) counts as one parameter: an upper bound
             max_param_bytes=float(max([l.max_param_bytes or l.param_bytes for l in chosen]

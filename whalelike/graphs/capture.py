@@ -167,9 +167,29 @@ def _measured_on(gm: fx.GraphModule) -> Optional[torch.device]:
     return torch.device("cpu") if any(t.is_meta for t in [*gm.parameters(), *gm.buffers()]) else None
 
 
+def _backward_temporaries(regions: Regions, costs: NodeCosts, batch: int) -> list[float]:
+    """Per layer, per sample: the most its backward holds above what it started with (its gradient
+    temporaries less the saved tensors it has freed by then; ``NodeCosts.backward_live``): the
+    highest count from its first operator to its last, less the count before its first."""
+    temporaries = [0.0] * len(regions.layer_names)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, (owner, _) in enumerate(costs.backward_live):
+        layer = regions.node_layer.get(owner)
+        if layer is not None:
+            first.setdefault(layer, i)
+            last[layer] = i
+    for layer, start in first.items():
+        before = costs.backward_live[start - 1][1] if start else costs.backward_start_live
+        peak = max(live for _, live in costs.backward_live[start:last[layer] + 1])
+        temporaries[layer] = max(0.0, peak - before) / batch
+    return temporaries
+
+
 def _layer_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: int) -> dict[str, list[float]]:
     """Per layer, per sample: bytes its inputs take among its saved activations (made before the
-    layer: a model input or an earlier layer's output) and bytes of the model outputs it returns."""
+    layer: a model input or an earlier layer's output), bytes of the model outputs it returns, and
+    what its backward holds above its start (:func:`_backward_temporaries`)."""
     count = len(regions.layer_names)
     inputs, outputs = [0.0] * count, [0.0] * count
     for saver, producer, _, nbytes in costs.saved:
@@ -184,7 +204,8 @@ def _layer_bytes(gm: fx.GraphModule, regions: Regions, costs: NodeCosts, batch: 
             layer = regions.node_layer.get(value.name)
             if layer is not None:
                 outputs[layer] += sum(_tensor_bytes(spec) for spec in costs.outputs.get(value.name, ())) / batch
-    return {"input_activation": inputs, "output": outputs}
+    return {"input_activation": inputs, "output": outputs,
+            "backward_temporary": _backward_temporaries(regions, costs, batch)}
 
 
 def _input_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
@@ -270,9 +291,11 @@ def _assemble(gm: fx.GraphModule, model: nn.Module, method: str, regions: Region
             outside_param_bytes=sum(p.numel() * p.element_size() for p in outside),
             input_activation_bytes_per_sample=extra["input_activation"][i],
             output_bytes_per_sample=extra["output"][i],
+            backward_temporary_bytes_per_sample=extra["backward_temporary"][i],
             autocast=None if low is None else {
                 "activation": sum(autocast_costs.saved_bytes.get(n.name, 0) for n in nodes) / batch,
                 "input_activation": low["input_activation"][i], "cut": low["cut"][i], "output": low["output"][i],
+                "backward_temporary": low["backward_temporary"][i],
                 "cut_unbatched": low["cut_unbatched"][i],
                 "param_copy": float(sum(autocast_costs.param_copy_bytes.get(n.name, 0) for n in nodes)),
                 "forward_memory": sum(autocast_costs.forward_memory_bytes.get(n.name, 0) for n in nodes) / batch,

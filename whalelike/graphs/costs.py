@@ -48,6 +48,19 @@ starts float32, normalisations, softmax) stays float32. The casts of parameters 
 (once per step: torch caches them while the autocast region is open) are not activations: they are
 recorded per node in ``NodeCosts.param_copy_bytes`` and the planner counts them with the weights.
 
+The backward's own memory (``NodeCosts.backward_live``): every tensor the run makes is counted
+while it is alive (a ``weakref.finalize`` on each, fake tensors included: they are freed as real
+ones are, so the saved activations autograd releases node by node leave the count), and after each
+operator of the backward the count is recorded with the node it is charged to. The gradients that
+end as a parameter's ``.grad`` are left out (the planner counts gradients apart), and so is every
+tensor of a parameter's shape (a weight's gradient before it lands in ``.grad``: bytes that do not
+grow with the batch, where the record is read per sample), so a layer's
+record, read from its first operator's count to its last, is what its backward holds above what it
+started with: its gradient temporaries (a float32 softmax's gradient in attention), less the saved
+tensors it has already freed (``Layer.backward_temporary_bytes_per_sample``). Nothing here keeps a
+tensor alive that the model would free: a saved tensor's or a node output's id is forgotten when it
+dies, so a new tensor that reuses the id counts anew.
+
 The user's model is never touched: the fake copy is a ``deepcopy`` whose memo maps every parameter
 and buffer to a fake tensor of the same shape, dtype and device, so nothing real is copied.
 """
@@ -58,6 +71,7 @@ import contextlib
 import copy
 import logging
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -119,6 +133,10 @@ class NodeCosts:
     total_backward_flops: float = 0.0
     total_forward_memory_bytes: int = 0
     total_backward_memory_bytes: int = 0
+    # (node charged, bytes alive after the operator) for every operator of the backward, in order, the
+    # parameters' gradients left out; and the bytes alive when the backward began (the module docstring)
+    backward_live: list[tuple[str, int]] = field(default_factory=list)
+    backward_start_live: int = 0
 
 
 def measure(gm: fx.GraphModule, inputs: list[Any], group: dict[str, int],
@@ -150,7 +168,7 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
     costs = NodeCosts()
     persistent = {id(t): t for t in [*fake_gm.parameters(), *fake_gm.buffers()]}
     interp = _Recorder(fake_gm, costs)
-    saved: dict[tuple[int, int], torch.Tensor] = {}
+    saved: dict[tuple[int, int], bool] = {}
     param_copies: dict[int, torch.Tensor] = {}   # autocast's casts of parameters (kept alive: ids stay unique)
 
     def pack(t: torch.Tensor):
@@ -159,7 +177,8 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
             return t
         key = (group.get(interp.current, -1), id(root))
         if key not in saved:
-            saved[key] = root  # keep it alive so its id is not reused during the run
+            saved[key] = True
+            weakref.finalize(root, saved.pop, key, None)   # a new tensor reusing the id is saved anew
             nbytes = root.numel() * root.element_size()
             costs.saved_bytes[interp.current] += nbytes
             producer, is_output = interp.producers.get(id(root), (interp.current, False))[:2]
@@ -168,10 +187,11 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
 
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
     traffic = MemoryTrafficMode()
+    alive = _Alive({tuple(p.shape) for p in fake_gm.parameters()} | {tuple(p.shape)[::-1] for p in fake_gm.parameters()})
     casting = (torch.autocast(_device_type(fake_gm, fake_inputs), dtype=autocast_dtype)
                if autocast_dtype is not None else contextlib.nullcontext())
     try:
-        with counter, traffic, _Attribution(counter, interp, costs, persistent, param_copies, traffic), casting, \
+        with counter, traffic, _Attribution(counter, interp, costs, persistent, param_copies, traffic, alive), casting, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = interp.run(*fake_inputs, enable_io_processing=False)
             interp.current = None
@@ -179,7 +199,11 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
             costs.total_forward_memory_bytes = traffic.total
             roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if roots:
-                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                seeds = [torch.ones_like(t) for t in roots]
+                costs.backward_start_live = alive.bytes
+                alive.recording = True
+                torch.autograd.backward(roots, seeds)
+                alive.recording = False
             costs.total_backward_flops = counter.get_total_flops() - costs.total_forward_flops
             costs.total_backward_memory_bytes = traffic.total - costs.total_forward_memory_bytes
     except Exception as e:  # noqa: BLE001 - name the node that failed
@@ -189,7 +213,56 @@ def _measure(fake_gm: fx.GraphModule, fake_inputs: list[Any], group: dict[str, i
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); operators that read tensor "
             "values (.item(), data-dependent shapes) cannot run without data, move them out of forward"
         ) from e
+    costs.backward_live = alive.without_gradients([p.grad for p in fake_gm.parameters() if p.grad is not None])
     return costs
+
+
+class _Alive:
+    """The bytes of the tensors the run made that are alive (module docstring): each operator's
+    outputs that own their storage, until each is freed; during the backward, the count after each
+    operator with the node charged (``timeline``), and when each tensor was made (to leave out the
+    parameters' gradients afterwards)."""
+
+    def __init__(self, parameter_shapes: frozenset | set = frozenset()):
+        self.bytes = 0
+        self.recording = False
+        # a tensor of a parameter's shape (or its transpose) is a weight's gradient or a copy of one: bytes that
+        # do not grow with the batch, priced with the weights and the update, not per sample
+        self.parameter_shapes = parameter_shapes
+        self.timeline: list[tuple[str, int]] = []
+        self._made: dict[int, tuple[int, int]] = {}    # id -> (timeline length when made, bytes), while alive
+
+    def add(self, func: Any, outputs: Any, owner: Optional[str]) -> None:
+        """Count ``func``'s ``outputs`` (none when it returns an alias of an input: a view, ``detach``,
+        an in-place result), then record the count if the backward is being recorded."""
+        aliases = any(r.alias_info is not None for r in getattr(func, "_schema", None).returns) \
+            if getattr(func, "_schema", None) is not None else False
+        for t in () if aliases else tree_leaves(outputs):
+            if (isinstance(t, torch.Tensor) and t._base is None and id(t) not in self._made
+                    and tuple(t.shape) not in self.parameter_shapes):
+                nbytes = t.numel() * t.element_size()
+                self.bytes += nbytes
+                self._made[id(t)] = (len(self.timeline), nbytes)
+                weakref.finalize(t, self._free, id(t), nbytes)
+        if self.recording:
+            self.timeline.append((owner or "<unattributed>", self.bytes))
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.bytes -= nbytes
+        self._made.pop(key, None)
+
+    def without_gradients(self, grads: list[torch.Tensor]) -> list[tuple[str, int]]:
+        """The timeline less the bytes of ``grads`` (the parameters' gradients, alive from when each
+        was made to the end) from the moment each was made."""
+        roots = [g if g._base is None else g._base for g in grads]
+        made = sorted(self._made[id(g)] for g in roots if id(g) in self._made)
+        out, k, held = [], 0, 0
+        for i, (owner, nbytes) in enumerate(self.timeline):
+            while k < len(made) and made[k][0] <= i:
+                held += made[k][1]
+                k += 1
+            out.append((owner, nbytes - held))
+        return out
 
 
 def fake_copy(gm: fx.GraphModule, fake_mode: FakeTensorMode, device: Optional[torch.device] = None) -> fx.GraphModule:
@@ -232,8 +305,8 @@ class _Recorder(fx.Interpreter):
         self.current: Optional[str] = None
         self.seq_bounds: list[int] = []  # increasing: highest sequence number created up to node i
         self.seq_nodes: list[str] = []
-        # id of each node output's storage root -> (the node, True, the root: kept alive so ids stay unique)
-        self.producers: dict[int, tuple[str, bool, torch.Tensor]] = {}
+        # id of each node output's storage root -> (the node, True), forgotten when the root dies (ids stay unique)
+        self.producers: dict[int, tuple[str, bool]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name if n.op not in ("placeholder", "output") else None
@@ -242,7 +315,9 @@ class _Recorder(fx.Interpreter):
         if n.op != "output":
             for t in tensors:
                 root = t if t._base is None else t._base
-                self.producers.setdefault(id(root), (n.name, True, root))
+                if id(root) not in self.producers:
+                    self.producers[id(root)] = (n.name, True)
+                    weakref.finalize(root, self.producers.pop, id(root), None)
         self.costs.outputs[n.name] = tuple(NodeOutputSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                            for t in tensors)
         seqs = [t.grad_fn._sequence_nr() for t in tensors if t.grad_fn is not None]
@@ -262,9 +337,10 @@ class _Attribution(TorchDispatchMode):
     this one, counted them) to a graph node."""
 
     def __init__(self, counter: FlopCounterMode, interp: _Recorder, costs: NodeCosts,
-                 persistent: Optional[dict] = None, param_copies: Optional[dict] = None, traffic: Any = None):
+                 persistent: Optional[dict] = None, param_copies: Optional[dict] = None, traffic: Any = None,
+                 alive: Optional[_Alive] = None):
         super().__init__()
-        self.counter, self.interp, self.costs, self.traffic = counter, interp, costs, traffic
+        self.counter, self.interp, self.costs, self.traffic, self.alive = counter, interp, costs, traffic, alive
         self.persistent = persistent if persistent is not None else {}
         self.param_copies = param_copies if param_copies is not None else {}
         self._cast: set[int] = set()   # parameters already cast (autocast casts each once per region)
@@ -293,4 +369,8 @@ class _Attribution(TorchDispatchMode):
                 flops[owner] += delta
             if moved:
                 memory[owner] += moved
+        if self.alive is not None:
+            node = torch._C._current_autograd_node()
+            self.alive.add(func, out, (self.interp.creator(node._sequence_nr()) if node is not None else None)
+                           if self.alive.recording else None)
         return out

@@ -108,6 +108,11 @@ class Layer:
     per sample, ``cut_unbatched`` whole, and ``param_copy``: the bytes of the 2-byte weight casts
     autocast makes in this layer), or None when not measured (then the planner scales the float32
     figures by 2/4).
+    ``backward_temporary_bytes_per_sample``: the most the layer's backward holds above what it
+    started with (its gradient temporaries, such as a float32 softmax's gradient, less the saved
+    tensors it has freed by then), measured on the fake backward of capture
+    (:mod:`whalelike.graphs.costs`); 0 in a layer made by hand or captured before it was
+    (``autocast`` key ``backward_temporary`` under autocast).
     ``max_param_bytes``: the largest single parameter the layer owns (0: not recorded, a layer made
     by hand or captured before it was; the planner then takes ``param_bytes``), what ragged ZeRO
     shards hold of one full gradient at a time (:func:`planner.devices.memory.parameter_share`);
@@ -145,6 +150,7 @@ class Layer:
     forward_memory_bytes: float = 0.0
     backward_memory_bytes: float = 0.0
     cut_bytes_unbatched: float = 0.0
+    backward_temporary_bytes_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)
