@@ -144,10 +144,13 @@ def _run(argv: list[str], cwd: Path, where: str) -> None:
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
 
 
-def _check_yaml(text: str, where: str) -> None:
+def _check_yaml(text: str, where: str, work: Path) -> None:
     data = yaml.safe_load(text)
     first = text.lstrip().split("\n", 1)[0].strip()
-    if first == "# cluster":
+    named = FILE.match(first)
+    if named:   # written for a later command of the page; a cluster file is loaded as one too
+        (work / named.group(1)).write_text(text)
+    if first == "# cluster" or (named and isinstance(data, dict) and "hosts" in data):
         import whalelike as wl
         wl.Cluster.from_dict(data)
     elif first == "# job":
@@ -193,13 +196,7 @@ def test_the_page_s_blocks_run(page, tmp_path):
                 _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})")
             continue
         if kind == "yaml":
-            _check_yaml(text, where)
-            named = FILE.match(text.lstrip().split("\n", 1)[0])
-            if named:
-                (work / named.group(1)).write_text(text)
-                if isinstance(yaml.safe_load(text), dict) and "hosts" in yaml.safe_load(text):
-                    import whalelike as wl
-                    wl.Cluster.from_dict(yaml.safe_load(text))   # a cluster file written for later commands
+            _check_yaml(text, where, work)
         elif kind == "json":
             json.loads(text)
         elif kind == "bash":

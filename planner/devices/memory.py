@@ -622,8 +622,9 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     optimizer steps with its foreach kernels (:func:`runs_foreach` of the worker's device), which
     sizes its update's temporaries (:func:`update_bytes`)."""
     kept, once = recompute_of(cost, in_flight, recompute)
-    if transient_bytes(cost):   # a plain 0 is not added: such a stage prices as before, bit for bit
-        once = once + transient_bytes(cost)
+    transient = transient_bytes(cost)
+    if transient:   # a plain 0 is not added: such a stage prices as before, bit for bit
+        once = once + transient
     return MemoryTerms(
         weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,
