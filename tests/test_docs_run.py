@@ -39,6 +39,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import warm_python
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"bash", "python", "yaml", "json", "text"}
 NORUN = {
@@ -117,8 +119,16 @@ def _scratch(tmp_path: Path) -> Path:
     work = tmp_path / "work"
     work.mkdir()
     for entry in ROOT.iterdir():
-        if entry.name not in {".git", "out", "__pycache__"}:
+        if entry.name not in {".git", "out", "__pycache__", ".venv"}:
             (work / entry.name).symlink_to(entry)
+    venv = ROOT / ".venv"
+    server = warm_python.start()
+    if server is None:
+        (work / ".venv").symlink_to(venv)
+    else:   # the environment's commands (.venv/bin/torchrun, ...) as warm launchers (tests/warm_python.py)
+        (work / ".venv").mkdir()
+        for entry in venv.iterdir():
+            (work / ".venv" / entry.name).symlink_to(server["bin"] if entry.name == "bin" else entry)
     return work
 
 
@@ -137,8 +147,8 @@ def shrunk(command: str, port: int) -> str:
 
 
 def _run(argv: list[str], cwd: Path, where: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
-               f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = warm_python.environment(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
+                                       f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"))
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, (f"{where} failed (exit {done.returncode}):\n{' '.join(argv)}\n"
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
@@ -214,8 +224,9 @@ def test_the_page_s_blocks_run(page, tmp_path):
             script = work / f"block_{line}.py"
             script.write_text(text)
             ranks = TORCHRUN.match(text.split("\n", 1)[0])
-            argv = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks.group(1),
-                     "--master-port", str(_free_port()), script.name] if ranks else [sys.executable, script.name])
+            python = warm_python.python()
+            argv = ([python, "-m", "torch.distributed.run", "--nproc-per-node", ranks.group(1),
+                     "--master-port", str(_free_port()), script.name] if ranks else [python, script.name])
             _run(argv, work, where)
 
 
