@@ -8,7 +8,9 @@ tensor op or a collective), exactly as Python runs a script: ``__main__`` is the
 (``runpy.run_path``), its folder heads ``sys.path``, ``sys.argv`` is its command line, the
 working directory is the repository, the environment is the one given, stdout and stderr are
 files (so the bench's own subprocesses write there too), and the exit status is the script's.
-What differs from a cold start is only that the modules are imported already. The CPU seconds the
+What differs from a cold start is only that the modules are imported already, and that
+``sys.executable`` is ``tests/warm_python.py``'s launcher, so that the torchrun jobs and commands
+the bench starts from its folder start warm as well. The CPU seconds the
 bench used (its own and those of the subprocesses it waited for) join the launching process's
 ``dist_utils.RANK_CPU_S``, as a spawned rank's do, so that the suite's CPU accounting sees them.
 """
@@ -24,6 +26,7 @@ import traceback
 from dataclasses import dataclass
 
 import dist_utils
+import warm_python
 from dist_utils import _context
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,9 +42,11 @@ class Finished:
 def run_bench(name: str, args: list[str], env: dict[str, str], timeout_s: float) -> Finished:
     """``bench/{name}.py *args`` in a preloaded fresh process; raises TimeoutError past ``timeout_s``."""
     ctx = _context()
+    # what the bench launches (torchrun jobs, the CLI) through sys.executable's folder runs warm too
+    env, python = warm_python.environment(dict(env)), warm_python.python()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = ctx.Process(target=_main, args=(name, list(args), dict(env), out, err), daemon=False)
+        process = ctx.Process(target=_main, args=(name, list(args), env, out, err, python), daemon=False)
         process.start()
         process.join(timeout_s)
         if process.is_alive():
@@ -61,9 +66,10 @@ def _read(path: str) -> str:
         return ""
 
 
-def _main(name: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
+def _main(name: str, args: list[str], env: dict[str, str], out: str, err: str, python: str) -> None:
     os.environ.clear()
     os.environ.update(env)
+    sys.executable = python
     os.chdir(ROOT)
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -21,7 +21,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -32,7 +31,8 @@ import planner
 import whalelike as wl
 from dist_utils import free_port
 from reference import train_reference
-from torchrun_jobs import ROOT, TORCHRUN, TRAIN, children, env, final_state, load_workload, worker_of, workload_source
+import warm_python
+from torchrun_jobs import ROOT, TRAIN, children, env, final_state, load_workload, torchrun, worker_of, workload_source
 from whalelike.graphs.capture import capture
 
 STEPS, EVERY, BATCH = 24, 3, 16
@@ -95,8 +95,8 @@ def agent(folder, host: str, port: int, *, is_host: bool, plan: str = "plan.yaml
     with ``trigger`` (a path), started once that file exists."""
     conf = f"is_host={str(is_host).lower()},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
     path = folder / f"{host}-{time.monotonic_ns()}.log"
-    launcher = [TORCHRUN] if trigger is None else \
-        [sys.executable, "-c", WAITING_AGENT, str(path.with_suffix(".ready")), str(trigger)]
+    launcher = [torchrun()] if trigger is None else \
+        [warm_python.python(), "-c", WAITING_AGENT, str(path.with_suffix(".ready")), str(trigger)]
     command = [*launcher, "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"elastic-{port}", "--rdzv-conf", conf,
                "--max-restarts", str(restarts), "--monitor-interval", "0.2",

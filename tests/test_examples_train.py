@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 
 import planner
 import whalelike as wl
+import warm_python
 from dist_utils import run_ranks
 from reference import OPTIMIZERS, assert_engine_trains_like_reference, warm_capture
 from whalelike.cli import load_workload
@@ -104,7 +104,6 @@ def test_examples_train_exactly_under_their_plans(plans):
 
 # -- real data: train.py --data, checkpointed and resumed onto another plan ------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TEXT = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 TEXT_STEPS, TEXT_EVERY, TEXT_BATCH = 6, 3, 8
 
@@ -170,13 +169,14 @@ def _train_text(folder, plan: str, checkpoints: str) -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(port),
+    command = [warm_python.torchrun(), "--nproc_per_node", "2", "--master_port", str(port),
                os.path.join(ROOT, "examples", "train.py"), f"{folder}/byte_lm.py:build",
                "--plan", f"{folder}/plan-{plan}.yaml", "--cluster", f"{folder}/{plan}.yaml",
                "--data", TEXT, "--steps", str(TEXT_STEPS), "--checkpoint-dir", f"{folder}/{checkpoints}",
                "--checkpoint-every", str(TEXT_EVERY), "--balance", "off", "--timeout", "60", "--seed", "3",
                "--lr", "0.05"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = warm_python.environment({**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                   "OMP_NUM_THREADS": "1"})
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -217,8 +217,10 @@ def _train_py(*args: str, torchrun: bool = True) -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(port)] if torchrun else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    launcher = ([warm_python.torchrun(), "--nproc_per_node", "2", "--master_port", str(port)] if torchrun
+                else [warm_python.python()])
+    env = warm_python.environment({**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                   "OMP_NUM_THREADS": "1"})
     return subprocess.run([*launcher, os.path.join(ROOT, "examples", "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -7,11 +7,11 @@ import argparse
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import warm_python
 from runtime.launch import job as jobs
 from runtime.launch import trainer
 from test_examples_train import BYTE_LM, _two_devices
@@ -19,7 +19,6 @@ from test_examples_train import BYTE_LM, _two_devices
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "examples", "job.yaml")
 TEXT = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def test_the_example_job_loads_with_its_defaults_and_overrides():
@@ -92,8 +91,9 @@ def _launch(command: list, tmp_path) -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(port), *command], cwd=ROOT,
+    env = warm_python.environment({**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                   "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([warm_python.torchrun(), "--nproc_per_node", "2", "--master_port", str(port), *command], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

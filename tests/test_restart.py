@@ -25,7 +25,7 @@ import torch
 import planner
 import whalelike as wl
 from dist_utils import free_port as _free_port
-from torchrun_jobs import ROOT, TORCHRUN, env as _env, final_state, load_workload, processes, workload_source
+from torchrun_jobs import ROOT, env as _env, final_state, load_workload, processes, torchrun, workload_source
 from whalelike.graphs.capture import capture
 
 STEPS, EVERY = 24, 4
@@ -55,7 +55,7 @@ def job(tmp_path_factory):
 
 
 def train_command(folder, checkpoints: str, *extra: str) -> list[str]:
-    return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()), *extra,
+    return [torchrun(), "--nproc_per_node", "2", "--master_port", str(_free_port()), *extra,
             os.path.join(ROOT, "examples", "train.py"), f"{folder}/workload.py:build", "--plan", f"{folder}/plan.yaml",
             "--cluster", f"{folder}/cluster.yaml", "--steps", str(STEPS), "--checkpoint-dir", f"{folder}/{checkpoints}",
             "--checkpoint-every", str(EVERY), "--balance", "off", "--timeout", "20"]
@@ -110,7 +110,7 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(job):
     (["--plan", "{folder}/plan.yaml", "--steps", "two"], "--steps: invalid int value"),
 ])
 def test_user_errors_are_one_line_per_job(job, argv, fragment):
-    command = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    command = [torchrun(), "--nproc_per_node", "2", "--master_port", str(_free_port()),
                os.path.join(ROOT, "examples", "train.py"), f"{job}/workload.py:build",
                "--cluster", f"{job}/cluster.yaml", *(a.format(folder=job) for a in argv)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
 """What the tests that launch ``examples/train.py`` under real torchrun share: the torchrun
-binary, the environment its workers need, a small MLP workload (float32 or float64) written to a
+binary (warm: ``tests/warm_python.py``), the environment its workers need, a small MLP workload (float32 or float64) written to a
 folder, the final state of a checkpoint, and finding a job's worker processes (all, a child's, or
 an agent's worker of a given local rank).
 """
@@ -11,8 +11,9 @@ import textwrap
 
 import torch
 
+import warm_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 
 
@@ -48,9 +49,15 @@ def load_workload(folder):
     return build()
 
 
+def torchrun() -> str:
+    """torchrun, started warm (``tests/warm_python.py``; with ``env()``'s environment)."""
+    return warm_python.torchrun()
+
+
 def env(**extra: str) -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-            **extra}
+    """The environment of a job: the library on the path, one thread per rank, warm launchers."""
+    return warm_python.environment({**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                    "OMP_NUM_THREADS": "1", **extra})
 
 
 def final_state(directory, out) -> dict:
@@ -78,7 +85,9 @@ def processes(match) -> list[int]:
 
 
 def children(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes (``/proc/PID/stat``'s parent field)."""
+    """The pids of ``pid``'s child processes (``/proc/PID/stat``'s parent field); of a warm launcher,
+    its command's."""
+    pid = warm_python.command_of(pid) or pid
     found = []
     for child in filter(str.isdigit, os.listdir("/proc")):
         try:

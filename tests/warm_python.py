@@ -51,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -170,6 +169,10 @@ def _monitor(conn: socket.socket, ledger: str) -> None:
             os._exit(code)
     for fd in fds:
         os.close(fd)
+    # which process runs the launcher's command (command_of), while it runs
+    record = os.path.join(os.path.dirname(ledger), "pids", str(request["launcher"]))
+    with open(record, "w") as f:
+        f.write(str(pid))
     send(conn, {"pid": pid})
 
     def forward():
@@ -189,6 +192,8 @@ def _monitor(conn: socket.socket, ledger: str) -> None:
 
     threading.Thread(target=forward, daemon=True).start()
     _, status, usage = os.wait4(pid, 0)
+    with _suppress():
+        os.unlink(record)
     with open(ledger, "a") as f:
         f.write(f"{usage.ru_utime + usage.ru_stime:.3f}\n")
     with _suppress():
@@ -332,6 +337,7 @@ def start() -> Optional[dict]:
     folder = Path(tempfile.mkdtemp(prefix="wl-warm-"))
     path, ledger = str(folder / "socket"), str(folder / "ledger")
     Path(ledger).touch()
+    (folder / "pids").mkdir()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT))
     main = f"import sys; sys.path.insert(0, {str(HERE)!r}); import warm_python; warm_python.serve({path!r}, {ledger!r})"
     proc = subprocess.Popen([sys.executable, "-c", main], env=env,
@@ -367,12 +373,23 @@ def cpu_s() -> float:
         return sum(float(line) for line in f if line.strip())
 
 
+def command_of(launcher_pid: int) -> Optional[int]:
+    """The pid of the process running the command of the warm launcher ``launcher_pid`` (the
+    launcher's children are the command's: a test that walks a process tree asks here), or None
+    when ``launcher_pid`` is not a running warm launcher of this process's server."""
+    if _server.get("pid") != os.getpid():
+        return None
+    try:
+        return int((_server["folder"] / "pids" / str(launcher_pid)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _write_launchers(bin_dir: Path, socket_path: str) -> None:
     """``python`` and ``python3`` launchers, and one per console script of this environment's bin
     (a Python script whose first line names this interpreter)."""
     bin_dir.mkdir(parents=True)
     real = sys.executable
-    shim = HERE / "warm_shim.py"
     names = {"python": None, "python3": None, f"python{sys.version_info[0]}.{sys.version_info[1]}": None}
     venv_bin = Path(real).parent
     for entry in sorted(venv_bin.iterdir()):
@@ -405,6 +422,18 @@ def environment(env: dict) -> dict:
 
 def python() -> str:
     """The interpreter to run a warm command with (the real one when turned off)."""
+    return launcher("python")
+
+
+def torchrun() -> str:
+    """torchrun, warm (the environment's own when turned off)."""
+    return launcher("torchrun")
+
+
+def launcher(name: str) -> str:
+    """The warm launcher of the environment's command ``name`` (``python``, ``torchrun``,
+    ``whalelike``), or the command itself when turned off."""
     server = start()
-    return sys.executable if server is None else str(server["bin"] / "python")
+    real = Path(sys.executable).parent / name if name != "python" else Path(sys.executable)
+    return str(real) if server is None else str(server["bin"] / name)
 

@@ -109,7 +109,7 @@ def main(real: str, script) -> None:
     mask = os.umask(0)
     os.umask(mask)
     _send(sock, {"kind": kind, "target": target, "argv": command_argv, "unbuffered": unbuffered,
-                 "cwd": os.getcwd(), "env": dict(os.environ), "umask": mask, "fds": fds,
+                 "cwd": os.getcwd(), "env": dict(os.environ), "umask": mask, "fds": fds, "launcher": os.getpid(),
                  "executable": os.path.abspath(sys.argv[0]) if not script else os.path.join(
                      os.path.dirname(os.path.abspath(sys.argv[0])), "python")}, fds)
     started = _receive(sock)
