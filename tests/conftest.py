@@ -29,73 +29,105 @@ import os
 # two workers on two cores, each with its ranks, must not oversubscribe the cores with intra-op threads
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# node-id prefix -> seconds (a timed run on two workers; a module's prefix: all its tests).
+# node-id prefix -> seconds (a timed run on three workers, setup and call; a module's prefix: all its tests).
 # The head of the first half: tests whose ranks compute throughout (two cores' worth or more).
 COMPUTING = {
-    "test_tp_transformers.py::test_transformer_blocks_split_unevenly_match_single_process": 62,
-    "test_examples_train.py::test_examples_train_exactly_under_their_plans": 60,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[memory]": 45,
-    "test_real_models.py::": 45,
-    "test_zero.py::test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts": 45,
-    "test_zero_memory.py::": 30,
-    "test_expert_parallel.py::": 35,
-    "test_sharding_forms.py::": 60,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_vs_spec]": 25,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_examples]": 25,
-    "test_encoder_decoder.py::test_encoder_decoder_and_root_glue_train_exactly_under_their_plans": 30,
-    "test_tied_weights.py::test_tied_weights_across_stages_match_single_process_reference": 31,
-    "test_batchnorm.py::test_synchronised_batchnorm_matches_single_process_reference": 29,
-    "test_sharded_loss.py::test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded": 26,
-    "test_recompute.py::test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory_drops_as_predicted": 22,
-    "test_boundary_resharding.py::": 18,
-    "test_runtime_dp.py::test_engine_data_parallel_matches_single_process": 13,
-    "test_training_recipe.py::test_training_recipe_matches_single_process_reference": 12,
+    "test_tp_transformers.py::test_transformer_blocks_split_unevenly_match_single_process": 65,
+    "test_examples_train.py::test_examples_train_exactly_under_their_plans": 63,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[memory]": 74,
+    "test_real_models.py::": 86,
+    "test_zero.py::test_zero_stages_train_exactly_hold_their_rows_and_checkpoint_across_layouts": 53,
+    "test_zero_memory.py::": 45,
+    "test_expert_parallel.py::": 45,
+    "test_sharding_forms.py::": 72,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_vs_spec]": 13,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[profile_examples]": 21,
+    "test_encoder_decoder.py::test_encoder_decoder_and_root_glue_train_exactly_under_their_plans": 26,
+    "test_tied_weights.py::test_tied_weights_across_stages_match_single_process_reference": 69,
+    "test_batchnorm.py::test_synchronised_batchnorm_matches_single_process_reference": 26,
+    "test_sharded_loss.py::test_every_form_trains_exactly_and_recognised_forms_keep_the_head_sharded": 21,
+    "test_recompute.py::test_recomputing_stages_train_exactly_like_the_reference_and_measured_memory_drops_as_predicted": 32,
+    "test_boundary_resharding.py::": 13,
+    "test_runtime_dp.py::test_engine_data_parallel_matches_single_process": 6,
+    "test_training_recipe.py::test_training_recipe_matches_single_process_reference": 14,
     "test_runtime_tp.py::test_split_through_the_engine_matches_single_process": 12,
-    "test_pipeline.py::test_pipeline_matches_single_process_reference": 12,
-    "test_replica_sync.py::test_ddp_sync_keeps_uneven_replicas_in_step_on_two_ranks": 12,
-    "test_state_transfer.py::test_switching_plans_mid_training_matches_single_process_reference": 10,
-    "test_tensor_parallel.py::test_uneven_tensor_parallel_matches_single_process": 8,
-    "test_eager_pipeline.py::": 5,
-    "test_guards.py::test_guards_on_two_ranks": 5,
-    "test_evaluation.py::": 12,   # three ranks train and evaluate under three plans
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[real_job]": 60,  # 4 ranks, then a 2-rank torchrun job
-    "test_pretrained.py::test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrained_loads": 40,
-    "test_idle_state.py::": 25,
+    "test_pipeline.py::test_pipeline_matches_single_process_reference": 10,
+    "test_replica_sync.py::test_ddp_sync_keeps_uneven_replicas_in_step_on_two_ranks": 1,
+    "test_state_transfer.py::test_switching_plans_mid_training_matches_single_process_reference": 8,
+    "test_tensor_parallel.py::test_uneven_tensor_parallel_matches_single_process": 5,
+    "test_eager_pipeline.py::": 8,
+    "test_guards.py::test_guards_on_two_ranks": 2,
+    "test_evaluation.py::": 7,   # three ranks train and evaluate under three plans
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[real_job]": 87,  # 4 ranks, then a 2-rank torchrun job
+    "test_pretrained.py::test_each_rank_reads_its_uneven_pieces_and_any_plan_saves_what_from_pretrained_loads": 31,
+    "test_few_devices.py::test_every_example_trains_on_one_device_like_the_plain_loop": 42,
+    "test_capture_cache.py::": 75,   # one core: captures of transformers models, fresh and from the cache
+    "test_empty_weights.py::": 16,
+    "test_plan_candidates.py::": 20,
+    "test_idle_state.py::": 20,
 }
 # The head of the second half: tests that mostly wait (emulated slow steps, torchrun launches and
 # restarts, ranks timing out) or compute on one core, so they leave the other worker's ranks room.
 WAITING = {
-    "test_restart.py::": 72,
-    "test_elastic.py::": 130,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[elastic]": 100,
-    "test_profile.py::test_profile_recovers_what_the_emulation_was_given": 15,
-    "test_partial_reduce.py::": 25,
-    "test_dynamic_balance.py::": 36,
-    "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run": 35,
-    "test_runtime_faults.py::": 31,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_dp]": 20,
-    "test_zero.py::test_an_emulated_device_enforces_its_memory": 11,   # a rank waits out its peer's timeout
-    "test_zero_ragged_planning.py::": 18,
-    "test_tp_blocks.py::": 18,
-    "test_checkpoint.py::": 15,
-    "test_cli.py::": 15,
-    "test_packed_data.py::": 8,   # one core: imports datasets and transformers, trains a tokenizer
-    "test_examples_train.py::test_train_py_runs_the_recipe_in_bf16_with_clipping_and_a_warm_cosine_schedule": 14,
-    "test_import_graph.py::": 12,
-    "test_bad_inputs.py::test_many_devices_plan_when_the_layer_is_wide_enough": 12,
-    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_pp]": 12,
-    "test_examples_capture.py::": 11,
-    "test_bench_smoke.py::": 10,   # the other benches' smoke runs, about 10 s each
-    "test_layout.py::": 9,
-    "test_capture.py::test_fingerprint_stable_across_processes": 8,
-    "test_launch.py::test_whalelike_train_runs_the_example_job_like_train_py": 35,   # two torchrun jobs
-    "test_metrics.py::": 12,
-    "test_docs_run.py::test_the_page_s_blocks_run": 60,   # each page's torchrun jobs and plans, in order
+    "test_restart.py::": 29,
+    "test_elastic.py::": 46,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[elastic]": 55,
+    "test_profile.py::test_profile_recovers_what_the_emulation_was_given": 13,
+    "test_partial_reduce.py::": 29,
+    "test_dynamic_balance.py::": 53,
+    "test_examples_train.py::test_text_run_resumed_onto_other_shares_trains_like_the_uninterrupted_run": 3,
+    "test_runtime_faults.py::": 29,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_dp]": 11,
+    "test_zero.py::test_an_emulated_device_enforces_its_memory": 3,   # a rank waits out its peer's timeout
+    "test_zero_ragged_planning.py::": 21,
+    "test_tp_blocks.py::": 26,
+    "test_checkpoint.py::": 17,
+    "test_cli.py::": 35,
+    "test_packed_data.py::": 4,   # one core: imports datasets and transformers, trains a tokenizer
+    "test_examples_train.py::test_train_py_runs_the_recipe_in_bf16_with_clipping_and_a_warm_cosine_schedule": 1,
+    "test_dist_utils.py::": 18,   # ranks that hang until their timeout
+    "test_import_graph.py::": 9,
+    "test_bad_inputs.py::test_many_devices_plan_when_the_layer_is_wide_enough": 31,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_pp]": 11,
+    "test_examples_capture.py::": 25,
+    # the other benches' smoke runs at or above 8 s, then the rest together
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[gpu_check]": 26,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[pipeline_shares]": 26,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[checkpoint_cost]": 14,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[pipeline_comm]": 14,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[overhead]": 14,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[straggler_tp]": 13,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[lab_plans]": 12,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[zero_hetero]": 12,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[prague]": 10,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[precision]": 10,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[tp_moe]": 9,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[tp_transformer]": 9,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[pp_vs_pipelining]": 8,
+    "test_bench_smoke.py::test_bench_smoke_run_ends_with_its_headline[tp_vs_dtensor]": 8,
+    "test_bench_smoke.py::": 6,   # the other benches' smoke runs, about 5 s each
+    "test_layout.py::": 6,
+    "test_capture.py::test_fingerprint_stable_across_processes": 17,
+    "test_launch.py::test_whalelike_train_runs_the_example_job_like_train_py": 5,   # two torchrun jobs
+    "test_metrics.py::": 2,
+    # each page on its own (its torchrun jobs and plans, in order), so the pages spread over the workers
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/training-recipe.md]": 93,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/quickstart.md]": 55,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/real-job.md]": 55,
+    "test_docs_run.py::test_the_page_s_blocks_run[README.md]": 53,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/data.md]": 46,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/profiling.md]": 41,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/your-model.md]": 35,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/multi-node-elastic.md]": 24,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/checkpoints.md]": 13,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/big-models.md]": 10,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/options.md]": 5,
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/balancing.md]": 5,
 }
 # Before everything else in the second half: train.py's one-line usage errors, where the quiet rank
 # waits at most 10 s for rank 0 to have printed, so they run while the other worker's first test is
 # still planning in its own process (the least loaded moment of the run).
-LOAD_SENSITIVE = {"test_restart.py::test_user_errors_are_one_line_per_job": 34}
+LOAD_SENSITIVE = {"test_restart.py::test_user_errors_are_one_line_per_job": 23}
 
 
 def _group(nodeid: str, table: dict) -> str | None:

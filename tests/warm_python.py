@@ -25,7 +25,10 @@ same argv. In the command, ``sys.executable`` is the launcher, so what it starts
 What differs from a cold start, and why it is acceptable here: the modules of :data:`PRELOAD` are
 already imported (a missing import in the library could hide; ``tests/test_import_graph.py`` and
 the cold runs the other tests make keep that covered), and every process forked from one server
-shares its string-hash seed (a cold interpreter draws its own). The rest is reset as a fresh
+shares its string-hash seed (a cold interpreter draws its own). The server is single-threaded when it forks but for the allocator's own
+background thread that ``pyarrow`` (``datasets``) starts, which jemalloc makes safe across
+``fork`` (its ``pthread_atfork`` handlers); it runs no tensor op and no collective, so no torch
+thread pool or process group is inherited. The rest is reset as a fresh
 interpreter has it: ``os.environ`` (C level too), ``sys.argv``, ``sys.path`` from the command's
 ``PYTHONPATH`` and script directory, the standard streams (line-buffered on a terminal, unbuffered
 with ``-u``), signal handlers, and the random generators (``random`` and numpy reseeded from the
