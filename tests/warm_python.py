@@ -43,19 +43,19 @@ from __future__ import annotations
 
 import atexit
 import io
-import json
 import os
 import shutil
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
+
+from warm_shim import receive, send   # the framing the launchers speak
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -77,43 +77,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.dis
 
 TORCH_INITIAL_SEED = 67280421310721      # torch's default generator's seed in a fresh process
 
-_HEADER = struct.Struct("!I")
 _BASE_PATH: list[str] = []   # the server's: a cold interpreter's sys.path past its script directory and PYTHONPATH
 _MAX_FDS = 250
-
-
-# -- framing: a length-prefixed JSON message, file descriptors alongside the first one ------------
-def send(sock: socket.socket, message: dict, fds: tuple = ()) -> None:
-    body = json.dumps(message).encode()
-    data = _HEADER.pack(len(body)) + body
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
-
-
-def receive(sock: socket.socket, max_fds: int = 0) -> tuple[Optional[dict], list[int]]:
-    """The next message and the descriptors sent with it; (None, []) at end of stream."""
-    fds: list[int] = []
-    if max_fds:
-        data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
-    else:
-        data = sock.recv(_HEADER.size)
-    if not data:
-        return None, fds
-    while len(data) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(data))
-        if not more:
-            return None, fds
-        data += more
-    (length,) = _HEADER.unpack(data)
-    body = b""
-    while len(body) < length:
-        more = sock.recv(length - len(body))
-        if not more:
-            return None, fds
-        body += more
-    return json.loads(body), fds
 
 
 # -- the server -------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def _parse(argv: list[str]):
     return None   # an interactive interpreter
 
 
-def _send(sock, message, fds=()):
+def send(sock, message, fds=()):
+    """A length-prefixed JSON message, ``fds`` (file descriptors) alongside it."""
     body = json.dumps(message).encode()
     data = _HEADER.pack(len(body)) + body
     if fds:
@@ -55,21 +56,28 @@ def _send(sock, message, fds=()):
         sock.sendall(data)
 
 
-def _receive(sock):
-    data = b""
+def receive(sock, max_fds=0):
+    """The next message and the descriptors sent with it; (None, []) at the end of the stream."""
+    fds = []
+    if max_fds:
+        data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
+        if not data:
+            return None, fds
+    else:
+        data = b""
     while len(data) < _HEADER.size:
         more = sock.recv(_HEADER.size - len(data))
         if not more:
-            return None
+            return None, fds
         data += more
     (length,) = _HEADER.unpack(data)
     body = b""
     while len(body) < length:
         more = sock.recv(length - len(body))
         if not more:
-            return None
+            return None, fds
         body += more
-    return json.loads(body)
+    return json.loads(body), fds
 
 
 def _open_fds(exclude: int) -> list[int]:
@@ -108,11 +116,11 @@ def main(real: str, script) -> None:
     fds = _open_fds(sock.fileno())
     mask = os.umask(0)
     os.umask(mask)
-    _send(sock, {"kind": kind, "target": target, "argv": command_argv, "unbuffered": unbuffered,
+    send(sock, {"kind": kind, "target": target, "argv": command_argv, "unbuffered": unbuffered,
                  "cwd": os.getcwd(), "env": dict(os.environ), "umask": mask, "fds": fds, "launcher": os.getpid(),
                  "executable": os.path.abspath(sys.argv[0]) if not script else os.path.join(
                      os.path.dirname(os.path.abspath(sys.argv[0])), "python")}, fds)
-    started = _receive(sock)
+    started, _ = receive(sock)
     if started is None:
         sys.exit("warm python: the server closed the connection before starting the command")
     for fd in fds:
@@ -121,13 +129,13 @@ def main(real: str, script) -> None:
 
     def forward(signum, frame):
         try:
-            _send(sock, {"signal": signum})
+            send(sock, {"signal": signum})
         except OSError:
             pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    ended = _receive(sock)
+    ended, _ = receive(sock)
     if ended is None:
         sys.exit("warm python: the server went away while the command ran")
     status = ended["status"]
