@@ -11,7 +11,7 @@ for each command. Nothing is stubbed: torchrun's agent, the CLIs and the scripts
 code with their real arguments, in their own process, session, working directory and
 environment, with the caller's open file descriptors at the same numbers.
 
-How a command reaches it: :func:`shim_bin` writes a directory of small launchers (``python``,
+How a command reaches it: :func:`start` writes a directory of small launchers (``python``,
 ``python3``, and one per console script of the environment: ``torchrun``, ``whalelike``, ...)
 that take the place of the interpreter. A launcher (:mod:`warm_shim`, stdlib only, started with
 ``-S``: tens of milliseconds) sends its argv, environment, working directory and file descriptors
