@@ -303,6 +303,9 @@ def start() -> Optional[dict]:
     if _server.get("pid") == os.getpid():
         return _server
     folder = Path(tempfile.mkdtemp(prefix="wl-warm-"))
+    if len(str(folder / "socket")) > 100:   # a Unix socket's path holds at most 107 bytes: a long TMPDIR
+        shutil.rmtree(folder)
+        folder = Path(tempfile.mkdtemp(prefix="wl-warm-", dir="/tmp"))
     path, ledger = str(folder / "socket"), str(folder / "ledger")
     Path(ledger).touch()
     (folder / "pids").mkdir()
