@@ -42,6 +42,8 @@ children's) is appended to the server's ledger, which :func:`cpu_s` sums.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -83,8 +85,8 @@ _MAX_FDS = 250
 
 # -- the server -------------------------------------------------------------------------------------
 def serve(path: str, ledger: str) -> None:
-    """Import :data:`PRELOAD`, then fork a monitor for each connection (``python warm_python.py
-    serve SOCKET LEDGER``); runs until killed."""
+    """Import :data:`PRELOAD`, then fork a monitor for each connection on the Unix socket ``path``,
+    appending each command's CPU seconds to ``ledger``; runs until killed (:func:`start` runs it)."""
     import gc
     import importlib
     import warnings
@@ -150,30 +152,22 @@ def _monitor(conn: socket.socket, ledger: str) -> None:
             except OSError:
                 message = None
             if message is None:   # the launcher is gone: so is its command
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
                 return
-            with _suppress():
+            with contextlib.suppress(OSError):
                 os.kill(pid, message["signal"])
 
     threading.Thread(target=forward, daemon=True).start()
     _, status, usage = os.wait4(pid, 0)
-    with _suppress():
+    with contextlib.suppress(OSError):
         os.unlink(record)
     with open(ledger, "a") as f:
         f.write(f"{usage.ru_utime + usage.ru_stime:.3f}\n")
-    with _suppress():
+    with contextlib.suppress(OSError):
         send(conn, {"status": status})
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, OSError)
 
 
 def _command(request: dict, fds: list[int]) -> int:
@@ -181,15 +175,15 @@ def _command(request: dict, fds: list[int]) -> int:
     as Python would."""
     os.setsid()
     numbers = request["fds"]
-    # the received descriptors to their numbers in the launcher, without clobbering one not yet moved
-    staged = [os.dup(fd) for fd in fds]
+    # the received descriptors to their numbers in the launcher: first above every number in play, so
+    # that no move closes a descriptor not yet moved
+    floor = max([*numbers, *fds], default=2) + 1
+    staged = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
     for fd in fds:
         os.close(fd)
     for number, fd in zip(numbers, staged):
         os.dup2(fd, number, inheritable=True)
-    for fd in staged:
-        if fd not in numbers:
-            os.close(fd)
+        os.close(fd)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -328,7 +322,7 @@ def start() -> Optional[dict]:
 def stop() -> None:
     proc = _server.get("proc")
     if proc is not None and _server.get("pid") == os.getpid():
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         shutil.rmtree(_server["folder"], ignore_errors=True)
