@@ -120,21 +120,22 @@ def main(real: str, script) -> None:
                  "cwd": os.getcwd(), "env": dict(os.environ), "umask": mask, "fds": fds, "launcher": os.getpid(),
                  "executable": os.path.abspath(sys.argv[0]) if not script else os.path.join(
                      os.path.dirname(os.path.abspath(sys.argv[0])), "python")}, fds)
+
+    def forward(signum, frame):
+        try:
+            send(sock, {"signal": signum})
+        except OSError:   # the server is gone: the end of the stream tells the launcher so
+            pass
+
+    # from the request on, a signal goes to the command (the monitor reads it once the command runs)
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     started, _ = receive(sock)
     if started is None:
         sys.exit("warm python: the server closed the connection before starting the command")
     for fd in fds:
         if fd > 2:
             os.close(fd)
-
-    def forward(signum, frame):
-        try:
-            send(sock, {"signal": signum})
-        except OSError:
-            pass
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
     ended, _ = receive(sock)
     if ended is None:
         sys.exit("warm python: the server went away while the command ran")
