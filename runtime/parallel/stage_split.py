@@ -50,6 +50,7 @@ from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputR
     route_outputs
 from whalelike.graphs.capture_cache import DERIVED_META
 from whalelike.graphs.taskgraph import LAYER_META
+from whalelike.graphs.tracing import deferred, deferred_code, graph_module
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Opt
     for node in gm.graph.nodes:   # split_module copies meta, not names: each copy remembers its node's name
         node.meta[_SOURCE_NAME] = node.name
     try:
-        root = split_module(gm, gm, stage_of, keep_original_order=True)
+        with deferred_code():   # stages get their code when they first run, not at every pass below
+            root = deferred(split_module(gm, gm, stage_of, keep_original_order=True))
     finally:
         for node in gm.graph.nodes:
             node.meta.pop(_SOURCE_NAME, None)
@@ -308,7 +310,7 @@ def _route_outputs(gm: fx.GraphModule, node_stage: Mapping[str, int], num_stages
         raise StageSplitError(str(e)) from None
     if not routes.forwarded and not routes.dropped:
         return gm, dict(node_stage), routes
-    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    gm = graph_module(gm, _copy_graph(gm.graph))
     stages = dict(node_stage)
     nodes = {n.name: n for n in gm.graph.nodes}
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -354,7 +356,7 @@ def _localize_input_sizes(gm: fx.GraphModule, node_stage: Mapping[str, int]) -> 
     """
     if not any(_is_input_size(n) for n in gm.graph.nodes):
         return gm, dict(node_stage)
-    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    gm = graph_module(gm, _copy_graph(gm.graph))
     stages = dict(node_stage)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in [n for n in gm.graph.nodes if _is_input_size(n)]:

@@ -50,6 +50,7 @@ from torch.fx.passes.split_module import split_module
 
 from runtime.parallel.stage_split import attribute_tensor, sink_attribute
 from runtime.training.recompute import layer_units
+from whalelike.graphs.tracing import deferred, deferred_code
 
 UNITS = "units"   # the stage module's child that holds the layered module
 _CUT = "_wl_stage_units"   # instance attribute: the unit paths of a cut stage
@@ -72,7 +73,8 @@ def cut(stage: fx.GraphModule) -> list[str]:
     # split_module registers every attribute it copies as persistent
     transient = {id(b) for m in stage.modules() for n, b in m.named_buffers(recurse=False)
                  if n in m._non_persistent_buffers_set}
-    layered = split_module(stage, stage, units.__getitem__, keep_original_order=True)
+    with deferred_code():   # the units' code is made when they first run (whalelike.graphs.tracing)
+        layered = deferred(split_module(stage, stage, units.__getitem__, keep_original_order=True))
     _sink_single_use_parameters(layered)
     for module in layered.modules():
         for name, buffer in module.named_buffers(recurse=False):

@@ -72,6 +72,7 @@ from torch.utils.checkpoint import checkpoint
 
 from whalelike.graphs.nodes import mutates
 from whalelike.graphs.taskgraph import LAYER_META
+from whalelike.graphs.tracing import deferred, deferred_code
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ def wrap_graph_layers(stage: fx.GraphModule) -> int:
     if not units:   # nothing computes (a stage that only forwards its inputs): nothing to keep or recompute
         object.__setattr__(stage, _LAYERS, None)
         return 0
-    layered = split_module(stage, stage, units.__getitem__, keep_original_order=True)
+    with deferred_code():   # the units' code is made when they first run (whalelike.graphs.tracing)
+        layered = deferred(split_module(stage, stage, units.__getitem__, keep_original_order=True))
     count = 0
     for name, sub in layered.named_children():
         if name.startswith("submod_"):

@@ -15,6 +15,12 @@ Two front ends, tried in order:
 Both graphs share the model's parameters (no copies). Each node gets ``meta["wl_path"]`` (the
 innermost module path, ``""`` for the model's own code) and ``meta["wl_scope"]`` (the forward-time
 scope or None).
+
+Both are deferred (:class:`DeferredGraphModule`): a graph module's Python code is generated when it is first
+called (or its ``code`` read), not on every ``recompile()``. Why: every fx pass ends by regenerating
+and compiling the whole module's code (and its graph submodules'), and capture's passes and the
+stage split run a dozen of them on graphs that are then cut up, interpreted on fake tensors or
+dropped: 70% of capturing and cutting a small Llama into stages went to code that never ran.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils._pytree import tree_leaves, tree_map
 
 from whalelike.errors import CaptureError
@@ -39,6 +46,56 @@ from whalelike.graphs.output_tree import flatten_output, is_foreign_tree, rebuil
 from whalelike.strategy import current_scope
 
 log = logging.getLogger(__name__)
+
+
+class DeferredGraphModule(_LazyGraphModule):
+    """A graph module whose ``recompile()`` only marks its code stale; the code is generated when the
+    module is first called, its ``code`` read, or it is printed or pickled.
+
+    Why not torch's ``_LazyGraphModule`` as it is (what torch's own graph passes use, the same
+    deferral): its first call generates the code and then calls the module again, so the hooks
+    registered on the module (FSDP's unshard and reshard, a user's) would run twice on that call.
+    Here the first call generates the code and runs the new ``forward`` inside the call already
+    under way: hooks run once. Invariant: a deferred module computes exactly what a plain
+    ``fx.GraphModule`` of the same graph computes; only when its code is made differs."""
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.real_recompile()
+        return self.forward(*args, **kwargs)
+
+    forward = _lazy_forward
+
+
+def deferred(module: nn.Module) -> nn.Module:
+    """Make every graph module in ``module``'s tree that torch made deferred (``split_module`` under
+    :func:`deferred_code`) a :class:`DeferredGraphModule`, so that its first call runs its hooks
+    once; returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, _LazyGraphModule) and not isinstance(m, DeferredGraphModule):
+            _defer(m)
+    return module
+
+
+def _defer(gm: fx.GraphModule) -> DeferredGraphModule:
+    """``gm`` itself, its class swapped for a :class:`DeferredGraphModule` of its own (fx gives every
+    graph module a class of its own, which its code is installed on). The instance keeps all it
+    holds (every parameter and buffer with its persistence, its graph, meta and hooks): the classes
+    swapped from (``fx.GraphModule``, torch's deferred one, torch.export's unlifted module) keep
+    their state on the instance, and the deferred class adds none."""
+    gm.__class__ = type("GraphModuleImpl", (DeferredGraphModule,), {})
+    gm.recompile()
+    return gm
+
+
+def deferred_code() -> contextlib.AbstractContextManager:
+    """While open, the graph modules torch's passes build (``split_module``'s) defer their code
+    (pass their result through :func:`deferred` before anything runs it)."""
+    return _use_lazy_graph_module(True)
+
+
+def graph_module(root: Any, graph: fx.Graph, class_name: str = "GraphModule") -> DeferredGraphModule:
+    """``fx.GraphModule(root, graph, class_name)``, its code generated when first needed."""
+    return DeferredGraphModule(root, graph, class_name)
 
 
 def trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, str]:
@@ -63,7 +120,7 @@ class Trace:
 
     def bind(self, model: nn.Module) -> fx.GraphModule:
         if self.method == "fx":
-            return fx.GraphModule(model, _copy_graph(self.graph), self.class_name)
+            return graph_module(model, _copy_graph(self.graph), self.class_name)
         program = copy.copy(self.program)
         program._state_dict = {name: attribute(model, name) for name in self.program.state_dict}
         program._constants = {name: attribute(model, name) if name in self.model_constants else value
@@ -125,7 +182,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
     # Non-tensor inputs (None masks, flags) are constants of the trace, as they are of the model call.
     concrete = {k: v for k, v in bound.arguments.items() if not isinstance(v, torch.Tensor)}
     graph = tracer.trace(model, concrete_args=concrete or None)
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = graph_module(tracer.root, graph, type(model).__name__)
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
     rebuild_output(gm, *getattr(tracer, "output_tree", (None, None)))
@@ -157,7 +214,7 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule
 def _finish_export(program, model: nn.Module) -> fx.GraphModule:
     """The graph module of an exported ``program`` of ``model``, as the rest of capture expects it."""
     # Guards re-check input shapes on every call; the runtime splits this graph, so keep it pure dataflow.
-    gm = program.module(check_guards=False)
+    gm = _defer(program.module(check_guards=False))
     for node in gm.graph.nodes:
         node.meta["wl_path"] = _innermost_path(node)
         node.meta["wl_scope"] = node.meta.get("custom", {}).get("wl_scope")
@@ -226,7 +283,7 @@ def placeholder_values(gm: fx.GraphModule, method: str, model: nn.Module, args: 
     if method == "export":
         from torch.export._tree_utils import reorder_kwargs
 
-        values = tree_leaves((tuple(args), reorder_kwargs(kwargs, gm._in_spec)))
+        values = tree_leaves((tuple(args), reorder_kwargs(kwargs, gm.graph._codegen.pytree_info.in_spec)))
     else:  # fx: one placeholder per forward parameter, defaults included
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
         bound.apply_defaults()
