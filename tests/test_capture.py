@@ -234,3 +234,39 @@ def test_forward_time_scopes_survive_the_export_path():
     assert [str(t.strategy) for t in g] == ["replicate(2)", "split(2)"]
     calls = {n.target: g.node_taskgraph[n.name] for n in g.graph_module.graph.nodes if n.op == "call_module"}
     assert calls == {"a": 0, "b": 1}
+
+
+def test_deferred_graph_modules_make_their_code_when_run_and_run_their_hooks_once():
+    """Capture's graph modules defer their code (whalelike.graphs.tracing.DeferredGraphModule): a
+    recompile only marks the code stale, the first call makes it, and that call runs the module's
+    hooks once (torch's own deferred module runs them twice); split_module's modules, made under
+    deferred_code, become such modules too."""
+    import torch.fx as fx
+    from torch.fx.passes.split_module import split_module
+    from whalelike.graphs.tracing import DeferredGraphModule, deferred, deferred_code, graph_module
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    traced = fx.symbolic_trace(model)
+    x = torch.randn(3, 4)
+    gm = graph_module(model, traced.graph)
+    calls = []
+    gm.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    gm.register_forward_hook(lambda module, args, out: calls.append("post"))
+    assert gm._needs_recompile()
+    torch.testing.assert_close(gm(x), model(x))
+    assert calls == ["pre", "post"] and not gm._needs_recompile()
+    assert "def forward" in gm.code
+    gm.recompile()
+    assert gm._needs_recompile()                       # marked, not made
+    torch.testing.assert_close(gm(x), model(x))
+    assert calls == ["pre", "post"] * 2
+
+    with deferred_code():
+        root = deferred(split_module(traced, traced, lambda node: 0 if node.target in ("0", "1") else 1))
+    stages = [m for name, m in root.named_children() if name.startswith("submod_")]
+    assert len(stages) == 2
+    assert all(type(m).__mro__[1] is DeferredGraphModule for m in [root, *stages])
+    hooked = []
+    stages[0].register_forward_pre_hook(lambda module, args: hooked.append(1))
+    torch.testing.assert_close(root(x), model(x))
+    assert hooked == [1]
