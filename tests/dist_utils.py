@@ -92,34 +92,12 @@ def _cpu_s() -> float:
 
 def _context():
     """The forkserver context, its server started (with :data:`PRELOAD`) before any environment
-    change of a launch, so the server's environment is the test process's own.
-
-    The forkserver is itself started through the warm interpreter (``tests/warm_python.py``): it is
-    then a fork of a process that has imported torch, transformers and the library already, and
-    imports only the rest of :data:`PRELOAD` (seconds of CPU less per test process). It is still
-    a process of its own that has never run a tensor operation."""
-    from multiprocessing import forkserver, spawn
-
-    import warm_python
+    change of a launch, so the server's environment is the test process's own."""
+    from multiprocessing import forkserver
 
     ctx = std_mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    warm = warm_python.environment({}) if warm_python.enabled() else {}
-    if not warm:
-        forkserver.ensure_running()
-        return ctx
-    executable, saved = spawn.get_executable(), {k: os.environ.get(k) for k in warm if k != "PATH"}
-    try:
-        os.environ.update({k: v for k, v in warm.items() if k != "PATH"})
-        spawn.set_executable(warm_python.python())
-        forkserver.ensure_running()
-    finally:
-        spawn.set_executable(executable)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    forkserver.ensure_running()
     return ctx
 
 

@@ -95,24 +95,3 @@ def test_exit_codes_and_a_hang_killed_at_the_timeout_as_without_warm_up(tmp_path
     while not _gone(hung) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(hung), "the hung rank outlived its spawn"
-
-
-def test_the_forkserver_is_a_warm_command_and_the_executable_is_put_back():
-    """The ranks' forkserver is started through the warm launcher (tests/warm_python.py: a fork of a
-    server with torch and the library imported) unless ``WHALELIKE_WARM=0``; the test process's
-    multiprocessing executable and environment are as they were."""
-    import sys
-    from multiprocessing import forkserver, spawn
-
-    import dist_utils
-    import warm_python
-
-    before = dict(os.environ)
-    dist_utils._context()
-    launcher = forkserver._forkserver._forkserver_pid
-    deadline = time.monotonic() + 30     # the server records the command's pid once it has forked it
-    while warm_python.enabled() and warm_python.command_of(launcher) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (warm_python.command_of(launcher) is not None) == warm_python.enabled()
-    assert os.fsdecode(spawn.get_executable()) == sys.executable
-    assert dict(os.environ) == before
