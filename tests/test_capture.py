@@ -239,11 +239,10 @@ def test_forward_time_scopes_survive_the_export_path():
 def test_deferred_graph_modules_make_their_code_when_run_and_run_their_hooks_once():
     """Capture's graph modules defer their code (whalelike.graphs.tracing.DeferredGraphModule): a
     recompile only marks the code stale, the first call makes it, and that call runs the module's
-    hooks once (torch's own deferred module runs them twice); split_module's modules, made under
-    deferred_code, become such modules too."""
+    hooks once (torch's own deferred module runs them twice); split_module_deferred's modules are
+    such modules too."""
     import torch.fx as fx
-    from torch.fx.passes.split_module import split_module
-    from whalelike.graphs.tracing import DeferredGraphModule, deferred, deferred_code, graph_module
+    from whalelike.graphs.tracing import DeferredGraphModule, graph_module, split_module_deferred
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     traced = fx.symbolic_trace(model)
@@ -261,8 +260,7 @@ def test_deferred_graph_modules_make_their_code_when_run_and_run_their_hooks_onc
     torch.testing.assert_close(gm(x), model(x))
     assert calls == ["pre", "post"] * 2
 
-    with deferred_code():
-        root = deferred(split_module(traced, traced, lambda node: 0 if node.target in ("0", "1") else 1))
+    root = split_module_deferred(traced, lambda node: 0 if node.target in ("0", "1") else 1)
     stages = [m for name, m in root.named_children() if name.startswith("submod_")]
     assert len(stages) == 2
     assert all(type(m).__mro__[1] is DeferredGraphModule for m in [root, *stages])

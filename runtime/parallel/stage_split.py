@@ -42,7 +42,6 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_aggregate, map_arg
-from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from runtime.replicas.held_state import is_dtensor
@@ -50,7 +49,7 @@ from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputR
     route_outputs
 from whalelike.graphs.capture_cache import DERIVED_META
 from whalelike.graphs.taskgraph import LAYER_META
-from whalelike.graphs.tracing import deferred, deferred_code, graph_module
+from whalelike.graphs.tracing import graph_module, split_module_deferred
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +217,7 @@ def split_stages(gm: fx.GraphModule, node_stage: Mapping[str, int], loss_fn: Opt
     for node in gm.graph.nodes:   # split_module copies meta, not names: each copy remembers its node's name
         node.meta[_SOURCE_NAME] = node.name
     try:
-        with deferred_code():   # stages get their code when they first run, not at every pass below
-            root = deferred(split_module(gm, gm, stage_of, keep_original_order=True))
+        root = split_module_deferred(gm, stage_of, keep_original_order=True)   # code made when a stage first runs
     finally:
         for node in gm.graph.nodes:
             node.meta.pop(_SOURCE_NAME, None)

@@ -46,11 +46,10 @@ from typing import Optional
 
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx.passes.split_module import split_module
 
 from runtime.parallel.stage_split import attribute_tensor, sink_attribute
 from runtime.training.recompute import layer_units
-from whalelike.graphs.tracing import deferred, deferred_code
+from whalelike.graphs.tracing import split_module_deferred
 
 UNITS = "units"   # the stage module's child that holds the layered module
 _CUT = "_wl_stage_units"   # instance attribute: the unit paths of a cut stage
@@ -73,8 +72,7 @@ def cut(stage: fx.GraphModule) -> list[str]:
     # split_module registers every attribute it copies as persistent
     transient = {id(b) for m in stage.modules() for n, b in m.named_buffers(recurse=False)
                  if n in m._non_persistent_buffers_set}
-    with deferred_code():   # the units' code is made when they first run (whalelike.graphs.tracing)
-        layered = deferred(split_module(stage, stage, units.__getitem__, keep_original_order=True))
+    layered = split_module_deferred(stage, units.__getitem__, keep_original_order=True)   # code made when a unit first runs
     _sink_single_use_parameters(layered)
     for module in layered.modules():
         for name, buffer in module.named_buffers(recurse=False):

@@ -67,12 +67,11 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from whalelike.graphs.nodes import mutates
 from whalelike.graphs.taskgraph import LAYER_META
-from whalelike.graphs.tracing import deferred, deferred_code
+from whalelike.graphs.tracing import split_module_deferred
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +200,7 @@ def wrap_graph_layers(stage: fx.GraphModule) -> int:
     if not units:   # nothing computes (a stage that only forwards its inputs): nothing to keep or recompute
         object.__setattr__(stage, _LAYERS, None)
         return 0
-    with deferred_code():   # the units' code is made when they first run (whalelike.graphs.tracing)
-        layered = deferred(split_module(stage, stage, units.__getitem__, keep_original_order=True))
+    layered = split_module_deferred(stage, units.__getitem__, keep_original_order=True)   # code made when a unit first runs
     count = 0
     for name, sub in layered.named_children():
         if name.startswith("submod_"):

@@ -30,7 +30,7 @@ import inspect
 import logging
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -66,16 +66,6 @@ class DeferredGraphModule(_LazyGraphModule):
     forward = _lazy_forward
 
 
-def deferred(module: nn.Module) -> nn.Module:
-    """Make every graph module in ``module``'s tree that torch made deferred (``split_module`` under
-    :func:`deferred_code`) a :class:`DeferredGraphModule`, so that its first call runs its hooks
-    once; returns ``module``."""
-    for m in module.modules():
-        if isinstance(m, _LazyGraphModule) and not isinstance(m, DeferredGraphModule):
-            _defer(m)
-    return module
-
-
 def _defer(gm: fx.GraphModule) -> DeferredGraphModule:
     """``gm`` itself, its class swapped for a :class:`DeferredGraphModule` of its own (fx gives every
     graph module a class of its own, which its code is installed on). The instance keeps all it
@@ -87,10 +77,20 @@ def _defer(gm: fx.GraphModule) -> DeferredGraphModule:
     return gm
 
 
-def deferred_code() -> contextlib.AbstractContextManager:
-    """While open, the graph modules torch's passes build (``split_module``'s) defer their code
-    (pass their result through :func:`deferred` before anything runs it)."""
-    return _use_lazy_graph_module(True)
+def split_module_deferred(module: fx.GraphModule, split_callback: Callable[[fx.Node], int],
+                          **kwargs: Any) -> fx.GraphModule:
+    """``torch.fx.passes.split_module.split_module(module, module, split_callback, **kwargs)`` whose
+    root and submodules are deferred (:class:`DeferredGraphModule`): their code is made when they first run
+    (torch makes them deferred under its own switch; each is then swapped to this module's class, so
+    that its first call runs its hooks once)."""
+    from torch.fx.passes.split_module import split_module
+
+    with _use_lazy_graph_module(True):
+        root = split_module(module, module, split_callback, **kwargs)
+    for m in root.modules():
+        if isinstance(m, _LazyGraphModule) and not isinstance(m, DeferredGraphModule):
+            _defer(m)
+    return root
 
 
 def graph_module(root: Any, graph: fx.Graph, class_name: str = "GraphModule") -> DeferredGraphModule:
