@@ -5,15 +5,16 @@ Two torchrun agents on this machine act as two nodes of two ranks each (``--nnod
 ``examples/train.py --leave-on-sigterm`` trains a float64 MLP with checkpoints. After the first
 checkpoint one of node B's workers receives SIGTERM (a preemption notice): it leaves at the step
 boundary and the three others go on under a plan for their devices, no restart. Once they have
-written a checkpoint, node B is killed for good (its agent and its other worker, SIGKILL): node
-A's workers fail, its agent starts them again, they find only node A's devices, plan onto them by
-themselves and resume the newest checkpoint. Once the two-rank run has written a checkpoint, node
-B starts again: node A's agent stops its workers with SIGTERM for the next rendezvous, they stop
-at a step boundary and checkpoint it (every rank got notice), and the four ranks resume exactly
-there (no step lost) under the plan of all four devices and finish. The losses of every step and
-the final parameters and optimizer state must be those of the single-process float64 reference
-(``tests/reference.py``). A survivor set that cannot hold the model stops with one line
-naming the memory missing and the devices present, and a non-zero exit.
+written a checkpoint, node B is killed for good (its agent and its other worker, SIGKILL): node A's
+workers fail, its agent starts them again, they find only node A's devices, plan onto them by
+themselves and resume the newest checkpoint. Once the two-rank run has written a checkpoint, node B
+starts again (the two-rank run held at a step until node A's agent sees it, so it cannot finish
+first): node A's agent stops its workers with SIGTERM for the next rendezvous, they stop at a step
+boundary and checkpoint it (every rank got notice), and the four ranks resume exactly there (no step
+lost) under the plan of all four devices and finish. The losses of every step and the final
+parameters and optimizer state must be those of the single-process float64 reference
+(``tests/reference.py``). A survivor set that cannot hold the model stops with one line naming the
+memory missing and the devices present, and a non-zero exit.
 """
 from __future__ import annotations
 
@@ -56,10 +57,32 @@ hosts:
 TINY_GIB = 0.00005
 
 
+# the workload's loss waits while the file HOLD exists: the test holds the two-rank run at a step until
+# node A's agent has seen node B come back, however long node B takes to rejoin on a loaded machine
+# (else the run can finish first and node B joins a job with nothing left to do)
+HELD_LOSS = """
+import dataclasses, os, time
+
+_build = build
+
+
+def build():
+    workload = _build()
+    loss_fn = workload.loss_fn
+
+    def held(outputs, targets):
+        while os.path.exists(%r):
+            time.sleep(0.02)
+        return loss_fn(outputs, targets)
+
+    return dataclasses.replace(workload, loss_fn=held)
+"""
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("elastic")
-    (folder / "workload.py").write_text(workload_source("float64"))
+    (folder / "workload.py").write_text(workload_source("float64") + HELD_LOSS % str(folder / "hold"))
     (folder / "cluster.yaml").write_text(CLUSTER % 4)
     (folder / "small.yaml").write_text(CLUSTER % TINY_GIB)
     workload = load_workload(folder)
@@ -166,10 +189,17 @@ def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
         # node A's workers fail, start again, plan onto node A alone and write a checkpoint there
         wait_for(lambda: saved_by(folder / "ckpt", 2), runs, "a checkpoint of the two-rank plan")
         two_rank = saved_by(folder / "ckpt", 2)[0].load_plan()   # before newer checkpoints replace it
+        # node B returns while the two-rank run is held at a step; once node A's agent stops its workers
+        # for the next rendezvous (it sends them SIGTERM), the step goes on and they stop after it
+        stops = output(a).count("closing signal SIGTERM")
+        (folder / "hold").touch()
         (folder / "node-b-returns").touch()
+        wait_for(lambda: output(a).count("closing signal SIGTERM") > stops, runs, "node B's return")
+        (folder / "hold").unlink()
         for run in runs:
             run.wait(timeout=180)
     finally:
+        (folder / "hold").unlink(missing_ok=True)
         for run in runs:
             if run.poll() is None:
                 kill_node(run)
