@@ -105,12 +105,16 @@ def _deadline_allreduce(state: _HookState, bucket):  # no annotations: DDP check
     work = dist.all_reduce(joint, group=state.group, async_op=True)
 
     def unpack(fut):
-        # the sums go back into the bucket and the passenger here, so the joined copy is freed with the collective
-        # (a view of it handed to DDP would keep it alive through the optimizer's update: memory the planner prices
-        # only until then, planner.devices.memory.DDP_JOIN_BYTES)
+        # the sums go back into the bucket and the passenger here, and the joined copy's storage is released here
+        # too (``set_()``): the backend's work object and this future still hold the tensor, and when they drop it
+        # depends on when the backend's thread gets the CPU, often after the optimizer's update has begun; the
+        # planner prices the copy only until the update (planner.devices.memory.DDP_JOIN_BYTES), and DDP
+        # waits for this callback before the backward returns
         out = fut.value()[0]
         passenger.copy_(out[tensor.numel():].view_as(passenger))
-        return tensor.copy_(out[: tensor.numel()])
+        tensor.copy_(out[: tensor.numel()])
+        out.set_()
+        return tensor
 
     return work.get_future().then(unpack)
 
