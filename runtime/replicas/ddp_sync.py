@@ -149,9 +149,14 @@ def _low_precision_allreduce(state: _HookState, bucket, tensor: torch.Tensor, pa
         carried = dist.all_reduce(passenger, group=state.group, async_op=True)
 
     def unpack(fut):
+        # cast back into the bucket, and the low-precision copy's storage released here, as the joined
+        # bucket's is (see _deadline_allreduce)
         if carried is not None:
             carried.wait()
-        return fut.value()[0].to(tensor.dtype)
+        out = fut.value()[0]
+        tensor.copy_(out)
+        out.set_()
+        return tensor
 
     return work.get_future().then(unpack)
 
