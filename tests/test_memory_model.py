@@ -26,6 +26,7 @@ from planner.partition.solve import (
 )
 from planner.schedule.actions import build_schedule, gradient_accumulation, max_in_flight
 from planner.shares.shard_sizes import layout_of_sizes
+from runtime.training.memory_meter import LiveBytes
 from whalelike import Cluster, Config, replicate
 from whalelike.graphs.capture import with_autocast
 
@@ -526,3 +527,59 @@ def test_a_layer_s_backward_temporaries_are_measured_per_sample_and_priced_once(
     assert terms.transient_bytes_per_sample == max(cost.loss_bytes, cost.max_layer_backward_bytes)
     with_loss = dataclasses.replace(cost, loss_bytes=10 * cost.max_layer_backward_bytes)
     assert stage_memory(with_loss, 2).transient_bytes_per_sample == with_loss.loss_bytes
+
+
+
+class _BlockPeaks(LiveBytes):
+    """A storage counter that leaves out tensors of a parameter's shape (or its transpose: the weights'
+    gradients and their casts, which the memory model prices with the weights, not per sample) and
+    records, for the block whose backward runs (``block``, set by a hook), its highest count."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.weight_shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        self.block, self.starts, self.peaks = None, {}, {}
+        super().__init__()
+
+    def track(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) not in self.weight_shapes:
+            super().track(tensor)
+
+    def began(self, index: int):
+        """A backward pre-hook: block ``index``'s backward begins."""
+        def hook(module, grad_output):
+            self.block, self.starts[index], self.peaks[index] = index, self.current, self.current
+        return hook
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.block is not None:
+            self.peaks[self.block] = max(self.peaks[self.block], self.current)
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_block_s_backward_temporaries_are_those_of_a_real_backward(precision):
+    """What capture records as each Llama block's backward temporaries (per sample, above what the
+    block's backward starts with) is what a real backward of the ``transformers`` model holds above
+    the moment the block's backward begins (its module's backward pre-hook), counted by a storage
+    counter, at float32 and under bf16 autocast. Capture runs on fake tensors at another batch; the
+    batch sizes keep every activation's shape apart from the weights'."""
+    workload = hf_llama.build(seq_len=32, n_layer=2, batch_size=3)
+    graphs = wl.capture(workload.model, workload.example_args)
+    if precision == "bf16":
+        graphs = with_autocast(graphs)
+    captured = [layer.autocast["backward_temporary"] if precision == "bf16" else layer.backward_temporary_bytes_per_sample
+                for layer in graphs.layers if layer.name.startswith("model.layers.")]
+
+    model, batch = workload.model, 6
+    (ids,), targets = workload.make_batch(batch, torch.Generator().manual_seed(0))
+    counter = _BlockPeaks(model)
+    hooks = [block.register_full_backward_pre_hook(counter.began(i)) for i, block in enumerate(model.model.layers)]
+    try:
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            workload.loss_fn(model(ids), targets).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    real = [(counter.peaks[i] - counter.starts[i]) / batch for i in range(len(model.model.layers))]
+    assert real == pytest.approx(captured, rel=0.02), (real, captured)
