@@ -43,10 +43,6 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import hf_llama  # noqa: E402
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
-from planner.devices.cost_model import StageCost  # noqa: E402
-from planner.devices.memory import stage_memory  # noqa: E402
-from planner.schedule.actions import build_schedule, gradient_accumulation, max_in_flight  # noqa: E402
-from planner.shares.shard_sizes import layout_of_sizes  # noqa: E402
 from runtime import Engine  # noqa: E402
 from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
@@ -55,6 +51,7 @@ from whalelike.display import format_table  # noqa: E402
 CLUSTER = os.path.join(ROOT, "examples", "clusters", "emulated-mixed-bf16.yaml")
 CONFIGS = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16+recompute": ("bf16", True)}
 MIB = 2**20
+GIB = 2**30
 TARGET = 0.10
 
 
@@ -100,26 +97,12 @@ def fitting_plan(graphs, spec, precision: str, args):
     return best
 
 
-def predicted_terms(graphs, plan, rank: int) -> dict[str, float]:
-    """The memory model's terms for ``rank``'s worker, as the plan priced it (they sum to memory_gib)."""
+def predicted_terms(plan, rank: int) -> dict[str, float]:
+    """The memory model's terms for ``rank``'s worker as the plan priced them (``Worker``'s fields:
+    with the figures capture measured under autocast where the plan is bf16), in bytes."""
     w = plan.worker(rank)
-    st = plan.stages[w.stage]
-    cost = StageCost.of_layers(graphs, st.layers, plan.precision)
-    owners = [graphs[t] for t in st.taskgraphs]
-    shardable = {p: d for tg in owners for p, d in tg.shardable.items()}
-    groups = tuple(g for tg in owners for g in tg.shard_groups)
-    tp = len(next(iter(st.shard_sizes.values()))) if st.shard_sizes else 1
-    layout = layout_of_sizes(shardable, st.shard_sizes, tp, groups, cost.flops_per_sample)
-    if len(plan.stages) == 1:
-        in_flight = max_in_flight(gradient_accumulation(len(w.micro_batch_sizes)))
-    else:
-        in_flight = max_in_flight(build_schedule(plan.schedule, len(plan.stages), plan.num_micro_batch)[w.stage])
-    recompute = getattr(st, "recompute_unit", None) or st.recompute if st.recompute else False
-    model = stage_memory(cost, in_flight, layout.fractions[w.tp_index], recompute=recompute,
-                         unit_share=layout.unit_share(w.tp_index))
-    terms = model.term_bytes(max(w.micro_batch_sizes))
-    return {"weights": terms["weight"], "gradients": terms["gradient"], "optimizer": terms["optimizer"],
-            "activations": terms["activation"], "total": model.total(max(w.micro_batch_sizes))}
+    return {"weights": w.weights_gib * GIB, "gradients": w.gradients_gib * GIB, "optimizer": w.optimizer_gib * GIB,
+            "activations": w.activations_gib * GIB, "total": w.memory_gib * GIB}
 
 
 def worker(rank: int, init_file: str, args, results) -> None:
@@ -190,7 +173,7 @@ def main() -> None:
               f"step {rows[0]['step_s'] * 1e3:.0f} ms")
         table = []
         for r in rows:
-            terms = predicted_terms(graphs[name], plan, r["rank"])
+            terms = predicted_terms(plan, r["rank"])
             ratio = r["measured"] / r["predicted"]
             ratios.append(ratio)
             table.append([r["rank"], r["device"], r["stage"], r["tp"], r["samples"],

@@ -109,8 +109,8 @@ class Layer:
     autocast makes in this layer), or None when not measured (then the planner scales the float32
     figures by 2/4).
     ``backward_temporary_bytes_per_sample``: the most the layer's backward holds above what it
-    started with (its gradient temporaries, such as a float32 softmax's gradient, less the saved
-    tensors it has freed by then), measured on the fake backward of capture
+    started with, once what the layer after it leaves is freed (its gradient temporaries, such as
+    a float32 softmax's gradient, less the saved tensors it has freed by then), measured on the fake backward of capture
     (:mod:`whalelike.graphs.costs`); 0 in a layer made by hand or captured before it was
     (``autocast`` key ``backward_temporary`` under autocast).
     ``max_param_bytes``: the largest single parameter the layer owns (0: not recorded, a layer made
