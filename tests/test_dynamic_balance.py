@@ -406,8 +406,13 @@ def test_zero_resizing_marks_its_steps_and_events_approximate(two):
 
 
 def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
-    step, action, exact, ranks = _first(three["hybrid"])
-    assert exact and 0 in ranks
+    """The first re-plan that changes the plan moves work off the straggler, rank 0, exactly. On a
+    loaded host the emulation can overrun a segment on another rank (the run says so), which the
+    monitor may flag first and the re-planner then leaves as it is (action ``none``): that decision
+    changes nothing, so it is not the one checked."""
+    _first(three["hybrid"])
+    step, action, exact, ranks = next(e for e in three["hybrid"]["events"]["sgd"] if e[1] != "none")
+    assert exact and 0 in ranks, three["hybrid"]["events"]
 
 
 def test_pipeline_shares_change_in_place_exactly(three):
