@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import hf_llama  # noqa: E402
 import planner  # noqa: E402
 import whalelike as wl  # noqa: E402
+from planner.devices.cost_model import GIB  # noqa: E402
 from runtime import Engine  # noqa: E402
 from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks  # noqa: E402
@@ -51,7 +52,6 @@ from whalelike.display import format_table  # noqa: E402
 CLUSTER = os.path.join(ROOT, "examples", "clusters", "emulated-mixed-bf16.yaml")
 CONFIGS = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16+recompute": ("bf16", True)}
 MIB = 2**20
-GIB = 2**30
 TARGET = 0.10
 
 

@@ -191,11 +191,10 @@ def _backward_temporaries(regions: Regions, costs: NodeCosts, batch: int) -> lis
     for layer, start in first.items():
         live = [count for _, count in costs.backward_live[start:last[layer] + 1]]
         begin = costs.backward_live[start - 1][1] if start else costs.backward_start_live
-        previous = begin
         for count in live:
-            if count > previous:   # the layer's first allocation
+            if count > begin:   # the layer's first allocation (the counts only fell until it)
                 break
-            begin, previous = min(begin, count), count
+            begin = count
         temporaries[layer] = max(0.0, max(live) - begin) / batch
     return temporaries
 
