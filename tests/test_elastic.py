@@ -113,10 +113,12 @@ main(sys.argv[3:])
 
 
 def agent(folder, host: str, port: int, *, is_host: bool, plan: str = "plan.yaml", cluster: str = "cluster.yaml",
-          checkpoints: str = "ckpt", restarts: int = 3, trigger=None) -> subprocess.Popen:
+          checkpoints: str = "ckpt", restarts: int = 3, trigger=None, last_call: int = 1) -> subprocess.Popen:
     """One torchrun agent standing for spec host ``host`` (its own session, so it dies with its workers);
-    with ``trigger`` (a path), started once that file exists."""
-    conf = f"is_host={str(is_host).lower()},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+    with ``trigger`` (a path), started once that file exists. ``last_call``: how long a round this agent
+    opens alone waits for more nodes before it completes without them."""
+    conf = (f"is_host={str(is_host).lower()},last_call_timeout={last_call},keep_alive_interval=1,"
+            "keep_alive_max_attempt=5")
     path = folder / f"{host}-{time.monotonic_ns()}.log"
     launcher = [torchrun()] if trigger is None else \
         [warm_python.python(), "-c", WAITING_AGENT, str(path.with_suffix(".ready")), str(trigger)]
@@ -183,7 +185,10 @@ def test_a_lost_node_is_planned_around_and_taken_back_exactly(job):
         wait_for(lambda: "left the job after step" in output(b), runs, "the leaver's exit")
         kill_node(b)
         first_b = b
-        b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns")
+        # the returning agent waits long for node A in a round it opens: node A's agent leaves its round
+        # before it joins the next, and node B, alone in between, would complete a round of node B only
+        # after its last call (torch's rendezvous); on a loaded machine 1 s is not enough for node A
+        b = agent(folder, "node-b", port, is_host=False, trigger=folder / "node-b-returns", last_call=60)
         runs = [a, b]
         wait_for(lambda: ready(folder, 3), runs, "node B's agent")
         # node A's workers fail, start again, plan onto node A alone and write a checkpoint there
