@@ -32,6 +32,7 @@ alike and none hangs; every collective goes through the rank's runtime; the plan
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -251,9 +252,9 @@ class Engine:
         if change.kind == "end_migration":
             self.stop_migration()
             return None
-        return self.apply_plan(change.plan)
+        return self._switch(change.plan, "Engine.apply_plan")
 
-    def _view(self, loss: torch.Tensor, stats: StepStats, figures: dict) -> StepView:
+    def _view(self, loss: "torch.Tensor | float", stats: StepStats, figures: dict) -> StepView:
         return StepView(step=self.step, loss=float(loss), stats=stats, history=self.stats, runtime=self.runtime,
                         compute_plan=self.slot.compute_plan, module=self.slot.module, evaluate=self.eval_step,
                         graphs=self.graphs, profile=self.profile, figures=figures)
@@ -277,8 +278,20 @@ class Engine:
         plan so (the executor, its modules, syncs and optimizer stay); moved layers, re-sized shards
         or another replica sync build the new plan's executor and move their parameters and
         optimizer state point to point (:mod:`runtime.state.transfer`). Returns the transfer report,
-        or None when nothing had to move."""
-        check_same_workers(self.plan, plan, "Engine.apply_plan")
+        or None when nothing had to move. The controllers are told as of a change one of them asked
+        for (the memory check counts the new plan's steps afresh, the re-planner expects its first
+        step's one-time costs, the metrics record it)."""
+        report = self._switch(plan, "Engine.apply_plan")
+        if self.stats:   # between steps: the boundary after the last step, as the controllers saw it
+            last = self.stats[-1]
+            view = dataclasses.replace(self._view(float("nan"), last, {}), step=last.step)
+            self.board.told(view, PlanChange("apply", plan, reason="Engine.apply_plan by the caller"))
+        return report
+
+    def _switch(self, plan: Plan, caller: str):
+        """Put ``plan`` in force (collective): :meth:`apply_plan` without telling the controllers
+        (a controller's own change is told by the board)."""
+        check_same_workers(self.plan, plan, caller)
         plan.validate(graphs=self.graphs, cluster=self.cluster)
         runtime = self.runtime.with_plan(plan)
         report = self.runtime.collective(lambda: self.slot.apply(runtime)) if self.slot.built else None

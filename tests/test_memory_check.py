@@ -141,3 +141,32 @@ def test_the_check_exchanges_only_where_peaks_are_measured_and_decides_a_step_la
     part.arrived(torch.tensor([1.0, 1.0, 1.02, 1.0], dtype=torch.float64))              # rank 1: 2% above
     assert check.react(view(2 * GIB)) is None and check.ratios == (1.0, 1.02) and check.lines == []
     assert check.exchange(4, runtime, None) is None                                      # once per plan
+
+
+
+def _caller_applies(rank: int, world_size: int) -> tuple:
+    w = workload()
+    spec = Cluster("memory-check-one", cluster(1.0).devices[:1], Network(10.0, 10.0, 50.0))
+    plan = planner.plan(wl.capture(w.model, w.example_args), spec,
+                        wl.Config(global_batch_size=64, num_micro_batch=1, memory_reserve=0.0))
+    engine = Engine(w.model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=w.loss_fn,
+                    cluster=spec, example_args=w.example_args, measure_memory=True, balance="off")
+    check = engine.board.get(MemoryCheck.name)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        engine.train_step(w.make_batch(64, generator))
+    engine.apply_plan(plan)
+    for _ in range(2):   # the third and fourth steps of the run, the first two of the plan applied
+        engine.train_step(w.make_batch(64, generator))
+    before = check.ratios
+    engine.train_step(w.make_batch(64, generator))   # the plan's third: the check's
+    return before, check.ratios
+
+
+def test_a_plan_the_caller_applies_starts_the_check_s_count_again():
+    """``Engine.apply_plan`` called between steps is told to the controllers as a controller's own change
+    is: the memory check counts the new plan's steps from none (a plan's first steps build what it
+    holds, so their peaks are not its own). One rank, one device."""
+    (before, after), = run_ranks(_caller_applies, 1)
+    assert before is None, before
+    assert after is not None and len(after) == 1, after

@@ -98,8 +98,14 @@ class Board:
         those no longer held inert under the plan now in force that they are active again. ``view``
         is the boundary's view after the change (its runtime and module are the ones in force)."""
         proposer.applied(view, change, report)
+        self.told(view, change, but=proposer)
+
+    def told(self, view: StepView, change: PlanChange, but: Optional[Controller] = None) -> None:
+        """Tell every controller (``but`` the one that asked for it) that ``change`` was applied, and
+        those no longer held inert under the plan now in force that they are active again: a change
+        no controller asked for (the user's ``Engine.apply_plan``) is told as another's is."""
         for c in self.controllers:
-            if c is not proposer:
+            if c is not but:
                 c.changed(view, change)
         now = self.inert(view.plan)
         for c in self.controllers:
