@@ -583,3 +583,19 @@ def test_a_block_s_backward_temporaries_are_those_of_a_real_backward(precision):
             hook.remove()
     real = [(counter.peaks[i] - counter.starts[i]) / batch for i in range(len(model.model.layers))]
     assert real == pytest.approx(captured, rel=0.02), (real, captured)
+
+
+def test_the_cpu_meter_does_not_count_fake_tensors():
+    """Fake tensors (shape propagation while an executor is built inside a step) report a CPU device and
+    a storage size but hold no memory: the counter leaves them out, made inside a ``FakeTensorMode``
+    or computed from fake inputs, and counts the real tensors beside them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with LiveBytes() as live:
+        with FakeTensorMode():
+            fake = torch.empty(1000, 1000)
+            fake = fake + 1
+        doubled = fake * 2   # an operator on fake tensors outside the mode
+        real = torch.empty(256)
+    assert live.peak == real.untyped_storage().nbytes() == 1024, live.peak
+    assert doubled.shape == (1000, 1000)

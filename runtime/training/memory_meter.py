@@ -5,7 +5,9 @@ step and ``torch.cuda.max_memory_allocated`` after it, at no cost. A CPU has no 
 the CPU meter is a ``TorchDispatchMode`` (:class:`LiveBytes`) that sees every tensor an operator
 returns, forward and backward (the autograd engine runs a CPU backward on the calling thread, under
 the same mode), and counts each storage once from its first appearance until it is freed (a weak
-reference's finalizer). The step starts from what is alive then and is the model's state: the
+reference's finalizer). Fake tensors (``FakeTensorMode``'s, made when an executor is built inside
+the first step: shape propagation of its graphs) report a CPU device and storage sizes but hold no
+memory, so they are not counted (they were: the first step of a Llama read 8 MiB above its real peak). The step starts from what is alive then and is the model's state: the
 parameters, buffers, gradients and optimizer state of the rank's module and optimizer.
 
 Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``: it attributes memory to
@@ -34,6 +36,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -68,6 +71,8 @@ class LiveBytes(TorchDispatchMode):
             return
         if is_dtensor(tensor):    # a wrapper: its storage is its local shard's (ZeRO's parameters, states)
             tensor = tensor._local_tensor
+        if type(tensor) is not torch.Tensor and is_fake(tensor):
+            return   # a fake tensor (shape propagation while an executor is built) holds no memory
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):   # a tensor without storage (a subclass, sparse)
