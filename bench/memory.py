@@ -13,9 +13,9 @@ on 4 ranks (``runtime.Engine(measure_memory=True)``: on CPU a storage counter,
 ``runtime.training.memory_meter``), and the table shows per rank the plan's predicted peak
 (``Worker.memory_gib``, with the memory model's terms: weights with autocast's copies, gradients,
 optimizer state, activations with boundary buffers and the loss) against the measured one
-(``StepStats.peak_memory_bytes``, the largest over the steps after the first), their ratio, and the
-step time (rank 0, mean over the steps after the first; emulated speeds, so it compares the
-configurations, not the machine). The last line states the batch gains over fp32 and the range
+(``StepStats.peak_memory_bytes``, the largest over every step, the first included: a device
+enforces its memory from the first step), their ratio, and the step time (rank 0, mean over the
+steps after the first; emulated speeds, so it compares the configurations, not the machine). The last line states the batch gains over fp32 and the range
 of measured / predicted over all ranks (target: within 10%).
 
 What the CPU figure is: tensor storages alive (no allocator rounding, no gloo buffers); a GPU's
@@ -122,7 +122,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
                 start = time.perf_counter()
                 engine.train_step(batch)
                 times.append(time.perf_counter() - start)
-            peaks = [s.peak_memory_bytes for s in engine.stats[1:]]
+            peaks = [s.peak_memory_bytes for s in engine.stats]
             mine = {"rank": rank, "device": engine.worker.device, "stage": engine.worker.stage,
                     "tp": engine.worker.tp_size, "samples": max(engine.worker.micro_batch_sizes),
                     "measured": max(peaks), "predicted": plan.worker(rank).memory_gib * 2**30,
