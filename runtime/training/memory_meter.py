@@ -7,8 +7,8 @@ returns, forward and backward (the autograd engine runs a CPU backward on the ca
 the same mode), and counts each storage once from its first appearance until it is freed (a weak
 reference's finalizer). Fake tensors (``FakeTensorMode``'s, made when an executor is built inside
 the first step: shape propagation of its graphs) report a CPU device and storage sizes but hold no
-memory, so they are not counted (they were: the first step of a Llama read 8 MiB above its real peak). The step starts from what is alive then and is the model's state: the
-parameters, buffers, gradients and optimizer state of the rank's module and optimizer.
+memory, so they are not counted. The step starts from what is alive then and is the model's state:
+the parameters, buffers, gradients and optimizer state of the rank's module and optimizer.
 
 Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``: it attributes memory to
 modules through forward hooks and refuses a root module called twice in one tracked region, which
