@@ -599,3 +599,32 @@ def test_the_cpu_meter_does_not_count_fake_tensors():
         real = torch.empty(256)
     assert live.peak == real.untyped_storage().nbytes() == 1024, live.peak
     assert doubled.shape == (1000, 1000)
+
+
+def test_a_recomputing_stage_holds_the_loss_or_its_recomputed_layer_not_both():
+    """Per sample, beside what a stage keeps per micro-batch in flight (its boundary and layer inputs under
+    recompute): without recompute every activation is alive when the loss runs, so the loss's bytes (or
+    a layer's backward temporaries, the larger) add to them; a recomputing stage holds no layer's
+    activations when the loss runs and recomputes a layer only after the loss's tensors are freed, so it
+    holds the larger of the loss's and of the recomputed layer with its backward's temporaries. A split
+    stage's worker holds its unit share of what the recomputed layer's own groups divide (not of the
+    whole stage's divided bytes) and of a class-sharded head's loss, the rest whole. Measured on
+    bench/memory.py's tensor-parallel Llama stage: at its peak no logits or loss tensor is alive."""
+    cost = StageCost(1.0, 2.0, 4.0, 12.0, activation_bytes=600.0, boundary_bytes=20.0, layer_output_bytes=(),
+                     loss_bytes=300.0, layer_input_bytes=40.0, max_layer_activation_bytes=200.0,
+                     max_layer_backward_bytes=50.0)
+    kept = 20.0 + 40.0
+    assert stage_memory(cost, 2).activations(1) == 2 * (600.0 + 20.0) + 300.0            # all alive, then the loss
+    assert stage_memory(cost, 2, recompute="layer").activations(1) == 2 * kept + 300.0    # the loss is the larger
+    lighter = dataclasses.replace(cost, loss_bytes=100.0)
+    assert stage_memory(lighter, 2, recompute="layer").activations(1) == 2 * kept + 200.0 + 50.0
+    # split in halves: the stage's groups divide 400 B, the recomputed layer's own groups 120 of its 200, the head
+    # its loss
+    split = dataclasses.replace(lighter, sharded_activation_bytes=400.0, max_layer_sharded_activation_bytes=120.0,
+                                sharded_loss_bytes=100.0)
+    mine = stage_memory(split, 2, recompute="layer", unit_share=0.5).activations(1)
+    assert mine == pytest.approx(2 * kept + max(100.0 - 50.0, 200.0 - 60.0 + 50.0))
+    # a stage priced by hand without its layer's part divides the stage's groups' bytes, at most the layer's
+    hand = dataclasses.replace(split, max_layer_sharded_activation_bytes=None)
+    assert stage_memory(hand, 2, recompute="layer", unit_share=0.5).activations(1) == \
+        pytest.approx(2 * kept + 200.0 - 100.0 + 50.0)

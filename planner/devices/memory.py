@@ -132,7 +132,8 @@ temporaries, those of the stage's layer whose backward holds the most above its 
 softmax's gradient in attention, an MLP's hidden-wide gradients), or, on the stage that returns the
 model outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the
 loss of one micro-batch is computed, and back-propagated, at a time), the larger
-(:func:`transient_bytes`). Measured on ``bench/memory.py``'s Llama: fp32 1.01-1.06 before it,
+(:func:`held_once`; a recomputing stage holds the larger of the loss's and of its recomputed layer with
+that layer's backward temporaries, not both). Measured on ``bench/memory.py``'s Llama: fp32 1.01-1.06 before it,
 1.01-1.04 after; a recomputing stage 1.18 before, 1.14 after (the recomputed layer's backward holds
 more than capture's graph measures for it at bf16: 12 KiB a sample captured, 44-60 KiB measured on
 the same layer run eagerly, not yet explained). A ``split`` stage's worker holds its
@@ -527,14 +528,21 @@ def activation_shard(cost: "StageCost", in_flight: int, unit_share: float | None
     if unit_share is None or (cost.sharded_activation_bytes <= 0 and divided_loss <= 0):
         return shard
     kept, once = recompute_of(cost, in_flight, recompute)
-    whole = in_flight * kept + once + transient_bytes(cost)
+    whole = in_flight * kept + held_once(cost, once, recompute)
     if whole <= 0:
         return shard
-    # recomputing: the divided activations are alive for one micro-batch (the one recomputed); the
-    # share of them held once is bounded by the transient bytes
-    divided = min(cost.sharded_activation_bytes, once) if recompute else in_flight * cost.sharded_activation_bytes
-    divided = min(divided + divided_loss, whole)
-    return 1.0 - divided / whole * (1.0 - unit_share)
+    if not recompute:
+        divided = min(in_flight * cost.sharded_activation_bytes + divided_loss, whole)
+        return 1.0 - divided / whole * (1.0 - unit_share)
+    # recomputing: the divided activations are alive for one micro-batch, the layer recomputed (the whole
+    # stage's, recomputed as one; else its largest layer's own groups' part); held once like the layer
+    unit = recompute_unit(cost, in_flight) if recompute is True else recompute
+    layer_divided = getattr(cost, "max_layer_sharded_activation_bytes", None)
+    divided_once = min(cost.sharded_activation_bytes if unit == "stage" or layer_divided is None else layer_divided,
+                       once)
+    cut = 1.0 - unit_share
+    mine = in_flight * kept + held_once(cost, once - divided_once * cut, recompute, cost.loss_bytes - divided_loss * cut)
+    return min(1.0, mine / whole)
 
 
 def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool, layer_input_bytes: Any = 0.0,
@@ -553,12 +561,25 @@ def recompute_split(activation_bytes: Any, boundary_bytes: Any, recompute: bool,
     return activation_bytes + boundary_bytes, 0.0
 
 
-def transient_bytes(cost: "StageCost") -> Any:
-    """Per sample, held once beside the activations: the loss's outputs and temporaries on the stage that
-    computes it, or one layer's backward temporaries (``StageCost.max_layer_backward_bytes``), the larger:
-    the loss's are freed as the backward begins, the layers' made after (one micro-batch is in its
-    backward at a time)."""
-    return max(cost.loss_bytes, getattr(cost, "max_layer_backward_bytes", 0.0))
+def held_once(cost: "StageCost", once: Any, recompute: "bool | str", loss: Any = None) -> Any:
+    """Per sample, what a stage holds once beside the activations it keeps per micro-batch in flight:
+    ``once`` (:func:`recompute_split`'s: a recomputing stage's layer recomputed at a time) and
+    the transient bytes: the loss's outputs and temporaries on the stage that computes it, or one
+    layer's backward temporaries (``StageCost.max_layer_backward_bytes``), the larger (the loss's are
+    freed as the backward begins, the layers' made after; one micro-batch is in its backward at a
+    time). Without recompute they add up (the loss runs, and a layer's backward
+    begins, with every activation alive). A recomputing stage holds no layer's activations when the
+    loss runs and recomputes a layer only after the loss's tensors are freed: the larger of the loss
+    (``loss``, default ``cost.loss_bytes``) and the layer recomputed plus its backward's temporaries
+    (measured: at the peak of a recomputing Llama stage no logits or loss tensor is alive)."""
+    loss = cost.loss_bytes if loss is None else loss
+    backward = getattr(cost, "max_layer_backward_bytes", 0.0)
+    if recompute and loss > 0:
+        return max(loss, once + backward)
+    transient = max(loss, backward)
+    if transient == 0:   # a plain 0 is not added: such a stage prices as before, bit for bit
+        return once
+    return once + transient
 
 
 def recompute_unit(cost: "StageCost", in_flight: int) -> str:
@@ -622,9 +643,7 @@ def stage_memory(cost: "StageCost", in_flight: int, shard: float = 1.0, batch_sh
     optimizer steps with its foreach kernels (:func:`runs_foreach` of the worker's device), which
     sizes its update's temporaries (:func:`update_bytes`)."""
     kept, once = recompute_of(cost, in_flight, recompute)
-    transient = transient_bytes(cost)
-    if transient:   # a plain 0 is not added: such a stage prices as before, bit for bit
-        once = once + transient
+    once = held_once(cost, once, recompute)
     return MemoryTerms(
         weight_bytes=cost.param_bytes + cost.param_copy_bytes,
         gradient_bytes=cost.param_bytes,

@@ -54,6 +54,8 @@ class StageCost:
     ``sharded_activation_bytes`` and ``sharded_loss_bytes`` are the parts of those a ``split``
     stage's shard groups divide (``ShardGroup.activation_bytes_per_sample``; the loss when the
     head is class-sharded); the rest every tensor-parallel rank holds whole.
+    ``max_layer_sharded_activation_bytes`` is the part of ``max_layer_activation_bytes`` (the layer
+    recomputed at once) its own groups divide (None: not known, a stage priced by hand).
     A worker's share of them: :func:`planner.devices.memory.stage_memory`.
 
     For activation checkpointing, which recomputes one layer at a time
@@ -99,6 +101,8 @@ class StageCost:
     # per sample: the most one of its layers' backward holds above what it started with (its gradient temporaries;
     # Layer.backward_temporary_bytes_per_sample), held once, beside the activations (planner.devices.memory)
     max_layer_backward_bytes: float = 0.0
+    # per sample: what the largest layer's groups divide of its recompute bytes (None: not known)
+    max_layer_sharded_activation_bytes: Optional[float] = None
     fsdp_unit_bytes: tuple[float, ...] = ()  # parameter bytes of each FSDP unit of the stage run as a whole model
     max_param_bytes: float = 0.0             # its largest single parameter (0: unknown; memory.parameter_share)
     param_tensors: int = 0                   # how many parameters it holds (0: unknown; ragged: a collective each)
@@ -167,6 +171,11 @@ class StageCost:
         elements = sum(l.output_bytes_per_sample for l in chosen) / CAPTURED_BYTES
         loss = outputs + elements * LOSS_TEMPORARY_BYTES[precision] if elements else 0.0
         divided, head = _divided(graphs, chosen, measured, scale)
+        # what recomputing one layer makes anew: its activations less what it saves of its input; the layer
+        # recomputed at the most, and what its own shard groups divide of it
+        recomputed = [at_precision(l, "activation", l.activation_bytes_per_sample)
+                      - at_precision(l, "input_activation", l.input_activation_bytes_per_sample) for l in chosen]
+        largest = max(range(len(chosen)), key=lambda k: (recomputed[k], -k))
         if precision == "fp32":
             copy_bytes = 0.0
         elif measured:
@@ -189,10 +198,9 @@ class StageCost:
             sharded_loss_bytes=loss if head else 0.0,
             layer_input_bytes=sum(at_precision(graphs.layers[i - 1], "cut", graphs.layers[i - 1].cut_bytes_per_sample)
                                   for i in layers[1:]),
-            # what recomputing one layer makes anew: its activations less what it saves of its input
-            max_layer_activation_bytes=max(at_precision(l, "activation", l.activation_bytes_per_sample)
-                                           - at_precision(l, "input_activation", l.input_activation_bytes_per_sample)
-                                           for l in chosen),
+            max_layer_activation_bytes=recomputed[largest],
+            max_layer_sharded_activation_bytes=min(recomputed[largest],
+                                                   _divided(graphs, chosen, measured, scale, of=chosen[largest])[0]),
             max_layer_backward_bytes=max(l.autocast.get("backward_temporary", l.backward_temporary_bytes_per_sample * scale)
                                          if measured else l.backward_temporary_bytes_per_sample * scale for l in chosen),
             fsdp_unit_bytes=fsdp_unit_bytes(chosen, params),
@@ -291,17 +299,24 @@ def stage_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
     return tuple(units) + ((root,) if root > 0 else ())
 
 
-def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float) -> tuple[float, bool]:
+def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float, of=None) -> tuple[float, bool]:
     """Per sample, the activations the shard groups of the ``split`` TaskGraphs wholly inside
     ``chosen`` divide among their ranks, and whether the layer returning the model outputs is a
-    class-sharded head (a lone group's member: its logits, so the loss's, are divided too)."""
+    class-sharded head (a lone group's member: its logits, so the loss's, are divided too). ``of``
+    (a layer of ``chosen``): only the groups whose members are that layer's modules."""
     inside = {l.index for l in chosen}
     divided, head = 0.0, False
     names = {l.name for l in chosen if l.output_bytes_per_sample}
+
+    def within(g) -> bool:
+        return of is None or any(m.path == of.name or m.path.startswith(of.name + ".") for m in g.members)
+
     for tg in graphs.graphs:
         if not tg.shard_groups or not set(tg.layers) <= inside:
             continue
         for g in tg.shard_groups:
+            if not within(g):
+                continue
             divided += g.autocast_activation_bytes_per_sample if measured else g.activation_bytes_per_sample * scale
             head |= g.kind == "lone" and any(m.path in names for m in g.members)
     return divided, head
