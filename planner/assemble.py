@@ -43,7 +43,7 @@ from planner.decisions import Decisions, cut_into_units, stage_syncs, zero_shard
 from planner.groups import groups_of
 from planner.devices.cost_model import GIB, CommModel, backward_flops, compute_ms, ragged_collectives, update_ms
 from planner.devices.memory import ZeroShards, fsdp_units, recompute_unit, runs_foreach, stage_memory
-from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES, StageCost
+from planner.devices.stage_cost import ACTIVATION_BYTES, CAPTURED_BYTES
 from planner.shares.batchnorm_statistics import stage_batchnorms
 from planner.shares.state_fractions import in_rank_order, padded_scale
 from planner.schedule.boundary_traffic import FORWARD, plan_traffic

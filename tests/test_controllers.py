@@ -30,7 +30,7 @@ from runtime.control.exchange import Part, compose
 from runtime.control.protocol import Controller, PlanChange
 from whalelike.errors import WhaleError
 
-from test_runtime_dp import CLASSES, OPTIMIZERS, Net, batches, make_cluster, make_plan
+from test_runtime_dp import OPTIMIZERS, Net, batches, make_cluster, make_plan
 
 
 class Recorder(Controller):

@@ -22,12 +22,10 @@ pipeline's first-step fake runs, are then cache hits.
 """
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close

@@ -31,7 +31,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 import planner
 import plans

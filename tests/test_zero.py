@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 
 import torch
 import torch.nn as nn

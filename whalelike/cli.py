@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import logging
 import os
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from whalelike.cluster import Cluster

@@ -66,7 +66,7 @@ from typing import Any, Optional, Sequence
 from whalelike.config import PRECISIONS
 from whalelike.display import format_table
 from whalelike.errors import SpecError
-from whalelike.hardware import DTYPES, fill_rates, known_gpu, lacks_reason
+from whalelike.hardware import DTYPES, fill_rates, lacks_reason
 from whalelike.spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
 
 PRESET_PACKAGE = "whalelike.presets"

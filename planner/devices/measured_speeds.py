@@ -38,7 +38,7 @@ import math
 from collections import Counter
 from typing import Optional, Sequence
 
-from whalelike.cluster import MAX_GBPS, Cluster, Device, Network
+from whalelike.cluster import MAX_GBPS, Cluster, Network
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.network import INTER_HOST, INTRA_HOST

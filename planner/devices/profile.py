@@ -52,7 +52,7 @@ the emulation block), and ``Profile.from_yaml(p.to_yaml(path)) == p``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from planner.devices.speed_curves import SpeedCurve, device_curve

@@ -19,7 +19,7 @@ from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.devices.cost_model import StageCost
 from planner.devices.memory import (
-    NO_ZERO, REDUCE_SCATTER_COPIES, MemoryTerms, ZeroShards, update_bytes, worker_fractions,
+    NO_ZERO, MemoryTerms, ZeroShards, update_bytes, worker_fractions,
 )
 from planner.plan import PlanError
 from planner.schedule.actions import SCHEDULES as SCHEDULE_NAMES, build_schedule, max_in_flight

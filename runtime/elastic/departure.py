@@ -101,7 +101,6 @@ the old plan would have computed.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch

@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
