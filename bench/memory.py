@@ -15,8 +15,9 @@ on 4 ranks (``runtime.Engine(measure_memory=True)``: on CPU a storage counter,
 optimizer state, activations with boundary buffers and the loss) against the measured one
 (``StepStats.peak_memory_bytes``, the largest over every step, the first included: a device
 enforces its memory from the first step), their ratio, and the step time (rank 0, mean over the
-steps after the first; emulated speeds, so it compares the configurations, not the machine). The last line states the batch gains over fp32 and the range
-of measured / predicted over all ranks (target: within 10%).
+steps after the first; emulated speeds, so it compares the configurations, not the machine). The
+last line states the batch gains over fp32 and the range of measured / predicted over all ranks
+(target: within 10%).
 
 What the CPU figure is: tensor storages alive (no allocator rounding, no gloo buffers); a GPU's
 ``max_memory_allocated`` adds the caching allocator's block rounding.

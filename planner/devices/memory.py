@@ -132,9 +132,9 @@ temporaries, those of the stage's layer whose backward holds the most above its 
 softmax's gradient in attention, an MLP's hidden-wide gradients), or, on the stage that returns the
 model outputs, one micro-batch's outputs and the loss's temporaries (``StageCost.loss_bytes``: the
 loss of one micro-batch is computed, and back-propagated, at a time), the larger
-(:func:`held_once`; a recomputing stage holds the larger of the loss's and of its recomputed layer with
-that layer's backward temporaries, not both). Measured on ``bench/memory.py``'s Llama: fp32 1.01-1.06 before it,
-1.01-1.04 after; a recomputing stage 1.18 before, 1.14 after (the recomputed layer's backward holds
+(:func:`held_once`; a recomputing stage holds the larger of the loss's and of its recomputed
+layer with that layer's backward temporaries, not both). Measured on ``bench/memory.py``'s Llama:
+fp32 1.01-1.06 before it, 1.01-1.04 after; a recomputing stage 1.18 before, 1.14 after (the recomputed layer's backward holds
 more than capture's graph measures for it at bf16: 12 KiB a sample captured, 44-60 KiB measured on
 the same layer run eagerly, not yet explained). A ``split`` stage's worker holds its
 shard of what the shard groups divide (the projections' weights, the activations between a group's
@@ -567,8 +567,8 @@ def held_once(cost: "StageCost", once: Any, recompute: "bool | str", loss: Any =
     the transient bytes: the loss's outputs and temporaries on the stage that computes it, or one
     layer's backward temporaries (``StageCost.max_layer_backward_bytes``), the larger (the loss's are
     freed as the backward begins, the layers' made after; one micro-batch is in its backward at a
-    time). Without recompute they add up (the loss runs, and a layer's backward
-    begins, with every activation alive). A recomputing stage holds no layer's activations when the
+    time). Without recompute they add up (the loss runs, and a layer's backward begins, with every
+    activation alive). A recomputing stage holds no layer's activations when the
     loss runs and recomputes a layer only after the loss's tensors are freed: the larger of the loss
     (``loss``, default ``cost.loss_bytes``) and the layer recomputed plus its backward's temporaries
     (measured: at the peak of a recomputing Llama stage no logits or loss tensor is alive)."""
