@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import whalelike as wl
 from hf_models import TRANSFORMERS
 from whalelike.graphs import capture_cache
 from whalelike.graphs.capture import capture
+from whalelike.graphs.costs import fake_copy
 
 
 class Scoped(nn.Module):
@@ -258,6 +261,13 @@ def test_a_pipeline_splits_fake_values_serve_the_next_capture_and_hold_no_model(
     assert runs == [2, 3]
     second_model = TRANSFORMERS["gpt2"]().model
     assert specs(second_model) == before and runs == [2, 3], runs
+    # a fake copy of the graph (what capture measures on, e.g. under autocast for a bf16 re-plan) shares
+    # them: copying their fake tensors warned (torch's deepcopy reads a fake tensor's data pointer)
+    module = capture(second_model, inputs).graph_module
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+        copied = fake_copy(module, FakeTensorMode(allow_non_fake_inputs=True))
+    assert copied.meta[capture_cache.DERIVED_META] is module.meta[capture_cache.DERIVED_META]
     del real, first_model
     gc.collect()
     assert first() is None, "the kept fake values refer to the first model"

@@ -47,7 +47,7 @@ from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 from runtime.replicas.held_state import is_dtensor
 from whalelike.graphs.output_tree import OUTPUTS_META, OutputRouteError, OutputRoutes, loss_reads, output_leaves, \
     route_outputs
-from whalelike.graphs.capture_cache import DERIVED_META
+from whalelike.graphs.capture_cache import derived
 from whalelike.graphs.taskgraph import LAYER_META
 from whalelike.graphs.tracing import graph_module, split_module_deferred
 
@@ -481,9 +481,9 @@ def _describe(root: fx.GraphModule, num_stages: int) -> PipelineSplit:
 def fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every node's value of ``source`` on fake inputs shaped like ``inputs`` with batch 2 and 3,
     computed once per input shapes and autocast state and kept (fake tensors hold no storage): with
-    the capture cache's entry of ``source``'s architecture when it has one (``meta[DERIVED_META]``:
-    every later capture of the same architecture, e.g. the next Engine's model, finds them there),
-    else on ``source``. The model's own tensors (``get_attr`` values) are left out, so nothing kept
+    what is derived from ``source``'s graph (:func:`whalelike.graphs.capture_cache.derived`: the capture
+    cache's entry of its architecture when it has one, where every later capture of the same
+    architecture, e.g. the next Engine's model, finds them; else ``source``'s own). The model's own tensors (``get_attr`` values) are left out, so nothing kept
     refers to a model. A pipeline's first step asks for them (:meth:`PipelineSplit.value_specs`);
     calling it ahead on a capture (``graphs.graph_module``, with the step's micro-batch inputs or any
     batch of them: only the shapes past dimension 0, dtypes, device and autocast state count) does
@@ -493,8 +493,7 @@ def fake_node_values(source: fx.GraphModule, inputs: tuple) -> tuple[dict[str, A
     # autocast gives the values other dtypes (a bf16 step's boundary buffers are bf16)
     casting = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     key = ("fake node values", tuple((tuple(x.shape[1:]), x.dtype) for x in inputs), device, casting)
-    shared = source.meta.get(DERIVED_META)
-    cache = shared if shared is not None else source.__dict__.setdefault("_whalelike_fake_values", {})
+    cache = derived(source)
     if key not in cache:
         cache[key] = tuple({name: tree_map(_kept, value)
                             for name, value in _fake_run(source, inputs, batch, _NodeRecorder).items()

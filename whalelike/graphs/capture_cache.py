@@ -106,6 +106,14 @@ class Entry:
 DERIVED_META = "whalelike_capture_derived"
 
 
+def derived(gm: Any) -> dict:
+    """What later steps derive from ``gm``'s graph alone (fake values, shapes), kept with it under
+    ``gm.meta[DERIVED_META]``: its cache entry's :attr:`Entry.derived` when it came from the cache
+    (shared by every graph module bound from that entry), else a dict of its own. A copy of ``gm``
+    that keeps its graph (``whalelike.graphs.costs.fake_copy``) shares it rather than copying it."""
+    return gm.meta.setdefault(DERIVED_META, {})
+
+
 _entries: "OrderedDict[tuple, Entry]" = OrderedDict()
 _stats = {"hits": 0, "trace_hits": 0, "misses": 0, "undescribable": 0, "rejected": 0}
 

@@ -85,6 +85,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from whalelike.errors import CaptureError
+from whalelike.graphs.capture_cache import DERIVED_META
 from whalelike.graphs.memory_traffic import FUSED_ATTENTION, MemoryTrafficMode
 
 log = logging.getLogger(__name__)
@@ -268,8 +269,12 @@ class _Alive:
 def fake_copy(gm: fx.GraphModule, fake_mode: FakeTensorMode, device: Optional[torch.device] = None) -> fx.GraphModule:
     """A deep copy of ``gm`` whose parameters and buffers are fake tensors of ``fake_mode`` (same
     shape, dtype, device and ``requires_grad``; tying preserved; no memory). ``device``: the fakes
-    are there instead, and so is every device the graph's nodes name (the devices it was traced on)."""
+    are there instead, and so is every device the graph's nodes name (the devices it was traced on).
+    What is derived from the graph alone (:func:`whalelike.graphs.capture_cache.derived`: fake node
+    values) is shared with ``gm``, not copied."""
     memo: dict[int, Any] = {}
+    if DERIVED_META in gm.meta:
+        memo[id(gm.meta[DERIVED_META])] = gm.meta[DERIVED_META]
     for p in gm.parameters():
         memo[id(p)] = nn.Parameter(_to_fake(p.detach(), fake_mode, device), requires_grad=p.requires_grad)
     for b in gm.buffers():
