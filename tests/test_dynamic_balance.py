@@ -139,12 +139,14 @@ def scenario(model: nn.Module, spec: Cluster, num_micro_batch: int = 1, balance=
     data = data if data is not None else batches()
     graphs = capture(model, data[0][0])
     plan = planner.plan(graphs, spec, wl.Config(global_batch_size=BATCH, num_micro_batch=num_micro_batch))
-    events = {}
+    events, lines = {}, {}
     for name, make_opt in OPTIMIZERS.items():
         engine, _, _ = assert_engine_trains_like_reference(model, plan, data, make_opt, loss, spec,
                                                            f"{name}", balance=balance)
         events[name] = [(e.step, e.action, e.exact, [c.rank for c in e.changes]) for e in engine.replans]
-    return {"events": events, "first": plan, "last": engine.plan}
+        # what a failed assertion shows: each event's line, each step's emulation overruns
+        lines[name] = [e.line() for e in engine.replans] + [f"overruns by step: {[s.overruns for s in engine.stats]}"]
+    return {"events": events, "first": plan, "last": engine.plan, "lines": lines}
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
@@ -366,7 +368,7 @@ def test_noise_below_the_threshold_and_policy_off_change_nothing(two):
 
 def test_pipeline_moves_layers_off_a_slow_stage_exactly(two):
     step, action, exact, ranks = _first(two["pp"])
-    assert "layers" in action and exact
+    assert "layers" in action and exact, two["pp"]["lines"]
     first, last = two["pp"]["first"], two["pp"]["last"]
     assert len(last.stages[1].layers) < len(first.stages[1].layers), (first.stages, last.stages)
 
@@ -412,7 +414,7 @@ def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
     changes nothing, so it is not the one checked."""
     _first(three["hybrid"])
     step, action, exact, ranks = next(e for e in three["hybrid"]["events"]["sgd"] if e[1] != "none")
-    assert exact and 0 in ranks, three["hybrid"]["events"]
+    assert exact and 0 in ranks, three["hybrid"]["lines"]
 
 
 def test_pipeline_shares_change_in_place_exactly(three):

@@ -46,6 +46,27 @@ def test_steps_without_measured_compute_have_no_speed():
     assert monitor.smoothed()[0] == 2e9   # the median over the steps that measured compute
 
 
+def test_steps_whose_emulation_overran_give_way_to_recent_clean_ones():
+    """An overrun measured the loaded host, not the emulated device: a window with two overrunning
+    steps (3 s and 5 s) takes the median of the last three clean steps instead, while they are
+    among the last six; else the last three steps, overruns and all."""
+    monitor = StragglerMonitor(0, 1, window=3)
+    for step in (0, 1, 2):
+        monitor.record(step, FLOPS, 1.0 + step / 10)
+    monitor.record(3, FLOPS, 3.0, overran=True)
+    monitor.record(4, FLOPS, 5.0, matmul_s=1.0, overran=True)
+    assert monitor.smoothed() == (FLOPS / 1.1, 1.1, 0.0)          # steps 0-2
+    monitor.record(5, FLOPS, 2.0, overran=True)
+    assert monitor.smoothed()[0] == FLOPS / 1.1                    # steps 0-2: among the last six
+    monitor.record(6, FLOPS, 4.0, overran=True)
+    assert monitor.smoothed() == (FLOPS / 4.0, 4.0, 0.0)          # no longer: steps 4-6
+    monitor.reset()
+    monitor.record(7, FLOPS, 1.0)
+    monitor.record(8, FLOPS, 4.0, overran=True)
+    monitor.record(9, FLOPS, 2.0)                                  # two clean steps since the reset:
+    assert monitor.smoothed()[:2] == (FLOPS / 2.0, 2.0)            # the last three, overrun and all
+
+
 def test_changed_compares_shares_of_the_total_speed():
     monitor = StragglerMonitor(0, 4, threshold=0.10)
     reference = [4e9, 4e9, 2e9, 2e9]

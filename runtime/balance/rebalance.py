@@ -228,7 +228,7 @@ class Rebalancer(Controller):
 
         def fill() -> torch.Tensor:
             stats = so_far()
-            self._measure(step, stats.flops, stats.padded_s, stats.matmul_s)
+            self._measure(step, stats.flops, stats.padded_s, stats.matmul_s, stats.overruns)
             return self.monitor.outgoing()
 
         def arrived(values: torch.Tensor) -> None:
@@ -244,9 +244,9 @@ class Rebalancer(Controller):
         if self.config.policy == "semi":
             self.recent_batches.append((inputs, targets))
 
-    def _measure(self, step: int, flops: float, compute_s: float, matmul_s: float) -> None:
+    def _measure(self, step: int, flops: float, compute_s: float, matmul_s: float, overruns: int) -> None:
         flops, compute_s, matmul_s = self._unresized(flops, compute_s, matmul_s)
-        self.monitor.record(step, flops, compute_s, matmul_s)
+        self.monitor.record(step, flops, compute_s, matmul_s, overran=overruns > 0)
         self._measured_step = step
 
     def react(self, view: StepView) -> Optional[PlanChange]:
@@ -262,7 +262,7 @@ class Rebalancer(Controller):
             self._fresh = False
             return None
         if self._measured_step != step:
-            self._measure(step, view.stats.flops, view.stats.padded_s, view.stats.matmul_s)
+            self._measure(step, view.stats.flops, view.stats.padded_s, view.stats.matmul_s, view.stats.overruns)
         self._start = time.perf_counter()
         change = self._persisted(view)
         measured = self.last_measured

@@ -15,6 +15,16 @@ the median over the last ``window`` steps, so a one-step spike changes nothing, 
 change shows after ``ceil(window / 2)`` steps: with ``window=3`` a rank slowed 2x is seen on the
 second slow step (plus up to ``exchange_every - 1`` steps until the next exchange).
 
+Why steps whose emulation overran are set aside: on an emulated cluster a segment whose real
+compute took longer than its modeled time (a loaded host) measures the host, not the emulated
+device. One such step in a window changes no median, but two of three do, and a rank that overran
+while the reference was taken looks, once it stops, like a rank that sped up. So
+:meth:`StragglerMonitor.smoothed` takes the median over the last ``window`` steps without an
+overrun when there are that many among the last ``2 * window`` steps, and over the last
+``window`` steps, overruns and all, otherwise (a rank that overruns most steps: the emulation
+cannot hold its speed, and the run's overrun warning says so). Real hardware never overruns, so
+there the two are the same window.
+
 Why relative speeds: if every rank slows alike (the machine is busy, a larger batch), the
 balance is unchanged and re-planning gains nothing. :meth:`StragglerMonitor.changed` compares each
 rank's share of the summed speed with its share in the reference the plan was made for.
@@ -54,12 +64,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Sample:
     """One step of one rank: the FLOPs of its compute segments and the time they took (``matmul_s``
-    is the part spent in matmul segments). ``speed`` is NaN when the step ran no measured compute."""
+    is the part spent in matmul segments); ``overran``: some segment's real compute outlasted its
+    emulated time. ``speed`` is NaN when the step ran no measured compute."""
 
     step: int
     flops: float
     compute_s: float
     matmul_s: float
+    overran: bool = False
 
     @property
     def speed(self) -> float:
@@ -117,14 +129,17 @@ class StragglerMonitor:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.window, self.threshold, self.exchange_every = window, float(threshold), exchange_every
         self.samples: deque[Sample] = deque(maxlen=window)
+        self.clean: deque[Sample] = deque(maxlen=window)   # the last steps whose emulation did not overrun
         self._last_step: Optional[int] = None
         self._group_checked = False
         self._warned_unmeasured = False
 
     # -- local measurement ---------------------------------------------------------------------------
-    def record(self, step: int, flops: float, compute_s: float, matmul_s: float = 0.0) -> None:
+    def record(self, step: int, flops: float, compute_s: float, matmul_s: float = 0.0, *,
+               overran: bool = False) -> None:
         """Record this rank's compute of ``step``: FLOPs of its compute segments, the time they took
-        (no waiting, no communication) and the part of it spent in matmul segments."""
+        (no waiting, no communication) and the part of it spent in matmul segments; ``overran``:
+        the emulation overran some segment of the step (it then measured the host)."""
         _check_int("step", step, 0, "the training step")
         if self._last_step is not None and step <= self._last_step:
             raise SpecError(f"StragglerMonitor.record: step must increase, got step {step} after step "
@@ -137,22 +152,29 @@ class StragglerMonitor:
         if matmul_s > compute_s * (1 + 1e-9) + 1e-12:
             raise SpecError(f"StragglerMonitor.record (step {step}): matmul_s ({matmul_s:g}) is part of compute_s "
                             f"and cannot exceed it ({compute_s:g}); pass the step's matmul time as matmul_s")
-        self.samples.append(Sample(step, float(flops), float(compute_s), float(matmul_s)))
+        sample = Sample(step, float(flops), float(compute_s), float(matmul_s), bool(overran))
+        self.samples.append(sample)
+        if not sample.overran:
+            self.clean.append(sample)
         self._last_step = step
 
     def reset(self) -> None:
         """Forget the recorded steps (after a re-plan, so old samples do not outvote new ones)."""
         self.samples.clear()
+        self.clean.clear()
 
     def smoothed(self) -> tuple[float, float, float]:
-        """This rank's ``(speed, compute_s, matmul_s)``: medians over the recorded window (speed over
-        the steps that measured compute; NaN where there is nothing to take the median of)."""
-        speeds = [s.speed for s in self.samples if not math.isnan(s.speed)]
+        """This rank's ``(speed, compute_s, matmul_s)``: medians over the last ``window`` steps
+        without an emulation overrun when they are among the last ``2 * window``, else over the
+        last ``window`` steps (speed over the steps that measured compute; NaN where there is
+        nothing to take the median of)."""
+        clean = len(self.clean) == self.window and self.clean[0].step > self._last_step - 2 * self.window
+        kept = list(self.clean if clean else self.samples)
+        speeds = [s.speed for s in kept if not math.isnan(s.speed)]
         speed = statistics.median(speeds) if speeds else math.nan
-        if not self.samples:
+        if not kept:
             return speed, math.nan, math.nan
-        return (speed, statistics.median(s.compute_s for s in self.samples),
-                statistics.median(s.matmul_s for s in self.samples))
+        return (speed, statistics.median(s.compute_s for s in kept), statistics.median(s.matmul_s for s in kept))
 
     # -- riding on a collective that happens anyway ---------------------------------------------------
     def outgoing(self) -> torch.Tensor:
