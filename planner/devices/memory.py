@@ -58,9 +58,10 @@ reduce-scatter input they are copied into (FSDP2 frees the unit's gathered param
 * stage 0 (DDP): ``w = g = o = 1``: the gradients are views of DDP's buckets
   (``runtime.replicas.ddp_sync``, ``gradient_as_bucket_view``, zeroed in place between steps), one
   copy; measured 1.02-1.03 of the prediction on every rank, with one micro-batch and accumulating
-  (``tests/test_zero_memory.py``; 1.27-1.28 while the buckets were a second copy). Not priced: DDP's
-  first two steps after it is built, whose gradients are tensors of their own beside the buckets until
-  DDP has rebuilt them (in the second step's forward), one gradient copy more when accumulating;
+  (``tests/test_zero_memory.py``; 1.27-1.28 while the buckets were a second copy). The second step,
+  whose forward rebuilds DDP's buckets, peaks no higher than the later ones, with one micro-batch and
+  accumulating (``tests/test_recompute.py``; accumulating, it held a gradient copy more, +24% there,
+  until the executor zeroed such gradients in place from the first step: ``runtime.replicas.ddp_sync``);
 * stage 1: ``w = 1 + f`` (the sharded parameters plus every unit gathered from the first forward to
   the last backward), ``o = f``; ``g = 1 + c u`` when accumulating (the whole gradients accumulate over
   the micro-batches; the last backward reduce-scatters them unit by unit, each unit's input taking the

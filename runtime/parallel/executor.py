@@ -90,9 +90,23 @@ class StepExecutor(abc.ABC):
 
     @property
     def gradients_in_place(self) -> bool:
-        """Whether the optimizer zeroes the gradients in place between steps (a sync whose gradients
-        are views of its buffers: :attr:`runtime.replicas.replica_sync.ReplicaSync.gradients_in_place`)."""
-        return any(sync.gradients_in_place for sync in self.syncs())
+        """Whether the optimizer zeroes the gradients in place between steps: a sync whose gradients
+        are views of its buffers says so (:attr:`runtime.replicas.replica_sync.ReplicaSync.gradients_in_place`);
+        one whose gradients become such views (``gradients_as_views``: DDP, once it has rebuilt its
+        buckets) gets them zeroed in place from the first step when this rank accumulates over
+        micro-batches (:attr:`accumulates`), so that no accumulated gradient is a tensor of its own
+        beside the buffers (``runtime.replicas.ddp_sync`` measures both ways)."""
+        accumulates = self.accumulates
+        return any(sync.gradients_in_place or (accumulates and sync.gradients_as_views) for sync in self.syncs())
+
+    @property
+    @abc.abstractmethod
+    def micro_batch_sizes(self) -> list[int]: ...
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether this rank's step runs more than one micro-batch with samples (gradient accumulation)."""
+        return sum(1 for n in self.micro_batch_sizes if n) > 1
 
     @abc.abstractmethod
     def named_state(self) -> NamedState: ...

@@ -297,6 +297,11 @@ class PipelineExecutor(StepExecutor):
         """What this rank runs: its stage module, sharded as planned."""
         return self.stage.module
 
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """This rank's micro-batch sizes under the plan in force."""
+        return self.worker.micro_batch_sizes
+
     def syncs(self) -> list:
         return [self.stage_worker.sync]
 

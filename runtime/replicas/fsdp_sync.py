@@ -141,7 +141,7 @@ class FSDPSync(Exact, OwnPassenger, WholeParameters):
     """
 
     name = "fsdp"
-    gradients_in_place = False
+    gradients_in_place = gradients_as_views = False
     syncs = True
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,

@@ -116,7 +116,7 @@ class PartialSync(WholeParameters):
     """
 
     name = "partial"
-    gradients_in_place = False
+    gradients_in_place = gradients_as_views = False
     syncs = True
     exact = False            # its steps are approximate (StepStats.approximate)
     generator_silence_s = SILENCE_S

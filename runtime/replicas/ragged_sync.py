@@ -132,7 +132,7 @@ class RaggedSync(Exact, OwnPassenger):
     tied to another pipeline stage, :mod:`runtime.parallel.tied_weights`)."""
 
     name = "ragged"
-    gradients_in_place = False
+    gradients_in_place = gradients_as_views = False
     syncs = True
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, stage: int,

@@ -99,6 +99,10 @@ class ReplicaSync(Protocol):
     # zeroes them in place between steps (set to None, the next backward would allocate them anew
     # beside the buffers, and accumulation over micro-batches hold both)
     gradients_in_place: bool
+    # the gradients become views of the sync's buffers after its first synced backward, though it does not
+    # yet say gradients_in_place (DDP until it has rebuilt its buckets): an executor that accumulates over
+    # micro-batches zeroes them in place all the same (runtime.parallel.executor.StepExecutor.gradients_in_place)
+    gradients_as_views: bool
 
     def after_step(self, plan, step: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None: ...
 
@@ -109,7 +113,7 @@ class AloneSync(Exact, OwnPassenger, WholeParameters):
 
     name = "alone"
     syncs = False
-    gradients_in_place = False
+    gradients_in_place = gradients_as_views = False
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None):
         self.inner = module

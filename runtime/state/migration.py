@@ -100,6 +100,11 @@ class MigratingExecutor(StepExecutor):
         """The module that computes (ZERO-resizing and the memory meter attach to the computing layout's)."""
         return self.compute.module
 
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """The computing layout's micro-batch sizes on this rank (its backward accumulates the gradients)."""
+        return self.compute.micro_batch_sizes
+
     def syncs(self) -> list:
         """The owner's replica syncs and the computing layout's, each once."""
         found = list(self.owner.syncs())
