@@ -408,13 +408,16 @@ def test_zero_resizing_marks_its_steps_and_events_approximate(two):
 
 
 def test_hybrid_data_parallel_stage_and_pipeline_rebalance_exactly(three):
-    """The first re-plan that changes the plan moves work off the straggler, rank 0, exactly. On a
-    loaded host the emulation can overrun a segment on another rank (the run says so), which the
-    monitor may flag first and the re-planner then leaves as it is (action ``none``): that decision
-    changes nothing, so it is not the one checked."""
+    """A re-plan moves work off the straggler, rank 0, and every re-plan that changes the plan is
+    exact. On a loaded host the emulation can overrun segments of the first steps on any rank (the
+    run says so): a rank whose first steps overran is measured faster once they stop, and the
+    re-planner may then move work onto it before the straggler's onset (a real change of measured
+    speed, re-planned exactly), so the straggler's re-plan is looked for among all of them, not
+    only the first."""
     _first(three["hybrid"])
-    step, action, exact, ranks = next(e for e in three["hybrid"]["events"]["sgd"] if e[1] != "none")
-    assert exact and 0 in ranks, three["hybrid"]["lines"]
+    changing = [e for e in three["hybrid"]["events"]["sgd"] if e[1] != "none"]
+    assert changing and all(exact for _, _, exact, _ in changing), three["hybrid"]["lines"]
+    assert any(0 in ranks for _, _, _, ranks in changing), three["hybrid"]["lines"]
 
 
 def test_pipeline_shares_change_in_place_exactly(three):
