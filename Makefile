@@ -43,13 +43,17 @@ test: $(STAMP)
 setup: $(STAMP)
 
 # torch is pinned to the CPU build that ships on this machine's disk: a bare `torch` would pull CUDA.
-# The project's own bytecode is compiled once here, as pip compiles a package it installs (an editable
-# install is not compiled): otherwise the first processes to import it (make test's three pytest
-# workers, starting together) each compile all of it.
+# Bytecode: pip would compile all ~10,000 modules of torch and transformers, two thirds of the set-up's
+# time, for the few hundred any process here imports; so the packages install uncompiled and
+# tests/precompile.py imports what the suite's and the demo's processes start with, which writes
+# their bytecode. The project's own is compiled in full (an editable install is not compiled):
+# otherwise the first processes to import it (make test's three pytest workers, starting together)
+# each compile all of it.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/precompile.py
 	$(BIN)/python -m compileall -q -j 0 whalelike planner runtime examples bench tests
 	touch $(STAMP)
 
