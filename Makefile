@@ -42,7 +42,8 @@ test: $(STAMP)
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build that ships on this machine's disk: a bare `torch` would pull CUDA.
+# torch is pinned to the CPU build that ships on this machine's disk: a bare `torch` would pull CUDA
+# (one pip call: one resolution for torch and the project's dependencies).
 # Bytecode: pip would compile all ~10,000 modules of torch and transformers, two thirds of the set-up's
 # time, for the few hundred any process here imports; so the packages install uncompiled and
 # tests/precompile.py imports what the suite's and the demo's processes start with, which writes
@@ -51,8 +52,7 @@ setup: $(STAMP)
 # each compile all of it.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0 -e '.[dev]'
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/precompile.py
 	$(BIN)/python -m compileall -q -j 0 whalelike planner runtime examples bench tests
 	touch $(STAMP)
