@@ -87,10 +87,11 @@ def rebuild(engine: Engine, plan) -> None:
 def worker(rank: int, init_file: str, args, results) -> None:
     with process_group(rank, init_file, WORLD):
         factory, global_batch, micro_batches, smoke_sizes = MODELS[args.model]
-        workload = load_workload(os.path.join(EXAMPLES, factory))
-        if args.smoke:   # the same example's build() at small sizes
+        if args.smoke:   # the same example's build() at small sizes (the full-size model is never built)
             sys.path.insert(0, EXAMPLES)
             workload = getattr(__import__(factory.split(".py")[0]), "build")(**smoke_sizes)
+        else:
+            workload = load_workload(os.path.join(EXAMPLES, factory))
         cluster = wl.Cluster.preset("emulated-4")
         graphs = wl.capture(workload.model, workload.example_args)
         # the planner's hardware-aware plan with two devices a stage (the split by work): what the bench re-plans
