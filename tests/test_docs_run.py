@@ -22,6 +22,16 @@ The kind of a block is its fence's first word, and every opening fence must name
   its ``\\`` continuation lines) is a command the page shows with its output, and runs like a
   ``bash`` block's (from the same directory, after the blocks above it).
 
+Shown output is compared where the command is deterministic (a plan, a capture's table, the
+defaults): a ``text`` block marked ``output`` must match what ran. Its lines are the standard output
+of the block just above it (a ``bash`` or ``python`` block that ran), or, in a block of ``$``
+commands, each command's lines are those after it up to the next ``$``. Every shown line must
+appear in that output, in order (trailing blanks ignored); lines may be left out, so a page can
+show an excerpt, but none may differ. A ``text`` block that shows a plan summary (``plan for
+model ...``) or a capture's table (``N TaskGraph(s), captured with ...``) must say which it is:
+``output``, or ``varies`` when the run measures something (a profile taken on the page, timings)
+and its figures cannot repeat.
+
 A ``bash`` or ``python`` block may say why it cannot run here, ``norun=REASON``, with a reason from
 :data:`NORUN`: it needs a CUDA device or several machines, or it is the suite's own set-up. Its
 flags are still checked by ``tests/test_docs_flags.py``. Relative links of every page must resolve.
@@ -35,6 +45,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -92,13 +103,19 @@ def _id(page: Path) -> str:
 def test_every_block_declares_its_kind():
     bad = []
     for page in _pages():
-        for line, kind, options, _ in blocks(page):
+        for line, kind, options, text in blocks(page):
             where = f"{_id(page)}:{line}"
             if kind not in KINDS:
                 bad.append(f"{where}: kind {kind!r} (one of {sorted(KINDS)})")
             reason = options.get("norun")
             if reason is not None and (reason not in NORUN or kind not in {"bash", "python"}):
                 bad.append(f"{where}: norun={reason!r} (a bash or python block, one of {sorted(NORUN)})")
+            marks = {"output", "varies"} & set(options)
+            if (marks and kind != "text") or len(marks) > 1:
+                bad.append(f"{where}: {' and '.join(sorted(marks))} (a text block, one of them)")
+            if kind == "text" and not marks and SHOWS_DETERMINISTIC.search(text):
+                bad.append(f"{where}: shows a plan or a capture's table: mark it `output` (compared with the run "
+                           f"above it) or `varies` (a measured run's)")
     assert not bad, "fenced blocks the docs test cannot classify:\n" + "\n".join(bad)
 
 
@@ -146,12 +163,53 @@ def shrunk(command: str, port: int) -> str:
     return command.replace("localhost:29400", f"localhost:{port}")
 
 
-def _run(argv: list[str], cwd: Path, where: str) -> None:
+def _run(argv: list[str], cwd: Path, where: str) -> str:
+    """Runs ``argv`` from ``cwd``; its standard output (it must exit 0)."""
     env = warm_python.environment(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
                                        f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"))
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, (f"{where} failed (exit {done.returncode}):\n{' '.join(argv)}\n"
                                   f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
+    return done.stdout
+
+
+def missing_from(shown: str, output: str) -> Optional[str]:
+    """None when every non-blank line of ``shown`` appears in ``output``, in order (trailing blanks
+    ignored; lines of ``output`` may be skipped), else why not: the first shown line that does not,
+    and the output from the last line matched."""
+    lines = [line.rstrip() for line in output.split("\n")]
+    at = 0
+    for number, line in enumerate(shown.split("\n"), 1):
+        line = line.rstrip()
+        if not line:
+            continue
+        try:
+            at = lines.index(line, at) + 1
+        except ValueError:
+            rest = "\n".join(lines[at:at + 40])
+            return (f"shown line {number} is not in the output (in order):\n  {line}\n"
+                    f"--- the output from there on\n{rest}")
+    return None
+
+
+def shown_outputs(text: str) -> list[str]:
+    """The output a ``text`` block shows after each of its ``$ COMMAND`` lines (up to the next)."""
+    outputs, current, continued = [], None, False
+    for line in text.split("\n"):
+        if continued:
+            continued = line.rstrip().endswith("\\")
+        elif line.startswith("$ "):
+            if current is not None:
+                outputs.append("\n".join(current))
+            current, continued = [], line.rstrip().endswith("\\")
+        elif current is not None:
+            current.append(line)
+    if current is not None:
+        outputs.append("\n".join(current))
+    return outputs
+
+
+SHOWS_DETERMINISTIC = re.compile(r"^(plan for model \S+ on |\d+ TaskGraph\(s\), captured with )", re.M)
 
 
 def _check_yaml(text: str, where: str, work: Path) -> None:
@@ -195,16 +253,29 @@ def test_the_page_s_blocks_run(page, tmp_path):
     import json
     work = _scratch(tmp_path)
     port = _free_port()
+    above: Optional[str] = None   # the standard output of the block just above, when it ran
     for line, kind, options, text in blocks(page):
         where = f"{_id(page)}:{line}"
         if "norun" in options:
+            above = None
             continue
         if kind == "text":
-            for number, command in enumerate(shown_commands(text)):
+            commands = shown_commands(text)
+            outputs = shown_outputs(text) if commands else [text]
+            for number, command in enumerate(commands):
                 script = work / f"shown_{line}_{number}.sh"
                 script.write_text(shrunk(command, port) + "\n")
-                _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})")
+                ran = _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})")
+                if "output" in options:
+                    why = missing_from(outputs[number], ran)
+                    assert why is None, f"{where}: the output shown for `$ {command.split(chr(10))[0]}` differs from the run's: {why}"
+            if "output" in options and not commands:
+                assert above is not None, f"{where}: marked `output`, but no block that ran is just above it"
+                why = missing_from(text, above)
+                assert why is None, f"{where}: the output shown differs from the run of the block above: {why}"
+            above = None
             continue
+        above = None
         if kind == "yaml":
             _check_yaml(text, where, work)
         elif kind == "json":
@@ -212,7 +283,7 @@ def test_the_page_s_blocks_run(page, tmp_path):
         elif kind == "bash":
             script = work / f"block_{line}.sh"
             script.write_text(shrunk(text, port))
-            _run(["bash", "-euo", "pipefail", str(script)], work, where)
+            above = _run(["bash", "-euo", "pipefail", str(script)], work, where)
         elif kind == "python":
             named = FILE.match(text.split("\n", 1)[0])
             if named:
@@ -227,7 +298,7 @@ def test_the_page_s_blocks_run(page, tmp_path):
             python = warm_python.python()
             argv = ([python, "-m", "torch.distributed.run", "--nproc-per-node", ranks.group(1),
                      "--master-port", str(_free_port()), script.name] if ranks else [python, script.name])
-            _run(argv, work, where)
+            above = _run(argv, work, where)
 
 
 def test_shown_commands_are_found_with_their_continuations():
@@ -241,3 +312,14 @@ def test_the_rewrites():
     assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 6"
     assert shrunk("--steps 1 --rdzv-endpoint localhost:29400", 5) == "--steps 1 --rdzv-endpoint localhost:5"
     assert shlex.split(shrunk("--warmup-steps 5", 1)) == ["--warmup-steps", "5"]
+
+
+def test_shown_output_is_matched_line_by_line_in_order():
+    output = "capturing m.py:f ...\nplan for model 0f: 2 stage(s)\n  stage 0: a\n\nsolver: greedy   \nwrote p.yaml\n"
+    assert missing_from("plan for model 0f: 2 stage(s)\n\nsolver: greedy\n", output) is None   # an excerpt
+    assert missing_from("", output) is None
+    assert "shown line 2" in missing_from("plan for model 0f: 2 stage(s)\n  stage 0: b\n", output)  # changed
+    assert "shown line 2" in missing_from("solver: greedy\n  stage 0: a\n", output)                # out of order
+    text = "$ whalelike plan m.py:f \\\n      -o p.yaml\nplan for model 0f\n$ whalelike simulate p.yaml\nstep 1 ms\n"
+    assert shown_outputs(text) == ["plan for model 0f", "step 1 ms\n"]
+    assert shown_outputs("no command\n") == []
