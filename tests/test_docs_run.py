@@ -6,8 +6,8 @@ The kind of a block is its fence's first word, and every opening fence must name
 - ``bash``: run with ``bash -euo pipefail``. A page's blocks run in order in one scratch directory
   where the repository's top-level entries (``examples/``, ``.venv/``, ``bench/``, ...) are links, so
   a later block reads what an earlier one wrote (``out/plan.yaml``) and nothing lands in the
-  repository. Two rewrites keep the suite's time: a step count (``--steps N``, ``--train.steps N``)
-  is capped at :data:`STEPS` (the command must run; how long is the benches' business; enough for the
+  repository. Two rewrites keep the suite's time: a step count (``--steps N``, ``--train.steps N``,
+  and a job file's ``steps: N`` that a ``yaml`` block writes) is capped at :data:`STEPS` (the command must run; how long is the benches' business; enough for the
   trainer's warm-up steps and the docs' learning-rate warm-ups), and a fixed
   rendezvous port (``localhost:29400``) becomes a free one.
 - ``python``: a complete script, run in that directory with the suite's interpreter; a first line
@@ -155,6 +155,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def shrunk_steps(text: str) -> str:
+    """A YAML file's ``steps: N`` (a job's ``train.steps``) capped at :data:`STEPS`."""
+    return re.sub(r"(\bsteps:\s*)(\d+)", lambda m: f"{m.group(1)}{min(int(m.group(2)), STEPS)}", text)
+
+
 def shrunk(command: str, port: int) -> str:
     """``command`` as the test runs it: step counts capped at :data:`STEPS`, the fixed rendezvous
     port replaced by ``port``."""
@@ -217,7 +222,7 @@ def _check_yaml(text: str, where: str, work: Path) -> None:
     first = text.lstrip().split("\n", 1)[0].strip()
     named = FILE.match(first)
     if named:   # written for a later command of the page; a cluster file is loaded as one too
-        (work / named.group(1)).write_text(text)
+        (work / named.group(1)).write_text(shrunk_steps(text))
     if first == "# cluster" or (named and isinstance(data, dict) and "hosts" in data):
         import whalelike as wl
         wl.Cluster.from_dict(data)
@@ -312,6 +317,9 @@ def test_the_rewrites():
     assert shrunk("whalelike train j.yaml --train.steps 10", 1) == "whalelike train j.yaml --train.steps 6"
     assert shrunk("--steps 1 --rdzv-endpoint localhost:29400", 5) == "--steps 1 --rdzv-endpoint localhost:5"
     assert shlex.split(shrunk("--warmup-steps 5", 1)) == ["--warmup-steps", "5"]
+    assert shrunk_steps("train: {steps: 10, warmup_steps: 20}\neval: {every: 5}\n") == \
+        "train: {steps: 6, warmup_steps: 20}\neval: {every: 5}\n"
+    assert shrunk_steps("train:\n  steps: 3\n") == "train:\n  steps: 3\n"
 
 
 def test_shown_output_is_matched_line_by_line_in_order():
