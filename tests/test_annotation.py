@@ -144,6 +144,26 @@ def test_bad_nesting_is_one_line_error(outer, inner):
     assert wl.strategy.current_scope() is None  # the stack unwound
 
 
+class _NestedInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with wl.split(2):
+            with wl.replicate(2):
+                return self.a(x)
+
+
+def test_bad_nesting_inside_forward_is_the_annotation_error_not_a_capture_failure():
+    """A scope misused in forward fails capture with the scope's own one-line message: not wrapped
+    as both tracers failing, with advice about data-dependent control flow."""
+    with pytest.raises(AnnotationError, match="cannot open replicate.2. inside split.2.") as e:
+        wl.capture(_NestedInForward(), (torch.randn(4, 8),))
+    assert "torch.export" not in str(e.value) and "\n" not in str(e.value)
+    assert wl.strategy.current_scope() is None
+
+
 def test_bad_nesting_through_annotate():
     with pytest.raises(AnnotationError, match="only allowed nesting"):
         wl.annotate(Stack(), {"blocks": wl.split(2), "blocks.1": wl.split(2)})

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils._pytree import tree_leaves, tree_map
 
-from whalelike.errors import CaptureError
+from whalelike.errors import AnnotationError, CaptureError
 from whalelike.graphs.leaves import is_conv1d, remove_asserts_and_dead_code, restore_leaves
 from whalelike.graphs.nodes import attribute
 from whalelike.graphs.output_tree import flatten_output, is_foreign_tree, rebuild_output
@@ -129,10 +129,14 @@ class Trace:
 
 
 def trace_reusable(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
-    """:func:`trace`'s work, as a :class:`Trace` (torch.fx first, else torch.export)."""
+    """:func:`trace`'s work, as a :class:`Trace` (torch.fx first, else torch.export). A scope
+    misused in ``forward`` (:class:`AnnotationError`, e.g. ``replicate`` opened inside ``split``) is
+    the user's error whichever tracer runs it: raised as it is, not retried with torch.export."""
     try:
         return _trace_fx(model, args, kwargs)
-    except Exception as e:  # noqa: BLE001 - any fx failure sends us to export
+    except AnnotationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other fx failure sends us to export
         fx_failure = f"{_failing_module(model, e)} ({_first_line(e)})"
         log.info("torch.fx could not trace %s; trying torch.export", fx_failure)
     try:
