@@ -17,6 +17,8 @@ The kind of a block is its fence's first word, and every opening fence must name
 - ``yaml``: parsed; a first line ``# cluster`` loads it as a cluster (``Cluster.from_dict``), ``# job``
   checks it as a job file (``runtime.launch.job.from_dict``: keys and types), and ``# file: NAME``
   writes it to ``NAME`` for a later command of the page (and loads it as a cluster if it has ``hosts``).
+  A ``yaml invalid`` block holds a mistake on purpose (a later command shows the error it gives): it
+  is parsed and written, not loaded.
 - ``json``: parsed.
 - ``text``: output or a synopsis, shown and not run, except its commands: a line ``$ COMMAND`` (with
   its ``\\`` continuation lines) is a command the page shows with its output, and runs like a
@@ -30,7 +32,10 @@ appear in that output, in order (trailing blanks ignored); lines may be left out
 show an excerpt, but none may differ. A ``text`` block that shows a plan summary (``plan for
 model ...``) or a capture's table (``N TaskGraph(s), captured with ...``) must say which it is:
 ``output``, or ``varies`` when the run measures something (a profile taken on the page, timings)
-and its figures cannot repeat.
+and its figures cannot repeat. A ``text error`` block shows commands that fail: each ``$`` command
+must exit with an error, and the lines after it must appear, in order, in its standard error. In a
+shown line, ``...`` stands for any text (a path, a list cut short), and a line of only ``...`` for
+lines left out.
 
 A ``bash`` or ``python`` block may say why it cannot run here, ``norun=REASON``, with a reason from
 :data:`NORUN`: it needs a CUDA device or several machines, or it is the suite's own set-up. Its
@@ -110,9 +115,13 @@ def test_every_block_declares_its_kind():
             reason = options.get("norun")
             if reason is not None and (reason not in NORUN or kind not in {"bash", "python"}):
                 bad.append(f"{where}: norun={reason!r} (a bash or python block, one of {sorted(NORUN)})")
-            marks = {"output", "varies"} & set(options)
+            marks = {"output", "varies", "error"} & set(options)
             if (marks and kind != "text") or len(marks) > 1:
                 bad.append(f"{where}: {' and '.join(sorted(marks))} (a text block, one of them)")
+            if "invalid" in options and kind != "yaml":
+                bad.append(f"{where}: invalid (a yaml block: a file with a mistake, for the error a later command shows)")
+            if "error" in marks and not shown_commands(text):
+                bad.append(f"{where}: error (a block of `$` commands, each shown with the error it prints)")
             if kind == "text" and not marks and SHOWS_DETERMINISTIC.search(text):
                 bad.append(f"{where}: shows a plan or a capture's table: mark it `output` (compared with the run "
                            f"above it) or `varies` (a measured run's)")
@@ -168,32 +177,36 @@ def shrunk(command: str, port: int) -> str:
     return command.replace("localhost:29400", f"localhost:{port}")
 
 
-def _run(argv: list[str], cwd: Path, where: str) -> str:
-    """Runs ``argv`` from ``cwd``; its standard output (it must exit 0)."""
+def _run(argv: list[str], cwd: Path, where: str, fails: bool = False) -> str:
+    """Runs ``argv`` from ``cwd``; its standard output (it must exit 0), or with ``fails`` its
+    standard error (it must exit with an error)."""
     env = warm_python.environment(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
                                        f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"))
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, (f"{where} failed (exit {done.returncode}):\n{' '.join(argv)}\n"
-                                  f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
-    return done.stdout
+    assert (done.returncode != 0) == fails, (
+        f"{where} {'succeeded, but the page shows it failing' if fails else 'failed'} (exit {done.returncode}):\n"
+        f"{' '.join(argv)}\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-6000:]}")
+    return done.stderr if fails else done.stdout
 
 
 def missing_from(shown: str, output: str) -> Optional[str]:
     """None when every non-blank line of ``shown`` appears in ``output``, in order (trailing blanks
-    ignored; lines of ``output`` may be skipped), else why not: the first shown line that does not,
-    and the output from the last line matched."""
+    ignored; lines of ``output`` may be skipped; ``...`` in a shown line stands for any text, a line
+    of only ``...`` for lines left out), else why not: the first shown line that does not, and the
+    output from the last line matched."""
     lines = [line.rstrip() for line in output.split("\n")]
     at = 0
     for number, line in enumerate(shown.split("\n"), 1):
         line = line.rstrip()
-        if not line:
+        if not line or line == "...":
             continue
-        try:
-            at = lines.index(line, at) + 1
-        except ValueError:
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
+        found = next((i for i in range(at, len(lines)) if pattern.fullmatch(lines[i])), None)
+        if found is None:
             rest = "\n".join(lines[at:at + 40])
             return (f"shown line {number} is not in the output (in order):\n  {line}\n"
                     f"--- the output from there on\n{rest}")
+        at = found + 1
     return None
 
 
@@ -217,12 +230,14 @@ def shown_outputs(text: str) -> list[str]:
 SHOWS_DETERMINISTIC = re.compile(r"^(plan for model \S+ on |\d+ TaskGraph\(s\), captured with )", re.M)
 
 
-def _check_yaml(text: str, where: str, work: Path) -> None:
+def _check_yaml(text: str, where: str, work: Path, invalid: bool = False) -> None:
     data = yaml.safe_load(text)
     first = text.lstrip().split("\n", 1)[0].strip()
     named = FILE.match(first)
     if named:   # written for a later command of the page; a cluster file is loaded as one too
         (work / named.group(1)).write_text(shrunk_steps(text))
+    if invalid:   # a file with a mistake, for the error a later command shows
+        return
     if first == "# cluster" or (named and isinstance(data, dict) and "hosts" in data):
         import whalelike as wl
         wl.Cluster.from_dict(data)
@@ -270,8 +285,9 @@ def test_the_page_s_blocks_run(page, tmp_path):
             for number, command in enumerate(commands):
                 script = work / f"shown_{line}_{number}.sh"
                 script.write_text(shrunk(command, port) + "\n")
-                ran = _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})")
-                if "output" in options:
+                ran = _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})",
+                           fails="error" in options)
+                if "output" in options or "error" in options:
                     why = missing_from(outputs[number], ran)
                     assert why is None, f"{where}: the output shown for `$ {command.split(chr(10))[0]}` differs from the run's: {why}"
             if "output" in options and not commands:
@@ -282,7 +298,7 @@ def test_the_page_s_blocks_run(page, tmp_path):
             continue
         above = None
         if kind == "yaml":
-            _check_yaml(text, where, work)
+            _check_yaml(text, where, work, invalid="invalid" in options)
         elif kind == "json":
             json.loads(text)
         elif kind == "bash":
@@ -328,6 +344,9 @@ def test_shown_output_is_matched_line_by_line_in_order():
     assert missing_from("", output) is None
     assert "shown line 2" in missing_from("plan for model 0f: 2 stage(s)\n  stage 0: b\n", output)  # changed
     assert "shown line 2" in missing_from("solver: greedy\n  stage 0: a\n", output)                # out of order
+    assert missing_from("error: x.py: no such file (relative to ...)\n", "error: x.py: no such file (relative to /tmp/a/b)") is None
+    assert missing_from("...\n  stage 0: a\n", output) is None                                   # lines left out
+    assert "shown line 1" in missing_from("error: y...\n", "error: x.py\n")
     text = "$ whalelike plan m.py:f \\\n      -o p.yaml\nplan for model 0f\n$ whalelike simulate p.yaml\nstep 1 ms\n"
     assert shown_outputs(text) == ["plan for model 0f", "step 1 ms\n"]
     assert shown_outputs("no command\n") == []

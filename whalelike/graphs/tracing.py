@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import io
 import logging
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -140,7 +142,7 @@ def trace_reusable(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
         fx_failure = f"{_failing_module(model, e)} ({_first_line(e)})"
         log.info("torch.fx could not trace %s; trying torch.export", fx_failure)
     try:
-        with _quiet("torch.fx.experimental.symbolic_shapes"):  # it logs whole graphs on failure
+        with _quiet("torch.fx.experimental.symbolic_shapes"), _no_partial_graph():  # both print whole graphs on failure
             return _trace_export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001
         raise CaptureError(
@@ -338,6 +340,27 @@ def _quiet(logger_name: str):
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_partial_graph():
+    """Keeps the graph torch.export prints to stderr when it fails (``partial_fx_graph``: the whole
+    traced prefix, hundreds of lines for a real model) out of the user's terminal: what it prints
+    meanwhile is held and written out afterwards, less that graph, which goes to this module's
+    debug log (``whalelike --debug``). Warnings and everything else still reach stderr."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        text = held.getvalue()
+        if partial:
+            text = text.replace(f"{partial}\n", "")   # printed once per wrapper it passes through
+            log.debug("torch.export's partial graph at its failure:\n%s", partial)
+        sys.stderr.write(text)
+        raise
+    sys.stderr.write(held.getvalue())
 
 
 def _first_line(error: BaseException) -> str:
