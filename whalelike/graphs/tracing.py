@@ -346,8 +346,8 @@ def _quiet(logger_name: str):
 def _no_partial_graph():
     """Keeps the graph torch.export prints to stderr when it fails (``partial_fx_graph``: the whole
     traced prefix, hundreds of lines for a real model) out of the user's terminal: what it prints
-    meanwhile is held and written out afterwards, less that graph, which goes to this module's
-    debug log (``whalelike --debug``). Warnings and everything else still reach stderr."""
+    meanwhile is held and written out afterwards, less that graph, which goes to this module's log
+    at INFO (``whalelike -v`` shows it). Warnings and everything else still reach stderr."""
     held = io.StringIO()
     try:
         with contextlib.redirect_stderr(held):
@@ -357,7 +357,7 @@ def _no_partial_graph():
         text = held.getvalue()
         if partial:
             text = text.replace(f"{partial}\n", "")   # printed once per wrapper it passes through
-            log.debug("torch.export's partial graph at its failure:\n%s", partial)
+            log.info("torch.export's partial graph at its failure:\n%s", partial)
         sys.stderr.write(text)
         raise
     sys.stderr.write(held.getvalue())
