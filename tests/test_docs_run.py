@@ -180,8 +180,11 @@ def shrunk(command: str, port: int) -> str:
 def _run(argv: list[str], cwd: Path, where: str, fails: bool = False) -> str:
     """Runs ``argv`` from ``cwd``; its standard output (it must exit 0), or with ``fails`` its
     standard error (it must exit with an error)."""
+    # the profile cache in the page's directory: a page measures as a first run on a fresh machine does,
+    # and nothing lands in the home directory (~/.cache/whalelike/profiles, the default)
     env = warm_python.environment(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{ROOT / '.venv' / 'bin'}:"
-                                       f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"))
+                                       f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                                       WHALELIKE_CACHE=str(cwd / ".cache" / "whalelike")))
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert (done.returncode != 0) == fails, (
         f"{where} {'succeeded, but the page shows it failing' if fails else 'failed'} (exit {done.returncode}):\n"
