@@ -84,6 +84,7 @@ import copy
 import inspect
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -99,6 +100,7 @@ from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
 from runtime.text_data import ByteTextDataset, DataPosition, PlanBatches, TextDataError
 from runtime.training.schedules import SCHEDULES as LR_SCHEDULES, lr_schedule
+from whalelike.cluster import HOST_ENV, member_host
 from whalelike.workload import load_workload
 from whalelike.config import DEFAULT_MEMORY_RESERVE, PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
 from whalelike.display import format_table
@@ -727,6 +729,9 @@ def inputs(args):
     if args.plan is not None and not os.path.isfile(args.plan):
         raise WhaleError(f"--plan {args.plan}: no such file; write one with `whalelike plan MODEL --cluster ... -o "
                          f"{args.plan}`")
+    if elastic(args) and os.environ.get(HOST_ENV):
+        # the host this node stands for must be one of the spec's: said before any planning, once a job
+        member_host(wl.Cluster.load(args.cluster), os.environ[HOST_ENV], socket.gethostname())
     if args.plan is None and resume is None:
         plan, cluster = plan_now(args, workload)
     else:
