@@ -88,11 +88,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def torchrun_missing() -> list[str]:
+    """The variables of torchrun's environment this process lacks (none once the default group is
+    initialised: a process that set up torch.distributed itself runs without them)."""
+    return [] if dist.is_initialized() else [v for v in _TORCHRUN_VARS if v not in os.environ]
+
+
 def launched() -> tuple[int, int]:
     """``(rank, world_size)`` of this run: the default group's if initialised, else torchrun's."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    missing = torchrun_missing()
     if missing:
         raise RuntimeError(f"runtime.Engine must run under torchrun (environment lacks {', '.join(missing)}): "
                            "launch with `torchrun --nproc_per_node N script.py`, or initialise "

@@ -66,6 +66,19 @@ def test_each_error_is_one_line_naming_the_key(data, overrides, says):
     assert says in message and "\n" not in message, message
 
 
+def test_without_torchrun_the_trainer_says_so_before_building_the_model(tmp_path, monkeypatch, capsys):
+    """A plain ``python train.py`` would build, capture and plan the model (minutes at real size)
+    before the Engine refused to start: the trainer says it first, in one line."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    factory = tmp_path / "never.py"
+    factory.write_text("def build():\n    raise AssertionError('the model was built')\n")
+    args = trainer.parse_args([f"{factory}:build", "--cluster", "emulated-2", "--global-batch", "8", "--steps", "5"])
+    assert trainer.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.py: error: the trainer runs under torchrun (environment lacks RANK" in err
+
+
 def test_the_optimizer_is_a_torch_optim_name_priced_by_the_planner():
     assert trainer.priced_optimizer("AdamW", {}) == "adamw" and trainer.priced_optimizer("Adam", {}) == "adam"
     assert trainer.priced_optimizer("SGD", {}) == "sgd"

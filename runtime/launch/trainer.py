@@ -95,6 +95,7 @@ import torch.distributed as dist
 import planner
 import runtime
 import whalelike as wl
+from runtime import distributed
 from runtime.elastic import membership
 from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
@@ -711,12 +712,6 @@ def inputs(args):
                            kinds={"--run-timeline": "png", trace: "json"})
     if args.weights is not None and not os.path.isdir(args.weights):
         raise WhaleError(f"--weights {args.weights}: no such directory; give a local save_pretrained directory")
-    # with --weights the factory builds the model without storage (whalelike.empty_weights): each rank
-    # then gives storage to what its part of the plan holds and reads only that from the files
-    with wl.empty_weights() if args.weights is not None else contextlib.nullcontext():
-        workload = load_workload(args.model)
-    if workload.loss_fn is None or workload.make_batch is None:
-        raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
     resume = None
     if args.checkpoint_dir is not None and not args.no_resume:
         if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
@@ -729,6 +724,18 @@ def inputs(args):
     if args.plan is not None and not os.path.isfile(args.plan):
         raise WhaleError(f"--plan {args.plan}: no such file; write one with `whalelike plan MODEL --cluster ... -o "
                          f"{args.plan}`")
+    # what follows builds the model and may plan it (minutes at real size), and the Engine could not
+    # start without torchrun's environment anyway: said first
+    missing = distributed.torchrun_missing()
+    if missing:
+        raise WhaleError(f"the trainer runs under torchrun (environment lacks {', '.join(missing)}): launch it with "
+                         "`torchrun --nproc_per_node N ...`, N the plan's workers, even for one device")
+    # with --weights the factory builds the model without storage (whalelike.empty_weights): each rank
+    # then gives storage to what its part of the plan holds and reads only that from the files
+    with wl.empty_weights() if args.weights is not None else contextlib.nullcontext():
+        workload = load_workload(args.model)
+    if workload.loss_fn is None or workload.make_batch is None:
+        raise WhaleError(f"{args.model} must return a Workload with loss_fn and make_batch to train")
     if elastic(args) and os.environ.get(HOST_ENV):
         # the host this node stands for must be one of the spec's: said before any planning, once a job
         member_host(wl.Cluster.load(args.cluster), os.environ[HOST_ENV], socket.gethostname())
