@@ -3,6 +3,7 @@
 :class:`PlanError` is a :class:`whalelike.errors.SpecError` (a user-facing error the CLI prints as
 one line): a plan cannot be made, or a plan (file) is inconsistent or made for another model or
 cluster. ``planner.PlanError`` and ``planner.plan.PlanError`` are this class.
+:class:`ModelMismatchError`, a :class:`PlanError`, is a plan made for another model.
 :class:`GlobalBatchError` is a batch handed to a whole-global-batch step that is not a global batch
 of the plan (:func:`planner.shares.layout.check_global_batch`).
 """
@@ -13,6 +14,11 @@ from whalelike.errors import SpecError, WhaleError
 
 class PlanError(SpecError):
     """A plan cannot be made, or a plan (file) is inconsistent or made for another model/cluster."""
+
+
+class ModelMismatchError(PlanError):
+    """The plan was made for another model (its fingerprint differs from the model's). The same on
+    every rank of a job, which the trainer uses to say it once."""
 
 
 class GlobalBatchError(WhaleError, ValueError):

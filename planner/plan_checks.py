@@ -24,7 +24,7 @@ from whalelike.spec import check_rules
 # rule: in floating point (bytes / 2**30), so within its relative tolerance
 from planner.devices.memory import fits
 from planner.shares.state_fractions import SUM_TOLERANCE
-from planner.errors import PlanError
+from planner.errors import ModelMismatchError, PlanError
 from planner.partial_reduce import WHY, blocker, static_only
 from planner.plan_identity import SCHEMA_VERSION, fingerprint_of
 from planner.plan_record import PlanRecord
@@ -466,7 +466,7 @@ def check_model(plan: PlanRecord, graphs) -> None:
     and every model output computed before the last stage can reach the loss (:func:`_check_outputs`)."""
     fp = fingerprint_of(graphs)
     if fp != plan.model_fingerprint:
-        raise PlanError(
+        raise ModelMismatchError(
             f"plan was made for model {plan.model_fingerprint[:12]}, this model is {fp[:12]}; "
             "re-plan for this model with `whalelike plan`"
         )

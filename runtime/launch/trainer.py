@@ -105,6 +105,7 @@ from whalelike.cluster import HOST_ENV, member_host
 from whalelike.workload import load_workload
 from whalelike.config import DEFAULT_MEMORY_RESERVE, PRECISIONS, SCHEDULE_CHOICES, ZERO_STAGES
 from whalelike.display import format_table
+from planner.errors import ModelMismatchError
 from whalelike.errors import WhaleError, one_line
 from whalelike.files import check_output_paths
 
@@ -382,6 +383,26 @@ def _profile(args, cluster: wl.Cluster, plan: planner.Plan):
     return Profile.from_yaml(args.profile, cluster=cluster, precision=args.precision or plan.precision)
 
 
+class _JobWide(WhaleError):
+    """An error every rank meets alike while building its Engine (the plan made for another model):
+    said once a job, as the input errors are."""
+
+
+def _engine(name: str, model, plan: planner.Plan, cluster: wl.Cluster, workload: wl.Workload, args) -> "runtime.Engine":
+    """The Engine of one run of :func:`train`, as the flags ``args`` set it up."""
+    return runtime.Engine(model, plan, optimizer=optimizer_factory(args), weights=args.weights,
+                          loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
+                          balance=args.balance if name == "whalelike" else "off",
+                          example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
+                          batch_check_every=args.batch_check_every, precision=args.precision,
+                          clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
+                          measure_memory=True if args.measure_memory else None,
+                          memory_check=not args.no_memory_check,
+                          grad_reduce_dtype=args.grad_reduce_dtype,
+                          profile=_profile(args, cluster, plan) if name == "whalelike" else None,
+                          departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
+
+
 def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: planner.Plan, cluster: wl.Cluster,
           args, resume: "runtime.checkpoint.CheckpointInfo | None" = None, dataset: "ByteTextDataset | None" = None) -> dict:
     """Train the workload's model under ``plan`` (a fresh copy from ``initial_state`` when one is given,
@@ -392,17 +413,10 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
     else:
         model = copy.deepcopy(workload.model)
         model.load_state_dict(initial_state)
-    engine = runtime.Engine(model, plan, optimizer=optimizer_factory(args), weights=args.weights,
-                            loss_fn=workload.loss_fn, cluster=cluster, timeout_s=args.timeout,
-                            balance=args.balance if name == "whalelike" else "off",
-                            example_args=workload.example_args, on_nonfinite=args.on_nonfinite,
-                            batch_check_every=args.batch_check_every, precision=args.precision,
-                            clip_grad_norm=args.clip_grad_norm, scheduler=schedule(args),
-                            measure_memory=True if args.measure_memory else None,
-                            memory_check=not args.no_memory_check,
-                            grad_reduce_dtype=args.grad_reduce_dtype,
-                            profile=_profile(args, cluster, plan) if name == "whalelike" else None,
-                            departures=LeaveConfig(sigterm=True) if args.leave_on_sigterm else None)
+    try:
+        engine = _engine(name, model, plan, cluster, workload, args)
+    except ModelMismatchError as e:
+        raise _JobWide(str(e)) from None
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
     evaluator = None
@@ -673,6 +687,9 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
     except Stopping:
         # every rank got SIGTERM (the agent restarting its workers, a drain): stopped at a step boundary
         return EXIT_STOPPED
+    except _JobWide as e:
+        say_once(f"{prog}: error: {one_line(e)}")
+        return EXIT_FAILED
     except (WhaleError, RuntimeError, OSError) as e:
         # a failure while training differs by rank (which peer died, which step): one line each
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
