@@ -119,7 +119,7 @@ WAITING = {
     "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/profiling.md]": 41,
     "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/your-model.md]": 35,
     "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/multi-node-elastic.md]": 24,
-    "test_docs_run.py::test_the_page_s_blocks_run[docs/troubleshooting.md]": 35,   # 38 failing commands, a profile, 9 torchrun jobs
+    "test_docs_run.py::test_the_page_s_blocks_run[docs/troubleshooting.md]": 35,   # 41 commands, 10 torchrun jobs (a profile)
     "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/checkpoints.md]": 13,
     "test_docs_run.py::test_the_page_s_blocks_run[docs/guides/big-models.md]": 10,
     "test_docs_run.py::test_the_page_s_blocks_run[docs/options.md]": 5,
