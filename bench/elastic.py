@@ -348,8 +348,21 @@ def restart_by_hand(job: Job) -> Outcome:
 
 def replan_on_restart(job: Job) -> Outcome:
     """(b): two agents (host-a: 3 ranks, host-b: 1); host-b's node dies; host-a's workers start
-    again, re-plan onto the devices present and resume."""
-    args, checkpoints = job.args, os.path.join(job.folder, "b-ckpt")
+    again, re-plan onto the devices present and resume. On a loaded machine host-b's agent can join
+    only after host-a's has trained every step alone (``--nnodes 1:2``): there was then no job on
+    both nodes to lose one of, and the path runs again (at most :data:`JOIN_ATTEMPTS` times), from a
+    fresh checkpoint directory, saying so on stderr."""
+    for attempt in range(1, JOIN_ATTEMPTS):
+        try:
+            return _replan_on_restart(job, os.path.join(job.folder, f"b-ckpt-{attempt}"))
+        except NeverJoined as e:
+            print(f"(b) attempt {attempt}: {str(e).splitlines()[0]}; again", file=sys.stderr, flush=True)
+    return _replan_on_restart(job, os.path.join(job.folder, f"b-ckpt-{JOIN_ATTEMPTS}"))
+
+
+def _replan_on_restart(job: Job, checkpoints: str) -> Outcome:
+    """One attempt of :func:`replan_on_restart`, checkpointing into ``checkpoints``."""
+    args = job.args
     port = free_port()
 
     def agent(host: str, nproc: int, is_host: bool) -> Log:
@@ -387,6 +400,13 @@ def first_line_after(log: Log, after: float, marker: str) -> float:
     return next((t for t, line in log.lines if t > after and marker in line), after)
 
 
+JOIN_ATTEMPTS = 3
+
+
+class NeverJoined(RuntimeError):
+    """Every agent of a two-node start ended before a start on all the ranks (one node trained alone)."""
+
+
 def _full_start(logs: list[Log], world: int, timeout: float) -> tuple[Log, float]:
     """The log and the time of the job's first start on all ``world`` ranks: the first ``training
     ... on {world} ranks`` or ``resumed at step N on {world} ranks`` line (rank 0 prints it, on its
@@ -401,7 +421,7 @@ def _full_start(logs: list[Log], world: int, timeout: float) -> tuple[Log, float
             if found:
                 return log, found[0]
         if all(log.process.poll() is not None for log in logs):
-            raise RuntimeError(f"every agent ended before a start on {world} ranks:\n" +
+            raise NeverJoined(f"every agent ended before a start on {world} ranks:\n" +
                                "\n".join(l.text()[-1500:] for l in logs))
         time.sleep(0.05)
     raise RuntimeError(f"no start on {world} ranks within {timeout:g} s:\n" + "\n".join(l.text()[-1500:] for l in logs))
