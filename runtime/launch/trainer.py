@@ -72,9 +72,12 @@ prediction, in a table at the end; always on GPUs, where it costs nothing). Acti
 checkpointing is asked for in the model's annotation (``wl.replicate(recompute=True)``) or chosen
 by the planner, and shows in the plan summary.
 
-Errors in the command line or its inputs (a missing plan file, a bad argument) are one line on
-stderr from rank 0 and exit status 2 on every rank, before any process group is made; a failure
-while training is one line per rank (which rank, which step, why) and exit status 1.
+Errors in the command line or its inputs (a missing plan file, a bad argument, no torchrun
+environment, a ``WHALELIKE_HOST`` that names no host of the cluster) are one line on stderr from rank
+0 and exit status 2 on every rank, before any planning or process group; a plan
+made for another model, found when the Engine captures it, is the same on every rank: one line from
+rank 0 too, exit status 1; a failure while training is one line per rank (which rank, which step,
+why) and exit status 1.
 """
 from __future__ import annotations
 
