@@ -214,20 +214,8 @@ def missing_from(shown: str, output: str) -> Optional[str]:
 
 
 def shown_outputs(text: str) -> list[str]:
-    """The output a ``text`` block shows after each of its ``$ COMMAND`` lines (up to the next)."""
-    outputs, current, continued = [], None, False
-    for line in text.split("\n"):
-        if continued:
-            continued = line.rstrip().endswith("\\")
-        elif line.startswith("$ "):
-            if current is not None:
-                outputs.append("\n".join(current))
-            current, continued = [], line.rstrip().endswith("\\")
-        elif current is not None:
-            current.append(line)
-    if current is not None:
-        outputs.append("\n".join(current))
-    return outputs
+    """The output a ``text`` block shows after each of its ``$ COMMAND`` lines (:func:`shown`)."""
+    return [output for _, output in shown(text)]
 
 
 SHOWS_DETERMINISTIC = re.compile(r"^(plan for model \S+ on |\d+ TaskGraph\(s\), captured with )", re.M)
@@ -249,20 +237,28 @@ def _check_yaml(text: str, where: str, work: Path, invalid: bool = False) -> Non
         job.from_dict(data, origin=where)
 
 
-def shown_commands(text: str) -> list[str]:
-    """The ``$ COMMAND`` lines of a ``text`` block, each with its ``\\`` continuation lines."""
-    commands, current = [], None
+def shown(text: str) -> list[tuple[str, str]]:
+    """The ``$ COMMAND`` lines of a ``text`` block, each with its ``\\`` continuation lines, and the
+    output the block shows after it (up to the next command)."""
+    pairs: list[tuple[list[str], list[str]]] = []
+    continued = False
     for line in text.split("\n"):
-        if current is not None:
-            current.append(line)
+        if continued:
+            pairs[-1][0].append(line)
         elif line.startswith("$ "):
-            current = [line[2:]]
+            pairs.append(([line[2:]], []))
+        elif pairs:
+            pairs[-1][1].append(line)
+            continue
         else:
             continue
-        if not line.rstrip().endswith("\\"):
-            commands.append("\n".join(current))
-            current = None
-    return commands
+        continued = line.rstrip().endswith("\\")
+    return [("\n".join(command), "\n".join(output)) for command, output in pairs]
+
+
+def shown_commands(text: str) -> list[str]:
+    """The ``$ COMMAND`` lines of a ``text`` block (:func:`shown`)."""
+    return [command for command, _ in shown(text)]
 
 
 def _runnable_pages() -> list[Path]:
@@ -283,15 +279,14 @@ def test_the_page_s_blocks_run(page, tmp_path):
             above = None
             continue
         if kind == "text":
-            commands = shown_commands(text)
-            outputs = shown_outputs(text) if commands else [text]
-            for number, command in enumerate(commands):
+            commands = shown(text)
+            for number, (command, output) in enumerate(commands):
                 script = work / f"shown_{line}_{number}.sh"
                 script.write_text(shrunk(command, port) + "\n")
                 ran = _run(["bash", "-euo", "pipefail", str(script)], work, f"{where} ($ {command.split(chr(10))[0]})",
                            fails="error" in options)
                 if "output" in options or "error" in options:
-                    why = missing_from(outputs[number], ran)
+                    why = missing_from(output, ran)
                     assert why is None, f"{where}: the output shown for `$ {command.split(chr(10))[0]}` differs from the run's: {why}"
             if "output" in options and not commands:
                 assert above is not None, f"{where}: marked `output`, but no block that ran is just above it"
