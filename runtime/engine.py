@@ -376,7 +376,11 @@ class Engine:
             return
         from whalelike.graphs.capture import capture
 
-        graphs = capture(self.model, example_inputs)
+        share = self.runtime.measured_once()   # rank 0 measures for all (runtime.rank.MeasuredOnce)
+        try:
+            graphs = capture(self.model, example_inputs, share=share)
+        finally:
+            share.finish()
         self.plan.validate(graphs=graphs, cluster=self.cluster)
         if self.profile is not None:
             self.profile.validate(graphs=graphs)

@@ -8,8 +8,9 @@ gradient accumulation (different micro-batch counts, sizes and last batch sizes 
 same under emulation (segments counted, each padded to at least its modeled time); evaluation of
 a batch of another size; loading a full state dict; one epoch
 through ``UnevenLoader`` (a short last batch leaves two ranks empty); and that a two-stage plan is
-dispatched to the pipeline executor and trains exactly as well. The sampler's properties are
-checked in-process.
+dispatched to the pipeline executor and trains exactly as well; and that the ranks' captures are
+measured once (rank 0 measures, the others take its figures, equal to a fresh capture's; a rank
+whose inputs differ measures itself). The sampler's properties are checked in-process.
 """
 from __future__ import annotations
 
@@ -142,7 +143,49 @@ def _check_loader(rank: int, model: nn.Module) -> None:
         assert_close(value, final[key], msg=f"loader: final {key}")
 
 
-def _ranks(rank: int, world_size: int) -> dict:
+class Wide(Net):
+    """Another architecture than :class:`Net`, which no rank has captured before."""
+
+    def __init__(self):
+        super().__init__()
+        self.l2 = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, z):
+        return self.head(torch.tanh(self.l2(torch.tanh(self.l1(torch.tanh(self.l0(x))))))) + z
+
+
+def _examples(batch: int) -> tuple:
+    return torch.ones(batch, DIN), torch.zeros(batch, CLASSES)
+
+
+def _measured_once(rank: int, plan: Plan) -> tuple[list[int], list[dict]]:
+    """Two Engines on a model no rank has captured: the first's capture measured by rank 0 alone; the
+    second's by rank 1 alone, whose example batch differs (rank 0 reuses its own figures). The
+    number of measurements per Engine, and the captured graphs."""
+    import whalelike.graphs.capture as capture_module
+
+    calls, real = [0], capture_module.measure
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    counts, graphs = [], []
+    capture_module.measure = counted
+    try:
+        for batch in (2, 3 if rank == 1 else 2):
+            calls[0] = 0
+            engine = Engine(Wide(), plan, loss_fn=F.cross_entropy, cluster=make_cluster(None),
+                            example_args=_examples(batch), timeout_s=60)
+            counts.append(calls[0])
+            graphs.append(engine.graphs.to_dict())
+    finally:
+        capture_module.measure = real
+    return counts, graphs
+
+
+def _ranks(rank: int, world_size: int, wide_plan: Plan) -> dict:
+    measured = _measured_once(rank, wide_plan)
     torch.manual_seed(0)
     model = Net()
     for plan_name, micro_batch_sizes in PLANS.items():
@@ -166,7 +209,7 @@ def _ranks(rank: int, world_size: int) -> dict:
 
     _check_loader(rank, model)
     _check_pipeline_dispatch(model)
-    return {"stats": engine.stats}
+    return {"stats": engine.stats, "measured": measured}
 
 
 def _check_pipeline_dispatch(model: nn.Module) -> None:
@@ -189,7 +232,13 @@ def _check_pipeline_dispatch(model: nn.Module) -> None:
 
 
 def test_engine_data_parallel_matches_single_process():
-    results = run_ranks(_ranks, WORLD, init_process_group=False)
+    wide_plan = make_plan(Wide(), PLANS["uneven"])
+    results = run_ranks(_ranks, WORLD, (wide_plan,), init_process_group=False)
+    # rank 0 measured the first capture for all; rank 1's second, at another batch, itself
+    assert [r["measured"][0] for r in results] == [[1, 0], [0, 1], [0, 0], [0, 0]]
+    fresh = {batch: capture(Wide(), _examples(batch)).to_dict() for batch in (2, 3)}
+    for rank, r in enumerate(results):
+        assert r["measured"][1] == [fresh[2], fresh[3 if rank == 1 else 2]], f"rank {rank}'s captures"
     # A faster emulated device models the same FLOPs in less time (per sample): rank 3 is 4x slower.
     modeled = [r["stats"][0].modeled_s / sum(PLANS["accumulation"][i]) for i, r in enumerate(results)]
     assert_close(modeled[3] / modeled[0], 4.0)

@@ -29,7 +29,9 @@ are the same (at another batch size, the trace serves and step 3 measures afresh
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -58,8 +60,15 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 assert set(OPTIMIZER_STATE_FACTOR) == set(OPTIMIZERS)
 
 
+# ``share(key, measure)``: the figures ``measure()`` returns, or the same figures measured by another
+# process for the same ``key`` (:func:`measure_key`). runtime.rank.RankRuntime.measured_once passes
+# one, so that the ranks of a job capturing the same model at once measure it once.
+MeasureShare = Callable[[str, Callable[[], Any]], Any]
+
+
 def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] = None,
-            optimizer: str = "adamw", loss_fn: Optional[Callable] = None) -> TaskGraphs:
+            optimizer: str = "adamw", loss_fn: Optional[Callable] = None,
+            share: Optional[MeasureShare] = None) -> TaskGraphs:
     """Capture ``model(*example_args, **example_kwargs)`` into costed TaskGraphs.
 
     ``example_args``: a tensor or tuple of inputs whose first dimension is the batch; costs are
@@ -69,6 +78,11 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     it reads (``TaskGraphs.loss_reads``): a pipeline then leaves out an output computed before its
     last stage that the loss does not read, where it would otherwise send it on to the loss. The
     model is not modified; the returned ``graph_module`` shares its parameters.
+
+    ``share`` (optional, :data:`MeasureShare`): how step 3's figures are obtained when this process
+    has not measured them before; called at most once, with :func:`measure_key`'s key and the
+    measuring function. The figures are a pure function of the key's contents, so figures another
+    process measured under an equal key are the ones this one would measure.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture: model must be an nn.Module, got {type(model).__name__}")
@@ -102,11 +116,15 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
         figures = capture_cache.measured(entry, keys)
     values = placeholder_values(gm, method, model, args, kwargs)
     if figures is None:   # measured at these input shapes: per sample, from totals over this batch
-        costs = measure(gm, values, regions.node_taskgraph, device=_measured_on(gm))
-        unattributed = costs.forward_flops.get("<unattributed>", 0) + costs.backward_flops.get("<unattributed>", 0)
+        def run() -> tuple:
+            costs = measure(gm, values, regions.node_taskgraph, device=_measured_on(gm))
+            return costs, record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch)
+
+        figures = run() if share is None else share(measure_key(gm, values, regions), run)
+        unattributed = figures[0].forward_flops.get("<unattributed>", 0) + \
+            figures[0].backward_flops.get("<unattributed>", 0)
         if unattributed:
             log.warning("capture: %.0f FLOPs ran outside any graph node and are not in any TaskGraph", unattributed)
-        figures = (costs, record_outputs(gm, regions.node_layer, regions.layer_names, costs.outputs, batch))
         if entry is not None:
             capture_cache.remember(entry, keys, figures)
     costs = figures[0]
@@ -123,6 +141,32 @@ def capture(model: nn.Module, example_args: Any, example_kwargs: Optional[dict] 
     # doubling capture's time: measured when a plan first asks for them (with_autocast)
     graphs._autocast_source = (gm, model, method, regions, costs, batch, optimizer, values, outputs)
     return graphs
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def measure_key(gm: fx.GraphModule, values: list, regions: Regions) -> str:
+    """A digest of everything step 3's figures depend on, equal in two processes exactly when
+    they would measure the same figures: the graph (every node's name, operator and arguments, as
+    fx prints it, object addresses left out), the placeholders' values (shape, stride, dtype,
+    device), the graph module's parameters and buffers (name, shape, dtype, device), the node to
+    TaskGraph map, the device measured on (with a GPU's name and compute capability, which pick its
+    attention kernels) and the default dtype."""
+    def tensor(t) -> str:
+        if not isinstance(t, torch.Tensor):
+            return repr(t)
+        return f"{tuple(t.shape)}/{t.stride() if t.layout == torch.strided else ''}/{t.dtype}/{t.device}"
+
+    device = _measured_on(gm) or next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    if device is not None and device.type == "cuda":
+        device = (str(device), torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+    parts = [repr(device), str(torch.get_default_dtype())]
+    parts += [_ADDRESS.sub("", node.format_node() or node.name) for node in gm.graph.nodes]
+    parts += [tensor(v) for v in values]
+    parts += [f"{name}:{tensor(t)}" for name, t in (*gm.named_parameters(), *gm.named_buffers())]
+    parts += [f"{name}:{group}" for name, group in sorted(regions.node_taskgraph.items())]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def with_autocast(graphs: TaskGraphs) -> TaskGraphs:
