@@ -166,6 +166,9 @@ def _monitor(conn: socket.socket, ledger: str) -> None:
         os.unlink(record)
     with open(ledger, "a") as f:
         f.write(f"{usage.ru_utime + usage.ru_stime:.3f}\n")
+    if os.environ.get("WL_CMDLOG"):
+        with open(os.environ["WL_CMDLOG"], "a") as f:
+            f.write(f"{usage.ru_utime + usage.ru_stime:7.2f} {request.get('cwd','')[-30:]} {' '.join(map(str, request.get('argv', [])))[:300]}\n")
     with contextlib.suppress(OSError):
         send(conn, {"status": status})
 
