@@ -37,7 +37,9 @@ of the test process turns it off: every command then runs cold.
 
 CPU accounting: the commands are the server's descendants, not the test's, so their CPU would be
 missing from ``tests/conftest.py``'s per-test figure. Each command's CPU (its own and its waited-for
-children's) is appended to the server's ledger, which :func:`cpu_s` sums.
+children's) is appended to the server's ledger, which :func:`cpu_s` sums. To see which commands
+cost what, ``WHALELIKE_COMMAND_CPU=FILE`` in the test process's environment appends a line per
+command to FILE: its CPU seconds, working directory and argv.
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.dis
            "datasets", "tokenizers", "whalelike", "whalelike.cli", "planner", "runtime", "runtime.engine",
            "runtime.launch.trainer", "runtime.parallel.pipeline", "runtime.checkpoint", "runtime.replicas.fsdp_sync"]
 
+COMMAND_CPU_ENV = "WHALELIKE_COMMAND_CPU"
 TORCH_INITIAL_SEED = 67280421310721      # torch's default generator's seed in a fresh process
 
 _BASE_PATH: list[str] = []   # the server's: a cold interpreter's sys.path past its script directory and PYTHONPATH
@@ -166,9 +169,9 @@ def _monitor(conn: socket.socket, ledger: str) -> None:
         os.unlink(record)
     with open(ledger, "a") as f:
         f.write(f"{usage.ru_utime + usage.ru_stime:.3f}\n")
-    if os.environ.get("WL_CMDLOG"):
-        with open(os.environ["WL_CMDLOG"], "a") as f:
-            f.write(f"{usage.ru_utime + usage.ru_stime:7.2f} {request.get('cwd','')[-30:]} {' '.join(map(str, request.get('argv', [])))[:300]}\n")
+    if os.environ.get(COMMAND_CPU_ENV):   # one line a command: its CPU seconds, directory and argv
+        with open(os.environ[COMMAND_CPU_ENV], "a") as f:
+            f.write(f"{usage.ru_utime + usage.ru_stime:7.2f} {request['cwd']} {' '.join(map(str, request['argv']))}\n")
     with contextlib.suppress(OSError):
         send(conn, {"status": status})
 
