@@ -33,6 +33,7 @@ from planner.plan_checks import check_same_workers
 from runtime import distributed
 from runtime.emulation.compute import Emulator
 from runtime.groups import PlanGroups, build_groups
+from runtime.once import MeasuredOnce
 from whalelike.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -119,10 +120,11 @@ class RankRuntime:
                 raise self.progress.failure(step, self.timeout_s, e) from e
             raise
 
-    def measured_once(self) -> "MeasuredOnce":
+    def measured_once(self) -> MeasuredOnce:
         """The :data:`whalelike.graphs.capture.MeasureShare` of an Engine's capture: the ranks capture
-        the same model at once and rank 0 measures it for all (see :class:`MeasuredOnce`)."""
-        return MeasuredOnce(self)
+        the same model at once and rank 0 measures it for all (:class:`runtime.once.MeasuredOnce`),
+        in a collective of :meth:`collective`."""
+        return MeasuredOnce(self.rank, self.collective)
 
     def sum_alone(self, vector: torch.Tensor) -> None:
         """All-reduce (sum) ``vector`` in place over the default group, on the device the backend
@@ -139,57 +141,3 @@ class RankRuntime:
                 dist.all_reduce(vector)
         self.collective(run)
 
-
-class MeasuredOnce:
-    """Capture's measuring step (costs and activation bytes on fake tensors, the slower half of a
-    capture after the trace) done by rank 0 for every rank that captures the same graph with the
-    same inputs: the others trace (a trace is bound to the process's own model, so each rank makes
-    its own) and take rank 0's figures, which are the figures they would measure (equal
-    :func:`whalelike.graphs.capture.measure_key`). On a 4-rank job of ``examples/hf_llama.py`` that
-    is about a quarter of each other rank's start-up.
-
-    Protocol: every rank takes part in exactly one exchange (a broadcast from rank 0 over the
-    default group, a collective of :meth:`RankRuntime.collective`): inside capture when it measures
-    (:meth:`__call__`), else afterwards (:meth:`finish`: a capture that reused this process's
-    figures, or failed before measuring), so no rank waits for one that never comes. A rank whose key
-    differs from rank 0's (other inputs, another kind of GPU), or whose rank 0 had nothing to send,
-    measures itself. Rank 0's own measuring failing is sent as such and raised there; the others
-    then measure, and fail alike. The others wait in the exchange while rank 0 measures: within the
-    collective timeout for any model whose capture fits one (seconds for a 7B model on fake tensors).
-    """
-
-    def __init__(self, runtime: RankRuntime):
-        self.runtime = runtime
-        self.done = dist.get_world_size() == 1 if dist.is_initialized() else True
-        self.received = False   # whether this rank used rank 0's figures
-
-    def __call__(self, key: str, measure: Callable[[], Any]) -> Any:
-        if self.done:
-            return measure()
-        if self.runtime.rank != 0:
-            sent = self._exchange(None)
-            if sent is not None and sent[0] == key and sent[1] is not None:
-                self.received = True
-                return sent[1]
-            return measure()
-        try:
-            figures = measure()
-        except BaseException:
-            self._exchange((key, None))
-            raise
-        self._exchange((key, figures))
-        return figures
-
-    def finish(self) -> None:
-        """Take part in the exchange if capture did not (see the class docstring)."""
-        if not self.done:
-            self._exchange(None)
-
-    def _exchange(self, payload: Any) -> Any:
-        self.done = True
-        box = [payload]
-
-        def run():
-            dist.broadcast_object_list(box, src=0)
-        self.runtime.collective(run)
-        return box[0]

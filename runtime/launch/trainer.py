@@ -98,7 +98,7 @@ import torch.distributed as dist
 import planner
 import runtime
 import whalelike as wl
-from runtime import distributed
+from runtime import distributed, once
 from runtime.elastic import membership
 from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
@@ -653,8 +653,10 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
         workload, plan, cluster, resume = inputs(args)
         dataset = text_dataset(args, workload)
     except (WhaleError, OSError) as e:
-        # the same inputs on every rank, checked before any process group exists: one line per job
+        # the same inputs on every rank (a plan made at start: rank 0's error on every rank): one line per job
         say_once(f"{prog}: error: {one_line(e)}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return EXIT_USAGE
     if resume is not None and resume.step >= args.steps:
         say_once(f"{prog}: {resume.path} already holds step {resume.step} of --steps {args.steps}; nothing to do "
@@ -795,16 +797,24 @@ def planning_config(args, precision: "str | None" = None) -> wl.Config:
 
 
 def plan_now(args, workload: wl.Workload):
-    """Without ``--plan``: the model planned onto ``--cluster`` under the planning flags, on every
-    rank alike (capture and planning are deterministic and local: no rank waits for another)."""
+    """Without ``--plan``: the model planned onto ``--cluster`` under the planning flags. Every rank
+    captures the model (its Engine needs the trace); rank 0 measures it and plans, and the others
+    take its figures and its plan (:mod:`runtime.once`, over the default group, which is made here
+    for it, within ``--timeout``): the plan every rank would have made, computed once. A planning
+    error is rank 0's, raised on every rank alike (one line a job)."""
     if args.cluster is None:
         raise WhaleError("--global-batch plans the model now and needs --cluster (a preset name or cluster YAML)")
     cluster = wl.Cluster.load(args.cluster)
     config = planning_config(args)
-    graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs, optimizer=config.optimizer,
-                        loss_fn=workload.loss_fn)
-    plan = planner.plan(graphs, cluster, config)
-    if os.environ.get("RANK", "0") == "0":
+    rank = distributed.init(args.timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    share = once.MeasuredOnce(rank)
+    try:
+        graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
+                            optimizer=config.optimizer, loss_fn=workload.loss_fn, share=share)
+    finally:
+        share.finish()
+    plan = once.from_rank0(lambda: planner.plan(graphs, cluster, config), rank)
+    if rank == 0:
         print(plan.summary(cluster), flush=True)
     return plan, cluster
 
