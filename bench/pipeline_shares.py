@@ -63,6 +63,7 @@ from planner.balance.replan import plan_changes, rebalance  # noqa: E402
 from planner.devices.placement_search import best_aware_plan  # noqa: E402
 from planner.devices.cost_model import device_tflops  # noqa: E402
 from runtime import Engine  # noqa: E402
+from runtime.once import MeasuredOnce, from_rank0  # noqa: E402
 from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks, timed  # noqa: E402
 from whalelike.cli import load_workload  # noqa: E402
@@ -93,21 +94,30 @@ def worker(rank: int, init_file: str, args, results) -> None:
         else:
             workload = load_workload(os.path.join(EXAMPLES, factory))
         cluster = wl.Cluster.preset("emulated-4")
-        graphs = wl.capture(workload.model, workload.example_args)
-        # the planner's hardware-aware plan with two devices a stage (the split by work): what the bench re-plans
-        # is a data-parallel stage's shares (planner.plan's search of the devices per stage gives these models'
-        # split head a third device and leaves the replicated stage one, whose shares cannot move)
-        config = wl.Config(global_batch_size=global_batch, num_micro_batch=micro_batches)
-        prediction, first = best_aware_plan(graphs, cluster, config, counts={0: 2, 1: 2})
-        first = dataclasses.replace(first, prediction=prediction)
-        slow = first.stage_workers(0)[0].rank   # the feature stage's first device, measured 3x slower
-        speeds = [device_tflops(cluster.devices[w.rank], first.precision) * 1e12 / (3 if w.rank == slow else 1)
-                  for w in first.workers]
-        slowed = rebalance(first, graphs, cluster, speeds)
-        changes = plan_changes(first, slowed)
-        if changes.kinds != {"shares"}:
-            raise RuntimeError(f"the re-plan for rank {slow} slowed 3x changes {sorted(changes.kinds)}, not only "
-                               f"shares: {changes.describe()}")
+        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures, and plans, for all (runtime.once)
+        try:
+            graphs = wl.capture(workload.model, workload.example_args, share=share)
+        finally:
+            share.finish()
+
+        def plans():
+            # the planner's hardware-aware plan with two devices a stage (the split by work): what the bench
+            # re-plans is a data-parallel stage's shares (planner.plan's search of the devices per stage gives
+            # these models' split head a third device and leaves the replicated stage one, whose shares cannot move)
+            config = wl.Config(global_batch_size=global_batch, num_micro_batch=micro_batches)
+            prediction, first = best_aware_plan(graphs, cluster, config, counts={0: 2, 1: 2})
+            first = dataclasses.replace(first, prediction=prediction)
+            slow = first.stage_workers(0)[0].rank   # the feature stage's first device, measured 3x slower
+            speeds = [device_tflops(cluster.devices[w.rank], first.precision) * 1e12 / (3 if w.rank == slow else 1)
+                      for w in first.workers]
+            slowed = rebalance(first, graphs, cluster, speeds)
+            changes = plan_changes(first, slowed)
+            if changes.kinds != {"shares"}:
+                raise RuntimeError(f"the re-plan for rank {slow} slowed 3x changes {sorted(changes.kinds)}, not only "
+                                   f"shares: {changes.describe()}")
+            return first, slowed, changes, slow
+
+        first, slowed, changes, slow = from_rank0(plans, rank)
         generator = torch.Generator().manual_seed(0)
         batches = [workload.make_batch(global_batch, generator) for _ in range(args.every * (args.switches + 1))]
         engines = {side: Engine(copy.deepcopy(workload.model), first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
