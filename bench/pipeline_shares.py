@@ -63,7 +63,7 @@ from planner.balance.replan import plan_changes, rebalance  # noqa: E402
 from planner.devices.placement_search import best_aware_plan  # noqa: E402
 from planner.devices.cost_model import device_tflops  # noqa: E402
 from runtime import Engine  # noqa: E402
-from runtime.once import MeasuredOnce, from_rank0  # noqa: E402
+from runtime.distributed import MeasuredOnce, from_rank0  # noqa: E402
 from smoke import parse_args  # noqa: E402
 from timing import process_group, spawn_ranks, timed  # noqa: E402
 from whalelike.cli import load_workload  # noqa: E402
@@ -94,7 +94,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
         else:
             workload = load_workload(os.path.join(EXAMPLES, factory))
         cluster = wl.Cluster.preset("emulated-4")
-        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures, and plans, for all (runtime.once)
+        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures, and plans, for all (runtime.distributed.MeasuredOnce)
         try:
             graphs = wl.capture(workload.model, workload.example_args, share=share)
         finally:

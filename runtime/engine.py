@@ -376,7 +376,7 @@ class Engine:
             return
         from whalelike.graphs.capture import capture
 
-        share = self.runtime.measured_once()   # rank 0 measures for all (runtime.once.MeasuredOnce)
+        share = self.runtime.measured_once()   # rank 0 measures for all (runtime.distributed.MeasuredOnce)
         try:
             graphs = capture(self.model, example_inputs, share=share)
         finally:

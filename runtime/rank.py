@@ -33,7 +33,7 @@ from planner.plan_checks import check_same_workers
 from runtime import distributed
 from runtime.emulation.compute import Emulator
 from runtime.groups import PlanGroups, build_groups
-from runtime.once import MeasuredOnce
+
 from whalelike.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,11 @@ class RankRuntime:
                 raise self.progress.failure(step, self.timeout_s, e) from e
             raise
 
-    def measured_once(self) -> MeasuredOnce:
+    def measured_once(self) -> distributed.MeasuredOnce:
         """The :data:`whalelike.graphs.capture.MeasureShare` of an Engine's capture: the ranks capture
-        the same model at once and rank 0 measures it for all (:class:`runtime.once.MeasuredOnce`),
+        the same model at once and rank 0 measures it for all (:class:`runtime.distributed.MeasuredOnce`),
         in a collective of :meth:`collective`."""
-        return MeasuredOnce(self.rank, self.collective)
+        return distributed.MeasuredOnce(self.rank, self.collective)
 
     def sum_alone(self, vector: torch.Tensor) -> None:
         """All-reduce (sum) ``vector`` in place over the default group, on the device the backend

@@ -108,7 +108,7 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(job):
     (["--plan", "{folder}/missing.yaml"], "missing.yaml"),
     (["--checkpoint-dir", "{folder}/empty"], "--plan is required"),
     (["--plan", "{folder}/plan.yaml", "--steps", "two"], "--steps: invalid int value"),
-    # planned at start: rank 0 plans for all (runtime.once), and its error is every rank's
+    # planned at start: rank 0 plans for all (runtime.distributed.from_rank0), and its error is every rank's
     (["--global-batch", "1"], "global_batch_size 1 is smaller than"),
 ])
 def test_user_errors_are_one_line_per_job(job, argv, fragment):

@@ -98,7 +98,7 @@ import torch.distributed as dist
 import planner
 import runtime
 import whalelike as wl
-from runtime import distributed, once
+from runtime import distributed
 from runtime.elastic import membership
 from runtime.state.pretrained import save_pretrained
 from runtime.elastic.departure import Departed, LeaveConfig, Stopping
@@ -799,7 +799,7 @@ def planning_config(args, precision: "str | None" = None) -> wl.Config:
 def plan_now(args, workload: wl.Workload):
     """Without ``--plan``: the model planned onto ``--cluster`` under the planning flags. Every rank
     captures the model (its Engine needs the trace); rank 0 measures it and plans, and the others
-    take its figures and its plan (:mod:`runtime.once`, over the default group, which is made here
+    take its figures and its plan (:func:`runtime.distributed.from_rank0`, over the default group, which is made here
     for it, within ``--timeout``): the plan every rank would have made, computed once. A planning
     error is rank 0's, raised on every rank alike (one line a job)."""
     if args.cluster is None:
@@ -807,13 +807,13 @@ def plan_now(args, workload: wl.Workload):
     cluster = wl.Cluster.load(args.cluster)
     config = planning_config(args)
     rank = distributed.init(args.timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    share = once.MeasuredOnce(rank)
+    share = distributed.MeasuredOnce(rank)
     try:
         graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
                             optimizer=config.optimizer, loss_fn=workload.loss_fn, share=share)
     finally:
         share.finish()
-    plan = once.from_rank0(lambda: planner.plan(graphs, cluster, config), rank)
+    plan = distributed.from_rank0(lambda: planner.plan(graphs, cluster, config), rank)
     if rank == 0:
         print(plan.summary(cluster), flush=True)
     return plan, cluster

@@ -1,5 +1,5 @@
-"""runtime.once in one process: without a process group of two or more ranks every helper does the
-work itself; an error that cannot be pickled travels as a WhaleError with its class and text. The
+"""runtime.distributed's work done once by rank 0 (MeasuredOnce, from_rank0), in one process:
+without a process group of two or more ranks every helper does the work itself; an error that cannot be pickled travels as a WhaleError with its class and text. The
 ranks' side (rank 0 measures and plans, the others take its figures, plan or error) is checked in
 tests/test_runtime_dp.py (four Engines' captures) and tests/test_restart.py (a planning error at
 start under torchrun, one line a job)."""
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import once
+from runtime import distributed
 from whalelike.errors import WhaleError
 
 
 def test_one_process_does_the_work_itself():
-    share = once.MeasuredOnce(0)
+    share = distributed.MeasuredOnce(0)
     assert share("key", lambda: 41) == 41 and not share.received
     share.finish()   # nothing to take part in
-    assert once.from_rank0(lambda: "plan", 0) == "plan"
+    assert distributed.from_rank0(lambda: "plan", 0) == "plan"
     with pytest.raises(ValueError, match="infeasible"):
-        once.from_rank0(lambda: (_ for _ in ()).throw(ValueError("infeasible")), 0)
+        distributed.from_rank0(lambda: (_ for _ in ()).throw(ValueError("infeasible")), 0)
 
 
 class _Unpicklable(Exception):
@@ -31,7 +31,7 @@ class _Unpicklable(Exception):
 
 def test_an_error_that_cannot_be_pickled_travels_as_a_whale_error():
     error = _Unpicklable("no plan fits", lambda: None)
-    sent = once._sendable(error)
+    sent = distributed._sendable(error)
     assert isinstance(sent, WhaleError) and str(sent) == "_Unpicklable: no plan fits"
     plain = ValueError("bad batch")
-    assert once._sendable(plain) is plain
+    assert distributed._sendable(plain) is plain
