@@ -43,7 +43,8 @@ the default group; the others wait in that broadcast, within the job's collectiv
 its own model, since a trace is bound to its process's tensors, and takes rank 0's figures only
 under an equal :func:`whalelike.graphs.capture.measure_key`, else measures itself.
 :func:`from_rank0` gives rank 0's value (the plan made at start), or its error, to every rank.
-Invariant: each is one broadcast that every rank enters exactly once, whatever happens in the work
+Invariant: every rank enters the same collectives once each (:class:`MeasuredOnce`: an all-gather
+of the keys, then the broadcast; :func:`from_rank0`: the broadcast), whatever happens in the work
 it wraps (an error, a cache hit that skips the work), so no rank waits for one that never comes;
 the result is what each rank would have computed itself. Why not torch's ``broadcast_object_list``
 alone: it is the transport; what is added is the agreement on when the result applies (the key)
@@ -472,11 +473,14 @@ def _many() -> bool:
 
 class MeasuredOnce:
     """A :data:`whalelike.graphs.capture.MeasureShare` for the ranks of a job capturing the same model
-    at once (see the module docstring). Call :meth:`finish` after the capture, also when it raised:
-    it takes part in the broadcast if the capture did not (the capture reused this process's
-    figures, or failed before measuring). Rank 0's measuring failing is sent as such and raised
-    there; the others then measure, and fail alike. ``enter`` runs the broadcast (an Engine's
-    :meth:`runtime.rank.RankRuntime.collective`, which names a failed peer)."""
+    at once (see the module docstring). The ranks first gather their keys (one small all-gather): a
+    rank whose key equals rank 0's waits for rank 0's figures; one whose key differs (another kind of
+    GPU, another example batch) measures at once, alongside rank 0, so a mixed cluster starts no
+    later than when every rank measured. Then rank 0 broadcasts. Call :meth:`finish` after the
+    capture, also when it raised: it takes part in both collectives if the capture did not (the
+    capture reused this process's figures, or failed before measuring). Rank 0's measuring failing
+    is sent as such and raised there; the others then measure, and fail alike. ``enter`` runs each
+    collective (an Engine's :meth:`runtime.rank.RankRuntime.collective`, which names a failed peer)."""
 
     def __init__(self, rank: int, enter: Collective = _direct):
         self.rank, self.enter = rank, enter
@@ -487,12 +491,17 @@ class MeasuredOnce:
         if self.done:
             return measure()
         self.done = True
+        leader = self._rank0_key(key)
+        if self.rank != 0 and leader != key:
+            figures = measure()
+            _broadcast(None, self.enter)
+            return figures
         if self.rank != 0:
             sent = _broadcast(None, self.enter)
             if sent is not None and sent[0] == key and sent[1] is not None:
                 self.received = True
                 return sent[1]
-            return measure()
+            return measure()   # rank 0's measuring failed: this one fails alike
         try:
             figures = measure()
         except BaseException:
@@ -504,7 +513,13 @@ class MeasuredOnce:
     def finish(self) -> None:
         if not self.done:
             self.done = True
+            self._rank0_key(None)
             _broadcast(None, self.enter)
+
+    def _rank0_key(self, key: Optional[str]) -> Optional[str]:
+        keys: list = [None] * dist.get_world_size()
+        self.enter(lambda: dist.all_gather_object(keys, key))
+        return keys[0]
 
 
 def from_rank0(make: Callable[[], T], rank: int, enter: Collective = _direct) -> T:
