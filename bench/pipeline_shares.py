@@ -94,7 +94,7 @@ def worker(rank: int, init_file: str, args, results) -> None:
         else:
             workload = load_workload(os.path.join(EXAMPLES, factory))
         cluster = wl.Cluster.preset("emulated-4")
-        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures, and plans, for all (runtime.distributed.MeasuredOnce)
+        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures (and plans, below) for all
         try:
             graphs = wl.capture(workload.model, workload.example_args, share=share)
         finally:

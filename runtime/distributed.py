@@ -452,6 +452,7 @@ def _progress_key(rank: int) -> str:
 def heartbeat_key(rank: int) -> str:
     return f"whalelike/heartbeat/rank{rank}"
 
+
 # -- work done once, by rank 0 ------------------------------------------------------------------------
 T = TypeVar("T")
 Collective = Callable[[Callable[[], Any]], Any]
@@ -485,23 +486,19 @@ class MeasuredOnce:
     def __init__(self, rank: int, enter: Collective = _direct):
         self.rank, self.enter = rank, enter
         self.done = not _many()
-        self.received = False   # whether this rank took rank 0's figures
 
     def __call__(self, key: str, measure: Callable[[], Any]) -> Any:
         if self.done:
             return measure()
         self.done = True
-        leader = self._rank0_key(key)
-        if self.rank != 0 and leader != key:
-            figures = measure()
-            _broadcast(None, self.enter)
-            return figures
+        same = self._rank0_key(key) == key
         if self.rank != 0:
-            sent = _broadcast(None, self.enter)
-            if sent is not None and sent[0] == key and sent[1] is not None:
-                self.received = True
-                return sent[1]
-            return measure()   # rank 0's measuring failed: this one fails alike
+            if not same:                       # measured here, alongside rank 0
+                figures = measure()
+                _broadcast(None, self.enter)
+                return figures
+            _, figures = _broadcast(None, self.enter)   # rank 0 sends (its key, figures or None)
+            return figures if figures is not None else measure()   # None: rank 0 failed, so does this one
         try:
             figures = measure()
         except BaseException:

@@ -33,7 +33,6 @@ from planner.plan_checks import check_same_workers
 from runtime import distributed
 from runtime.emulation.compute import Emulator
 from runtime.groups import PlanGroups, build_groups
-
 from whalelike.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -140,4 +139,3 @@ class RankRuntime:
             else:
                 dist.all_reduce(vector)
         self.collective(run)
-

@@ -799,9 +799,10 @@ def planning_config(args, precision: "str | None" = None) -> wl.Config:
 def plan_now(args, workload: wl.Workload):
     """Without ``--plan``: the model planned onto ``--cluster`` under the planning flags. Every rank
     captures the model (its Engine needs the trace); rank 0 measures it and plans, and the others
-    take its figures and its plan (:func:`runtime.distributed.from_rank0`, over the default group, which is made here
-    for it, within ``--timeout``): the plan every rank would have made, computed once. A planning
-    error is rank 0's, raised on every rank alike (one line a job)."""
+    take its figures and its plan (:class:`runtime.distributed.MeasuredOnce`,
+    :func:`runtime.distributed.from_rank0`, over the default group, made here for it within
+    ``--timeout``): the plan every rank would have made, computed once. A planning error is rank
+    0's, raised on every rank alike (one line a job)."""
     if args.cluster is None:
         raise WhaleError("--global-batch plans the model now and needs --cluster (a preset name or cluster YAML)")
     cluster = wl.Cluster.load(args.cluster)
