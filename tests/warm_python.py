@@ -80,6 +80,10 @@ PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.dis
            "runtime.launch.trainer", "runtime.parallel.pipeline", "runtime.checkpoint", "runtime.replicas.fsdp_sync"]
 
 COMMAND_CPU_ENV = "WHALELIKE_COMMAND_CPU"
+# a folder: every command runs under cProfile, its statistics in FOLDER/cmd-<pid>.prof (the server's
+# environment decides, as for the ledger: set it in the test process's)
+COMMAND_PROFILE_ENV = "WHALELIKE_COMMAND_PROFILE"
+_SERVER_ENV = dict(os.environ)   # in the server: its environment at start (a command's replaces os.environ)
 TORCH_INITIAL_SEED = 67280421310721      # torch's default generator's seed in a fresh process
 
 _BASE_PATH: list[str] = []   # the server's: a cold interpreter's sys.path past its script directory and PYTHONPATH
@@ -202,6 +206,19 @@ def _command(request: dict, fds: list[int]) -> int:
     _reopen_streams(unbuffered)
     sys.executable = request["executable"]
     sys.argv = list(request["argv"])
+    profile_dir = _SERVER_ENV.get(COMMAND_PROFILE_ENV)
+    if profile_dir:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+
+        def dump():
+            profile.disable()
+            os.makedirs(profile_dir, exist_ok=True)
+            profile.dump_stats(os.path.join(profile_dir, f"cmd-{os.getpid()}.prof"))
+
+        atexit.register(dump)
     kind, target = request["kind"], request["target"]
     first = "" if kind in ("module", "code") else os.path.dirname(os.path.abspath(target))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -212,7 +229,7 @@ def _command(request: dict, fds: list[int]) -> int:
     code = 0
     try:
         if kind == "path":
-            runpy.run_path(target, run_name="__main__")
+            _run_script(target)
         elif kind == "module":
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
@@ -233,6 +250,31 @@ def _command(request: dict, fds: list[int]) -> int:
         code = 1
     _finish()
     return code
+
+
+def _run_script(path: str) -> None:
+    """Run the script ``path`` as ``python path`` does: its code compiled under its own name and run
+    in a fresh ``__main__``, called straight from here. Not ``runpy.run_path``, whose frames (file
+    ``<frozen runpy>``) a cold ``python script`` never has: ``inspect.stack()`` looks up the module of
+    every frame and, for a file no module has, scans all of ``sys.modules`` (thousands here, with
+    torch and transformers preloaded), once per frame and call: torchrun's agent calls it about twenty
+    times per rendezvous, which cost it a second of CPU per launch. (A zip file or a directory, which
+    ``python`` runs through its ``__main__``, goes to ``runpy``.)"""
+    import builtins
+    import importlib.machinery
+    import runpy
+    import types
+
+    if not os.path.isfile(path) or path.endswith(".zip"):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        source = f.read()
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
 
 
 def _exit_code(value) -> int:
@@ -310,8 +352,9 @@ def start() -> Optional[dict]:
     Path(ledger).touch()
     (folder / "pids").mkdir()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT))
-    main = f"import sys; sys.path.insert(0, {str(HERE)!r}); import warm_python; warm_python.serve({path!r}, {ledger!r})"
-    proc = subprocess.Popen([sys.executable, "-c", main], env=env,
+    # started as a script, not with -c: every frame of a command's stack then belongs to a module, as in a
+    # cold interpreter (see _run_script)
+    proc = subprocess.Popen([sys.executable, __file__, "serve", path, ledger], env=env,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True, text=True)
     line = proc.stdout.readline()
     if line.strip() != "ready":
@@ -408,3 +451,10 @@ def launcher(name: str) -> str:
     real = Path(sys.executable).parent / name if name != "python" else Path(sys.executable)
     return str(real) if server is None else str(server["bin"] / name)
 
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:   # start()'s server
+    # under its module name too: a command's stack holds the server's frames, and inspect finds their
+    # module by that name once the command's own script has become __main__
+    sys.modules["warm_python"] = sys.modules["__main__"]
+    serve(sys.argv[2], sys.argv[3])
