@@ -74,7 +74,7 @@ from runtime import Engine  # noqa: E402
 from runtime.balance.sync_policy import SyncPolicy  # noqa: E402
 from whalelike.cluster import Cluster, Device, Emulation, Network, Straggler  # noqa: E402
 from smoke import parse_args  # noqa: E402
-from timing import free_port, start_method  # noqa: E402
+from timing import free_port, results_manager, start_method  # noqa: E402
 
 DIN, CLASSES = 64, 10
 SIDES = ("allreduce", "replan", "static", "smart", "policy")
@@ -282,7 +282,7 @@ def main() -> None:
     if args.world < 4 or args.world % 2:
         parser.error(f"--world must be an even number >= 4 (two emulated hosts), got {args.world}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with mp.Manager() as manager:
+    with results_manager() as manager:
         results = manager.dict()
         mp.start_processes(worker, args=(free_port(), args, results), nprocs=args.world, join=True,
                            start_method=start_method())

@@ -140,11 +140,21 @@ def spawn_ranks(worker: Callable, args: Any, world: int, warm: Optional[Callable
     method = start_method()
     if warm is not None and method == "fork":
         warmed(warm)
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager, frozen(method == "fork"):
+    with tempfile.TemporaryDirectory() as tmp, results_manager() as manager, frozen(method == "fork"):
         results = manager.dict()
         mp.start_processes(worker, args=(os.path.join(tmp, "init"), args, results), nprocs=world, join=True,
                            start_method=method)
         return dict(results)
+
+
+def results_manager():
+    """The ``multiprocessing`` manager whose dict the ranks put their results in, forked from this
+    process. Not the default context's: where that is ``forkserver`` (a process the test suite's
+    forkserver started, or Python 3.14's default), the manager's first start launches a fresh
+    forkserver, which imports this bench script (``__main__``) and so torch and the library again:
+    seconds of CPU for a process that only holds a dict. The manager runs no torch code, so a
+    fork is as clean as any start method for it."""
+    return mp.get_context("fork").Manager()
 
 
 @contextmanager
