@@ -97,7 +97,21 @@ def _context():
 
     ctx = std_mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    # Python before 3.12 hands the server our sys.path but never applies it (its main() takes sys_path
+    # and ignores it): the server would start with the interpreter's own path, in which this folder's
+    # modules (dist_utils, reference, frozen_heap) are not found, and the preload would skip them
+    # without a word (the preloaded heap then never frozen). PYTHONPATH, read when the server starts,
+    # puts this folder on its path; the ranks' own sys.path is ours anyway (multiprocessing sends it
+    # with every launch) and their environment the launch's.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 

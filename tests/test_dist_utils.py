@@ -6,12 +6,15 @@ random state as it would have had it without (Python's ``random`` is reseeded in
 by Python itself), get its own ``RANK``, and report as a rank launched without it
 does: a value, an error, an exit status, or a hang killed at the timeout (its whole process group,
 the warm-up process and every rank). A warm-up that raises fails every rank with its traceback.
-Two ranks, no process group.
+Every rank, warmed or not, starts with the forkserver's preload done, this folder's modules
+included, and its heap frozen (``tests/frozen_heap.py``). Two ranks, no process group.
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
+import sys
 import time
 
 import torch
@@ -38,7 +41,9 @@ def _report(rank: int, world_size: int) -> dict:
     wl.capture(torch.nn.Linear(4, 2), (torch.randn(2, 4),))
     after = stats()
     return {"warmed": list(WARMED), "rank": os.environ["RANK"], "torch": torch.rand(2),
-            "hit": after["hits"] == before["hits"] + 1}
+            "hit": after["hits"] == before["hits"] + 1,
+            "preloaded": [name for name in ("reference", "frozen_heap") if name in sys.modules],
+            "frozen": gc.get_freeze_count()}
 
 
 def test_ranks_find_the_warm_up_done_and_their_random_state_untouched():
@@ -50,6 +55,8 @@ def test_ranks_find_the_warm_up_done_and_their_random_state_untouched():
         assert a.value["rank"] == b.value["rank"] == str(rank)
         torch.testing.assert_close(a.value["torch"], b.value["torch"], rtol=0, atol=0)
         assert not a.value["hit"] and b.value["hit"], "the warm-up's capture is a cache hit in every rank"
+        for o in (a, b):   # the server found this folder's modules (its sys.path) and froze what it imported
+            assert o.value["preloaded"] == ["reference", "frozen_heap"] and o.value["frozen"] > 100_000, o.value
 
 
 def _raises() -> None:
