@@ -39,7 +39,14 @@ CPU accounting: the commands are the server's descendants, not the test's, so th
 missing from ``tests/conftest.py``'s per-test figure. Each command's CPU (its own and its waited-for
 children's) is appended to the server's ledger, which :func:`cpu_s` sums. To see which commands
 cost what, ``WHALELIKE_COMMAND_CPU=FILE`` in the test process's environment appends a line per
-command to FILE: its CPU seconds, working directory and argv.
+command to FILE: its CPU seconds, working directory and argv; ``WHALELIKE_COMMAND_PROFILE=FOLDER``
+runs each command under cProfile (``FOLDER/cmd-<pid>.prof``).
+
+A script runs as ``python script`` runs it, called straight from the server's frames (not through
+``runpy``), and the server runs as a script, not ``-c``: so every frame below the command's own
+belongs to an imported module, as in a cold interpreter. ``inspect.stack()`` (torchrun's agent
+calls it about twenty times per rendezvous) scans all of ``sys.modules`` for each frame whose file
+no module has; with torch and transformers preloaded, that was a second of CPU per torchrun launch.
 """
 from __future__ import annotations
 
