@@ -97,8 +97,8 @@ def _context():
 
     ctx = std_mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    # Python before 3.12 hands the server our sys.path but never applies it (its main() takes sys_path
-    # and ignores it): the server would start with the interpreter's own path, in which this folder's
+    # multiprocessing hands the server our sys.path, and this Python's (3.11) forkserver main() takes it and
+    # never applies it: the server would start with the interpreter's own path, in which this folder's
     # modules (dist_utils, reference, frozen_heap) are not found, and the preload would skip them
     # without a word (the preloaded heap then never frozen). PYTHONPATH, read when the server starts,
     # puts this folder on its path; the ranks' own sys.path is ours anyway (multiprocessing sends it

@@ -459,7 +459,6 @@ def launcher(name: str) -> str:
     return str(real) if server is None else str(server["bin"] / name)
 
 
-
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:   # start()'s server
     # under its module name too: a command's stack holds the server's frames, and inspect finds their
     # module by that name once the command's own script has become __main__
