@@ -94,11 +94,8 @@ def worker(rank: int, init_file: str, args, results) -> None:
         else:
             workload = load_workload(os.path.join(EXAMPLES, factory))
         cluster = wl.Cluster.preset("emulated-4")
-        share = MeasuredOnce(rank)   # every rank traces; rank 0 measures (and plans, below) for all
-        try:
+        with MeasuredOnce(rank) as share:   # every rank traces; rank 0 measures (and plans, below) for all
             graphs = wl.capture(workload.model, workload.example_args, share=share)
-        finally:
-            share.finish()
 
         def plans():
             # the planner's hardware-aware plan with two devices a stage (the split by work): what the bench

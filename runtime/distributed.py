@@ -478,8 +478,9 @@ class MeasuredOnce:
     rank whose key equals rank 0's waits for rank 0's figures; one whose key differs (another kind of
     GPU, another example batch) measures at once, alongside rank 0, so a mixed cluster starts no
     later than when every rank measured. Then rank 0 broadcasts. Call :meth:`finish` after the
-    capture, also when it raised: it takes part in both collectives if the capture did not (the
-    capture reused this process's figures, or failed before measuring). Rank 0's measuring failing
+    capture, also when it raised (``with MeasuredOnce(rank) as share: capture(..., share=share)``
+    does): it takes part in both collectives if the capture did not (the capture reused this
+    process's figures, or failed before measuring). Rank 0's measuring failing
     is sent as such and raised there; the others then measure, and fail alike. ``enter`` runs each
     collective (an Engine's :meth:`runtime.rank.RankRuntime.collective`, which names a failed peer)."""
 
@@ -506,6 +507,12 @@ class MeasuredOnce:
             raise
         _broadcast((key, figures), self.enter)
         return figures
+
+    def __enter__(self) -> "MeasuredOnce":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
 
     def finish(self) -> None:
         if not self.done:

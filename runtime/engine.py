@@ -376,11 +376,8 @@ class Engine:
             return
         from whalelike.graphs.capture import capture
 
-        share = self.runtime.measured_once()   # rank 0 measures for all (runtime.distributed.MeasuredOnce)
-        try:
+        with self.runtime.measured_once() as share:   # rank 0 measures for all (runtime.distributed.MeasuredOnce)
             graphs = capture(self.model, example_inputs, share=share)
-        finally:
-            share.finish()
         self.plan.validate(graphs=graphs, cluster=self.cluster)
         if self.profile is not None:
             self.profile.validate(graphs=graphs)

@@ -808,12 +808,9 @@ def plan_now(args, workload: wl.Workload):
     cluster = wl.Cluster.load(args.cluster)
     config = planning_config(args)
     rank = distributed.init(args.timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    share = distributed.MeasuredOnce(rank)
-    try:
+    with distributed.MeasuredOnce(rank) as share:
         graphs = wl.capture(workload.model, workload.example_args, workload.example_kwargs,
                             optimizer=config.optimizer, loss_fn=workload.loss_fn, share=share)
-    finally:
-        share.finish()
     plan = distributed.from_rank0(lambda: planner.plan(graphs, cluster, config), rank)
     if rank == 0:
         print(plan.summary(cluster), flush=True)
