@@ -149,7 +149,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 def measure_key(gm: fx.GraphModule, values: list, regions: Regions) -> str:
     """A digest of everything step 3's figures depend on, equal in two processes exactly when
     they would measure the same figures: the graph (every node's name, operator and arguments, as
-    fx prints it, object addresses left out), the placeholders' values (shape, stride, dtype,
+    fx prints it, object addresses left out), the graph's input values (shape, stride, dtype,
     device), the graph module's parameters and buffers (name, shape, dtype, device), the node to
     TaskGraph map, the device measured on (with a GPU's name and compute capability, which pick its
     attention kernels) and the default dtype."""

@@ -142,7 +142,8 @@ def trace_reusable(model: nn.Module, args: tuple, kwargs: dict) -> Trace:
         fx_failure = f"{_failing_module(model, e)} ({_first_line(e)})"
         log.info("torch.fx could not trace %s; trying torch.export", fx_failure)
     try:
-        with _quiet("torch.fx.experimental.symbolic_shapes"), _no_partial_graph(), _no_stack_traces():  # both print whole graphs on failure
+        # the first two keep the whole graphs torch prints on a failure out of the terminal
+        with _quiet("torch.fx.experimental.symbolic_shapes"), _no_partial_graph(), _no_stack_traces():
             return _trace_export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001
         raise CaptureError(
