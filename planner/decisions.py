@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from whalelike.config import ZERO_STAGES, Config
 from whalelike.display import human_bytes
@@ -91,7 +92,8 @@ log = logging.getLogger(__name__)
 class Decisions:
     """Everything the planner chose. ``sizes[r][s][d]`` are the micro-batch sizes of the
     tensor-parallel group ``d`` of stage ``s`` in replica ``r``; ``recompute[s]`` why stage ``s``
-    recomputes its activations (``"asked"``, ``"fit"``) or ``""`` (empty: none does); ``zero[s]`` its
+    recomputes its activations (``"asked"``, ``"fit"``, ``"faster"``: instead of a higher ZeRO stage,
+    simulated faster) or ``""`` (empty: none does); ``zero[s]`` its
     data-parallel group's ZeRO stage and ``zero_reason[s]`` why (``"none"``, ``"asked"``, ``"fit"``;
     both empty: every stage 0); ``state_fractions[s]`` its ragged shards, each data-parallel group's
     fraction of the sharded state in ``Layout.stage_groups`` order (empty: even shards)."""
@@ -198,7 +200,8 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
                     sizes: list | None = None, counts: list[int] | None = None,
                     recompute: list[str] | None = None, zero: list[int] | None = None,
                     zero_reason: list[str] | None = None,
-                    state_fractions: list[tuple[float, ...]] | None = None, resplit: bool = True) -> Decisions:
+                    state_fractions: list[tuple[float, ...]] | None = None, resplit: bool = True,
+                    recompute_first: Sequence[int] = ()) -> Decisions:
     """The hardware-aware decisions on ``layout``: steps 2 to 4 of :mod:`planner.api`.
 
     A re-plan of a running job (:mod:`planner.balance.replan`) passes what it keeps of the plan in force:
@@ -215,6 +218,9 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
     ``resplit``: at the last resort (no split fits without recomputing, the TaskGraph boundaries
     stood), first the decisions on the split priced recomputing (``Decisions.resplit``); False: recompute
     on the boundaries (the caller compares the two: :func:`planner.devices.placement_search.aware_plan`).
+    ``recompute_first``: stages that recompute before their ZeRO stage is raised (reason ``"faster"``),
+    where the escalation would raise it first: the caller simulates both
+    (:func:`planner.devices.placement_search.aware_plan`).
     Raises PlanError when the stages do not fit.
     """
     gbs, m = config.global_batch_size, config.num_micro_batch
@@ -226,6 +232,8 @@ def aware_decisions(graphs: TaskGraphs, config: Config, layout: Layout, network,
         solver, gap, kept_work = "greedy", None, ()
     asked = asked_recompute(graphs, stage_layers)
     reasons = [mine or why for mine, why in zip(asked, recompute or [""] * len(asked))]
+    for s in recompute_first:
+        reasons[s] = reasons[s] or "faster"
     fixed = list(zero) if zero is not None else asked_zero(graphs, config, layout, stage_layers)
     why_zero = list(zero_reason) if zero_reason is not None else [
         "asked" if z else "none" for z in fixed]

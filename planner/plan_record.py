@@ -42,7 +42,8 @@ from planner.plan_identity import SCHEMA_VERSION
 SOLVERS = ("ilp", "greedy")
 CANDIDATES = ("aware", "naive", "folded")   # Plan.chosen, CandidatePlan.name: the plans planner.candidates compares
 SPEED_SOURCES = ("spec", "profile")   # Plan.speeds: the cluster spec's figures, or whalelike profile's measurements
-RECOMPUTE_REASONS = ("none", "asked", "fit")   # StagePlan.recompute_reason: none, the user's, the planner's
+RECOMPUTE_REASONS = ("none", "asked", "fit", "faster")   # StagePlan.recompute_reason: none, the user's, the
+# planner's to fit, the planner's as faster than a higher ZeRO stage (simulated)
 RECOMPUTE_UNITS = ("layer", "stage")   # StagePlan.recompute_unit: planner.devices.memory.recompute_unit
 ZERO_REASONS = ("none", "asked", "fit")   # StagePlan.zero_reason: no ZeRO, the user's stage, the planner's
 
@@ -137,7 +138,9 @@ class StagePlan:
     recompute: bool = rule(bool, "recompute the stage's activations in the backward (activation checkpointing)",
                            default=False)
     recompute_reason: str = rule(str, "why the stage recomputes: 'asked' (a TaskGraph's recompute=True), 'fit' "
-                                 "(chosen by the planner because the stage does not fit otherwise), 'none' (it does not)",
+                                 "(chosen by the planner because the stage does not fit otherwise), 'faster' (chosen by the "
+                                 "planner over a higher ZeRO stage that also fits: the simulator predicted it faster), "
+                                 "'none' (it does not)",
                                  choices=RECOMPUTE_REASONS, default="none")
     recompute_unit: str = rule(str, "what a recomputing stage checkpoints at once: 'layer' (each of its layers, "
                                "the default) or 'stage' (all of it, when that holds less)", choices=RECOMPUTE_UNITS,

@@ -212,7 +212,9 @@ def _recompute(st) -> str:
     fit)': activation checkpointing, its unit and why."""
     if not st.recompute:
         return ""
-    why = {"asked": "asked", "fit": "chosen to fit"}.get(st.recompute_reason, st.recompute_reason)
+    why = {"asked": "asked", "fit": "chosen to fit",
+           "faster": "chosen to fit, predicted faster than a higher ZeRO stage"}.get(st.recompute_reason,
+                                                                                 st.recompute_reason)
     unit = "the whole stage at once" if getattr(st, "recompute_unit", "layer") == "stage" else "layer by layer"
     return f", recomputes activations {unit} ({why})"
 

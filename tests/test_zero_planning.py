@@ -24,8 +24,12 @@ import torch.nn as nn
 import planner
 import whalelike as wl
 from hf_models import gpt2
+from planner.assemble import build_plan, predict
 from planner.balance.replan import rebalance
+from planner.decisions import aware_decisions
 from planner.devices.cost_model import GIB, CommModel, StageCost, zero_collectives
+from planner.devices.placement import PLACEMENTS, build_layout
+from planner.devices.placement_search import aware_plan
 from planner.devices.memory import REDUCE_SCATTER_COPIES, ZeroShards, fsdp_unit_share, fsdp_units, stage_memory
 from planner.plan import Plan, PlanError
 from synthetic import synthetic_cluster, synthetic_model
@@ -40,6 +44,10 @@ Config = functools.partial(wl.Config, memory_reserve=0.0)
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)   # TFLOPS of the four devices: the issue's benchmark cluster
 NETWORK = Network(intra_host_gbps=100.0, inter_host_gbps=10.0, latency_us=5.0)
+# links on which re-gathering a tiny model's parameters costs less than recomputing its forward: the ZeRO
+# escalation then stands (on NETWORK the planner recomputes at a lower ZeRO stage instead, predicted
+# faster: the last test)
+FAST_LINKS = Network(intra_host_gbps=10_000.0, inter_host_gbps=10_000.0, latency_us=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +71,16 @@ def need(graphs: TaskGraphs, zero: int, samples: int = 1, workers: int = 4, sing
     return stage_memory(cost, 1, zero=ZeroShards(zero, workers, fsdp_unit_share(cost, True), single=single)).total(samples)
 
 
-def cluster_of(memories_bytes, speeds=SPEEDS, name: str = "hetero") -> Cluster:
+def cluster_of(memories_bytes, speeds=SPEEDS, name: str = "hetero", network: Network = NETWORK) -> Cluster:
     devices = tuple(Device(f"d{i}", f"kind{i}", "h0", peak_tflops=s, memory_gib=m / GIB)
                     for i, (m, s) in enumerate(zip(memories_bytes, speeds)))
-    return Cluster(name, devices, NETWORK)
+    return Cluster(name, devices, network)
 
 
-def small_last(graphs: TaskGraphs, zero: int) -> Cluster:
+def small_last(graphs: TaskGraphs, zero: int, network: Network = NETWORK) -> Cluster:
     """Three roomy devices and a last one that holds one sample at ZeRO ``zero`` but not at ``zero - 1``."""
     big = 8 * need(graphs, 0)
-    return cluster_of([big, big, big / 2, (need(graphs, zero) + need(graphs, zero - 1)) / 2])
+    return cluster_of([big, big, big / 2, (need(graphs, zero) + need(graphs, zero - 1)) / 2], network=network)
 
 
 # -- the request ------------------------------------------------------------------------------------
@@ -170,7 +178,7 @@ def test_memory_terms_per_zero_stage_equal_the_formulas(gpt2_graphs):
 # -- Poplar's escalation ----------------------------------------------------------------------------
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_escalation_picks_the_lowest_zero_stage_that_fits(gpt2_graphs, zero):
-    cluster = small_last(gpt2_graphs, zero)
+    cluster = small_last(gpt2_graphs, zero, FAST_LINKS)
     smallest = cluster.devices[-1].memory_gib * GIB
     assert need(gpt2_graphs, 0) > smallest   # not even a full replica's state and one sample fits it
     # FSDP2's even shards only (ragged ones fit a stage lower: tests/test_zero_ragged_planning.py), two
@@ -204,7 +212,7 @@ def test_one_micro_batch_per_step_holds_less_at_zero_1_and_is_priced_so(gpt2_gra
     single, accumulating = need(gpt2_graphs, 1, single=True), need(gpt2_graphs, 1)
     assert single < need(gpt2_graphs, 2) < accumulating
     big = 8 * need(gpt2_graphs, 0)
-    cluster = cluster_of([big, big, big / 2, (single + need(gpt2_graphs, 2)) / 2])
+    cluster = cluster_of([big, big, big / 2, (single + need(gpt2_graphs, 2)) / 2], network=FAST_LINKS)
     plan = planner.plan(gpt2_graphs, cluster, Config(global_batch_size=4, ragged_shards=False))
     (st,) = plan.stages
     assert (st.zero_stage, plan.num_micro_batch) == (1, 1)
@@ -470,3 +478,39 @@ def test_plan_yaml_round_trip_old_files_and_checks(gpt2_graphs, tmp_path):
     alone["stages"][0].update(zero_stage=1, replica_sync="fsdp", zero_reason="asked")
     with pytest.raises(PlanError, match=r"zero_stage is 1 but the stage has one data-parallel worker per shard"):
         Plan.from_dict(alone).validate()
+
+
+def test_a_stage_raised_to_a_higher_zero_stage_is_simulated_recomputing_instead_and_the_faster_kept():
+    # a pipeline stage whose activations do not fit under ZeRO 0: ZeRO 2 (the gradients sharded, a
+    # reduce-scatter every micro-batch) or recomputing at ZeRO 0 both make it fit; which is faster
+    # depends on the links, so the planner simulates both (placement_search._recompute_instead)
+    graphs = synthetic_model(num_layers=8, strategies=[wl.replicate(4), wl.replicate(4)], hidden=256, seq=1024, heads=4)
+    config = Config(global_batch_size=16, num_micro_batch=2)
+    roomy = planner.plan(graphs, synthetic_cluster([(8, 10.0, 100.0)]), config)
+    capacity = 0.22 * max(w.memory_gib for w in roomy.workers)
+
+    def linked(gbps: float) -> Cluster:
+        devices = synthetic_cluster([(8, 10.0, capacity)]).devices
+        return Cluster(f"links-{gbps}", devices, Network(intra_host_gbps=gbps, inter_host_gbps=gbps, latency_us=5.0))
+
+    fast, slow = linked(100.0), linked(0.2)
+    for cluster, kept in ((fast, (2, "none")), (slow, (0, "faster"))):
+        plan = planner.plan(graphs, cluster, config)
+        assert (plan.stages[1].zero_stage, plan.stages[1].recompute_reason) == kept
+        assert all(w.memory_gib <= w.capacity_gib for w in plan.workers)
+        # on one layout, the decisions' own choice (ZeRO first; on the TaskGraph boundaries, which
+        # aware_plan keeps on both networks) and the same split recomputing first are both plans that
+        # fit, and aware_plan keeps the one the simulator predicts faster
+        layout = build_layout(graphs, cluster, PLACEMENTS[0], config.precision)
+        zero_first = aware_decisions(graphs, config, layout, cluster.network, resplit=False)
+        assert zero_first.zero_stage(1) >= 2 and not zero_first.recomputes(1)
+        recompute_first = aware_decisions(graphs, config, layout, cluster.network,
+                                          stage_layers=zero_first.stage_layers, recompute_first=[1])
+        assert recompute_first.recompute[1] == "faster" and recompute_first.zero_stage(1) < zero_first.zero_stage(1)
+        times = [predict(build_plan(graphs, cluster, config, d), cluster).step_time_ms
+                 for d in (zero_first, recompute_first)]
+        prediction, chosen, _ = aware_plan(graphs, cluster, config, layout)
+        assert prediction.step_time_ms == pytest.approx(min(times))
+        assert chosen.stages[1].recompute == (times[1] < times[0]) == (cluster is slow)
+    assert "recomputes activations layer by layer (chosen to fit, predicted faster than a higher ZeRO stage)" in \
+        planner.plan(graphs, slow, config).summary()

@@ -11,6 +11,7 @@ planning is a pure function of the layout, so the plan and its prediction would 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -19,7 +20,7 @@ from whalelike.config import Config
 from whalelike.graphs.taskgraph import TaskGraphs
 
 from planner.assemble import build_plan, predict
-from planner.decisions import aware_decisions
+from planner.decisions import Decisions, aware_decisions
 from planner.devices.placement import PLACEMENTS, Layout, build_layout, fold_layout
 from planner.partition.stage_layers import movable_runs
 from planner.plan import Plan, PlanError, Prediction
@@ -69,20 +70,63 @@ def aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Lay
     when they do not fit. Decisions made on the split priced recomputing (the decisions' last resort,
     ``Decisions.resplit``) are simulated against recomputing on the TaskGraph boundaries instead, and
     the faster kept: which one wins depends on the devices (7B Llama on H100s and A100s: the re-split
-    2.4x faster; a small model on two fast devices and two slow ones: the boundaries 7% faster)."""
+    2.4x faster; a small model on two fast devices and two slow ones: the boundaries 7% faster).
+    Then a stage the decisions raised to a higher ZeRO stage to fit is simulated recomputing instead,
+    at the lowest ZeRO stage that then fits (:func:`_recompute_instead`), and the faster kept."""
     decisions = aware_decisions(graphs, config, layout, cluster.network)
     plan = build_plan(graphs, cluster, config, decisions)
-    prediction = predict(plan, cluster)
+    best = (predict(plan, cluster), plan, layout), decisions
     if decisions.resplit:
         try:
-            other = build_plan(graphs, cluster, config, aware_decisions(graphs, config, layout, cluster.network,
-                                                                          resplit=False))
+            again = aware_decisions(graphs, config, layout, cluster.network, resplit=False)
+            other = build_plan(graphs, cluster, config, again)
         except PlanError:
-            return prediction, plan, layout
-        other_prediction = predict(other, cluster)
-        if other_prediction.step_time_ms < prediction.step_time_ms:
-            return other_prediction, other, layout
-    return prediction, plan, layout
+            pass
+        else:
+            other_prediction = predict(other, cluster)
+            if other_prediction.step_time_ms < best[0][0].step_time_ms:
+                best = (other_prediction, other, layout), again
+    return _recompute_instead(graphs, cluster, config, layout, *best)
+
+
+def _recompute_instead(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Layout, best: Candidate,
+                       decisions: Decisions) -> Candidate:
+    """``best``, or the same split with recomputing in place of a higher ZeRO stage, whichever the
+    simulator predicts faster.
+
+    The decisions fit a stage that does not hold its micro-batches by raising its ZeRO stage first
+    (Poplar's escalation) and recompute only as the last resort. Both free memory at a price: ZeRO 3
+    re-gathers each layer's parameters before its forward and again before its backward, every
+    micro-batch, where ZeRO 0-1 keep them gathered through the step (one all-gather at its end at
+    ZeRO 1: FSDP2 with ``reshard_after_forward=False``, torchtitan's default under pipelining); recomputing
+    runs each layer's forward twice. Which costs less depends on the links and the devices' speed,
+    so each stage raised to fit (``zero_reason`` ``"fit"``, not recomputing) is planned once more
+    recomputing first (``aware_decisions(recompute_first=...)``: reason ``"faster"``), all such stages
+    together and, when there are several, each alone; an alternative whose ZeRO stages are not lower
+    cannot be faster and is not simulated."""
+    raised = [s for s in range(layout.num_stages)
+              if decisions.zero_reason and decisions.zero_reason[s] == "fit" and not decisions.recomputes(s)]
+    for stages in [raised] + ([[s] for s in raised] if len(raised) > 1 else []):
+        if not stages:
+            continue
+        try:
+            other = aware_decisions(graphs, config, layout, cluster.network, stage_layers=decisions.stage_layers,
+                                    recompute_first=stages)
+        except PlanError:
+            continue
+        if not any(other.zero_stage(s) < decisions.zero_stage(s) for s in stages):
+            continue
+        other = dataclasses.replace(other, solver=decisions.solver, optimality_gap=decisions.optimality_gap,
+                                    kept_work=decisions.kept_work, resplit=decisions.resplit)
+        plan = build_plan(graphs, cluster, config, other)
+        prediction = predict(plan, cluster)
+        log.info("stage(s) %s: ZeRO stage(s) %s predicted %.4g ms a step, recomputing at ZeRO stage(s) %s %.4g ms; "
+                 "keeping the %s", stages, [decisions.zero_stage(s) for s in stages], best[0].step_time_ms,
+                 [other.zero_stage(s) for s in stages], prediction.step_time_ms,
+                 "recompute" if prediction.step_time_ms < best[0].step_time_ms else "ZeRO stage(s)")
+        if prediction.step_time_ms < best[0].step_time_ms:
+            best = (prediction, plan, layout)
+    return best
 
 
 def swap_search(graphs: TaskGraphs, cluster: Cluster, config: Config, best: Candidate) -> Candidate:
