@@ -41,7 +41,7 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "dp_vs_ddp": rf"headline: emulated-4 {_X} = .* of the ideal {_X}; emulated-4-equal {_X} = .*; "
                  rf"two-hosts {_X} = .* of the ideal {_X}",
     "overhead": r"overhead: one rank \d+/\d+ within target, worst -?\d+\.\d\d ms per step; \d+ ranks whalelike "
-                r"\d+\.\d{3}x DDP \(target >= 0\.99\)",
+                r"\d+\.\d{3}x DDP \(DDP \d+\.\d{3}x itself\) \(target >= 0\.99\)",
     "pipeline_comm": rf"headline: eager-1F1B \+ resharding auto is {_X} faster than 1F1B \+ send/recv .*; "
                      r"exact: yes",
     "plan_scale": r"fixed +\d+ +\d+\.\d+ % +\d+\.\d+ % .*",   # (2)'s last row: greedy's gap to the ILP
