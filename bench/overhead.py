@@ -19,7 +19,7 @@ Then several ranks at equal speeds, no emulation (``--world``: 2 and 4 by defaul
 devices (equal shares too), same model, same global batch, timed in pairs as above (each step after
 a barrier of all ranks); the ratio of DDP's step to whalelike's (>= 0.99 is the target). Beside it
 the control: DDP against a second DDP of the same model, timed the same way in the same run, whose
-ratio is 1 but for the measurement's own error (on this 2-core machine 0.97-1.01 over runs at four
+ratio is 1 but for the measurement's own error (on this 2-core machine 0.965-1.018 over runs at two and four
 ranks): a whalelike ratio within the control's distance from 1 is not resolved from DDP's.
 
 Target (issue 35): one rank, overhead <= 0.5 ms per step or <= 2% of the plain loop's step,
