@@ -480,7 +480,7 @@ def test_plan_yaml_round_trip_old_files_and_checks(gpt2_graphs, tmp_path):
         Plan.from_dict(alone).validate()
 
 
-def test_a_stage_raised_to_a_higher_zero_stage_is_simulated_recomputing_instead_and_the_faster_kept():
+def test_a_stage_raised_to_a_higher_zero_stage_is_simulated_recomputing_instead_and_the_faster_kept(tmp_path):
     # a pipeline stage whose activations do not fit under ZeRO 0: ZeRO 2 (the gradients sharded, a
     # reduce-scatter every micro-batch) or recomputing at ZeRO 0 both make it fit; which is faster
     # depends on the links, so the planner simulates both (placement_search._recompute_instead)
@@ -512,5 +512,9 @@ def test_a_stage_raised_to_a_higher_zero_stage_is_simulated_recomputing_instead_
         prediction, chosen, _ = aware_plan(graphs, cluster, config, layout)
         assert prediction.step_time_ms == pytest.approx(min(times))
         assert chosen.stages[1].recompute == (times[1] < times[0]) == (cluster is slow)
+    kept = planner.plan(graphs, slow, config)
     assert "recomputes activations layer by layer (chosen to fit, predicted faster than a higher ZeRO stage)" in \
-        planner.plan(graphs, slow, config).summary()
+        kept.summary()
+    # the reason is plan data: written, read back and checked like the others
+    kept.to_yaml(tmp_path / "plan.yaml")
+    assert Plan.from_yaml(tmp_path / "plan.yaml", graphs=graphs, cluster=slow) == kept
