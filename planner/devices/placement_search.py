@@ -97,15 +97,17 @@ def _recompute_instead(graphs: TaskGraphs, cluster: Cluster, config: Config, lay
     The decisions fit a stage that does not hold its micro-batches by raising its ZeRO stage first
     (Poplar's escalation) and recompute only as the last resort. Both free memory at a price: ZeRO 3
     re-gathers each layer's parameters before its forward and again before its backward, every
-    micro-batch, where ZeRO 0-1 keep them gathered through the step (one all-gather at its end at
-    ZeRO 1: FSDP2 with ``reshard_after_forward=False``, torchtitan's default under pipelining); recomputing
-    runs each layer's forward twice. Which costs less depends on the links and the devices' speed,
+    micro-batch, and ZeRO 2 reduce-scatters the gradients every micro-batch, where ZeRO 0-1 communicate
+    once a step, the parameters kept gathered through it (FSDP2 with ``reshard_after_forward=False``,
+    torchtitan's default under pipelining); recomputing runs each layer's forward twice. Which costs
+    less depends on the links and the devices' speed,
     so each stage raised to fit (``zero_reason`` ``"fit"``, not recomputing) is planned once more
     recomputing first (``aware_decisions(recompute_first=...)``: reason ``"faster"``), all such stages
     together and, when there are several, each alone; an alternative whose ZeRO stages are not lower
     cannot be faster and is not simulated."""
     raised = [s for s in range(layout.num_stages)
               if decisions.zero_reason and decisions.zero_reason[s] == "fit" and not decisions.recomputes(s)]
+    escalated_ms = best[0].step_time_ms
     for stages in [raised] + ([[s] for s in raised] if len(raised) > 1 else []):
         if not stages:
             continue
@@ -121,9 +123,9 @@ def _recompute_instead(graphs: TaskGraphs, cluster: Cluster, config: Config, lay
         plan = build_plan(graphs, cluster, config, other)
         prediction = predict(plan, cluster)
         log.info("stage(s) %s: ZeRO stage(s) %s predicted %.4g ms a step, recomputing at ZeRO stage(s) %s %.4g ms; "
-                 "keeping the %s", stages, [decisions.zero_stage(s) for s in stages], best[0].step_time_ms,
+                 "keeping the faster so far: %.4g ms", stages, [decisions.zero_stage(s) for s in stages], escalated_ms,
                  [other.zero_stage(s) for s in stages], prediction.step_time_ms,
-                 "recompute" if prediction.step_time_ms < best[0].step_time_ms else "ZeRO stage(s)")
+                 min(prediction.step_time_ms, best[0].step_time_ms))
         if prediction.step_time_ms < best[0].step_time_ms:
             best = (prediction, plan, layout)
     return best
