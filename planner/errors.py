@@ -18,7 +18,12 @@ class PlanError(SpecError):
 
 class ModelMismatchError(PlanError):
     """The plan was made for another model (its fingerprint differs from the model's). The same on
-    every rank of a job, which the trainer uses to say it once."""
+    every rank of a job, which the trainer uses to say it once. ``planned`` and ``actual``: the two
+    fingerprints' first 12 digits (empty when not given)."""
+
+    def __init__(self, message: str, planned: str = "", actual: str = ""):
+        super().__init__(message)
+        self.planned, self.actual = planned, actual
 
 
 class GlobalBatchError(WhaleError, ValueError):

@@ -468,7 +468,7 @@ def check_model(plan: PlanRecord, graphs) -> None:
     if fp != plan.model_fingerprint:
         raise ModelMismatchError(
             f"plan was made for model {plan.model_fingerprint[:12]}, this model is {fp[:12]}; "
-            "re-plan for this model with `whalelike plan`"
+            "re-plan for this model with `whalelike plan`", planned=plan.model_fingerprint[:12], actual=fp[:12]
         )
     last = plan.stages[-1].layers[-1]
     if last != len(graphs.layers) - 1:

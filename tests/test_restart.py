@@ -122,3 +122,27 @@ def test_user_errors_are_one_line_per_job(job, argv, fragment):
     # torchrun reports the failed worker (exit status 2) in its own summary; no worker printed a traceback
     assert "exitcode  : 2" in done.stderr or "exitcode: 2" in done.stderr, done.stderr
     assert 'train.py", line' not in done.stdout + done.stderr, done.stderr
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such(job):
+    # without --plan the trainer resumes the newest checkpoint's plan; a checkpoint directory of another model
+    # is then what is wrong (not the plan, which the user never gave): one line per job that says so
+    checkpoints = job / "another"
+    made = subprocess.run([torchrun(), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                           os.path.join(ROOT, "examples", "train.py"), f"{job}/workload.py:build",
+                           "--plan", f"{job}/plan.yaml", "--cluster", f"{job}/cluster.yaml", "--steps", "3",
+                           "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1", "--balance", "off"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and (checkpoints / f"step-{3:08d}").is_dir(), made.stdout + made.stderr
+    (job / "other.py").write_text(workload_source().replace("for _ in range(4)", "for _ in range(3)"))
+    done = subprocess.run([torchrun(), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                           os.path.join(ROOT, "examples", "train.py"), f"{job}/other.py:build",
+                           "--cluster", f"{job}/cluster.yaml", "--global-batch", "16", "--steps", "6",
+                           "--checkpoint-dir", str(checkpoints)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("train.py")]
+    assert done.returncode != 0
+    assert len(lines) == 1, done.stdout + done.stderr
+    assert f"--checkpoint-dir {checkpoints} holds a checkpoint of another model ({checkpoints}/step-00000003: " \
+           "model " in lines[0] and "--no-resume" in lines[0], lines[0]
+    assert 'train.py", line' not in done.stdout + done.stderr, done.stderr

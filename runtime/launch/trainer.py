@@ -419,6 +419,12 @@ def train(name: str, workload: wl.Workload, initial_state: "dict | None", plan: 
     try:
         engine = _engine(name, model, plan, cluster, workload, args)
     except ModelMismatchError as e:
+        if resume is not None and args.plan is None:
+            # the plan came from the checkpoint (no --plan): the checkpoint is what belongs to another model
+            raise _JobWide(f"--checkpoint-dir {args.checkpoint_dir} holds a checkpoint of another model "
+                           f"({resume.path}: model {e.planned}, this model is {e.actual}), whose plan is resumed when "
+                           "no --plan is given; give this model a --checkpoint-dir of its own, or pass --no-resume "
+                           "to start afresh") from None
         raise _JobWide(str(e)) from None
     batches = SyntheticBatches(workload, plan, args.seed) if dataset is None else \
         TextBatches(dataset, engine, args.seed)
