@@ -11,6 +11,7 @@ planning is a pure function of the layout, so the plan and its prediction would 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -74,19 +75,22 @@ def aware_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Lay
     Then a stage the decisions raised to a higher ZeRO stage to fit is simulated recomputing instead,
     at the lowest ZeRO stage that then fits (:func:`_recompute_instead`), and the faster kept."""
     decisions = aware_decisions(graphs, config, layout, cluster.network)
-    plan = build_plan(graphs, cluster, config, decisions)
-    best = (predict(plan, cluster), plan, layout), decisions
+    best = _planned(graphs, cluster, config, layout, decisions), decisions
     if decisions.resplit:
-        try:
+        with contextlib.suppress(PlanError):   # recomputing on the boundaries may not fit: the re-split stands
             again = aware_decisions(graphs, config, layout, cluster.network, resplit=False)
-            other = build_plan(graphs, cluster, config, again)
-        except PlanError:
-            pass
-        else:
-            other_prediction = predict(other, cluster)
-            if other_prediction.step_time_ms < best[0][0].step_time_ms:
-                best = (other_prediction, other, layout), again
+            best = min(best, (_planned(graphs, cluster, config, layout, again), again), key=_step_ms)
     return _recompute_instead(graphs, cluster, config, layout, *best)
+
+
+def _planned(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Layout, decisions: Decisions) -> Candidate:
+    """The plan of ``decisions`` and its prediction, as a :data:`Candidate`."""
+    plan = build_plan(graphs, cluster, config, decisions)
+    return predict(plan, cluster), plan, layout
+
+
+def _step_ms(option: tuple[Candidate, Decisions]) -> float:
+    return option[0][0].step_time_ms
 
 
 def _recompute_instead(graphs: TaskGraphs, cluster: Cluster, config: Config, layout: Layout, best: Candidate,
@@ -107,27 +111,22 @@ def _recompute_instead(graphs: TaskGraphs, cluster: Cluster, config: Config, lay
     cannot be faster and is not simulated."""
     raised = [s for s in range(layout.num_stages)
               if decisions.zero_reason and decisions.zero_reason[s] == "fit" and not decisions.recomputes(s)]
+    if not raised:
+        return best
     escalated_ms = best[0].step_time_ms
     for stages in [raised] + ([[s] for s in raised] if len(raised) > 1 else []):
-        if not stages:
-            continue
-        try:
+        with contextlib.suppress(PlanError):   # recomputing first may not fit: the ZeRO stage stands
             other = aware_decisions(graphs, config, layout, cluster.network, stage_layers=decisions.stage_layers,
                                     recompute_first=stages)
-        except PlanError:
-            continue
-        if not any(other.zero_stage(s) < decisions.zero_stage(s) for s in stages):
-            continue
-        other = dataclasses.replace(other, solver=decisions.solver, optimality_gap=decisions.optimality_gap,
-                                    kept_work=decisions.kept_work, resplit=decisions.resplit)
-        plan = build_plan(graphs, cluster, config, other)
-        prediction = predict(plan, cluster)
-        log.info("stage(s) %s: ZeRO stage(s) %s predicted %.4g ms a step, recomputing at ZeRO stage(s) %s %.4g ms; "
-                 "keeping the faster so far: %.4g ms", stages, [decisions.zero_stage(s) for s in stages], escalated_ms,
-                 [other.zero_stage(s) for s in stages], prediction.step_time_ms,
-                 min(prediction.step_time_ms, best[0].step_time_ms))
-        if prediction.step_time_ms < best[0].step_time_ms:
-            best = (prediction, plan, layout)
+            if not any(other.zero_stage(s) < decisions.zero_stage(s) for s in stages):
+                continue
+            other = dataclasses.replace(other, solver=decisions.solver, optimality_gap=decisions.optimality_gap,
+                                        kept_work=decisions.kept_work, resplit=decisions.resplit)
+            candidate = _planned(graphs, cluster, config, layout, other)
+            log.info("stage(s) %s: ZeRO stage(s) %s predicted %.4g ms a step, recomputing at ZeRO stage(s) %s "
+                     "%.4g ms", stages, [decisions.zero_stage(s) for s in stages], escalated_ms,
+                     [other.zero_stage(s) for s in stages], candidate[0].step_time_ms)
+            best = min(best, candidate, key=lambda c: c[0].step_time_ms)
     return best
 
 
