@@ -72,14 +72,16 @@ def optimizer(params):
 
 
 def sides(name: str, batch: int, world: int):
-    """(plain step, Engine step, the Engine) for example ``name`` at global batch ``batch`` on a
-    cluster of ``world`` equal devices; the plain side is DDP when ``world > 1``."""
+    """(plain step, Engine step, the Engine, another plain step: a second copy, the control) for example
+    ``name`` at global batch ``batch`` on a cluster of ``world`` equal devices; the plain side is DDP when
+    ``world > 1``."""
     workload = load_workload(os.path.join(ROOT, "examples", f"{name}.py:build"))
     inputs, targets = workload.make_batch(batch, torch.Generator().manual_seed(0))
     plan = planner.plan(wl.capture(workload.model, inputs), cluster(world), wl.Config(global_batch_size=batch))
     engine = runtime.Engine(copy.deepcopy(workload.model), plan, optimizer=optimizer, loss_fn=workload.loss_fn,
                             cluster=cluster(world), balance="off")
-    return plain_side(workload, inputs, targets, world), lambda: engine.train_step((inputs, targets)), engine
+    return (plain_side(workload, inputs, targets, world), lambda: engine.train_step((inputs, targets)), engine,
+            lambda: plain_side(workload, inputs, targets, world))
 
 
 def plain_side(workload, inputs, targets, world: int):
@@ -145,7 +147,7 @@ def one_rank(rank: int, init_file: str, args, results) -> None:
         rows, split = [], None
         for name in args.examples:
             for batch in (args.small, args.large):
-                plain, engine_step, engine = sides(name, batch, 1)
+                plain, engine_step, engine, _ = sides(name, batch, 1)
                 plain_s, engine_s = timed_pairs(plain, engine_step, args.steps * args.rounds)
                 rows.append((name, batch, plain_s, engine_s))
                 if split is None:
@@ -155,14 +157,11 @@ def one_rank(rank: int, init_file: str, args, results) -> None:
 
 def several_ranks(rank: int, init_file: str, args, results) -> None:
     with process_group(rank, init_file, args.ranks):
-        plain, engine_step, _ = sides(args.examples[0], args.ddp_batch, args.ranks)
+        plain, engine_step, _, another = sides(args.examples[0], args.ddp_batch, args.ranks)
         ddp_s, engine_s = timed_pairs(plain, engine_step, args.steps * args.rounds)
         # the control: DDP against a second DDP of the same model in the same pairs, whose ratio would be
         # 1 on a quiet machine; its distance from 1 is what this measurement can resolve
-        workload = load_workload(os.path.join(ROOT, "examples", f"{args.examples[0]}.py:build"))
-        inputs, targets = workload.make_batch(args.ddp_batch, torch.Generator().manual_seed(0))
-        first_s, second_s = timed_pairs(plain, plain_side(workload, inputs, targets, args.ranks),
-                                        args.steps * args.rounds)
+        first_s, second_s = timed_pairs(plain, another(), args.steps * args.rounds)
         results[rank] = (ddp_s, engine_s, first_s, second_s)
 
 
