@@ -36,7 +36,7 @@ def plan_summary(plan: PlanRecord, cluster=None) -> str:
         ]
         for w in plan.workers
     ]
-    if any(w.update_ms for w in plan.workers):   # the optimizer's update, priced from a measured rate
+    if any(w.update_ms for w in plan.workers):   # the optimizer's update, where a rate prices it
         headers.append("update ms")
         for row, w in zip(rows, plan.workers):
             row.append(f"{w.update_ms:.2f}")

@@ -63,9 +63,9 @@ Training with a plan is started with torchrun (see docs/quickstart.md).
 
 
 # -- loading the user's model ----------------------------------------------------------------------
-def capture_workload(args: argparse.Namespace):
-    """The TaskGraphs of the command's MODEL, costed for its optimizer."""
-    wl = load_workload(args.model)
+def capture_workload(args: argparse.Namespace, workload=None):
+    """The TaskGraphs of the command's MODEL (``workload``: already loaded), costed for its optimizer."""
+    wl = workload if workload is not None else load_workload(args.model)
     from whalelike.graphs.capture import capture  # after the factory's checks: they fail fast, capture imports more
 
     with _status(f"capturing {args.model}"):
@@ -178,7 +178,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
                "--trace": lambda plan, path: planner.schedule.timeline.write_chrome_trace(plan, path, network=cluster)}
     with _outputs() as out:
         staged = [(out.stage(path, kind, label=label), writers[label]) for label, (path, kind) in outputs.items()]
-        graphs = capture_workload(args)
+        if args.calibrate and args.profile is not None:
+            raise WhaleError("whalelike plan: --calibrate times the update a profile already measured; give one of "
+                             "--calibrate and --profile")
+        if args.calibrate:   # before planning, on the model's own parameters (runtime.profiling.update_rate)
+            workload = load_workload(args.model)
+            graphs = capture_workload(args, workload)
+            from runtime.profiling.update_rate import calibrate_update
+            with _status("timing the optimizer's update on this machine"):
+                cluster, calibration = calibrate_update(workload.model, cluster, optimizer=args.optimizer)
+            print(calibration.line())
+        else:
+            graphs = capture_workload(args)
         profile = None
         if args.profile is not None:
             from planner.devices.profile import Profile
@@ -351,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PROFILE.yaml",
                    help="device speeds and links measured by `whalelike profile` for this model, cluster and "
                         "precision, instead of the cluster spec's figures")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the optimizer's update on this machine (under a second) and price it on the emulated "
+                        "devices, whose update runs here at a speed no spec sheet gives; without it (or a profile) "
+                        "an emulated device's update is not priced, a real GPU's is priced from its memory bandwidth")
     p.add_argument("-o", "--output", required=True, metavar="PLAN.yaml", help="where to write the plan (.yaml or .yml)")
     p.add_argument("--timeline", metavar="FILE.png", help="also draw the simulated step as a PNG picture")
     p.add_argument("--trace", metavar="FILE.json",

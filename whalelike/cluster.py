@@ -67,6 +67,7 @@ from whalelike.config import PRECISIONS
 from whalelike.display import format_table
 from whalelike.errors import SpecError
 from whalelike.hardware import DTYPES, fill_rates, lacks_reason
+from whalelike.hardware import memory_gbps as hardware_memory_gbps
 from whalelike.spec import Reader, Rule, check_fields, load_yaml, required, rule, rule_of, rules
 
 PRESET_PACKAGE = "whalelike.presets"
@@ -164,6 +165,11 @@ class Device:
         float, "measured optimizer update time per byte of parameters the device updates, in nanoseconds (whalelike "
         "profile measures it), e.g. 0.75; default: the update is not priced", ge=0, le=1e6,
         le_why="a millisecond per byte of parameters is no device's optimizer", default=None)
+    # the memory's bandwidth from the spec sheet: without a measured update, the planner prices the update from it
+    memory_gbps: Optional[float] = rule(
+        float, "memory bandwidth from the spec sheet in GB/s, e.g. 1555; default: a known GPU's data sheet "
+        "(whalelike.hardware), none for another kind; prices the optimizer's update when no measurement does",
+        gt=0, le=MAX_GBPS, le_why=MAX_GBPS_WHY, default=None)
 
     def __post_init__(self):
         check_fields(self, f"device {self.name!r}: ")
@@ -174,6 +180,17 @@ class Device:
         """Nominal peak TFLOPS of every dtype the device runs, in :data:`~whalelike.hardware.DTYPES` order."""
         given = None if self.dtype_tflops is None else {"fp32": self.peak_tflops, **self.dtype_tflops}
         return fill_rates(self.kind, self.peak_tflops, given)[0]
+
+    @property
+    def bandwidth_gbps(self) -> Optional[float]:
+        """The memory bandwidth (GB/s) the planner assumes: ``memory_gbps`` where the spec gives it, else a
+        known GPU's data sheet (:func:`whalelike.hardware.memory_gbps`); None for an emulated device (its
+        update runs on the host's memory, which no spec sheet describes) or an unknown kind."""
+        if self.memory_gbps is not None:
+            return self.memory_gbps
+        if self.emulated_speed is not None:
+            return None
+        return hardware_memory_gbps(self.kind, self.memory_gib)
 
     @functools.cached_property
     def emulated_rates(self) -> dict[str, float]:

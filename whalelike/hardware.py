@@ -52,6 +52,13 @@ KNOWN_GPUS: dict[str, dict[str, float]] = {
     "h100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
 }
 
+# name -> the data sheet's memory bandwidth, GB/s, of the model's first memory size (P100 SXM2 and PCIe 16 GB,
+# V100 SXM2 and PCIe, A100 40 GB, H100 SXM5); :func:`memory_gbps` reads the variants that differ from the kind
+KNOWN_MEMORY_GBPS: dict[str, float] = {
+    "p100": 732.0, "v100": 900.0, "v100s": 1134.0, "t4": 320.0, "a100": 1555.0, "a800": 1555.0, "a10": 600.0,
+    "a40": 696.0, "l4": 300.0, "rtx-3090": 936.0, "rtx-4090": 1008.0, "h100": 3350.0,
+}
+
 # why a known GPU lacks a data type, for the planner's refusal ("V100-16GB cannot run bf16 (...)")
 _LACKS = {"bf16": "no bf16 support", "tf32": "no TF32 tensor cores", "fp16": "no fp16 support"}
 
@@ -71,6 +78,23 @@ def known_gpu(kind: str) -> Optional[str]:
         if any(tokens[i:i + len(want)] == want for i in range(len(tokens) - len(want) + 1)):
             return name
     return None
+
+
+def memory_gbps(kind: str, memory_gib: Optional[float] = None) -> Optional[float]:
+    """The data sheet's memory bandwidth (GB/s) of a known GPU kind, or None: :data:`KNOWN_MEMORY_GBPS`,
+    with the variants that differ (the sheets: A100 and A800 80 GB 2039 SXM, 1935 PCIe, recognised by
+    an ``80GB`` token in the kind or 80 GiB of memory; H100 PCIe 2000; P100 12 GB 549)."""
+    name = known_gpu(kind)
+    if name is None:
+        return None
+    tokens = set(_tokens(kind))
+    if name in ("a100", "a800") and ("80gb" in tokens or (memory_gib or 0) > 48):
+        return 1935.0 if "pcie" in tokens else 2039.0
+    if name == "h100" and "pcie" in tokens:
+        return 2000.0
+    if name == "p100" and ("12gb" in tokens or (memory_gib is not None and memory_gib <= 12)):
+        return 549.0
+    return KNOWN_MEMORY_GBPS[name]
 
 
 def lacks_reason(kind: str, dtype: str) -> str:

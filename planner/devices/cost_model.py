@@ -29,6 +29,14 @@ Under ``split`` every term scales with the worker's shard fraction
 sharding shards the weights and the activations of a block's projections and of the attention
 between them) plus, whole, the part of the stage nothing shards (layer norms, embeddings,
 residual adds), measured by FLOPs, so unsharded work is never predicted to speed up.
+
+The optimizer's update. Element-wise over the parameters a worker steps, so bound by memory
+bandwidth: at the rate ``whalelike profile`` measured on the device when there is one
+(``Device.measured_update_ns_per_byte``), else the bytes torch's update kernels move per byte of
+parameters (:data:`UPDATE_PASSES`) over the spec sheet's memory bandwidth (``Device.bandwidth_gbps``:
+the spec's ``memory_gbps``, a known GPU's data sheet) at ``UPDATE_BANDWIDTH_EFFICIENCY``. Neither is
+known for an emulated device (its update runs at the host's speed, which no spec describes): unpriced,
+unless measured (``whalelike profile``, or ``whalelike plan --calibrate``, which times it on the host).
 """
 from __future__ import annotations
 
@@ -49,6 +57,18 @@ from planner.devices.network import NetworkModel, Ring
 
 DEFAULT_EFFICIENCY = 0.4
 GIB = float(2**30)
+# Bytes the update reads and writes per byte of the parameters it steps, counted from torch's foreach kernels
+# (its default on CUDA; torch.optim.adam._multi_tensor_adam, torch.optim.sgd._multi_tensor_sgd), each pass a
+# parameter-sized tensor read or written. AdamW: the decoupled weight decay (read and write the parameters: 2),
+# the first moment's lerp (3), the second moment's scale (2) and addcmul (3), its square root into a new tensor
+# (2), the bias correction's division and the epsilon (2 each), the addcdiv into the parameters (4): 20. Adam
+# (weight decay 0, torch's default): 18. SGD: one add (3); with momentum the buffer's scale and add (2 + 3) and
+# the parameters' add (3): 8. On this machine's CPU (bench/update_rate.py) SGD, SGD with momentum and the fused
+# AdamW take 3.3, 6.8-7.7 and 5.8-7.5 passes at its add's bandwidth, as counted; the unfused AdamW 38-47 there,
+# where square roots and divisions run slower than memory (a CPU; a GPU's run at memory speed).
+UPDATE_PASSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd_momentum": 8}
+# the share of the data sheet's memory bandwidth torch's element-wise foreach kernels reach on large tensors
+UPDATE_BANDWIDTH_EFFICIENCY = 0.8
 
 
 def device_tflops(device: Device, precision: str = "fp32") -> float:
@@ -64,12 +84,25 @@ def compute_ms(flops: float, device: Device, precision: str = "fp32") -> float:
     return flops / (device_tflops(device, precision) * 1e9)
 
 
+def update_ns_per_byte(device: Device, optimizer: str) -> float:
+    """The nanoseconds ``device``'s update of ``optimizer`` takes per byte of parameters: measured
+    (``Device.measured_update_ns_per_byte``: ``whalelike profile``, ``whalelike plan --calibrate``), else
+    :data:`UPDATE_PASSES` bytes over the spec sheet's bandwidth (``Device.bandwidth_gbps``) at
+    :data:`UPDATE_BANDWIDTH_EFFICIENCY`; 0 (not priced) when neither is known."""
+    if device.measured_update_ns_per_byte is not None:
+        return device.measured_update_ns_per_byte
+    gbps, passes = device.bandwidth_gbps, UPDATE_PASSES.get(optimizer)
+    if not gbps or passes is None:
+        return 0.0
+    return passes / (gbps * UPDATE_BANDWIDTH_EFFICIENCY)   # GB/s is bytes per ns
+
+
 def update_ms(cost: StageCost, fraction: float, zero: ZeroShards, device: Device) -> float:
     """The optimizer's update on a worker, ms: the bytes of the parameters it updates (its tensor-parallel
     ``fraction`` of the stage's; under ZeRO 1-3 its share of the group's, the shards the optimizer steps)
-    at the device's measured rate (``Device.measured_update_ns_per_byte``, ``whalelike profile``); 0 when
-    the rate was not measured (the update is then not priced, as before the profile measured it)."""
-    rate = device.measured_update_ns_per_byte
+    at the device's rate (:func:`update_ns_per_byte`: measured, else from its memory bandwidth); 0 when
+    neither is known (the update is then not priced)."""
+    rate = update_ns_per_byte(device, cost.optimizer)
     if not rate:
         return 0.0
     share = (zero.share if zero.share is not None else 1.0 / zero.group) if zero.stage else 1.0

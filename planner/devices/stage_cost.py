@@ -35,6 +35,11 @@ CAPTURED_BYTES = 4
 # (cross-entropy's log-softmax, forward then backward), plus under autocast the float32 copy of
 # the 2-byte logits the loss upcasts first; measured on the runtime's losses (bench/memory.py)
 LOSS_TEMPORARY_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
+# the all-reduces a class-sharded head's cross-entropy runs in each forward across its tensor-parallel group
+# (runtime.tensor.layers._ShardedCrossEntropy): the row maxima (4 bytes a row), then each row's sum of
+# exponentials and target logit (8); its backward runs none. Priced as one row per sample: a sequence model
+# has a row per position, but these are latency-bound (a few KiB against each collective's fixed cost)
+SHARDED_LOSS_ALLREDUCE_BYTES = (4.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,9 @@ class StageCost:
     loss_bytes: float = 0.0                  # per sample, held once: model outputs and the loss's temporaries
     sharded_activation_bytes: float = 0.0    # of activation_bytes: what a split stage's groups divide
     sharded_loss_bytes: float = 0.0          # of loss_bytes: what a class-sharded head divides
+    # per sample, each all-reduce a class-sharded head's cross-entropy runs per forward on a split stage
+    # (SHARDED_LOSS_ALLREDUCE_BYTES; () without such a head): priced by planner.assemble beside the layers'
+    loss_allreduce_bytes: tuple[float, ...] = ()
     layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
     max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
     # per sample: the most one of its layers' backward holds above what it started with (its gradient temporaries;
@@ -196,6 +204,7 @@ class StageCost:
             loss_bytes=loss,
             sharded_activation_bytes=divided,
             sharded_loss_bytes=loss if head else 0.0,
+            loss_allreduce_bytes=SHARDED_LOSS_ALLREDUCE_BYTES if head else (),
             layer_input_bytes=sum(at_precision(graphs.layers[i - 1], "cut", graphs.layers[i - 1].cut_bytes_per_sample)
                                   for i in layers[1:]),
             max_layer_activation_bytes=recomputed[largest],
