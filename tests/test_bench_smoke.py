@@ -89,6 +89,8 @@ HEADLINES = {        # bench: its last line (re.fullmatch)
     "zero_hetero": rf"zero_hetero: whalelike ZeRO-\d {_X} FSDP2-even \(\d+% of ideal \d\.\d\dx; target >= 2x and "
                    rf">= 90%\), {_X} Poplar's choice; largest model \d+ / \d+ / \d+ blocks; step measured / predicted "
                    r"\d+\.\d\d \(whalelike\), memory measured / predicted \d+\.\d\d-\d+\.\d\d",
+    "update_rate": r"update_rate: .*, measured / counted passes \d+\.\d\d-\d+\.\d\d \(sgd .*: foreach/per parameter\)"
+                   r"(; measured / predicted from the data sheet \d+\.\d\d-\d+\.\d\d)?",
     "whale_setting": rf"headline: predicted speed-up .*: DP {_X} at 25 Gb/s, {_X} at 100 Gb/s .*, "
                      rf"pipeline {_X} .*",
 }

@@ -18,7 +18,10 @@ data sheet (31.2, TF32 62.5, 125), A40 data sheet (37.4, TF32 74.8, 149.7), L4 d
 (30.3, TF32 60, 121: half the sheet's with-sparsity figures), the GA102 whitepaper for the RTX
 3090 (35.6, TF32 35.6, BF16/FP16 with FP32 accumulate 71), the Ada whitepaper for the RTX 4090
 (82.6, TF32 82.6, 165.2), the H100 data sheet (SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4; PCIe
-51 / 378 / 756).
+51 / 378 / 756). Memory bandwidth (:data:`KNOWN_MEMORY_GBPS`, GB/s), from the same sheets: P100 732 (12 GB:
+549), V100 900, V100S 1134, T4 320, A100 40 GB 1555 (80 GB: 2039 SXM, 1935 PCIe; A800 alike), A10 600,
+A40 696, L4 300, RTX 3090 936, RTX 4090 1008, H100 SXM5 3350 (PCIe 2000); the planner prices the
+optimizer's update from it when nothing measured the update (:mod:`planner.devices.cost_model`).
 
 Invariant. A device's table is the spec's figures where the spec gives them; a known GPU's missing
 figures are the sheet's ratio to FP32 times the device's own FP32 figure (a V100 PCIe given as
