@@ -129,7 +129,7 @@ def _worker(rank, device: Device, r, s, d, t, group, dec: Decisions, comm: CommM
     cost, fraction, again = dec.costs[s], dec.shards[s].fractions[t], dec.recomputes(s)
     sizes = dec.sizes[r][s][d]
     # priced once per distinct micro-batch size (a 1024-device plan has ~10^5 micro-batch slots)
-    tp_comm = {b: comm.allreduce_each_ms(cost.layer_output_bytes, b, group) for b in set(sizes)}
+    tp_comm = {b: comm.allreduce_each_ms(cost.tp_allreduce_bytes, b, group) for b in set(sizes)}
     # a class-sharded head's cross-entropy: its all-reduces in the forward only (StageCost.loss_allreduce_bytes)
     loss_comm = {b: comm.allreduce_each_ms(cost.loss_allreduce_bytes, b, group) for b in set(sizes)}
     forward_of = {b: compute_ms(cost.forward_flops * b * fraction, device, cost.precision) + c + loss_comm[b]

@@ -104,6 +104,10 @@ class StageCost:
     # per sample, each all-reduce a class-sharded head's cross-entropy runs per forward on a split stage
     # (SHARDED_LOSS_ALLREDUCE_BYTES; () without such a head): priced by planner.assemble beside the layers'
     loss_allreduce_bytes: tuple[float, ...] = ()
+    # per sample, each all-reduce a split stage's forward runs (and its backward once more, for the inputs'
+    # gradients): one per shard group with a row projection (Megatron: an attention block's output projection,
+    # an MLP's down projection), of its layer's output bytes; None: one per layer (TaskGraphs without groups)
+    tp_allreduce_bytes: Optional[tuple[float, ...]] = None
     layer_input_bytes: float = 0.0           # per sample: inputs of its layers after the first (recompute keeps them)
     max_layer_activation_bytes: Optional[float] = None   # per sample: its largest layer's activations (None: all)
     # per sample: the most one of its layers' backward holds above what it started with (its gradient temporaries;
@@ -130,6 +134,8 @@ class StageCost:
             object.__setattr__(self, "optimizer_bytes", self.static_bytes - 2 * self.param_bytes)
         if self.max_layer_activation_bytes is None:
             object.__setattr__(self, "max_layer_activation_bytes", self.activation_bytes)
+        if self.tp_allreduce_bytes is None:
+            object.__setattr__(self, "tp_allreduce_bytes", self.layer_output_bytes)
 
     @classmethod
     def of_layers(cls, graphs: TaskGraphs, layers: Sequence[int], precision: str = "fp32") -> "StageCost":
@@ -198,6 +204,8 @@ class StageCost:
             activation_bytes=saved,
             boundary_bytes=received + sent,
             layer_output_bytes=tuple(at_precision(l, "cut", l.cut_bytes_per_sample) for l in chosen),
+            tp_allreduce_bytes=tuple(at_precision(l, "cut", l.cut_bytes_per_sample)
+                                     for l in chosen for _ in range(_row_groups(graphs, l))),
             optimizer_bytes=opt,
             param_copy_bytes=copy_bytes,
             precision=precision,
@@ -306,6 +314,22 @@ def stage_unit_bytes(chosen, param_bytes: float) -> tuple[float, ...]:
             units.append(own)
     root = float(param_bytes) - sum(units)
     return tuple(units) + ((root,) if root > 0 else ())
+
+
+def _row_groups(graphs: TaskGraphs, layer) -> int:
+    """How many all-reduces of its output ``layer`` runs in a forward under ``split``: one per shard group
+    of its own modules with a row projection (whose partial sums are all-reduced:
+    :func:`runtime.tensor.layers.reduce_from_region`); one when its TaskGraph has shardable projections
+    but no groups (made by hand: priced as before groups existed, one per layer)."""
+    graph = next((tg for tg in graphs.graphs if layer.index in tg.layers), None)
+    if graph is None or not graph.shard_groups:
+        return 1
+
+    def mine(path: str) -> bool:
+        return path == layer.name or path.startswith(layer.name + ".")
+
+    return sum(1 for g in graph.shard_groups
+               if any(m.role == "row" for m in g.members) and any(mine(m.path) for m in g.members))
 
 
 def _divided(graphs: TaskGraphs, chosen, measured: bool, scale: float, of=None) -> tuple[float, bool]:
