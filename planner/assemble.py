@@ -7,8 +7,11 @@ prices them with :mod:`planner.devices.cost_model`, fills in every timing field 
 reads, and asks the simulator for the step-time prediction.
 
 Timing conventions (per micro-batch, per worker): ``forward_ms``/``backward_ms`` are the compute of
-the worker's shard of its samples plus, under ``split``, the one all-reduce per layer and direction
-that Megatron-style sharding costs (it runs inside the segment, so it is part of it); a stage that
+the worker's shard of its samples plus, under ``split``, the all-reduces Megatron-style sharding
+costs, in each direction one per shard group with a row projection (an attention block's output
+projection, an MLP's down projection: ``StageCost.tp_allreduce_bytes``), and in the forward the two of a
+class-sharded head's cross-entropy (``StageCost.loss_allreduce_bytes``): they run inside the segment, so
+they are part of it; a stage that
 recomputes its activations (``StagePlan.recompute``) runs its forward again inside its backward
 (:func:`planner.devices.cost_model.backward_flops`), and its ``memory_gib`` is priced so
 (:func:`planner.devices.memory.stage_memory` with ``recompute``);

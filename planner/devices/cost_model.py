@@ -138,7 +138,7 @@ class CommModel:
 
     def allreduce_each_ms(self, nbytes: Sequence[float], scale: float, devices: Sequence[Device]) -> float:
         """Total time of one all-reduce per entry of ``nbytes``, each scaled by ``scale`` (the
-        per-layer all-reduces of a tensor-parallel stage), in closed form (a ring's time is
+        all-reduces of a tensor-parallel stage), in closed form (a ring's time is
         linear in the bytes plus a latency per step): it runs per worker and micro-batch on plans
         of thousands of devices."""
         live = [b for b in nbytes if b > 0]
