@@ -6,15 +6,21 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo demo-balance test setup clean gpu-check
 
-# The main job: plan Whale's flagship hybrid (replicate conv + split 20k-class classifier) onto the
-# built-in emulated unequal 4-device cluster, then train it with torchrun next to the naive plan.
-DEMO_MODEL ?= examples/hybrid_classifier.py:build
-DEMO_ARGS  ?= --cluster emulated-4 --global-batch 64 --micro-batches 4
+# The main job: measure the built-in emulated unequal 4-device cluster on Whale's flagship hybrid
+# (replicate conv + split 20k-class classifier), plan the model from the measurements, then train it
+# with torchrun next to the naive plan. The profile's cache is out/profiles (remove out/ to measure afresh).
+DEMO_MODEL   ?= examples/hybrid_classifier.py:build
+DEMO_CLUSTER ?= emulated-4
+DEMO_ARGS    ?= --global-batch 64 --micro-batches 4
 
 demo: $(STAMP)
 	mkdir -p out
-	$(BIN)/whalelike plan $(DEMO_MODEL) $(DEMO_ARGS) -o out/plan.yaml --timeline out/plan.png
-	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan.yaml --steps 30 --compare-naive
+	$(BIN)/torchrun --nproc_per_node 4 -m whalelike.cli profile $(DEMO_MODEL) --cluster $(DEMO_CLUSTER) \
+	    --max-batch 16 --cache-dir out/profiles -o out/profile.yaml
+	$(BIN)/whalelike plan $(DEMO_MODEL) --cluster $(DEMO_CLUSTER) $(DEMO_ARGS) --profile out/profile.yaml \
+	    -o out/plan.yaml --timeline out/plan.png
+	$(BIN)/torchrun --nproc_per_node 4 examples/train.py $(DEMO_MODEL) --plan out/plan.yaml --profile out/profile.yaml \
+	    --steps 30 --compare-naive
 
 # Dynamic balancing: the same model on a cluster whose rank 1 slows threefold for steps 5-14; the
 # runtime re-plans around it and back, prints each event and draws out/run.png (+ out/run.json).

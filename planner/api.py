@@ -226,10 +226,12 @@ def _profiled_rounds(graphs: TaskGraphs, cluster: Cluster, config: Config, profi
     return best[0], best[1], measured
 
 
-def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
+def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional[Profile] = None) -> Plan:
     """The capacity-blind plan on the same devices (equal shares, shards and layer counts). It may
     exceed device memory; it exists to compare against and to run side by side under emulation.
-    Under ``Config.schedule`` ``"auto"`` it runs 1F1B: a capacity-blind planner prices no schedule."""
+    Under ``Config.schedule`` ``"auto"`` it runs 1F1B: a capacity-blind planner prices no schedule.
+    With ``profile`` its prediction is priced from the measurements, as :func:`plan` prices its own
+    naive candidate (each device at its own stage's units and sizes), ``speeds`` ``"profile"``."""
     if config.schedule == AUTO_SCHEDULE:
         config = dataclasses.replace(config, schedule=AUTO_SCHEDULES[0])
     check_trainable(graphs)
@@ -242,7 +244,12 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config) -> Plan:
     naive = build_plan(graphs, cluster, config, naive_decisions(graphs, config, layout))
     if shared:
         naive = dataclasses.replace(naive, shared_devices=_shared_note(graphs, len(cluster.devices), shared[0]))
-    return with_predictions(naive, naive, cluster)
+    if profile is None:
+        return with_predictions(naive, naive, cluster)
+    profile.validate(graphs=graphs, cluster=cluster)
+    profile.check_precision(config.precision)
+    naive = repriced_plan(naive, graphs, measured_cluster(cluster, profile, graphs, config.precision, plan=naive))
+    return dataclasses.replace(naive, naive_prediction=naive.prediction, speeds="profile")
 
 
 @contextlib.contextmanager

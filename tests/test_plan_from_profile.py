@@ -94,6 +94,22 @@ def test_the_plan_from_a_profile_gives_the_faster_kind_more_and_is_faster_where_
     assert [w.compute_ms for w in measured.workers] == pytest.approx([w.compute_ms for w in rebuilt.workers])
 
 
+def test_the_naive_baseline_from_a_profile_is_priced_as_the_plans_own_naive_candidate():
+    """``train.py --compare-naive --profile``: the naive run's prediction from the same measurements."""
+    graphs, cluster = _graphs(), _cluster()
+    profile = emulated_profile(graphs, cluster)
+    config = wl.Config(global_batch_size=GLOBAL_BATCH)
+    naive = planner.naive_plan(graphs, cluster, config, profile=profile)
+    assert naive.speeds == "profile" and planner.naive_plan(graphs, cluster, config).speeds == "spec"
+    measured = planner.plan(graphs, cluster, config, profile=profile)
+    assert naive.prediction.step_time_ms == pytest.approx(measured.naive_prediction.step_time_ms)
+    assert naive.naive_prediction == naive.prediction
+    # the same layout as from the spec sheet, only priced differently (equal peaks, unequal measured speeds)
+    spec = planner.naive_plan(graphs, cluster, config)
+    assert [w.batch_share for w in naive.workers] == [w.batch_share for w in spec.workers]
+    assert naive.prediction.step_time_ms != pytest.approx(spec.prediction.step_time_ms)
+
+
 def test_plan_files_say_where_the_speeds_came_from(tmp_path):
     graphs, cluster = _graphs(), _cluster()
     plan = planner.plan(graphs, cluster, wl.Config(global_batch_size=GLOBAL_BATCH),

@@ -685,7 +685,8 @@ def run(args: argparse.Namespace, prog: str = "train.py") -> int:
                                 loss_fn=workload.loss_fn)
             config = wl.Config(global_batch_size=plan.global_batch_size, num_micro_batch=plan.num_micro_batch,
                                schedule=plan.schedule, precision=plan.precision)
-            runs.append(("naive", planner.naive_plan(graphs, cluster, config)))
+            # priced as the plan was: from the profile the plan was made from, when given
+            runs.append(("naive", planner.naive_plan(graphs, cluster, config, profile=_profile(args, cluster, plan))))
         results = [train(name, workload, initial_state, p, cluster, args, resume if name == "whalelike" else None,
                          dataset=dataset) for name, p in runs]
         if dist.get_rank() == 0:
