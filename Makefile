@@ -34,12 +34,14 @@ demo-balance: $(STAMP)
 # (precisions, clipping, schedule, recompute) against plain PyTorch, measured against predicted memory;
 # the suite's tests one GPU can run (pytest, CUDA visible); `whalelike profile` of the examples on the
 # GPU (largest batch by a real out-of-memory error, speed curves in GPU_CHECK_OUT); predicted against
-# measured step time from the profile, compute segments timed by CUDA events. GPU_PY: that torch's
+# measured step time from the profile, compute segments timed by CUDA events; then each optimizer's update
+# against the passes the planner counts at the data sheet's memory bandwidth (bench/update_rate.py). GPU_PY: that torch's
 # python, with the project's dependencies and its dev extra (pytest, hypothesis, transformers).
 GPU_PY ?= python3
 GPU_CHECK_OUT ?= out/gpu-check
 gpu-check:
 	PYTHONPATH=. $(GPU_PY) -m torch.distributed.run --nproc_per_node 1 bench/gpu_check.py --out $(GPU_CHECK_OUT)
+	PYTHONPATH=. $(GPU_PY) bench/update_rate.py --device cuda
 
 # Bytecode is cached even where the environment says PYTHONDONTWRITEBYTECODE: the suite starts about a
 # hundred cold Python processes (torchrun workers, CLIs), each of which would compile the library again.

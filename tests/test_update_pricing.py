@@ -32,6 +32,7 @@ def test_known_gpus_memory_bandwidth_and_its_variants():
     assert memory_gbps("A100-40GB") == 1555.0 and memory_gbps("NVIDIA-A100-SXM4-80GB") == 2039.0
     assert memory_gbps("A100-PCIe-80GB") == 1935.0 and memory_gbps("A100", memory_gib=80) == 2039.0
     assert memory_gbps("H100-SXM5") == 3350.0 and memory_gbps("H100-PCIe") == 2000.0
+    assert memory_gbps("NVIDIA-H200") == 4800.0   # torch.cuda.get_device_name's "NVIDIA H200", dashed
     assert memory_gbps("Tesla-P100-12GB") == 549.0 and memory_gbps("V100-16GB") == 900.0
     assert memory_gbps("T4") == 320.0 and memory_gbps("RTX-3090") == 936.0
     assert memory_gbps("A10") == 600.0   # not an A100

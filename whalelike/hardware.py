@@ -18,9 +18,9 @@ data sheet (31.2, TF32 62.5, 125), A40 data sheet (37.4, TF32 74.8, 149.7), L4 d
 (30.3, TF32 60, 121: half the sheet's with-sparsity figures), the GA102 whitepaper for the RTX
 3090 (35.6, TF32 35.6, BF16/FP16 with FP32 accumulate 71), the Ada whitepaper for the RTX 4090
 (82.6, TF32 82.6, 165.2), the H100 data sheet (SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4; PCIe
-51 / 378 / 756). Memory bandwidth (:data:`KNOWN_MEMORY_GBPS`, GB/s), from the same sheets: P100 732 (12 GB:
+51 / 378 / 756), the H200 data sheet (SXM: the H100 SXM5's rates). Memory bandwidth (:data:`KNOWN_MEMORY_GBPS`, GB/s), from the same sheets: P100 732 (12 GB:
 549), V100 900, V100S 1134, T4 320, A100 40 GB 1555 (80 GB: 2039 SXM, 1935 PCIe; A800 alike), A10 600,
-A40 696, L4 300, RTX 3090 936, RTX 4090 1008, H100 SXM5 3350 (PCIe 2000); the planner prices the
+A40 696, L4 300, RTX 3090 936, RTX 4090 1008, H100 SXM5 3350 (PCIe 2000), H200 4800; the planner prices the
 optimizer's update from it when nothing measured the update (:mod:`planner.devices.cost_model`).
 
 Invariant. A device's table is the spec's figures where the spec gives them; a known GPU's missing
@@ -53,13 +53,14 @@ KNOWN_GPUS: dict[str, dict[str, float]] = {
     "rtx-3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0},
     "rtx-4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
     "h100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "h200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
 }
 
 # name -> the data sheet's memory bandwidth, GB/s, of the model's first memory size (P100 SXM2 and PCIe 16 GB,
 # V100 SXM2 and PCIe, A100 40 GB, H100 SXM5); :func:`memory_gbps` reads the variants that differ from the kind
 KNOWN_MEMORY_GBPS: dict[str, float] = {
     "p100": 732.0, "v100": 900.0, "v100s": 1134.0, "t4": 320.0, "a100": 1555.0, "a800": 1555.0, "a10": 600.0,
-    "a40": 696.0, "l4": 300.0, "rtx-3090": 936.0, "rtx-4090": 1008.0, "h100": 3350.0,
+    "a40": 696.0, "l4": 300.0, "rtx-3090": 936.0, "rtx-4090": 1008.0, "h100": 3350.0, "h200": 4800.0,
 }
 
 # why a known GPU lacks a data type, for the planner's refusal ("V100-16GB cannot run bf16 (...)")

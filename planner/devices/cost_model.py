@@ -63,9 +63,10 @@ GIB = float(2**30)
 # the first moment's lerp (3), the second moment's scale (2) and addcmul (3), its square root into a new tensor
 # (2), the bias correction's division and the epsilon (2 each), the addcdiv into the parameters (4): 20. Adam
 # (weight decay 0, torch's default): 18. SGD: one add (3); with momentum the buffer's scale and add (2 + 3) and
-# the parameters' add (3): 8. On this machine's CPU (bench/update_rate.py) SGD, SGD with momentum and the fused
-# AdamW take 3.3, 6.8-7.7 and 5.8-7.5 passes at its add's bandwidth, as counted; the unfused AdamW 38-47 there,
-# where square roots and divisions run slower than memory (a CPU; a GPU's run at memory speed).
+# the parameters' add (3): 8. On this machine's CPU, one thread (bench/update_rate.py, 64 MiB of parameters, at
+# the bandwidth of its own in-place add), torch's per-parameter kernels take 0.69-0.98 of the passes counted (AdamW
+# 0.83, Adam 0.98, SGD 0.93); its foreach kernels for Adam and AdamW 1.67-1.87 (a CPU computes their square roots
+# and divisions slower than it moves memory; a GPU's run at memory speed, which make gpu-check measures).
 UPDATE_PASSES = {"adamw": 20, "adam": 18, "sgd": 3, "sgd_momentum": 8}
 # the share of the data sheet's memory bandwidth torch's element-wise foreach kernels reach on large tensors
 UPDATE_BANDWIDTH_EFFICIENCY = 0.8
