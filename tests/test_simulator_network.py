@@ -15,7 +15,7 @@ from planner.plan import BoundaryPlan, Plan, Worker
 from planner.resharding.reshard import boundary_resharding, plan_resharding, unbatched_resharding
 from planner.shares.layout import SampleLayout
 from planner.resharding.spec import stage_output_spec
-from planner.schedule.simulator import simulate
+from planner.schedule.simulator import STEP_LOSS_BYTES, simulate
 from plans import make_plan
 from synthetic import synthetic_cluster, synthetic_model
 from whalelike import Config, replicate
@@ -44,6 +44,24 @@ def starts(result, kind, stage):
     return sorted(e.start_ms for e in result.events if e.kind == kind and e.stage == stage)
 
 
+def _loss_allreduce(plan, network) -> float:
+    """The pipeline step's closing all-reduce of the loss over every rank (planner.schedule.simulator)."""
+    ranks = sorted(plan.workers, key=lambda w: w.rank)
+    return network.ring_allreduce_ms(STEP_LOSS_BYTES * len(ranks), [w.device for w in ranks])
+
+
+def test_a_pipeline_step_ends_with_the_losss_all_reduce_over_every_rank():
+    plan = two_stage_plan([worker(0, "a0", "A", 0, [2]), worker(1, "b0", "B", 1, [1], dp=0),
+                           worker(2, "b1", "B", 1, [1], dp=1)], resharding="send_recv")
+    network = network_of(plan)
+    closing = _loss_allreduce(plan, network)
+    assert closing > 0
+    priced = simulate(plan, network=network)
+    assert priced.step_time_ms == pytest.approx(max(e.end_ms for e in priced.events) + closing)
+    alone = simulate(plan)   # without a network: the plan's timing fields alone, no collective priced
+    assert alone.step_time_ms == pytest.approx(max(e.end_ms for e in alone.events))
+
+
 def test_one_sender_nic_feeding_two_receivers_takes_twice_as_long():
     """Stage 0 on host A sends one 1 MB row to each of two stage-1 devices on host B: the two
     transfers queue on A's outgoing interface, so the second arrives 2 ms after the forward ends.
@@ -59,7 +77,7 @@ def test_one_sender_nic_feeding_two_receivers_takes_twice_as_long():
     assert starts(result, "B", 1) == pytest.approx([3.0, 4.0])
     assert sorted(s.offset_ms for s in plan_traffic(plan, network)[0, BACKWARD][0].sends) == pytest.approx([0, 1])
     assert starts(result, "B", 0) == pytest.approx([6.0])
-    assert result.step_time_ms == pytest.approx(7.0)
+    assert result.step_time_ms == pytest.approx(7.0 + _loss_allreduce(plan, network))
     sends = [e for e in result.events if e.kind == "send"]
     assert len(sends) == 4 and all("send_recv" in e.detail for e in sends)
     assert {e.nics for e in sends if e.stage == 0} == {("A out", "B in")}
@@ -111,7 +129,7 @@ def test_a_value_without_a_batch_dimension_crosses_whole_from_the_owner_slot():
     assert starts(result, "F", 1) == pytest.approx([2.0, 3.0])
     b0 = sorted((e.rank, e.start_ms) for e in result.events if e.kind == "B" and e.stage == 0)
     assert b0 == [(0, pytest.approx(6.0)), (1, pytest.approx(1.0))], b0
-    assert result.step_time_ms == pytest.approx(7.0)
+    assert result.step_time_ms == pytest.approx(7.0 + _loss_allreduce(plan, network))
 
 
 def test_delayed_weight_gradients_send_after_the_input_half():

@@ -60,6 +60,10 @@ model of execution is the runtime's:
   ``Worker.allreduce_ms``, which the planner prices as an all-reduce among the group's members over
   the links between them (``planner.assemble._partial_allreduce_ms``: the message volume of a
   ``g``-member ring, not the whole data-parallel group's); no bucket overlaps the backward.
+* A pipeline or tensor-parallel step (``Plan.kind`` not ``"data_parallel"``) ends with the loss's all-reduce
+  over every rank (runtime.parallel.pipeline: the step's loss and the Engine's figures riding with it,
+  :data:`STEP_LOSS_BYTES` a rank), priced on ``network`` as a ring over the ranks in order after the last
+  rank's last action (0 without a network); a data-parallel step's loss rides its gradient buckets.
   Not modeled: the all-reduces of different data-parallel groups (stages, shards) sharing a host's
   network interface, all-reduce traffic slowing concurrent boundary sends, and a broadcast's
   forwarding receivers being busy with compute (the runtime forwards when the rank gets to it).
@@ -93,6 +97,9 @@ from planner.schedule.gradient_buckets import GradientBucket, GroupKey, plan_buc
 from planner.schedule.program import input_share
 
 log = logging.getLogger(__name__)
+# bytes a rank contributes to a pipeline step's closing all-reduce: the loss, and the straggler monitor's
+# figures the Engine lets ride with it (runtime.parallel.pipeline); latency-bound at any such size
+STEP_LOSS_BYTES = 16.0
 
 
 class SimEvent(NamedTuple):
@@ -395,6 +402,9 @@ def simulate(plan: Plan, record_events: bool = True,
     compute_ms, last_backward = _member_times(groups)
     allreduce = _allreduce(plan, finish, last_backward, buckets or {}, events if record_events else None)
     step_ms = max(finish.values())
+    if network is not None and plan.kind != "data_parallel":   # the loss's all-reduce over every rank
+        ranks = sorted(plan.workers, key=lambda w: w.rank)
+        step_ms += network.ring_allreduce_ms(STEP_LOSS_BYTES * len(ranks), [w.device for w in ranks])
     reshardings = tuple(per_micro_batch[0] for per_micro_batch in traffic.values() if per_micro_batch[0] is not None)
     return _result(plan, groups, events, compute_ms, allreduce, step_ms, reshardings)
 
