@@ -99,7 +99,7 @@ def test_calibrate_times_the_update_here_for_the_emulated_devices_only():
     assert result.nbytes == _param_bytes(w.model) and result.alone_ns_per_byte > 0
     assert [d.measured_update_ns_per_byte for d in calibrated.devices] == [result.ns_per_byte] * 2
     assert [dataclasses.replace(d, measured_update_ns_per_byte=None) for d in calibrated.devices] == list(cluster.devices)
-    assert "emulated rank(s)" in result.line() and "emu-" in result.line()
+    assert "2 emulated rank(s) on 1 core(s)" in result.line() and "emu-" in result.line()
     # the model's parameters are copied, never stepped
     before = [p.detach().clone() for p in w.model.parameters()]
     calibrate_update(w.model, cluster, optimizer="sgd_momentum", repeats=1)

@@ -45,11 +45,13 @@ RANK_THREADS = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
 @dataclasses.dataclass(frozen=True)
 class UpdateCalibration:
     """What :func:`calibrate_update` measured: ``ns_per_byte`` the rate priced (the median alone
-    ``alone_ns_per_byte`` times ``contention``), over ``nbytes`` bytes of parameters in ``seconds``."""
+    ``alone_ns_per_byte`` times ``contention``, the emulated ranks over ``cores``), timed over ``nbytes``
+    bytes of parameters stepped by ``optimizer``, priced on ``devices``."""
 
     ns_per_byte: float
     alone_ns_per_byte: float
     contention: float
+    cores: int
     nbytes: int
     optimizer: str
     devices: tuple[str, ...]
@@ -57,7 +59,7 @@ class UpdateCalibration:
     def line(self) -> str:
         return (f"calibrated the {self.optimizer} update on this machine: {self.alone_ns_per_byte:.3g} ns per byte "
                 f"of parameters alone ({self.nbytes / 2**20:.1f} MiB timed), {self.ns_per_byte:.3g} with "
-                f"{self.contention:g}x for {len(self.devices)} emulated rank(s) on {_cores()} core(s); priced on "
+                f"{self.contention:g}x for {len(self.devices)} emulated rank(s) on {self.cores} core(s); priced on "
                 f"{', '.join(self.devices)}")
 
 
@@ -116,9 +118,10 @@ def calibrate_update(model: nn.Module, cluster: Cluster, optimizer: str = "adamw
     finally:
         torch.set_num_threads(threads)
     alone = statistics.median(seconds) / nbytes * 1e9
-    contention = max(1.0, len(here) / (cores or _cores()))
+    cores = cores or _cores()
+    contention = max(1.0, len(here) / cores)
     rate = alone * contention
     calibrated = dataclasses.replace(cluster, devices=[
         dataclasses.replace(d, measured_update_ns_per_byte=rate) if d.emulated_speed is not None else d
         for d in cluster.devices])
-    return calibrated, UpdateCalibration(rate, alone, contention, nbytes, optimizer, tuple(d.name for d in here))
+    return calibrated, UpdateCalibration(rate, alone, contention, cores, nbytes, optimizer, tuple(d.name for d in here))
