@@ -117,11 +117,15 @@ def test_boundary_sends_leave_when_the_action_ends():
                          worker(2, "b1", "B", 1, [1], dp=1)],
                      boundaries=[BoundaryPlan(0, 1, ["x"], 1e6, [])], resharding="send_recv")
     from planner.devices.network import NetworkModel
-    result = simulate(plan, network=NetworkModel(100.0, 1.0, 0.0, {w.device: w.host for w in plan.workers}))
+    network = NetworkModel(100.0, 1.0, 0.0, {w.device: w.host for w in plan.workers})
+    result = simulate(plan, network=network)
     sends = sorted((e.start_ms, e.end_ms) for e in result.events if e.kind == "send" and e.stage == 1)
     assert [t for span in sends for t in span] == pytest.approx([4.0, 5.0, 5.0, 6.0])
     assert [e.start_ms for e in result.events if e.kind == "B" and e.stage == 0] == pytest.approx([6.0])
-    assert result.step_time_ms == pytest.approx(7.0)
+    # the last backward ends at 7; then the step's closing all-reduce of the loss over the three ranks
+    from planner.schedule.simulator import STEP_LOSS_BYTES
+    closing = network.ring_allreduce_ms(3 * STEP_LOSS_BYTES, [w.device for w in plan.workers])
+    assert result.step_time_ms == pytest.approx(7.0 + closing)
 
 
 def test_validation_checks_lists_in_one_pass_and_still_names_the_bad_entry():
