@@ -185,10 +185,9 @@ def _profiled_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile
     result, own, measured = _profiled_rounds(graphs, cluster, config, profile)
     layout = build_layout(graphs, measured, precision=config.precision)
     naive = build_plan(graphs, measured, config, naive_decisions(graphs, config, layout))
-    naive_own = measured_cluster(cluster, profile, graphs, config.precision, plan=naive)
     log.info("planned from the profile of %s (measured in %.0f s): device rates %s TFLOPS", profile.cluster,
              profile.seconds, ", ".join(f"{d.name} {d.measured(config.precision):.3g}" for d in own.devices))
-    naive = repriced_plan(naive, graphs, naive_own)   # its timing fields and prediction at its own sizes' rates
+    naive = _at_own_sizes(naive, graphs, cluster, profile, config.precision)[0]
     candidates = [Priced("aware", result), Priced("naive", naive)]
     folded = None
     for way in fold_patterns(graphs) if config.fold_stages else []:
@@ -217,13 +216,20 @@ def _profiled_rounds(graphs: TaskGraphs, cluster: Cluster, config: Config, profi
         if signature in seen:
             break
         seen.add(signature)
-        own = measured_cluster(cluster, profile, graphs, config.precision, plan=candidate)
-        # every worker's timing fields and the prediction at the rates of its own sizes
-        candidate = repriced_plan(candidate, graphs, own)
+        candidate, own = _at_own_sizes(candidate, graphs, cluster, profile, config.precision)
         if best is None or candidate.prediction.step_time_ms < best[0].prediction.step_time_ms:
             best = (candidate, own)
         measured = own
     return best[0], best[1], measured
+
+
+def _at_own_sizes(plan: Plan, graphs: TaskGraphs, cluster: Cluster, profile: Profile,
+                  precision: str) -> tuple[Plan, Cluster]:
+    """``plan`` with every worker's timing fields and its prediction at the rates the profile measured for
+    the units and micro-batch sizes it gives each device, and the cluster rated so
+    (:func:`planner.devices.measured_speeds.measured_cluster` with ``plan``)."""
+    own = measured_cluster(cluster, profile, graphs, precision, plan=plan)
+    return repriced_plan(plan, graphs, own), own
 
 
 def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Optional[Profile] = None) -> Plan:
@@ -248,7 +254,7 @@ def naive_plan(graphs: TaskGraphs, cluster: Cluster, config: Config, profile: Op
         return with_predictions(naive, naive, cluster)
     profile.validate(graphs=graphs, cluster=cluster)
     profile.check_precision(config.precision)
-    naive = repriced_plan(naive, graphs, measured_cluster(cluster, profile, graphs, config.precision, plan=naive))
+    naive = _at_own_sizes(naive, graphs, cluster, profile, config.precision)[0]
     return dataclasses.replace(naive, naive_prediction=naive.prediction, speeds="profile")
 
 
