@@ -82,6 +82,31 @@ def _unit_memory_bytes(graphs: TaskGraphs, unit: str, emulator: Emulator, precis
     return stage_memory_bytes_from_plan(graphs, SimpleNamespace(stages=stages), precision)
 
 
+def timed_update(optimizer: torch.optim.Optimizer, repeats: int, device: torch.device,
+                 before: Optional[Callable[[], Any]] = None) -> float:
+    """Nanoseconds per byte of the parameters ``optimizer`` steps (those with a gradient): the median of
+    ``repeats`` timed ``optimizer.step()`` calls (on CUDA between device synchronises), ``before`` run
+    untimed ahead of each (:meth:`UnitStep.timed_update`); 0 when no parameter has a gradient. The one
+    timing of the update, for ``whalelike profile`` and ``whalelike plan --calibrate``
+    (:mod:`runtime.profiling.update_rate`)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    seconds = []
+    for _ in range(max(repeats, 1)):
+        if before is not None:   # run even with nothing to time: it may hold a collective every rank joins
+            before()
+        if not nbytes:
+            continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) / nbytes * 1e9 if nbytes else 0.0
+
+
 class UnitStep:
     """A training step of ``graphs``' model cut into units (``"taskgraph"`` or ``"layer"``), run on
     ``device`` under ``emulator`` at ``precision`` (see the module docstring)."""
@@ -167,22 +192,7 @@ class UnitStep:
         gradient sync aligns every rank). The update then starts as in training, its gradients just
         made and the caches holding the backward's data; back to back, the updates ran warm (on this
         machine's emulated wide MLP 17-21 ms against the 27-34 ms training spends, BENCHMARKS)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        seconds = []
-        for _ in range(max(repeats, 1)):
-            if before is not None:   # run even with nothing to time: it may hold a collective every rank joins
-                before()
-            if not nbytes:
-                continue
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            self.optimizer.step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds) / nbytes * 1e9 if nbytes else 0.0
+        return timed_update(self.optimizer, repeats, self.device, before)
 
     @contextmanager
     def _segment(self, unit: int, phase: int, batch: int, into: list) -> Iterator[None]:

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
-import time
 from typing import Optional
 
 import torch
 from torch import nn
 
-from runtime.profiling.steps import OPTIMIZERS
+from runtime.profiling.steps import OPTIMIZERS, timed_update
 from whalelike.cluster import Cluster
 from whalelike.errors import WhaleError
 
@@ -110,14 +108,9 @@ def calibrate_update(model: nn.Module, cluster: Cluster, optimizer: str = "adamw
     torch.set_num_threads(RANK_THREADS)
     try:
         step.step()   # the state made, untimed
-        seconds = []
-        for _ in range(max(repeats, 1)):
-            start = time.perf_counter()
-            step.step()
-            seconds.append(time.perf_counter() - start)
+        alone = timed_update(step, repeats, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    alone = statistics.median(seconds) / nbytes * 1e9
     cores = cores or _cores()
     contention = max(1.0, len(here) / cores)
     rate = alone * contention
