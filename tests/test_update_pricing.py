@@ -48,6 +48,7 @@ def test_a_devices_bandwidth_the_spec_then_the_data_sheet_never_an_emulated_ones
     # an emulated device updates on the host's memory, which no spec sheet describes
     emulated = Device("e", "A100-40GB", "h", peak_tflops=0.005, memory_gib=4, emulated_speed=1.0)
     assert emulated.bandwidth_gbps is None and update_ns_per_byte(emulated, "adamw") == 0.0
+    assert dataclasses.replace(emulated, memory_gbps=10.0).bandwidth_gbps == 10.0   # a figure given is the spec's
     # the rate: the passes torch's kernels make over the parameters, at 80% of the bandwidth; measured wins
     assert update_ns_per_byte(a100, "adamw") == pytest.approx(20 / (1555.0 * UPDATE_BANDWIDTH_EFFICIENCY))
     assert update_ns_per_byte(a100, "sgd") == pytest.approx(3 / (1555.0 * UPDATE_BANDWIDTH_EFFICIENCY))
